@@ -1,0 +1,38 @@
+"""memchunk-prefect: a Prefect 3 task runner that chooses chunk sizes from learned memory.
+
+Public names are imported lazily so that ``import memchunk_prefect`` stays cheap
+on Dask workers and in command-line tools.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "MemoryAwareRunner": "memchunk_prefect.runner",
+    "chunked": "memchunk_prefect.runner",
+    "ChunkedResult": "memchunk_prefect.runner",
+    "open_segy": "memchunk_prefect.volume",
+    "synthetic_survey": "memchunk_prefect.volume",
+    "measure": "memchunk_prefect.monitor",
+    "Measurement": "memchunk_prefect.monitor",
+    "operator": "memchunk_prefect.operators",
+    "Chunk": "memchunk_prefect.chunks",
+    "Observation": "memchunk_prefect.records",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        # Errors are re-exported too: memchunk_prefect.SegyError etc.
+        errors = importlib.import_module("memchunk_prefect.errors")
+        if hasattr(errors, name):
+            return getattr(errors, name)
+        raise AttributeError(f"module 'memchunk_prefect' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

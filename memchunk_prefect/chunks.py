@@ -1,0 +1,264 @@
+"""Chunk and halo arithmetic over plain tuples of ints.
+
+A volume has three axes, in this order: ``iline``, ``xline``, ``twt`` (time or
+depth samples). A :class:`Chunk` is a half-open box ``[start, stop)`` of
+*output* elements. To compute it exactly an operator needs a *halo* of extra
+input around it; :func:`with_halo` widens a chunk by the halo and **clips at the
+volume's edges** — the one edge rule used everywhere in this package. Clipping
+is exact because an operator applied to a block whose edge is the volume's edge
+sees the same boundary as it does on the whole volume.
+
+Everything here is pure and cheap; nothing reads data. Errors quote the values.
+
+>>> c = Chunk((0, 4, 0), (4, 8, 50))
+>>> c.shape, c.elements
+((4, 4, 50), 800)
+>>> read, trim = with_halo(c, (2, 2, 0), (10, 10, 50))
+>>> read
+Chunk(start=(0, 2, 0), stop=(6, 10, 50))
+>>> trim
+(slice(0, 4, None), slice(2, 6, None), slice(0, 50, None))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from .errors import HaloTooLargeError, VolumeError
+
+AXES: tuple[str, str, str] = ("iline", "xline", "twt")
+Shape = tuple[int, int, int]
+
+
+@dataclass(frozen=True, order=True)
+class Chunk:
+    """A half-open box ``[start, stop)`` of a 3D volume, in element indices (not header numbers)."""
+
+    start: Shape
+    stop: Shape
+
+    def __post_init__(self) -> None:
+        if len(self.start) != 3 or len(self.stop) != 3:
+            raise VolumeError(f"a chunk needs 3 start and 3 stop indices, got start={self.start}, stop={self.stop}")
+        if any(int(a) < 0 or int(b) <= int(a) for a, b in zip(self.start, self.stop)):
+            raise VolumeError(
+                f"a chunk needs 0 <= start < stop on every axis, got start={self.start}, stop={self.stop}"
+            )
+        object.__setattr__(self, "start", tuple(int(a) for a in self.start))
+        object.__setattr__(self, "stop", tuple(int(b) for b in self.stop))
+
+    @classmethod
+    def whole(cls, shape: Sequence[int]) -> "Chunk":
+        """The chunk covering a whole volume of ``shape``."""
+        return cls((0, 0, 0), tuple(int(s) for s in check_shape(shape)))
+
+    @property
+    def shape(self) -> Shape:
+        return tuple(b - a for a, b in zip(self.start, self.stop))  # type: ignore[return-value]
+
+    @property
+    def elements(self) -> int:
+        s = self.shape
+        return s[0] * s[1] * s[2]
+
+    def slices(self) -> tuple[slice, slice, slice]:
+        return tuple(slice(a, b) for a, b in zip(self.start, self.stop))  # type: ignore[return-value]
+
+    def label(self, shape: Sequence[int] | None = None) -> str:
+        """A short human label naming only the axes that are cut, e.g. ``iline 64:96``.
+
+        >>> Chunk((64, 0, 0), (96, 10, 50)).label((128, 10, 50))
+        'iline 64:96'
+        >>> Chunk((0, 0, 0), (10, 10, 50)).label((10, 10, 50))
+        'whole'
+        """
+        parts = []
+        for axis, a, b, n in zip(AXES, self.start, self.stop, shape or (None, None, None)):
+            if n is None or a != 0 or b != n:
+                parts.append(f"{axis} {a}:{b}")
+        return ", ".join(parts) if parts else "whole"
+
+    def key(self) -> str:
+        """A filename- and key-safe identifier: ``i64-96_x0-10_t0-50``."""
+        return "_".join(f"{p}{a}-{b}" for p, a, b in zip("ixt", self.start, self.stop))
+
+    def contains(self, other: "Chunk") -> bool:
+        return all(a <= c and d <= b for a, b, c, d in zip(self.start, self.stop, other.start, other.stop))
+
+    def intersect(self, other: "Chunk") -> "Chunk | None":
+        start = tuple(max(a, c) for a, c in zip(self.start, other.start))
+        stop = tuple(min(b, d) for b, d in zip(self.stop, other.stop))
+        if any(b <= a for a, b in zip(start, stop)):
+            return None
+        return Chunk(start, stop)  # type: ignore[arg-type]
+
+
+def check_shape(shape: Sequence[int]) -> Shape:
+    """Validate a volume shape: three positive ints.
+
+    >>> check_shape((2, 3, 4))
+    (2, 3, 4)
+    """
+    try:
+        out = tuple(int(s) for s in shape)
+    except (TypeError, ValueError) as exc:
+        raise VolumeError(f"a volume shape must be three ints (iline, xline, twt), got {shape!r}") from exc
+    if len(out) != 3:
+        raise VolumeError(f"a volume shape must have 3 axes (iline, xline, twt), got {len(out)}: {out}")
+    if any(s <= 0 for s in out):
+        raise VolumeError(f"a volume shape must be positive on every axis, got {out}: the volume is empty")
+    return out  # type: ignore[return-value]
+
+
+def normalize_halo(halo: int | Sequence[int] | None) -> Shape:
+    """An int (every axis) or three ints, or None (no halo), as a 3-tuple of non-negative ints.
+
+    >>> normalize_halo(2), normalize_halo((1, 2, 0)), normalize_halo(None)
+    ((2, 2, 2), (1, 2, 0), (0, 0, 0))
+    """
+    if halo is None:
+        return (0, 0, 0)
+    if isinstance(halo, (int,)) or (hasattr(halo, "__index__") and not isinstance(halo, (str, bytes))):
+        h = int(halo)  # type: ignore[arg-type]
+        out: tuple[int, ...] = (h, h, h)
+    else:
+        try:
+            out = tuple(int(h) for h in halo)  # type: ignore[union-attr]
+        except (TypeError, ValueError) as exc:
+            raise VolumeError(f"halo must be an int or 3 ints (iline, xline, twt), got {halo!r}") from exc
+    if len(out) != 3:
+        raise VolumeError(f"halo must be an int or 3 ints (iline, xline, twt), got {len(out)} values: {out}")
+    if any(h < 0 for h in out):
+        raise VolumeError(f"halo must be non-negative on every axis, got {out}")
+    return out  # type: ignore[return-value]
+
+
+def max_halo(*halos: int | Sequence[int] | None) -> Shape:
+    """Axis-wise maximum of several halos."""
+    hs = [normalize_halo(h) for h in halos]
+    return tuple(max(h[i] for h in hs) if hs else 0 for i in range(3))  # type: ignore[return-value]
+
+
+def check_halo(halo: Sequence[int], shape: Sequence[int], *, what: str = "volume") -> Shape:
+    """Refuse a halo larger than the volume along an axis that has more than one element.
+
+    A halo wider than the whole volume can never be filled with real data, which
+    almost always means the halo (or the operator's parameters) are wrong.
+    """
+    h = normalize_halo(halo)
+    s = check_shape(shape)
+    bad = [f"{AXES[i]}: halo {h[i]} >= {s[i]} elements" for i in range(3) if s[i] > 1 and h[i] >= s[i]]
+    if bad:
+        raise HaloTooLargeError(
+            f"the halo {h} is larger than the {what} of shape {s} ({'; '.join(bad)}). "
+            "Use a smaller halo (or smaller operator parameters such as sigma or window), or a larger volume."
+        )
+    return h
+
+
+def with_halo(chunk: Chunk, halo: int | Sequence[int] | None, shape: Sequence[int]) -> tuple[Chunk, tuple[slice, slice, slice]]:
+    """The block to read for ``chunk`` and the slices that trim the halo off the result.
+
+    The halo is clipped at the volume's edges (the package's one edge rule).
+    Returns ``(read_chunk, trim)`` where ``block[trim]`` has ``chunk.shape``.
+    """
+    h = normalize_halo(halo)
+    s = check_shape(shape)
+    if any(b > n for b, n in zip(chunk.stop, s)):
+        raise VolumeError(f"chunk {chunk} reaches past the volume of shape {s}")
+    start = tuple(max(0, a - hh) for a, hh in zip(chunk.start, h))
+    stop = tuple(min(n, b + hh) for b, hh, n in zip(chunk.stop, h, s))
+    read = Chunk(start, stop)  # type: ignore[arg-type]
+    trim = tuple(slice(a - r, a - r + (b - a)) for a, b, r in zip(chunk.start, chunk.stop, start))
+    return read, trim  # type: ignore[return-value]
+
+
+def grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[Chunk]:
+    """Cut a volume into a regular grid of chunks (the last along each axis may be smaller).
+
+    >>> [c.shape for c in grid((5, 2, 3), (2, 2, 3))]
+    [(2, 2, 3), (2, 2, 3), (1, 2, 3)]
+    """
+    s = check_shape(shape)
+    cs = check_shape(chunk_shape)
+    cs = tuple(min(c, n) for c, n in zip(cs, s))
+    out = []
+    for i in range(0, s[0], cs[0]):
+        for x in range(0, s[1], cs[1]):
+            for t in range(0, s[2], cs[2]):
+                out.append(Chunk((i, x, t), (min(i + cs[0], s[0]), min(x + cs[1], s[1]), min(t + cs[2], s[2]))))
+    return out
+
+
+def even_splits(n: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(n)`` into ``parts`` contiguous pieces whose sizes differ by at most one.
+
+    >>> even_splits(10, 3)
+    [(0, 4), (4, 7), (7, 10)]
+    """
+    parts = max(1, min(int(parts), int(n)))
+    base, extra = divmod(int(n), parts)
+    out, a = [], 0
+    for k in range(parts):
+        b = a + base + (1 if k < extra else 0)
+        out.append((a, b))
+        a = b
+    return out
+
+
+def balanced_grid(shape: Sequence[int], counts: Sequence[int]) -> list[Chunk]:
+    """Cut each axis into ``counts[axis]`` near-equal pieces (sizes differ by at most one).
+
+    Unlike :func:`grid` there is no small remainder chunk, so work is balanced.
+
+    >>> [c.shape for c in balanced_grid((10, 4, 6), (3, 1, 1))]
+    [(4, 4, 6), (3, 4, 6), (3, 4, 6)]
+    """
+    s = check_shape(shape)
+    ranges = [even_splits(n, c) for n, c in zip(s, counts)]
+    return [Chunk((i0, x0, t0), (i1, x1, t1))
+            for (i0, i1) in ranges[0] for (x0, x1) in ranges[1] for (t0, t1) in ranges[2]]
+
+
+def split(chunk: Chunk, axes: Iterable[int] = (0, 1)) -> list[Chunk]:
+    """Halve a chunk along its longest axis among ``axes``; ``[]`` if none can be split.
+
+    Used on out-of-memory: the two halves together cover exactly the chunk.
+
+    >>> split(Chunk((0, 0, 0), (4, 6, 10)))
+    [Chunk(start=(0, 0, 0), stop=(4, 3, 10)), Chunk(start=(0, 3, 0), stop=(4, 6, 10))]
+    >>> split(Chunk((0, 0, 0), (1, 1, 10)))
+    []
+    """
+    shape = chunk.shape
+    candidates = [a for a in axes if shape[a] > 1]
+    if not candidates:
+        return []
+    axis = max(candidates, key=lambda a: (shape[a], -a))
+    mid = chunk.start[axis] + shape[axis] // 2
+    lo_stop = list(chunk.stop)
+    lo_stop[axis] = mid
+    hi_start = list(chunk.start)
+    hi_start[axis] = mid
+    return [Chunk(chunk.start, tuple(lo_stop)), Chunk(tuple(hi_start), chunk.stop)]  # type: ignore[arg-type]
+
+
+def covers_exactly(chunks: Iterable[Chunk], shape: Sequence[int]) -> bool:
+    """True when the chunks tile the volume with no gap and no overlap."""
+    s = check_shape(shape)
+    chunks = list(chunks)
+    if sum(c.elements for c in chunks) != s[0] * s[1] * s[2]:
+        return False
+    whole = Chunk.whole(s)
+    if not all(whole.contains(c) for c in chunks):
+        return False
+    # Equal volume and every pair disjoint <=> exact tiling.
+    ordered = sorted(chunks)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1:]:
+            if b.start[0] >= a.stop[0]:
+                break
+            if a.intersect(b) is not None:
+                return False
+    return True

@@ -1,0 +1,152 @@
+"""Every exception a memchunk-prefect user can meet, one type per kind of failure.
+
+Each message says what was wrong (with the values), and what to do about it.
+All inherit from :class:`MemchunkError`, so ``except MemchunkError`` catches
+everything this package raises on purpose. Where a built-in type is the natural
+one for a caller (a missing file is a ``FileNotFoundError``; a bad argument is a
+``ValueError``) the exception inherits from it as well, so existing handlers keep
+working.
+
+The README's error table (docs/errors.md) lists each one with what to do.
+"""
+
+from __future__ import annotations
+
+
+class MemchunkError(Exception):
+    """Base class of every error memchunk-prefect raises on purpose."""
+
+
+# --------------------------------------------------------------------------- input data
+
+
+class SegyError(MemchunkError):
+    """A SEG-Y file could not be used as a post-stack 3D volume."""
+
+    def __init__(self, path: object, message: str):
+        self.path = str(path)
+        super().__init__(f"{self.path}: {message}")
+
+
+class SegyFileNotFoundError(SegyError, FileNotFoundError):
+    """The SEG-Y path does not exist."""
+
+
+class SegyTruncatedError(SegyError):
+    """The file is shorter than its headers say (a cut-off copy or download)."""
+
+
+class SegyEmptyError(SegyError):
+    """The file holds no traces, or no samples per trace."""
+
+
+class SegyNotA3DVolumeError(SegyError):
+    """The traces do not form a sorted inline/crossline grid (shot gathers, 2D lines, unsorted files)."""
+
+
+class SegyPrestackError(SegyError):
+    """The file is pre-stack (several offsets per inline/crossline); operators here need post-stack."""
+
+
+class SegyGeometryError(SegyError):
+    """The header geometry disagrees with the trace count or with itself."""
+
+
+class VolumeError(MemchunkError, ValueError):
+    """A volume, a block request or a halo that cannot be used (zero size, bad shape, bad region)."""
+
+
+class HaloTooLargeError(VolumeError):
+    """The requested halo is larger than the volume along some axis."""
+
+
+class IncompleteOutputError(MemchunkError):
+    """An output store was opened as a result but not every element of it was written."""
+
+
+class OutputPathError(MemchunkError, ValueError):
+    """An output path from parameters would escape its output directory."""
+
+
+# --------------------------------------------------------------------------- measurement, model, store
+
+
+class MeasurementError(MemchunkError):
+    """Memory could not be measured in the requested way."""
+
+
+class StoreError(MemchunkError):
+    """The observation store cannot be used."""
+
+
+class StoreSchemaTooNewError(StoreError):
+    """The store was written by a newer memchunk-prefect; refusing to touch it."""
+
+
+class UnknownOperatorError(MemchunkError, KeyError):
+    """No observations or model exist under the given operator key."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0]) if self.args else ""
+
+
+# --------------------------------------------------------------------------- planning and running
+
+
+class BudgetError(MemchunkError, ValueError):
+    """A memory budget that cannot be met or understood."""
+
+
+class BudgetTooSmallError(BudgetError):
+    """Even the smallest chunk the operator allows is predicted to exceed the memory budget."""
+
+
+class ChunkOutOfMemoryError(MemchunkError, MemoryError):
+    """A chunk ran out of memory and cannot be split any further.
+
+    Carries ``operator``, ``chunk``, ``budget_bytes`` and ``needed_bytes`` (the
+    measured lower bound of what it needs), so a caller can act on them.
+    """
+
+    def __init__(self, message: str, *, operator: str = "", chunk: object = None,
+                 budget_bytes: int | None = None, needed_bytes: int | None = None):
+        super().__init__(message)
+        self.operator = operator
+        self.chunk = chunk
+        self.budget_bytes = budget_bytes
+        self.needed_bytes = needed_bytes
+
+    def __reduce__(self):
+        return (_rebuild_chunk_oom, (self.args[0], self.operator, self.chunk,
+                                     self.budget_bytes, self.needed_bytes))
+
+
+def _rebuild_chunk_oom(message, operator, chunk, budget_bytes, needed_bytes):
+    return ChunkOutOfMemoryError(message, operator=operator, chunk=chunk,
+                                 budget_bytes=budget_bytes, needed_bytes=needed_bytes)
+
+
+class RunnerConfigError(MemchunkError, ValueError):
+    """MemoryAwareRunner was given arguments that conflict or make no sense."""
+
+
+class ChunkedSourceError(MemchunkError, TypeError):
+    """``chunked(...)`` was given something that is not a volume it can read."""
+
+
+def format_bytes(n: float | int | None) -> str:
+    """``1536 -> '1.5 KiB'``: human-readable binary units for messages.
+
+    >>> format_bytes(3 * 2**30)
+    '3.0 GiB'
+    >>> format_bytes(None)
+    'unknown'
+    """
+    if n is None:
+        return "unknown"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover

@@ -1,0 +1,75 @@
+"""The one record every task run leaves: what ran, on what, how much memory and time it took.
+
+An :class:`Observation` is plain data (ints, floats, strings), so it crosses
+process boundaries, goes into SQLite as a row and comes back without pickle.
+
+Outcomes:
+
+- ``ok`` — the run finished; ``peak_bytes`` is its measured peak above the
+  worker's resting level;
+- ``memory_error`` — the task raised ``MemoryError``; ``peak_bytes`` is what it
+  reached before failing, and ``censored`` is True: it *needed more* than that;
+- ``killed`` — its worker was killed (by the nanny for memory, or otherwise).
+  The flow side writes this record from what it knows (chunk, budget); for a
+  memory kill ``peak_bytes`` is the budget it crossed and ``censored`` is True;
+- ``error`` — any other exception; not used to learn memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Mapping
+
+OUTCOMES = ("ok", "memory_error", "killed", "error")
+
+
+@dataclass
+class Observation:
+    """One task run's measured memory and time, with the chunk that caused them.
+
+    Units: bytes and seconds. ``elements`` and ``extents`` include the halo
+    (they describe the block the operator actually held in memory).
+    """
+
+    operator_key: str
+    elements: int
+    extents: tuple[int, int, int]
+    bytes_in: int
+    peak_bytes: int
+    seconds: float = 0.0
+    outcome: str = "ok"
+    censored: bool = False
+    cpu_seconds: float | None = None
+    worker: str = ""
+    chunk: str = ""  # Chunk.key() of the output chunk (no halo), e.g. "i0-32_x0-64_t0-400"
+    budget_bytes: int | None = None
+    gpu_peak_bytes: int | None = None
+    energy_joules: float | None = None
+    shared: bool = False  # True when other tasks ran in the same process: the peak mixes them
+    method: str = ""  # how peak_bytes was measured: "vmhwm", "psutil", "tracemalloc", "flow" (from a death)
+    flow_run_id: str = ""
+    created_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {self.outcome!r}")
+        self.extents = tuple(int(e) for e in self.extents)  # type: ignore[assignment]
+        self.elements = int(self.elements)
+        self.bytes_in = int(self.bytes_in)
+        self.peak_bytes = int(self.peak_bytes)
+
+    @property
+    def usable(self) -> bool:
+        """Whether this record says anything about memory (errors other than memory do not)."""
+        return self.outcome != "error"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["extents"] = list(self.extents)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Observation":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: (tuple(v) if k == "extents" else v) for k, v in d.items() if k in names})
