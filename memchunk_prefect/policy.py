@@ -1,0 +1,485 @@
+"""Pure decisions: how to cut a volume for an operator, and what to do at a map boundary.
+
+Nothing here touches Prefect, Dask, files or clocks: every function takes plain
+data (shapes, chunks, budgets in bytes, a prediction function) and returns plain
+data, so each decision is tested with tables and no cluster
+(as distributed's worker state machine is: event in, instructions out).
+
+The three decisions at a chunked map boundary (:func:`decide`):
+
+- ``continue`` — the incoming chunking (from the upstream map) fits this
+  operator's upper bound and its estimated run time is within
+  ``continue_tolerance`` of the best plan's;
+- ``rechunk`` — re-cut for this operator (:func:`plan`);
+- ``retry-smaller`` — a chunk ran out of memory: :func:`split_chunk` halves it
+  and the pieces are resubmitted (the runner records the censored observation).
+
+Cold start: when the model is not ``ready`` the plan is a *probe*
+(:func:`probe_plan`): a few small real chunks of different sizes, cut from one
+end of the volume, whose results are kept; the remaining box is planned once
+they have been measured.
+
+How :func:`plan` chooses. Candidates are near-equal grids (sizes differ by at
+most one element per axis, so chunks are balanced). For each candidate the
+largest chunk is widened by the halo (what the operator really holds) and
+bounded by the model; candidates whose upper bound exceeds the budget are out.
+Among the rest the estimated makespan is minimised::
+
+    makespan = ceil(n_chunks / slots) * (elements_with_halo * seconds_per_element
+                                         + per_task_overhead_seconds)
+
+so one large chunk per slot wins unless the per-task overhead is small and
+the volume large; halos cost because they are paid per chunk; fewer chunks
+break ties. Whole traces (no cut along ``twt``) are kept for operators that
+need them, and preferred for the rest.
+
+>>> from memchunk_prefect.policy import plan, Prediction
+>>> linear = lambda ext: Prediction(mean_bytes=8.0 * ext[0] * ext[1] * ext[2],
+...                                 upper_bytes=10.0 * ext[0] * ext[1] * ext[2],
+...                                 n_observations=10, ready=True)
+>>> p = plan((64, 64, 100), budget_bytes=10 * 32 * 64 * 100, predict=linear, slots=2)
+>>> p.chunk_shape, p.n_chunks, p.probe
+((32, 64, 100), 2, False)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol, Sequence
+
+from .chunks import Chunk, Shape, balanced_grid, check_shape, normalize_halo, split
+from .errors import BudgetError, BudgetTooSmallError, format_bytes
+
+CONTINUE = "continue"
+RECHUNK = "rechunk"
+RETRY_SMALLER = "retry-smaller"
+PROBE = "probe"
+DECISIONS = (CONTINUE, RECHUNK, RETRY_SMALLER, PROBE)
+
+
+class PredictionLike(Protocol):
+    mean_bytes: float
+    upper_bytes: float
+    n_observations: int
+    ready: bool
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A memory prediction for one block: mean and upper bound, in bytes.
+
+    ``ready`` is False when the model has too few observations to be trusted;
+    the policy then probes instead of planning. (model.py returns the same
+    fields; this class lets the policy be used and tested without it.)
+    """
+
+    mean_bytes: float
+    upper_bytes: float
+    n_observations: int = 0
+    ready: bool = True
+    reason: str = ""
+
+
+Predictor = Callable[[Shape], PredictionLike]
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """Every tunable of the policy, with its default and unit, in one place.
+
+    - ``per_task_overhead_seconds``: slot time one task costs beyond its compute
+      (Prefect + Dask bookkeeping; about 0.15 s measured on a 2-core machine,
+      FACTS.md). Too low over-splits, too high under-uses slots.
+    - ``seconds_per_element``: compute time per element (incl. halo) used until
+      the runner has measured the operator; only the ratio to the overhead matters.
+    - ``continue_tolerance``: keep the incoming chunking when its estimated
+      makespan is within this fraction of the best plan's (avoids rechunking for
+      a few percent).
+    - ``replan_threshold``: re-plan the unsubmitted remainder when the upper bound
+      for the planned chunk moved by more than this fraction.
+    - ``probe_multiple``: the memory multiple (peak bytes / input bytes) assumed
+      for an unknown operator when sizing probes; 100 covers the heaviest
+      operator known (GST3D, about 60x), so probes fit on the first try.
+    - ``probe_chunks``: at least this many probe chunks (three observations of at
+      least two sizes separate a fixed overhead from a per-element cost).
+    - ``max_counts``: largest number of pieces per axis the planner considers.
+    """
+
+    per_task_overhead_seconds: float = 0.15
+    seconds_per_element: float = 1e-7
+    continue_tolerance: float = 0.15
+    replan_threshold: float = 0.2
+    probe_multiple: float = 100.0
+    probe_chunks: int = 3
+    max_counts: int = 4096
+
+
+DEFAULT_SETTINGS = PolicySettings()
+
+
+@dataclass
+class Plan:
+    """How to cut a region for one operator, and why.
+
+    ``chunk_shape`` is the shape of the largest chunk (output elements, no halo);
+    ``predicted_peak_bytes`` / ``upper_bound_bytes`` are the model's mean and
+    upper bound for that chunk *with* its halo. ``probe`` is True for a cold
+    start probe, which covers only ``chunks`` and leaves the boxes in
+    ``remainder`` to plan.
+    """
+
+    chunks: list[Chunk]
+    chunk_shape: Shape
+    predicted_peak_bytes: float | None
+    upper_bound_bytes: float | None
+    budget_bytes: int
+    estimated_seconds: float | None = None
+    probe: bool = False
+    remainder: list[Chunk] = field(default_factory=list)
+    decision: str = RECHUNK
+    reason: str = ""
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    def to_dict(self) -> dict:
+        return {
+            "decision": self.decision,
+            "chunk_shape": list(self.chunk_shape),
+            "n_chunks": self.n_chunks,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "upper_bound_bytes": self.upper_bound_bytes,
+            "budget_bytes": self.budget_bytes,
+            "estimated_seconds": self.estimated_seconds,
+            "probe": self.probe,
+            "too_little_history": self.probe,
+            "remainder": [[list(c.start), list(c.stop)] for c in self.remainder],
+            "reason": self.reason,
+        }
+
+
+# --------------------------------------------------------------------------- budget
+
+
+def task_budget_bytes(memory_limit_bytes: int, threads: int = 1, *, target_fraction: float = 0.75,
+                      resting_bytes: int = 0) -> int:
+    """Memory one task may use above the worker's resting level, in bytes.
+
+    ``target_fraction`` of the worker's ``memory_limit`` shared among its threads,
+    minus what the idle worker process already holds. The nanny kills at 0.95 and
+    pauses at 0.80 of the limit; 0.75 stays below both.
+
+    >>> task_budget_bytes(4 * 2**30, 1, target_fraction=0.75, resting_bytes=2**30)
+    2147483648
+    """
+    if not memory_limit_bytes or memory_limit_bytes <= 0:
+        raise BudgetError(
+            f"the workers have no memory limit (memory_limit={memory_limit_bytes!r}), so there is no budget to "
+            "plan for: give the cluster a memory_limit, or pass memory_budget= to MemoryAwareRunner"
+        )
+    if not 0 < target_fraction <= 0.95:
+        raise BudgetError(f"target_fraction must be in (0, 0.95] (the nanny kills at 0.95), got {target_fraction}")
+    threads = max(1, int(threads))
+    budget = int(memory_limit_bytes * target_fraction / threads) - int(resting_bytes)
+    if budget <= 0:
+        raise BudgetTooSmallError(
+            f"a worker's memory_limit of {format_bytes(memory_limit_bytes)} x target_fraction {target_fraction} "
+            f"/ {threads} threads leaves nothing above its resting {format_bytes(resting_bytes)}: give workers "
+            "more memory or fewer threads"
+        )
+    return budget
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+def _count_candidates(n: int, max_counts: int) -> list[int]:
+    """Piece counts worth considering along an axis of ``n`` elements.
+
+    Every count up to 16, then a geometric ladder (ratio ~1.19), then ``n`` itself:
+    fine where it matters (few chunks per slot) and cheap for long axes.
+    """
+    n = int(n)
+    top = min(n, max_counts)
+    out = set(range(1, min(top, 16) + 1))
+    c = 16.0
+    while c < top:
+        c *= 1.19
+        out.add(min(top, int(round(c))))
+    out.add(top)
+    return sorted(out)
+
+
+def _extents_with_halo(chunk_shape: Sequence[int], halo: Sequence[int], volume_shape: Sequence[int]) -> Shape:
+    """What an interior chunk holds in memory: its shape plus the halo on both sides, clipped to the volume."""
+    return tuple(min(int(c) + 2 * int(h), int(n)) for c, h, n in zip(chunk_shape, halo, volume_shape))  # type: ignore[return-value]
+
+
+def _largest_piece(n: int, count: int) -> int:
+    return -(-int(n) // int(count))
+
+
+def _offset(chunks: Iterable[Chunk], origin: Sequence[int]) -> list[Chunk]:
+    return [Chunk(tuple(a + o for a, o in zip(c.start, origin)), tuple(b + o for b, o in zip(c.stop, origin)))  # type: ignore[arg-type]
+            for c in chunks]
+
+
+def estimate_seconds(n_chunks: int, extents: Sequence[int], slots: int, settings: PolicySettings,
+                     seconds_per_element: float | None = None) -> float:
+    """Estimated makespan in seconds of ``n_chunks`` equal chunks of ``extents`` (halo included) on ``slots``."""
+    spe = settings.seconds_per_element if seconds_per_element is None else seconds_per_element
+    elements = math.prod(int(e) for e in extents)
+    waves = math.ceil(n_chunks / max(1, slots))
+    return waves * (elements * spe + settings.per_task_overhead_seconds)
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def plan(
+    shape: Sequence[int],
+    *,
+    budget_bytes: int,
+    predict: Predictor,
+    halo: int | Sequence[int] | None = None,
+    slots: int = 1,
+    whole_traces: bool = True,
+    region: Chunk | None = None,
+    itemsize: int = 4,
+    seconds_per_element: float | None = None,
+    settings: PolicySettings = DEFAULT_SETTINGS,
+) -> Plan:
+    """The best chunking of ``region`` (default: the whole volume of ``shape``) for one operator.
+
+    ``predict(extents) -> Prediction`` gives the model's figures for a block of
+    ``extents`` (halo included). When it is not ``ready`` this returns a probe
+    plan (:func:`probe_plan`). Raises :class:`BudgetTooSmallError` when even the
+    smallest chunk allowed (one trace for whole-trace operators) does not fit.
+    """
+    vol = check_shape(shape)
+    h = normalize_halo(halo)
+    region = region or Chunk.whole(vol)
+    rshape = region.shape
+    if budget_bytes is None or budget_bytes <= 0:
+        raise BudgetError(f"the memory budget must be a positive number of bytes, got {budget_bytes!r}")
+    slots = max(1, int(slots))
+
+    smallest = _extents_with_halo((1, 1, rshape[2] if whole_traces else 1), h, vol)
+    probe_pred = predict(smallest)
+    if not probe_pred.ready:
+        return probe_plan(vol, budget_bytes=budget_bytes, halo=h, slots=slots, whole_traces=whole_traces,
+                          region=region, itemsize=itemsize, settings=settings,
+                          reason=getattr(probe_pred, "reason", "") or "too little history")
+
+    t_counts = [1] if whole_traces else _count_candidates(rshape[2], min(settings.max_counts, 64))
+    best: tuple | None = None
+    best_fit_smallest = None
+    for ct in t_counts:
+        for ci in _count_candidates(rshape[0], settings.max_counts):
+            for cx in _count_candidates(rshape[1], settings.max_counts):
+                cshape = (_largest_piece(rshape[0], ci), _largest_piece(rshape[1], cx), _largest_piece(rshape[2], ct))
+                ext = _extents_with_halo(cshape, h, vol)
+                pred = predict(ext)
+                if pred.upper_bytes > budget_bytes:
+                    if best_fit_smallest is None or pred.upper_bytes < best_fit_smallest[0]:
+                        best_fit_smallest = (pred.upper_bytes, cshape)
+                    continue
+                n = ci * cx * ct
+                secs = estimate_seconds(n, ext, slots, settings, seconds_per_element)
+                # Prefer: shortest makespan, then fewest chunks, then uncut traces, then cutting ilines first.
+                score = (round(secs, 9), n, ct, cx)
+                if best is None or score < best[0]:
+                    best = (score, (ci, cx, ct), cshape, pred, secs)
+                # Larger cx only makes chunks smaller along xline: once it fits, more cuts only add overhead
+                # unless they fill slots; keep scanning a little for balance but stop at many waves.
+                if n >= 4 * slots and pred.upper_bytes <= budget_bytes:
+                    break
+    if best is None:
+        worst_case = best_fit_smallest[0] if best_fit_smallest else probe_pred.upper_bytes
+        unit = "one trace" if whole_traces else "one element"
+        raise BudgetTooSmallError(
+            f"even the smallest chunk allowed ({unit} column with halo {h}, extents {smallest}) is predicted to "
+            f"need up to {format_bytes(worst_case)}, more than the budget of {format_bytes(budget_bytes)}. "
+            "Give workers more memory (memory_limit), fewer threads per worker, or a larger target_fraction"
+            + ("" if not whole_traces else "; this operator needs whole traces, so traces cannot be cut")
+        )
+    (_, counts, cshape, pred, secs) = best
+    chunks = _offset(balanced_grid(rshape, counts), region.start)
+    return Plan(
+        chunks=chunks,
+        chunk_shape=cshape,
+        predicted_peak_bytes=float(pred.mean_bytes),
+        upper_bound_bytes=float(pred.upper_bytes),
+        budget_bytes=int(budget_bytes),
+        estimated_seconds=secs,
+        decision=RECHUNK,
+        reason=(f"{len(chunks)} chunks of up to {cshape}: upper bound {format_bytes(pred.upper_bytes)} "
+                f"fits the budget {format_bytes(budget_bytes)} with {slots} slot(s)"),
+    )
+
+
+def probe_plan(
+    shape: Sequence[int],
+    *,
+    budget_bytes: int,
+    halo: int | Sequence[int] | None = None,
+    slots: int = 1,
+    whole_traces: bool = True,
+    region: Chunk | None = None,
+    itemsize: int = 4,
+    settings: PolicySettings = DEFAULT_SETTINGS,
+    scale: float = 1.0,
+    reason: str = "too little history",
+) -> Plan:
+    """A cold-start probe: a few small real chunks of different sizes from the start of ``region``.
+
+    Probes are sized so an operator needing ``settings.probe_multiple`` times its
+    input still fits the budget (``scale`` grows them on later probe waves). They
+    lie side by side along the first iline of the region with widths 1, 2, 3 ...
+    units (different sizes separate a fixed overhead from a per-element cost), so
+    what is left (``remainder``) is at most three boxes the runner plans once the
+    probes are measured. Their results are kept: a probe is real work.
+
+    >>> p = probe_plan((10, 40, 100), budget_bytes=100 * 4 * 300, slots=2)
+    >>> [c.shape for c in p.chunks], [c.shape for c in p.remainder]
+    ([(1, 1, 100), (1, 2, 100), (1, 3, 100)], [(1, 34, 100), (9, 40, 100)])
+    """
+    vol = check_shape(shape)
+    h = normalize_halo(halo)
+    region = region or Chunk.whole(vol)
+    r = region.shape
+    n_probes = max(int(settings.probe_chunks), int(slots))
+    # Elements (halo included) the largest probe may hold if the operator needs probe_multiple x its input.
+    max_elems = max(1.0, budget_bytes * scale / (settings.probe_multiple * itemsize))
+    t_len = r[2]
+    if not whole_traces:
+        while t_len > 1 and math.prod(_extents_with_halo((1, 1, t_len), h, vol)) > max_elems:
+            t_len = -(-t_len // 2)
+    # Width unit: the largest probe (n_probes units wide) fits max_elems; the probes share one iline.
+    unit = 1
+    while (math.prod(_extents_with_halo((1, (unit + 1) * n_probes, t_len), h, vol)) <= max_elems
+           and (unit + 1) * n_probes * (n_probes + 1) // 2 <= r[1]):
+        unit += 1
+    widths = [unit * k for k in range(1, n_probes + 1)]
+    while sum(widths) > r[1] and any(w > 1 for w in widths):  # a narrow survey: shrink widths to fit one iline
+        widths = [max(1, w - 1) for w in widths]
+    i0, x, t0 = region.start
+    chunks: list[Chunk] = []
+    for w in widths:
+        if x >= region.stop[1]:
+            break
+        x1 = min(region.stop[1], x + w)
+        chunks.append(Chunk((i0, x, t0), (i0 + 1, x1, t0 + t_len)))
+        x = x1
+    remainder: list[Chunk] = []
+    if t0 + t_len < region.stop[2]:
+        remainder.append(Chunk((i0, region.start[1], t0 + t_len), (i0 + 1, x, region.stop[2])))
+    if x < region.stop[1]:
+        remainder.append(Chunk((i0, x, t0), (i0 + 1, region.stop[1], region.stop[2])))
+    if i0 + 1 < region.stop[0]:
+        remainder.append(Chunk((i0 + 1, region.start[1], t0), region.stop))
+    largest = max(chunks, key=lambda c: c.elements)
+    return Plan(
+        chunks=chunks,
+        chunk_shape=largest.shape,
+        predicted_peak_bytes=None,
+        upper_bound_bytes=None,
+        budget_bytes=int(budget_bytes),
+        probe=True,
+        remainder=remainder,
+        decision=PROBE,
+        reason=f"{reason}: probing with {len(chunks)} small chunks (sized for {settings.probe_multiple:g}x the input)",
+    )
+
+
+# --------------------------------------------------------------------------- decide and split
+
+
+@dataclass
+class Decision:
+    """What the runner does at a map boundary, for the record and the UI."""
+
+    decision: str
+    plan: Plan
+    reason: str
+    incoming_n_chunks: int | None = None
+    incoming_upper_bytes: float | None = None
+    details: dict = field(default_factory=dict)
+
+
+def decide(
+    shape: Sequence[int],
+    incoming: Sequence[Chunk] | None,
+    *,
+    budget_bytes: int,
+    predict: Predictor,
+    halo: int | Sequence[int] | None = None,
+    slots: int = 1,
+    whole_traces: bool = True,
+    itemsize: int = 4,
+    seconds_per_element: float | None = None,
+    settings: PolicySettings = DEFAULT_SETTINGS,
+) -> Decision:
+    """Continue with the incoming chunking, rechunk, or probe (no history).
+
+    ``incoming`` is the chunking of the upstream result (None for a source read
+    from disk, which has no chunking worth keeping).
+    """
+    vol = check_shape(shape)
+    h = normalize_halo(halo)
+    best = plan(vol, budget_bytes=budget_bytes, predict=predict, halo=h, slots=slots, whole_traces=whole_traces,
+                itemsize=itemsize, seconds_per_element=seconds_per_element, settings=settings)
+    if best.probe:
+        return Decision(PROBE, best, best.reason, incoming_n_chunks=len(incoming) if incoming else None)
+    if not incoming:
+        return Decision(RECHUNK, best, "source has no chunking yet: " + best.reason)
+    incoming = list(incoming)
+    if whole_traces and any(c.shape[2] != vol[2] for c in incoming):
+        return Decision(RECHUNK, best, "incoming chunks cut traces, which this operator needs whole: " + best.reason,
+                        incoming_n_chunks=len(incoming))
+    largest = max(incoming, key=lambda c: c.elements)
+    ext = _extents_with_halo(largest.shape, h, vol)
+    pred = predict(ext)
+    if pred.upper_bytes > budget_bytes:
+        return Decision(
+            RECHUNK, best,
+            f"incoming chunks of up to {largest.shape} need up to {format_bytes(pred.upper_bytes)} with this "
+            f"operator, over the budget {format_bytes(budget_bytes)}: " + best.reason,
+            incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
+    secs = estimate_seconds(len(incoming), ext, slots, settings, seconds_per_element)
+    if best.estimated_seconds is not None and secs > best.estimated_seconds * (1 + settings.continue_tolerance):
+        return Decision(
+            RECHUNK, best,
+            f"incoming chunking fits but is estimated {secs:.2f} s against {best.estimated_seconds:.2f} s: "
+            + best.reason,
+            incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
+    kept = Plan(chunks=incoming, chunk_shape=largest.shape, predicted_peak_bytes=float(pred.mean_bytes),
+                upper_bound_bytes=float(pred.upper_bytes), budget_bytes=int(budget_bytes), estimated_seconds=secs,
+                decision=CONTINUE,
+                reason=(f"incoming {len(incoming)} chunks of up to {largest.shape} fit (upper bound "
+                        f"{format_bytes(pred.upper_bytes)} of {format_bytes(budget_bytes)}) and are near the best"))
+    return Decision(CONTINUE, kept, kept.reason, incoming_n_chunks=len(incoming),
+                    incoming_upper_bytes=float(pred.upper_bytes))
+
+
+def split_chunk(chunk: Chunk, *, whole_traces: bool = True) -> list[Chunk]:
+    """Halve a chunk that ran out of memory; ``[]`` when it cannot be split any further.
+
+    Whole-trace operators are split along iline/xline only.
+    """
+    return split(chunk, axes=(0, 1) if whole_traces else (0, 1, 2))
+
+
+def bound_moved(old_upper: float | None, new_upper: float | None, settings: PolicySettings = DEFAULT_SETTINGS) -> bool:
+    """Whether a new upper bound differs enough from the one a plan used to re-plan the remainder.
+
+    >>> bound_moved(100.0, 130.0), bound_moved(100.0, 110.0), bound_moved(None, 5.0)
+    (True, False, True)
+    """
+    if old_upper is None or new_upper is None:
+        return old_upper is not new_upper
+    if old_upper <= 0:
+        return True
+    return abs(new_upper - old_upper) / old_upper > settings.replan_threshold
