@@ -1,0 +1,94 @@
+"""Small helpers shared by the operators: block checks, per-axis parameters, non-finite handling.
+
+Every operator in :mod:`tasks` follows one rule for NaN/Inf input (see each
+docstring for the detail): a non-finite sample never crashes an operator and
+never leaks into numerical kernels (``eigh``, FFTs) — it is replaced by zero for
+the computation, and the outputs it could have influenced come back as NaN.
+For windowed operators that is every output whose support (its halo box)
+holds a non-finite sample, which keeps the rule exact under chunking.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from scipy import ndimage
+
+from memchunk_prefect.chunks import AXES
+from memchunk_prefect.errors import VolumeError
+
+Triple = tuple[float, float, float]
+
+
+def check_block(block: Any, operator: str) -> np.ndarray:
+    """The block as an ndarray; refuse anything that is not a non-empty 3D (iline, xline, twt) block."""
+    arr = np.asarray(block)
+    if arr.ndim != 3:
+        raise VolumeError(
+            f"{operator} needs a 3D block (iline, xline, twt), got an array of shape {arr.shape}; "
+            "a single trace or inline must keep its axes, e.g. block[None, None, :] or block[None]"
+        )
+    if arr.size == 0:
+        raise VolumeError(f"{operator} got an empty block of shape {arr.shape}: every axis needs at least one sample")
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise VolumeError(f"{operator} needs a real-valued block, got dtype {arr.dtype}")
+    return arr
+
+
+def per_axis(value: Any, name: str, *, n: int = 3, allow_zero: bool = True) -> tuple[float, ...]:
+    """A scalar or ``n`` values (one per axis) as a tuple of non-negative finite floats."""
+    if np.ndim(value) == 0:
+        values = (float(value),) * n
+    else:
+        values = tuple(float(v) for v in value)
+    if len(values) != n:
+        axes = ", ".join(AXES[:n])
+        raise ValueError(f"`{name}` must be one number or {n} numbers ({axes}), got {value!r}")
+    bad = [v for v in values if not np.isfinite(v) or v < 0 or (v == 0 and not allow_zero)]
+    if bad:
+        need = "positive" if not allow_zero else "non-negative"
+        raise ValueError(f"`{name}` must be {need} and finite on every axis, got {value!r}")
+    return values
+
+
+def per_axis_int(value: Any, name: str, *, n: int = 3) -> tuple[int, ...]:
+    """A scalar or ``n`` non-negative ints (window half-widths)."""
+    floats = per_axis(value, name, n=n)
+    ints = tuple(int(v) for v in floats)
+    if ints != floats:
+        raise ValueError(f"`{name}` must be whole numbers of samples, got {value!r}")
+    return ints
+
+
+def gaussian_radius(sigma: float, truncate: float) -> int:
+    """The kernel radius (samples) scipy.ndimage uses for one axis: ``int(truncate * sigma + 0.5)``.
+
+    >>> gaussian_radius(1.0, 4.0), gaussian_radius(2.5, 4.0), gaussian_radius(0.0, 4.0)
+    (4, 10, 0)
+    """
+    return int(float(truncate) * float(sigma) + 0.5)
+
+
+def split_finite(block: np.ndarray, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """``(data, bad)``: the block as ``dtype`` with non-finite samples set to 0, and their mask.
+
+    ``bad`` is None when every sample is finite (the common case costs no mask).
+    """
+    finite = np.isfinite(block)
+    if finite.all():
+        return np.asarray(block, dtype=dtype), None
+    return np.where(finite, block, 0).astype(dtype, copy=False), ~finite
+
+
+def reach(bad: np.ndarray, radius: Sequence[int]) -> np.ndarray:
+    """Outputs whose box of half-widths ``radius`` (per axis) holds at least one ``bad`` sample.
+
+    A box dilation, clipped at the block's edges like the halos are, so it is
+    exact under chunking whenever the halo is at least ``radius``.
+    """
+    out = bad.view(np.uint8) if bad.dtype == np.bool_ else bad.astype(np.uint8)
+    for axis, r in enumerate(radius):
+        if r > 0:
+            out = ndimage.maximum_filter1d(out, size=2 * int(r) + 1, axis=axis, mode="constant", cval=0)
+    return out.astype(bool)

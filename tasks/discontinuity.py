@@ -1,0 +1,140 @@
+"""Lateral continuity attributes: windowed semblance, and a deliberately dense trace correlation."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import ndimage
+
+from memchunk_prefect.operators import operator
+
+from ._common import check_block, per_axis_int, reach, split_finite
+from .instantaneous import TASK_OPTIONS
+
+
+def semblance_halo(params) -> tuple[int, int, int]:
+    """The window half-widths (iline, xline, twt) in samples.
+
+    >>> semblance_halo({"window": (1, 2, 5)})
+    (1, 2, 5)
+    """
+    return per_axis_int(params["window"], "window")  # type: ignore[return-value]
+
+
+def _box_sum(values: np.ndarray, half_widths) -> np.ndarray:
+    """Sum over a centred box, zero outside the block (direct sums, so bitwise equal on any sub-block)."""
+    for axis, w in enumerate(half_widths):
+        if w > 0:
+            values = ndimage.correlate1d(values, np.ones(2 * w + 1), axis=axis, mode="constant", cval=0.0)
+    return values
+
+
+def _window_counts(n: int, w: int) -> np.ndarray:
+    """How many positions of ``range(n)`` a window of half-width ``w`` centred on each one covers."""
+    i = np.arange(n)
+    return (np.minimum(i + w, n - 1) - np.maximum(i - w, 0) + 1).astype(np.float64)
+
+
+@operator(halo=semblance_halo, memory_params=("window",), whole_traces=False, **TASK_OPTIONS)
+def semblance(block, window=(1, 1, 4)):
+    """Marfurt-style semblance (coherence), dimensionless in [0, 1]: 1 = laterally continuous.
+
+    Over the ``(2 w_il + 1) x (2 w_xl + 1)`` traces and ``2 w_t + 1`` samples
+    centred on each output (``window = (w_il, w_xl, w_t)`` half-widths in
+    samples, one number for all three)::
+
+        S = sum_t (sum_j u_j(t))^2 / (J sum_t sum_j u_j(t)^2)
+
+    where ``J`` is the number of traces in the window. This returns semblance,
+    not ``1 - semblance``: faults and channels show as *low* values. Computed
+    in float64. At the volume's edges the window is truncated to the traces
+    and samples that exist (``J`` counts only those), so the result stays in
+    [0, 1]; halos are clipped at the volume's edge, so chunked results are exact.
+    The halo is the window's half-widths; ``twt`` may be cut.
+
+    NaN where the window holds no energy (all zero: semblance is 0/0) and
+    wherever a NaN/Inf sample lies within the window.
+    """
+    arr = check_block(block, "semblance")
+    w = per_axis_int(window, "window")
+    u, bad = split_finite(arr, np.float64)
+
+    lateral_sum = _box_sum(u, (w[0], w[1], 0))
+    numerator = _box_sum(lateral_sum * lateral_sum, (0, 0, w[2]))
+    del lateral_sum
+    energy = _box_sum(u * u, w)
+    del u
+    traces = _window_counts(arr.shape[0], w[0])[:, None, None] * _window_counts(arr.shape[1], w[1])[None, :, None]
+    denominator = traces * energy
+    del energy
+    undefined = ~(denominator > 0)
+    denominator[undefined] = 1.0
+    out = np.clip(numerator / denominator, 0.0, 1.0).astype(np.float32)
+    out[undefined] = np.nan
+    if bad is not None:
+        out[reach(bad, w)] = np.nan
+    return out
+
+
+def trace_correlation_halo(params) -> tuple[int, int, int]:
+    """The lateral radius (iline, xline) and no time halo.
+
+    >>> trace_correlation_halo({"radius": (2, 1)})
+    (2, 1, 0)
+    """
+    r = per_axis_int(params["radius"], "radius", n=2)
+    return (r[0], r[1], 0)
+
+
+@operator(halo=trace_correlation_halo, memory_params=(), whole_traces=True, **TASK_OPTIONS)
+def trace_correlation(block, radius=(1, 1)):
+    """Mean correlation coefficient of each whole trace with its lateral neighbours, in [-1, 1].
+
+    For each trace, the zero-lag Pearson correlation (over the whole trace) with
+    every other trace within ``radius = (r_il, r_xl)`` traces (one number for
+    both), averaged; the value is repeated along ``twt`` so the output has the
+    block's shape. A trace-to-trace continuity map: low where traces change
+    laterally (faults, noise).
+
+    **Deliberately superlinear in memory**: it forms the dense (N x N) float64
+    Gram matrix of all N = n_il x n_xl traces of the block (one BLAS call) and
+    then reads only the neighbour entries, so its peak memory grows as
+    ``8 N^2`` bytes — quadratically in the chunk's lateral size — while a
+    neighbours-only loop would be linear. It exists so that memory models can be
+    tested against an operator that is not linear in the chunk's elements; it is
+    exact under chunking (halo ``(r_il, r_xl, 0)``, whole traces).
+
+    Constant (e.g. dead) traces correlate 0 with everything. Traces holding any
+    NaN/Inf sample come out NaN and are left out of their neighbours' means;
+    a trace with no usable neighbour is NaN.
+    """
+    arr = check_block(block, "trace_correlation")
+    r_il, r_xl = per_axis_int(radius, "radius", n=2)
+    n_il, n_xl, n_t = arr.shape
+    traces, bad = split_finite(arr.reshape(n_il * n_xl, n_t), np.float64)
+    usable = np.ones(n_il * n_xl, bool) if bad is None else ~bad.any(axis=1)
+
+    traces = traces - traces.mean(axis=1, keepdims=True)
+    norms = np.linalg.norm(traces, axis=1)
+    norms[norms == 0] = 1.0
+    traces /= norms[:, None]
+    gram = traces @ traces.T  # (N, N): the dense, quadratic part
+    del traces
+
+    index = np.arange(n_il * n_xl).reshape(n_il, n_xl)
+    total = np.zeros((n_il, n_xl))
+    count = np.zeros((n_il, n_xl))
+    for di in range(-r_il, r_il + 1):
+        for dx in range(-r_xl, r_xl + 1):
+            if (di, dx) == (0, 0) or abs(di) >= n_il or abs(dx) >= n_xl:
+                continue
+            here = (slice(max(0, -di), n_il - max(0, di)), slice(max(0, -dx), n_xl - max(0, dx)))
+            there = (slice(max(0, di), n_il - max(0, -di)), slice(max(0, dx), n_xl - max(0, -dx)))
+            a, b = index[here], index[there]
+            weight = usable[b]
+            total[here] += np.where(weight, gram[a, b], 0.0)
+            count[here] += weight
+    del gram
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = total / count
+    mean[(count == 0) | ~usable.reshape(n_il, n_xl)] = np.nan
+    return np.repeat(mean.astype(np.float32)[:, :, None], n_t, axis=2)

@@ -1,0 +1,44 @@
+"""Gaussian smoothing of a volume, sigma per axis, in samples."""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy import ndimage
+
+from memchunk_prefect.operators import operator
+
+from ._common import check_block, gaussian_radius, per_axis, reach, split_finite
+from .instantaneous import TASK_OPTIONS
+
+
+def gaussian_halo(params) -> tuple[int, int, int]:
+    """The kernel radius per axis, ``int(truncate * sigma + 0.5)`` samples: the halo of :func:`gaussian_smooth`.
+
+    >>> gaussian_halo({"sigma": (1, 2, 0), "truncate": 4.0})
+    (4, 8, 0)
+    """
+    sigma = per_axis(params["sigma"], "sigma")
+    return tuple(gaussian_radius(s, params["truncate"]) for s in sigma)  # type: ignore[return-value]
+
+
+@operator(halo=gaussian_halo, memory_params=("sigma",), whole_traces=False, **TASK_OPTIONS)
+def gaussian_smooth(block, sigma=(1.0, 1.0, 1.0), truncate=4.0):
+    """Gaussian low-pass filter, :func:`scipy.ndimage.gaussian_filter` in float32.
+
+    ``sigma`` is one number or three (iline, xline, twt), in samples (not metres
+    or ms); 0 leaves that axis unsmoothed. The kernel is cut at ``truncate``
+    sigmas, so the halo is the radius ``int(truncate * sigma + 0.5)`` per axis.
+    The volume's edges are handled by scipy's ``reflect`` mode; since halos are
+    clipped at the volume's edge, a block's edge is then the volume's edge and
+    chunked results equal the whole-volume result. ``twt`` may be cut.
+
+    Output in the input's amplitude units. NaN/Inf samples: every output within
+    the kernel's box (the halo) of a non-finite sample is NaN.
+    """
+    arr = check_block(block, "gaussian_smooth")
+    sigmas = per_axis(sigma, "sigma")
+    data, bad = split_finite(arr, np.float32)
+    out = ndimage.gaussian_filter(data, sigmas, truncate=float(truncate), mode="reflect", output=np.float32)
+    if bad is not None:
+        out[reach(bad, gaussian_halo({"sigma": sigmas, "truncate": truncate}))] = np.nan
+    return out
