@@ -1,0 +1,427 @@
+"""The monitor's logic through its seam: fake probes give numbers in, figures come out.
+
+No test here allocates more than 64 MiB. The only mock of a library is a fake
+``pynvml`` module (no NVIDIA GPU exists on the build machines).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import threading
+import time
+import types
+import warnings
+
+import numpy as np
+import pytest
+
+import memchunk_prefect
+from memchunk_prefect import monitor as mon
+from memchunk_prefect.errors import MeasurementError
+from memchunk_prefect.monitor import (
+    Measurement,
+    MemoryProbe,
+    Monitor,
+    SamplingProbe,
+    SharedMeasurementWarning,
+    VmHWMProbe,
+)
+
+MiB = 2**20
+
+
+class FakeProbe:
+    """Process RSS as a number the test moves by hand."""
+
+    method = "fake"
+
+    def __init__(self, rss: int = 100 * MiB) -> None:
+        self.rss = rss
+        self.peak = rss
+        self.resets = 0
+        self.open = 0
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        self.open += 1
+
+    def stop(self) -> None:
+        self.open -= 1
+
+    def reset_peak(self) -> None:
+        self.resets += 1
+        self.peak = self.rss
+
+    def current_bytes(self) -> int:
+        return self.rss
+
+    def peak_bytes(self) -> int:
+        return max(self.peak, self.rss)
+
+    def allocate(self, n: int) -> None:
+        with self.lock:
+            self.rss += n
+            self.peak = max(self.peak, self.rss)
+
+    def free(self, n: int) -> None:
+        with self.lock:
+            self.rss -= n
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_state(monkeypatch):
+    """Each test sees a process that has not warned yet, has no NVML decision cached, and no worker."""
+    monkeypatch.setattr(mon, "_WARNED_SHARED", set())
+    monkeypatch.setattr(mon, "_NVML", {})
+    monkeypatch.setattr(mon, "_RAPL", {})
+    monkeypatch.setattr(mon, "_dask_nthreads", lambda: None)
+
+
+def quiet_monitor(probe: MemoryProbe, **kw) -> Monitor:
+    return Monitor(probe=probe, gpu=False, energy=False, **kw)
+
+
+# ----------------------------------------------------------------------------- figures through the seam
+
+
+def test_peak_is_the_highest_rss_above_the_resting_level_before_the_run():
+    probe = FakeProbe(rss=100 * MiB)
+    with quiet_monitor(probe).track() as run:
+        probe.allocate(300 * MiB)
+        probe.free(200 * MiB)  # the run ends holding 100 MiB more than it started with
+    m = run.measurement
+    assert m.peak_bytes == 300 * MiB
+    assert m.baseline_bytes == 100 * MiB
+    assert m.process_peak_bytes == 400 * MiB
+    assert (m.method, m.shared, m.threads, m.error, m.outcome) == ("fake", False, 1, None, "ok")
+    assert probe.resets == 1 and probe.open == 0
+
+
+def test_peak_counts_from_the_reset_not_from_an_earlier_higher_peak():
+    probe = FakeProbe(rss=100 * MiB)
+    probe.allocate(900 * MiB)
+    probe.free(900 * MiB)  # an earlier task peaked at 1000 MiB
+    with quiet_monitor(probe).track() as run:
+        probe.allocate(10 * MiB)
+    assert run.measurement.peak_bytes == 10 * MiB
+
+
+def test_a_run_that_frees_below_its_start_has_zero_peak_not_a_negative_one():
+    probe = FakeProbe(rss=100 * MiB)
+    with quiet_monitor(probe).track() as run:
+        probe.free(50 * MiB)
+    assert run.measurement.peak_bytes == 0
+
+
+def test_wall_and_thread_cpu_seconds():
+    probe = FakeProbe()
+    with quiet_monitor(probe).track() as sleeping:
+        time.sleep(0.1)
+    with quiet_monitor(probe).track() as busy:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.1:
+            pass
+    assert 0.1 <= sleeping.measurement.seconds < 0.5
+    assert sleeping.measurement.cpu_seconds < 0.05
+    assert busy.measurement.cpu_seconds > 0.05
+    assert busy.measurement.process_cpu_seconds >= busy.measurement.cpu_seconds * 0.9
+
+
+# ----------------------------------------------------------------------------- failures keep their figures
+
+
+def test_a_memory_error_still_gives_a_censored_measurement_attached_to_the_exception():
+    probe = FakeProbe(rss=100 * MiB)
+    with pytest.raises(MemoryError) as info:
+        with quiet_monitor(probe).track() as run:
+            probe.allocate(700 * MiB)
+            raise MemoryError("Unable to allocate 8.0 GiB")
+    m = run.measurement
+    assert m is not None and info.value.memchunk_measurement is m
+    assert m.peak_bytes == 700 * MiB
+    assert m.outcome == "memory_error" and m.censored
+    assert "Unable to allocate 8.0 GiB" in m.error
+    assert m.observation_fields()["censored"] is True
+
+
+def test_measure_reraises_the_original_exception_with_the_measurement_attached():
+    probe = FakeProbe()
+    boom = ValueError("bad block (3, 0, 7)")
+
+    def fails():
+        probe.allocate(5 * MiB)
+        raise boom
+
+    with pytest.raises(ValueError) as info:
+        quiet_monitor(probe).measure(fails)
+    assert info.value is boom
+    m = info.value.memchunk_measurement
+    assert (m.outcome, m.peak_bytes, m.censored) == ("error", 5 * MiB, False)
+    # The figure survives the trip from a worker to the flow process.
+    back = pickle.loads(pickle.dumps(info.value))
+    assert back.memchunk_measurement == m
+
+
+def test_numpy_allocation_failure_is_a_memory_error_outcome():
+    with pytest.raises(MemoryError) as info:
+        memchunk_prefect.measure(np.empty, 2**60, dtype=np.uint8)
+    assert info.value.memchunk_measurement.outcome == "memory_error"
+
+
+def test_measure_passes_every_keyword_to_the_function():
+    def fn(a, *, method, interval, tracemalloc):
+        return a, method, interval, tracemalloc
+
+    result, m = quiet_monitor(FakeProbe()).measure(fn, 1, method="m", interval=2, tracemalloc="t")
+    assert result == (1, "m", 2, "t")
+    result, m = memchunk_prefect.measure(fn, 1, method="m", interval=2, tracemalloc="t")
+    assert result == (1, "m", 2, "t") and isinstance(m, Measurement)
+
+
+# ----------------------------------------------------------------------------- several threads in one process
+
+
+def test_two_threads_tracking_at_once_are_both_marked_shared_and_neither_resets_the_others_peak():
+    probe = FakeProbe(rss=100 * MiB)
+    monitor = quiet_monitor(probe)
+    a_open, b_done = threading.Event(), threading.Event()
+    out = {}
+
+    def task_a():
+        with monitor.track() as run:
+            probe.allocate(500 * MiB)  # A's spike...
+            probe.free(500 * MiB)
+            a_open.set()
+            b_done.wait(5)
+        out["a"] = run.measurement
+
+    def task_b():
+        a_open.wait(5)
+        with monitor.track() as run:  # ...must not be wiped by B starting: no reset while A is open
+            probe.allocate(20 * MiB)
+        out["b"] = run.measurement
+        b_done.set()
+
+    with pytest.warns(SharedMeasurementWarning, match="One thread per worker process"):
+        threads = [threading.Thread(target=task_a), threading.Thread(target=task_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    assert probe.resets == 1
+    assert out["a"].peak_bytes == 500 * MiB  # A's own spike is never lost
+    # B only added 20 MiB, but the process peak it can see includes A's spike: an upper bound, flagged.
+    assert out["b"].peak_bytes == 500 * MiB
+    assert out["a"].shared and out["b"].shared
+    assert out["a"].threads == 2 and out["b"].threads == 2
+
+
+def test_shared_warning_is_said_once_per_process(recwarn):
+    probe = FakeProbe()
+    monitor = quiet_monitor(probe)
+    for _ in range(3):
+        with monitor.track():
+            with monitor.track() as inner:  # nested = two runs open at once
+                pass
+        assert inner.measurement.shared
+    assert len([w for w in recwarn if w.category is SharedMeasurementWarning]) == 1
+
+
+def test_a_run_alone_after_shared_runs_is_clean_again(recwarn):
+    probe = FakeProbe()
+    monitor = quiet_monitor(probe)
+    with monitor.track():
+        with monitor.track():
+            pass
+    with monitor.track() as alone:
+        probe.allocate(MiB)
+    assert not alone.measurement.shared and alone.measurement.threads == 1
+    assert alone.measurement.peak_bytes == MiB
+
+
+def test_a_dask_worker_with_several_threads_marks_every_run_shared(monkeypatch):
+    monkeypatch.setattr(mon, "_dask_nthreads", lambda: 4)
+    monitor = quiet_monitor(FakeProbe())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runs = []
+        for _ in range(3):
+            with monitor.track() as run:
+                pass
+            runs.append(run.measurement)
+    assert all(m.shared and m.threads == 4 for m in runs)
+    assert [w.category for w in caught] == [SharedMeasurementWarning]
+    assert "4 threads" in str(caught[0].message)
+
+
+def test_a_dask_worker_with_one_thread_gives_clean_figures(monkeypatch):
+    monkeypatch.setattr(mon, "_dask_nthreads", lambda: 1)
+    with quiet_monitor(FakeProbe()).track() as run:
+        pass
+    assert not run.measurement.shared
+
+
+# ----------------------------------------------------------------------------- settings and real probes
+
+
+def test_settings_are_checked_and_errors_quote_the_values():
+    with pytest.raises(ValueError, match="'vmhwn'"):
+        Monitor(method="vmhwn")
+    with pytest.raises(ValueError, match="interval_seconds.*0.0"):
+        Monitor(interval_seconds=0.0)
+    with pytest.raises(ValueError, match="5"):
+        SamplingProbe(interval_seconds=5)
+    with pytest.raises(TypeError, match="MemoryProbe.*object"):
+        Monitor(probe=object())
+
+
+def test_vmhwm_is_refused_where_clear_refs_is_not_writable(monkeypatch):
+    monkeypatch.setattr(mon, "_CLEAR_REFS_OK", {os.getpid(): False})
+    with pytest.raises(MeasurementError, match="clear_refs.*method='psutil'"):
+        VmHWMProbe()
+    assert mon.make_probe("auto").method == "psutil"
+
+
+def test_configure_replaces_the_default_monitor_and_restores_it():
+    try:
+        assert mon.configure(method="psutil").method == "psutil"
+        _, m = memchunk_prefect.measure(sum, [1, 2])
+        assert m.method == "psutil"
+    finally:
+        mon.configure()
+    assert mon.default_monitor() == Monitor()
+
+
+needs_vmhwm = pytest.mark.skipif(not mon.clear_refs_writable(), reason="/proc/self/clear_refs not writable here")
+
+
+@needs_vmhwm
+def test_vmhwm_sees_a_64_mib_numpy_spike_already_freed_and_tracemalloc_agrees():
+    n = 64 * MiB
+
+    def spike():
+        a = np.ones(n // 8)  # allocated and touched, then freed before the run ends
+        return float(a[-1])
+
+    _, m = Monitor(method="vmhwm", tracemalloc=True, gpu=False).measure(spike)
+    assert m.method == "vmhwm"
+    assert abs(m.peak_bytes - n) / n < 0.05, m
+    assert abs(m.python_heap_peak_bytes - n) / n < 0.05, m
+
+
+def test_the_sampling_thread_ends_with_the_run():
+    with Monitor(method="psutil", gpu=False).track() as run:
+        assert any(t.name == "memchunk-rss-sampler" for t in threading.enumerate())
+    assert not any(t.name == "memchunk-rss-sampler" for t in threading.enumerate())
+    assert run.measurement.method == "psutil"
+
+
+# ----------------------------------------------------------------------------- GPU: NVML absent, NVML faked
+
+
+def test_no_nvml_module_gives_empty_gpu_fields_and_no_warning(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, m = Monitor(method="psutil").measure(lambda: None)
+    assert (m.gpu_peak_bytes, m.gpu_name) == (None, None)
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_pynvml(*, init_fails=False, processes=None, energy_mj=None, names=("Fake GPU 0", "Fake GPU 1")):
+    """A stand-in for the nvidia-ml-py module: two devices, processes and energy from mutable state."""
+    state = types.SimpleNamespace(inits=0, processes=processes or {0: [], 1: []}, energy_mj=energy_mj or [0, 0])
+    m = types.ModuleType("pynvml")
+    m.NVMLError = FakeNVMLError
+    m.state = state
+
+    def nvmlInit():
+        state.inits += 1
+        if init_fails:
+            raise FakeNVMLError("NVML Shared Library Not Found")
+
+    m.nvmlInit = nvmlInit
+    m.nvmlDeviceGetCount = lambda: len(names)
+    m.nvmlDeviceGetHandleByIndex = lambda i: i
+    m.nvmlDeviceGetName = lambda h: names[h]
+    m.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        types.SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in state.processes[h]
+    ]
+    m.nvmlDeviceGetTotalEnergyConsumption = lambda h: state.energy_mj[h]
+    return m
+
+
+def test_nvml_init_failure_gives_empty_gpu_fields_decided_once_per_process(monkeypatch):
+    fake = fake_pynvml(init_fails=True)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            _, m = Monitor(method="psutil").measure(lambda: None)
+            assert (m.gpu_peak_bytes, m.gpu_name, m.energy_source) == (None, None, None)
+    assert fake.state.inits == 1
+
+
+def test_fake_gpu_reports_this_process_peak_and_the_energy_counter_difference(monkeypatch):
+    n = 3 * 2**30
+    me, other = os.getpid(), os.getpid() + 1
+    fake = fake_pynvml(processes={0: [(other, 8 * 2**30)], 1: []}, energy_mj=[1_000, 50_000])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monitor = Monitor(probe=FakeProbe(), gpu=True, gpu_interval_seconds=0.002, energy=True)
+
+    with monitor.track() as run:
+        fake.state.processes[1] = [(me, n)]      # this process grabs N bytes on device 1...
+        time.sleep(0.1)                           # ...holds them for 50 sampling intervals...
+        fake.state.processes[1] = [(me, n // 4)]  # ...and frees most before the run ends
+        fake.state.energy_mj = [1_000 + 2_500, 50_000 + 500]
+    m = run.measurement
+    assert m.gpu_peak_bytes == n  # the other process's 8 GiB on device 0 is not ours
+    assert m.gpu_name == "Fake GPU 1"
+    assert m.energy_joules == pytest.approx(3.0)  # (2500 + 500) mJ
+    assert m.energy_source == "nvml"
+    assert not any(t.name == "memchunk-gpu-sampler" for t in threading.enumerate())
+
+
+def test_fake_gpu_unused_by_this_process_reports_zero_bytes(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
+    _, m = Monitor(probe=FakeProbe()).measure(lambda: None)
+    assert m.gpu_peak_bytes == 0 and m.gpu_name == "Fake GPU 0, Fake GPU 1"
+
+
+# ----------------------------------------------------------------------------- CPU energy: RAPL counters
+
+
+def write_zone(root, name, energy_uj, max_uj=1_000_000):
+    zone = root / name
+    zone.mkdir()
+    (zone / "energy_uj").write_text(f"{energy_uj}\n")
+    (zone / "max_energy_range_uj").write_text(f"{max_uj}\n")
+    return zone
+
+
+def test_rapl_energy_sums_packages_handles_wrap_around_and_skips_subzones(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    p0 = write_zone(tmp_path, "intel-rapl:0", 990_000)
+    p1 = write_zone(tmp_path, "intel-rapl:1", 100)
+    sub = write_zone(tmp_path, "intel-rapl:0:0", 5)  # core sub-zone of package 0: already counted in it
+    monkeypatch.setattr(mon, "_RAPL_GLOB", str(tmp_path / "intel-rapl:*"))
+    with Monitor(probe=FakeProbe()).track() as run:
+        (p0 / "energy_uj").write_text("20000\n")  # wrapped: 10_000 + 20_000 µJ
+        (p1 / "energy_uj").write_text("1000100\n")  # +1_000_000 µJ
+        (sub / "energy_uj").write_text("999999\n")
+    assert run.measurement.energy_joules == pytest.approx(1.03)
+    assert run.measurement.energy_source == "rapl"
+
+
+def test_unreadable_rapl_gives_no_energy(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    zone = tmp_path / "intel-rapl:0"
+    zone.mkdir()  # a zone with no readable counter (as for non-root users on Linux >= 5.10)
+    monkeypatch.setattr(mon, "_RAPL_GLOB", str(tmp_path / "intel-rapl:*"))
+    _, m = Monitor(probe=FakeProbe()).measure(lambda: None)
+    assert (m.energy_joules, m.energy_source) == (None, None)
