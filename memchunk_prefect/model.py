@@ -1,0 +1,558 @@
+"""Online memory model per operator key: a mean and an upper bound for a block's peak bytes.
+
+What it covers: learning, from :class:`~memchunk_prefect.records.Observation`
+rows, how many bytes an operator needs for a block of given extents, and saying
+how sure it is. What it does not: choosing chunks (``policy.py``), measuring
+(``monitor.py``), or keeping rows on disk (``store.py``; :class:`ModelBank`
+rebuilds models by replaying the store, never by unpickling).
+
+How it learns (and why)
+-----------------------
+*Backbone: fixed overhead + per-element cost.* Features are the block's
+elements (halo included) in units of ``2**20`` ("Mi-elements", ``u``); the
+target is peak bytes in MiB. The *linear* form is ``peak = a + b*u``: ``a`` is
+the fixed overhead (MiB) and ``b`` the bytes per element. A straight line
+extrapolates sensibly to chunks larger than any seen — a tree model under-
+predicted a 400^3 chunk 3x in the reference study (FACTS.md) and the run failed.
+A *superlinear* form ``a + b*u + c*u**1.5`` is fitted beside it for operators
+whose memory grows faster than their size; it is used only when its
+leave-one-out error (PRESS) beats the line's clearly and ``c > 0`` (so it never
+bends down when extrapolating).
+
+*River does the fitting.* Each form is a :class:`river.linear_model.BayesianLinearRegression`
+(``learn_one`` per observation). It has no intercept, so a constant feature is
+added; its prior is weak (prior variance 1e6 in MiB units, i.e. ``alpha=1e-6``,
+River's ``alpha`` being a precision), so the
+posterior mean is ordinary least squares. Memory noise is *multiplicative*
+(a few percent run to run), so each row is divided by its own scale
+``sqrt(peak**2 + floor**2)`` before ``learn_one`` — weighted least squares on
+relative residuals (the floor, 4 MiB, keeps tiny blocks whose peaks are
+mostly allocator noise from dominating).
+
+*Upper bound.* River's BLR keeps ``beta`` (noise precision) fixed, so with
+``beta = 1`` its predictive variance is ``1 + h`` where ``h`` is the query's
+leverage (how far it extrapolates). The noise scale is learned here from the
+relative residuals: ``s**2 = (nu0*s0**2 + RSS) / (nu0 + n - p)`` (a weak prior of
+5 % with one pseudo-observation), and the one-sided bound is the Student-t
+prediction interval ``mean * (1 + t(confidence, nu0 + n - p) * s * sqrt(1 + h))``.
+Near the data that is a few percent above the mean; far outside it widens.
+
+*Censored observations* (``memory_error`` / ``killed``: "needs more than
+``peak_bytes`` at ``u_c``") are not fitted as points. Each one is a floor: if
+the model's bound at ``u_c`` is below ``peak_bytes * (1 + censored_margin)``,
+bounds (and means) are multiplied by the shortfall ratio for blocks at least
+half that size, fading (linearly in log size) to no correction at 1/8 of it; a
+block at least as large as ``u_c`` is also floored at that value. The
+correction shrinks by itself as ``ok`` observations teach the model more. A
+censored point contradicted by an ``ok`` run at least as large that needed less
+is dropped.
+
+*Outliers.* Once ready, an ``ok`` observation above ``outlier_ratio`` x the
+current upper bound, or below the mean / ``outlier_ratio``, is quarantined, not
+learned. It is accepted (learned, with everything quarantined that agrees with
+it) only if a second one repeats it — same direction, ratio within
+``outlier_ratio`` — within ``quarantine_window`` observations; otherwise it
+expires. One 100x measurement therefore never shrinks chunks; a real change
+that repeats is learned. (After a real change of regime — a new library
+version — ``memchunk forget KEY`` starts clean faster.)
+
+*Honesty.* ``ready`` is False until ``min_observations`` usable ``ok``
+observations at two or more distinct sizes exist; the prediction then says why,
+and the policy probes.
+
+Units: bytes (``*_bytes``), elements (counts), MiB / Mi-elements inside only.
+
+>>> from memchunk_prefect.records import Observation
+>>> m = OperatorModel("toy|float32|cpu")
+>>> for n in (2**18, 2**19, 2**20, 2**21):
+...     _ = m.learn(Observation("toy|float32|cpu", n, (1, 1, n), 4 * n, 50 * 2**20 + 28 * n))
+>>> p = m.predict((1, 1, 2**22))
+>>> p.ready, round(p.mean_bytes / (50 * 2**20 + 28 * 2**22), 3)
+(True, 1.0)
+>>> round(m.summary()["bytes_per_element"], 1)
+28.0
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+from river import linear_model, metrics, stats, utils
+
+from .records import Observation
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .store import Store
+
+MIB = 2**20
+"""Scale of features (elements per Mi-element) and targets (bytes per MiB) inside the model."""
+
+LINEAR = "linear"
+SUPERLINEAR = "superlinear"
+_POWERS = {LINEAR: (0.0, 1.0), SUPERLINEAR: (0.0, 1.0, 1.5)}
+_FEATURE_NAMES = {0.0: "const", 1.0: "u", 1.5: "u^1.5"}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The model's figures for one block, in bytes.
+
+    - ``mean_bytes``: expected peak (above the worker's resting level);
+    - ``upper_bytes``: one-sided upper bound at the model's ``confidence``; plan with this;
+    - ``n_observations``: usable ``ok`` observations learned under this key;
+    - ``ready``: enough history to plan; False means the numbers are a guess and
+      the policy should probe;
+    - ``reason``: why (not) ready, in words, for logs and the CLI.
+    """
+
+    mean_bytes: float
+    upper_bytes: float
+    n_observations: int
+    ready: bool
+    reason: str
+
+
+@dataclass
+class _Fit:
+    """The posterior of one form read back from River, plus the learned noise scale."""
+
+    coef: np.ndarray  # (p,) MiB per feature unit
+    cov: np.ndarray  # (p, p) posterior covariance in the scaled (relative) space, beta = 1
+    s: float  # relative noise scale
+    dof: float  # Student-t degrees of freedom of the bound
+    press: float  # mean squared leave-one-out relative residual
+    n: int
+
+
+class _Form:
+    """One candidate form (linear or superlinear) fitted by a River BayesianLinearRegression."""
+
+    def __init__(self, name: str, prior_variance: float):
+        self.name = name
+        self.powers = _POWERS[name]
+        self.names = [_FEATURE_NAMES[p] for p in self.powers]
+        # River's alpha is the prior *precision* (Bishop's notation): 1 / prior variance.
+        self.regressor = linear_model.BayesianLinearRegression(alpha=1.0 / prior_variance, beta=1.0)
+        self.rows: list[list[float]] = []  # scaled features, for residuals and leverage
+        self.targets: list[float] = []  # scaled targets
+        self._fit: _Fit | None = None
+
+    @property
+    def p(self) -> int:
+        return len(self.powers)
+
+    def raw(self, u: float) -> np.ndarray:
+        return np.array([u**k for k in self.powers])
+
+    def learn(self, u: float, y_mib: float, scale_mib: float) -> None:
+        x = self.raw(u) / scale_mib
+        self.regressor.learn_one(dict(zip(self.names, x)), y_mib / scale_mib)
+        self.rows.append(list(x))
+        self.targets.append(y_mib / scale_mib)
+        self._fit = None
+
+    def fit(self, prior_s: float, prior_dof: float, min_s: float) -> _Fit:
+        """Read coefficients and covariance back from River through ``predict_one``, then residuals."""
+        if self._fit is not None:
+            return self._fit
+        p = self.p
+        basis = [dict.fromkeys(self.names, 0.0) for _ in range(p)]
+        for j in range(p):
+            basis[j][self.names[j]] = 1.0
+        coef = np.array([self.regressor.predict_one(e) for e in basis])
+        var = np.empty((p, p))
+        for j in range(p):
+            var[j, j] = self.regressor.predict_one(basis[j], with_dist=True).sigma ** 2 - 1.0
+        for j in range(p):
+            for k in range(j + 1, p):
+                e = {self.names[j]: 1.0, self.names[k]: 1.0}
+                v = self.regressor.predict_one(e, with_dist=True).sigma ** 2 - 1.0
+                var[j, k] = var[k, j] = (v - var[j, j] - var[k, k]) / 2.0
+        n = len(self.targets)
+        if n:
+            X = np.asarray(self.rows)
+            y = np.asarray(self.targets)
+            resid = y - X @ coef
+            lev = np.einsum("ij,jk,ik->i", X, var, X)
+            rss = float(resid @ resid)
+            loo = resid / np.maximum(1.0 - lev, 1e-3)
+            press = float(loo @ loo) / n
+        else:
+            rss, press = 0.0, math.inf
+        dof = prior_dof + max(n - p, 0)
+        s = math.sqrt((prior_dof * prior_s**2 + rss) / dof)
+        self._fit = _Fit(coef=coef, cov=var, s=max(s, min_s), dof=dof, press=press, n=n)
+        return self._fit
+
+
+@dataclass
+class _Censored:
+    u: float
+    peak_mib: float
+
+
+@dataclass
+class _Quarantined:
+    obs: Observation
+    ratio: float  # observed / mean at the time
+    seen_at: int  # index in the stream of usable observations
+
+
+@dataclass
+class OperatorModel:
+    """The memory model of one operator key; see the module docstring for the method.
+
+    Parameters (public, as constructed): ``confidence`` of the one-sided upper
+    bound; ``min_observations`` before ``ready``; ``outlier_ratio`` and
+    ``quarantine_window`` (observations) for outlier screening;
+    ``censored_margin`` (fraction) above a censored peak the bound must reach;
+    ``noise_floor_bytes`` added in quadrature to each peak when scaling rows;
+    ``prior_noise`` (relative) and ``min_noise`` (relative) for the noise scale;
+    ``superlinear_gain``: the superlinear form is chosen only when its
+    leave-one-out error is below this fraction of the line's;
+    ``metric_window``: observations in the rolling MAPE and coverage.
+    """
+
+    key: str
+    confidence: float = 0.95
+    min_observations: int = 3
+    outlier_ratio: float = 3.0
+    quarantine_window: int = 10
+    censored_margin: float = 0.05
+    noise_floor_bytes: float = 4 * MIB
+    prior_noise: float = 0.05
+    min_noise: float = 0.01
+    superlinear_gain: float = 0.5
+    metric_window: int = 20
+    prior_variance: float = 1e6
+
+    _forms: dict[str, _Form] = field(init=False, repr=False)
+    _censored: list[_Censored] = field(init=False, repr=False)
+    _quarantine: deque = field(init=False, repr=False)
+    _sizes: set = field(init=False, repr=False)
+    _seen: int = field(init=False, repr=False, default=0)
+    _n_censored: int = field(init=False, repr=False, default=0)
+    _n_quarantined: int = field(init=False, repr=False, default=0)
+    _mape: Any = field(init=False, repr=False)
+    _coverage: Any = field(init=False, repr=False)
+    _bound_ratio: Any = field(init=False, repr=False)
+    _cache: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.5 < self.confidence < 1.0:
+            raise ValueError(f"confidence must be in (0.5, 1), got {self.confidence!r}")
+        if self.min_observations < 2:
+            raise ValueError(f"min_observations must be at least 2 (a line has 2 unknowns), got {self.min_observations!r}")
+        if self.outlier_ratio <= 1.0:
+            raise ValueError(f"outlier_ratio must be above 1, got {self.outlier_ratio!r}")
+        self._forms = {name: _Form(name, self.prior_variance) for name in _POWERS}
+        self._censored = []
+        self._quarantine = deque()
+        self._sizes = set()
+        self._mape = utils.Rolling(metrics.MAPE, window_size=self.metric_window)
+        self._coverage = utils.Rolling(stats.Mean, window_size=self.metric_window)
+        self._bound_ratio = utils.Rolling(stats.Mean, window_size=self.metric_window)
+        self._cache = {}
+
+    # ------------------------------------------------------------------ learning
+
+    @property
+    def n_observations(self) -> int:
+        """Usable ``ok`` observations learned (quarantined ones are not counted until accepted)."""
+        return len(self._forms[LINEAR].targets)
+
+    def learn(self, obs: Observation) -> str:
+        """Learn one observation; returns what was done: ``learned``, ``censored``,
+        ``quarantined``, ``accepted`` (a repeated outlier) or ``ignored`` (not about memory)."""
+        if obs.operator_key != self.key:
+            raise ValueError(f"observation for {obs.operator_key!r} given to the model of {self.key!r}")
+        if not obs.usable or obs.elements <= 0 or obs.peak_bytes <= 0:
+            return "ignored"
+        self._cache.clear()
+        u = obs.elements / MIB
+        y = obs.peak_bytes / MIB
+        if obs.censored or obs.outcome in ("memory_error", "killed"):
+            self._censored.append(_Censored(u, y))
+            self._n_censored += 1
+            return "censored"
+        self._seen += 1
+        if self._ready_reason() is None:
+            pred = self._predict_u(u, apply_censored=False)
+            ratio = obs.peak_bytes / max(pred.mean_bytes, 1.0)
+            if obs.peak_bytes > self.outlier_ratio * pred.upper_bytes or ratio < 1.0 / self.outlier_ratio:
+                return self._quarantine_or_accept(obs, ratio)
+            self._score(obs, pred)
+        self._expire_quarantine()
+        self._learn_point(obs)
+        return "learned"
+
+    def _score(self, obs: Observation, pred: Prediction) -> None:
+        self._mape.update(obs.peak_bytes, pred.mean_bytes)
+        self._coverage.update(1.0 if obs.peak_bytes <= pred.upper_bytes else 0.0)
+        self._bound_ratio.update(pred.upper_bytes / obs.peak_bytes)
+
+    def _learn_point(self, obs: Observation) -> None:
+        u = obs.elements / MIB
+        y = obs.peak_bytes / MIB
+        scale = math.hypot(y, self.noise_floor_bytes / MIB)
+        for form in self._forms.values():
+            form.learn(u, y, scale)
+        self._sizes.add(obs.elements)
+        # An ok run at least as large as a censored one that needed less contradicts it.
+        self._censored = [c for c in self._censored if not (u >= c.u and y < c.peak_mib)]
+        self._cache.clear()
+
+    def _expire_quarantine(self) -> None:
+        while self._quarantine and self._seen - self._quarantine[0].seen_at > self.quarantine_window:
+            self._quarantine.popleft()
+
+    def _quarantine_or_accept(self, obs: Observation, ratio: float) -> str:
+        self._expire_quarantine()
+        agree = [q for q in self._quarantine
+                 if (q.ratio > 1) == (ratio > 1)
+                 and max(q.ratio, ratio) / min(q.ratio, ratio) <= self.outlier_ratio]
+        if agree:
+            for q in agree:
+                self._quarantine.remove(q)
+                self._learn_point(q.obs)
+            self._learn_point(obs)
+            return "accepted"
+        self._quarantine.append(_Quarantined(obs, ratio, self._seen))
+        self._n_quarantined += 1
+        return "quarantined"
+
+    # ------------------------------------------------------------------ predicting
+
+    def _fits(self) -> dict[str, _Fit]:
+        return {name: f.fit(self.prior_noise, 1.0, self.min_noise) for name, f in self._forms.items()}
+
+    def form(self) -> str:
+        """The form in use: ``linear``, or ``superlinear`` when it clearly predicts held-out points better."""
+        if self._ready_reason() is not None:
+            return LINEAR
+        fits = self._fits()
+        sup, lin = fits[SUPERLINEAR], fits[LINEAR]
+        if (sup.n >= len(_POWERS[SUPERLINEAR]) + 2 and sup.coef[-1] > 0
+                and sup.press < self.superlinear_gain * lin.press):
+            return SUPERLINEAR
+        return LINEAR
+
+    def _ready_reason(self) -> str | None:
+        n = self.n_observations
+        if n < self.min_observations:
+            return (f"only {n} usable observation{'s' if n != 1 else ''} of {self.key!r}; "
+                    f"{self.min_observations} are needed before planning (probe first)")
+        if len(self._sizes) < 2:
+            return (f"all {n} observations of {self.key!r} are at one block size; "
+                    "a fixed overhead and a per-element cost need two sizes (probe another size)")
+        return None
+
+    def predict(self, extents: Sequence[int], itemsize: int = 4) -> Prediction:
+        """Mean and upper bound of the peak bytes for a block of ``extents`` (halo included).
+
+        ``itemsize`` (bytes per element) only matters with no usable
+        observations, where the guess is the block's own bytes (a lower bound);
+        the key already pins the dtype.
+        """
+        elements = 1
+        for e in extents:
+            elements *= int(e)
+        if elements <= 0:
+            raise ValueError(f"extents must be positive, got {tuple(extents)}")
+        cached = self._cache.get((elements, itemsize))
+        if cached is None:
+            cached = self._predict_u(elements / MIB, itemsize=itemsize)
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[(elements, itemsize)] = cached
+        return cached
+
+    def _predict_u(self, u: float, *, itemsize: int = 4, apply_censored: bool = True) -> Prediction:
+        n = self.n_observations
+        reason = self._ready_reason()
+        if reason is not None:
+            mean, upper = self._guess(u, itemsize)
+        else:
+            mean, upper = self._bound(self.form(), u)
+            reason = f"{self.form()} fit on {n} observations"
+        if apply_censored and self._censored:
+            mean, upper, note = self._apply_censored(u, mean, upper)
+            if note:
+                reason += f"; {note}"
+        return Prediction(mean_bytes=mean * MIB, upper_bytes=upper * MIB, n_observations=n,
+                          ready=self._ready_reason() is None, reason=reason)
+
+    def _bound(self, name: str, u: float) -> tuple[float, float]:
+        """(mean, upper) in MiB from one form's River posterior."""
+        form = self._forms[name]
+        fit = form.fit(self.prior_noise, 1.0, self.min_noise)
+        raw = form.raw(u)
+        mean = float(raw @ fit.coef)
+        scale = math.hypot(max(mean, 0.0), self.noise_floor_bytes / MIB)
+        x = raw / scale
+        lev = float(x @ fit.cov @ x)
+        t = _t_quantile(self.confidence, fit.dof)
+        upper = max(mean, 0.0) + t * fit.s * math.sqrt(1.0 + max(lev, 0.0)) * scale
+        return max(mean, 0.0), upper
+
+    def _guess(self, u: float, itemsize: int) -> tuple[float, float]:
+        """A not-ready guess: per-element cost of the observations seen so far, or the block's own bytes."""
+        form = self._forms[LINEAR]
+        if not form.targets:
+            own = u * itemsize
+            return own, own
+        # rows are [1/scale, u/scale]; targets y/scale: so y/u = target / row[1]
+        per_u = max(t / r[1] for r, t in zip(form.rows, form.targets))
+        mean = per_u * u
+        return mean, 2.0 * mean
+
+    def _apply_censored(self, u: float, mean: float, upper: float) -> tuple[float, float, str]:
+        factor, floor, note = 1.0, 0.0, ""
+        for c in self._censored:
+            need = c.peak_mib * (1.0 + self.censored_margin)
+            if u >= c.u:
+                floor = max(floor, need)
+            if self._ready_reason() is None:
+                _, bound_c = self._bound(self.form(), c.u)
+            else:
+                _, bound_c = self._guess(c.u, 4)
+            if bound_c >= need:
+                continue
+            ratio = need / max(bound_c, 1e-9)
+            w = min(1.0, max(0.0, (math.log2(u / c.u) + 3.0) / 2.0))
+            factor = max(factor, 1.0 + (ratio - 1.0) * w)
+        if factor > 1.0 or floor > upper:
+            note = f"raised by {len(self._censored)} out-of-memory record(s)"
+        return max(mean * factor, floor), max(upper * factor, floor), note
+
+    # ------------------------------------------------------------------ reporting
+
+    def summary(self) -> dict[str, Any]:
+        """Plain figures for the CLI and reports (bytes, bytes per element, fractions)."""
+        fits = self._fits() if self.n_observations else {}
+        form = self.form()
+        out: dict[str, Any] = {
+            "key": self.key,
+            "n_observations": self.n_observations,
+            "n_censored": self._n_censored,
+            "n_quarantined": self._n_quarantined,
+            "ready": self._ready_reason() is None,
+            "reason": self._ready_reason() or f"{form} fit",
+            "form": form,
+            "bytes_per_element": None,
+            "fixed_overhead_bytes": None,
+            "superlinear_coefficient": None,
+            "noise": None,
+            "recent_mape": None,
+            "coverage": None,
+            "bound_over_truth": None,
+            "scored": self._coverage.obj.n if hasattr(self._coverage, "obj") else None,
+        }
+        if fits and out["ready"]:
+            fit = fits[form]
+            out["fixed_overhead_bytes"] = float(fit.coef[0] * MIB)
+            out["bytes_per_element"] = float(fit.coef[1])  # MiB per Mi-element == bytes per element
+            if form == SUPERLINEAR:
+                out["superlinear_coefficient"] = float(fit.coef[2])
+            out["noise"] = fit.s
+        n_scored = _rolling_count(self._coverage)
+        out["scored"] = n_scored
+        if n_scored:
+            out["recent_mape"] = self._mape.get() / 100.0  # fraction, not percent
+            out["coverage"] = self._coverage.get()
+            out["bound_over_truth"] = self._bound_ratio.get()
+        return out
+
+
+def _rolling_count(rolling: Any) -> int:
+    try:
+        return len(rolling.window)
+    except Exception:  # pragma: no cover - river internals changed
+        return 0
+
+
+_T_CACHE: dict[tuple[float, float], float] = {}
+
+
+def _t_quantile(confidence: float, dof: float) -> float:
+    key = (confidence, dof)
+    t = _T_CACHE.get(key)
+    if t is None:
+        from scipy.stats import t as student_t
+
+        t = float(student_t.ppf(confidence, dof))
+        _T_CACHE[key] = t
+    return t
+
+
+class ModelBank:
+    """One :class:`OperatorModel` per key, rebuilt by replaying the store's rows (never unpickled).
+
+    ``learn(obs)`` writes the row first, then learns, so what a model knows is
+    always on disk. :meth:`refresh` replays rows other processes have added
+    since (flows sharing a store). Thread-safe.
+    """
+
+    def __init__(self, store: "Store | None", **model_options: Any):
+        self.store = store
+        self.model_options = model_options
+        self._models: dict[str, OperatorModel] = {}
+        self._last_id: dict[str, int] = {}
+        self._lock = threading.RLock()
+
+    def model(self, key: str) -> OperatorModel:
+        """The model of ``key`` (an empty one if the store has nothing for it)."""
+        with self._lock:
+            m = self._models.get(key)
+            if m is None:
+                m = OperatorModel(key, **self.model_options)
+                self._models[key] = m
+                self._last_id[key] = 0
+                self._replay(key)
+            return m
+
+    def _replay(self, key: str) -> None:
+        if self.store is None:
+            return
+        m = self._models[key]
+        for row_id, obs in self.store.rows(key, after=self._last_id.get(key, 0)):
+            m.learn(obs)
+            self._last_id[key] = row_id
+
+    def refresh(self, key: str | None = None) -> None:
+        """Learn rows added to the store by others since this bank last looked."""
+        with self._lock:
+            for k in ([key] if key else list(self._models)):
+                if k in self._models:
+                    self._replay(k)
+
+    def learn(self, obs: Observation) -> str:
+        """Persist ``obs`` to the store, then learn it; returns what the model did with it."""
+        with self._lock:
+            m = self.model(obs.operator_key)
+            if self.store is None:
+                return m.learn(obs)
+            self._replay(obs.operator_key)  # rows others wrote before ours, in order
+            row_id = self.store.add(obs)
+            self._last_id[obs.operator_key] = row_id
+            return m.learn(obs)
+
+    def predict(self, key: str, extents: Sequence[int], itemsize: int = 4) -> Prediction:
+        """The prediction of ``key``'s model for a block of ``extents`` (halo included)."""
+        return self.model(key).predict(extents, itemsize)
+
+    def predictor(self, key: str, itemsize: int = 4):
+        """A callable ``extents -> Prediction`` for ``policy.plan``."""
+        m = self.model(key)
+        return lambda extents: m.predict(extents, itemsize)
+
+    def keys(self) -> list[str]:
+        """Keys with observations in the store (or learned here when there is no store)."""
+        with self._lock:
+            keys = list(self.store.keys()) if self.store is not None else []
+            return keys + [k for k in self._models if k not in keys and self._models[k].n_observations]

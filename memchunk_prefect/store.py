@@ -1,0 +1,476 @@
+"""Observations on disk: one SQLite file of plain rows, shared by flows, processes and hosts.
+
+What it covers: where the store lives, its schema (versioned, migrated
+forward), concurrent writers, recovery from a corrupt or foreign file, export.
+What it does not: learning (``model.py`` replays these rows; nothing here is
+ever pickled or unpickled).
+
+Where: ``$MEMCHUNK_STORE`` if set, else ``<PREFECT_HOME>/memchunk/observations.sqlite``
+(:func:`default_store_path`). The runner's ``store=`` and the CLI's ``--store``
+override both.
+
+Concurrency. Every write is one short ``BEGIN IMMEDIATE`` transaction and the
+connection waits up to ``busy_timeout_ms`` for a lock, so two flows writing at
+once both land. On a local filesystem the journal is WAL (readers never block
+the writer). WAL needs shared memory between the processes, i.e. one host: on a
+network filesystem (NFS, CIFS/SMB, Lustre, GPFS, BeeGFS, CephFS, GlusterFS,
+sshfs — detected from ``/proc/mounts``) the store uses ``journal_mode=DELETE``
+with the same busy timeout, which relies on the filesystem's POSIX locks (NFSv4
+and Lustre/GPFS with locking enabled provide them). Force either with
+``Store(path, journal_mode="wal"|"delete")`` or ``$MEMCHUNK_STORE_JOURNAL``.
+
+Schema. ``PRAGMA user_version`` holds the schema version and a ``meta`` table
+names the application. An older store is migrated in place, in one
+transaction (:data:`MIGRATIONS`). A store written by a newer version raises
+:class:`~memchunk_prefect.errors.StoreSchemaTooNewError` and is left untouched.
+A file that is not SQLite, or a SQLite database that is not ours, is renamed
+``<name>.corrupt-<YYYYmmdd-HHMMSS>`` with a :class:`StoreMovedAsideWarning`, and
+a fresh store begins.
+
+Permissions: directories created here are ``0700`` and the database file
+``0600`` (SQLite gives its ``-wal``/``-shm``/``-journal`` files the same mode).
+
+>>> import tempfile, os
+>>> from memchunk_prefect.records import Observation
+>>> with Store(os.path.join(tempfile.mkdtemp(), "obs.sqlite")) as s:
+...     _ = s.add(Observation("envelope|float32|cpu", 1000, (10, 10, 10), 4000, 90000))
+...     [o.peak_bytes for o in s.observations()], s.keys()
+([90000], ['envelope|float32|cpu'])
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sqlite3
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+from .errors import StoreError, StoreSchemaTooNewError
+from .records import Observation
+
+SCHEMA_VERSION = 2
+"""The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field."""
+
+APPLICATION = "memchunk-prefect"
+BUSY_TIMEOUT_MS = 30_000
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "fuse.ceph",
+    "glusterfs", "fuse.glusterfs", "fuse.sshfs", "panfs", "9p", "afs", "ocfs2", "gfs2",
+})
+
+
+class StoreMovedAsideWarning(UserWarning):
+    """The store file was corrupt or foreign; it was renamed and a fresh store begun."""
+
+
+# --------------------------------------------------------------------------- location
+
+
+def default_store_path() -> Path:
+    """``$MEMCHUNK_STORE``, else ``<PREFECT_HOME>/memchunk/observations.sqlite``.
+
+    PREFECT_HOME comes from the environment, or from Prefect's settings when
+    Prefect is already imported (importing it just for this costs a second or
+    more), else Prefect's default ``~/.prefect``.
+    """
+    env = os.environ.get("MEMCHUNK_STORE")
+    if env:
+        return Path(env).expanduser()
+    home = os.environ.get("PREFECT_HOME")
+    if not home:
+        import sys
+
+        if "prefect.settings" in sys.modules:
+            try:
+                from prefect.settings import PREFECT_HOME
+
+                home = str(PREFECT_HOME.value())
+            except Exception:  # pragma: no cover - prefect API moved
+                home = None
+    return Path(home or "~/.prefect").expanduser() / "memchunk" / "observations.sqlite"
+
+
+def filesystem_type(path: str | os.PathLike, mounts_file: str = "/proc/mounts") -> str | None:
+    """The filesystem type of the mount holding ``path`` (from ``/proc/mounts``), or None if unknown."""
+    try:
+        with open(mounts_file, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    target = os.path.realpath(path)
+    best, best_type = "", None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = parts[1].replace("\\040", " ")
+        prefix = mount.rstrip("/") + "/"
+        if (target == mount or target.startswith(prefix) or mount == "/") and len(mount) >= len(best):
+            best, best_type = mount, parts[2]
+    return best_type
+
+
+def is_network_filesystem(path: str | os.PathLike, mounts_file: str = "/proc/mounts") -> bool:
+    """Whether ``path`` lies on a filesystem shared between hosts (WAL would be unsafe there)."""
+    fstype = filesystem_type(path, mounts_file)
+    return fstype is not None and (fstype in NETWORK_FILESYSTEMS or fstype.split(".")[0] in NETWORK_FILESYSTEMS)
+
+
+# --------------------------------------------------------------------------- schema
+
+
+_COLUMNS: list[tuple[str, str]] = [
+    ("operator_key", "TEXT NOT NULL"),
+    ("elements", "INTEGER NOT NULL"),
+    ("extent_iline", "INTEGER NOT NULL"),
+    ("extent_xline", "INTEGER NOT NULL"),
+    ("extent_twt", "INTEGER NOT NULL"),
+    ("bytes_in", "INTEGER NOT NULL"),
+    ("peak_bytes", "INTEGER NOT NULL"),
+    ("seconds", "REAL NOT NULL"),
+    ("outcome", "TEXT NOT NULL"),
+    ("censored", "INTEGER NOT NULL"),
+    ("cpu_seconds", "REAL"),
+    ("worker", "TEXT NOT NULL"),
+    ("chunk", "TEXT NOT NULL"),
+    ("budget_bytes", "INTEGER"),
+    ("gpu_peak_bytes", "INTEGER"),
+    ("energy_joules", "REAL"),
+    ("shared", "INTEGER NOT NULL"),
+    ("method", "TEXT NOT NULL"),
+    ("flow_run_id", "TEXT NOT NULL"),
+    ("created_at", "REAL NOT NULL"),
+]
+COLUMN_NAMES = [c for c, _ in _COLUMNS]
+
+_CREATE_V2 = (
+    "CREATE TABLE observations (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+    + ", ".join(f"{c} {t}" for c, t in _COLUMNS)
+    + ");\nCREATE INDEX observations_key ON observations(operator_key, id);\n"
+    "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);\n"
+)
+
+# The v1 layout, kept to document what migrate_1_to_2 reads (and for the migration test).
+CREATE_V1 = (
+    "CREATE TABLE observations (id INTEGER PRIMARY KEY AUTOINCREMENT, operator_key TEXT NOT NULL, "
+    "elements INTEGER NOT NULL, extents TEXT NOT NULL, bytes_in INTEGER NOT NULL, "
+    "peak_bytes INTEGER NOT NULL, seconds REAL NOT NULL, outcome TEXT NOT NULL, "
+    "censored INTEGER NOT NULL, worker TEXT NOT NULL DEFAULT '', created_at REAL NOT NULL);\n"
+    "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);\n"
+)
+
+
+def _migrate_1_to_2(con: sqlite3.Connection) -> None:
+    """v1 kept extents as one text column ``"IxXxT"`` and lacked the newer fields."""
+    con.execute("ALTER TABLE observations RENAME TO observations_v1")
+    _execute_script(con, _CREATE_V2)
+    rows = con.execute("SELECT id, operator_key, elements, extents, bytes_in, peak_bytes, seconds, outcome, "
+                       "censored, worker, created_at FROM observations_v1 ORDER BY id").fetchall()
+    for (rid, key, elements, extents, bytes_in, peak, seconds, outcome, censored, worker, created) in rows:
+        try:
+            il, xl, tw = (int(v) for v in str(extents).lower().split("x"))
+        except ValueError:
+            il, xl, tw = 1, 1, int(elements)
+        con.execute(
+            "INSERT INTO observations (id, operator_key, elements, extent_iline, extent_xline, extent_twt, "
+            "bytes_in, peak_bytes, seconds, outcome, censored, cpu_seconds, worker, chunk, budget_bytes, "
+            "gpu_peak_bytes, energy_joules, shared, method, flow_run_id, created_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, NULL, ?, '', NULL, NULL, NULL, 0, '', '', ?)",
+            (rid, key, elements, il, xl, tw, bytes_in, peak, seconds, outcome, censored, worker or "", created))
+    con.execute("DROP TABLE observations_v1")
+
+
+def _execute_script(con: sqlite3.Connection, script: str) -> None:
+    """Run ``;``-separated statements one by one (``executescript`` would COMMIT the open transaction)."""
+    for stmt in script.split(";\n"):
+        if stmt.strip():
+            con.execute(stmt)
+
+
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2}
+"""``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
+
+
+class _Foreign(Exception):
+    """The file is not one of our stores (internal: triggers moving it aside)."""
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class Store:
+    """The observation store: ``add``, ``add_many``, ``observations``, ``keys``, ``forget``, ``export``.
+
+    ``path`` defaults to :func:`default_store_path`. ``journal_mode``:
+    ``"auto"`` (WAL locally, DELETE on network filesystems), ``"wal"`` or
+    ``"delete"``; ``$MEMCHUNK_STORE_JOURNAL`` sets the default. Thread-safe (one
+    connection behind a lock); open one ``Store`` per process.
+    """
+
+    def __init__(self, path: str | os.PathLike | None = None, *, journal_mode: str | None = None,
+                 busy_timeout_ms: int = BUSY_TIMEOUT_MS):
+        self.path = Path(path).expanduser() if path is not None else default_store_path()
+        mode = (journal_mode or os.environ.get("MEMCHUNK_STORE_JOURNAL") or "auto").lower()
+        if mode not in ("auto", "wal", "delete"):
+            raise StoreError(f"journal_mode must be 'auto', 'wal' or 'delete', got {mode!r}")
+        self.busy_timeout_ms = int(busy_timeout_ms)
+        self._lock = threading.RLock()
+        self._con: sqlite3.Connection | None = None
+        self._make_dirs(self.path.parent)
+        if mode == "auto":
+            mode = "delete" if is_network_filesystem(self.path.parent) else "wal"
+        self.journal_mode = mode
+        try:
+            self._open()
+        except _Foreign as exc:
+            self._move_aside(str(exc))
+            self._open()
+
+    # ------------------------------------------------------------------ opening
+
+    @staticmethod
+    def _make_dirs(directory: Path) -> None:
+        missing = []
+        d = directory
+        while not d.exists():
+            missing.append(d)
+            d = d.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode=0o700)
+            except FileExistsError:
+                pass
+            except OSError as exc:
+                raise StoreError(f"cannot create the store directory {d}: {exc}; "
+                                 "set MEMCHUNK_STORE to a writable path") from exc
+
+    def _open(self) -> None:
+        if not self.path.exists():
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
+                os.close(fd)
+            except OSError as exc:
+                raise StoreError(f"cannot create the store {self.path}: {exc}; "
+                                 "set MEMCHUNK_STORE to a writable path") from exc
+        try:
+            con = sqlite3.connect(str(self.path), timeout=self.busy_timeout_ms / 1000,
+                                  isolation_level=None, check_same_thread=False)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open the store {self.path}: {exc}") from exc
+        try:
+            con.execute(f"PRAGMA busy_timeout = {self.busy_timeout_ms}")
+            version = con.execute("PRAGMA user_version").fetchone()[0]
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if version > SCHEMA_VERSION:
+                con.close()
+                raise StoreSchemaTooNewError(
+                    f"the store {self.path} has schema version {version}, newer than the {SCHEMA_VERSION} this "
+                    f"memchunk-prefect reads; upgrade memchunk-prefect, or point MEMCHUNK_STORE (or store=) "
+                    "at another file. The store was not modified.")
+            if version == 0 and not tables:
+                self._set_journal(con)
+                self._create(con)
+            elif version == 0 or "observations" not in tables or not self._is_ours(con):
+                con.close()
+                raise _Foreign(f"a SQLite database without memchunk tables (user_version={version}, "
+                               f"tables={sorted(tables)})")
+            else:
+                self._set_journal(con)
+                if version < SCHEMA_VERSION:
+                    self._migrate(con, version)
+        except sqlite3.DatabaseError as exc:
+            con.close()
+            raise _Foreign(f"not a readable SQLite database ({exc})") from None
+        self._con = con
+
+    def _set_journal(self, con: sqlite3.Connection) -> None:
+        got = con.execute(f"PRAGMA journal_mode = {self.journal_mode.upper()}").fetchone()[0]
+        self.journal_mode_in_effect = str(got).lower()
+
+    @staticmethod
+    def _is_ours(con: sqlite3.Connection) -> bool:
+        try:
+            row = con.execute("SELECT value FROM meta WHERE name = 'application'").fetchone()
+        except sqlite3.OperationalError:
+            return False
+        return row is not None and row[0] == APPLICATION
+
+    def _create(self, con: sqlite3.Connection) -> None:
+        con.execute("BEGIN IMMEDIATE")
+        try:
+            # Another process may have created it between our check and the lock.
+            if con.execute("PRAGMA user_version").fetchone()[0] == 0:
+                _execute_script(con, _CREATE_V2)
+                con.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('application', ?)", (APPLICATION,))
+                con.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('created_at', ?)", (str(time.time()),))
+                con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    def _migrate(self, con: sqlite3.Connection, version: int) -> None:
+        con.execute("BEGIN IMMEDIATE")
+        try:
+            version = con.execute("PRAGMA user_version").fetchone()[0]  # re-read under the lock
+            while version < SCHEMA_VERSION:
+                step = MIGRATIONS.get(version)
+                if step is None:
+                    raise StoreError(f"no migration from schema version {version} of {self.path}; "
+                                     "move the file aside to start a fresh store")
+                step(con)
+                version += 1
+                con.execute(f"PRAGMA user_version = {version}")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
+
+    def _move_aside(self, why: str) -> None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        i = 1
+        while target.exists():
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{i}")
+            i += 1
+        try:
+            os.replace(self.path, target)
+            for suffix in ("-wal", "-shm", "-journal"):
+                side = Path(str(self.path) + suffix)
+                if side.exists():
+                    os.replace(side, Path(str(target) + suffix))
+        except FileNotFoundError:
+            pass  # another process moved it first
+        except OSError as exc:
+            raise StoreError(f"the store {self.path} is unusable ({why}) and could not be moved aside: {exc}; "
+                             "move or delete it by hand") from exc
+        warnings.warn(f"the memchunk store {self.path} was unusable ({why}); it was moved to {target} "
+                      "and a fresh store begins (learned memory starts from scratch)",
+                      StoreMovedAsideWarning, stacklevel=3)
+
+    # ------------------------------------------------------------------ API
+
+    @property
+    def _connection(self) -> sqlite3.Connection:
+        if self._con is None:
+            raise StoreError(f"the store {self.path} is closed")
+        return self._con
+
+    @staticmethod
+    def _row(obs: Observation) -> tuple:
+        il, xl, tw = obs.extents
+        return (obs.operator_key, obs.elements, il, xl, tw, obs.bytes_in, obs.peak_bytes, float(obs.seconds),
+                obs.outcome, int(bool(obs.censored)), obs.cpu_seconds, obs.worker, obs.chunk, obs.budget_bytes,
+                obs.gpu_peak_bytes, obs.energy_joules, int(bool(obs.shared)), obs.method, obs.flow_run_id,
+                float(obs.created_at))
+
+    @staticmethod
+    def _observation(row: Iterable[Any]) -> Observation:
+        d = dict(zip(COLUMN_NAMES, row))
+        d["extents"] = (d.pop("extent_iline"), d.pop("extent_xline"), d.pop("extent_twt"))
+        d["censored"] = bool(d["censored"])
+        d["shared"] = bool(d["shared"])
+        return Observation.from_dict(d)
+
+    def add(self, obs: Observation) -> int:
+        """Append one observation; returns its row id (increasing in insertion order)."""
+        return self.add_many([obs])[-1]
+
+    def add_many(self, observations: Iterable[Observation]) -> list[int]:
+        """Append observations in one transaction; returns their row ids."""
+        rows = [self._row(o) for o in observations]
+        sql = (f"INSERT INTO observations ({', '.join(COLUMN_NAMES)}) "
+               f"VALUES ({', '.join('?' * len(COLUMN_NAMES))})")
+        with self._lock:
+            con = self._connection
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                ids = [con.execute(sql, r).lastrowid for r in rows]
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        return ids
+
+    def rows(self, key: str | None = None, *, after: int = 0) -> Iterator[tuple[int, Observation]]:
+        """``(row id, Observation)`` in insertion order, optionally for one key and after a row id."""
+        sql = f"SELECT id, {', '.join(COLUMN_NAMES)} FROM observations WHERE id > ?"
+        args: list[Any] = [after]
+        if key is not None:
+            sql += " AND operator_key = ?"
+            args.append(key)
+        with self._lock:
+            fetched = self._connection.execute(sql + " ORDER BY id", args).fetchall()
+        for r in fetched:
+            yield r[0], self._observation(r[1:])
+
+    def observations(self, key: str | None = None) -> list[Observation]:
+        """All observations (of ``key``, if given) in insertion order."""
+        return [o for _, o in self.rows(key)]
+
+    def keys(self) -> list[str]:
+        """Operator keys with at least one observation, sorted."""
+        with self._lock:
+            return [r[0] for r in self._connection.execute(
+                "SELECT DISTINCT operator_key FROM observations ORDER BY operator_key")]
+
+    def count(self, key: str | None = None) -> int:
+        with self._lock:
+            if key is None:
+                return self._connection.execute("SELECT COUNT(*) FROM observations").fetchone()[0]
+            return self._connection.execute("SELECT COUNT(*) FROM observations WHERE operator_key = ?",
+                                            (key,)).fetchone()[0]
+
+    def forget(self, key: str) -> int:
+        """Delete every observation of ``key``; returns how many were deleted."""
+        with self._lock:
+            con = self._connection
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                n = con.execute("DELETE FROM observations WHERE operator_key = ?", (key,)).rowcount
+                con.execute("COMMIT")
+            except BaseException:
+                con.execute("ROLLBACK")
+                raise
+        return n
+
+    def schema_version(self) -> int:
+        with self._lock:
+            return self._connection.execute("PRAGMA user_version").fetchone()[0]
+
+    def export(self, fmt: str = "csv", key: str | None = None) -> str:
+        """All observations as CSV (one column per field, extents as three columns) or JSON (a list of objects)."""
+        fmt = fmt.lower()
+        rows = list(self.rows(key))
+        if fmt == "json":
+            return json.dumps([{"id": i, **o.to_dict()} for i, o in rows], indent=1)
+        if fmt == "csv":
+            buf = io.StringIO()
+            w = csv.writer(buf, lineterminator="\n")
+            w.writerow(["id"] + COLUMN_NAMES)
+            for i, o in rows:
+                w.writerow([i] + ["" if v is None else v for v in self._row(o)])
+            return buf.getvalue()
+        raise StoreError(f"export format must be 'csv' or 'json', got {fmt!r}")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._con is not None:
+                self._con.close()
+                self._con = None
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r}, journal_mode={self.journal_mode!r})"
+
