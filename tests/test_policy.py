@@ -1,0 +1,208 @@
+"""The policy's decisions, as tables: shapes, budgets and predictions in; chunkings and decisions out."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memchunk_prefect.chunks import Chunk, covers_exactly, with_halo
+from memchunk_prefect.errors import BudgetError, BudgetTooSmallError
+from memchunk_prefect.policy import (
+    CONTINUE,
+    PROBE,
+    RECHUNK,
+    Prediction,
+    PolicySettings,
+    decide,
+    plan,
+    probe_plan,
+    remaining_boxes,
+    split_chunk,
+    task_budget_bytes,
+)
+
+
+def linear(multiple: float, overhead: float = 0.0, ready: bool = True, spread: float = 1.1):
+    """A model whose peak is overhead + multiple x input bytes (float32), bound = spread x mean."""
+
+    def predict(ext):
+        n = math.prod(ext)
+        mean = overhead + multiple * 4 * n
+        return Prediction(mean_bytes=mean, upper_bytes=spread * mean, n_observations=10 if ready else 0,
+                          ready=ready)
+
+    return predict
+
+
+MiB = 2**20
+
+
+@pytest.mark.parametrize(
+    "shape, multiple, budget, slots, expect_chunks",
+    [
+        # Light operator, everything fits: one chunk per slot (never fewer chunks than slots).
+        ((64, 64, 100), 2, 1000 * MiB, 2, 2),
+        ((64, 64, 100), 2, 1000 * MiB, 4, 4),
+        # Heavy operator: 64*64*100*4 B = 1.56 MiB input; x60 = 94 MiB (x1.1 bound = 103 MiB) in one piece.
+        ((64, 64, 100), 60, 40 * MiB, 1, 3),
+        ((64, 64, 100), 60, 40 * MiB, 2, 4),
+    ],
+)
+def test_plan_picks_fewest_balanced_chunks_that_fit_and_fill_slots(shape, multiple, budget, slots, expect_chunks):
+    p = plan(shape, budget_bytes=budget, predict=linear(multiple), slots=slots)
+    assert p.n_chunks == expect_chunks
+    assert covers_exactly(p.chunks, shape)
+    assert p.upper_bound_bytes <= budget
+    assert all(c.shape[2] == shape[2] for c in p.chunks), "whole traces are kept by default"
+    sizes = [c.elements for c in p.chunks]
+    assert max(sizes) - min(sizes) <= max(sizes) // 4 + shape[1] * shape[2], "chunks are balanced"
+
+
+def test_plan_counts_the_halo_against_the_budget():
+    shape = (64, 64, 100)
+    no_halo = plan(shape, budget_bytes=40 * MiB, predict=linear(60), slots=1)
+    with_h = plan(shape, budget_bytes=40 * MiB, predict=linear(60), slots=1, halo=(8, 8, 0))
+    assert with_h.n_chunks > no_halo.n_chunks
+    for c in with_h.chunks:
+        read, _ = with_halo(c, (8, 8, 0), shape)
+        assert linear(60)(read.shape).upper_bytes <= 40 * MiB
+
+
+def test_per_task_overhead_makes_one_chunk_per_slot_win_when_memory_allows():
+    shape = (256, 256, 100)
+    p = plan(shape, budget_bytes=10_000 * MiB, predict=linear(2), slots=2,
+             settings=PolicySettings(per_task_overhead_seconds=10.0, seconds_per_element=1e-9))
+    assert p.n_chunks == 2
+    assert p.estimated_seconds == pytest.approx(10.0 + 128 * 256 * 100 * 1e-9)
+
+
+def test_operator_that_may_cut_traces_gets_twt_cuts_only_when_needed():
+    shape = (2, 2, 100_000)
+    p = plan(shape, budget_bytes=4 * 60 * 50_000, predict=linear(50, spread=1.0), slots=1, whole_traces=False)
+    assert p.n_chunks >= 4
+    assert any(c.shape[2] < shape[2] for c in p.chunks)
+    with pytest.raises(BudgetTooSmallError, match="whole traces"):
+        plan(shape, budget_bytes=4 * 60 * 50_000, predict=linear(50, spread=1.0), slots=1, whole_traces=True)
+
+
+def test_impossible_budget_is_a_clear_error_naming_the_figures():
+    with pytest.raises(BudgetTooSmallError) as err:
+        plan((10, 10, 1000), budget_bytes=1000, predict=linear(60), slots=1)
+    msg = str(err.value)
+    assert "1000 B" in msg or "1000" in msg
+    assert "budget" in msg and "memory_limit" in msg
+
+
+@pytest.mark.parametrize("bad", [0, -5, None])
+def test_non_positive_budget_is_refused(bad):
+    with pytest.raises(BudgetError):
+        plan((4, 4, 4), budget_bytes=bad, predict=linear(1), slots=1)
+
+
+def test_no_history_gives_a_probe_of_several_sizes_and_a_plannable_remainder():
+    shape = (50, 40, 200)
+    p = plan(shape, budget_bytes=200 * MiB, predict=linear(5, ready=False), slots=2)
+    assert p.probe and p.decision == PROBE
+    assert len(p.chunks) >= 3
+    assert len({c.elements for c in p.chunks}) >= 2, "probes of different sizes separate overhead from slope"
+    assert covers_exactly(p.chunks + p.remainder, shape)
+    # Sized for probe_multiple (100x) of the input: even a 60x operator fits the budget.
+    assert all(100 * 4 * c.elements <= 200 * MiB for c in p.chunks)
+
+
+@given(shape=st.tuples(st.integers(1, 30), st.integers(1, 30), st.integers(1, 50)),
+       budget=st.integers(10_000, 10_000_000), slots=st.integers(1, 8), whole=st.booleans(),
+       halo=st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)))
+@settings(max_examples=60, deadline=None)
+def test_probe_and_remainder_always_tile_the_volume(shape, budget, slots, whole, halo):
+    p = probe_plan(shape, budget_bytes=budget, slots=slots, whole_traces=whole, halo=halo)
+    assert covers_exactly(p.chunks + p.remainder, shape)
+
+
+@given(shape=st.tuples(st.integers(1, 40), st.integers(1, 40), st.integers(1, 60)),
+       multiple=st.floats(1, 80), budget_mib=st.floats(0.05, 50), slots=st.integers(1, 6))
+@settings(max_examples=60, deadline=None)
+def test_any_plan_tiles_the_volume_and_fits_or_refuses(shape, multiple, budget_mib, slots):
+    budget = int(budget_mib * MiB)
+    try:
+        p = plan(shape, budget_bytes=budget, predict=linear(multiple), slots=slots)
+    except BudgetTooSmallError:
+        one_trace = linear(multiple)((1, 1, shape[2])).upper_bytes
+        assert one_trace > budget
+        return
+    assert covers_exactly(p.chunks, shape)
+    assert p.upper_bound_bytes <= budget
+
+
+def test_decide_continues_when_incoming_chunking_fits_and_is_near_best():
+    shape = (64, 64, 100)
+    incoming = plan(shape, budget_bytes=1000 * MiB, predict=linear(2), slots=2).chunks
+    d = decide(shape, incoming, budget_bytes=1000 * MiB, predict=linear(3), slots=2)
+    assert d.decision == CONTINUE
+    assert d.plan.chunks == incoming
+
+
+def test_decide_rechunks_for_a_heavy_operator_after_a_light_one():
+    shape = (64, 64, 100)
+    incoming = plan(shape, budget_bytes=40 * MiB, predict=linear(2), slots=2).chunks
+    d = decide(shape, incoming, budget_bytes=40 * MiB, predict=linear(60), slots=2)
+    assert d.decision == RECHUNK
+    assert "over the budget" in d.reason
+    assert d.plan.upper_bound_bytes <= 40 * MiB
+
+
+def test_decide_rechunks_when_incoming_is_much_slower_than_best():
+    shape = (64, 64, 100)
+    tiny = [Chunk((i, 0, 0), (i + 1, 64, 100)) for i in range(64)]
+    d = decide(shape, tiny, budget_bytes=1000 * MiB, predict=linear(2), slots=2)
+    assert d.decision == RECHUNK and "estimated" in d.reason
+
+
+def test_decide_probes_without_history():
+    d = decide((16, 16, 50), None, budget_bytes=100 * MiB, predict=linear(2, ready=False), slots=2)
+    assert d.decision == PROBE
+
+
+@pytest.mark.parametrize(
+    "chunk, whole, expect",
+    [
+        (Chunk((0, 0, 0), (8, 4, 100)), True, [((0, 0, 0), (4, 4, 100)), ((4, 0, 0), (8, 4, 100))]),
+        (Chunk((0, 0, 0), (1, 4, 100)), True, [((0, 0, 0), (1, 2, 100)), ((0, 2, 0), (1, 4, 100))]),
+        (Chunk((0, 0, 0), (1, 1, 100)), True, []),
+        (Chunk((0, 0, 0), (1, 1, 100)), False, [((0, 0, 0), (1, 1, 50)), ((0, 0, 50), (1, 1, 100))]),
+        (Chunk((0, 0, 0), (1, 1, 1)), False, []),
+    ],
+)
+def test_split_halves_along_the_longest_allowed_axis(chunk, whole, expect):
+    assert [(c.start, c.stop) for c in split_chunk(chunk, whole_traces=whole)] == expect
+
+
+@pytest.mark.parametrize(
+    "limit, threads, fraction, resting, expect",
+    [(4 * 2**30, 1, 0.75, 0, 3 * 2**30), (4 * 2**30, 2, 0.75, 0, int(1.5 * 2**30)),
+     (4 * 2**30, 1, 0.5, 2**30, 2**30)],
+)
+def test_task_budget_from_worker_memory(limit, threads, fraction, resting, expect):
+    assert task_budget_bytes(limit, threads, target_fraction=fraction, resting_bytes=resting) == expect
+
+
+def test_budget_with_no_memory_limit_says_what_to_do():
+    with pytest.raises(BudgetError, match="memory_limit"):
+        task_budget_bytes(0, 1)
+    with pytest.raises(BudgetTooSmallError):
+        task_budget_bytes(2**30, 1, resting_bytes=2**30)
+
+
+def test_remaining_boxes_merge_full_bands_and_keep_partial_ones():
+    shape = (12, 10, 5)
+    p = plan(shape, budget_bytes=10 * MiB, predict=linear(1), slots=1)
+    full = [Chunk((i, 0, 0), (i + 2, 5, 5)) for i in range(0, 12, 2)] + [
+        Chunk((i, 5, 0), (i + 2, 10, 5)) for i in range(0, 12, 2)]
+    pending = [c for c in full if not (c.start[0] == 0 and c.start[1] == 0)]
+    boxes, kept = remaining_boxes(pending)
+    assert boxes == [Chunk((2, 0, 0), (12, 10, 5))]
+    assert kept == [Chunk((0, 5, 0), (2, 10, 5))]
+    assert p.n_chunks >= 1
