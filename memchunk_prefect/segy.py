@@ -285,7 +285,7 @@ def geometry_from_headers(path: str, il: np.ndarray, xl: np.ndarray, off: np.nda
         miss = int(np.argmax(counts == 0))
         raise SegyGeometryError(
             path, f"the headers name {len(ilines)} inlines x {len(xlines)} crosslines = "
-            f"{len(ilines) * len(xlines)} positions, but the file has {n} traces: "
+            f"{len(ilines) * len(xlines)} positions, but the file has {n} traces of {len(samples)} samples: "
             f"{len(ilines) * len(xlines) - n} positions have no trace, e.g. (inline {ilines[miss // len(xlines)]}, "
             f"crossline {xlines[miss % len(xlines)]}). Expected a full rectangular grid; pad the missing traces "
             f"(e.g. with zeros) when exporting, or check the byte locations ({where}). {_HINT_BYTES}"

@@ -1,0 +1,178 @@
+"""Real SEG-Y files made by others (segyio's test data): formats, byte orders, coordinates, and every bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import segyio
+
+import memchunk_prefect.segy as segy_mod
+from memchunk_prefect.chunks import Chunk
+from memchunk_prefect.errors import (
+    SegyEmptyError,
+    SegyError,
+    SegyFileNotFoundError,
+    SegyGeometryError,
+    SegyNotA3DVolumeError,
+    SegyPrestackError,
+    SegyTruncatedError,
+)
+from memchunk_prefect.volume import SegySource, open_segy, synthetic_survey
+
+F3_ILINES = np.arange(111, 134)
+F3_XLINES = np.arange(875, 893)
+F3_TWT = np.arange(1, 76) * 4.0
+
+
+def _raw(path, endian="big"):
+    """What segyio itself reads, trace by trace, as float32 (the oracle for values)."""
+    with segyio.open(str(path), ignore_geometry=True, endian=endian) as f:
+        return f.trace.raw[:].astype(np.float32)
+
+
+# --------------------------------------------------------------------------- formats and byte orders
+
+
+@pytest.mark.parametrize("name, format_code, endian", [
+    ("f3.sgy", 3, "big"),
+    ("f3-lsb.sgy", 3, "little"),
+    ("Format1msb.sgy", 1, "big"),
+    ("Format5lsb.sgy", 5, "little"),
+    ("Format8msb.sgy", 8, "big"),
+])
+def test_every_sample_format_opens_as_float32_with_f3_coordinates(segy_dir, name, format_code, endian):
+    da = open_segy(segy_dir / name)
+    assert da.dims == ("iline", "xline", "twt")
+    assert da.dtype == np.float32 and da.values.dtype == np.float32
+    np.testing.assert_array_equal(da.iline.values, F3_ILINES)
+    np.testing.assert_array_equal(da.xline.values, F3_XLINES)
+    np.testing.assert_allclose(da.twt.values, F3_TWT)
+    assert da.attrs["sample_interval_ms"] == 4.0
+    assert da.attrs["format_code"] == format_code and da.attrs["endian"] == endian
+    # values are exactly segyio's samples, placed inline-major (the file is inline-sorted)
+    np.testing.assert_array_equal(da.values.reshape(-1, 75), _raw(segy_dir / name, endian))
+
+
+def test_big_and_little_endian_f3_give_identical_values(segy_dir):
+    np.testing.assert_array_equal(open_segy(segy_dir / "f3.sgy").values, open_segy(segy_dir / "f3-lsb.sgy").values)
+    np.testing.assert_array_equal(open_segy(segy_dir / "small.sgy").values,
+                                  open_segy(segy_dir / "small-lsb.sgy").values)
+
+
+@pytest.mark.parametrize("name", ["f3.sgy", "Format1msb.sgy"])
+def test_integer_and_ibm_formats_equal_the_ieee_copy(segy_dir, name):
+    """f3 (int16) and the IBM copy hold the same numbers as the IEEE copy; they are not all zero."""
+    ieee = open_segy(segy_dir / "Format5lsb.sgy").values
+    other = open_segy(segy_dir / name).values
+    assert np.abs(ieee).max() > 1000 and np.count_nonzero(ieee) > ieee.size // 2
+    np.testing.assert_allclose(other, ieee, rtol=1e-6, atol=0)
+
+
+def test_cdp_coordinates_come_from_headers_with_the_scalar_applied(segy_dir):
+    da = open_segy(segy_dir / "f3.sgy")
+    # first trace: CDP_X 6201972, CDP_Y 60742329, scalar -10 at byte 71 -> divide by 10
+    assert da.cdp_x.dims == ("iline", "xline")
+    assert da.cdp_x.values[0, 0] == pytest.approx(620197.2)
+    assert da.cdp_y.values[0, 0] == pytest.approx(6074232.9)
+    assert len(np.unique(da.cdp_x.values)) > 100  # one per trace, not a constant
+
+
+@pytest.mark.parametrize("name, shape, interval_ms, ilines, xlines", [
+    ("small.sgy", (5, 5, 50), 4.0, [1, 2, 3, 4, 5], [20, 21, 22, 23, 24]),
+    ("tiny.sgy", (3, 2, 4), 1.0, [1, 2, 3], [20, 21]),
+])
+def test_small_files_have_their_documented_geometry(segy_dir, name, shape, interval_ms, ilines, xlines):
+    da = open_segy(segy_dir / name)
+    assert da.shape == shape
+    assert da.attrs["sample_interval_ms"] == interval_ms
+    assert da.iline.values.tolist() == ilines and da.xline.values.tolist() == xlines
+
+
+def test_sources_read_real_files_box_by_box(segy_dir):
+    src = SegySource(segy_dir / "f3.sgy")
+    whole = open_segy(segy_dir / "f3.sgy").values
+    box = Chunk((3, 5, 10), (9, 17, 40))
+    np.testing.assert_array_equal(src.read(box), whole[box.slices()])
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _gridded_file_with_a_missing_trace(path):
+    """A 3 x 3 grid written with segyio with the (inline 2, crossline 11) trace left out: 8 traces."""
+    spec = segyio.spec()
+    spec.format, spec.samples, spec.tracecount = 5, np.arange(10) * 4.0, 8
+    pairs = [(i, x) for i in (1, 2, 3) for x in (10, 11, 12) if (i, x) != (2, 11)]
+    with segyio.create(str(path), spec) as f:
+        for k, (i, x) in enumerate(pairs):
+            f.header[k] = {segyio.TraceField.INLINE_3D: i, segyio.TraceField.CROSSLINE_3D: x}
+            f.trace[k] = np.full(10, k, dtype=np.float32)
+    return path
+
+
+BAD_INPUTS = [
+    # (file or builder, exception, words the message must contain)
+    ("does-not-exist.sgy", SegyFileNotFoundError, ["does-not-exist.sgy", "no such file", "Expected a SEG-Y"]),
+    ("broken.sgy", SegyTruncatedError, ["broken.sgy", "truncated", "4 samples", "68 bytes"]),
+    ("text.sgy", SegyEmptyError, ["text.sgy", "no traces", "3600 bytes"]),
+    ("shot-gather.sgy", SegyNotA3DVolumeError,
+     ["shot-gather.sgy", "not a sorted 3D volume", "byte 189", "byte 193", "61 traces", "open_segy(path, iline="]),
+    ("small-ps.sgy", SegyPrestackError, ["small-ps.sgy", "pre-stack", "2 offsets", "post-stack", "Stack"]),
+    ("long.sgy", SegyGeometryError, ["long.sgy", "60000 samples", "3 traces", "byte 189"]),
+    (_gridded_file_with_a_missing_trace, SegyGeometryError,
+     ["3 inlines x 3 crosslines = 9 positions", "8 traces", "inline 2, crossline 11"]),
+]
+
+
+@pytest.mark.parametrize("bad, error, words", BAD_INPUTS,
+                         ids=[b if isinstance(b, str) else b.__name__.strip("_") for b, _, _ in BAD_INPUTS])
+@pytest.mark.parametrize("opener", [open_segy, SegySource], ids=["open_segy", "SegySource"])
+def test_bad_input_raises_a_typed_error_naming_file_expectation_and_finding(segy_dir, tmp_path, bad, error, words,
+                                                                            opener):
+    path = bad(tmp_path / "missing-trace.sgy") if callable(bad) else (
+        tmp_path / bad if bad == "does-not-exist.sgy" else segy_dir / bad)
+    with pytest.raises(error) as info:
+        opener(path)
+    message = str(info.value)
+    assert isinstance(info.value, SegyError) and info.value.path == str(path)
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+def test_a_missing_file_is_also_a_file_not_found_error(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        open_segy(tmp_path / "nope.sgy")
+
+
+def test_other_byte_locations_can_be_passed(tmp_path):
+    """A survey whose numbers sit elsewhere fails at 189/193 and opens when told where they are."""
+    path = synthetic_survey(tmp_path / "s.sgy", (3, 4, 10))
+    with segyio.open(str(path), "r+") as f:  # move inline/crossline numbers to bytes 9 / 21
+        for k in range(f.tracecount):
+            h = f.header[k]
+            f.header[k] = {segyio.TraceField.FieldRecord: h[189], segyio.TraceField.CDP: h[193],
+                           segyio.TraceField.INLINE_3D: 0, segyio.TraceField.CROSSLINE_3D: 0}
+    with pytest.raises(SegyNotA3DVolumeError, match="byte 189"):
+        open_segy(path)
+    da = open_segy(path, iline=9, xline=21)
+    assert da.iline.values.tolist() == [100, 101, 102] and da.xline.values.tolist() == [300, 301, 302, 303]
+    assert da.attrs["memchunk_source"] == {"kind": "segy", "path": str(path), "iline": 9, "xline": 21}
+
+
+def test_nan_and_inf_samples_are_read_as_they_are(tmp_path):
+    path = synthetic_survey(tmp_path / "s.sgy", (2, 3, 8))
+    with segyio.open(str(path), "r+") as f:
+        t = f.trace[4].copy()
+        t[2], t[3], t[5] = np.nan, np.inf, -np.inf
+        f.trace[4] = t
+    v = open_segy(path).values[1, 1]  # trace 4 = inline index 1, crossline index 1
+    assert np.isnan(v[2]) and v[3] == np.inf and v[5] == -np.inf
+
+
+def test_header_scan_never_reads_samples(segy_dir, monkeypatch):
+    def no_samples(*a, **k):  # pragma: no cover - must not run
+        raise AssertionError("sample data read while opening")
+
+    monkeypatch.setattr(segy_mod, "read_traces", no_samples)
+    da = open_segy(segy_dir / "f3.sgy")
+    assert da.shape == (23, 18, 75)
