@@ -15,9 +15,11 @@ the fixed overhead (MiB) and ``b`` the bytes per element. A straight line
 extrapolates sensibly to chunks larger than any seen — a tree model under-
 predicted a 400^3 chunk 3x in the reference study (FACTS.md) and the run failed.
 A *superlinear* form ``a + b*u + c*u**1.5`` is fitted beside it for operators
-whose memory grows faster than their size; it is used only when its
-leave-one-out error (PRESS) beats the line's clearly and ``c > 0`` (so it never
-bends down when extrapolating).
+whose memory grows faster than their size; its mean is used when its
+leave-one-out error (PRESS) beats the line's and ``c > 0`` (so it never bends
+down when extrapolating). While both fit about equally well, the bound is the
+larger of the two: inside the data they agree, outside it a line would
+under-predict a curve that the noise hid.
 
 *River does the fitting.* Each form is a :class:`river.linear_model.BayesianLinearRegression`
 (``learn_one`` per observation). It has no intercept, so a constant feature is
@@ -214,7 +216,9 @@ class OperatorModel:
     ``noise_floor_bytes`` added in quadrature to each peak when scaling rows;
     ``prior_noise`` (relative) and ``min_noise`` (relative) for the noise scale;
     ``superlinear_gain``: the superlinear form is chosen only when its
-    leave-one-out error is below this fraction of the line's;
+    leave-one-out error is below this fraction of the line's, and it also
+    bounds (see :meth:`_bound_forms`) while its error is within
+    ``superlinear_plausible`` x the line's;
     ``metric_window``: observations in the rolling MAPE and coverage.
     """
 
@@ -227,7 +231,8 @@ class OperatorModel:
     noise_floor_bytes: float = 4 * MIB
     prior_noise: float = 0.05
     min_noise: float = 0.01
-    superlinear_gain: float = 0.5
+    superlinear_gain: float = 0.9
+    superlinear_plausible: float = 1.5
     metric_window: int = 20
     prior_variance: float = 1e6
 
@@ -332,15 +337,35 @@ class OperatorModel:
         return {name: f.fit(self.prior_noise, 1.0, self.min_noise) for name, f in self._forms.items()}
 
     def form(self) -> str:
-        """The form in use: ``linear``, or ``superlinear`` when it clearly predicts held-out points better."""
+        """The form whose mean is used: ``superlinear`` when it predicts held-out points better, else ``linear``."""
         if self._ready_reason() is not None:
             return LINEAR
         fits = self._fits()
-        sup, lin = fits[SUPERLINEAR], fits[LINEAR]
-        if (sup.n >= len(_POWERS[SUPERLINEAR]) + 2 and sup.coef[-1] > 0
-                and sup.press < self.superlinear_gain * lin.press):
+        if self._superlinear_eligible(fits) and fits[SUPERLINEAR].press < self.superlinear_gain * fits[LINEAR].press:
             return SUPERLINEAR
         return LINEAR
+
+    def _superlinear_eligible(self, fits: dict[str, _Fit], *, curving_up: bool = True) -> bool:
+        sup = fits[SUPERLINEAR]
+        enough = sup.n >= len(_POWERS[SUPERLINEAR]) + 2 and math.isfinite(sup.press)
+        return enough and (sup.coef[-1] > 0 or not curving_up)
+
+    def _bound_forms(self) -> list[str]:
+        """Forms whose bound counts: the chosen one, plus a plausible superlinear one.
+
+        Within the data both forms agree; outside it a line under-predicts a
+        curve. So while the superlinear form fits held-out points about as well
+        (PRESS within ``superlinear_plausible`` x the line's), the bound is the
+        larger of the two: extrapolation errs on the safe side. (Its bound counts
+        even when its fitted curvature is negative: the curvature's uncertainty
+        is what widens it far from the data.)
+        """
+        chosen = self.form()
+        fits = self._fits()
+        if (chosen == LINEAR and self._superlinear_eligible(fits, curving_up=False)
+                and fits[SUPERLINEAR].press <= self.superlinear_plausible * fits[LINEAR].press):
+            return [LINEAR, SUPERLINEAR]
+        return [chosen]
 
     def _ready_reason(self) -> str | None:
         n = self.n_observations
@@ -379,6 +404,8 @@ class OperatorModel:
             mean, upper = self._guess(u, itemsize)
         else:
             mean, upper = self._bound(self.form(), u)
+            for other in self._bound_forms():
+                upper = max(upper, self._bound(other, u)[1])
             reason = f"{self.form()} fit on {n} observations"
         if apply_censored and self._censored:
             mean, upper, note = self._apply_censored(u, mean, upper)
@@ -418,7 +445,7 @@ class OperatorModel:
             if u >= c.u:
                 floor = max(floor, need)
             if self._ready_reason() is None:
-                _, bound_c = self._bound(self.form(), c.u)
+                bound_c = max(self._bound(f, c.u)[1] for f in self._bound_forms())
             else:
                 _, bound_c = self._guess(c.u, 4)
             if bound_c >= need:
