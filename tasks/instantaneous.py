@@ -12,7 +12,7 @@ transform, and that sample's output is NaN. The rest of the trace is computed
 from the zero-filled trace (a single bad sample does not blank a whole trace).
 
 Samples where the envelope is exactly zero (dead traces) have no defined phase:
-they give phase 0, cosine of phase 1 and frequency 0 Hz.
+they give phase 0 and cosine of phase 1, and no phase advance for the frequency.
 """
 
 from __future__ import annotations
@@ -87,32 +87,34 @@ def cosine_phase(block):
 
 @operator(halo=(0, 0, 0), whole_traces=True, **TASK_OPTIONS)
 def instantaneous_frequency(block, sample_interval_ms=4.0):
-    """Instantaneous frequency in Hz: the time derivative of the phase over 2 pi.
+    """Instantaneous frequency in Hz: the rate of change of the instantaneous phase over 2 pi.
 
-    Computed without unwrapping from the analytic signal ``z = x + i y``::
+    Computed from the analytic signal ``z`` without unwrapping, as the phase
+    advance between neighbouring samples, ``angle(z[t+1] * conj(z[t]))`` (always
+    in (-pi, pi], so no unwrapping is needed), averaged over the step before and
+    the step after each sample (one-sided at the trace ends), divided by
+    ``2 pi dt`` with ``dt = sample_interval_ms / 1000`` s (Barnes, 1992). Unlike
+    the derivative form ``(x dy/dt - y dx/dt) / (2 pi (x^2 + y^2))`` with finite
+    differences, this is exact for a pure tone at any frequency below Nyquist
+    (finite differences read a 25 Hz cosine at 4 ms as 23.4 Hz), and needs no
+    division by the envelope. In float64.
 
-        f = (x dy/dt - y dx/dt) / (2 pi (x^2 + y^2))
-
-    with ``d/dt`` by central differences (one-sided at the trace ends,
-    :func:`numpy.gradient`) over ``sample_interval_ms`` milliseconds, in float64.
-    It can be negative, and spikes where the envelope nearly vanishes (as the
-    instantaneous frequency does by definition); 0 Hz where the envelope is
-    exactly zero. Halo (0, 0, 0); whole traces. Non-finite input samples give NaN there.
+    It can be negative and is erratic where the envelope nearly vanishes (as the
+    instantaneous frequency is, by definition). A step touching a sample of zero
+    envelope counts as no phase advance; one-sample traces give 0 Hz. Halo
+    (0, 0, 0); whole traces. Non-finite input samples give NaN there.
     """
     dt_s = float(sample_interval_ms) / 1000.0
     if not np.isfinite(dt_s) or dt_s <= 0:
         raise ValueError(f"`sample_interval_ms` must be a positive number of milliseconds, got {sample_interval_ms!r}")
     z, bad = _analytic(block, "instantaneous_frequency")
-    x = z.real.astype(np.float64)
-    y = z.imag.astype(np.float64)
-    del z
-    numerator = x * np.gradient(y, dt_s, axis=-1)
-    numerator -= y * np.gradient(x, dt_s, axis=-1)
-    power = x * x
-    power += y * y
-    del x, y
-    zero = power == 0
-    power[zero] = 1.0
-    freq = numerator / (2.0 * np.pi * power)
-    freq[zero] = 0.0
+    z = z.astype(np.complex128)
+    freq = np.zeros(z.shape, dtype=np.float64)
+    if z.shape[-1] > 1:
+        step = np.angle(z[..., 1:] * np.conj(z[..., :-1]))  # phase advance per sample, radians
+        del z
+        freq[..., 0] = step[..., 0]
+        freq[..., -1] = step[..., -1]
+        freq[..., 1:-1] = 0.5 * (step[..., 1:] + step[..., :-1])
+        freq /= 2.0 * np.pi * dt_s
     return _finish(freq, bad)
