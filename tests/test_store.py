@@ -1,0 +1,264 @@
+"""The observation store with real SQLite files and real concurrent processes."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from memchunk_prefect.errors import StoreError, StoreSchemaTooNewError
+from memchunk_prefect.records import Observation
+from memchunk_prefect.store import (
+    CREATE_V1,
+    SCHEMA_VERSION,
+    Store,
+    StoreMovedAsideWarning,
+    default_store_path,
+    filesystem_type,
+    is_network_filesystem,
+)
+
+
+def make_obs(i: int = 0, key: str = "envelope|float32|cpu", **kw) -> Observation:
+    e = 10 * 10 * (10 + i)
+    return Observation(key, e, (10, 10, 10 + i), 4 * e, 1000 + i, seconds=0.5, **kw)
+
+
+def test_round_trip_keeps_every_field(tmp_path):
+    full = Observation("gst3d_dip[sigma=2]|float32|cpu", 1200, (10, 12, 10), 4800, 99_000, seconds=1.25,
+                       outcome="memory_error", censored=True, cpu_seconds=1.0, worker="tcp://w:1",
+                       chunk="i0-8_x0-10_t0-10", budget_bytes=2**30, gpu_peak_bytes=None, energy_joules=3.5,
+                       shared=True, method="vmhwm", flow_run_id="abc", created_at=1700000000.5)
+    plain = make_obs()
+    with Store(tmp_path / "s.sqlite") as s:
+        s.add(full)
+        s.add(plain)
+        got = s.observations()
+    assert got == [full, plain]
+
+
+def test_insertion_order_keys_forget_and_count(tmp_path):
+    with Store(tmp_path / "s.sqlite") as s:
+        s.add_many([make_obs(i, key="b|float32|cpu") for i in range(3)])
+        s.add(make_obs(9, key="a|float32|cpu"))
+        s.add(make_obs(3, key="b|float32|cpu"))
+        assert s.keys() == ["a|float32|cpu", "b|float32|cpu"]
+        assert [o.peak_bytes for o in s.observations("b|float32|cpu")] == [1000, 1001, 1002, 1003]
+        assert s.forget("b|float32|cpu") == 4
+        assert s.forget("b|float32|cpu") == 0
+        assert s.keys() == ["a|float32|cpu"] and s.count() == 1
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json"])
+def test_export(tmp_path, fmt):
+    with Store(tmp_path / "s.sqlite") as s:
+        s.add_many([make_obs(i) for i in range(3)])
+        text = s.export(fmt)
+    if fmt == "csv":
+        rows = list(csv.DictReader(io.StringIO(text)))
+        assert [int(r["peak_bytes"]) for r in rows] == [1000, 1001, 1002]
+        assert rows[0]["extent_twt"] == "10" and rows[0]["operator_key"] == "envelope|float32|cpu"
+    else:
+        rows = json.loads(text)
+        assert [r["peak_bytes"] for r in rows] == [1000, 1001, 1002]
+        assert rows[2]["extents"] == [10, 10, 12]
+
+
+def test_export_unknown_format_says_what_is_accepted(tmp_path):
+    with Store(tmp_path / "s.sqlite") as s, pytest.raises(StoreError, match="'csv' or 'json'.*'xml'"):
+        s.export("xml")
+
+
+def test_closed_store_raises_a_store_error(tmp_path):
+    s = Store(tmp_path / "s.sqlite")
+    s.close()
+    with pytest.raises(StoreError, match="closed"):
+        s.keys()
+
+
+WRITER = """
+import sys
+from memchunk_prefect.records import Observation
+from memchunk_prefect.store import Store
+path, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+with Store(path) as s:
+    print("ready", flush=True)
+    sys.stdin.readline()  # start together
+    for i in range(n):
+        s.add(Observation(tag + "|float32|cpu", 100, (1, 10, 10), 400, 1000 + i))
+"""
+
+
+@pytest.mark.parametrize("journal", ["wal", "delete"])
+def test_two_processes_writing_at_once_lose_nothing(tmp_path, journal, monkeypatch):
+    monkeypatch.setenv("MEMCHUNK_STORE_JOURNAL", journal)
+    path = str(tmp_path / "s.sqlite")
+    Store(path).close()
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, path, tag, "200"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for tag in ("p1", "p2")]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    for p in procs:
+        assert p.wait(60) == 0
+    with Store(path) as s:
+        assert s.count() == 400
+        assert s.count("p1|float32|cpu") == s.count("p2|float32|cpu") == 200
+
+
+def test_wal_locally_and_files_are_user_only(tmp_path):
+    path = tmp_path / "new" / "deeper" / "s.sqlite"
+    with Store(path) as s:
+        assert s.journal_mode == "wal" and s.journal_mode_in_effect == "wal"
+        s.add(make_obs())
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path.parent.parent).st_mode) == 0o700
+
+
+MOUNTS = """\
+/dev/sda1 / ext4 rw 0 0
+server:/export /shared nfs4 rw 0 0
+lustre@o2ib:/fs /lustre lustre rw 0 0
+/dev/sdb1 /shared/local ext4 rw 0 0
+"""
+
+
+@pytest.mark.parametrize("path, fstype, network", [
+    ("/home/u/x.sqlite", "ext4", False),
+    ("/shared/team/x.sqlite", "nfs4", True),
+    ("/shared/local/x.sqlite", "ext4", False),
+    ("/lustre/proj/x.sqlite", "lustre", True),
+    ("/sharedness/x.sqlite", "ext4", False),
+])
+def test_network_filesystems_are_detected_from_mounts(tmp_path, path, fstype, network):
+    mounts = tmp_path / "mounts"
+    mounts.write_text(MOUNTS)
+    assert filesystem_type(path, str(mounts)) == fstype
+    assert is_network_filesystem(path, str(mounts)) is network
+
+
+def test_delete_journal_when_asked(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEMCHUNK_STORE_JOURNAL", "delete")
+    with Store(tmp_path / "s.sqlite") as s:
+        assert s.journal_mode_in_effect == "delete"
+        s.add(make_obs())
+        assert s.count() == 1
+
+
+def test_bad_journal_mode_is_refused(tmp_path):
+    with pytest.raises(StoreError, match="'auto', 'wal' or 'delete'.*'fast'"):
+        Store(tmp_path / "s.sqlite", journal_mode="fast")
+
+
+def test_schema_version_is_recorded(tmp_path):
+    with Store(tmp_path / "s.sqlite") as s:
+        assert s.schema_version() == SCHEMA_VERSION
+    con = sqlite3.connect(tmp_path / "s.sqlite")
+    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    con.close()
+
+
+def test_a_v1_store_migrates_to_v2_keeping_its_rows(tmp_path):
+    path = tmp_path / "old.sqlite"
+    con = sqlite3.connect(path)
+    con.executescript(CREATE_V1)
+    con.execute("INSERT INTO meta VALUES ('application', 'memchunk-prefect')")
+    con.execute("INSERT INTO observations (operator_key, elements, extents, bytes_in, peak_bytes, seconds, outcome, "
+                "censored, worker, created_at) VALUES ('envelope|float32|cpu', 8000, '10x20x40', 32000, 500000, "
+                "1.5, 'ok', 0, 'w1', 1700000000)")
+    con.execute("INSERT INTO observations (operator_key, elements, extents, bytes_in, peak_bytes, seconds, outcome, "
+                "censored, worker, created_at) VALUES ('envelope|float32|cpu', 16000, '20x20x40', 64000, 2000000, "
+                "0.5, 'killed', 1, '', 1700000001)")
+    con.execute("PRAGMA user_version = 1")
+    con.commit()
+    con.close()
+    with Store(path) as s:
+        assert s.schema_version() == 2
+        old = s.observations()
+        s.add(make_obs())
+        assert len(s.observations()) == 3
+    assert [(o.extents, o.peak_bytes, o.outcome, o.censored, o.worker) for o in old] == [
+        ((10, 20, 40), 500000, "ok", False, "w1"), ((20, 20, 40), 2000000, "killed", True, "")]
+    assert old[0].method == "" and old[0].cpu_seconds is None
+
+
+def test_a_newer_store_is_refused_and_left_untouched(tmp_path):
+    path = tmp_path / "s.sqlite"
+    with Store(path) as s:
+        s.add(make_obs())
+    con = sqlite3.connect(path)
+    con.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    con.commit()
+    con.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreSchemaTooNewError, match=rf"version {SCHEMA_VERSION + 1}.*upgrade memchunk-prefect"):
+        Store(path)
+    assert path.read_bytes() == before
+    assert list(tmp_path.glob("*.corrupt-*")) == []
+
+
+def _foreign_sqlite(path):
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE customers (id INTEGER, name TEXT)")
+    con.commit()
+    con.close()
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: p.write_bytes(os.urandom(8192)),
+    lambda p: p.write_bytes(b"SQLite format 3\x00" + os.urandom(4000)),
+    _foreign_sqlite,
+], ids=["random-bytes", "truncated-sqlite-header", "foreign-sqlite"])
+def test_a_corrupt_or_foreign_file_is_moved_aside_and_a_fresh_store_begins(tmp_path, make):
+    path = tmp_path / "s.sqlite"
+    make(path)
+    original = path.read_bytes()
+    with pytest.warns(StoreMovedAsideWarning, match="moved to"):
+        s = Store(path)
+    with s:
+        assert s.count() == 0
+        s.add(make_obs())
+        assert s.count() == 1
+    aside = list(tmp_path.glob("s.sqlite.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == original
+
+
+def test_an_empty_file_becomes_a_store(tmp_path):
+    path = tmp_path / "s.sqlite"
+    path.touch()
+    with Store(path) as s:
+        assert s.count() == 0
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"MEMCHUNK_STORE": "/x/obs.sqlite"}, "/x/obs.sqlite"),
+    ({"MEMCHUNK_STORE": "", "PREFECT_HOME": "/ph"}, "/ph/memchunk/observations.sqlite"),
+])
+def test_default_store_path(monkeypatch, env, expected):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert str(default_store_path()) == expected
+
+
+def test_default_store_path_falls_back_to_prefect_default_home(monkeypatch, tmp_path):
+    monkeypatch.delenv("MEMCHUNK_STORE", raising=False)
+    monkeypatch.delenv("PREFECT_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "prefect.settings", raising=False)
+    assert default_store_path() == tmp_path / ".prefect" / "memchunk" / "observations.sqlite"
+
+
+def test_store_uses_the_environment_when_no_path_is_given(monkeypatch, tmp_path):
+    monkeypatch.setenv("MEMCHUNK_STORE", str(tmp_path / "env.sqlite"))
+    with Store() as s:
+        assert s.path == tmp_path / "env.sqlite"
