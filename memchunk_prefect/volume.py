@@ -343,6 +343,29 @@ class ArraySource(Source):
         return _as_f32(a[chunk.slices()])
 
 
+def _still_backed_by_file(da: Any) -> bool:
+    """True when ``da``'s data is still the untouched lazy file array (no arithmetic, no load, no selection).
+
+    xarray (2026.x) keeps attrs through arithmetic (``result * 2`` keeps ``memchunk_source``)
+    and through ``isel``, so the attribute alone would point changed data back at the file.
+    Walk xarray's wrapper chain instead: every lazy indexer must select everything and
+    the innermost array must be a backend array (SEG-Y or zarr), not numpy.
+    """
+    d = getattr(da.variable, "_data", None)
+    for _ in range(16):
+        key = getattr(d, "key", None)
+        if key is not None:
+            for k, n in zip(getattr(key, "tuple", ()), da.shape):
+                if not (isinstance(k, slice) and k.indices(n) == (0, n, 1)):
+                    return False
+        if isinstance(d, BackendArray):
+            return True
+        if not hasattr(d, "array"):
+            return False
+        d = d.array
+    return False
+
+
 def _source_from_attrs(da: Any) -> Source | None:
     """The file-backed source a DataArray's ``memchunk_source`` attribute names, if it still describes the DataArray.
 
@@ -362,7 +385,7 @@ def _source_from_attrs(da: Any) -> Source | None:
             return None
     except Exception:
         return None  # the file moved or changed: fall back to the array itself
-    if tuple(da.shape) != src.shape or tuple(da.dims) != AXES:
+    if tuple(da.shape) != src.shape or tuple(da.dims) != AXES or not _still_backed_by_file(da):
         return None
     c = src.coords()
     for name in AXES:
