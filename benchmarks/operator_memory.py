@@ -1,0 +1,150 @@
+"""Peak memory of every operator in ``tasks`` as a multiple of its input block's bytes.
+
+    python -m benchmarks.operator_memory                      # 64 x 64 x 400 float32 block, text table
+    python -m benchmarks.operator_memory --shape 128 128 400 --markdown
+    python -m benchmarks.operator_memory --operators envelope,gst3d_dip --json out.json
+
+Each operator runs in a **fresh Python subprocess** (this module with ``--child``),
+so one operator's peak never carries into another's: the child builds the input
+block (:func:`memchunk_prefect.segy.synthetic_volume`, float32), runs the operator
+once on a tiny block (so one-time costs such as lazy imports and FFT plans are
+paid before, as on a warm worker), returns freed heap memory to the OS
+(``malloc_trim``), then measures one call on the whole block with
+:func:`memchunk_prefect.monitor.measure` — the same figures the runner records
+for task runs: ``peak_bytes`` is the process's peak RSS during the call minus
+its RSS just before (input block excluded, output included), ``seconds`` wall time.
+
+Columns: input MiB (the block's bytes), peak MiB (``peak_bytes``), multiple
+(peak / input bytes) and seconds. Parameters are each operator's defaults.
+Figures drift a few percent from run to run (FACTS.md: determinism is not
+reachable for memory); ``trace_correlation`` is deliberately quadratic in the
+block's traces, so its multiple grows with iline x xline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import subprocess
+import sys
+from typing import Any, Sequence
+
+DEFAULT_SHAPE = (64, 64, 400)
+DEFAULT_SEED = 0
+MIB = 2**20
+#: Seconds one child (import, build the block, run one operator) may take before it is abandoned.
+CHILD_TIMEOUT_SECONDS = 600
+
+
+def _release_free_heap() -> None:
+    """Give freed heap pages back to the OS so they cannot hide part of the next peak (glibc only)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED) -> dict[str, Any]:
+    """Measure one operator on a synthetic block in *this* process (call it in a fresh one)."""
+    import tasks
+    from memchunk_prefect.monitor import measure
+    from memchunk_prefect.operators import operator_key
+    from memchunk_prefect.segy import synthetic_volume
+
+    op = tasks.OPERATORS[name]
+    block = synthetic_volume(tuple(shape), seed)
+    op.fn(synthetic_volume((2, 2, min(int(shape[2]), 32)), seed))  # warm-up: one-time costs out of the peak
+    _release_free_heap()
+    result, m = measure(op.fn, block)
+    if m.error is not None:
+        raise RuntimeError(f"{name} failed on a {tuple(shape)} block: {m.error}")
+    return {
+        "operator": name,
+        "key": operator_key(op, {}, dtype=str(block.dtype)),
+        "shape": list(block.shape),
+        "input_bytes": int(block.nbytes),
+        "output_bytes": int(result.nbytes),
+        "peak_bytes": int(m.peak_bytes),
+        "multiple": m.peak_bytes / block.nbytes,
+        "seconds": m.seconds,
+        "method": m.method,
+    }
+
+
+def run_in_subprocess(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED) -> dict[str, Any]:
+    """Measure one operator in a fresh interpreter; ``{"operator", "error"}`` if it failed."""
+    cmd = [sys.executable, "-m", "benchmarks.operator_memory", "--child", name,
+           "--shape", *map(str, shape), "--seed", str(seed)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS)
+    except subprocess.TimeoutExpired:
+        return {"operator": name, "error": f"no result within {CHILD_TIMEOUT_SECONDS} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"operator": name, "error": f"exit status {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+def format_table(rows: list[dict[str, Any]], markdown: bool) -> str:
+    header = ["operator", "input MiB", "peak MiB", "multiple", "seconds"]
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append([r["operator"], "-", "-", "failed", r["error"]])
+        else:
+            body.append([r["operator"], f"{r['input_bytes'] / MIB:.1f}", f"{r['peak_bytes'] / MIB:.1f}",
+                         f"{r['multiple']:.1f}x", f"{r['seconds']:.2f}"])
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * 4) + "|"]
+        lines += ["| " + " | ".join(row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
+    fmt = lambda row: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w)  # noqa: E731
+                                for i, (c, w) in enumerate(zip(row, widths)))
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body)])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.operator_memory", description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", type=int, nargs=3, metavar=("IL", "XL", "T"), default=list(DEFAULT_SHAPE),
+                        help="block shape (iline, xline, twt); default %(default)s")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="synthetic volume seed")
+    parser.add_argument("--operators", default="", help="comma-separated names (default: every operator)")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table (for the README)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--child", metavar="NAME", help=argparse.SUPPRESS)  # internal: measure one, print JSON
+    args = parser.parse_args(argv)
+    if any(n <= 0 for n in args.shape):
+        parser.error(f"--shape needs three positive sizes, got {args.shape}")
+
+    if args.child:
+        print(json.dumps(measure_operator(args.child, args.shape, args.seed)))
+        return 0
+
+    import tasks
+
+    names = [n.strip() for n in args.operators.split(",") if n.strip()] or list(tasks.OPERATORS)
+    unknown = sorted(set(names) - set(tasks.OPERATORS))
+    if unknown:
+        parser.error(f"unknown operator(s) {unknown}; choose from {sorted(tasks.OPERATORS)}")
+    rows = []
+    for name in names:
+        rows.append(run_in_subprocess(name, args.shape, args.seed))
+        print(f"measured {name}", file=sys.stderr, flush=True)
+    shape = " x ".join(map(str, args.shape))
+    print(f"Peak memory per operator on one {shape} float32 block (default parameters; "
+          "each in a fresh process; `python -m benchmarks.operator_memory"
+          f"{'' if tuple(args.shape) == DEFAULT_SHAPE else ' --shape ' + ' '.join(map(str, args.shape))}`):\n")
+    print(format_table(rows, args.markdown))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
