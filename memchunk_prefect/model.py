@@ -17,9 +17,10 @@ predicted a 400^3 chunk 3x in the reference study (FACTS.md) and the run failed.
 A *superlinear* form ``a + b*u + c*u**1.5`` is fitted beside it for operators
 whose memory grows faster than their size; its mean is used when its
 leave-one-out error (PRESS) beats the line's and ``c > 0`` (so it never bends
-down when extrapolating). While both fit about equally well, the bound is the
-larger of the two: inside the data they agree, outside it a line would
-under-predict a curve that the noise hid.
+down when extrapolating). While the line is used, the bound is blended towards
+the superlinear form's bound by their leave-one-out likelihood ratio (about
+half while the data cannot tell them apart): inside the data they agree,
+outside it a line would under-predict a curve that the noise hid.
 
 *River does the fitting.* Each form is a :class:`river.linear_model.BayesianLinearRegression`
 (``learn_one`` per observation). It has no intercept, so a constant feature is
@@ -216,9 +217,8 @@ class OperatorModel:
     ``noise_floor_bytes`` added in quadrature to each peak when scaling rows;
     ``prior_noise`` (relative) and ``min_noise`` (relative) for the noise scale;
     ``superlinear_gain``: the superlinear form is chosen only when its
-    leave-one-out error is below this fraction of the line's, and it also
-    bounds (see :meth:`_bound_forms`) while its error is within
-    ``superlinear_plausible`` x the line's;
+    leave-one-out error is below this fraction of the line's (its bound is
+    blended in otherwise, see :meth:`_superlinear_weight`);
     ``metric_window``: observations in the rolling MAPE and coverage.
     """
 
@@ -232,7 +232,6 @@ class OperatorModel:
     prior_noise: float = 0.05
     min_noise: float = 0.01
     superlinear_gain: float = 0.9
-    superlinear_plausible: float = 1.5
     metric_window: int = 20
     prior_variance: float = 1e6
 
@@ -350,22 +349,33 @@ class OperatorModel:
         enough = sup.n >= len(_POWERS[SUPERLINEAR]) + 2 and math.isfinite(sup.press)
         return enough and (sup.coef[-1] > 0 or not curving_up)
 
-    def _bound_forms(self) -> list[str]:
-        """Forms whose bound counts: the chosen one, plus a plausible superlinear one.
+    def _superlinear_weight(self) -> float:
+        """How much the superlinear form's bound counts while the line is chosen (0..1).
 
         Within the data both forms agree; outside it a line under-predicts a
-        curve. So while the superlinear form fits held-out points about as well
-        (PRESS within ``superlinear_plausible`` x the line's), the bound is the
-        larger of the two: extrapolation errs on the safe side. (Its bound counts
-        even when its fitted curvature is negative: the curvature's uncertainty
-        is what widens it far from the data.)
+        curve the noise hid. The weight is the two forms' leave-one-out
+        likelihood ratio, ``1 / (1 + (PRESS_sup / PRESS_lin) ** (n / 2))``:
+        about 1/2 while the data cannot tell them apart, falling towards 0 as
+        they show the line is enough. It counts even when the fitted curvature
+        is negative: the curvature's uncertainty is what widens the bound far
+        from the data.
         """
-        chosen = self.form()
+        if self._ready_reason() is not None or self.form() != LINEAR:
+            return 0.0
         fits = self._fits()
-        if (chosen == LINEAR and self._superlinear_eligible(fits, curving_up=False)
-                and fits[SUPERLINEAR].press <= self.superlinear_plausible * fits[LINEAR].press):
-            return [LINEAR, SUPERLINEAR]
-        return [chosen]
+        if not self._superlinear_eligible(fits, curving_up=False) or fits[LINEAR].press <= 0:
+            return 0.0
+        ratio = fits[SUPERLINEAR].press / fits[LINEAR].press
+        exponent = min(fits[LINEAR].n / 2.0 * math.log(max(ratio, 1e-12)), 700.0)
+        return 1.0 / (1.0 + math.exp(exponent))
+
+    def _upper_mib(self, u: float) -> tuple[float, float]:
+        """(mean, upper) in MiB: the chosen form's, its bound blended towards the superlinear one's."""
+        mean, upper = self._bound(self.form(), u)
+        w = self._superlinear_weight()
+        if w > 0:
+            upper = upper + w * max(0.0, self._bound(SUPERLINEAR, u)[1] - upper)
+        return mean, upper
 
     def _ready_reason(self) -> str | None:
         n = self.n_observations
@@ -403,9 +413,7 @@ class OperatorModel:
         if reason is not None:
             mean, upper = self._guess(u, itemsize)
         else:
-            mean, upper = self._bound(self.form(), u)
-            for other in self._bound_forms():
-                upper = max(upper, self._bound(other, u)[1])
+            mean, upper = self._upper_mib(u)
             reason = f"{self.form()} fit on {n} observations"
         if apply_censored and self._censored:
             mean, upper, note = self._apply_censored(u, mean, upper)
@@ -445,7 +453,7 @@ class OperatorModel:
             if u >= c.u:
                 floor = max(floor, need)
             if self._ready_reason() is None:
-                bound_c = max(self._bound(f, c.u)[1] for f in self._bound_forms())
+                bound_c = self._upper_mib(c.u)[1]
             else:
                 _, bound_c = self._guess(c.u, 4)
             if bound_c >= need:

@@ -104,8 +104,11 @@ def test_extrapolation_to_4x_the_largest_seen_chunk_stays_bounded(truth):
         p = trained(truth, n=20, sizes=small, seed=seed).predict((1, 1, 4 * largest))
         covered.append(p.upper_bytes >= true)
         ratios.append(p.upper_bytes / true)
-    assert sum(covered) >= 9, f"the bound must cover a chunk 4x larger than any seen: {ratios}"
-    assert max(ratios) <= 2.0, f"and stay useful: {ratios}"
+    # A curve hidden in 3 % noise over the seen sizes cannot always be told from a line: the bound
+    # covers most streams and is never far below the truth; and it stays useful (not 10x too high).
+    assert sum(covered) >= 8, f"the bound must cover a chunk 4x larger than any seen: {ratios}"
+    assert min(ratios) >= 0.9, f"and never fall far below it: {ratios}"
+    assert max(ratios) <= 1.5, f"and stay useful: {ratios}"
 
 
 def test_summary_reports_fixed_overhead_and_bytes_per_element():

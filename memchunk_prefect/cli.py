@@ -1,0 +1,324 @@
+"""The ``memchunk`` command: inspect what was learned, plan without running, forget, export.
+
+::
+
+    memchunk models [--json] [--store PATH]
+    memchunk plan --operator NAME --shape IL XL T --budget 2GiB [--halo N | --halo A B C]
+                  [--slots N] [--whole-traces | --cut-traces] [--json]
+    memchunk forget KEY
+    memchunk export [--format csv|json] [--output FILE]
+
+Every subcommand takes ``--store PATH`` (default: ``$MEMCHUNK_STORE``, else
+under the Prefect home; see :mod:`memchunk_prefect.store`). Exit codes: 0 ok,
+1 a store or planning problem, 2 bad input (bad budget, unknown or ambiguous
+operator, argparse errors).
+
+Subcommands live in :data:`SUBCOMMANDS` (name -> (add_arguments, run)); add one
+with :func:`register` (``demo`` and ``ui`` plug in there).
+
+>>> parse_bytes("2GiB"), parse_bytes("512 MiB"), parse_bytes("2GB"), parse_bytes("1000")
+(2147483648, 536870912, 2000000000, 1000)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from typing import Any, Callable, Sequence
+
+from .errors import BudgetError, BudgetTooSmallError, MemchunkError, UnknownOperatorError, VolumeError, format_bytes
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+BUDGET_FORMS = "a number of bytes (2147483648) or a number with a unit: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024), e.g. 2GiB or 512MiB"
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"2GiB" -> 2147483648``; ``"2GB" -> 2000000000``; plain integers are bytes.
+
+    Raises :class:`~memchunk_prefect.errors.BudgetError` quoting the value and the accepted forms.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise BudgetError(f"cannot read {text!r} as a memory size; use {BUDGET_FORMS}")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise BudgetError(f"a memory size must be positive, got {text!r}; use {BUDGET_FORMS}")
+    return value
+
+
+# --------------------------------------------------------------------------- subcommand registry
+
+AddArguments = Callable[[argparse.ArgumentParser], None]
+Run = Callable[[argparse.Namespace], int]
+SUBCOMMANDS: dict[str, tuple[str, AddArguments, Run]] = {}
+
+
+def register(name: str, help: str) -> Callable[[Run], Run]:  # noqa: A002 - argparse's word
+    """Register a subcommand: decorate ``run(args) -> exit code`` whose ``add_arguments`` is ``run.arguments``.
+
+    >>> @register("hello", "say hello")
+    ... def _hello(args):
+    ...     return 0
+    >>> "hello" in SUBCOMMANDS
+    True
+    >>> del SUBCOMMANDS["hello"]
+    """
+
+    def decorate(run: Run) -> Run:
+        SUBCOMMANDS[name] = (help, getattr(run, "arguments", lambda p: None), run)
+        return run
+
+    return decorate
+
+
+def arguments(add: AddArguments) -> Callable[[Run], Run]:
+    """Attach an ``add_arguments(parser)`` to a subcommand function (apply below :func:`register`)."""
+
+    def decorate(run: Run) -> Run:
+        run.arguments = add  # type: ignore[attr-defined]
+        return run
+
+    return decorate
+
+
+def _open_store(args: argparse.Namespace):
+    from .store import Store
+
+    return Store(args.store)
+
+
+def _emit(text: str, args: argparse.Namespace | None = None) -> None:
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _models_table(rows: list[dict[str, Any]]) -> str:
+    header = ["operator key", "obs", "censored", "form", "bytes/element", "fixed overhead", "recent error",
+              "coverage", "ready"]
+    body = [[r["key"], str(r["n_observations"]), str(r["n_censored"]), r["form"],
+             "-" if r["bytes_per_element"] is None else f"{r['bytes_per_element']:.1f}",
+             format_bytes(r["fixed_overhead_bytes"]) if r["fixed_overhead_bytes"] is not None else "-",
+             _pct(r["recent_mape"]), _pct(r["coverage"]), "yes" if r["ready"] else "no"] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
+
+
+@register("models", "per operator key: observations, bytes per element, fixed overhead, recent error, coverage")
+@arguments(lambda p: p.add_argument("--json", action="store_true", help="print JSON instead of a table"))
+def _models(args: argparse.Namespace) -> int:
+    from .model import ModelBank
+
+    with _open_store(args) as store:
+        bank = ModelBank(store)
+        rows = [bank.model(k).summary() for k in store.keys()]
+        path = str(store.path)
+    if args.json:
+        _emit(json.dumps({"store": path, "models": rows}, indent=1))
+    elif not rows:
+        _emit(f"no observations yet in {path}; run a flow with MemoryAwareRunner (or `memchunk demo`)")
+    else:
+        _emit(_models_table(rows))
+        _emit("recent error: mean absolute % error of the mean prediction on each next observation; "
+              "coverage: share of next observations within the upper bound")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- forget / export
+
+
+@register("forget", "delete every observation of one operator key")
+@arguments(lambda p: p.add_argument("key", help="the exact operator key, as `memchunk models` lists it"))
+def _forget(args: argparse.Namespace) -> int:
+    with _open_store(args) as store:
+        keys = store.keys()
+        if args.key not in keys:
+            raise UnknownOperatorError(f"no observations under {args.key!r} in {store.path}; "
+                                       f"known keys: {', '.join(keys) or 'none'}")
+        n = store.forget(args.key)
+    _emit(f"forgot {n} observation{'s' if n != 1 else ''} of {args.key}")
+    return EXIT_OK
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("csv", "json"), default="csv", help="output format (default csv)")
+    p.add_argument("--output", "-o", help="write to this file instead of standard output")
+
+
+@register("export", "every observation as CSV or JSON")
+@arguments(_export_arguments)
+def _export(args: argparse.Namespace) -> int:
+    with _open_store(args) as store:
+        text = store.export(args.format)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def _operator_name(key: str) -> str:
+    return re.split(r"[\[|]", key, maxsplit=1)[0]
+
+
+def match_operator(name: str, keys: Sequence[str]) -> str | None:
+    """The one key ``name`` means: the exact key, else the keys of operator ``name``, else keys starting with it.
+
+    None when nothing matches (no history yet); :class:`UnknownOperatorError` when several do.
+    """
+    if name in keys:
+        return name
+    for candidates in ([k for k in keys if _operator_name(k) == name], [k for k in keys if k.startswith(name)]):
+        if len(candidates) == 1:
+            return candidates[0]
+        if candidates:
+            raise UnknownOperatorError(
+                f"{name!r} matches {len(candidates)} operator keys: {', '.join(candidates)}; "
+                "pass the exact key with --operator")
+    return None
+
+
+def _operator_spec(name: str):
+    """The built-in operator's spec (halo, whole traces), or None for an unknown one."""
+    try:
+        from tasks import OPERATORS
+    except Exception:  # pragma: no cover - tasks not importable
+        return None
+    task = OPERATORS.get(_operator_name(name))
+    if task is None:
+        return None
+    from .operators import spec_of
+
+    return spec_of(task)
+
+
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--operator", required=True, help="operator key (exact) or operator name, e.g. envelope")
+    p.add_argument("--shape", required=True, nargs=3, type=int, metavar=("IL", "XL", "T"),
+                   help="volume shape: ilines, xlines, samples")
+    p.add_argument("--budget", required=True, help="memory per task, e.g. 2GiB, 512MiB, 2GB or bytes")
+    p.add_argument("--halo", nargs="+", type=int, metavar="N",
+                   help="halo in samples: one int for every axis or three (default: the operator's own)")
+    p.add_argument("--slots", type=int, default=1, help="worker slots (workers x threads) to keep busy")
+    traces = p.add_mutually_exclusive_group()
+    traces.add_argument("--whole-traces", dest="whole_traces", action="store_true", default=None,
+                        help="never cut the time axis")
+    traces.add_argument("--cut-traces", dest="whole_traces", action="store_false",
+                        help="allow cutting the time axis")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("plan", "the chunking the runner would choose, without running anything")
+@arguments(_plan_arguments)
+def _plan(args: argparse.Namespace) -> int:
+    from .model import ModelBank
+    from .policy import plan
+
+    budget = parse_bytes(args.budget)
+    if args.halo is not None and len(args.halo) not in (1, 3):
+        raise VolumeError(f"--halo takes one int (every axis) or three (iline xline twt), got {args.halo}")
+    if args.slots < 1:
+        raise VolumeError(f"--slots must be at least 1, got {args.slots}")
+    with _open_store(args) as store:
+        key = match_operator(args.operator, store.keys())
+        bank = ModelBank(store)
+        model_key = key or args.operator
+        model = bank.model(model_key)
+    spec = _operator_spec(model_key)
+    halo: Any = args.halo[0] if args.halo and len(args.halo) == 1 else args.halo
+    if halo is None:
+        halo = spec.halo_for({}) if spec is not None else 0
+    whole = args.whole_traces if args.whole_traces is not None else (spec.whole_traces if spec else True)
+    p = plan(tuple(args.shape), budget_bytes=budget, predict=lambda ext: model.predict(ext), halo=halo,
+             slots=args.slots, whole_traces=whole)
+    summary = model.summary()
+    out = p.to_dict()
+    out.update({
+        "operator_key": model_key,
+        "shape": list(args.shape),
+        "halo": list(halo) if isinstance(halo, (list, tuple)) else [int(halo)] * 3,
+        "slots": args.slots,
+        "whole_traces": whole,
+        "n_observations": summary["n_observations"],
+        "too_little_history": bool(p.probe),
+    })
+    if p.probe:
+        out["history"] = (f"too little history for {model_key!r} ({summary['n_observations']} usable "
+                          "observations): the runner would probe with small chunks first")
+    if args.json:
+        _emit(json.dumps(out, indent=1))
+        return EXIT_OK
+    lines = [f"operator      {model_key}  ({summary['n_observations']} observations)",
+             f"volume        {tuple(args.shape)}, halo {out['halo']}, {args.slots} slot(s), "
+             f"budget {format_bytes(budget)}"]
+    if p.probe:
+        lines.append(f"too little history: probe with {p.n_chunks} small chunks of up to {p.chunk_shape}, "
+                     "then plan the rest")
+    else:
+        lines += [f"chunks        {p.n_chunks} of up to {tuple(p.chunk_shape)}",
+                  f"peak memory   {format_bytes(p.predicted_peak_bytes)} predicted, "
+                  f"{format_bytes(p.upper_bound_bytes)} upper bound"]
+    lines.append(f"why           {p.reason}")
+    _emit("\n".join(lines))
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memchunk", description="Learned memory and chunking for Prefect flows.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, add, _run) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--store", default=None,
+                       help="the observation store (default: $MEMCHUNK_STORE, else <PREFECT_HOME>/memchunk/)")
+        add(p)
+        p.set_defaults(_run=_run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code (0 ok, 1 failure, 2 bad input)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return args._run(args)
+    except BudgetTooSmallError as exc:
+        sys.stderr.write(f"memchunk {args.command}: {exc}\n")
+        return EXIT_FAILURE
+    except (BudgetError, UnknownOperatorError, VolumeError) as exc:
+        sys.stderr.write(f"memchunk {args.command}: {exc}\n")
+        return EXIT_USAGE
+    except MemchunkError as exc:
+        sys.stderr.write(f"memchunk {args.command}: {exc}\n")
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
