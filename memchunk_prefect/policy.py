@@ -31,7 +31,8 @@ Among the rest the estimated makespan is minimised::
 so one large chunk per slot wins unless the per-task overhead is small and
 the volume large; halos cost because they are paid per chunk; fewer chunks
 break ties. Whole traces (no cut along ``twt``) are kept for operators that
-need them, and preferred for the rest.
+need them, and for the rest whenever some whole-trace chunking fits (reads of
+whole traces are contiguous in SEG-Y and zarr, and pay no halo along time).
 
 >>> from memchunk_prefect.policy import plan, Prediction
 >>> linear = lambda ext: Prediction(mean_bytes=8.0 * ext[0] * ext[1] * ext[2],
@@ -277,6 +278,8 @@ def plan(
     best: tuple | None = None
     best_fit_smallest = None
     for ct in t_counts:
+        if best is not None and ct > 1:
+            break  # whole traces fit: keep them (contiguous reads, no halo along time)
         for ci in _count_candidates(rshape[0], settings.max_counts):
             for cx in _count_candidates(rshape[1], settings.max_counts):
                 cshape = (_largest_piece(rshape[0], ci), _largest_piece(rshape[1], cx), _largest_piece(rshape[2], ct))
