@@ -285,3 +285,32 @@ def test_a_block_that_is_not_a_nonempty_3d_volume_is_refused(name, block):
 def test_bad_parameters_are_refused_by_name(call, message):
     with pytest.raises(ValueError, match=message):
         call(np.ones((2, 2, 10), np.float32))
+
+
+# --------------------------------------------------------------------------- docs and the memory table
+
+
+@pytest.mark.parametrize("module", ["tasks", "tasks._common", "tasks.smoothing", "tasks.structure_tensor",
+                                    "tasks.discontinuity"])
+def test_docstring_examples_in_tasks_run(module):
+    """pytest's doctest collection covers tests/ and memchunk_prefect/ only (pyproject testpaths)."""
+    import doctest
+    import importlib
+
+    failures, _ = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert failures == 0
+
+
+def test_operator_memory_table_measures_each_operator_in_a_fresh_process(tmp_path):
+    from benchmarks import operator_memory
+
+    out = tmp_path / "rows.json"
+    assert operator_memory.main(["--shape", "6", "5", "40", "--operators", "gaussian_smooth,semblance",
+                                 "--markdown", "--json", str(out)]) == 0
+    rows = __import__("json").loads(out.read_text())
+    assert [r["operator"] for r in rows] == ["gaussian_smooth", "semblance"]
+    for r in rows:
+        assert r["input_bytes"] == 6 * 5 * 40 * 4 and r["peak_bytes"] >= 0 and r["seconds"] > 0
+    table = operator_memory.format_table(rows, markdown=True)
+    assert table.splitlines()[0] == "| operator | input MiB | peak MiB | multiple | seconds |"
+    assert len(table.splitlines()) == 4

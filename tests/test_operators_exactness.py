@@ -185,3 +185,16 @@ def test_named_chunkings_on_a_realistic_volume(name, layout):
     }[layout]
     volume = layered_volume(shape, seed=7)
     assert_same(run_chunked(op, volume, chunks, {}), op.fn(volume), f"{name} on {layout}")
+
+
+@pytest.mark.parametrize("name", sorted(tasks.OPERATORS))
+def test_chunked_equals_whole_on_the_synthetic_survey_volume(name):
+    """The package's own synthetic survey (folds, a fault, Ricker wavelet), cut along iline and xline."""
+    from memchunk_prefect.segy import synthetic_volume
+
+    op = tasks.OPERATORS[name]
+    shape = (16, 14, 80)
+    volume = synthetic_volume(shape, seed=3)
+    t_cuts = [] if spec_of(op).whole_traces else [27, 50]
+    chunks = chunks_from_cuts(shape, [3, 4, 11], [6, 13], t_cuts)
+    assert_same(run_chunked(op, volume, chunks, {}), op.fn(volume), f"{name} on the synthetic survey")
