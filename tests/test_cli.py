@@ -1,0 +1,186 @@
+"""The `memchunk` command, run in-process through main([...]) and once as the installed script."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memchunk_prefect.cli import SUBCOMMANDS, main, match_operator, parse_bytes, register
+from memchunk_prefect.errors import BudgetError, UnknownOperatorError
+from memchunk_prefect.records import Observation
+from memchunk_prefect.store import Store
+
+ENV = "envelope|float32|cpu"
+GST = "gst3d_dip[sigma_gradient=1;sigma_tensor=2]|float32|cpu"
+GST_OTHER = "gst3d_dip[sigma_gradient=1;sigma_tensor=3]|float32|cpu"
+
+
+@pytest.fixture
+def store_path(tmp_path, monkeypatch):
+    path = tmp_path / "obs.sqlite"
+    monkeypatch.setenv("MEMCHUNK_STORE", str(path))
+    rng = random.Random(0)
+    with Store(path) as s:
+        for _ in range(12):
+            il = rng.choice([8, 16, 32, 64])
+            e = il * 64 * 400
+            s.add(Observation(ENV, e, (il, 64, 400), 4 * e, int((70 * 2**20 + 28 * e) * (1 + rng.gauss(0, 0.02)))))
+        s.add(Observation(GST, 1000, (10, 10, 10), 4000, 10**6))
+    return path
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("512 MiB", 512 * 2**20), ("2GB", 2 * 10**9),
+    ("1.5GiB", 3 * 2**29), ("4096", 4096), ("64kib", 65536), (123, 123),
+])
+def test_parse_bytes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["2GX", "", "GiB", "-1GiB", "0", "two gigs"])
+def test_parse_bytes_rejects_with_the_value_and_the_accepted_forms(text):
+    with pytest.raises(BudgetError) as info:
+        parse_bytes(text)
+    assert repr(text) in str(info.value) and "GiB" in str(info.value)
+
+
+def test_models_table_and_json(capsys, store_path):
+    code, out, _ = run(capsys, "models")
+    assert code == 0 and ENV in out and "bytes/element" in out and "coverage" in out
+    code, out, _ = run(capsys, "models", "--json")
+    data = json.loads(out)
+    by_key = {m["key"]: m for m in data["models"]}
+    env = by_key[ENV]
+    assert env["n_observations"] == 12 and env["ready"]
+    assert env["fixed_overhead_bytes"] > 0 and env["bytes_per_element"] > 0
+    assert env["recent_mape"] is not None and env["coverage"] is not None
+    assert by_key[GST]["ready"] is False
+    assert data["store"] == str(store_path)
+
+
+def test_models_on_an_empty_store_says_so(capsys, tmp_path):
+    code, out, _ = run(capsys, "models", "--store", str(tmp_path / "empty.sqlite"))
+    assert code == 0 and "no observations yet" in out
+
+
+def test_plan_json_has_the_promised_fields(capsys, store_path):
+    code, out, _ = run(capsys, "plan", "--operator", "envelope", "--shape", "200", "300", "400",
+                       "--budget", "2GiB", "--slots", "2", "--json")
+    assert code == 0
+    p = json.loads(out)
+    assert len(p["chunk_shape"]) == 3 and all(isinstance(v, int) for v in p["chunk_shape"])
+    assert p["n_chunks"] >= 2 and p["too_little_history"] is False and p["probe"] is False
+    assert p["upper_bound_bytes"] <= 2 * 2**30
+    assert p["predicted_peak_bytes"] <= p["upper_bound_bytes"]
+    assert p["operator_key"] == ENV and p["whole_traces"] is True
+    assert p["chunk_shape"][2] == 400  # envelope needs whole traces
+
+
+def test_plan_with_too_little_history_says_it_would_probe(capsys, store_path):
+    code, out, _ = run(capsys, "plan", "--operator", "gst3d_dip", "--shape", "100", "100", "200",
+                       "--budget", "1GiB", "--json")
+    p = json.loads(out)
+    assert code == 0 and p["too_little_history"] is True and p["probe"] is True
+    assert p["operator_key"] == GST and "too little history" in p["history"]
+    code, out, _ = run(capsys, "plan", "--operator", "gst3d_dip", "--shape", "100", "100", "200", "--budget", "1GiB")
+    assert "too little history" in out
+
+
+def test_plan_for_an_operator_never_seen_probes(capsys, store_path):
+    code, out, _ = run(capsys, "plan", "--operator", "semblance", "--shape", "50", "50", "100",
+                       "--budget", "512MiB", "--halo", "1", "2", "3", "--json")
+    p = json.loads(out)
+    assert code == 0 and p["too_little_history"] and p["halo"] == [1, 2, 3]
+
+
+def test_plan_with_an_ambiguous_name_lists_the_keys(capsys, store_path):
+    with Store(store_path) as s:
+        s.add(Observation(GST_OTHER, 1000, (10, 10, 10), 4000, 10**6))
+    code, _, err = run(capsys, "plan", "--operator", "gst3d_dip", "--shape", "10", "10", "10", "--budget", "1GiB")
+    assert code == 2 and GST in err and GST_OTHER in err and "exact key" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "2GX"], "'2GX'"),
+    (["--budget", "2GiB", "--halo", "1", "2"], "one int"),
+    (["--budget", "2GiB", "--slots", "0"], "at least 1"),
+])
+def test_plan_bad_input_exits_2_with_the_value(capsys, store_path, argv, message):
+    code, _, err = run(capsys, "plan", "--operator", "envelope", "--shape", "10", "10", "10", *argv)
+    assert code == 2 and message in err
+
+
+def test_plan_budget_too_small_exits_1(capsys, store_path):
+    code, _, err = run(capsys, "plan", "--operator", "envelope", "--shape", "10", "10", "400", "--budget", "1KiB")
+    assert code == 1 and "budget" in err
+
+
+def test_forget_and_unknown_key(capsys, store_path):
+    code, out, _ = run(capsys, "forget", GST)
+    assert code == 0 and "forgot 1 observation" in out
+    code, _, err = run(capsys, "forget", GST)
+    assert code == 2 and GST in err and ENV in err
+
+
+@pytest.mark.parametrize("fmt", ["csv", "json"])
+def test_export_to_stdout_and_file(capsys, store_path, tmp_path, fmt):
+    code, out, _ = run(capsys, "export", "--format", fmt)
+    assert code == 0
+    rows = json.loads(out) if fmt == "json" else out.strip().splitlines()[1:]
+    assert len(rows) == 13
+    target = tmp_path / f"out.{fmt}"
+    assert run(capsys, "export", "--format", fmt, "--output", str(target))[0] == 0
+    assert target.read_text() == out
+
+
+def test_usage_errors_exit_2(capsys):
+    assert main([]) == 2
+    assert main(["nonsense"]) == 2
+    assert main(["plan"]) == 2
+
+
+def test_a_registered_subcommand_appears(capsys):
+    @register("hello", "say hello")
+    def _hello(args):
+        print("hello")
+        return 0
+
+    try:
+        assert run(capsys, "hello")[:2] == (0, "hello\n")
+    finally:
+        del SUBCOMMANDS["hello"]
+
+
+def test_match_operator():
+    keys = [ENV, GST, GST_OTHER]
+    assert match_operator(ENV, keys) == ENV
+    assert match_operator("envelope", keys) == ENV
+    assert match_operator("env", keys) == ENV
+    assert match_operator("semblance", keys) is None
+    with pytest.raises(UnknownOperatorError):
+        match_operator("gst3d_dip", keys)
+
+
+def test_installed_console_script(store_path):
+    script = Path(sys.executable).with_name("memchunk")
+    assert script.exists(), f"console script missing at {script}; pip install -e ."
+    proc = subprocess.run([str(script), "models", "--json"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MEMCHUNK_STORE": str(store_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert ENV in {m["key"] for m in json.loads(proc.stdout)["models"]}
+    proc = subprocess.run([str(script), "plan", "--operator", "envelope", "--shape", "1", "1", "1",
+                           "--budget", "lots"], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "MEMCHUNK_STORE": str(store_path)})
+    assert proc.returncode == 2 and "'lots'" in proc.stderr
