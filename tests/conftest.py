@@ -28,3 +28,17 @@ def _find_segy_dir() -> Path:
 @pytest.fixture(scope="session")
 def segy_dir() -> Path:
     return _find_segy_dir()
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One real local Prefect server (SQLite) for the whole session; sets PREFECT_API_URL.
+
+    Dask workers get the URL through the settings Prefect pickles into each
+    submission, so flow and workers talk to the same server.
+    """
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+

@@ -1,0 +1,70 @@
+"""Helpers for testing flows that use MemoryAwareRunner (importable by Dask workers).
+
+- :func:`memory_hog`: an operator whose memory is a known multiple of its input,
+  so tests can cause real out-of-memory events at a chosen chunk size;
+- :func:`seed_store`: write observations that make the model believe an operator
+  needs a different multiple (e.g. under-predict 4x), to provoke a real failure;
+- :func:`limit_address_space`: cap a worker's virtual memory so large allocations
+  raise a real ``MemoryError`` inside the task instead of getting the worker killed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .operators import operator
+from .records import Observation
+
+
+@operator(halo=0, memory_params=("multiple",), whole_traces=True)
+def memory_hog(block, multiple: float = 10.0):
+    """Return a copy of ``block`` after holding ``multiple`` x its bytes of touched memory.
+
+    Memory: about (multiple + 2) x the block's bytes (the scratch buffer, the block, the copy).
+    """
+    scratch = np.ones(int(block.nbytes * multiple) // 8 + 1, dtype=np.float64)  # np.ones touches every page
+    out = np.array(block, dtype=np.float32, copy=True)
+    out += np.float32(scratch[0] - 1.0)  # use the buffer so it cannot be optimised away
+    del scratch
+    return out
+
+
+def seed_store(store, key: str, bytes_per_element: float, *, sizes=(20_000, 50_000, 100_000, 200_000, 400_000),
+               fixed_bytes: int = 0, traces_of: int = 100) -> None:
+    """Add one observation per size claiming ``fixed_bytes + bytes_per_element x elements``."""
+    for n in sizes:
+        traces = max(1, n // traces_of)
+        store.add(Observation(operator_key=key, elements=traces * traces_of, extents=(1, traces, traces_of),
+                              bytes_in=traces * traces_of * 4,
+                              peak_bytes=int(fixed_bytes + bytes_per_element * traces * traces_of),
+                              seconds=0.01, outcome="ok", method="seeded"))
+
+
+def limit_address_space(headroom_bytes: int) -> int:
+    """Cap this process's virtual memory at its current size plus ``headroom_bytes``; returns the cap.
+
+    Run it on workers with ``client.run(limit_address_space, n)``: an allocation past
+    the cap fails with a real ``MemoryError`` (numpy's) and the worker survives.
+    """
+    import resource
+
+    import psutil
+
+    cap = int(psutil.Process().memory_info().vms + headroom_bytes)
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    return cap
+
+
+def start_local_cluster(n_workers: int = 2, memory_limit: str | int = "1GiB", **kwargs):
+    """A real LocalCluster of single-thread worker processes that reports a worker's death at once.
+
+    ``allowed-failures`` is 0 so the first death raises KilledWorker instead of
+    killing one worker after another (FACTS.md); the dashboard is off.
+    """
+    import dask
+    from distributed import LocalCluster
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, memory_limit=memory_limit,
+                            dashboard_address="127.0.0.1:0", **kwargs)

@@ -1,0 +1,314 @@
+"""MemoryAwareRunner on real Dask clusters, a real Prefect server and real SEG-Y files.
+
+Out-of-memory events here are real: a worker process crossing its nanny's
+memory limit is killed, and a MemoryError is raised by a real failed allocation.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prefect import flow, task, unmapped
+from prefect_dask import DaskTaskRunner
+
+import tasks
+from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, synthetic_survey
+from memchunk_prefect.errors import RunnerConfigError
+from memchunk_prefect.operators import operator_key
+from memchunk_prefect.store import Store
+from memchunk_prefect.testing import limit_address_space, memory_hog, seed_store, start_local_cluster
+
+pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("prefect_server")]
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def survey(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("survey") / "survey.sgy"
+    synthetic_survey(path, (24, 20, 150), seed=3)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def big_survey(tmp_path_factory) -> str:
+    """1.2 M samples (4.6 MiB): a memory_hog at 400x needs ~1.8 GiB in one piece."""
+    path = tmp_path_factory.mktemp("big") / "big.sgy"
+    synthetic_survey(path, (48, 50, 500), seed=5)
+    return str(path)
+
+
+def runner_for(cluster, tmp_path, **kw) -> MemoryAwareRunner:
+    return MemoryAwareRunner(address=cluster.scheduler_address, store=str(tmp_path / "store.sqlite"),
+                             output_dir=str(tmp_path / "out"), **kw)
+
+
+def crashed_task_runs(flow_run_id) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterState, \
+        TaskRunFilterStateName
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+            task_run_filter=TaskRunFilter(state=TaskRunFilterState(name=TaskRunFilterStateName(any_=["Crashed"]))),
+        )
+
+
+def unfinished_task_runs(flow_run_id) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return [r for r in runs if r.state and r.state.type.value in ("RUNNING", "PENDING", "SCHEDULED")]
+
+
+# ----------------------------------------------------------------------------- construction
+
+
+def test_runner_carries_every_setting_through_duplicate_and_eq(tmp_path):
+    r = MemoryAwareRunner(address="tcp://127.0.0.1:1", memory_budget="512MiB", target_fraction=0.6,
+                          store=tmp_path / "s.sqlite", output_dir=tmp_path, policy={"per_task_overhead_seconds": 1.0})
+    d = r.duplicate()
+    assert d == r and d is not r
+    assert (d.memory_budget, d.target_fraction, d.store, d.output_dir) == (512 * 2**20, 0.6, r.store, r.output_dir)
+    assert d.policy.per_task_overhead_seconds == 1.0
+    assert d != MemoryAwareRunner(address="tcp://127.0.0.1:1", memory_budget="1GiB")
+
+
+def test_zero_argument_runner_is_a_local_cluster_with_one_thread_per_worker():
+    r = MemoryAwareRunner()
+    assert r.cluster_kwargs["threads_per_worker"] == 1 and r.cluster_kwargs["processes"] is True
+    assert r.cluster_kwargs["dashboard_address"].startswith("127.0.0.1")
+
+
+def test_runner_pickles_small_for_task_submissions():
+    import cloudpickle
+
+    assert len(cloudpickle.dumps(MemoryAwareRunner())) < 4000
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"target_fraction": 1.2}, "target_fraction"),
+    ({"memory_budget": "lots"}, "memory_budget"),
+    ({"memory_budget": -1}, "memory_budget"),
+    ({"policy": {"no_such_setting": 1}}, "unknown setting"),
+    ({"cluster": object()}, "address="),
+])
+def test_bad_runner_arguments_are_typed_errors_naming_the_argument(kwargs, match):
+    with pytest.raises(RunnerConfigError, match=match):
+        MemoryAwareRunner(**kwargs)
+
+
+# ----------------------------------------------------------------------------- plain maps
+
+
+@task
+def add(x, y):
+    return x + y
+
+
+def test_plain_maps_behave_exactly_as_with_dask_task_runner(cluster, tmp_path):
+    def run_with(runner):
+        @flow(task_runner=runner)
+        def plain():
+            futures = add.map([1, 2, 3], unmapped(10))
+            return [f.result() for f in futures], [f.state.name for f in futures]
+
+        return plain()
+
+    expected = run_with(DaskTaskRunner(address=cluster.scheduler_address))
+    assert run_with(runner_for(cluster, tmp_path)) == expected == ([11, 12, 13], ["Completed"] * 3)
+
+
+# ----------------------------------------------------------------------------- chunked maps
+
+
+def test_chunked_pipeline_equals_whole_volume_result_cold_then_warm(cluster, survey, tmp_path):
+    runner = runner_for(cluster, tmp_path)
+
+    @flow(task_runner=runner)
+    def pipeline(path: str):
+        env = tasks.envelope.map(chunked(path))
+        dip = tasks.gst3d_dip.map(chunked(env))
+        return env.summary(), dip.summary(), dip.result().values
+
+    volume = open_segy(survey).values
+    reference = tasks.gst3d_dip.fn(tasks.envelope.fn(volume))
+
+    cold_env, cold_dip, cold = pipeline(survey)
+    np.testing.assert_allclose(cold, reference, atol=1e-5 * np.abs(reference).max())
+    assert cold_env["decisions"][0] == "probe" and cold_dip["decisions"][0] == "probe"
+
+    warm_env, warm_dip, warm = pipeline(survey)
+    np.testing.assert_allclose(warm, reference, atol=1e-5 * np.abs(reference).max())
+    for cold_s, warm_s in ((cold_env, warm_env), (cold_dip, warm_dip)):
+        assert "retry-smaller" not in warm_s["decisions"] and "probe" not in warm_s["decisions"]
+        assert warm_s["tasks"] <= cold_s["tasks"]
+        assert warm_s["oom_events"] == 0
+
+
+def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, tmp_path):
+    store = Store(tmp_path / "store.sqlite")
+    light = operator_key(tasks.envelope, {})
+    heavy = operator_key(tasks.gst3d_dip, {})
+    seed_store(store, light, 12.0, fixed_bytes=2 * 2**20)
+    seed_store(store, operator_key(tasks.cosine_phase, {}), 12.0, fixed_bytes=2 * 2**20)
+    seed_store(store, heavy, 4 * 60.0, fixed_bytes=2 * 2**20)
+    store.close()
+    # A 16 MiB budget: envelope/cosine_phase fit the whole survey twice over; gst3d_dip does not.
+    runner = runner_for(cluster, tmp_path, memory_budget="16MiB")
+
+    @flow(task_runner=runner)
+    def pipeline(path: str):
+        env = tasks.envelope.map(chunked(path))
+        cos = tasks.cosine_phase.map(chunked(env))
+        dip = tasks.gst3d_dip.map(chunked(cos))
+        return env.summary(), cos.summary(), dip.summary()
+
+    env, cos, dip = pipeline(survey)
+    assert env["decisions"] == ["rechunk"]  # a file has no chunking to keep
+    assert cos["decisions"] == ["continue"]
+    assert dip["decisions"][0] == "rechunk" and "over the budget" in dip["reasons"][0]
+    assert dip["oom_events"] == 0
+
+
+def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cluster, big_survey, tmp_path):
+    key = operator_key(memory_hog, {"multiple": 400})
+    store = Store(tmp_path / "store.sqlite")
+    seed_store(store, key, 4 * 100.0)  # the model believes 100x: a 4x under-prediction
+    store.close()
+    runner = runner_for(cluster, tmp_path)
+
+    @flow(task_runner=runner)
+    def hog(path: str):
+        from prefect.runtime import flow_run
+
+        out = memory_hog.map(chunked(path), multiple=400)
+        return flow_run.id, out.summary(), out.events, out.result().values
+
+    run_id, summary, events, values = hog(big_survey)
+    assert any(e["event"] == "killed" for e in events), events
+    assert "retry-smaller" in summary["decisions"]
+    np.testing.assert_array_equal(values, open_segy(big_survey).values)
+    crashed = crashed_task_runs(run_id)
+    assert crashed and all(r.name.startswith("memory_hog[") for r in crashed)
+    assert not unfinished_task_runs(run_id)
+
+    _, again, events2, values2 = hog(big_survey)
+    assert again["oom_events"] == 0 and "retry-smaller" not in again["decisions"], events2
+    np.testing.assert_array_equal(values2, values)
+
+
+def test_memory_error_inside_the_task_is_split_and_the_worker_survives(big_survey, tmp_path):
+    cluster = start_local_cluster(n_workers=2, memory_limit="4GiB")
+    try:
+        from distributed import Client
+
+        with Client(cluster.scheduler_address) as client:
+            workers_before = set(client.scheduler_info()["workers"])
+            client.run(limit_address_space, 700 * 2**20)  # allocations past +700 MiB raise MemoryError
+        key = operator_key(memory_hog, {"multiple": 400})
+        store = Store(tmp_path / "store.sqlite")
+        seed_store(store, key, 4 * 100.0)
+        store.close()
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, store=str(tmp_path / "store.sqlite"),
+                                   output_dir=str(tmp_path / "out"), memory_budget="1GiB")
+
+        @flow(task_runner=runner)
+        def hog(path: str):
+            out = memory_hog.map(chunked(path), multiple=400)
+            return out.summary(), out.events, out.result().values
+
+        summary, events, values = hog(big_survey)
+        assert any(e["event"] == "memory_error" for e in events), events
+        assert not any(e["event"] == "killed" for e in events)
+        assert "retry-smaller" in summary["decisions"]
+        np.testing.assert_array_equal(values, open_segy(big_survey).values)
+        with Client(cluster.scheduler_address) as client:
+            assert set(client.scheduler_info()["workers"]) == workers_before, "no worker died"
+    finally:
+        cluster.close()
+
+
+def test_unsplittable_chunk_fails_the_flow_naming_operator_chunk_and_budget(cluster, tmp_path):
+    runner = runner_for(cluster, tmp_path, memory_budget="8MiB")
+    volume = np.random.default_rng(0).normal(size=(2, 2, 64)).astype(np.float32)
+
+    @flow(task_runner=runner)
+    def doomed():
+        # 10^9 x a 256-byte trace is 256 GB of scratch: the allocation fails (MemoryError) even for one trace
+        return memory_hog.map(chunked(volume), multiple=10**9).result()
+
+    with pytest.raises(MemoryError) as err:
+        doomed()
+    msg = str(err.value)
+    assert "memory_hog" in msg and "cannot be split" in msg and "budget" in msg
+
+
+# ----------------------------------------------------------------------------- an external scheduler
+
+
+def _wait_for_file(path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear in {timeout} s")
+        time.sleep(0.2)
+
+
+def test_external_scheduler_with_two_worker_processes_runs_the_same_flow(survey, tmp_path):
+    dask = shutil.which("dask", path=os.path.dirname(sys.executable)) or shutil.which("dask")
+    sched_file = tmp_path / "scheduler.json"
+    env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0")
+    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address",
+                               "127.0.0.1:0", "--scheduler-file", str(sched_file)], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+    try:
+        _wait_for_file(sched_file)
+        for _ in range(2):
+            procs.append(subprocess.Popen([dask, "worker", "--scheduler-file", str(sched_file), "--nthreads", "1",
+                                           "--memory-limit", "1GiB", "--host", "127.0.0.1"], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        import json
+
+        address = json.loads(sched_file.read_text())["address"]
+        from distributed import Client
+
+        with Client(address) as client:
+            client.wait_for_workers(2, timeout=90)
+        runner = MemoryAwareRunner(address=address, store=str(tmp_path / "s.sqlite"), output_dir=str(tmp_path / "o"))
+
+        @flow(task_runner=runner)
+        def smooth(path: str):
+            out = tasks.gaussian_smooth.map(chunked(path), sigma=(1.0, 1.0, 2.0))
+            return out.events, out.result().values
+
+        events, values = smooth(survey)
+        volume = open_segy(survey).values
+        reference = tasks.gaussian_smooth.fn(volume, sigma=(1.0, 1.0, 2.0))
+        np.testing.assert_allclose(values, reference, atol=1e-5 * np.abs(reference).max())
+        assert len({e["worker"] for e in events if e["event"] == "ok"}) == 2, "both worker processes ran chunks"
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
