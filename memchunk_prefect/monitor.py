@@ -50,6 +50,9 @@ per worker process gives clean figures. Concurrent runs never corrupt each other
 the peak is reset only when no other run in the process is being tracked, so every
 open run's window starts after the last reset and its ``process_peak_bytes`` is an
 upper bound of the process's true peak during that run (it errs on the safe side).
+A shared ``peak_bytes`` is *not* a per-task figure: others' allocations inflate it,
+and others freeing memory during the run can hide part of this task's use (its
+resting level included their memory). Learn from unshared figures.
 
 **Time**: ``seconds`` is wall time (``time.perf_counter``); ``cpu_seconds`` is the
 CPU time of the *calling thread* (``time.thread_time``), which other tasks in the
@@ -164,7 +167,8 @@ class Measurement:
     on this machine", never zero.
     """
 
-    #: Highest process RSS during the run minus ``baseline_bytes`` (>= 0). The decision figure.
+    #: Highest process RSS during the run minus ``baseline_bytes`` (>= 0). The decision figure
+    #: (mixes other tasks' memory when ``shared``: see the module docstring).
     peak_bytes: int
     #: Process RSS just before the run (the resting level), bytes.
     baseline_bytes: int
