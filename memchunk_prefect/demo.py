@@ -48,6 +48,27 @@ def ensure_survey(directory: Path, shape: Sequence[int]) -> Path:
     return path
 
 
+def _demo_settings():
+    """Settings for a first run on a fresh machine, unless the user set them.
+
+    A temporary Prefect server migrating a new database on a busy 2-core machine
+    can take longer than Prefect's default 20 s to start; and there is no network
+    here to send telemetry to.
+    """
+    from prefect.settings import (
+        PREFECT_SERVER_ANALYTICS_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        temporary_settings,
+    )
+
+    updates: dict[Any, Any] = {}
+    if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" not in os.environ:
+        updates[PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS] = 180
+    if "PREFECT_SERVER_ANALYTICS_ENABLED" not in os.environ:
+        updates[PREFECT_SERVER_ANALYTICS_ENABLED] = False
+    return temporary_settings(updates=updates)
+
+
 def run(args: argparse.Namespace) -> int:
     from flows.pipeline import DEFAULT_STEPS, attribute_pipeline
 
@@ -69,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     pipeline = attribute_pipeline.with_options(task_runner=runner, on_completion=[remember_id],
                                                on_failure=[remember_id])
     t = time.perf_counter()
-    summaries = pipeline(str(survey), DEFAULT_STEPS, None)
+    with _demo_settings():
+        summaries = pipeline(str(survey), DEFAULT_STEPS, None)
     wall = time.perf_counter() - t
     print()
     print(f"memchunk demo: {args.shape[0]} x {args.shape[1]} x {args.shape[2]} survey, {args.workers} workers x "

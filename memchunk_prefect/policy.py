@@ -370,10 +370,12 @@ def probe_plan(
         widths = [max(1, w - 1) for w in widths]
     i0, x, t0 = region.start
     chunks: list[Chunk] = []
-    for w in widths:
+    for k, w in enumerate(widths):
         if x >= region.stop[1]:
             break
         x1 = min(region.stop[1], x + w)
+        if k == len(widths) - 1 and region.stop[1] - x1 <= widths[0]:
+            x1 = region.stop[1]  # a sliver left on the row would cost a task of its own: the last probe takes it
         chunks.append(Chunk((i0, x, t0), (i0 + 1, x1, t0 + t_len)))
         x = x1
     remainder: list[Chunk] = []

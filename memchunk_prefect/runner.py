@@ -408,7 +408,6 @@ class MemoryAwareRunner(DaskTaskRunner):
         elif not isinstance(policy, PolicySettings):
             raise RunnerConfigError(f"`policy` must be a PolicySettings or a dict, got {type(policy).__name__}")
         self.policy = policy
-        self._budget_cache: tuple[int, int] | None = None
         self._bank = None
         self._map_count = 0
 
@@ -497,9 +496,12 @@ class MemoryAwareRunner(DaskTaskRunner):
         return self._bank
 
     def slots_and_budget(self) -> tuple[int, int]:
-        """(task slots in the cluster, per-task memory budget in bytes), read from the live cluster."""
-        if self._budget_cache is not None:
-            return self._budget_cache
+        """(task slots in the cluster, per-task memory budget in bytes), read from the live cluster.
+
+        Read afresh at every chunked map: between maps the workers are idle, so
+        their process memory is their resting level (which grows once Prefect and
+        the operators are imported on them), and the budget is what lies above it.
+        """
         info = self.client.scheduler_info(n_workers=-1) if _accepts_n_workers(self.client) else self.client.scheduler_info()
         workers = list(info.get("workers", {}).values())
         deadline = time.monotonic() + 60
@@ -522,8 +524,7 @@ class MemoryAwareRunner(DaskTaskRunner):
                     int(w.get("memory_limit") or 0), int(w.get("nthreads", 1)),
                     target_fraction=self.target_fraction, resting_bytes=resting))
             budget = min(budgets)
-        self._budget_cache = (slots, int(budget))
-        return self._budget_cache
+        return slots, int(budget)
 
     def kill_threshold_bytes(self) -> int | None:
         """Smallest memory at which the nanny kills a worker (0.95 x memory_limit), minus its resting memory."""
