@@ -14,11 +14,13 @@ target is peak bytes in MiB. The *linear* form is ``peak = a + b*u``: ``a`` is
 the fixed overhead (MiB) and ``b`` the bytes per element. A straight line
 extrapolates sensibly to chunks larger than any seen — a tree model under-
 predicted a 400^3 chunk 3x in the reference study (FACTS.md) and the run failed.
-A *superlinear* form ``a + b*u + c*u**1.5`` is fitted beside it for operators
-whose memory grows faster than their size; its mean is used when its
+Two curved forms, ``a + b*u + c*u**1.5`` (``superlinear``) and ``a + b*u +
+c*u**2`` (``quadratic``, e.g. all-pairs of traces), are fitted beside it for
+operators whose memory grows faster than their size; the better one's mean is
+used when its
 leave-one-out error (PRESS) beats the line's and ``c > 0`` (so it never bends
 down when extrapolating). While the line is used, the bound is blended towards
-the superlinear form's bound by their leave-one-out likelihood ratio (about
+the best curved form's bound by their leave-one-out likelihood ratio (about
 half while the data cannot tell them apart): inside the data they agree,
 outside it a line would under-predict a curve that the noise hid.
 
@@ -97,8 +99,10 @@ MIB = 2**20
 
 LINEAR = "linear"
 SUPERLINEAR = "superlinear"
-_POWERS = {LINEAR: (0.0, 1.0), SUPERLINEAR: (0.0, 1.0, 1.5)}
-_FEATURE_NAMES = {0.0: "const", 1.0: "u", 1.5: "u^1.5"}
+QUADRATIC = "quadratic"
+_POWERS = {LINEAR: (0.0, 1.0), SUPERLINEAR: (0.0, 1.0, 1.5), QUADRATIC: (0.0, 1.0, 2.0)}
+CURVED = (SUPERLINEAR, QUADRATIC)
+_FEATURE_NAMES = {0.0: "const", 1.0: "u", 1.5: "u^1.5", 2.0: "u^2"}
 
 
 @dataclass(frozen=True)
@@ -218,7 +222,7 @@ class OperatorModel:
     ``prior_noise`` (relative) and ``min_noise`` (relative) for the noise scale;
     ``superlinear_gain``: the superlinear form is chosen only when its
     leave-one-out error is below this fraction of the line's (its bound is
-    blended in otherwise, see :meth:`_superlinear_weight`);
+    blended in otherwise, see :meth:`_curved_weight`);
     ``metric_window``: observations in the rolling MAPE and coverage.
     """
 
@@ -336,45 +340,48 @@ class OperatorModel:
         return {name: f.fit(self.prior_noise, 1.0, self.min_noise) for name, f in self._forms.items()}
 
     def form(self) -> str:
-        """The form whose mean is used: ``superlinear`` when it predicts held-out points better, else ``linear``."""
+        """The form whose mean is used: a curved one when it predicts held-out points better, else ``linear``."""
         if self._ready_reason() is not None:
             return LINEAR
         fits = self._fits()
-        if self._superlinear_eligible(fits) and fits[SUPERLINEAR].press < self.superlinear_gain * fits[LINEAR].press:
-            return SUPERLINEAR
+        best = self._best_curved(fits, curving_up=True)
+        if best is not None and fits[best].press < self.superlinear_gain * fits[LINEAR].press:
+            return best
         return LINEAR
 
-    def _superlinear_eligible(self, fits: dict[str, _Fit], *, curving_up: bool = True) -> bool:
-        sup = fits[SUPERLINEAR]
-        enough = sup.n >= len(_POWERS[SUPERLINEAR]) + 2 and math.isfinite(sup.press)
-        return enough and (sup.coef[-1] > 0 or not curving_up)
+    def _best_curved(self, fits: dict[str, _Fit], *, curving_up: bool) -> str | None:
+        """The curved form with the lowest leave-one-out error among those with enough points (and c > 0)."""
+        ok = [name for name in CURVED
+              if fits[name].n >= len(_POWERS[name]) + 2 and math.isfinite(fits[name].press)
+              and (fits[name].coef[-1] > 0 or not curving_up)]
+        return min(ok, key=lambda name: fits[name].press) if ok else None
 
-    def _superlinear_weight(self) -> float:
-        """How much the superlinear form's bound counts while the line is chosen (0..1).
+    def _curved_weight(self) -> tuple[float, str | None]:
+        """How much the best curved form's bound counts while the line is chosen (0..1), and which form.
 
-        Within the data both forms agree; outside it a line under-predicts a
-        curve the noise hid. The weight is the two forms' leave-one-out
-        likelihood ratio, ``1 / (1 + (PRESS_sup / PRESS_lin) ** (n / 2))``:
-        about 1/2 while the data cannot tell them apart, falling towards 0 as
-        they show the line is enough. It counts even when the fitted curvature
-        is negative: the curvature's uncertainty is what widens the bound far
-        from the data.
+        Within the data the forms agree; outside it a line under-predicts a
+        curve the noise hid. The weight is the leave-one-out likelihood ratio,
+        ``1 / (1 + (PRESS_curved / PRESS_lin) ** (n / 2))``: about 1/2 while the
+        data cannot tell them apart, falling towards 0 as they show the line is
+        enough. It counts even when the fitted curvature is negative: the
+        curvature's uncertainty is what widens the bound far from the data.
         """
         if self._ready_reason() is not None or self.form() != LINEAR:
-            return 0.0
+            return 0.0, None
         fits = self._fits()
-        if not self._superlinear_eligible(fits, curving_up=False) or fits[LINEAR].press <= 0:
-            return 0.0
-        ratio = fits[SUPERLINEAR].press / fits[LINEAR].press
+        best = self._best_curved(fits, curving_up=False)
+        if best is None or fits[LINEAR].press <= 0:
+            return 0.0, None
+        ratio = fits[best].press / fits[LINEAR].press
         exponent = min(fits[LINEAR].n / 2.0 * math.log(max(ratio, 1e-12)), 700.0)
-        return 1.0 / (1.0 + math.exp(exponent))
+        return 1.0 / (1.0 + math.exp(exponent)), best
 
     def _upper_mib(self, u: float) -> tuple[float, float]:
-        """(mean, upper) in MiB: the chosen form's, its bound blended towards the superlinear one's."""
+        """(mean, upper) in MiB: the chosen form's, its bound blended towards the best curved one's."""
         mean, upper = self._bound(self.form(), u)
-        w = self._superlinear_weight()
-        if w > 0:
-            upper = upper + w * max(0.0, self._bound(SUPERLINEAR, u)[1] - upper)
+        w, other = self._curved_weight()
+        if other is not None and w > 0:
+            upper = upper + w * max(0.0, self._bound(other, u)[1] - upper)
         return mean, upper
 
     def _ready_reason(self) -> str | None:
@@ -492,8 +499,9 @@ class OperatorModel:
             fit = fits[form]
             out["fixed_overhead_bytes"] = float(fit.coef[0] * MIB)
             out["bytes_per_element"] = float(fit.coef[1])  # MiB per Mi-element == bytes per element
-            if form == SUPERLINEAR:
+            if form in CURVED:
                 out["superlinear_coefficient"] = float(fit.coef[2])
+                out["superlinear_power"] = _POWERS[form][2]
             out["noise"] = fit.s
         n_scored = _rolling_count(self._coverage)
         out["scored"] = n_scored

@@ -26,6 +26,10 @@ def superlinear(e):
     return 20 * MIB + 8 * e + 0.02 * e**1.5
 
 
+def quadratic_in_traces(e):
+    return 5 * MIB + 8 * e + 2e-5 * e**2  # e.g. all pairs of traces in a block of whole traces
+
+
 def obs(extents, peak, *, outcome="ok", censored=False, key=KEY):
     e = extents[0] * extents[1] * extents[2]
     return Observation(key, e, extents, 4 * e, int(peak), outcome=outcome, censored=censored)
@@ -71,7 +75,8 @@ def test_one_size_only_is_not_ready_and_says_why():
     assert not p.ready and "one block size" in p.reason
 
 
-@pytest.mark.parametrize("truth", [linear, gst, superlinear], ids=["linear", "gst", "superlinear"])
+@pytest.mark.parametrize("truth", [linear, gst, superlinear, quadratic_in_traces],
+                         ids=["linear", "gst", "superlinear", "quadratic"])
 def test_goal_figures_after_a_few_observations(truth):
     """The issue's goals, over 10 streams x every size: MAPE <= 10 %, coverage >= 95 %, bound within 25 %."""
     errors, covered, ratios = [], [], []
@@ -88,12 +93,18 @@ def test_goal_figures_after_a_few_observations(truth):
     assert sum(ratios) / len(ratios) <= 1.25
 
 
-@pytest.mark.parametrize("truth, form", [(superlinear, "superlinear"), (gst, "linear")])
-def test_the_form_follows_the_operator(truth, form):
+@pytest.mark.parametrize("truth, forms", [
+    (superlinear, ("superlinear", "quadratic")),
+    (quadratic_in_traces, ("quadratic", "superlinear")),
+    (gst, ("linear",)),
+])
+def test_the_form_follows_the_operator(truth, forms):
     chosen = [trained(truth, n=30, seed=seed).form() for seed in range(5)]
-    assert chosen.count(form) >= 4, chosen
+    assert sum(c in forms for c in chosen) >= 4, chosen
 
 
+# Not the quadratic operator: its curvature is 7 % of the peak over these sizes (hidden in 3 % noise) and
+# 44 % at 4x; no fit can see it. There the first out-of-memory record raises the bound (censored tests).
 @pytest.mark.parametrize("truth", [linear, gst, superlinear], ids=["linear", "gst", "superlinear"])
 def test_extrapolation_to_4x_the_largest_seen_chunk_stays_bounded(truth):
     small = [s for s in SIZES if elements(s) <= 24 * 32 * 200]
