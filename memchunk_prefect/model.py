@@ -224,6 +224,10 @@ class OperatorModel:
     leave-one-out error is below this fraction of the line's (its bound is
     blended in otherwise, see :meth:`_curved_weight`);
     ``metric_window``: observations in the rolling MAPE and coverage.
+
+    Not thread-safe on its own; :class:`ModelBank` serializes ``learn`` and ``predict``.
+    ``shared`` observations (other tasks ran in the same process) are learned as
+    they are: their peak over-states this task's, which errs on the safe side.
     """
 
     key: str
@@ -284,7 +288,9 @@ class OperatorModel:
         self._cache.clear()
         u = obs.elements / MIB
         y = obs.peak_bytes / MIB
-        if obs.censored or obs.outcome in ("memory_error", "killed"):
+        if obs.outcome == "killed" and not obs.censored:
+            return "ignored"  # killed for something other than memory: says nothing about memory
+        if obs.censored or obs.outcome == "memory_error":
             self._censored.append(_Censored(u, y))
             self._n_censored += 1
             return "censored"
@@ -587,12 +593,12 @@ class ModelBank:
 
     def predict(self, key: str, extents: Sequence[int], itemsize: int = 4) -> Prediction:
         """The prediction of ``key``'s model for a block of ``extents`` (halo included)."""
-        return self.model(key).predict(extents, itemsize)
+        with self._lock:
+            return self.model(key).predict(extents, itemsize)
 
     def predictor(self, key: str, itemsize: int = 4):
-        """A callable ``extents -> Prediction`` for ``policy.plan``."""
-        m = self.model(key)
-        return lambda extents: m.predict(extents, itemsize)
+        """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""
+        return lambda extents: self.predict(key, extents, itemsize)
 
     def keys(self) -> list[str]:
         """Keys with observations in the store (or learned here when there is no store)."""

@@ -249,3 +249,14 @@ def test_predict_is_fast_enough_for_the_planner():
     for i in range(2000):
         m.predict((1 + i, 64, 400))
     assert time.perf_counter() - t0 < 2.0
+
+
+@pytest.mark.parametrize("outcome, censored, result", [
+    ("memory_error", True, "censored"),
+    ("killed", True, "censored"),
+    ("killed", False, "ignored"),  # killed for something else: nothing about memory
+    ("error", False, "ignored"),
+])
+def test_outcomes(outcome, censored, result):
+    m = trained(linear, n=5)
+    assert m.learn(obs((16, 16, 100), 10 * MIB, outcome=outcome, censored=censored)) == result
