@@ -251,6 +251,9 @@ class Store:
                                  "set MEMCHUNK_STORE to a writable path") from exc
 
     def _open(self) -> None:
+        if self.path.is_dir():
+            raise StoreError(f"the store path {self.path} is a directory; give a file path, "
+                             f"e.g. {self.path / 'observations.sqlite'}")
         if not self.path.exists():
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600)
@@ -284,7 +287,11 @@ class Store:
                 self._set_journal(con)
                 if version < SCHEMA_VERSION:
                     self._migrate(con, version)
-        except sqlite3.DatabaseError as exc:
+        except sqlite3.OperationalError as exc:  # locked, unreadable, a directory: not the file's fault
+            con.close()
+            raise StoreError(f"cannot use the store {self.path}: {exc}; check the path and its permissions, "
+                             "or set MEMCHUNK_STORE to another file") from exc
+        except sqlite3.DatabaseError as exc:  # "file is not a database", "malformed": the file is bad
             con.close()
             raise _Foreign(f"not a readable SQLite database ({exc})") from None
         self._con = con

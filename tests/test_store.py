@@ -262,3 +262,22 @@ def test_store_uses_the_environment_when_no_path_is_given(monkeypatch, tmp_path)
     monkeypatch.setenv("MEMCHUNK_STORE", str(tmp_path / "env.sqlite"))
     with Store() as s:
         assert s.path == tmp_path / "env.sqlite"
+
+
+def test_a_directory_path_is_refused_not_moved(tmp_path):
+    with pytest.raises(StoreError, match="is a directory"):
+        Store(tmp_path)
+    assert tmp_path.is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads anything")
+def test_an_unreadable_store_is_an_error_not_moved_aside(tmp_path):
+    path = tmp_path / "s.sqlite"
+    Store(path).close()
+    path.chmod(0)
+    try:
+        with pytest.raises(StoreError, match="permissions"):
+            Store(path)
+        assert list(tmp_path.glob("*.corrupt-*")) == []
+    finally:
+        path.chmod(0o600)
