@@ -17,9 +17,8 @@ predicted a 400^3 chunk 3x in the reference study (FACTS.md) and the run failed.
 Two curved forms, ``a + b*u + c*u**1.5`` (``superlinear``) and ``a + b*u +
 c*u**2`` (``quadratic``, e.g. all-pairs of traces), are fitted beside it for
 operators whose memory grows faster than their size; the better one's mean is
-used when its
-leave-one-out error (PRESS) beats the line's and ``c > 0`` (so it never bends
-down when extrapolating). While the line is used, the bound is blended towards
+used when its leave-one-out error (PRESS) beats the line's and ``c > 0`` (so it
+never bends down when extrapolating). While the line is used, the bound is blended towards
 the best curved form's bound by their leave-one-out likelihood ratio (about
 half while the data cannot tell them apart): inside the data they agree,
 outside it a line would under-predict a curve that the noise hid.
@@ -27,8 +26,10 @@ outside it a line would under-predict a curve that the noise hid.
 *River does the fitting.* Each form is a :class:`river.linear_model.BayesianLinearRegression`
 (``learn_one`` per observation). It has no intercept, so a constant feature is
 added; its prior is weak (prior variance 1e6 in MiB units, i.e. ``alpha=1e-6``,
-River's ``alpha`` being a precision), so the
-posterior mean is ordinary least squares. Memory noise is *multiplicative*
+River's ``alpha`` being a precision), so the posterior mean is least squares.
+Coefficients and posterior covariance are read back through ``predict_one``
+(``with_dist=True``) and cached until the next ``learn``, so the planner's
+thousands of ``predict`` calls are cheap. Memory noise is *multiplicative*
 (a few percent run to run), so each row is divided by its own scale
 ``sqrt(peak**2 + floor**2)`` before ``learn_one`` — weighted least squares on
 relative residuals (the floor, 4 MiB, keeps tiny blocks whose peaks are
@@ -42,7 +43,8 @@ relative residuals: ``s**2 = (nu0*s0**2 + RSS) / (nu0 + n - p)`` (a weak prior o
 prediction interval ``mean * (1 + t(confidence, nu0 + n - p) * s * sqrt(1 + h))``.
 Near the data that is a few percent above the mean; far outside it widens.
 
-*Censored observations* (``memory_error`` / ``killed``: "needs more than
+*Censored observations* (``censored=True``: ``memory_error``, or ``killed``
+for memory; "needs more than
 ``peak_bytes`` at ``u_c``") are not fitted as points. Each one is a floor: if
 the model's bound at ``u_c`` is below ``peak_bytes * (1 + censored_margin)``,
 bounds (and means) are multiplied by the shortfall ratio for blocks at least
