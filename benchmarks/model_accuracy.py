@@ -14,7 +14,7 @@ every peak is clean (nothing left from the previous block) and one-time costs
 :func:`memchunk_prefect.monitor.measure`'s: ``peak_bytes`` above the resting
 RSS, ``seconds`` wall. Whole-trace operators get blocks with every sample of
 the trace; the others are cut along time too. Observations are cached in
-``benchmarks/results/model_observations.json``.
+``~/.cache/memchunk-prefect/model_observations.json`` (``--cache`` moves it).
 
 Replay. For each operator the observations are fed in ``--orders`` random
 orders through :class:`memchunk_prefect.model.OperatorModel`; before learning
@@ -43,12 +43,12 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-VOLUME_SHAPE = (80, 80, 320)
+VOLUME_SHAPE = (72, 72, 288)
 SEED = 0
 BLOCKS = 14
 ORDERS = 50
 KS = (3, 5, 10)
-CACHE = Path(__file__).resolve().parent / "results" / "model_observations.json"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memchunk-prefect" / "model_observations.json"
 CHILD_TIMEOUT_SECONDS = 300
 MIB = 2**20
 
@@ -210,7 +210,7 @@ def format_table(results: dict[str, dict[str, Any]], markdown: bool = False) -> 
             for k, r in results.items()]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 2) + ["---"]) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(b) + " |" for b in body])
+        return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in b) + " |" for b in body])
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                      for row in [header, *body])
