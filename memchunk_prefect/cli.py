@@ -7,6 +7,12 @@
                   [--slots N] [--whole-traces | --cut-traces] [--json]
     memchunk forget KEY
     memchunk export [--format csv|json] [--output FILE]
+    memchunk demo [--dir DIR] [--shape IL XL T] [--workers N] [--memory-limit 1.5GiB]
+    memchunk ui [--port 4200]
+
+Watch runs in the Prefect UI: ``memchunk ui`` (or ``prefect server start``), then
+open http://127.0.0.1:4200; flows started with ``PREFECT_API_URL`` pointing at it
+show up live.
 
 Every subcommand takes ``--store PATH`` (default: ``$MEMCHUNK_STORE``, else
 under the Prefect home; see :mod:`memchunk_prefect.store`). Exit codes: 0 ok,
@@ -14,7 +20,7 @@ under the Prefect home; see :mod:`memchunk_prefect.store`). Exit codes: 0 ok,
 operator, argparse errors).
 
 Subcommands live in :data:`SUBCOMMANDS` (name -> (add_arguments, run)); add one
-with :func:`register` (``demo`` and ``ui`` plug in there).
+with :func:`register`.
 
 >>> parse_bytes("2GiB"), parse_bytes("512 MiB"), parse_bytes("2GB"), parse_bytes("1000")
 (2147483648, 536870912, 2000000000, 1000)
@@ -32,26 +38,7 @@ from .errors import BudgetError, BudgetTooSmallError, MemchunkError, UnknownOper
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-BUDGET_FORMS = "a number of bytes (2147483648) or a number with a unit: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024), e.g. 2GiB or 512MiB"
-
-
-def parse_bytes(text: str | int) -> int:
-    """``"2GiB" -> 2147483648``; ``"2GB" -> 2000000000``; plain integers are bytes.
-
-    Raises :class:`~memchunk_prefect.errors.BudgetError` quoting the value and the accepted forms.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise BudgetError(f"cannot read {text!r} as a memory size; use {BUDGET_FORMS}")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise BudgetError(f"a memory size must be positive, got {text!r}; use {BUDGET_FORMS}")
-    return value
+from .units import BUDGET_FORMS, parse_bytes  # noqa: E402,F401  (re-exported: the CLI's budget parser)
 
 
 # --------------------------------------------------------------------------- subcommand registry
@@ -282,11 +269,52 @@ def _plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --------------------------------------------------------------------------- demo and ui
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    from .demo import add_arguments
+
+    add_arguments(p)
+
+
+@register("demo", "run the demo flow (envelope -> gaussian_smooth -> gst3d_dip) on a synthetic survey, locally")
+@arguments(_demo_arguments)
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run
+
+    return run(args)
+
+
+def _ui_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=4200, help="port of the Prefect server (default 4200)")
+
+
+@register("ui", "start the Prefect server and UI on 127.0.0.1 (prefect server start); Ctrl-C stops it")
+@arguments(_ui_arguments)
+def _ui(args: argparse.Namespace) -> int:
+    import os
+    import subprocess
+
+    url = f"http://127.0.0.1:{args.port}"
+    _emit(f"Prefect UI at {url}; to send flow runs to it: export PREFECT_API_URL={url}/api")
+    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
+    cmd = [prefect if os.path.exists(prefect) else "prefect", "server", "start", "--host", "127.0.0.1",
+           "--port", str(args.port)]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
 # --------------------------------------------------------------------------- main
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="memchunk", description="Learned memory and chunking for Prefect flows.")
+    parser = argparse.ArgumentParser(
+        prog="memchunk", description="Learned memory and chunking for Prefect flows.",
+        epilog="Watch runs in the Prefect UI: `memchunk ui` (or `prefect server start`), then open "
+               "http://127.0.0.1:4200 and set PREFECT_API_URL=http://127.0.0.1:4200/api for flows to report there.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (help_text, add, _run) in SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)

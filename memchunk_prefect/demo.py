@@ -31,7 +31,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="worker processes (one thread each)")
     p.add_argument("--memory-limit", default=DEFAULT_MEMORY_LIMIT,
                    help=f"memory limit per worker, enforced by Dask's nanny (default {DEFAULT_MEMORY_LIMIT})")
-    p.add_argument("--store", default=None, help="observation store (default: $MEMCHUNK_STORE or the Prefect home)")
 
 
 def ensure_survey(directory: Path, shape: Sequence[int]) -> Path:
@@ -124,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="memchunk demo", description=__doc__.splitlines()[0])
     add_arguments(p)
+    p.add_argument("--store", default=None, help="observation store (default: $MEMCHUNK_STORE or the Prefect home)")
     return run(p.parse_args(argv))
 
 

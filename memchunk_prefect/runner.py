@@ -51,13 +51,11 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
 import os
 import tempfile
-import threading
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -71,14 +69,13 @@ from .chunks import Chunk, Shape, normalize_halo, with_halo
 from .errors import (
     ChunkedSourceError,
     ChunkOutOfMemoryError,
-    IncompleteOutputError,
     MemchunkError,
     RunnerConfigError,
     VolumeError,
     format_bytes,
 )
 from .operators import operator_key, operator_name, spec_of
-from .policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, PolicySettings
+from .policy import PROBE, RECHUNK, RETRY_SMALLER, PolicySettings
 from .records import Observation
 
 logger = logging.getLogger("memchunk_prefect.runner")
@@ -308,27 +305,20 @@ class ChunkedResult(PrefectFutureList):
 
 
 def parse_bytes(value: int | float | str | None, *, what: str = "memory_budget") -> int | None:
-    """``"2GiB"``, ``"512 MB"``, ``2e9`` or ``None`` → bytes.
+    """``"2GiB"``, ``"512 MB"``, ``2e9`` or ``None`` -> bytes; a bad value is a RunnerConfigError naming ``what``.
 
     >>> parse_bytes("2GiB"), parse_bytes("1.5 MiB"), parse_bytes(1000), parse_bytes(None)
     (2147483648, 1572864, 1000, None)
     """
+    from .errors import BudgetError
+    from .units import parse_bytes as parse
+
     if value is None:
         return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        if value <= 0:
-            raise RunnerConfigError(f"`{what}` must be positive, got {value!r}")
-        return int(value)
-    from dask.utils import parse_bytes as dask_parse
-
     try:
-        out = int(dask_parse(str(value)))
-    except (ValueError, TypeError) as exc:
-        raise RunnerConfigError(
-            f"`{what}` must be a number of bytes or a size such as '2GiB' or '512MB', got {value!r}") from exc
-    if out <= 0:
-        raise RunnerConfigError(f"`{what}` must be positive, got {value!r}")
-    return out
+        return parse(int(value) if isinstance(value, float) else value)
+    except BudgetError as exc:
+        raise RunnerConfigError(f"`{what}`: {exc}") from exc
 
 
 def _default_cluster_kwargs() -> dict[str, Any]:
@@ -672,7 +662,6 @@ class ChunkedMap:
     # ---------------------------------------------------------------- the loop
 
     def run(self) -> ChunkedResult:
-        from .volume import ZarrOutput
 
         slots, budget = self.runner.slots_and_budget()
         self.slots, self.budget = slots, budget

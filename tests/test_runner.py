@@ -206,6 +206,9 @@ def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cl
     assert any(e["event"] == "killed" for e in events), events
     assert "retry-smaller" in summary["decisions"]
     np.testing.assert_array_equal(values, open_segy(big_survey).values)
+    killed = [o for o in Store(tmp_path / "store.sqlite").observations(key) if o.outcome == "killed"]
+    assert killed and all(o.censored and o.chunk and o.peak_bytes > 0 for o in killed), \
+        "the flow side records the killed run with its chunk, as a censored observation"
     crashed = crashed_task_runs(run_id)
     assert crashed and all(r.name.startswith("memory_hog[") for r in crashed)
     assert not unfinished_task_runs(run_id)

@@ -1,0 +1,31 @@
+"""Memory sizes as people write them: ``"2GiB"``, ``"512 MB"``, plain bytes.
+
+One parser for the command line, the runner's ``memory_budget`` and the demo.
+"""
+
+from __future__ import annotations
+
+import re
+
+from .errors import BudgetError
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+BUDGET_FORMS = "a number of bytes (2147483648) or a number with a unit: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024), e.g. 2GiB or 512MiB"
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"2GiB" -> 2147483648``; ``"2GB" -> 2000000000``; plain integers are bytes.
+
+    Raises :class:`~memchunk_prefect.errors.BudgetError` quoting the value and the accepted forms.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise BudgetError(f"cannot read {text!r} as a memory size; use {BUDGET_FORMS}")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise BudgetError(f"a memory size must be positive, got {text!r}; use {BUDGET_FORMS}")
+    return value
