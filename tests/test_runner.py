@@ -315,3 +315,17 @@ def test_external_scheduler_with_two_worker_processes_runs_the_same_flow(survey,
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def test_cluster_class_given_as_a_string_runs_a_chunked_flow(survey, tmp_path):
+    runner = MemoryAwareRunner(cluster_class="distributed.LocalCluster",
+                               cluster_kwargs={"n_workers": 1, "threads_per_worker": 1, "processes": True,
+                                               "memory_limit": "1GiB", "dashboard_address": "127.0.0.1:0"},
+                               store=str(tmp_path / "s.sqlite"), output_dir=str(tmp_path / "o"))
+
+    @flow(task_runner=runner)
+    def env(path: str):
+        return tasks.envelope.map(chunked(path)).result().values
+
+    volume = open_segy(survey).values
+    np.testing.assert_allclose(env(survey), tasks.envelope.fn(volume), rtol=0, atol=1e-5 * np.abs(volume).max())
