@@ -353,6 +353,17 @@ def probe_plan(
     h = normalize_halo(halo)
     region = region or Chunk.whole(vol)
     r = region.shape
+    # Without history nothing is known of the operator but this: it holds at least its input block and
+    # writes an output block as large. If even the smallest block allowed cannot do that, refuse now,
+    # before anything is submitted.
+    smallest = _extents_with_halo((1, 1, r[2] if whole_traces else 1), h, vol)
+    floor_bytes = 2 * itemsize * math.prod(smallest)
+    if floor_bytes > budget_bytes:
+        unit = "one trace" if whole_traces else "one sample"
+        raise BudgetTooSmallError(
+            f"the memory budget of {format_bytes(budget_bytes)} per task cannot hold even {unit} column with its "
+            f"halo (extents {smallest}: {format_bytes(floor_bytes)} for its input and output alone). Give workers "
+            "more memory (memory_limit), fewer threads per worker, or a larger memory_budget")
     n_probes = max(int(settings.probe_chunks), int(slots))
     # Elements (halo included) the largest probe may hold if the operator needs probe_multiple x its input.
     max_elems = max(1.0, budget_bytes * scale / (settings.probe_multiple * itemsize))

@@ -206,3 +206,10 @@ def test_remaining_boxes_merge_full_bands_and_keep_partial_ones():
     assert boxes == [Chunk((2, 0, 0), (12, 10, 5))]
     assert kept == [Chunk((0, 5, 0), (2, 10, 5))]
     assert p.n_chunks >= 1
+
+
+def test_without_history_a_budget_smaller_than_one_trace_in_and_out_is_refused_before_probing():
+    # 1 x 1 x 1000 float32 trace = 4000 B; input + output = 8000 B > 6000 B.
+    with pytest.raises(BudgetTooSmallError, match="one trace"):
+        plan((10, 10, 1000), budget_bytes=6000, predict=linear(1, ready=False), slots=1)
+    assert plan((10, 10, 1000), budget_bytes=9000, predict=linear(1, ready=False), slots=1).probe
