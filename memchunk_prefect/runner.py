@@ -472,7 +472,11 @@ class MemoryAwareRunner(DaskTaskRunner):
 
         static = {k: (v.unwrap() if isinstance(v, BaseAnnotation) else v)
                   for k, v in parameters.items() if k != param}
-        return ChunkedMap(self, task, param, marker, static, wait_for).run()
+        cmap = ChunkedMap(self, task, param, marker, static, wait_for)
+        # --- report (memchunk_prefect/report.py): table + progress artifacts per map, the flow run's summary
+        from . import report
+
+        return report.run_reported(cmap)
 
     # ---------------------------------------------------------------- shared state for maps
 
@@ -629,6 +633,7 @@ class ChunkedMap:
         self.observations: list[Observation] = []
         self.futures: list[PrefectDaskFuture] = []
         self.done: list[Chunk] = []
+        self.reporter = None  # --- report: a memchunk_prefect.report.MapReporter, set by report.run_reported
 
     # ---------------------------------------------------------------- model access
 
@@ -702,9 +707,10 @@ class ChunkedMap:
                 in_flight[fut.wrapped_future.key] = (item, fut, time.time())
                 ac.add(fut.wrapped_future)
             if not in_flight:
-                if regions:
-                    # Probes finished: plan what is left, growing probes if history is still too short.
-                    region = regions.pop(0)
+                # Probes finished: plan every box left at once (so no slot waits for a small box), or
+                # probe again with larger chunks while the history is still too short.
+                pending_regions, regions = regions, []
+                for index, region in enumerate(pending_regions):
                     p = policy_mod.plan(self.shape, budget_bytes=budget, predict=self.predict, halo=self.halo,
                                         slots=slots, whole_traces=self.whole_traces, region=region,
                                         seconds_per_element=self.seconds_per_element(), settings=self.settings)
@@ -714,15 +720,18 @@ class ChunkedMap:
                                                   whole_traces=self.whole_traces, region=region,
                                                   settings=self.settings, scale=probe_scale, reason=p.reason)
                         self.record(PROBE, p, p.reason, region=region.key())
-                    else:
-                        self.record(RECHUNK, p, "after probing: " + p.reason, region=region.key())
-                        planned_upper = p.upper_bound_bytes
+                        queue.extend(_Pending(c, p.decision) for c in p.chunks)
+                        regions = list(p.remainder) + pending_regions[index + 1:]
+                        break
+                    self.record(RECHUNK, p, "after probing: " + p.reason, region=region.key())
+                    planned_upper = max(planned_upper or 0.0, p.upper_bound_bytes or 0.0) or None
                     queue.extend(_Pending(c, p.decision) for c in p.chunks)
-                    regions = list(p.remainder) + regions
                 continue
             dask_future = next(ac)
             item, fut, t0 = in_flight.pop(dask_future.key)
             self.finish(item, fut, dask_future, queue)
+            if self.reporter is not None:  # --- report: progress artifact, table row
+                self.reporter.chunk_finished(item)
             # Mid-map: when the bound for what is queued moved enough, re-plan the unsubmitted remainder.
             if queue and planned_upper is not None and not any(q.decision == RETRY_SMALLER for q in queue):
                 largest = max(queue, key=lambda q: q.chunk.elements).chunk
@@ -771,6 +780,8 @@ class ChunkedMap:
         params[self.param] = job
         fut = DaskTaskRunner.submit(self.runner, self.wrapped, params, wait_for=self.wait_for)
         self.futures.append(fut)
+        if self.reporter is not None:  # --- report: the model's prediction for this chunk, for the table
+            self.reporter.submitted(item)
         return fut
 
     def replan(self, queue: list[_Pending], old_upper: float, new_upper: float) -> tuple[list[_Pending], float]:

@@ -1,0 +1,499 @@
+"""What the runner decided, shown where Prefect users look: artifacts on the flow run.
+
+Per chunked map (created from the flow's thread, which carries the run context;
+Dask callback threads do not):
+
+- a **table** artifact ``memchunk-<operator>-chunks``: one row per task run of the map
+  (a chunk split after running out of memory has its failed attempt and its pieces):
+  chunk, extents read (halo included), elements, predicted and upper-bound MiB (the
+  model's figures when the chunk was submitted), measured MiB, seconds, decision
+  (``probe`` / ``continue`` / ``rechunk`` / ``retry-smaller``), outcome and worker;
+- a **progress** artifact ``memchunk-<operator>-progress``: share of the output's
+  elements written, updated as chunks finish.
+
+Per flow run, a **markdown** artifact ``memchunk-summary-<flow name>``, created after
+the first chunked map and updated after each: per operator the chunking chosen and
+why, out-of-memory events avoided and recovered, budget use (peak / budget), model
+error, time lost in retries.
+
+Keys are lowercase letters, digits and dashes (:func:`artifact_key`), so every
+artifact also shows on the Artifacts page, where a key gathers the same table
+across runs.
+
+The module has two layers: pure functions over plain data (:class:`MapRecord`,
+:func:`chunk_rows`, :func:`map_summary`, :func:`summary_markdown`), testable
+without Prefect; and a thin :class:`MapReporter` that the runner calls, which
+fills a :class:`MapRecord` and writes the artifacts through ``prefect.artifacts``
+and the client. A failing API call is logged, never raised: a report must not
+stop a run.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from .errors import format_bytes
+
+logger = logging.getLogger("memchunk_prefect.report")
+
+MIB = 2**20
+
+#: What each outcome of a task run is called in the table.
+OUTCOME_TEXT = {"ok": "ok", "memory_error": "MemoryError", "killed": "worker killed", "lost": "worker lost"}
+OOM_EVENTS = ("memory_error", "killed")
+
+
+# =========================================================================== pure: keys and numbers
+
+
+def artifact_key(*parts: str) -> str:
+    """A key the Artifacts page accepts: lowercase letters, digits and single dashes.
+
+    >>> artifact_key("memchunk", "gst3d_dip", "chunks")
+    'memchunk-gst3d-dip-chunks'
+    >>> artifact_key("memchunk-summary", "Seismic Attributes!")
+    'memchunk-summary-seismic-attributes'
+    """
+    key = "-".join(str(p) for p in parts).lower()
+    key = re.sub(r"[^a-z0-9]+", "-", key).strip("-")
+    return key or "memchunk"
+
+
+def mib(n: float | int | None, digits: int = 1) -> float | None:
+    """Bytes -> MiB rounded for a table cell (None stays None).
+
+    >>> mib(3 * 2**20), mib(None)
+    (3.0, None)
+    """
+    return None if n is None else round(float(n) / MIB, digits)
+
+
+def progress_percent(done_elements: int, total_elements: int) -> float:
+    """Share of the output written, 0..100.
+
+    >>> progress_percent(1, 4), progress_percent(0, 0)
+    (25.0, 100.0)
+    """
+    if total_elements <= 0:
+        return 100.0
+    return round(100.0 * min(done_elements, total_elements) / total_elements, 1)
+
+
+# =========================================================================== pure: one map's record
+
+
+@dataclass
+class Attempt:
+    """One task run of a chunked map, as the flow saw it."""
+
+    chunk: str  # label, e.g. "iline 64:96"
+    chunk_key: str
+    extents: tuple[int, int, int]  # block read, halo included
+    elements: int
+    decision: str
+    predicted_bytes: float | None = None  # the model's mean when submitted
+    upper_bytes: float | None = None  # the model's upper bound when submitted
+    submitted_at: float = 0.0
+    outcome: str = ""  # "" while running; ok | memory_error | killed | lost
+    measured_bytes: int | None = None
+    censored: bool = False  # measured_bytes is a floor: it needed more
+    seconds: float | None = None
+    worker: str = ""
+
+
+@dataclass
+class MapRecord:
+    """Everything the report says about one chunked map: plain data."""
+
+    operator: str
+    operator_key: str
+    shape: tuple[int, int, int]
+    budget_bytes: int = 0
+    slots: int = 0
+    output_path: str = ""
+    decisions: list[dict] = field(default_factory=list)
+    attempts: list[Attempt] = field(default_factory=list)
+    done_elements: int = 0
+    done_chunks: int = 0
+    started_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+    error: str = ""
+    #: Dask's ``chunks="auto"`` for this volume and what the model predicts for it (see :func:`naive_chunking`).
+    naive: dict = field(default_factory=dict)
+
+    @property
+    def total_elements(self) -> int:
+        return self.shape[0] * self.shape[1] * self.shape[2]
+
+
+def chunk_rows(record: MapRecord) -> list[dict[str, Any]]:
+    """The table artifact's rows: one per task run, in submission order.
+
+    A censored figure (the run died of memory: it needed *more* than this) is
+    written as ``"> 950.0"``.
+    """
+    rows = []
+    for a in record.attempts:
+        measured: Any = mib(a.measured_bytes)
+        if a.censored and measured is not None:
+            measured = f"> {measured}"
+        rows.append({
+            "chunk": a.chunk,
+            "extents": " x ".join(str(e) for e in a.extents),
+            "elements": a.elements,
+            "predicted MiB": mib(a.predicted_bytes),
+            "upper-bound MiB": mib(a.upper_bytes),
+            "measured MiB": measured,
+            "seconds": None if a.seconds is None else round(a.seconds, 2),
+            "decision": a.decision,
+            "outcome": OUTCOME_TEXT.get(a.outcome, a.outcome or "running"),
+            "worker": a.worker,
+        })
+    return rows
+
+
+def model_error(attempts: Iterable[Attempt]) -> dict[str, Any]:
+    """How well the model predicted the finished chunks it had a prediction for.
+
+    ``median_abs_pct``: median of |measured - predicted| / measured, in percent;
+    ``within_upper``: share of measured peaks at or below the upper bound; ``n``.
+
+    >>> a = [Attempt("c", "k", (1, 1, 1), 1, "rechunk", 90, 120, outcome="ok", measured_bytes=100),
+    ...      Attempt("d", "k", (1, 1, 1), 1, "rechunk", 110, 105, outcome="ok", measured_bytes=110)]
+    >>> model_error(a)
+    {'n': 2, 'median_abs_pct': 5.0, 'within_upper': 0.5}
+    """
+    errs, within = [], []
+    for a in attempts:
+        if a.outcome != "ok" or not a.measured_bytes or a.predicted_bytes is None:
+            continue
+        errs.append(abs(a.measured_bytes - a.predicted_bytes) / a.measured_bytes * 100.0)
+        if a.upper_bytes is not None:
+            within.append(1.0 if a.measured_bytes <= a.upper_bytes else 0.0)
+    errs.sort()
+    med = None
+    if errs:
+        mid = len(errs) // 2
+        med = errs[mid] if len(errs) % 2 else (errs[mid - 1] + errs[mid]) / 2
+    return {"n": len(errs), "median_abs_pct": None if med is None else round(med, 1),
+            "within_upper": None if not within else round(sum(within) / len(within), 3)}
+
+
+def map_summary(record: MapRecord) -> dict[str, Any]:
+    """One map in numbers: what the flow summary shows per operator."""
+    ok = [a for a in record.attempts if a.outcome == "ok"]
+    ooms = [a for a in record.attempts if a.outcome in OOM_EVENTS]
+    lost = [a for a in record.attempts if a.outcome in OOM_EVENTS + ("lost",)]
+    peak = max((a.measured_bytes or 0 for a in ok), default=None)
+    plans = [d for d in record.decisions if d.get("chunk_shape")]
+    final = plans[-1] if plans else {}
+    naive = record.naive or {}
+    return {
+        "operator": record.operator,
+        "operator_key": record.operator_key,
+        "decisions": [d.get("decision") for d in record.decisions],
+        "chunking": (f"{record.done_chunks} chunks, largest {' x '.join(map(str, final['chunk_shape']))}"
+                     if final else f"{record.done_chunks} chunks"),
+        "tasks": len(record.attempts),
+        "oom_avoided": int(naive.get("over_budget", 0) or 0),
+        "oom_recovered": len(ooms),
+        "peak_bytes": peak,
+        "budget_bytes": record.budget_bytes,
+        "budget_use": None if not peak or not record.budget_bytes else round(peak / record.budget_bytes, 3),
+        "model_error": model_error(record.attempts),
+        "retry_seconds": round(sum(a.seconds or 0.0 for a in lost), 2),
+        "seconds": None if record.ended_at is None else round(record.ended_at - record.started_at, 2),
+        "error": record.error,
+        "output": record.output_path,
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def summary_markdown(flow_name: str, records: Sequence[MapRecord], *, title: str | None = None) -> str:
+    """The flow run's markdown summary over its chunked maps."""
+    lines = [f"# {title or 'memchunk: ' + flow_name}", ""]
+    if not records:
+        return "\n".join(lines + ["No chunked maps ran."])
+    sums = [map_summary(r) for r in records]
+    budget = max((s["budget_bytes"] or 0 for s in sums), default=0)
+    peak = max((s["peak_bytes"] or 0 for s in sums), default=0)
+    failed = [s for s in sums if s["error"]]
+    lines += [
+        f"{len(records)} chunked map{'s' if len(records) != 1 else ''}, "
+        f"{sum(s['tasks'] for s in sums)} task runs. Budget per task {format_bytes(budget)}; "
+        f"highest measured peak {format_bytes(peak or None)} ({_pct(peak / budget if budget and peak else None)} "
+        f"of the budget). Out-of-memory events: {sum(s['oom_avoided'] for s in sums)} avoided, "
+        f"{sum(s['oom_recovered'] for s in sums)} recovered. Time lost in retries: "
+        f"{sum(s['retry_seconds'] for s in sums):.1f} s."
+        + (f" **{len(failed)} map(s) failed.**" if failed else ""),
+        "",
+        "| operator | chunking | decision | tasks | OOM avoided | OOM recovered | peak / budget | "
+        "model error (median) | within upper bound | retry time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in sums:
+        me = s["model_error"]
+        err = "n/a" if me["median_abs_pct"] is None else f"{me['median_abs_pct']:.0f}% (n={me['n']})"
+        decisions = " → ".join(dict.fromkeys(d for d in s["decisions"] if d))
+        lines.append(
+            f"| {s['operator']} | {s['chunking']} | {decisions or 'n/a'} | {s['tasks']} | {s['oom_avoided']} | "
+            f"{s['oom_recovered']} | {format_bytes(s['peak_bytes'])} / {format_bytes(s['budget_bytes'])} "
+            f"({_pct(s['budget_use'])}) | {err} | {_pct(me['within_upper'])} | {s['retry_seconds']:.1f} s |")
+    lines.append("")
+    for r, s in zip(records, sums):
+        lines += [f"## {r.operator}", "", f"`{r.operator_key}` → `{r.output_path}`", ""]
+        for d in r.decisions:
+            reason = str(d.get("reason", "")).replace("\n", " ")
+            lines.append(f"- **{d.get('decision')}**: {reason}")
+        n = r.naive or {}
+        if n.get("over_budget"):
+            lines.append(
+                f"- **out-of-memory avoided**: Dask's `chunks=\"auto\"` would cut this volume into {n['n_chunks']} "
+                f"chunk(s) of up to {' x '.join(map(str, n['chunk_shape']))}; the model predicts "
+                f"{format_bytes(n['predicted_bytes'])} for the largest, over the {format_bytes(r.budget_bytes)} "
+                f"budget ({n['over_budget']} chunk(s) would not fit)")
+        if s["oom_recovered"]:
+            lines.append(f"- **out-of-memory recovered**: {s['oom_recovered']} task run(s) ran out of memory and "
+                         f"were split and resubmitted; {s['retry_seconds']:.1f} s of task time lost")
+        if s["error"]:
+            lines.append(f"- **failed**: {s['error']}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def naive_chunking(shape: Sequence[int], halo: Sequence[int], budget_bytes: int,
+                   predict: Callable[[tuple[int, int, int]], Any]) -> dict[str, Any]:
+    """Dask's ``chunks="auto"`` for a float32 volume, and how many of its chunks the model says would not fit.
+
+    ``predict(extents)`` returns an object with ``mean_bytes`` and ``ready``; an
+    unready model gives an empty dict (nothing claimed).
+    """
+    import dask.array as da
+
+    from .chunks import Chunk, with_halo
+
+    chunks = da.core.normalize_chunks("auto", tuple(shape), dtype="float32")
+    starts = [[sum(c[:i]) for i in range(len(c))] for c in chunks]
+    boxes = [Chunk((a, b, c), (a + x, b + y, c + z))
+             for a, x in zip(starts[0], chunks[0]) for b, y in zip(starts[1], chunks[1])
+             for c, z in zip(starts[2], chunks[2])]
+    cache: dict[tuple, float | None] = {}
+    over = 0
+    largest = None
+    for box in boxes:
+        read, _ = with_halo(box, tuple(halo), tuple(shape))
+        ext = read.shape
+        if ext not in cache:
+            p = predict(ext)
+            cache[ext] = float(p.mean_bytes) if getattr(p, "ready", True) else None
+        if cache[ext] is None:
+            return {}
+        if cache[ext] > budget_bytes:
+            over += 1
+        if largest is None or read.elements > largest[1]:
+            largest = (box.shape, read.elements, cache[ext])
+    return {"n_chunks": len(boxes), "chunk_shape": list(largest[0]), "predicted_bytes": largest[2],
+            "over_budget": over}
+
+
+# =========================================================================== thin: the runner's reporter
+
+#: Flow run id -> its maps' records and summary artifact id (the newest 64 flow runs of this process).
+_FLOW_RUNS: "OrderedDict[str, dict]" = OrderedDict()
+
+
+def _flow_context() -> tuple[str | None, str]:
+    try:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        if ctx and ctx.flow_run:
+            return str(ctx.flow_run.id), ctx.flow.name if ctx.flow else ctx.flow_run.name
+    except Exception:  # pragma: no cover
+        pass
+    return None, "flow"
+
+
+class MapReporter:
+    """Fills a :class:`MapRecord` from a running ``ChunkedMap`` and keeps its artifacts current.
+
+    Called by the runner from the flow's thread: :meth:`submitted` per task run,
+    :meth:`chunk_finished` after each finished one, :meth:`map_ended` once.
+    """
+
+    def __init__(self, cmap: Any):
+        self.cmap = cmap
+        self.record = MapRecord(operator=cmap.name, operator_key=cmap.key, shape=tuple(cmap.shape),
+                                output_path=cmap.output_path)
+        self.flow_run_id, self.flow_name = _flow_context()
+        self.key = artifact_key("memchunk", cmap.name)
+        self._open: dict[str, Attempt] = {}
+        self._n_events = 0
+        self._n_obs = 0
+        self._progress_id = None
+        self._api_ok = True
+        self._last_progress = -1.0
+
+    # ---- calls from the runner
+
+    def submitted(self, item: Any) -> None:
+        from .chunks import with_halo
+
+        cm = self.cmap
+        if self._progress_id is None and self._api_ok:
+            self.record.budget_bytes, self.record.slots = int(cm.budget), int(cm.slots)
+            self._progress_id = self._call(self._create_progress)
+        read, _ = with_halo(item.chunk, cm.halo, cm.shape)
+        pred_mean = pred_upper = None
+        try:
+            p = cm.predict(read.shape)
+            if getattr(p, "ready", False):
+                pred_mean, pred_upper = float(p.mean_bytes), float(p.upper_bytes)
+        except Exception as exc:  # pragma: no cover - a prediction for the report only
+            logger.debug("no prediction for the report: %r", exc)
+        a = Attempt(chunk=item.chunk.label(cm.shape), chunk_key=item.chunk.key(), extents=read.shape,
+                    elements=read.elements, decision=item.decision, predicted_bytes=pred_mean,
+                    upper_bytes=pred_upper, submitted_at=time.time())
+        self.record.attempts.append(a)
+        self._open[a.chunk_key] = a
+
+    def chunk_finished(self, item: Any) -> None:
+        cm = self.cmap
+        events, self._n_events = cm.events[self._n_events:], len(cm.events)
+        obs, self._n_obs = cm.observations[self._n_obs:], len(cm.observations)
+        by_chunk = {o.chunk: o for o in obs}
+        for e in events:
+            a = self._open.pop(e.get("chunk", ""), None)
+            if a is None:
+                continue
+            o = by_chunk.get(a.chunk_key)
+            a.outcome = e.get("event", "")
+            a.measured_bytes = e.get("peak_bytes") if e.get("peak_bytes") is not None else (o.peak_bytes if o else None)
+            a.censored = bool(o.censored) if o is not None else a.outcome in OOM_EVENTS
+            if a.outcome == "ok" or (o is not None and o.seconds):
+                a.seconds = e.get("seconds") if e.get("seconds") is not None else (o.seconds if o else None)
+            else:  # the worker died: the flow only knows the wall time since submission
+                a.seconds = time.time() - a.submitted_at
+            a.worker = e.get("worker") or (o.worker if o else "")
+        self.record.done_chunks = len(cm.done)
+        self.record.done_elements = sum(c.elements for c in cm.done)
+        pct = progress_percent(self.record.done_elements, self.record.total_elements)
+        if self._progress_id is not None and pct != self._last_progress:
+            self._last_progress = pct
+            self._call(self._update_progress, pct)
+
+    def map_ended(self, error: BaseException | None = None) -> None:
+        cm = self.cmap
+        r = self.record
+        r.ended_at = time.time()
+        r.decisions = [dict(d) for d in cm.decisions]
+        r.budget_bytes = int(getattr(cm, "budget", 0) or r.budget_bytes or 0)
+        r.slots = int(getattr(cm, "slots", 0) or r.slots or 0)
+        r.done_chunks = len(cm.done)
+        r.done_elements = sum(c.elements for c in cm.done)
+        if error is not None:
+            r.error = f"{type(error).__name__}: {error}"
+        if r.budget_bytes:
+            try:
+                r.naive = naive_chunking(r.shape, cm.halo, r.budget_bytes, cm.predict)
+            except Exception as exc:  # pragma: no cover - a figure for the report only
+                logger.debug("no naive-chunking estimate: %r", exc)
+        if self._progress_id is not None and error is None:
+            self._call(self._update_progress, 100.0)
+        if r.attempts:
+            self._call(self._create_table)
+        self._call(self._publish_summary)
+
+    # ---- Prefect
+
+    def _call(self, fn: Callable, *args: Any) -> Any:
+        if not self._api_ok:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._api_ok = False
+            logger.warning("memchunk report: could not write artifacts for %s (%r); the run goes on",
+                           self.record.operator, exc)
+            return None
+
+    def _progress_description(self) -> str:
+        r = self.record
+        return (f"{r.operator}: {r.done_chunks} chunks written, {progress_percent(r.done_elements, r.total_elements)}% "
+                f"of {' x '.join(map(str, r.shape))} → `{r.output_path}`")
+
+    def _create_progress(self):
+        from prefect.artifacts import create_progress_artifact
+
+        return create_progress_artifact(0.0, key=artifact_key(self.key, "progress"),
+                                        description=self._progress_description(), _sync=True)
+
+    def _update_progress(self, pct: float) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        update_progress_artifact(self._progress_id, pct, description=self._progress_description(), _sync=True)
+
+    def _create_table(self) -> None:
+        from prefect.artifacts import create_table_artifact
+
+        s = map_summary(self.record)
+        create_table_artifact(
+            chunk_rows(self.record), key=artifact_key(self.key, "chunks"),
+            description=(f"**{self.record.operator}** (`{self.record.operator_key}`): {s['chunking']}, "
+                         f"{s['tasks']} task runs, decisions {' → '.join(dict.fromkeys(s['decisions']))}; "
+                         f"peak {format_bytes(s['peak_bytes'])} of a {format_bytes(s['budget_bytes'])} budget; "
+                         f"{s['oom_recovered']} out-of-memory events recovered"),
+            _sync=True)
+
+    def _publish_summary(self) -> None:
+        publish_summary(self.flow_run_id, self.flow_name, self.record)
+
+
+def publish_summary(flow_run_id: str | None, flow_name: str, record: MapRecord) -> Any:
+    """Add ``record`` to its flow run's summary, and create or update the markdown artifact."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+
+    run_key = flow_run_id or "no-flow-run"
+    entry = _FLOW_RUNS.setdefault(run_key, {"records": [], "artifact_id": None})
+    _FLOW_RUNS.move_to_end(run_key)
+    while len(_FLOW_RUNS) > 64:
+        _FLOW_RUNS.popitem(last=False)
+    entry["records"].append(record)
+    md = summary_markdown(flow_name, entry["records"])
+    description = f"memchunk: how {flow_name} was chunked, and why"
+    with get_client(sync_client=True) as client:
+        if entry["artifact_id"] is None:
+            art = client.create_artifact(ArtifactCreate(
+                type="markdown", key=artifact_key("memchunk-summary", flow_name), description=description,
+                data=md, flow_run_id=flow_run_id))
+            entry["artifact_id"] = art.id
+        else:
+            client.update_artifact(entry["artifact_id"], ArtifactUpdate(data=md, description=description))
+    return entry["artifact_id"]
+
+
+def flow_records(flow_run_id: str) -> list[MapRecord]:
+    """The records of a flow run's chunked maps seen by this process (for flows that want them)."""
+    return list(_FLOW_RUNS.get(str(flow_run_id), {}).get("records", []))
+
+
+def run_reported(cmap: Any) -> Any:
+    """Run one ``ChunkedMap`` with its reporter attached; artifacts are written even when the map fails."""
+    reporter = MapReporter(cmap)
+    cmap.reporter = reporter
+    try:
+        result = cmap.run()
+    except BaseException as exc:
+        reporter.map_ended(exc)
+        raise
+    reporter.map_ended()
+    return result
