@@ -1,0 +1,325 @@
+"""Side by side: Dask auto-chunking, hand-tuned static chunks, split-on-failure and MemoryAwareRunner.
+
+    python -m benchmarks [--quick] [--json PATH] [--plot PATH]
+
+On one local Dask cluster of single-thread worker processes with a real,
+nanny-enforced ``memory_limit`` (``allowed-failures`` 0), every strategy runs
+the same work — envelope -> gaussian_smooth -> gst3d_dip over a synthetic
+survey sized so that gst3d_dip (about 42x its float32 input here) cannot run on
+it in one piece under the limit — and the benchmark prints a table, writes the
+JSON (``--json``) and a PNG plot (``--plot``, needs matplotlib). See
+``benchmarks/strategies.py`` for what each strategy does and how each figure is
+measured, and BENCHMARKS.md for the targets and the figures of a full run.
+
+Also measured: the warm runner at 1x, 2x and 4x the volume (seconds per
+element), and the runner's overhead over a plain ``DaskTaskRunner`` on identical
+fixed chunking of a light operator (envelope), over repeated paired runs.
+
+A Prefect API is needed: with no ``PREFECT_API_URL`` one local server is started
+for the whole benchmark (``prefect_test_harness``), telemetry off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Before Prefect is imported, here and (inherited) in every spawned worker: no network, quiet logs.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+
+
+@dataclass(frozen=True)
+class Config:
+    shape: tuple[int, int, int]
+    memory_limit: str
+    n_workers: int
+    static_counts: tuple[int, ...]
+    overhead_chunks: int
+    overhead_pairs: int
+    scaling: tuple[int, ...]
+
+
+#: 128 x 128 x 400 float32 = 25 MiB: gst3d_dip in one piece needs ~1.05 GiB, over a 1 GiB worker.
+FULL = Config(shape=(128, 128, 400), memory_limit="1GiB", n_workers=2, static_counts=(1, 2, 4, 8, 16),
+              overhead_chunks=8, overhead_pairs=5, scaling=(1, 2, 4))
+#: 64 x 96 x 400 = 9.4 MiB: ~400 MiB for gst3d_dip in one piece, over a 640 MiB worker's kill line (608 MiB)
+#: with its ~200 MiB resting memory. A smoke test (one scaling point, two sweep points): its figures are not
+#: the benchmark's.
+QUICK = Config(shape=(64, 96, 400), memory_limit="640MiB", n_workers=2, static_counts=(4, 8),
+               overhead_chunks=8, overhead_pairs=2, scaling=(1,))
+
+TARGETS = [
+    ("memchunk-warm: 0 out-of-memory events", "warm_oom"),
+    ("memchunk-warm: wall <= 1.10x static-best", "warm_vs_best"),
+    ("memchunk-cold: wall <= 1.30x static-best", "cold_vs_best"),
+    ("memchunk-cold: at most 1 out-of-memory event per operator", "cold_oom"),
+    ("dask-auto fails on gst3d_dip, or memchunk-warm is no slower", "auto"),
+    ("overhead ratio <= 1.05", "overhead"),
+    ("time per element roughly flat 1x -> 4x (within 20%)", "scaling"),
+]
+
+
+def machine_info() -> dict[str, Any]:
+    import dask
+    import distributed
+    import numpy
+    import prefect
+    import psutil
+
+    return {
+        "cpus": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {"prefect": prefect.__version__, "dask": dask.__version__,
+                     "distributed": distributed.__version__, "numpy": numpy.__version__},
+        "gpu": None,
+        "loadavg_start": list(os.getloadavg()),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def evaluate(strategies: list[dict], overhead: dict, scaling: list[dict], n_operators: int) -> dict[str, dict]:
+    by = {s["name"]: s for s in strategies}
+    best, warm, cold, auto = by.get("static-best"), by.get("memchunk-warm"), by.get("memchunk-cold"), by.get("dask-auto")
+    out: dict[str, dict] = {}
+
+    def put(key: str, met: bool | None, figure: str) -> None:
+        out[key] = {"met": met, "figure": figure}
+
+    if warm:
+        put("warm_oom", warm["completed"] and warm["oom_events"] == 0, f"{warm['oom_events']} events")
+    if warm and best and warm["completed"]:
+        r = warm["wall_seconds"] / best["wall_seconds"]
+        put("warm_vs_best", r <= 1.10, f"{r:.2f}x ({warm['wall_seconds']:.1f} s vs {best['wall_seconds']:.1f} s, "
+                                       f"{best.get('extra', {}).get('of', '?')})")
+    if cold and best and cold["completed"]:
+        r = cold["wall_seconds"] / best["wall_seconds"]
+        put("cold_vs_best", r <= 1.30, f"{r:.2f}x ({cold['wall_seconds']:.1f} s vs {best['wall_seconds']:.1f} s)")
+    if cold:
+        put("cold_oom", cold["completed"] and cold["oom_events"] <= n_operators,
+            f"{cold['oom_events']} events over {n_operators} operators")
+    if auto and warm:
+        if not auto["completed"]:
+            put("auto", True, f"dask-auto failed ({auto['notes']})")
+        else:
+            r = warm["wall_seconds"] / auto["wall_seconds"]
+            put("auto", r <= 1.0, f"dask-auto completed; memchunk-warm {r:.2f}x its wall")
+    if overhead:
+        put("overhead", overhead["overhead_ratio"] <= 1.05,
+            f"{overhead['overhead_ratio']:.3f} (median of {len(overhead['ratios'])} pairs)")
+    if len(scaling) >= 2 and all(s["completed"] for s in scaling):
+        spe = [s["seconds_per_element"] for s in scaling]
+        r = max(spe) / min(spe)
+        put("scaling", r <= 1.2, " / ".join(f"{s['factor']}x {s['seconds_per_element'] * 1e6:.2f} us" for s in scaling)
+            + f" (max/min {r:.2f})")
+    return out
+
+
+def table(strategies: list[dict]) -> str:
+    head = f"{'strategy':<18} {'done':<5} {'wall s':>8} {'OOM':>4} {'tasks':>6} {'lost w-s':>9} {'peak/limit':>10}  notes"
+    lines = [head, "-" * len(head)]
+    for s in strategies:
+        peak = "n/a" if s["peak_memory_fraction"] is None else f"{s['peak_memory_fraction']:.2f}"
+        lines.append(f"{s['name']:<18} {'yes' if s['completed'] else 'NO':<5} {s['wall_seconds']:>8.1f} "
+                     f"{s['oom_events']:>4d} {s['tasks']:>6d} {s['lost_worker_seconds']:>9.1f} {peak:>10}  "
+                     f"{s.get('notes', '')}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: no plot written to {path} (pip install matplotlib)")
+        return
+    strategies = result["strategies"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5))
+    ax = axes[0]
+    names = [s["name"] for s in strategies]
+    walls = [s["wall_seconds"] for s in strategies]
+    colors = ["tab:green" if s["completed"] else "tab:red" for s in strategies]
+    ax.barh(names, walls, color=colors)
+    for i, s in enumerate(strategies):
+        ax.text(walls[i], i, f" {s['oom_events']} OOM" if s["oom_events"] else "", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("wall seconds (red: did not complete)")
+    ax.set_title("same pipeline, same cluster")
+    ax = axes[1]
+    ax.barh(names, [s["peak_memory_fraction"] or 0 for s in strategies], color=colors)
+    ax.axvline(0.95, color="k", ls="--", lw=1)
+    ax.text(0.95, len(names) - 0.5, " nanny kills", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("peak worker RSS / memory_limit")
+    ax.set_yticklabels([])
+    ax = axes[2]
+    sc = [s for s in result["scaling"] if s["completed"]]
+    if sc:
+        ax.plot([s["factor"] for s in sc], [s["seconds_per_element"] * 1e6 for s in sc], "o-")
+        ax.set_ylim(bottom=0)
+    ax.set_xlabel("volume (x base survey)")
+    ax.set_ylabel("microseconds per element")
+    ov = result.get("overhead_ratio")
+    ax.set_title("memchunk-warm scaling" + (f"; overhead ratio {ov:.3f}" if ov else ""))
+    fig.suptitle(f"python -m benchmarks{' --quick' if result['config']['quick'] else ''}: "
+                 f"{result['config']['shape']} survey, {result['config']['n_workers']} workers x "
+                 f"{result['config']['memory_limit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"plot written to {path}")
+
+
+def run(cfg: Config, quick: bool, workdir: Path) -> dict:
+    from benchmarks import strategies as st
+    from flows.pipeline import DEFAULT_STEPS
+
+    steps = [dict(s) for s in DEFAULT_STEPS]
+    t_start = time.perf_counter()
+    machine = machine_info()
+    il, xl, nt = cfg.shape
+    survey = st.make_survey(workdir / f"survey-{il}x{xl}x{nt}.sgy", cfg.shape)
+    print(f"survey {cfg.shape} ({il * xl * nt * 4 / 2**20:.1f} MiB float32), {cfg.n_workers} workers x "
+          f"{cfg.memory_limit}, steps: {st.STEPS_NOTE}", flush=True)
+    bench = st.Bench(cfg.n_workers, cfg.memory_limit, workdir)
+    results: list[st.StrategyResult] = []
+    scaling: list[dict] = []
+    overhead: dict = {}
+    try:
+        results.append(bench.measure("dask-auto", lambda: st.run_dask_auto(bench, survey, steps)))
+        statics = []
+        for n in cfg.static_counts:
+            r = bench.measure(f"static-{n}", lambda n=n: st.run_static(bench, survey, steps, n, f"static-{n}"))
+            results.append(r)
+            statics.append(r)
+        done = [r for r in statics if r.completed]
+        if done:
+            b = min(done, key=lambda r: r.wall_seconds)
+            results.append(st.StrategyResult(name="static-best", wall_seconds=b.wall_seconds, completed=True,
+                                             oom_events=b.oom_events, tasks=b.tasks,
+                                             lost_worker_seconds=b.lost_worker_seconds,
+                                             peak_memory_fraction=b.peak_memory_fraction, notes=f"= {b.name}",
+                                             extra={"of": b.name}))
+        else:
+            results.append(st.StrategyResult(name="static-best", wall_seconds=float("nan"), completed=False,
+                                             oom_events=0, tasks=0, lost_worker_seconds=0.0,
+                                             peak_memory_fraction=None, notes="no static chunking completed"))
+        results.append(bench.measure("split-on-failure", lambda: st.run_split(bench, survey, steps)))
+        store = str(workdir / "memchunk-store.sqlite")
+        results.append(bench.measure("memchunk-cold", lambda: st.run_memchunk(bench, survey, steps, store, "cold")))
+        warm = bench.measure("memchunk-warm", lambda: st.run_memchunk(bench, survey, steps, store, "warm"))
+        results.append(warm)
+
+        elements = st.volume_elements(cfg.shape)
+        for k in cfg.scaling:
+            if k == 1:
+                r, shape = warm, cfg.shape
+            else:
+                shape = (il * k, xl, nt)
+                path = st.make_survey(workdir / f"survey-{shape[0]}x{xl}x{nt}.sgy", shape)
+                r = bench.measure(f"memchunk-warm {k}x", lambda p=path, k=k: st.run_memchunk(
+                    bench, p, steps, store, f"warm-{k}x"))
+            scaling.append({"factor": k, "shape": list(shape), "elements": elements * k,
+                            "wall_seconds": round(r.wall_seconds, 3), "completed": r.completed,
+                            "oom_events": r.oom_events, "tasks": r.tasks,
+                            "seconds_per_element": r.wall_seconds / (elements * k)})
+            print(f"  scaling {k}x: {r.wall_seconds:.1f} s, {r.wall_seconds / (elements * k) * 1e6:.3f} us/element",
+                  flush=True)
+        overhead = st.overhead_pairs(bench, survey, store, cfg.overhead_chunks, cfg.overhead_pairs)
+    finally:
+        bench.close()
+    machine["loadavg_end"] = list(os.getloadavg())
+    machine["memory_limit_bytes"] = bench.memory_limit
+    strategies = [r.to_dict() for r in results]
+    out = {
+        "strategies": strategies,
+        "overhead_ratio": round(overhead["overhead_ratio"], 4) if overhead else None,
+        "overhead": overhead,
+        "scaling": scaling,
+        "machine": machine,
+        "config": {"quick": quick, "shape": list(cfg.shape), "memory_limit": cfg.memory_limit,
+                   "n_workers": cfg.n_workers, "threads_per_worker": 1, "allowed_failures": 0,
+                   "static_counts": list(cfg.static_counts), "overhead_chunks": cfg.overhead_chunks,
+                   "overhead_pairs": cfg.overhead_pairs, "steps": steps},
+        "total_seconds": round(time.perf_counter() - t_start, 1),
+    }
+    out["targets"] = {label: evaluate(strategies, overhead, scaling, len(steps)).get(key, {"met": None,
+                                                                                         "figure": "not measured"})
+                      for label, key in TARGETS}
+    return out
+
+
+def _prefect_api():
+    """A local Prefect server for the whole benchmark unless PREFECT_API_URL is set."""
+    import contextlib
+
+    if os.environ.get("PREFECT_API_URL"):
+        return contextlib.nullcontext()
+    from prefect.testing.utilities import prefect_test_harness
+
+    return prefect_test_harness(server_startup_timeout=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smaller survey and sweep, fewer paired runs (CI smoke test)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
+    p.add_argument("--workdir", metavar="DIR", help="where surveys and outputs go (default: a temporary directory)")
+    args = p.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="memchunk-bench-")).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
+    try:
+        print("starting a local Prefect server" if not os.environ.get("PREFECT_API_URL") else
+              f"using the Prefect API at {os.environ['PREFECT_API_URL']}", flush=True)
+        with _prefect_api():
+            result = run(cfg, args.quick, workdir)
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    print()
+    print(table(result["strategies"]))
+    print()
+    if result["overhead"]:
+        o = result["overhead"]
+        print(f"overhead ratio (MemoryAwareRunner / DaskTaskRunner, envelope, {o['chunks']} identical chunks): "
+              f"{o['overhead_ratio']:.3f} median of {len(o['ratios'])} pairs "
+              f"({', '.join(f'{r:.3f}' for r in o['ratios'])}); identical chunking: {o['identical_chunking']}")
+    for s in result["scaling"]:
+        print(f"scaling {s['factor']}x {tuple(s['shape'])}: {s['wall_seconds']:.1f} s, "
+              f"{s['seconds_per_element'] * 1e6:.3f} us per element")
+    print()
+    for label, v in result["targets"].items():
+        verdict = {True: "MET   ", False: "MISSED", None: "n/a   "}[v["met"]]
+        print(f"  {verdict} {label}: {v['figure']}")
+    m = result["machine"]
+    print(f"\n{m['cpus']} cpus, {m['memory_bytes'] / 2**30:.1f} GiB, load average at start "
+          f"{m['loadavg_start'][0]:.2f}, at end {m['loadavg_end'][0]:.2f}; total {result['total_seconds']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(f"JSON written to {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

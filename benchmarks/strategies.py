@@ -1,0 +1,756 @@
+"""The strategies of the side-by-side benchmark (``python -m benchmarks``), importable by Dask workers.
+
+Every strategy runs the same work — :data:`flows.pipeline.DEFAULT_STEPS`
+(envelope -> gaussian_smooth -> gst3d_dip) over one synthetic SEG-Y survey — on
+the *same* local Dask cluster (single-thread worker processes, nanny-enforced
+``memory_limit``, ``allowed-failures`` 0), against the same Prefect server:
+
+- ``dask-auto``: ``open_segy(path).chunk(auto, auto, whole traces)`` -> ``map_overlap``
+  with each operator's declared halo (``boundary="none"``: the halo is clipped at
+  the volume's edge, as the operators expect) -> ``to_zarr``; the graph is
+  computed *directly on the cluster's client* from the body of a Prefect flow
+  whose task runner is a plain ``DaskTaskRunner`` on the same cluster (no
+  Prefect tasks: the graph is Dask's own);
+- ``static-N``: N iline slabs per operator, each slab one plain Prefect task
+  (:func:`slab_task`) in a plain ``DaskTaskRunner`` flow: read the block with its
+  halo from the previous step's output, apply the operator's ``.fn``, trim,
+  write its region of a zarr store (``memchunk_prefect.volume`` APIs);
+- ``split-on-failure``: the same plain tasks, starting from the whole volume per
+  operator; an attempt that runs out of memory (worker killed -> KilledWorker,
+  or MemoryError) is halved (iline, then xline) and both halves are resubmitted;
+  once a size has failed, queued pieces larger than half of it are split before
+  they are submitted (Coffea / Work Queue's dynamic task shaping, without the
+  regression: it does not carry sizes across operators or runs);
+- ``memchunk-cold`` / ``memchunk-warm``: ``flows.pipeline.attribute_pipeline``
+  with ``MemoryAwareRunner(address=<the cluster>)`` on an empty store, then again
+  on the same store.
+
+Measurements (see :class:`Sampler` and :class:`AttemptLog`):
+
+- ``peak_memory_fraction``: the largest RSS of any worker process, sampled every
+  20 ms by psutil from this process (workers are its children), divided by the
+  worker ``memory_limit``. A killed worker reads about 0.95 or a little more (the
+  nanny checks every 100 ms).
+- ``oom_events``: worker processes that died during the strategy (their pid
+  vanished; the nanny only kills for memory here) plus ``MemoryError`` raised in
+  tasks.
+- ``lost_worker_seconds``: slot-seconds of attempts whose work was thrown away:
+  for each task that started executing on a worker that then died, from its start
+  (recorded on the worker by :class:`AttemptLog`) to the death; for a strategy
+  that did not complete, the whole run (wall x slots), since it produced nothing.
+- ``tasks``: task attempts submitted (Prefect task runs), failed ones included;
+  for ``dask-auto`` the Dask graph's tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from prefect import flow, task, unmapped
+from prefect.cache_policies import NO_CACHE
+
+STEPS_NOTE = "envelope -> gaussian_smooth(sigma 2,2,2) -> gst3d_dip (defaults)"
+
+
+# =========================================================================== results
+
+
+@dataclass
+class StrategyResult:
+    name: str
+    wall_seconds: float
+    completed: bool
+    oom_events: int
+    tasks: int
+    lost_worker_seconds: float
+    peak_memory_fraction: float | None
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["wall_seconds"] = round(d["wall_seconds"], 3)
+        d["lost_worker_seconds"] = round(d["lost_worker_seconds"], 3)
+        if d["peak_memory_fraction"] is not None:
+            d["peak_memory_fraction"] = round(d["peak_memory_fraction"], 4)
+        return d
+
+
+# =========================================================================== measuring
+
+
+def _is_worker_process(p) -> bool:
+    try:
+        return any("spawn_main" in part for part in p.cmdline())
+    except Exception:
+        return False
+
+
+class Sampler:
+    """Samples the RSS of this process's Dask worker children every ``interval`` seconds on a thread.
+
+    ``window()`` starts a measurement window: its peak RSS, the worker pids seen
+    in it, and when each one vanished (a death).
+    """
+
+    def __init__(self, interval: float = 0.02):
+        import psutil
+
+        self.psutil = psutil
+        self.me = psutil.Process()
+        self.interval = interval
+        self.lock = threading.Lock()
+        self._procs: dict[int, Any] = {}
+        self._stop = threading.Event()
+        self._reset()
+        self._refresh_at = 0.0
+        self.thread = threading.Thread(target=self._loop, name="benchmark-rss-sampler", daemon=True)
+        self.thread.start()
+
+    def _reset(self) -> None:
+        self.peak_rss = 0
+        self.seen: set[int] = set()
+        self.vanished: dict[int, float] = {}
+
+    def _refresh(self) -> None:
+        try:
+            children = self.me.children(recursive=False)
+        except Exception:
+            return
+        alive = {c.pid for c in children}
+        for pid in list(self._procs):
+            if pid not in alive:
+                self._gone(pid)
+        for c in children:
+            if c.pid not in self._procs and _is_worker_process(c):
+                self._procs[c.pid] = c
+
+    def _gone(self, pid: int) -> None:
+        self._procs.pop(pid, None)
+        with self.lock:
+            if pid in self.seen and pid not in self.vanished:
+                self.vanished[pid] = time.time()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= self._refresh_at:
+                self._refresh()
+                self._refresh_at = now + 0.2
+            for pid, p in list(self._procs.items()):
+                try:
+                    rss = p.memory_info().rss
+                except Exception:
+                    self._gone(pid)
+                    continue
+                with self.lock:
+                    self.seen.add(pid)
+                    if rss > self.peak_rss:
+                        self.peak_rss = rss
+            self._stop.wait(self.interval)
+
+    def window(self) -> None:
+        with self.lock:
+            self._reset()
+
+    def snapshot(self) -> tuple[int, set[int], dict[int, float]]:
+        self._refresh()
+        with self.lock:
+            return self.peak_rss, set(self.seen), dict(self.vanished)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=2)
+
+
+try:
+    from distributed import WorkerPlugin
+except Exception:  # pragma: no cover
+    WorkerPlugin = object  # type: ignore[misc,assignment]
+
+
+class AttemptLog(WorkerPlugin):
+    """A worker plugin that appends ``S key time`` / ``E key time`` when a task starts / stops executing.
+
+    One file per worker process (``<directory>/<pid>.log``), flushed at once, so
+    the start of an attempt survives the worker's death.
+    """
+
+    name = "memchunk-benchmark-attempts"
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self._fh = None
+
+    def setup(self, worker) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        self._fh = open(os.path.join(self.directory, f"{os.getpid()}.log"), "a", buffering=1)
+
+    def transition(self, key, start, finish, **kwargs) -> None:
+        if self._fh is None:
+            return
+        if finish == "executing":
+            self._fh.write(f"S\t{key!r}\t{time.time():.6f}\n")
+        elif start == "executing":
+            self._fh.write(f"E\t{key!r}\t{time.time():.6f}\n")
+
+    def teardown(self, worker) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+def killed_attempt_seconds(directory: str, vanished: dict[int, float], since: float) -> float:
+    """Seconds from start to death of every attempt that was executing on a worker that died (after ``since``)."""
+    total = 0.0
+    for pid, died in vanished.items():
+        path = os.path.join(directory, f"{pid}.log")
+        if not os.path.exists(path):
+            continue
+        open_starts: dict[str, float] = {}
+        with open(path) as fh:
+            for line in fh:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) != 3:
+                    continue
+                kind, key, t = parts[0], parts[1], float(parts[2])
+                if kind == "S":
+                    open_starts[key] = t
+                else:
+                    open_starts.pop(key, None)
+        total += sum(max(0.0, died - t) for t in open_starts.values() if t >= since)
+    return total
+
+
+# =========================================================================== the cluster
+
+
+def warm_worker() -> int:
+    """Import what every strategy's tasks import, and hand freed heap back (glibc); returns the pid."""
+    import ctypes
+    import gc
+
+    import prefect  # noqa: F401
+    import prefect_dask  # noqa: F401
+    import scipy.ndimage  # noqa: F401
+    import scipy.signal  # noqa: F401
+    import zarr  # noqa: F401
+
+    import memchunk_prefect.runner  # noqa: F401
+    import tasks  # noqa: F401
+
+    gc.collect()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return os.getpid()
+
+
+class Bench:
+    """The shared cluster, sampler and attempt log; runs one strategy at a time from a clean slate."""
+
+    def __init__(self, n_workers: int, memory_limit: str, workdir: Path):
+        from distributed import Client
+
+        from memchunk_prefect.testing import start_local_cluster
+
+        self.workdir = workdir
+        self.n_workers = n_workers
+        self.cluster = start_local_cluster(n_workers=n_workers, memory_limit=memory_limit)
+        self.address = self.cluster.scheduler_address
+        self.client = Client(self.address, set_as_default=False)
+        self.client.wait_for_workers(n_workers, timeout=120)
+        info = self.client.scheduler_info(n_workers=-1)
+        self.memory_limit = min(int(w["memory_limit"]) for w in info["workers"].values())
+        self.slots = sum(int(w["nthreads"]) for w in info["workers"].values())
+        self.attempts_dir = str(workdir / "attempts")
+        self.client.register_plugin(AttemptLog(self.attempts_dir))
+        self.sampler = Sampler()
+
+    def close(self) -> None:
+        self.sampler.stop()
+        with contextlib.suppress(Exception):
+            self.client.close()
+        with contextlib.suppress(Exception):
+            self.cluster.close()
+
+    def fresh(self) -> None:
+        """Restart every worker and warm it (same resting memory for every strategy)."""
+        for attempt in range(3):
+            try:
+                self.client.restart(timeout=120, wait_for_workers=True)
+                break
+            except Exception:
+                if attempt == 2:
+                    raise
+                time.sleep(2)
+        self.client.wait_for_workers(self.n_workers, timeout=120)
+        self.client.run(warm_worker)
+        time.sleep(1.0)  # let heartbeats report the resting memory the runner budgets from
+
+    def measure(self, name: str, fn: Callable[[], dict], *, fresh: bool = True) -> StrategyResult:
+        """Run ``fn`` (returns completed, tasks, memory_errors, notes, extra) and measure it."""
+        if fresh:
+            self.fresh()
+        self.sampler.window()
+        t0 = time.time()
+        t = time.perf_counter()
+        try:
+            out = fn()
+        except BaseException as exc:  # noqa: BLE001 - a failed strategy is a result, not a crash
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            out = {"completed": False, "tasks": 0, "memory_errors": 0,
+                   "notes": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}
+        wall = time.perf_counter() - t
+        time.sleep(0.5)  # a killed worker's pid vanishes within the sampler's refresh
+        with contextlib.suppress(Exception):
+            self.client.wait_for_workers(self.n_workers, timeout=60)
+        peak, seen, vanished = self.sampler.snapshot()
+        deaths = len(vanished)
+        completed = bool(out.get("completed"))
+        lost = killed_attempt_seconds(self.attempts_dir, vanished, t0)
+        if not completed:
+            lost = wall * self.slots
+        res = StrategyResult(name=name, wall_seconds=wall, completed=completed,
+                             oom_events=deaths + int(out.get("memory_errors", 0)), tasks=int(out.get("tasks", 0)),
+                             lost_worker_seconds=lost, peak_memory_fraction=peak / self.memory_limit if peak else None,
+                             notes=out.get("notes", ""), extra=dict(out.get("extra", {}), worker_deaths=deaths))
+        print(f"  {name:<18} {'ok    ' if completed else 'FAILED'} {wall:8.1f} s  oom {res.oom_events}  "
+              f"tasks {res.tasks}  lost {res.lost_worker_seconds:.1f} s  peak "
+              f"{(res.peak_memory_fraction or 0):.2f} of limit  {res.notes}", flush=True)
+        return res
+
+
+# =========================================================================== plain Prefect tasks and flows
+
+
+def resolve_steps(steps: Sequence[dict]) -> list[tuple[str, Any, dict]]:
+    from flows.pipeline import resolve_step
+
+    out = []
+    for s in steps:
+        op, params = resolve_step(dict(s))
+        out.append((op.name, op, params))
+    return out
+
+
+def _slab_name(parameters: dict) -> str:
+    c = parameters["chunk"]
+    return f"{parameters['op_name']}[{c.key()}]"
+
+
+@task(cache_policy=NO_CACHE, task_run_name=_slab_name)
+def slab_task(source: Any, out_path: str, chunk: Any, halo: tuple, op_name: str, params: dict) -> int:
+    """Read ``chunk`` with its halo from ``source``, apply the operator's ``.fn``, trim, write its region."""
+    import tasks
+    from memchunk_prefect.volume import ZarrOutput, read_block
+
+    block, trim = read_block(source, chunk, halo)
+    out = tasks.OPERATORS[op_name].fn(block, **params)
+    del block
+    ZarrOutput.open(out_path).write(chunk, np.ascontiguousarray(np.asarray(out)[trim], dtype=np.float32))
+    return chunk.elements
+
+
+def _create_output(source: Any, path: str, op_name: str):
+    from memchunk_prefect.volume import ZarrOutput
+
+    return ZarrOutput.create(path, source.shape, source.coords(), attrs={"operator": op_name}, overwrite=True)
+
+
+def _is_oom(exc: BaseException) -> tuple[bool, bool]:
+    """(out of memory?, was it a MemoryError rather than a killed worker?)"""
+    name = type(exc).__name__
+    if isinstance(exc, MemoryError) or name in ("MemoryError", "_ArrayMemoryError"):
+        return True, True
+    if name == "KilledWorker":
+        return True, False
+    return False, False
+
+
+def _mark_crashed(fut: Any, message: str) -> None:
+    """A killed worker leaves its Prefect task run RUNNING forever (FACTS.md); say it crashed."""
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Crashed
+
+        with get_client(sync_client=True) as c:
+            c.set_task_run_state(fut.task_run_id, Crashed(message=message), force=True)
+    except Exception:
+        pass
+
+
+def _cancel(futures: Sequence[Any]) -> None:
+    for f in futures:
+        with contextlib.suppress(Exception):
+            f.wrapped_future.cancel()
+
+
+def _state_error(fut: Any) -> BaseException | None:
+    """The exception a finished PrefectDaskFuture ended with, or None when it completed."""
+    try:
+        state = fut.wrapped_future.result()
+    except BaseException as exc:  # noqa: BLE001 - KilledWorker and friends
+        return exc
+    finally:
+        with contextlib.suppress(Exception):
+            fut.wrapped_future.release()
+    if getattr(state, "is_completed", lambda: True)():
+        return None
+    try:
+        out = state.result(raise_on_failure=False)
+    except BaseException as exc:  # noqa: BLE001
+        return exc
+    return out if isinstance(out, BaseException) else RuntimeError(f"task ended in state {state!r}")
+
+
+@flow(name="benchmark-static")
+def static_flow(source_path: str, steps: list[dict], out_dir: str, chunkings: list[list[Any]]) -> dict:
+    """Each step over a fixed chunking (one plain task per chunk); stops at the first failure."""
+    from distributed import as_completed
+
+    from memchunk_prefect.chunks import with_halo  # noqa: F401  (halo arithmetic is in read_block)
+    from memchunk_prefect.operators import spec_of
+    from memchunk_prefect.volume import as_source
+
+    current: Any = as_source(source_path)
+    n_tasks = 0
+    for n, ((op_name, op, params), chunks) in enumerate(zip(resolve_steps(steps), chunkings), start=1):
+        halo = spec_of(op).halo_for(params)
+        out = _create_output(current, os.path.join(out_dir, f"{n:02d}-{op_name}.zarr"), op_name)
+        futures = slab_task.map(unmapped(current), unmapped(out.path), chunks, unmapped(halo),
+                                unmapped(op_name), unmapped(params))
+        n_tasks += len(futures)
+        by_key = {f.wrapped_future.key: f for f in futures}
+        for df in as_completed([f.wrapped_future for f in futures], loop=_flow_client().loop):
+            fut = by_key[df.key]
+            exc = _state_error(fut)
+            if exc is not None:
+                oom, merr = _is_oom(exc)
+                if oom and not merr:
+                    _mark_crashed(fut, f"worker died running {op_name}: {type(exc).__name__}")
+                _cancel(futures)
+                return {"completed": False, "tasks": n_tasks, "memory_errors": int(merr),
+                        "notes": f"{op_name} failed: {type(exc).__name__}"}
+        out.finalize()
+        current = out.to_source()
+    return {"completed": True, "tasks": n_tasks, "memory_errors": 0, "notes": ""}
+
+
+def _flow_client():
+    from prefect.context import FlowRunContext
+
+    return FlowRunContext.get().task_runner.client
+
+
+def _halve(chunk: Any, whole_traces: bool) -> list[Any]:
+    from memchunk_prefect.chunks import split
+
+    return split(chunk, axes=(0, 1) if whole_traces else (0, 1, 2))
+
+
+@flow(name="benchmark-split-on-failure")
+def split_flow(source_path: str, steps: list[dict], out_dir: str, max_in_flight: int = 4) -> dict:
+    """Per step: start with the whole volume; halve an attempt that ran out of memory and resubmit the halves."""
+    from distributed import as_completed
+
+    from memchunk_prefect.chunks import Chunk
+    from memchunk_prefect.operators import spec_of
+    from memchunk_prefect.volume import as_source
+
+    current: Any = as_source(source_path)
+    n_tasks = memory_errors = 0
+    sizes: dict[str, int] = {}
+    for n, (op_name, op, params) in enumerate(resolve_steps(steps), start=1):
+        spec = spec_of(op)
+        halo = spec.halo_for(params)
+        out = _create_output(current, os.path.join(out_dir, f"{n:02d}-{op_name}.zarr"), op_name)
+        queue = [Chunk.whole(current.shape)]
+        limit = None  # elements of the smallest chunk that failed, halved
+        in_flight: dict[Any, tuple[Any, Any]] = {}
+        ac = as_completed(loop=_flow_client().loop)
+        while queue or in_flight:
+            while queue and len(in_flight) < max_in_flight:
+                c = queue.pop(0)
+                if limit is not None and c.elements > limit:
+                    pieces = _halve(c, spec.whole_traces)
+                    if pieces:
+                        queue[:0] = pieces
+                        continue
+                fut = slab_task.submit(current, out.path, c, halo, op_name, params)
+                n_tasks += 1
+                in_flight[fut.wrapped_future.key] = (c, fut)
+                ac.add(fut.wrapped_future)
+            df = next(ac)
+            c, fut = in_flight.pop(df.key)
+            exc = _state_error(fut)
+            if exc is None:
+                continue
+            oom, merr = _is_oom(exc)
+            if not oom:
+                _cancel([f for _, f in in_flight.values()])
+                raise exc
+            memory_errors += int(merr)
+            if not merr:
+                _mark_crashed(fut, f"worker died running {op_name}[{c.key()}]: split in two and retried")
+            pieces = _halve(c, spec.whole_traces)
+            if not pieces:
+                _cancel([f for _, f in in_flight.values()])
+                raise MemoryError(f"{op_name}: chunk {c} ran out of memory and cannot be split")
+            limit = min(limit or c.elements, max(p.elements for p in pieces))
+            queue[:0] = pieces
+        out.finalize()
+        sizes[op_name] = n_tasks
+        current = out.to_source()
+    return {"completed": True, "tasks": n_tasks, "memory_errors": memory_errors, "notes": "",
+            "extra": {"tasks_after_step": sizes}}
+
+
+@flow(name="benchmark-dask-auto")
+def dask_auto_flow(source_path: str, steps: list[dict], out_path: str, address: str) -> dict:
+    """What a Dask user writes: chunks="auto" (whole traces), map_overlap with the declared halos, to_zarr."""
+    import dask
+    import dask.array as da
+    from distributed import Client
+
+    from memchunk_prefect import open_segy
+    from memchunk_prefect.operators import spec_of
+
+    x = open_segy(source_path).chunk({"iline": "auto", "xline": "auto", "twt": -1}).data
+    chunks = x.chunks
+    for op_name, op, params in resolve_steps(steps):
+        halo = spec_of(op).halo_for(params)
+        x = da.map_overlap(op.fn, x, depth=dict(enumerate(halo)), boundary="none", dtype=np.float32,
+                           meta=np.empty((0, 0, 0), np.float32), **params)
+    store = da.to_zarr(x, out_path, overwrite=True, compute=False)
+    n_tasks = len(store.__dask_graph__())
+    client = Client(address, set_as_default=False)
+    try:
+        with dask.config.set(scheduler=client):
+            client.compute(store).result()
+    finally:
+        client.close()
+    return {"completed": True, "tasks": n_tasks, "memory_errors": 0,
+            "notes": f"chunks {tuple(len(c) for c in chunks)} of up to {tuple(max(c) for c in chunks)}"}
+
+
+def run_dask_auto(bench: Bench, survey: str, steps: list[dict]) -> dict:
+    from prefect_dask import DaskTaskRunner
+
+    from memchunk_prefect import open_segy
+
+    out = str(bench.workdir / "out-dask-auto.zarr")
+    ch = open_segy(survey).chunk({"iline": "auto", "xline": "auto", "twt": -1}).data.chunks
+    where = f"chunks {tuple(len(c) for c in ch)} of up to {tuple(max(c) for c in ch)}"
+    f = dask_auto_flow.with_options(task_runner=DaskTaskRunner(address=bench.address))
+    try:
+        return f(survey, steps, out, bench.address)
+    except BaseException as exc:  # noqa: BLE001
+        oom, merr = _is_oom(exc)
+        return {"completed": False, "tasks": 0, "memory_errors": int(merr),
+                "notes": f"{where}; failed: {type(exc).__name__}" + (" (out of memory)" if oom else f": {exc}"[:160])}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def iline_slabs(shape: Sequence[int], n: int) -> list[Any]:
+    from memchunk_prefect.chunks import balanced_grid
+
+    return balanced_grid(tuple(shape), (min(n, shape[0]), 1, 1))
+
+
+def run_static(bench: Bench, survey: str, steps: list[dict], n: int, tag: str) -> dict:
+    from prefect_dask import DaskTaskRunner
+
+    from memchunk_prefect.volume import as_source
+
+    shape = as_source(survey).shape
+    out_dir = bench.workdir / f"out-{tag}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f = static_flow.with_options(task_runner=DaskTaskRunner(address=bench.address))
+    try:
+        return f(survey, steps, str(out_dir), [iline_slabs(shape, n) for _ in steps])
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def run_split(bench: Bench, survey: str, steps: list[dict]) -> dict:
+    from prefect_dask import DaskTaskRunner
+
+    out_dir = bench.workdir / "out-split"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    f = split_flow.with_options(task_runner=DaskTaskRunner(address=bench.address))
+    try:
+        return f(survey, steps, str(out_dir), max(2, 2 * bench.slots))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+@flow(name="benchmark-memchunk")
+def memchunk_flow(source_path: str, steps: list[dict], out_dir: str) -> list[dict]:
+    """flows.pipeline.attribute_pipeline, returning each map's summary and its out-of-memory event kinds."""
+    from memchunk_prefect import chunked
+
+    current: Any = source_path
+    out = []
+    for n, (op_name, op, params) in enumerate(resolve_steps(steps), start=1):
+        current = op.map(chunked(current, output=os.path.join(out_dir, f"{n:02d}-{op_name}.zarr")), **params)
+        s = current.summary()
+        s["memory_errors"] = sum(1 for e in current.events if e.get("event") == "memory_error")
+        s["killed"] = sum(1 for e in current.events if e.get("event") == "killed")
+        out.append(s)
+    return out
+
+
+def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: str) -> dict:
+    from memchunk_prefect import MemoryAwareRunner
+
+    out_dir = bench.workdir / f"out-{tag}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runner = MemoryAwareRunner(address=bench.address, store=store, output_dir=str(out_dir / "runs"))
+    try:
+        summaries = memchunk_flow.with_options(task_runner=runner)(survey, steps, str(out_dir))
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    per_op = {s["operator"]: {"decisions": s["decisions"], "tasks": s["tasks"], "chunks": s["chunks"],
+                              "oom_events": s["oom_events"], "peak_bytes": s["peak_bytes"],
+                              "budget_bytes": s["budget_bytes"]} for s in summaries}
+    return {"completed": True, "tasks": sum(s["tasks"] for s in summaries),
+            "memory_errors": sum(s["memory_errors"] for s in summaries),
+            "notes": "; ".join(f"{s['operator']}: {'/'.join(s['decisions'])}, {s['chunks']} chunks"
+                               for s in summaries),
+            "extra": {"operators": per_op, "runner_oom_events": sum(s["oom_events"] for s in summaries),
+                      "runner_killed_events": sum(s["killed"] for s in summaries)}}
+
+
+# =========================================================================== the overhead pair
+
+
+class _Incoming:
+    """Build an upstream ChunkedResult over an existing zarr input with a given chunking.
+
+    The runner keeps an incoming chunking (``continue``) when it fits and its
+    estimated makespan is within ``continue_tolerance`` of the best plan; with a
+    huge tolerance it keeps any chunking that fits. This is how the benchmark
+    gives the runner the same fixed chunking as the plain flow (there is no
+    public way to force one).
+    """
+
+    @staticmethod
+    def make(zarr_path: str, shape: Sequence[int], chunks: list[Any]):
+        from memchunk_prefect.runner import ChunkedResult
+
+        return ChunkedResult([], output_path=zarr_path, shape=tuple(shape), chunks=list(chunks), operator="input",
+                             operator_key="input|float32|cpu", decisions=[], events=[], observations=[],
+                             budget_bytes=0)
+
+
+@flow(name="benchmark-overhead-memchunk")
+def overhead_memchunk_flow(zarr_path: str, shape: list[int], chunks: list[Any], out_path: str) -> dict:
+    import tasks
+    from memchunk_prefect import chunked
+
+    incoming = _Incoming.make(zarr_path, shape, chunks)  # built here: a ChunkedResult is no flow parameter
+    res = tasks.envelope.map(chunked(incoming, output=out_path))
+    s = res.summary()
+    return {"decisions": s["decisions"], "chunks": [c.key() for c in res.chunks], "tasks": s["tasks"]}
+
+
+def convert_to_zarr(survey: str, path: str) -> str:
+    """The survey as a ZarrOutput store (both sides of the overhead pair read it)."""
+    from memchunk_prefect.volume import ZarrOutput, as_source
+
+    src = as_source(survey)
+    out = ZarrOutput.create(path, src.shape, src.coords(), attrs={"operator": "input"}, overwrite=True)
+    from memchunk_prefect.chunks import Chunk
+
+    out.write(Chunk.whole(src.shape), src.read(Chunk.whole(src.shape)))
+    out.finalize()
+    return out.path
+
+
+def overhead_pairs(bench: Bench, survey: str, store: str, n_chunks: int, pairs: int) -> dict:
+    """MemoryAwareRunner vs plain DaskTaskRunner, envelope on the same ``n_chunks`` iline slabs, ``pairs`` times.
+
+    The order alternates within pairs; one unmeasured warm-up of each side first
+    (it also teaches the runner envelope, so it keeps the incoming chunking).
+    """
+    from prefect_dask import DaskTaskRunner
+
+    from memchunk_prefect import MemoryAwareRunner
+    from memchunk_prefect.volume import as_source
+
+    bench.fresh()
+    src_zarr = convert_to_zarr(survey, str(bench.workdir / "overhead-input.zarr"))
+    shape = as_source(src_zarr).shape
+    chunks = iline_slabs(shape, n_chunks)
+    steps = [{"name": "envelope"}]
+    runner = MemoryAwareRunner(address=bench.address, store=store, output_dir=str(bench.workdir / "ovh-runs"),
+                               policy={"continue_tolerance": 1e9})
+    mem_flow = overhead_memchunk_flow.with_options(task_runner=runner)
+    plain_flow = static_flow.with_options(task_runner=DaskTaskRunner(address=bench.address))
+
+    def run_memchunk_once() -> tuple[float, dict]:
+        out = str(bench.workdir / "ovh-mem.zarr")
+        shutil.rmtree(out, ignore_errors=True)
+        t = time.perf_counter()
+        info = mem_flow(src_zarr, list(shape), chunks, out)
+        return time.perf_counter() - t, info
+
+    def run_plain_once() -> float:
+        out_dir = bench.workdir / "ovh-plain"
+        out_dir.mkdir(exist_ok=True)
+        t = time.perf_counter()
+        r = plain_flow(src_zarr, steps, str(out_dir), [chunks])
+        wall = time.perf_counter() - t
+        shutil.rmtree(out_dir, ignore_errors=True)
+        if not r.get("completed"):
+            raise RuntimeError(f"plain envelope run failed: {r}")
+        return wall
+
+    run_memchunk_once()  # warm-up (and, on a store that has not seen envelope, the probe)
+    run_plain_once()
+    ratios, mem_walls, plain_walls, same = [], [], [], True
+    expected = sorted(c.key() for c in chunks)
+    for i in range(pairs):
+        if i % 2 == 0:
+            m, info = run_memchunk_once()
+            p = run_plain_once()
+        else:
+            p = run_plain_once()
+            m, info = run_memchunk_once()
+        same = same and sorted(info["chunks"]) == expected and info["decisions"] == ["continue"]
+        mem_walls.append(m)
+        plain_walls.append(p)
+        ratios.append(m / p)
+        print(f"  overhead pair {i + 1}/{pairs}: memchunk {m:.2f} s, plain {p:.2f} s, ratio {m / p:.3f} "
+              f"({'/'.join(info['decisions'])})", flush=True)
+    ratios_sorted = sorted(ratios)
+    median = ratios_sorted[len(ratios) // 2] if len(ratios) % 2 else 0.5 * (
+        ratios_sorted[len(ratios) // 2 - 1] + ratios_sorted[len(ratios) // 2])
+    return {"overhead_ratio": median, "ratios": ratios, "memchunk_seconds": mem_walls, "plain_seconds": plain_walls,
+            "chunks": len(chunks), "identical_chunking": same, "operator": "envelope", "shape": list(shape),
+            "total_ratio": sum(mem_walls) / sum(plain_walls)}
+
+
+# =========================================================================== helpers for the driver
+
+
+def make_survey(path: Path, shape: Sequence[int]) -> str:
+    from memchunk_prefect import synthetic_survey
+
+    if not path.exists():
+        synthetic_survey(path, tuple(shape), seed=0)
+    return str(path)
+
+
+def volume_elements(shape: Sequence[int]) -> int:
+    return int(math.prod(int(s) for s in shape))

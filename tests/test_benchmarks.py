@@ -1,0 +1,52 @@
+"""Smoke test of the side-by-side benchmark: `python -m benchmarks --quick` runs and reports every strategy.
+
+No timing assertions: figures on a shared CI machine say nothing. It checks the
+JSON's structure (the names the issue fixes) and that every strategy appears.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = [pytest.mark.cluster]
+
+STRATEGY_FIELDS = {"name", "wall_seconds", "completed", "oom_events", "tasks", "lost_worker_seconds",
+                   "peak_memory_fraction"}
+
+
+def test_quick_benchmark_reports_every_strategy(tmp_path):
+    out = tmp_path / "bench.json"
+    env = dict(os.environ)
+    env.pop("PREFECT_API_URL", None)  # the benchmark starts its own server
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--json", str(out),
+                           "--plot", str(tmp_path / "bench.png"), "--workdir", str(tmp_path / "work")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+
+    names = [s["name"] for s in result["strategies"]]
+    for expected in ("dask-auto", "static-best", "split-on-failure", "memchunk-cold", "memchunk-warm"):
+        assert expected in names, names
+    assert any(n.startswith("static-") and n != "static-best" for n in names)
+    for s in result["strategies"]:
+        assert STRATEGY_FIELDS <= set(s), s
+        assert isinstance(s["completed"], bool)
+        assert s["oom_events"] >= 0 and s["tasks"] >= 0 and s["lost_worker_seconds"] >= 0
+    assert "overhead_ratio" in result and result["overhead_ratio"] is not None
+    assert [s["factor"] for s in result["scaling"]][0] == 1
+    assert all({"factor", "elements", "wall_seconds", "seconds_per_element"} <= set(s) for s in result["scaling"])
+    assert {"cpus", "memory_bytes"} <= set(result["machine"])
+    # The memory-aware runner finishes the work the benchmark is sized to break in one piece.
+    by = {s["name"]: s for s in result["strategies"]}
+    assert by["memchunk-cold"]["completed"] and by["memchunk-warm"]["completed"]
+    assert "dask-auto" in proc.stdout and "memchunk-warm" in proc.stdout
