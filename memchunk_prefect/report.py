@@ -135,13 +135,14 @@ def chunk_rows(record: MapRecord) -> list[dict[str, Any]]:
     """The table artifact's rows: one per task run, in submission order.
 
     A censored figure (the run died of memory: it needed *more* than this) is
-    written as ``"> 950.0"``.
+    written as ``"over 950.0"`` (not ``"> 950.0"``: the UI renders text cells as
+    markdown, where ``>`` starts a quote).
     """
     rows = []
     for a in record.attempts:
         measured: Any = mib(a.measured_bytes)
         if a.censored and measured is not None:
-            measured = f"> {measured}"
+            measured = f"over {measured}"
         rows.append({
             "chunk": a.chunk,
             "extents": " x ".join(str(e) for e in a.extents),
@@ -235,18 +236,18 @@ def summary_markdown(flow_name: str, records: Sequence[MapRecord], *, title: str
         f"{sum(s['retry_seconds'] for s in sums):.1f} s."
         + (f" **{len(failed)} map(s) failed.**" if failed else ""),
         "",
-        "| operator | chunking | decision | tasks | OOM avoided | OOM recovered | peak / budget | "
-        "model error (median) | within upper bound | retry time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| operator | chunking | decisions | tasks | OOM avoided / recovered | peak / budget | "
+        "model error: median, within bound | retry time |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for s in sums:
         me = s["model_error"]
-        err = "n/a" if me["median_abs_pct"] is None else f"{me['median_abs_pct']:.0f}% (n={me['n']})"
+        err = "n/a" if me["median_abs_pct"] is None else f"{me['median_abs_pct']:.0f}% of {me['n']}"
         decisions = " → ".join(dict.fromkeys(d for d in s["decisions"] if d))
         lines.append(
-            f"| {s['operator']} | {s['chunking']} | {decisions or 'n/a'} | {s['tasks']} | {s['oom_avoided']} | "
+            f"| {s['operator']} | {s['chunking']} | {decisions or 'n/a'} | {s['tasks']} | {s['oom_avoided']} / "
             f"{s['oom_recovered']} | {format_bytes(s['peak_bytes'])} / {format_bytes(s['budget_bytes'])} "
-            f"({_pct(s['budget_use'])}) | {err} | {_pct(me['within_upper'])} | {s['retry_seconds']:.1f} s |")
+            f"({_pct(s['budget_use'])}) | {err}, {_pct(me['within_upper'])} | {s['retry_seconds']:.1f} s |")
     lines.append("")
     for r, s in zip(records, sums):
         lines += [f"## {r.operator}", "", f"`{r.operator_key}` → `{r.output_path}`", ""]

@@ -54,7 +54,7 @@ def test_rows_have_every_column_and_mark_censored_peaks():
     rows = chunk_rows(record_with_a_kill())
     assert list(rows[0]) == ["chunk", "extents", "elements", "predicted MiB", "upper-bound MiB", "measured MiB",
                              "seconds", "decision", "outcome", "worker"]
-    assert rows[0]["measured MiB"] == "> 950.0" and rows[0]["outcome"] == "worker killed"
+    assert rows[0]["measured MiB"] == "over 950.0" and rows[0]["outcome"] == "worker killed"
     assert rows[1]["measured MiB"] == 330.0 and rows[1]["predicted MiB"] == 300.0 and rows[1]["extents"] == "36 x 10 x 50"
     assert [r["decision"] for r in rows] == ["rechunk", "rechunk", "retry-smaller"]
 
@@ -145,7 +145,7 @@ def test_a_real_run_leaves_table_progress_and_summary_artifacts_with_a_recovered
     rows = json.loads(table.data) if isinstance(table.data, str) else table.data
     assert len(rows) == len(events)
     killed = [r for r in rows if r["outcome"] == "worker killed"]
-    assert killed and all(str(r["measured MiB"]).startswith("> ") for r in killed)
+    assert killed and all(str(r["measured MiB"]).startswith("over ") for r in killed)
     assert any(r["decision"] == "retry-smaller" and r["outcome"] == "ok" for r in rows)
     assert all(r["worker"] for r in rows if r["outcome"] == "ok")
     ok_pred = [r for r in rows if r["outcome"] == "ok" and r["decision"] != "probe"]
