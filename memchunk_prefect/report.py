@@ -383,7 +383,7 @@ class MapReporter:
                 a.seconds = e.get("seconds") if e.get("seconds") is not None else (o.seconds if o else None)
             else:  # the worker died: the flow only knows the wall time since submission
                 a.seconds = time.time() - a.submitted_at
-            a.worker = e.get("worker") or (o.worker if o else "")
+            a.worker = (e.get("worker") or (o.worker if o else "")).removeprefix("tcp://")
         self.record.done_chunks = len(cm.done)
         self.record.done_elements = sum(c.elements for c in cm.done)
         pct = progress_percent(self.record.done_elements, self.record.total_elements)

@@ -67,7 +67,7 @@ def run_flow(work: Path, api_url: str) -> str:
     from memchunk_prefect.testing import start_local_cluster
 
     survey = work / "survey.sgy"
-    synthetic_survey(survey, (64, 64, 200), seed=0)
+    synthetic_survey(survey, (96, 96, 300), seed=0)  # gst3d_dip in one piece: ~600 MiB
     cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
     ids: dict[str, str] = {}
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                      (f"{srv.ui_url}/artifacts", "ui-artifacts.png", (1400, 800))]
             if "memchunk-gst3d-dip-chunks" in keys:
                 shots.append((f"{srv.ui_url}/artifacts/artifact/{keys['memchunk-gst3d-dip-chunks']}",
-                              "ui-chunk-table.png", (1500, 800)))
+                              "ui-chunk-table.png", (1800, 800)))
             summary = next((v for k, v in keys.items() if k.startswith("memchunk-summary-")), None)
             if summary:
                 shots.append((f"{srv.ui_url}/artifacts/artifact/{summary}", "ui-summary.png", (1500, 1300)))
