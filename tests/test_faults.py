@@ -1,0 +1,135 @@
+"""Faults that need no change to the runner (issue 8): a corrupt store, poisoned history, an impossible budget.
+
+Two processes writing one store at once, and a store of a newer schema left
+byte-identical, are covered in tests/test_store.py
+(test_two_processes_writing_at_once_lose_nothing,
+test_a_newer_store_is_refused_and_left_untouched).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+from prefect import flow
+
+import tasks
+from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
+from memchunk_prefect.errors import BudgetTooSmallError
+from memchunk_prefect.model import ModelBank
+from memchunk_prefect.operators import operator_key
+from memchunk_prefect.policy import plan
+from memchunk_prefect.records import Observation
+from memchunk_prefect.store import Store, StoreMovedAsideWarning
+from memchunk_prefect.testing import seed_store, start_local_cluster
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def survey(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("faults") / "survey.sgy"
+    synthetic_survey(path, (12, 10, 80), seed=11)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    yield c
+    c.close()
+
+
+def task_runs_of(flow_run_id) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        return client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+
+
+# =========================================================================== a corrupt store
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("prefect_server")
+def test_a_corrupt_store_is_moved_aside_with_a_warning_and_the_flow_still_runs(cluster, survey, tmp_path):
+    store_path = tmp_path / "obs.sqlite"
+    store_path.write_bytes(b"SQLite format 3\x00" + os.urandom(4000))
+    original = store_path.read_bytes()
+    runner = MemoryAwareRunner(address=cluster.scheduler_address, store=str(store_path),
+                               output_dir=str(tmp_path / "out"))
+
+    @flow(task_runner=runner)
+    def envelope_of(path: str):
+        return tasks.envelope.map(chunked(path)).result().values
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = envelope_of(survey)
+    assert any(issubclass(w.category, StoreMovedAsideWarning) for w in caught), [str(w.message) for w in caught]
+    from memchunk_prefect.volume import open_segy
+
+    np.testing.assert_allclose(result, tasks.envelope.fn(open_segy(survey).values), rtol=1e-5, atol=1e-6)
+    aside = list(tmp_path.glob("obs.sqlite.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == original
+    with Store(store_path) as s:  # the fresh store learned from this run
+        assert s.count(operator_key(tasks.envelope, {})) > 0
+
+
+# =========================================================================== learning under poison
+
+
+KEY = "gst3d_dip|float32|cpu"
+SHAPE = (200, 200, 400)
+BUDGET = 512 * MiB
+
+
+def good_history(store: Store) -> None:
+    seed_store(store, KEY, 60.0, fixed_bytes=20 * MiB,
+               sizes=(20_000, 40_000, 80_000, 160_000, 320_000, 640_000, 1_000_000, 2_000_000))
+
+
+def chunk_elements(store: Store) -> int:
+    bank = ModelBank(store)
+    p = plan(SHAPE, budget_bytes=BUDGET, predict=bank.predictor(KEY), halo=(3, 3, 3), slots=2, whole_traces=False)
+    assert not p.probe
+    return int(np.prod(p.chunk_shape))
+
+
+@pytest.mark.parametrize("factor", [100.0, 0.01], ids=["100x", "1/100x"])
+def test_one_absurd_observation_does_not_make_the_next_plan_absurd(tmp_path, factor):
+    with Store(tmp_path / "clean.sqlite") as clean:
+        good_history(clean)
+        reference = chunk_elements(clean)
+    with Store(tmp_path / "poisoned.sqlite") as poisoned:
+        good_history(poisoned)
+        n = 500_000
+        poisoned.add(Observation(KEY, n, (1, 1250, 400), 4 * n, int(factor * (20 * MiB + 60.0 * n)),
+                                 seconds=0.5, outcome="ok", method="injected"))
+        got = chunk_elements(poisoned)
+    assert abs(got - reference) <= 0.25 * reference, (got, reference)
+
+
+# =========================================================================== an impossible budget
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("prefect_server")
+def test_an_impossible_budget_fails_before_any_task_is_submitted(cluster, survey, tmp_path):
+    from prefect.context import get_run_context
+
+    runner = MemoryAwareRunner(address=cluster.scheduler_address, memory_budget="1KiB",
+                               store=str(tmp_path / "obs.sqlite"), output_dir=str(tmp_path / "out"))
+    seen = {}
+
+    @flow(task_runner=runner)
+    def dip_of(path: str):
+        seen["id"] = get_run_context().flow_run.id
+        return tasks.gst3d_dip.map(chunked(path)).result()
+
+    with pytest.raises(BudgetTooSmallError, match=r"1\.0 KiB"):
+        dip_of(survey)
+    assert task_runs_of(seen["id"]) == []
