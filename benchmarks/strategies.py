@@ -50,9 +50,10 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from prefect import flow, task, unmapped
@@ -154,8 +155,7 @@ class Sampler:
                     continue
                 with self.lock:
                     self.seen.add(pid)
-                    if rss > self.peak_rss:
-                        self.peak_rss = rss
+                    self.peak_rss = max(self.peak_rss, rss)
             self._stop.wait(self.interval)
 
     def window(self) -> None:
@@ -240,7 +240,7 @@ def warm_worker() -> int:
 
     import prefect  # noqa: F401
     import prefect_dask  # noqa: F401
-    import scipy.ndimage  # noqa: F401
+    import scipy.ndimage
     import scipy.signal  # noqa: F401
     import zarr  # noqa: F401
 
@@ -304,7 +304,7 @@ class Bench:
         t = time.perf_counter()
         try:
             out = fn()
-        except BaseException as exc:  # noqa: BLE001 - a failed strategy is a result, not a crash
+        except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             out = {"completed": False, "tasks": 0, "memory_errors": 0,
@@ -417,7 +417,6 @@ def static_flow(source_path: str, steps: list[dict], out_dir: str, chunkings: li
     """Each step over a fixed chunking (one plain task per chunk); stops at the first failure."""
     from distributed import as_completed
 
-    from memchunk_prefect.chunks import with_halo  # noqa: F401  (halo arithmetic is in read_block)
     from memchunk_prefect.operators import spec_of
     from memchunk_prefect.volume import as_source
 
@@ -514,12 +513,9 @@ def split_flow(source_path: str, steps: list[dict], out_dir: str, max_in_flight:
             "extra": {"tasks_after_step": sizes}}
 
 
-@flow(name="benchmark-dask-auto")
-def dask_auto_flow(source_path: str, steps: list[dict], out_path: str, address: str) -> dict:
-    """What a Dask user writes: chunks="auto" (whole traces), map_overlap with the declared halos, to_zarr."""
-    import dask
+def dask_auto_graph(source_path: str, steps: list[dict], out_path: str):
+    """(the delayed to_zarr, the input's chunks): chunks="auto" with whole traces, map_overlap per step."""
     import dask.array as da
-    from distributed import Client
 
     from memchunk_prefect import open_segy
     from memchunk_prefect.operators import spec_of
@@ -530,7 +526,16 @@ def dask_auto_flow(source_path: str, steps: list[dict], out_path: str, address: 
         halo = spec_of(op).halo_for(params)
         x = da.map_overlap(op.fn, x, depth=dict(enumerate(halo)), boundary="none", dtype=np.float32,
                            meta=np.empty((0, 0, 0), np.float32), **params)
-    store = da.to_zarr(x, out_path, overwrite=True, compute=False)
+    return da.to_zarr(x, out_path, overwrite=True, compute=False), chunks
+
+
+@flow(name="benchmark-dask-auto")
+def dask_auto_flow(source_path: str, steps: list[dict], out_path: str, address: str) -> dict:
+    """What a Dask user writes: chunks="auto" (whole traces), map_overlap with the declared halos, to_zarr."""
+    import dask
+    from distributed import Client
+
+    store, chunks = dask_auto_graph(source_path, steps, out_path)
     n_tasks = len(store.__dask_graph__())
     client = Client(address, set_as_default=False)
     try:
@@ -545,17 +550,17 @@ def dask_auto_flow(source_path: str, steps: list[dict], out_path: str, address: 
 def run_dask_auto(bench: Bench, survey: str, steps: list[dict]) -> dict:
     from prefect_dask import DaskTaskRunner
 
-    from memchunk_prefect import open_segy
-
     out = str(bench.workdir / "out-dask-auto.zarr")
-    ch = open_segy(survey).chunk({"iline": "auto", "xline": "auto", "twt": -1}).data.chunks
+    graph, ch = dask_auto_graph(survey, steps, out + ".count")  # the same graph, to count its tasks
+    n_tasks = len(graph.__dask_graph__())
+    shutil.rmtree(out + ".count", ignore_errors=True)
     where = f"chunks {tuple(len(c) for c in ch)} of up to {tuple(max(c) for c in ch)}"
     f = dask_auto_flow.with_options(task_runner=DaskTaskRunner(address=bench.address))
     try:
         return f(survey, steps, out, bench.address)
     except BaseException as exc:  # noqa: BLE001
         oom, merr = _is_oom(exc)
-        return {"completed": False, "tasks": 0, "memory_errors": int(merr),
+        return {"completed": False, "tasks": n_tasks, "memory_errors": int(merr),
                 "notes": f"{where}; failed: {type(exc).__name__}" + (" (out of memory)" if oom else f": {exc}"[:160])}
     finally:
         shutil.rmtree(out, ignore_errors=True)
