@@ -257,22 +257,34 @@ class Bench:
     """The shared cluster, sampler and attempt log; runs one strategy at a time from a clean slate."""
 
     def __init__(self, n_workers: int, memory_limit: str, workdir: Path):
+        self.workdir = workdir
+        self.n_workers = n_workers
+        self.memory_limit_setting = memory_limit
+        self.attempts_dir = str(workdir / "attempts")
+        self._start_cluster()
+        info = self.client.scheduler_info(n_workers=-1)
+        self.memory_limit = min(int(w["memory_limit"]) for w in info["workers"].values())
+        self.slots = sum(int(w["nthreads"]) for w in info["workers"].values())
+        self.sampler = Sampler()
+
+    def _start_cluster(self) -> None:
         from distributed import Client
 
         from memchunk_prefect.testing import start_local_cluster
 
-        self.workdir = workdir
-        self.n_workers = n_workers
-        self.cluster = start_local_cluster(n_workers=n_workers, memory_limit=memory_limit)
+        self.cluster = start_local_cluster(n_workers=self.n_workers, memory_limit=self.memory_limit_setting)
         self.address = self.cluster.scheduler_address
         self.client = Client(self.address, set_as_default=False)
-        self.client.wait_for_workers(n_workers, timeout=120)
-        info = self.client.scheduler_info(n_workers=-1)
-        self.memory_limit = min(int(w["memory_limit"]) for w in info["workers"].values())
-        self.slots = sum(int(w["nthreads"]) for w in info["workers"].values())
-        self.attempts_dir = str(workdir / "attempts")
+        self.client.wait_for_workers(self.n_workers, timeout=120)
         self.client.register_plugin(AttemptLog(self.attempts_dir))
-        self.sampler = Sampler()
+
+    def _replace_cluster(self) -> None:
+        """A worker that does not come back after a restart (seen under heavy load): start a new cluster."""
+        with contextlib.suppress(Exception):
+            self.client.close()
+        with contextlib.suppress(Exception):
+            self.cluster.close()
+        self._start_cluster()
 
     def close(self) -> None:
         self.sampler.stop()
@@ -286,12 +298,14 @@ class Bench:
         for attempt in range(3):
             try:
                 self.client.restart(timeout=120, wait_for_workers=True)
+                self.client.wait_for_workers(self.n_workers, timeout=60)
                 break
             except Exception:
                 if attempt == 2:
                     raise
                 time.sleep(2)
-        self.client.wait_for_workers(self.n_workers, timeout=120)
+                if attempt == 1:
+                    self._replace_cluster()
         self.client.run(warm_worker)
         time.sleep(1.0)  # let heartbeats report the resting memory the runner budgets from
 

@@ -39,14 +39,14 @@ class Chunk:
     stop: Shape
 
     def __post_init__(self) -> None:
-        if len(self.start) != 3 or len(self.stop) != 3:
-            raise VolumeError(f"a chunk needs 3 start and 3 stop indices, got start={self.start}, stop={self.stop}")
-        if any(int(a) < 0 or int(b) <= int(a) for a, b in zip(self.start, self.stop)):
+        start = ints3(self.start, "a chunk's start")
+        stop = ints3(self.stop, "a chunk's stop")
+        if any(a < 0 or b <= a for a, b in zip(start, stop)):
             raise VolumeError(
                 f"a chunk needs 0 <= start < stop on every axis, got start={self.start}, stop={self.stop}"
             )
-        object.__setattr__(self, "start", tuple(int(a) for a in self.start))
-        object.__setattr__(self, "stop", tuple(int(b) for b in self.stop))
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "stop", stop)
 
     @classmethod
     def whole(cls, shape: Sequence[int]) -> "Chunk":
@@ -94,18 +94,39 @@ class Chunk:
         return Chunk(start, stop)  # type: ignore[arg-type]
 
 
+def ints3(values: object, what: str) -> Shape:
+    """Three ints from ``values`` (ints, or floats with integral values), else a VolumeError naming ``what``.
+
+    >>> ints3((1, 2.0, 3), "a shape")
+    (1, 2, 3)
+    """
+    try:
+        items = list(values)  # type: ignore[call-overload]
+    except TypeError:
+        raise VolumeError(f"{what} must be 3 ints (iline, xline, twt), got {values!r}") from None
+    if len(items) != 3:
+        raise VolumeError(f"{what} must have 3 values (iline, xline, twt), got {len(items)}: {values!r}")
+    out = []
+    for v in items:
+        if isinstance(v, bool) or not hasattr(v, "__int__") or isinstance(v, (str, bytes)):
+            raise VolumeError(f"{what} must be 3 ints (iline, xline, twt), got {values!r}")
+        try:
+            i = int(v)
+        except (TypeError, ValueError, OverflowError):
+            raise VolumeError(f"{what} must be 3 finite ints (iline, xline, twt), got {values!r}") from None
+        if i != v:
+            raise VolumeError(f"{what} must be 3 whole numbers (iline, xline, twt), got {values!r}")
+        out.append(i)
+    return tuple(out)  # type: ignore[return-value]
+
+
 def check_shape(shape: Sequence[int]) -> Shape:
     """Validate a volume shape: three positive ints.
 
     >>> check_shape((2, 3, 4))
     (2, 3, 4)
     """
-    try:
-        out = tuple(int(s) for s in shape)
-    except (TypeError, ValueError) as exc:
-        raise VolumeError(f"a volume shape must be three ints (iline, xline, twt), got {shape!r}") from exc
-    if len(out) != 3:
-        raise VolumeError(f"a volume shape must have 3 axes (iline, xline, twt), got {len(out)}: {out}")
+    out = ints3(shape, "a volume shape")
     if any(s <= 0 for s in out):
         raise VolumeError(f"a volume shape must be positive on every axis, got {out}: the volume is empty")
     return out  # type: ignore[return-value]
@@ -119,16 +140,13 @@ def normalize_halo(halo: int | Sequence[int] | None) -> Shape:
     """
     if halo is None:
         return (0, 0, 0)
-    if isinstance(halo, (int,)) or (hasattr(halo, "__index__") and not isinstance(halo, (str, bytes))):
+    if isinstance(halo, bool):
+        raise VolumeError(f"halo must be an int or 3 ints (iline, xline, twt), got {halo!r}")
+    if hasattr(halo, "__index__") and not isinstance(halo, (str, bytes)):
         h = int(halo)  # type: ignore[arg-type]
         out: tuple[int, ...] = (h, h, h)
     else:
-        try:
-            out = tuple(int(h) for h in halo)  # type: ignore[union-attr]
-        except (TypeError, ValueError) as exc:
-            raise VolumeError(f"halo must be an int or 3 ints (iline, xline, twt), got {halo!r}") from exc
-    if len(out) != 3:
-        raise VolumeError(f"halo must be an int or 3 ints (iline, xline, twt), got {len(out)} values: {out}")
+        out = ints3(halo, "halo (an int or 3 ints)")
     if any(h < 0 for h in out):
         raise VolumeError(f"halo must be non-negative on every axis, got {out}")
     return out  # type: ignore[return-value]
@@ -216,6 +234,7 @@ def balanced_grid(shape: Sequence[int], counts: Sequence[int]) -> list[Chunk]:
     [(4, 4, 6), (3, 4, 6), (3, 4, 6)]
     """
     s = check_shape(shape)
+    counts = tuple(max(1, c) for c in ints3(counts, "piece counts"))
     ranges = [even_splits(n, c) for n, c in zip(s, counts)]
     return [Chunk((i0, x0, t0), (i1, x1, t1))
             for (i0, i1) in ranges[0] for (x0, x1) in ranges[1] for (t0, t1) in ranges[2]]
@@ -231,6 +250,14 @@ def split(chunk: Chunk, axes: Iterable[int] = (0, 1)) -> list[Chunk]:
     >>> split(Chunk((0, 0, 0), (1, 1, 10)))
     []
     """
+    if not isinstance(chunk, Chunk):
+        raise VolumeError(f"split() needs a Chunk, got {type(chunk).__name__}: {chunk!r}")
+    try:
+        axes = list(axes)
+    except TypeError:
+        raise VolumeError(f"split axes must be among 0 (iline), 1 (xline), 2 (twt), got {axes!r}") from None
+    if any(isinstance(a, bool) or not isinstance(a, int) or not 0 <= a <= 2 for a in axes):
+        raise VolumeError(f"split axes must be among 0 (iline), 1 (xline), 2 (twt), got {axes!r}")
     shape = chunk.shape
     candidates = [a for a in axes if shape[a] > 1]
     if not candidates:
@@ -247,7 +274,13 @@ def split(chunk: Chunk, axes: Iterable[int] = (0, 1)) -> list[Chunk]:
 def covers_exactly(chunks: Iterable[Chunk], shape: Sequence[int]) -> bool:
     """True when the chunks tile the volume with no gap and no overlap."""
     s = check_shape(shape)
-    chunks = list(chunks)
+    try:
+        chunks = list(chunks)
+    except TypeError:
+        raise VolumeError(f"covers_exactly() needs an iterable of Chunk objects, got {chunks!r}") from None
+    if not all(isinstance(c, Chunk) for c in chunks):
+        raise VolumeError("covers_exactly() needs Chunk objects, got "
+                          f"{sorted({type(c).__name__ for c in chunks if not isinstance(c, Chunk)})}")
     if sum(c.elements for c in chunks) != s[0] * s[1] * s[2]:
         return False
     whole = Chunk.whole(s)

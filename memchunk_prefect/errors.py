@@ -71,7 +71,7 @@ class OutputPathError(MemchunkError, ValueError):
 # --------------------------------------------------------------------------- measurement, model, store
 
 
-class MeasurementError(MemchunkError):
+class MeasurementError(MemchunkError, ValueError):
     """Memory could not be measured in the requested way."""
 
 

@@ -419,7 +419,7 @@ _PROBES_LOCK = threading.Lock()
 def make_probe(method: str = DEFAULT_METHOD, interval_seconds: float = DEFAULT_INTERVAL_SECONDS) -> MemoryProbe:
     """The process-wide probe for ``method`` ("auto", "vmhwm", "psutil"); one per setting per process."""
     if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        raise MeasurementError(f"method must be one of {METHODS}, got {method!r}")
     if method == "auto":
         method = "vmhwm" if clear_refs_writable() else "psutil"
     key = (os.getpid(), method, float(interval_seconds) if method == "psutil" else None)
@@ -682,7 +682,7 @@ class Monitor:
         probe: MemoryProbe | None = None,
     ) -> None:
         if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+            raise MeasurementError(f"method must be one of {METHODS}, got {method!r}")
         for name, value in (("interval_seconds", interval_seconds), ("gpu_interval_seconds", gpu_interval_seconds)):
             if not 0 < float(value) <= 1:
                 raise ValueError(f"`{name}` must be in (0, 1] seconds, got {value!r}")

@@ -46,11 +46,12 @@ whole traces are contiguous in SEG-Y and zarr, and pay no halo along time).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
 from .chunks import Chunk, Shape, balanced_grid, check_shape, normalize_halo, split
-from .errors import BudgetError, BudgetTooSmallError, format_bytes
+from .errors import BudgetError, BudgetTooSmallError, VolumeError, format_bytes
 
 CONTINUE = "continue"
 RECHUNK = "rechunk"
@@ -161,6 +162,25 @@ class Plan:
         }
 
 
+# --------------------------------------------------------------------------- checks
+
+
+def check_budget(budget_bytes: object) -> int:
+    """A memory budget as a positive int of bytes, or a BudgetError quoting what was given."""
+    if (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real)
+            or not math.isfinite(budget_bytes) or budget_bytes <= 0):
+        raise BudgetError(f"the memory budget must be a positive number of bytes, got {budget_bytes!r}")
+    return int(budget_bytes)
+
+
+def _positive(value: object, what: str, *, integer: bool = True) -> float:
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0
+            or (integer and int(value) != value)):
+        kind = "a positive whole number" if integer else "a positive number"
+        raise VolumeError(f"{what} must be {kind}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
 # --------------------------------------------------------------------------- budget
 
 
@@ -261,11 +281,11 @@ def plan(
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
-    region = region or Chunk.whole(vol)
+    region = _check_region(region, vol)
     rshape = region.shape
-    if budget_bytes is None or budget_bytes <= 0:
-        raise BudgetError(f"the memory budget must be a positive number of bytes, got {budget_bytes!r}")
-    slots = max(1, int(slots))
+    budget_bytes = check_budget(budget_bytes)
+    slots = int(_positive(slots, "slots"))
+    itemsize = int(_positive(itemsize, "itemsize"))
 
     smallest = _extents_with_halo((1, 1, rshape[2] if whole_traces else 1), h, vol)
     probe_pred = predict(smallest)
@@ -351,8 +371,12 @@ def probe_plan(
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
-    region = region or Chunk.whole(vol)
+    region = _check_region(region, vol)
     r = region.shape
+    budget_bytes = check_budget(budget_bytes)
+    slots = int(_positive(slots, "slots"))
+    itemsize = int(_positive(itemsize, "itemsize"))
+    scale = float(_positive(scale, "scale", integer=False))
     # Without history nothing is known of the operator but this: it holds at least its input block and
     # writes an output block as large. If even the smallest block allowed cannot do that, refuse now,
     # before anything is submitted.
@@ -364,7 +388,8 @@ def probe_plan(
             f"the memory budget of {format_bytes(budget_bytes)} per task cannot hold even {unit} column with its "
             f"halo (extents {smallest}: {format_bytes(floor_bytes)} for its input and output alone). Give workers "
             "more memory (memory_limit), fewer threads per worker, or a larger memory_budget")
-    n_probes = max(int(settings.probe_chunks), int(slots))
+    # One probe per slot (at least probe_chunks), but never more probes than traces on the row.
+    n_probes = min(max(int(settings.probe_chunks), slots), r[1])
     # Elements (halo included) the largest probe may hold if the operator needs probe_multiple x its input.
     max_elems = max(1.0, budget_bytes * scale / (settings.probe_multiple * itemsize))
     t_len = r[2]
@@ -408,6 +433,14 @@ def probe_plan(
         decision=PROBE,
         reason=f"{reason}: probing with {len(chunks)} small chunks (sized for {settings.probe_multiple:g}x the input)",
     )
+
+
+def _check_region(region: object, vol: Shape) -> Chunk:
+    if region is None:
+        return Chunk.whole(vol)
+    if not isinstance(region, Chunk) or not Chunk.whole(vol).contains(region):
+        raise VolumeError(f"region must be a Chunk inside the volume of shape {vol}, got {region!r}")
+    return region
 
 
 # --------------------------------------------------------------------------- decide and split

@@ -52,6 +52,8 @@ import functools
 import inspect
 import logging
 import os
+import re
+import stat
 import tempfile
 import time
 import uuid
@@ -70,6 +72,7 @@ from .errors import (
     ChunkedSourceError,
     ChunkOutOfMemoryError,
     MemchunkError,
+    OutputPathError,
     RunnerConfigError,
     VolumeError,
     format_bytes,
@@ -231,8 +234,9 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
                                                                 "censored": True}
         fields.update(outcome="memory_error", censored=True)
         obs = Observation(**base, **fields)
+        reached = f"after reaching {format_bytes(obs.peak_bytes)}" if obs.peak_bytes else "(peak not measured)"
         raise ChunkMemoryError(
-            f"{job.operator}[{job.label}] ran out of memory after reaching {format_bytes(obs.peak_bytes)} "
+            f"{job.operator}[{job.label}] ran out of memory {reached} "
             f"(budget {format_bytes(job.budget_bytes)}): {exc!r}", obs.to_dict()) from exc
     obs = Observation(**base, **run.measurement.observation_fields())
     return Receipt(chunk=job.chunk, output_path=job.output_path, observation=obs.to_dict())
@@ -536,11 +540,31 @@ class MemoryAwareRunner(DaskTaskRunner):
         ctx = FlowRunContext.get()
         run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
         base = Path(self.output_dir or os.environ.get("MEMCHUNK_OUTPUT_DIR")
-                    or Path(tempfile.gettempdir()) / f"memchunk-{_user()}")
+                    or Path(tempfile.gettempdir()) / f"memchunk-{_user()}").absolute()
         self._map_count += 1
-        path = base / run_id / f"{self._map_count:02d}-{operator}.zarr"
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # A task name is free text: keep it to one safe path component, and check the result stays inside.
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", operator).lstrip(".") or "operator"
+        _private_dir(base)
+        _private_dir(base / run_id)
+        path = base / run_id / f"{self._map_count:02d}-{safe}.zarr"
+        if not path.resolve().is_relative_to(base.resolve()):
+            raise OutputPathError(f"{path}: the output for {operator!r} would leave the output directory {base}")
         return str(path)
+
+
+def _private_dir(d: Path) -> None:
+    """Create ``d`` (and parents) user-only, and refuse one that is not a directory owned by this user.
+
+    The default output directory lies under the shared temporary directory, where
+    another user could have created (or linked) it first.
+    """
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OutputPathError(f"{d}: not a directory owned by you; set the runner's output_dir= or "
+                              "MEMCHUNK_OUTPUT_DIR to a directory of your own")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(d, 0o700)
 
 
 def _accepts_n_workers(client: Any) -> bool:
@@ -748,7 +772,6 @@ class ChunkedMap:
         A complete store of the same operator and shape is replaced (a rerun); a store
         of anything else is never touched.
         """
-        from .errors import OutputPathError
         from .volume import ZarrOutput
 
         attrs = {"operator": self.name, "operator_key": self.key}

@@ -187,6 +187,11 @@ def check_file(path: str | os.PathLike) -> tuple[str, str]:
             f"{first_trace}. Nothing to process; check that the right file was exported."
         )
     itemsize = FORMAT_ITEMSIZE.get(bh.get("format", 0))
+    if itemsize is None:
+        raise SegyError(
+            p, f"the binary header's sample format code (bytes 3225-3226, {endian}-endian) is {bh.get('format')}, "
+            f"which is not a SEG-Y format ({', '.join(str(k) for k in sorted(FORMAT_ITEMSIZE))}): the file is "
+            "damaged or not SEG-Y. Repair the binary header or export the file again.")
     ns = bh.get("samples", 0)
     if itemsize and ns > 0:
         trace_bytes = TRACE_HEADER_BYTES + ns * itemsize
@@ -218,6 +223,22 @@ def _open(path: str, endian: str):
         raise SegyError(path, f"segyio cannot open it ({type(exc).__name__}: {exc}).") from exc
 
 
+def check_byte_location(path: str, what: str, value: object) -> int:
+    """A trace-header byte location segyio can read (the 1-based start of a header field), else a typed error."""
+    valid = {int(f) for f in _segyio().TraceField.enums()}
+    try:
+        byte = int(value)  # type: ignore[call-overload]
+        ok = not isinstance(value, bool) and byte == value and byte in valid
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise SegyGeometryError(
+            path, f"{what}={value!r} is not a trace-header byte location: give the 1-based start of a header "
+            "field, e.g. iline=189, xline=193 (SEG-Y rev 1) or iline=9, xline=21, as "
+            "open_segy(path, iline=..., xline=...)")
+    return byte
+
+
 def scan(path: str | os.PathLike, iline: int = INLINE_BYTE, xline: int = CROSSLINE_BYTE,
          endian: str | None = None) -> SegyGeometry:
     """Read a file's headers (never its samples) and infer its post-stack 3D geometry.
@@ -229,6 +250,8 @@ def scan(path: str | os.PathLike, iline: int = INLINE_BYTE, xline: int = CROSSLI
     file, or a grid that disagrees with the trace count.
     """
     path, detected = check_file(path)
+    iline = check_byte_location(path, "iline", iline)
+    xline = check_byte_location(path, "xline", xline)
     endian = endian or detected
     with _open(path, endian) as f:
         n = f.tracecount

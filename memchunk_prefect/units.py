@@ -25,7 +25,10 @@ def parse_bytes(text: str | int) -> int:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
             raise BudgetError(f"cannot read {text!r} as a memory size; use {BUDGET_FORMS}")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        try:
+            value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        except OverflowError:
+            raise BudgetError(f"{text!r} is too large for a memory size; use {BUDGET_FORMS}") from None
     if value <= 0:
         raise BudgetError(f"a memory size must be positive, got {text!r}; use {BUDGET_FORMS}")
     return value

@@ -133,9 +133,9 @@ class SegySource(Source):
     def __init__(self, path: str | os.PathLike, iline: int = _segy.INLINE_BYTE, xline: int = _segy.CROSSLINE_BYTE,
                  *, endian: str | None = None, geometry: SegyGeometry | None = None):
         self.path = os.path.abspath(os.fspath(path))
-        self.iline = int(iline)
-        self.xline = int(xline)
-        self.geometry = geometry or _segy.scan(self.path, self.iline, self.xline, endian)
+        self.geometry = geometry or _segy.scan(self.path, iline, xline, endian)
+        self.iline = self.geometry.iline_byte
+        self.xline = self.geometry.xline_byte
         self.endian = self.geometry.endian
         self._coords: dict | None = None
 
@@ -658,6 +658,7 @@ class ZarrOutput:
         root_attrs = {"dims": list(AXES), "shape": list(shape), "zarr_chunks": list(zc), "complete": False,
                       "memchunk_store": 1, **_json_coords(c), **dict(attrs or {})}
         g = zarr.open_group(str(p), mode="w", attributes=root_attrs)
+        os.chmod(p, 0o700)  # results are the user's: a user-only root hides everything inside it
         fill = np.nan if np.dtype(dtype).kind == "f" else 0
         a = g.create_array(DATA_NAME, shape=shape, chunks=zc, dtype=dtype, fill_value=fill,
                            dimension_names=AXES)
@@ -729,7 +730,7 @@ class ZarrOutput:
         if not lockfile.exists():
             lockdir.mkdir(parents=True, exist_ok=True)
             try:  # O_EXCL: exactly one process writes the (valid group) content; others just open it
-                fd = os.open(lockfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                fd = os.open(lockfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 with os.fdopen(fd, "w") as fh:
                     fh.write(_group_json({}))
             except FileExistsError:

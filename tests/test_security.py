@@ -80,10 +80,6 @@ def test_store_files_and_folders_are_user_only_under_a_permissive_umask(tmp_path
     assert mode(path.parent) == 0o700 and mode(path.parent.parent) == 0o700
 
 
-@pytest.mark.xfail(strict=True, reason="volume.py ZarrOutput.create: zarr and the .memchunk bookkeeping "
-                   "(mkdir, _atomic_write, the 0o644 lock files in _lock) follow the umask, so under umask 022 "
-                   "results are world-readable (dirs 0755, files 0644); fix: create the store's root with "
-                   "Path.mkdir(mode=0o700) before zarr.open_group, and lock files with 0o600")
 def test_zarr_output_is_user_only_under_a_permissive_umask(tmp_path, permissive_umask):
     from memchunk_prefect.chunks import Chunk
     from memchunk_prefect.volume import ZarrOutput
@@ -96,10 +92,6 @@ def test_zarr_output_is_user_only_under_a_permissive_umask(tmp_path, permissive_
     assert writable == []
 
 
-@pytest.mark.xfail(strict=True, reason="runner.py next_output_path: path.parent.mkdir(parents=True, mode=0o700) "
-                   "gives 0o700 only to the last folder; the shared per-user base /tmp/memchunk-<user> gets the "
-                   "umask's 0755, and a base pre-created (or symlinked) by another user is used as is; fix: "
-                   "create base with mode 0o700, then refuse it unless lstat shows a directory owned by us")
 def test_runner_default_output_folders_are_user_only(tmp_path, permissive_umask, monkeypatch):
     from memchunk_prefect.runner import MemoryAwareRunner
 
@@ -149,9 +141,6 @@ def test_a_cluster_from_the_zero_argument_runner_listens_on_loopback_only():
 # =========================================================================== output paths stay inside
 
 
-@pytest.mark.xfail(strict=True, reason="runner.py next_output_path: the operator (task) name is joined into "
-                   "the path unchecked, so a task named 'x/../../../../escape' writes outside output_dir; fix: "
-                   "resolve the path and raise OutputPathError unless it is inside base (see report)")
 @pytest.mark.parametrize("name", ["x/../../../../escape", "x/../../../../../../tmp/escape"])
 def test_an_operator_name_cannot_move_the_output_out_of_the_output_dir(tmp_path, name):
     from memchunk_prefect.errors import OutputPathError
