@@ -105,10 +105,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"    output: {s['output']}")
     gst = next((s for s in summaries if s["operator"] == "gst3d_dip"), None)
     if gst:
-        whole = args.shape[0] * args.shape[1] * args.shape[2] * 4
-        print(f"\n  out-of-memory avoided: gst3d_dip in one piece would need about 60 x {format_bytes(whole)} = "
-              f"{format_bytes(60 * whole)}, over the {format_bytes(gst['budget_bytes'])} budget; it ran in "
-              f"{gst['chunks']} chunks with {gst['oom_events']} out-of-memory events")
+        # What the learned model now says the whole survey would need in one piece.
+        from .model import ModelBank
+        from .store import Store
+
+        with Store(args.store) as store:
+            whole = ModelBank(store).predict(gst["operator_key"], tuple(args.shape), 4)
+        verdict = "over" if whole.mean_bytes > gst["budget_bytes"] else "within"
+        print(f"\n  gst3d_dip in one piece: the model now predicts {format_bytes(whole.mean_bytes)} (upper bound "
+              f"{format_bytes(whole.upper_bytes)}), {verdict} the {format_bytes(gst['budget_bytes'])} budget; it ran "
+              f"in {gst['chunks']} chunks with {gst['oom_events']} out-of-memory events")
     api = os.environ.get("PREFECT_API_URL")
     rid = run_id.get("id", "")
     if api:
