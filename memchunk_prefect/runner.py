@@ -748,8 +748,9 @@ class ChunkedMap:
                         regions = list(p.remainder) + pending_regions[index + 1:]
                         break
                     self.record(RECHUNK, p, "after probing: " + p.reason, region=region.key())
-                    planned_upper = max(planned_upper or 0.0, p.upper_bound_bytes or 0.0) or None
                     queue.extend(_Pending(c, p.decision) for c in p.chunks)
+                if not regions:
+                    planned_upper = self.queue_bound(queue)
                 continue
             dask_future = next(ac)
             item, fut, t0 = in_flight.pop(dask_future.key)
@@ -757,14 +758,23 @@ class ChunkedMap:
             if self.reporter is not None:  # --- report: progress artifact, table row
                 self.reporter.chunk_finished(item)
             # Mid-map: when the bound for what is queued moved enough, re-plan the unsubmitted remainder.
+            # Like is compared with like: the bound of the largest queued chunk now, against the same
+            # figure when the queue was (re)planned.
             if queue and planned_upper is not None and not any(q.decision == RETRY_SMALLER for q in queue):
-                largest = max(queue, key=lambda q: q.chunk.elements).chunk
-                new = self.predict(policy_mod._extents_with_halo(largest.shape, self.halo, self.shape))
-                if getattr(new, "ready", True) and policy_mod.bound_moved(planned_upper, new.upper_bytes,
-                                                                          self.settings):
-                    queue, planned_upper = self.replan(queue, planned_upper, new.upper_bytes)
+                new_upper = self.queue_bound(queue)
+                if new_upper is not None and policy_mod.bound_moved(planned_upper, new_upper, self.settings):
+                    queue, _ = self.replan(queue, planned_upper, new_upper)
+                    planned_upper = self.queue_bound(queue)
 
         return self.finalize()
+
+    def queue_bound(self, queue: list[_Pending]) -> float | None:
+        """The model's upper bound (bytes) for the largest queued chunk with its halo; None while not ready."""
+        if not queue:
+            return None
+        largest = max(queue, key=lambda q: q.chunk.elements).chunk
+        pred = self.predict(policy_mod._extents_with_halo(largest.shape, self.halo, self.shape))
+        return float(pred.upper_bytes) if getattr(pred, "ready", True) else None
 
     def open_output(self):
         """Create the output store, or resume one this operator left incomplete at the same path.

@@ -219,23 +219,27 @@ def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cl
 
 
 def test_memory_error_inside_the_task_is_split_and_the_worker_survives(big_survey, tmp_path):
-    cluster = start_local_cluster(n_workers=2, memory_limit="4GiB")
+    cluster = start_local_cluster(n_workers=2, memory_limit="8GiB")
     try:
         from distributed import Client
 
         with Client(cluster.scheduler_address) as client:
             workers_before = set(client.scheduler_info()["workers"])
-            client.run(limit_address_space, 700 * 2**20)  # allocations past +700 MiB raise MemoryError
-        key = operator_key(memory_hog, {"multiple": 400})
+            # Allocations past +1.5 GiB of address space raise MemoryError. The slack above the halves' ~1.2 GB
+            # leaves room for the thread stacks and malloc arenas a worker reserves as it runs.
+            client.run(limit_address_space, 1536 * 2**20)
+        # The hog needs 1000x its input (4000 B per element); the store claims 250x: a 4x under-prediction,
+        # so the planned halves of the survey (~2.4 GB each) fail to allocate and their halves (~1.2 GB) fit.
+        key = operator_key(memory_hog, {"multiple": 1000})
         store = Store(tmp_path / "store.sqlite")
-        seed_store(store, key, 4 * 100.0)
+        seed_store(store, key, 4 * 250.0)
         store.close()
         runner = MemoryAwareRunner(address=cluster.scheduler_address, store=str(tmp_path / "store.sqlite"),
-                                   output_dir=str(tmp_path / "out"), memory_budget="1GiB")
+                                   output_dir=str(tmp_path / "out"), memory_budget="4GiB")
 
         @flow(task_runner=runner)
         def hog(path: str):
-            out = memory_hog.map(chunked(path), multiple=400)
+            out = memory_hog.map(chunked(path), multiple=1000)
             return out.summary(), out.events, out.result().values
 
         summary, events, values = hog(big_survey)
