@@ -27,8 +27,14 @@ DEFAULT_STEPS: list[dict[str, Any]] = [
 ]
 
 
-def resolve_step(step: dict[str, Any] | str) -> tuple[Any, dict[str, Any]]:
-    """``{"name": ..., **params}`` (or just a name) -> (the operator task, its parameters)."""
+def resolve_step(step: dict[str, Any] | str, *, reserved: tuple[str, ...] = ("name",)) -> tuple[Any, dict[str, Any]]:
+    """``{"name": ..., **params}`` (or just a name) -> (the operator task, its parameters).
+
+    Keys in ``reserved`` are the caller's own (e.g. ``output``), not parameters. Unknown
+    operators and parameters the operator does not take are refused before anything runs.
+    """
+    import inspect
+
     import tasks
 
     if isinstance(step, str):
@@ -38,7 +44,12 @@ def resolve_step(step: dict[str, Any] | str) -> tuple[Any, dict[str, Any]]:
     name = step["name"]
     if name not in tasks.OPERATORS:
         raise RunnerConfigError(f"unknown operator {name!r}: choose from {', '.join(sorted(tasks.OPERATORS))}")
-    params = {k: (tuple(v) if isinstance(v, list) else v) for k, v in step.items() if k != "name"}
+    params = {k: (tuple(v) if isinstance(v, list) else v) for k, v in step.items() if k not in reserved}
+    accepted = list(inspect.signature(tasks.OPERATORS[name].fn).parameters)[1:]  # the first is the block
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise RunnerConfigError(f"{name} has no parameter {', '.join(map(repr, unknown))}; it takes "
+                                f"{', '.join(accepted) or 'none'}")
     return tasks.OPERATORS[name], params
 
 

@@ -32,7 +32,6 @@ refreshed), different -> reprocessed.
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import os
 import shutil
@@ -79,25 +78,15 @@ def normalize_attributes(attributes: list[AttributeSpec] | None) -> list[Attribu
     output are :class:`~memchunk_prefect.errors.RunnerConfigError`; an ``output``
     name that would leave the output directory is an ``OutputPathError``.
     """
-    import tasks
+    from flows.pipeline import resolve_step
 
     specs = list(attributes) if attributes else list(DEFAULT_ATTRIBUTES)
     out: list[Attribute] = []
     seen: set[str] = set()
     for spec in specs:
-        if isinstance(spec, str):
-            spec = {"name": spec}
-        if not isinstance(spec, dict) or "name" not in spec:
-            raise RunnerConfigError(f"an attribute must be an operator name or a dict with a 'name', got {spec!r}")
-        name = spec["name"]
-        if name not in tasks.OPERATORS:
-            raise RunnerConfigError(f"unknown operator {name!r}: choose from {', '.join(sorted(tasks.OPERATORS))}")
-        params = {k: (tuple(v) if isinstance(v, list) else v) for k, v in spec.items() if k not in ("name", "output")}
-        accepted = list(inspect.signature(tasks.OPERATORS[name].fn).parameters)[1:]  # the first is the block
-        unknown = sorted(set(params) - set(accepted))
-        if unknown:
-            raise RunnerConfigError(f"{name} has no parameter {', '.join(map(repr, unknown))}; it takes "
-                                    f"{', '.join(accepted) or 'none'}")
+        op, params = resolve_step(spec, reserved=("name", "output"))
+        name = op.name
+        spec = {"name": spec} if isinstance(spec, str) else spec
         label = str(spec.get("output") or name)
         safe_relative(label)
         if label in seen:

@@ -27,6 +27,7 @@ Byte-level SEG-Y work (headers, geometry, synthetic surveys) is in
 
 from __future__ import annotations
 
+import abc
 import fcntl
 import json
 import math
@@ -85,7 +86,7 @@ def _default_coords(shape: Sequence[int], sample_interval_ms: float = DEFAULT_SA
 # --------------------------------------------------------------------------- sources
 
 
-class Source:
+class Source(abc.ABC):
     """What the runner needs from a volume: its shape, its coordinates, and one box at a time.
 
     Subclasses are small and picklable; ``read`` runs on the worker.
@@ -94,8 +95,9 @@ class Source:
     kind = "abstract"
 
     @property
-    def shape(self) -> tuple[int, int, int]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, int, int]:
+        """(iline, xline, twt) element counts."""
 
     @property
     def nbytes(self) -> int:
@@ -103,13 +105,13 @@ class Source:
         ni, nx, nt = self.shape
         return ni * nx * nt * 4
 
-    def coords(self) -> dict[str, Any]:  # pragma: no cover - abstract
+    @abc.abstractmethod
+    def coords(self) -> dict[str, Any]:
         """``iline``, ``xline``, ``twt`` (ms) arrays, ``sample_interval_ms``, and ``cdp_x``/``cdp_y`` when known."""
-        raise NotImplementedError
 
-    def read(self, chunk: Chunk) -> np.ndarray:  # pragma: no cover - abstract
+    @abc.abstractmethod
+    def read(self, chunk: Chunk) -> np.ndarray:
         """The float32, C-contiguous samples of exactly ``chunk`` (iline, xline, twt)."""
-        raise NotImplementedError
 
     def _check_chunk(self, chunk: Chunk) -> None:
         if any(b > n for b, n in zip(chunk.stop, self.shape)):
