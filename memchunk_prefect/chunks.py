@@ -83,6 +83,22 @@ class Chunk:
         """A filename- and key-safe identifier: ``i64-96_x0-10_t0-50``."""
         return "_".join(f"{p}{a}-{b}" for p, a, b in zip("ixt", self.start, self.stop))
 
+    @classmethod
+    def from_key(cls, key: str) -> "Chunk":
+        """Inverse of :meth:`key`; anything else is a VolumeError.
+
+        >>> Chunk.from_key("i0-4_x0-8_t0-50")
+        Chunk(start=(0, 0, 0), stop=(4, 8, 50))
+        """
+        try:
+            parts = key.split("_")
+            if len(parts) != 3 or [p[:1] for p in parts] != ["i", "x", "t"]:
+                raise ValueError(key)
+            ab = [tuple(int(v) for v in p[1:].split("-")) for p in parts]
+            return cls(tuple(a for a, _ in ab), tuple(b for _, b in ab))  # type: ignore[arg-type]
+        except (ValueError, TypeError, AttributeError):
+            raise VolumeError(f"{key!r} is not a chunk key like 'i0-4_x0-8_t0-50'") from None
+
     def contains(self, other: "Chunk") -> bool:
         return all(a <= c and d <= b for a, b, c, d in zip(self.start, self.stop, other.start, other.stop))
 
@@ -295,3 +311,47 @@ def covers_exactly(chunks: Iterable[Chunk], shape: Sequence[int]) -> bool:
             if a.intersect(b) is not None:
                 return False
     return True
+
+
+def uncovered_boxes(shape: Sequence[int], chunks: Iterable[Chunk]) -> list[Chunk]:
+    """Disjoint boxes that together hold exactly the elements of ``shape`` that no chunk covers.
+
+    Used to resume an output: what earlier runs completed (any cut, overlaps
+    allowed) is subtracted, and only these boxes are planned and computed.
+    Works on the grid compressed to the chunks' boundaries (at most 2k+2 cells
+    per axis for k chunks); each box grows from its first free cell along twt,
+    then xline, then iline, so slabs of whole ilines come back as one box.
+
+    >>> uncovered_boxes((10, 4, 8), [Chunk((0, 0, 0), (3, 4, 8)), Chunk((5, 0, 0), (7, 4, 8))])
+    [Chunk(start=(3, 0, 0), stop=(5, 4, 8)), Chunk(start=(7, 0, 0), stop=(10, 4, 8))]
+    >>> uncovered_boxes((4, 4, 4), [Chunk((0, 0, 0), (4, 4, 4))])
+    []
+    """
+    import numpy as np
+
+    s = check_shape(shape)
+    clipped = [c.intersect(Chunk.whole(s)) for c in chunks]
+    boxes_in = [c for c in clipped if c is not None]
+    bounds = [sorted({0, n, *(c.start[a] for c in boxes_in), *(c.stop[a] for c in boxes_in)})
+              for a, n in enumerate(s)]
+    index = [{v: k for k, v in enumerate(b)} for b in bounds]
+    free = np.ones([len(b) - 1 for b in bounds], dtype=bool)
+    for c in boxes_in:
+        free[tuple(slice(index[a][c.start[a]], index[a][c.stop[a]]) for a in range(3))] = False
+    n_i, n_j, n_k = free.shape
+    out: list[Chunk] = []
+    for i, j, k in np.argwhere(free):
+        if not free[i, j, k]:  # taken by a box grown from an earlier cell
+            continue
+        k1 = k + 1
+        while k1 < n_k and free[i, j, k1]:
+            k1 += 1
+        j1 = j + 1
+        while j1 < n_j and free[i, j1, k:k1].all():
+            j1 += 1
+        i1 = i + 1
+        while i1 < n_i and free[i1, j:j1, k:k1].all():
+            i1 += 1
+        free[i:i1, j:j1, k:k1] = False
+        out.append(Chunk((bounds[0][i], bounds[1][j], bounds[2][k]), (bounds[0][i1], bounds[1][j1], bounds[2][k1])))
+    return out

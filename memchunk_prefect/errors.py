@@ -130,6 +130,14 @@ class RunnerConfigError(MemchunkError, ValueError):
     """MemoryAwareRunner was given arguments that conflict or make no sense."""
 
 
+class ClusterLostError(MemchunkError, ConnectionError):
+    """The Dask scheduler went away (killed, restarted, network lost) while a chunked map was running.
+
+    Chunks already written stay written (each has its completion marker); running
+    the flow again resumes the output and computes only what is missing.
+    """
+
+
 class ChunkedSourceError(MemchunkError, TypeError):
     """``chunked(...)`` was given something that is not a volume it can read."""
 

@@ -67,10 +67,11 @@ from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from . import policy as policy_mod
-from .chunks import Chunk, Shape, normalize_halo, with_halo
+from .chunks import Chunk, Shape, normalize_halo, uncovered_boxes, with_halo
 from .errors import (
     ChunkedSourceError,
     ChunkOutOfMemoryError,
+    ClusterLostError,
     MemchunkError,
     OutputPathError,
     RunnerConfigError,
@@ -226,7 +227,8 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
                     f"operator {job.operator} returned a block of shape {out.shape} for an input block of shape "
                     f"{block.shape}: chunked operators must return a block of the same shape as their input"
                 )
-            ZarrOutput.open(job.output_path).write(job.chunk, np.ascontiguousarray(out[trim], dtype=np.float32))
+            output = ZarrOutput.open(job.output_path)
+            output.write(job.chunk, np.ascontiguousarray(out[trim], dtype=np.float32), mark_done=False)
             del block, out
     except MemoryError as exc:
         m = getattr(exc, "memchunk_measurement", None)
@@ -239,6 +241,8 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
             f"{job.operator}[{job.label}] ran out of memory {reached} "
             f"(budget {format_bytes(job.budget_bytes)}): {exc!r}", obs.to_dict()) from exc
     obs = Observation(**base, **run.measurement.observation_fields())
+    # The marker carries the observation: a flow stopped before collecting this receipt loses no measurement.
+    output.mark_done(job.chunk, record=obs.to_dict())
     return Receipt(chunk=job.chunk, output_path=job.output_path, observation=obs.to_dict())
 
 
@@ -651,6 +655,8 @@ class ChunkedMap:
         self.whole_traces = self.spec.whole_traces
         self.key = operator_key(task, static, dtype="float32")
         self.output_path = marker.output or runner.next_output_path(self.name)
+        # What an existing output must have been computed from to be resumed rather than recomputed.
+        self.identity = {"operator_key": self.key, "input": self.source.identity(), "code": _code_digest(task.fn)}
         self.settings = runner.policy
         self.decisions: list[dict] = []
         self.events: list[dict] = []
@@ -696,6 +702,7 @@ class ChunkedMap:
         self.slots, self.budget = slots, budget
         out, done_before = self.open_output()
         self.out = out
+        self.done.extend(done_before)
         from prefect.cache_policies import NO_CACHE
 
         # A chunk's effect is its write: never serve it from a cache.
@@ -704,29 +711,44 @@ class ChunkedMap:
         self.wrapped = wrapped
 
         queue: list[_Pending] = []
-        regions: list[Chunk] = []  # boxes still to plan (after a probe)
-        decision = policy_mod.decide(self.shape, self.incoming, budget_bytes=budget, predict=self.predict,
-                                     halo=self.halo, slots=slots, whole_traces=self.whole_traces,
-                                     seconds_per_element=self.seconds_per_element(), settings=self.settings)
-        self.record(decision.decision, decision.plan, decision.reason)
-        plan = decision.plan
-        queue.extend(_Pending(c, decision.decision) for c in plan.chunks)
-        regions.extend(plan.remainder)
-        planned_upper = plan.upper_bound_bytes
-        probe_scale = 1.0
-
+        regions: list[Chunk] = []  # boxes still to plan (after a probe, or what a resumed output lacks)
+        planned_upper: float | None = None
+        if done_before:
+            # Resume: plan only what the completed chunks (of whatever cut) do not cover.
+            self.recover_observations(done_before)
+            regions = uncovered_boxes(self.shape, done_before)
+            self.record("resume", None, f"resuming {self.output_path}: {len(done_before)} chunks already written; "
+                                        + (f"{len(regions)} boxes left to compute" if regions else "nothing left"))
+        else:
+            decision = policy_mod.decide(self.shape, self.incoming, budget_bytes=budget, predict=self.predict,
+                                         halo=self.halo, slots=slots, whole_traces=self.whole_traces,
+                                         seconds_per_element=self.seconds_per_element(), settings=self.settings)
+            self.record(decision.decision, decision.plan, decision.reason)
+            plan = decision.plan
+            queue.extend(_Pending(c, decision.decision) for c in plan.chunks)
+            regions.extend(plan.remainder)
+            planned_upper = plan.upper_bound_bytes
         in_flight: dict[Any, tuple[_Pending, PrefectDaskFuture, float]] = {}
+        try:
+            self.loop(queue, regions, planned_upper, in_flight)
+        except BaseException as exc:  # Ctrl-C, a Prefect cancellation (TerminationSignal), a lost cluster, ...
+            self.abandon(in_flight, exc)
+            raise
+        return self.finalize()
+
+    def loop(self, queue: list[_Pending], regions: list[Chunk], planned_upper: float | None,
+             in_flight: dict[Any, tuple[_Pending, PrefectDaskFuture, float]]) -> None:
+        """Submit, collect and re-plan until every box is written. ``in_flight`` is the caller's, for cleanup."""
         from distributed import as_completed
 
+        slots, budget = self.slots, self.budget
+        probe_scale = 1.0
         ac = as_completed(loop=self.runner.client.loop)
         max_in_flight = max(2 * slots, slots + 1)
         while queue or in_flight or regions:
             # Submit up to the in-flight cap; the rest stays re-plannable.
             while queue and len(in_flight) < max_in_flight:
                 item = queue.pop(0)
-                if item.chunk in done_before:  # resumed: already written and recorded with the output
-                    self.done.append(item.chunk)
-                    continue
                 fut = self.submit(item)
                 in_flight[fut.wrapped_future.key] = (item, fut, time.time())
                 ac.add(fut.wrapped_future)
@@ -763,10 +785,75 @@ class ChunkedMap:
             if queue and planned_upper is not None and not any(q.decision == RETRY_SMALLER for q in queue):
                 new_upper = self.queue_bound(queue)
                 if new_upper is not None and policy_mod.bound_moved(planned_upper, new_upper, self.settings):
-                    queue, _ = self.replan(queue, planned_upper, new_upper)
+                    queue[:], _ = self.replan(queue, planned_upper, new_upper)
                     planned_upper = self.queue_bound(queue)
 
-        return self.finalize()
+    def recover_observations(self, chunks: Iterable[Chunk]) -> int:
+        """Store the observations that completion markers carry and the store lacks; returns how many.
+
+        A run stopped between a chunk's write and the flow collecting its receipt
+        (Ctrl-C, a cancelled or killed flow process, a lost scheduler) left the
+        measurement only in the marker. Matched by (chunk, created_at), so nothing
+        is stored twice.
+        """
+        records = [Observation.from_dict(r) for r in self.out.done_records(chunks)]
+        records = [o for o in records if o.operator_key == self.key]
+        if not records:
+            return 0
+        bank = self.runner.model_bank()
+        have = {(o.chunk, o.created_at) for o in bank.store.observations(self.key)}
+        n = 0
+        for obs in records:
+            if (obs.chunk, obs.created_at) not in have:
+                try:
+                    bank.learn(obs)
+                    n += 1
+                except Exception as exc:  # the store must never stop a run
+                    logger.warning("could not record an observation for %s: %r", self.key, exc)
+        if n:
+            logger.info("%s: stored %d observations recovered from completion markers", self.name, n)
+        return n
+
+    def abandon(self, in_flight: dict[Any, tuple[_Pending, PrefectDaskFuture, float]], exc: BaseException) -> None:
+        """The map stops early: keep what finished, stop what did not, leave no task run RUNNING.
+
+        Chunks whose task already returned are learned from (their observation is
+        stored, their completion marker is on disk); the others are cancelled on the
+        cluster and their Prefect task runs marked Cancelled (interrupted) or Crashed
+        (cluster lost). Nothing is finalized: the output stays resumable.
+        """
+        from prefect.states import State
+
+        interrupted = not isinstance(exc, Exception)  # KeyboardInterrupt, TerminationSignal, SystemExit
+        kept = 0
+        for item, fut, _ in list(in_flight.values()):
+            dask_future = fut.wrapped_future
+            state = None
+            with contextlib.suppress(BaseException):
+                if dask_future.status == "finished":
+                    state = dask_future.result(timeout=5)
+            if isinstance(state, State) and state.is_completed():
+                with contextlib.suppress(Exception):
+                    receipt = state.result()
+                    self.learn(Observation.from_dict(receipt.observation))
+                    self.done.append(item.chunk)
+                    kept += 1
+                    continue
+            with contextlib.suppress(BaseException):
+                dask_future.cancel()
+            why = ("the flow run was interrupted or cancelled" if interrupted else
+                   f"the chunked map stopped ({type(exc).__name__})")
+            _set_task_run_state(fut.task_run_id, "Cancelled" if interrupted else "Crashed",
+                                f"{why} before {self.name}[{item.chunk.label(self.shape)}] finished; the chunk is "
+                                "not marked written and is computed when the flow runs again")
+        # Chunks that finished on their worker after the last receipt was taken: keep their measurements too.
+        with contextlib.suppress(BaseException):
+            self.recover_observations([item.chunk for item, _, _ in in_flight.values()
+                                       if item.chunk not in self.done and self.out.is_done(item.chunk)])
+        in_flight.clear()
+        logger.warning("%s: stopped early (%s); %d chunks written and kept in %s, %d of them collected while "
+                       "stopping; rerun to finish the rest", self.name, type(exc).__name__, len(self.done),
+                       self.output_path, kept)
 
     def queue_bound(self, queue: list[_Pending]) -> float | None:
         """The model's upper bound (bytes) for the largest queued chunk with its halo; None while not ready."""
@@ -776,34 +863,47 @@ class ChunkedMap:
         pred = self.predict(policy_mod._extents_with_halo(largest.shape, self.halo, self.shape))
         return float(pred.upper_bytes) if getattr(pred, "ready", True) else None
 
-    def open_output(self):
-        """Create the output store, or resume one this operator left incomplete at the same path.
+    def open_output(self) -> tuple[Any, list[Chunk]]:
+        """Create the output store, or resume one computed from the same input, operator and code.
 
-        A complete store of the same operator and shape is replaced (a rerun); a store
-        of anything else is never touched.
+        Returns the store and the chunks already written to it. An existing store at
+        the path resumes when its recorded identity (operator key with its memory
+        parameters, the input's :meth:`~memchunk_prefect.volume.Source.identity`, a
+        digest of the task's source code) equals this map's: completed chunks are
+        kept and only what they do not cover is computed (all of it is kept when it
+        is complete). A store of the same operator and shape computed from anything
+        else is replaced; a store of another operator or shape is never touched.
         """
-        from .volume import ZarrOutput
+        import json
 
-        attrs = {"operator": self.name, "operator_key": self.key}
-        try:
-            return ZarrOutput.create(self.output_path, self.shape, self.source.coords(), dtype="float32",
-                                     attrs=attrs), set()
-        except OutputPathError:
-            pass
         import zarr
 
+        from .volume import ZarrOutput
+
+        # JSON round trip: the identity is compared with what the store's attributes give back.
+        identity = json.loads(json.dumps(self.identity))
+        attrs = {"operator": self.name, "operator_key": self.key, "memchunk_identity": identity}
+        try:
+            return ZarrOutput.create(self.output_path, self.shape, self.source.coords(), dtype="float32",
+                                     attrs=attrs), []
+        except OutputPathError:
+            pass
         existing = ZarrOutput.open(self.output_path)
         found = dict(zarr.open_group(self.output_path, mode="r").attrs)
         if existing.shape != self.shape or found.get("operator_key") != self.key:
             raise OutputPathError(
                 f"{self.output_path}: already holds output of {found.get('operator_key')!r} with shape "
                 f"{existing.shape}, not {self.key!r} with shape {self.shape}; choose another output path")
-        if existing.is_complete():
-            return ZarrOutput.create(self.output_path, self.shape, self.source.coords(), dtype="float32",
-                                     attrs=attrs, overwrite=True), set()
-        done = set(existing.completed_chunks())
-        self.record("resume", None, f"resuming {self.output_path}: {len(done)} chunks already written")
-        return existing, done
+        if identity["input"] is not None and found.get("memchunk_identity") == identity:
+            return existing, existing.completed_chunks()
+        why = ("its input cannot be identified without reading it" if identity["input"] is None else
+               "it was computed from " + ", ".join(
+                   k for k in ("input", "code") if (found.get("memchunk_identity") or {}).get(k) != identity[k])
+               .replace("input", "another input (or the input changed)").replace("code", "other task code")
+               or "it was computed from another input")
+        self.record("restart", None, f"{self.output_path} is replaced: {why}")
+        return ZarrOutput.create(self.output_path, self.shape, self.source.coords(), dtype="float32",
+                                 attrs=attrs, overwrite=True), []
 
     def submit(self, item: _Pending) -> PrefectDaskFuture:
         job = BlockJob(source=self.source, chunk=item.chunk, halo=self.halo, volume_shape=self.shape,
@@ -841,7 +941,16 @@ class ChunkedMap:
 
         try:
             state = dask_future.result()
-        except Exception as exc:  # the worker died (KilledWorker) or the scheduler lost it
+        except Exception as exc:  # the worker died (KilledWorker), or the cluster went away
+            if dask_future.status == "cancelled" or self.runner.client.status not in ("running", "connecting"):
+                # No worker death: the scheduler forgot the task (it was killed, restarted, or unreachable).
+                detail = " ".join(str(exc).split())
+                written = len(self.out.completed_chunks())
+                raise ClusterLostError(
+                    f"lost the Dask scheduler at {self.runner.client.scheduler.address} while running "
+                    f"{self.name} ({type(exc).__name__}: {detail}); the {written} chunks written so far are kept in "
+                    f"{self.output_path}. Start the scheduler again (or point the runner at a live one) and rerun "
+                    "the flow: it resumes the output and computes only the missing chunks") from exc
             self.on_killed(item, fut, exc, queue)
             return
         finally:
@@ -881,6 +990,15 @@ class ChunkedMap:
                            chunk=item.chunk.key(), budget_bytes=self.budget, method="flow")
 
     def on_killed(self, item: _Pending, fut: PrefectDaskFuture, exc: BaseException, queue: list[_Pending]) -> None:
+        if self.out.is_done(item.chunk):
+            # The worker died after writing the chunk and its marker (before returning): keep it, do not redo it.
+            _mark_crashed(fut.task_run_id, f"worker died after {self.name}[{item.chunk.label(self.shape)}] was "
+                                           "written; the chunk is kept")
+            self.done.append(item.chunk)
+            self.recover_observations([item.chunk])
+            self.events.append({"event": "lost", "chunk": item.chunk.key(), "decision": item.decision,
+                                "kept": True})
+            return
         threshold = self.runner.kill_threshold_bytes() or self.budget
         pred = self.predict(policy_mod._extents_with_halo(item.chunk.shape, self.halo, self.shape))
         upper = getattr(pred, "upper_bytes", None) if getattr(pred, "ready", False) else None
@@ -940,14 +1058,39 @@ def _is_memory_error(exc: Any) -> bool:
 
 def _mark_crashed(task_run_id: Any, message: str) -> None:
     """Mark a task run whose worker died as Crashed: nothing else will (prefect #12968, #21638)."""
+    _set_task_run_state(task_run_id, "Crashed", message)
+
+
+def _set_task_run_state(task_run_id: Any, name: str, message: str) -> None:
+    """Force a task run into a final state (``Crashed`` or ``Cancelled``); a run that never started is skipped."""
     try:
         from prefect.client.orchestration import get_client
-        from prefect.states import Crashed
+        from prefect.exceptions import ObjectNotFound
+        from prefect.states import Cancelled, Crashed
 
+        state = {"Crashed": Crashed, "Cancelled": Cancelled}[name](message=message)
         with get_client(sync_client=True) as client:
-            client.set_task_run_state(task_run_id, Crashed(message=message), force=True)
-    except Exception as exc:  # the run may never have been created if the worker died first
-        logger.info("could not mark task run %s Crashed: %r", task_run_id, exc)
+            try:
+                current = client.read_task_run(task_run_id).state
+            except ObjectNotFound:  # the worker never started it: nothing to mark
+                return
+            if current is not None and current.is_final():
+                return
+            client.set_task_run_state(task_run_id, state, force=True)
+    except Exception as exc:
+        logger.info("could not mark task run %s %s: %r", task_run_id, name, exc)
+
+
+def _code_digest(fn: Any) -> str:
+    """SHA-256 of a task function's source (its bytecode when the source is not available)."""
+    import hashlib
+
+    try:
+        text = inspect.getsource(fn).encode()
+    except (OSError, TypeError):
+        code = getattr(fn, "__code__", None)
+        text = code.co_code + repr(code.co_consts).encode() if code is not None else repr(fn).encode()
+    return hashlib.sha256(text).hexdigest()
 
 
 def _flow_logger():

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .operators import operator
@@ -17,12 +19,16 @@ from .records import Observation
 
 
 @operator(halo=0, memory_params=("multiple",), whole_traces=True)
-def memory_hog(block, multiple: float = 10.0):
-    """Return a copy of ``block`` after holding ``multiple`` x its bytes of touched memory.
+def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0):
+    """Return a copy of ``block`` after holding ``multiple`` x its bytes of touched memory for ``seconds``.
 
     Memory: about (multiple + 2) x the block's bytes (the scratch buffer, the block, the copy).
+    ``seconds`` (wall time the buffer is held) gives fault tests a window to kill a
+    worker mid-task; it is not a memory parameter, so it does not change the model's key.
     """
     scratch = np.ones(int(block.nbytes * multiple) // 8 + 1, dtype=np.float64)  # np.ones touches every page
+    if seconds > 0:
+        time.sleep(seconds)
     out = np.array(block, dtype=np.float32, copy=True)
     out += np.float32(scratch[0] - 1.0)  # use the buffer so it cannot be optimised away
     del scratch

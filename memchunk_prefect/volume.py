@@ -45,7 +45,7 @@ from xarray.backends import BackendArray
 from xarray.core import indexing
 
 from . import segy as _segy
-from .chunks import AXES, Chunk, check_halo, check_shape, covers_exactly, with_halo
+from .chunks import AXES, Chunk, check_halo, check_shape, covers_exactly, uncovered_boxes, with_halo
 from .errors import (
     ChunkedSourceError,
     IncompleteOutputError,
@@ -121,6 +121,15 @@ class Source(abc.ABC):
         """A JSON-able description that :func:`as_source` turns back into this source (None for in-memory)."""
         return None
 
+    def identity(self) -> dict | None:
+        """What an output computed from this source must have been computed from, to be resumed (JSON-able).
+
+        Cheap (no data read). ``None`` when the content cannot be identified
+        cheaply (an array in memory, a zarr store not written by memchunk): an
+        output from such a source is always computed afresh, never resumed.
+        """
+        return None
+
 
 class SegySource(Source):
     """A post-stack SEG-Y file read trace by trace on whichever process calls :meth:`read`.
@@ -178,6 +187,11 @@ class SegySource(Source):
 
     def memchunk_source(self) -> dict:
         return {"kind": "segy", "path": self.path, "iline": self.iline, "xline": self.xline}
+
+    def identity(self) -> dict:
+        """Path, header byte locations, size and modification time (ns): a rewritten file is a new input."""
+        st = os.stat(self.path)
+        return {**self.memchunk_source(), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 class _ZarrArrays(threading.local):
@@ -274,6 +288,17 @@ class ZarrSource(Source):
 
     def memchunk_source(self) -> dict:
         return {"kind": "zarr", "path": self.path, "name": self.name}
+
+    def identity(self) -> dict | None:
+        """A memchunk store's ``write_id`` (new each time it is created) and ``completed_at``; None for others."""
+        import zarr
+
+        if self.name is None:
+            return None
+        attrs = dict(zarr.open_group(self.path, mode="r").attrs)
+        if not attrs.get("write_id") or not attrs.get("complete"):
+            return None
+        return {**self.memchunk_source(), "write_id": attrs["write_id"], "completed_at": attrs.get("completed_at")}
 
 
 _THIRD_DIMS = ("twt", "time", "depth", "samples", "sample")
@@ -552,12 +577,8 @@ def default_zarr_chunks(shape: Sequence[int], itemsize: int = 4,
 def _parse_key(key: str) -> Chunk | None:
     """Inverse of :meth:`Chunk.key`: ``i0-4_x0-8_t0-50`` → Chunk; None for anything else."""
     try:
-        parts = key.split("_")
-        if len(parts) != 3 or [p[0] for p in parts] != ["i", "x", "t"]:
-            return None
-        ab = [tuple(int(v) for v in p[1:].split("-")) for p in parts]
-        return Chunk(tuple(a for a, _ in ab), tuple(b for _, b in ab))  # type: ignore[arg-type]
-    except (ValueError, IndexError):
+        return Chunk.from_key(key)
+    except VolumeError:
         return None
 
 
@@ -658,7 +679,7 @@ class ZarrOutput:
         except TypeError as exc:
             raise VolumeError(f"attrs must be JSON-able (plain numbers, strings, lists, dicts): {exc}") from exc
         root_attrs = {"dims": list(AXES), "shape": list(shape), "zarr_chunks": list(zc), "complete": False,
-                      "memchunk_store": 1, **_json_coords(c), **dict(attrs or {})}
+                      "memchunk_store": 1, "write_id": uuid.uuid4().hex, **_json_coords(c), **dict(attrs or {})}
         g = zarr.open_group(str(p), mode="w", attributes=root_attrs)
         os.chmod(p, 0o700)  # results are the user's: a user-only root hides everything inside it
         fill = np.nan if np.dtype(dtype).kind == "f" else 0
@@ -709,6 +730,7 @@ class ZarrOutput:
 
         Safe from many processes at once for disjoint chunks (see the class docstring).
         The marker is written after the data, atomically: a marker means the data is there.
+        With ``mark_done=False`` the caller marks it with :meth:`mark_done` (to attach a record).
         """
         if any(b > n for b, n in zip(chunk.stop, self.shape)):
             raise VolumeError(f"{self.path}: chunk {chunk} reaches past the output of shape {self.shape}")
@@ -723,7 +745,7 @@ class ZarrOutput:
                 stack.enter_context(self._lock(cell))
             arr[chunk.slices()] = data.astype(self.dtype, copy=False)
         if mark_done:
-            self._mark_done(chunk)
+            self.mark_done(chunk)
 
     def _lock(self, cell: tuple[int, int, int]):
         """An exclusive inter-process lock on one storage chunk (fcntl.flock on its lock node's zarr.json)."""
@@ -739,13 +761,38 @@ class ZarrOutput:
                 pass
         return _Flock(lockfile)
 
-    def _mark_done(self, chunk: Chunk) -> None:
+    def mark_done(self, chunk: Chunk, record: Mapping[str, Any] | None = None) -> None:
+        """Write ``chunk``'s completion marker (atomically), with an optional JSON-able ``record``.
+
+        The runner puts the chunk's measured observation in ``record``, so a run that
+        stops before collecting it (Ctrl-C, a cancelled flow, a lost scheduler) loses
+        no measurement: the next run reads it back (:meth:`done_records`).
+        """
         d = Path(self.path) / META_GROUP / "done" / chunk.key()
         d.mkdir(parents=True, exist_ok=True)
-        _atomic_write(d / "zarr.json", _group_json({
-            "start": list(chunk.start), "stop": list(chunk.stop), "written_at": time.time(), "pid": os.getpid()}))
+        attrs = {"start": list(chunk.start), "stop": list(chunk.stop), "written_at": time.time(), "pid": os.getpid()}
+        if record is not None:
+            attrs["record"] = dict(record)
+        _atomic_write(d / "zarr.json", _group_json(attrs))
+
+    def done_records(self, chunks: Iterable[Chunk]) -> list[dict]:
+        """The records attached to the completion markers of ``chunks`` (markers without one are skipped)."""
+        out = []
+        for c in chunks:
+            try:
+                doc = json.loads((Path(self.path) / META_GROUP / "done" / c.key() / "zarr.json").read_text())
+            except (OSError, ValueError):
+                continue
+            rec = (doc.get("attributes") or {}).get("record")
+            if isinstance(rec, dict):
+                out.append(rec)
+        return out
 
     # ---- completion
+
+    def is_done(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s completion marker exists (its data is written)."""
+        return (Path(self.path) / META_GROUP / "done" / chunk.key() / "zarr.json").exists()
 
     def completed_chunks(self) -> list[Chunk]:
         """The chunks whose completion marker exists (sorted)."""
@@ -774,9 +821,15 @@ class ZarrOutput:
         return covers_exactly(done, self.shape) or _uncovered(done, self.shape) == 0
 
     def finalize(self) -> None:
-        """Verify every element was written, then mark the store ``complete``; else raise IncompleteOutputError."""
+        """Verify every element was written, then mark the store ``complete``; else raise IncompleteOutputError.
+
+        Idempotent: a store already marked complete keeps its ``completed_at`` (part
+        of the identity of outputs computed from it, see :meth:`ZarrSource.identity`).
+        """
         import zarr
 
+        if zarr.open_group(self.path, mode="r").attrs.get("complete"):
+            return
         done = self.completed_chunks()
         if not (covers_exactly(done, self.shape) or _uncovered(done, self.shape) == 0):
             missing = _uncovered(done, self.shape)
@@ -817,17 +870,8 @@ class _Flock:
 
 
 def _uncovered(chunks: Iterable[Chunk], shape: Sequence[int]) -> int:
-    """Elements of ``shape`` that no chunk covers, on a grid compressed to the chunks' boundaries (exact, small)."""
-    chunks = list(chunks)
-    bounds = [sorted({0, n, *(c.start[a] for c in chunks), *(min(c.stop[a], n) for c in chunks)})
-              for a, n in enumerate(shape)]
-    pos = [{v: k for k, v in enumerate(b)} for b in bounds]
-    covered = np.zeros([len(b) - 1 for b in bounds], dtype=bool)
-    for c in chunks:
-        covered[tuple(slice(pos[a][c.start[a]], pos[a][min(c.stop[a], shape[a])]) for a in range(3))] = True
-    sizes = [np.diff(b) for b in bounds]
-    cell = sizes[0][:, None, None] * sizes[1][None, :, None] * sizes[2][None, None, :]
-    return int(cell[~covered].sum())
+    """Elements of ``shape`` that no chunk covers (exact; overlaps count once)."""
+    return sum(b.elements for b in uncovered_boxes(shape, chunks))
 
 
 def open_result(path: str | os.PathLike, allow_incomplete: bool = False):

@@ -29,6 +29,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
@@ -43,6 +44,7 @@ from memchunk_prefect.chunks import (
     grid,
     normalize_halo,
     split,
+    uncovered_boxes,
     with_halo,
 )
 from memchunk_prefect.errors import MemchunkError
@@ -288,6 +290,27 @@ def test_split_halves_cover_the_chunk_and_with_halo_trims_back(shape, data):
     for a in range(3):
         assert read.start[a] == max(0, c.start[a] - h[a]) and read.stop[a] == min(shape[a], c.stop[a] + h[a])
         assert trim[a].stop - trim[a].start == c.shape[a] and read.start[a] + trim[a].start == c.start[a]
+
+
+@FUZZ
+@given(shape=shapes, data=st.data())
+def test_uncovered_boxes_plus_the_done_chunks_cover_the_volume_and_never_overlap_them(shape, data):
+    """Resuming computes exactly what no completed chunk covers: nothing twice, nothing missed."""
+    n = data.draw(st.integers(0, 8), label="done chunks")
+    done = []
+    for _ in range(n):  # arbitrary boxes, overlapping each other (a re-cut resume) and sometimes the edge
+        start = data.draw(st.tuples(*(st.integers(0, d - 1) for d in shape)))
+        stop = data.draw(st.tuples(*(st.integers(a + 1, d + 3) for a, d in zip(start, shape))))
+        done.append(Chunk(start, stop))
+    boxes = uncovered_boxes(shape, done)
+    whole = Chunk.whole(shape)
+    assert all(whole.contains(b) for b in boxes)
+    assert not any(b.intersect(c) for b in boxes for c in done), "a resumed box recomputes a completed chunk"
+    assert all(a.intersect(b) is None for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    covered = np.zeros(shape, dtype=bool)
+    for c in done:
+        covered[tuple(slice(a, min(b, d)) for a, b, d in zip(c.start, c.stop, shape))] = True
+    assert sum(b.elements for b in boxes) == int((~covered).sum())
 
 
 def linear_predictor(bytes_per_element: float, fixed: float = 0.0):

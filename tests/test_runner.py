@@ -333,3 +333,46 @@ def test_cluster_class_given_as_a_string_runs_a_chunked_flow(survey, tmp_path):
 
     volume = open_segy(survey).values
     np.testing.assert_allclose(env(survey), tasks.envelope.fn(volume), rtol=0, atol=1e-5 * np.abs(volume).max())
+
+
+# ----------------------------------------------------------------------------- explicit outputs: resume or restart
+
+
+def test_an_explicit_output_is_reused_only_for_the_same_input_and_recomputed_when_the_input_changes(
+        cluster, tmp_path):
+    import zarr
+
+    from memchunk_prefect.volume import ZarrOutput
+
+    path = tmp_path / "survey.sgy"
+    synthetic_survey(path, (12, 10, 80), seed=21)
+    out = tmp_path / "env.zarr"
+    runner = runner_for(cluster, tmp_path)
+
+    @flow(task_runner=runner)
+    def env(source):
+        res = tasks.envelope.map(chunked(source, output=out))
+        return res.summary(), res.result().values
+
+    first, values = env(str(path))
+    assert first["decisions"][0] != "resume" and first["tasks"] >= 1
+    write_id = dict(zarr.open_group(str(out), mode="r").attrs)["write_id"]
+
+    # Same file, operator and code: the complete output is kept as it is, nothing recomputed.
+    again, values2 = env(str(path))
+    assert again["decisions"] == ["resume"] and again["tasks"] == 0, again
+    assert dict(zarr.open_group(str(out), mode="r").attrs)["write_id"] == write_id
+    np.testing.assert_array_equal(values2, values)
+
+    # The file rewritten with other content (same geometry): never mixed with the old result.
+    synthetic_survey(path, (12, 10, 80), seed=22)
+    changed, values3 = env(str(path))
+    assert changed["decisions"][0] == "restart" and "another input" in changed["reasons"][0], changed
+    np.testing.assert_allclose(values3, tasks.envelope.fn(open_segy(str(path)).values), rtol=1e-5, atol=1e-5)
+    assert ZarrOutput.open(out).is_complete()
+
+    # An array in memory cannot be identified without reading it all: always recomputed.
+    arr = open_segy(str(path)).values
+    for _ in range(2):
+        s, _ = env(arr)
+        assert s["decisions"][0] == "restart" and "cannot be identified" in s["reasons"][0], s

@@ -1,0 +1,362 @@
+"""Workers, schedulers and flow runs that stop mid-map (issue 8): nothing lost, nothing half-done reported as done.
+
+Everything here is real: worker processes killed with SIGKILL, a ``dask scheduler``
+process killed, a flow process interrupted with SIGINT (Ctrl-C), a served
+deployment's run cancelled through the Prefect API. The operator is the
+``memory_hog`` test helper holding each chunk for a while (``seconds``), so a
+kill lands mid-map; it returns a copy of its input, so the clean result is the
+input itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pytest
+from prefect import flow
+
+from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
+from memchunk_prefect.chunks import Chunk, covers_exactly
+from memchunk_prefect.errors import ClusterLostError
+from memchunk_prefect.operators import operator_key
+from memchunk_prefect.store import Store
+from memchunk_prefect.testing import memory_hog, seed_store, start_local_cluster
+from memchunk_prefect.volume import ZarrOutput, open_result, open_segy
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
+
+REPO = Path(__file__).resolve().parents[1]
+HELPER = REPO / "tests" / "reprocess_hog.py"
+SHAPE = (48, 50, 500)  # 1.2 M samples; at 168 B/element and a 48 MiB budget: about 6 chunks of 8 ilines
+HOG = {"multiple": 40, "seconds": 1.0}
+KEY = operator_key(memory_hog, {"multiple": 40})
+
+
+@pytest.fixture(scope="module")
+def survey(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("interruptions") / "survey.sgy"
+    synthetic_survey(path, SHAPE, seed=3)
+    return str(path)
+
+
+def seeded_store(path: Path) -> str:
+    """A store whose model already knows memory_hog at 40x (168 B/element), so the first plan is final."""
+    store = Store(path)
+    seed_store(store, KEY, 168)
+    store.close()
+    return str(path)
+
+
+def hog_flow(runner: MemoryAwareRunner, survey: str, out: Path):
+    @flow(task_runner=runner)
+    def hog():
+        from prefect.runtime import flow_run
+
+        res = memory_hog.map(chunked(survey, output=out), **HOG)
+        return str(flow_run.id), res.summary(), res.events
+
+    return hog
+
+
+class KillAfterMarkers(threading.Thread):
+    """Send ``sig`` to ``pid`` once ``n`` chunks of the output at ``out`` are marked written."""
+
+    def __init__(self, out: Path, n: int, pid: int, sig: int = signal.SIGKILL, timeout: float = 180):
+        super().__init__(daemon=True)
+        self.out, self.n, self.pid, self.sig, self.timeout = out, n, pid, sig, timeout
+        self.killed_at: float | None = None
+        self.markers_then = 0
+        self.start()
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            self.markers_then = len(markers(self.out))
+            if self.markers_then >= self.n:
+                os.kill(self.pid, self.sig)
+                self.killed_at = time.time()
+                return
+            time.sleep(0.05)
+
+
+def markers(out: Path) -> list[str]:
+    d = Path(out) / ".memchunk" / "done"
+    return [e.name for e in os.scandir(d) if (Path(e.path) / "zarr.json").exists()] if d.is_dir() else []
+
+
+def ok_observations(store: str) -> list:
+    return [o for o in Store(store).observations(KEY) if o.outcome == "ok" and o.method != "seeded"]
+
+
+def unfinished_task_runs(flow_run_ids) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=list(flow_run_ids))))
+    return [(r.name, r.state.name) for r in runs if r.state and r.state.type.value in ("RUNNING", "PENDING",
+                                                                                        "SCHEDULED")]
+
+
+def assert_equal_to_a_clean_run_and_each_chunk_written_once(out: Path, survey: str, store: str) -> None:
+    """The result equals the input element for element; completed chunks tile the volume with no overlap,
+    and each was measured by exactly one successful task run (none computed twice, none missing)."""
+    np.testing.assert_array_equal(open_result(out).values, open_segy(survey).values)
+    done = ZarrOutput.open(out).completed_chunks()
+    assert covers_exactly(done, SHAPE), f"completed chunks overlap or leave gaps: {done}"
+    counts = Counter(o.chunk for o in ok_observations(store))
+    assert set(counts) == {c.key() for c in done}, (sorted(counts), done)
+    assert max(counts.values()) == 1, f"a chunk was computed twice: {counts}"
+
+
+# =========================================================================== a worker killed
+
+
+def test_a_worker_sigkilled_mid_map_on_a_local_cluster_loses_nothing(survey, tmp_path):
+    from distributed import Client
+
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    try:
+        with Client(cluster.scheduler_address) as c:
+            pid = sorted(c.run(os.getpid).values())[0]
+        store, out = seeded_store(tmp_path / "obs.sqlite"), tmp_path / "out.zarr"
+        killer = KillAfterMarkers(out, 1, pid)
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, memory_budget="48MiB", store=store)
+        run_id, summary, events = hog_flow(runner, survey, out)()
+    finally:
+        cluster.close()
+    assert killer.killed_at is not None and killer.markers_then < summary["chunks"], "the kill was not mid-map"
+    lost = [e for e in events if e["event"] == "lost"]
+    assert lost, events
+    assert summary["oom_events"] == 0, "a SIGKILL far below the memory limit is not an out-of-memory event"
+    assert_equal_to_a_clean_run_and_each_chunk_written_once(out, survey, store)
+    assert not [o for o in Store(store).observations(KEY) if o.outcome == "killed"], "nothing learned from it"
+    assert not unfinished_task_runs([run_id])
+
+
+# =========================================================================== an external cluster
+
+
+class ExternalCluster:
+    """``dask scheduler`` and ``dask worker`` processes, as a user would start them by hand.
+
+    The scheduler runs with ``allowed-failures`` 0, as the README asks of external schedulers.
+    """
+
+    def __init__(self, logdir: Path, n_workers: int = 2):
+        from deployments.local_server import free_port
+
+        logdir.mkdir(parents=True, exist_ok=True)
+        dask = str(Path(sys.executable).with_name("dask"))
+        self.address = f"tcp://127.0.0.1:{free_port()}"
+        env = {**os.environ, "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0"}
+        port = self.address.rsplit(":", 1)[1]
+        self.scheduler = subprocess.Popen(
+            [dask, "scheduler", "--host", "127.0.0.1", "--port", port, "--dashboard-address", "127.0.0.1:0"],
+            env=env, stdout=open(logdir / "scheduler.log", "wb"), stderr=subprocess.STDOUT)
+        self.workers = [subprocess.Popen(
+            [dask, "worker", self.address, "--nthreads", "1", "--memory-limit", "1GiB", "--no-dashboard"],
+            env=env, stdout=open(logdir / f"worker-{i}.log", "wb"), stderr=subprocess.STDOUT)
+            for i in range(n_workers)]
+        from distributed import Client
+
+        with Client(self.address, timeout=60) as c:
+            c.wait_for_workers(n_workers, timeout=60)
+            self.worker_pids = sorted(c.run(os.getpid).values())
+
+    def close(self) -> None:
+        for p in [*self.workers, self.scheduler]:
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def external_cluster(logdir: Path):
+    ext = ExternalCluster(logdir)
+    try:
+        yield ext
+    finally:
+        ext.close()
+
+
+def test_external_cluster_a_killed_worker_then_a_killed_scheduler_then_a_rerun(survey, tmp_path):
+    def runner(address: str, store: str) -> MemoryAwareRunner:
+        return MemoryAwareRunner(address=address, memory_budget="48MiB", store=store,
+                                 client_kwargs={"timeout": "10s"})
+
+    # A worker process SIGKILLed (its nanny starts a new one): the flow completes, nothing lost or doubled.
+    store, out = seeded_store(tmp_path / "a.sqlite"), tmp_path / "a.zarr"
+    with external_cluster(tmp_path / "c1") as ext:
+        killer = KillAfterMarkers(out, 1, ext.worker_pids[0])
+        run_id, summary, events = hog_flow(runner(ext.address, store), survey, out)()
+    assert killer.killed_at is not None and killer.markers_then < summary["chunks"]
+    assert [e for e in events if e["event"] == "lost"], events
+    assert_equal_to_a_clean_run_and_each_chunk_written_once(out, survey, store)
+    assert not unfinished_task_runs([run_id])
+
+    # The scheduler SIGKILLed mid-map: the flow fails with a clear error, and keeps what was written.
+    store, out = seeded_store(tmp_path / "b.sqlite"), tmp_path / "b.zarr"
+    with external_cluster(tmp_path / "c2") as ext:
+        killer = KillAfterMarkers(out, 2, ext.scheduler.pid)
+        with pytest.raises(ClusterLostError, match="lost the Dask scheduler at .* rerun the flow"):
+            hog_flow(runner(ext.address, store), survey, out)()
+    assert killer.killed_at is not None
+    written = ZarrOutput.open(out).completed_chunks()
+    assert written and not ZarrOutput.open(out).is_complete()
+    with pytest.raises(Exception, match="not marked complete"):
+        open_result(out)
+    obs = Store(store).observations(KEY)  # the store opens and reads: intact
+    assert not [o for o in obs if o.outcome != "ok"], "a lost scheduler is not a memory event: nothing censored"
+
+    # A rerun on a new scheduler resumes: only what no completed chunk covers is computed.
+    rerun_started = time.time()
+    with external_cluster(tmp_path / "c3") as ext:
+        run_id, summary, events = hog_flow(runner(ext.address, store), survey, out)()
+    assert summary["decisions"][0] == "resume", summary["decisions"]
+    new = [Chunk.from_key(o.chunk) for o in ok_observations(store) if o.created_at >= rerun_started]
+    assert new and not any(n.intersect(w) for n in new for w in written), "a completed chunk was recomputed"
+    assert_equal_to_a_clean_run_and_each_chunk_written_once(out, survey, store)
+    assert not unfinished_task_runs([run_id])
+
+
+# =========================================================================== the flow run interrupted
+
+
+def helper_env() -> dict[str, str]:
+    from prefect.settings import get_current_settings
+
+    env = dict(os.environ)
+    env["PREFECT_API_URL"] = str(get_current_settings().api.url)  # the session's server, not one per process
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def survey_dir(survey: str, tmp_path: Path) -> Path:
+    d = tmp_path / "surveys"
+    d.mkdir()
+    os.link(survey, d / "line.sgy") if os.stat(survey).st_dev == os.stat(d).st_dev else \
+        (d / "line.sgy").write_bytes(Path(survey).read_bytes())
+    return d
+
+
+def check_interrupted(out: Path, store: str) -> list[Chunk]:
+    """After an interruption: nothing reported done that is not, and the measurements of written chunks kept."""
+    assert not (out / "line" / "memchunk-manifest.json").exists(), "an interrupted survey was marked done"
+    hog = out / "line" / "memory_hog.zarr"
+    written = ZarrOutput.open(hog).completed_chunks()
+    assert written, "the interruption came before any chunk was written: no mid-map test"
+    assert not ZarrOutput.open(hog).is_complete(), "the interruption came after the map ended: no mid-map test"
+    with pytest.raises(Exception, match="not marked complete"):
+        open_result(hog)
+    # No measurement is lost: what the flow collected before it stopped is in the store, and every written
+    # chunk's marker carries its own (chunks still running when the flow stopped finish and write theirs);
+    # the rerun stores those from the markers (checked in check_resumed).
+    stored = {o.chunk for o in ok_observations(store)}
+    in_markers = {r["chunk"] for r in ZarrOutput.open(hog).done_records(written)}
+    assert in_markers == {w.key() for w in written}, "a written chunk's marker lacks its measurement"
+    assert stored <= in_markers, "the store holds a measurement of a chunk that is not written"
+    return written
+
+
+def check_resumed(out: Path, store: str, survey: str, written: list[Chunk], rerun_started: float) -> None:
+    hog = out / "line" / "memory_hog.zarr"
+    manifest = json.loads((out / "line" / "memchunk-manifest.json").read_text())
+    assert manifest["outputs"]["memory_hog"]["zarr"] == "memory_hog.zarr"
+    new = [Chunk.from_key(o.chunk) for o in ok_observations(store) if o.created_at >= rerun_started]
+    assert new and not any(n.intersect(w) for n in new for w in written), "a completed chunk was recomputed"
+    env_key = next(o.operator_key for o in Store(store).observations() if o.operator_key.startswith("envelope"))
+    assert not [o for o in Store(store).observations(env_key) if o.created_at >= rerun_started], \
+        "the envelope finished before the interruption: the rerun must reuse it, not recompute it"
+    np.testing.assert_array_equal(open_result(hog).values, open_segy(survey).values)
+    done = ZarrOutput.open(hog).completed_chunks()
+    counts = Counter(o.chunk for o in ok_observations(store))
+    assert set(counts) == {c.key() for c in done} and max(counts.values()) == 1, counts
+
+
+def test_ctrl_c_during_reprocess_survey_keeps_what_finished_and_a_rerun_resumes(survey, tmp_path):
+    directory, out = survey_dir(survey, tmp_path), tmp_path / "attributes"
+    store = seeded_store(tmp_path / "obs.sqlite")
+    cmd = [sys.executable, str(HELPER), "run", str(directory), str(out), store]
+    log = open(tmp_path / "interrupted.log", "wb")
+    proc = subprocess.Popen(cmd, env=helper_env(), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    killer = KillAfterMarkers(out / "line" / "memory_hog.zarr", 2, proc.pid, signal.SIGINT, timeout=240)
+    rc = proc.wait(timeout=300)
+    log.close()
+    text = (tmp_path / "interrupted.log").read_text(errors="replace")
+    assert killer.killed_at is not None, text[-3000:]
+    assert rc != 0, "an interrupted run must not exit as a success"
+    assert "stopped early (KeyboardInterrupt)" in text, text[-3000:]
+    written = check_interrupted(out, store)
+
+    rerun_started = time.time()
+    done = subprocess.run(cmd, env=helper_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (row,) = json.loads(done.stdout.strip().splitlines()[-1])
+    assert row["status"] == "processed", row
+    check_resumed(out, store, survey, written, rerun_started)
+
+
+def test_a_run_cancelled_from_prefect_keeps_what_finished_and_the_next_run_resumes(survey, tmp_path):
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    started = time.time()
+    directory, out = survey_dir(survey, tmp_path), tmp_path / "attributes"
+    store = seeded_store(tmp_path / "obs.sqlite")
+    env = {**helper_env(), "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    log = open(tmp_path / "serve.log", "wb")
+    server = subprocess.Popen([sys.executable, str(HELPER), "serve"], env=env, cwd=tmp_path, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    params = {"directory": str(directory), "output": str(out), "store": store}
+    try:
+        with get_client(sync_client=True) as client:
+            deployment = wait_for(lambda: client.read_deployment_by_name("reprocess-hog/hog"), 90)
+            run = client.create_flow_run_from_deployment(deployment.id, parameters=params)
+            hog = out / "line" / "memory_hog.zarr"
+            wait_for(lambda: len(markers(hog)) >= 2 or None, 240, poll=0.05)
+            client.set_flow_run_state(run.id, Cancelling(), force=True)
+            final = wait_for(lambda: (s := client.read_flow_run(run.id).state) and s.is_final() and s, 120)
+            assert final.type.value == "CANCELLED", final
+            written = check_interrupted(out, store)
+            from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
+
+            since = FlowRunFilter(start_time=FlowRunFilterStartTime(after_=datetime.fromtimestamp(started, timezone.utc)))
+            runs = [r.id for r in client.read_flow_runs(flow_run_filter=since)]  # the run and its subflows
+            assert not unfinished_task_runs(runs), "a cancelled run left task runs RUNNING or PENDING"
+
+            rerun_started = time.time()
+            again = client.create_flow_run_from_deployment(deployment.id, parameters=params)
+            final = wait_for(lambda: (s := client.read_flow_run(again.id).state) and s.is_final() and s, 300)
+            assert final.type.value == "COMPLETED", final
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+        log.close()
+    check_resumed(out, store, survey, written, rerun_started)
+
+
+def wait_for(fn, timeout: float, poll: float = 0.5):
+    """Call ``fn`` until it returns something truthy (errors count as not yet); TimeoutError after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = fn()
+            if value:
+                return value
+        except Exception as exc:  # not there yet (e.g. the deployment is still registering)
+            last = exc
+        time.sleep(poll)
+    raise TimeoutError(f"gave up after {timeout:.0f} s; last error: {last!r}")
