@@ -71,6 +71,14 @@ class OutputPathError(MemchunkError, ValueError):
 # --------------------------------------------------------------------------- measurement, model, store
 
 
+class OutputWriteError(MemchunkError, OSError):
+    """A worker could not write a chunk of the output (disk full, quota, file size limit, read-only, permissions).
+
+    The chunk is not marked written; chunks written before it are kept, so a rerun
+    after fixing the cause resumes the output.
+    """
+
+
 class MeasurementError(MemchunkError, ValueError):
     """Memory could not be measured in the requested way."""
 

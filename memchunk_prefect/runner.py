@@ -74,6 +74,7 @@ from .errors import (
     ClusterLostError,
     MemchunkError,
     OutputPathError,
+    OutputWriteError,
     RunnerConfigError,
     VolumeError,
     format_bytes,
@@ -228,7 +229,10 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
                     f"{block.shape}: chunked operators must return a block of the same shape as their input"
                 )
             output = ZarrOutput.open(job.output_path)
-            output.write(job.chunk, np.ascontiguousarray(out[trim], dtype=np.float32), mark_done=False)
+            try:
+                output.write(job.chunk, np.ascontiguousarray(out[trim], dtype=np.float32), mark_done=False)
+            except OSError as exc:
+                raise _write_error(job, exc) from exc
             del block, out
     except MemoryError as exc:
         m = getattr(exc, "memchunk_measurement", None)
@@ -242,8 +246,28 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
             f"(budget {format_bytes(job.budget_bytes)}): {exc!r}", obs.to_dict()) from exc
     obs = Observation(**base, **run.measurement.observation_fields())
     # The marker carries the observation: a flow stopped before collecting this receipt loses no measurement.
-    output.mark_done(job.chunk, record=obs.to_dict())
+    try:
+        output.mark_done(job.chunk, record=obs.to_dict())
+    except OSError as exc:
+        raise _write_error(job, exc) from exc
     return Receipt(chunk=job.chunk, output_path=job.output_path, observation=obs.to_dict())
+
+
+def _write_error(job: BlockJob, exc: OSError) -> OutputWriteError:
+    import errno
+
+    hint = {errno.ENOSPC: "the disk is full: free space there",
+            errno.EDQUOT: "your disk quota is used up: free space or raise the quota",
+            errno.EFBIG: "a file size limit was hit (ulimit -f): raise it",
+            errno.EROFS: "the filesystem is read-only: choose a writable output directory",
+            errno.EACCES: "permission denied: choose a directory you can write"}.get(
+        exc.errno or 0, "fix the cause")
+    return OutputWriteError(
+        exc.errno or 0,
+        f"{job.operator}[{job.label}]: could not write its chunk to {job.output_path} "
+        f"({errno.errorcode.get(exc.errno or 0, 'error')}: {exc.strerror or exc}); {hint}, or set the runner's "
+        "output_dir (or chunked(..., output=)) to another place. Chunks already written are kept: rerunning the "
+        "flow resumes the output")
 
 
 def job_param_name(bound: inspect.BoundArguments, job: BlockJob) -> str:

@@ -5,7 +5,9 @@
 - :func:`seed_store`: write observations that make the model believe an operator
   needs a different multiple (e.g. under-predict 4x), to provoke a real failure;
 - :func:`limit_address_space`: cap a worker's virtual memory so large allocations
-  raise a real ``MemoryError`` inside the task instead of getting the worker killed.
+  raise a real ``MemoryError`` inside the task instead of getting the worker killed;
+- :func:`limit_file_size`: cap the size of files a worker writes, so output writes
+  fail with a real ``OSError`` as on a full disk.
 """
 
 from __future__ import annotations
@@ -60,6 +62,20 @@ def limit_address_space(headroom_bytes: int) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
     return cap
+
+
+def limit_file_size(max_bytes: int) -> int:
+    """Cap the size of any file this process writes at ``max_bytes`` (``ulimit -f``); returns the cap.
+
+    Run it on workers with ``client.run(limit_file_size, n)``: a write past the cap
+    fails with a real ``OSError`` (EFBIG; Python ignores SIGXFSZ), as a full disk
+    fails a write with ENOSPC. ``client.restart()`` gives fresh, unlimited workers.
+    """
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(max_bytes), hard))
+    return int(max_bytes)
 
 
 def start_local_cluster(n_workers: int = 2, memory_limit: str | int = "1GiB", **kwargs):

@@ -28,10 +28,10 @@ from prefect import flow
 
 from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
 from memchunk_prefect.chunks import Chunk, covers_exactly
-from memchunk_prefect.errors import ClusterLostError
+from memchunk_prefect.errors import ClusterLostError, OutputWriteError
 from memchunk_prefect.operators import operator_key
 from memchunk_prefect.store import Store
-from memchunk_prefect.testing import memory_hog, seed_store, start_local_cluster
+from memchunk_prefect.testing import limit_file_size, memory_hog, seed_store, start_local_cluster
 from memchunk_prefect.volume import ZarrOutput, open_result, open_segy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
@@ -109,6 +109,15 @@ def unfinished_task_runs(flow_run_ids) -> list:
                                                                                         "SCHEDULED")]
 
 
+def flow_runs_since(started: float) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
+
+    since = FlowRunFilter(start_time=FlowRunFilterStartTime(after_=datetime.fromtimestamp(started, timezone.utc)))
+    with get_client(sync_client=True) as client:
+        return [r.id for r in client.read_flow_runs(flow_run_filter=since)]
+
+
 def assert_equal_to_a_clean_run_and_each_chunk_written_once(out: Path, survey: str, store: str) -> None:
     """The result equals the input element for element; completed chunks tile the volume with no overlap,
     and each was measured by exactly one successful task run (none computed twice, none missing)."""
@@ -142,6 +151,33 @@ def test_a_worker_sigkilled_mid_map_on_a_local_cluster_loses_nothing(survey, tmp
     assert summary["oom_events"] == 0, "a SIGKILL far below the memory limit is not an out-of-memory event"
     assert_equal_to_a_clean_run_and_each_chunk_written_once(out, survey, store)
     assert not [o for o in Store(store).observations(KEY) if o.outcome == "killed"], "nothing learned from it"
+    assert not unfinished_task_runs([run_id])
+
+
+# =========================================================================== a full disk
+
+
+def test_an_output_write_that_fails_is_a_typed_error_nothing_is_marked_done_and_a_rerun_completes(
+        survey, tmp_path):
+    from distributed import Client
+
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    try:
+        store, out = seeded_store(tmp_path / "obs.sqlite"), tmp_path / "out.zarr"
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, memory_budget="48MiB", store=store)
+        with Client(cluster.scheduler_address) as c:
+            c.run(limit_file_size, 64 * 1024)  # storage chunks are ~2 MB: every data write fails, as on a full disk
+            with pytest.raises(OutputWriteError, match=r"memory_hog\[iline .*\]: could not write its chunk to "
+                                                       r".*out\.zarr \(EFBIG: .*file size limit.* resumes the output"):
+                hog_flow(runner, survey, out)()
+            assert ZarrOutput.open(out).completed_chunks() == [], "a chunk whose write failed was marked written"
+            with pytest.raises(Exception, match="not marked complete"):
+                open_result(out)
+            c.restart()  # the cause fixed: fresh worker processes without the limit
+        run_id, summary, _ = hog_flow(runner, survey, out)()
+    finally:
+        cluster.close()
+    assert_equal_to_a_clean_run_and_each_chunk_written_once(out, survey, store)
     assert not unfinished_task_runs([run_id])
 
 
@@ -208,11 +244,13 @@ def test_external_cluster_a_killed_worker_then_a_killed_scheduler_then_a_rerun(s
 
     # The scheduler SIGKILLed mid-map: the flow fails with a clear error, and keeps what was written.
     store, out = seeded_store(tmp_path / "b.sqlite"), tmp_path / "b.zarr"
+    started = time.time()
     with external_cluster(tmp_path / "c2") as ext:
         killer = KillAfterMarkers(out, 2, ext.scheduler.pid)
         with pytest.raises(ClusterLostError, match="lost the Dask scheduler at .* rerun the flow"):
             hog_flow(runner(ext.address, store), survey, out)()
     assert killer.killed_at is not None
+    assert not unfinished_task_runs(flow_runs_since(started)), "task runs of the lost map left RUNNING"
     written = ZarrOutput.open(out).completed_chunks()
     assert written and not ZarrOutput.open(out).is_complete()
     with pytest.raises(Exception, match="not marked complete"):
@@ -330,10 +368,7 @@ def test_a_run_cancelled_from_prefect_keeps_what_finished_and_the_next_run_resum
             final = wait_for(lambda: (s := client.read_flow_run(run.id).state) and s.is_final() and s, 120)
             assert final.type.value == "CANCELLED", final
             written = check_interrupted(out, store)
-            from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
-
-            since = FlowRunFilter(start_time=FlowRunFilterStartTime(after_=datetime.fromtimestamp(started, timezone.utc)))
-            runs = [r.id for r in client.read_flow_runs(flow_run_filter=since)]  # the run and its subflows
+            runs = flow_runs_since(started)  # the run and its subflows
             assert not unfinished_task_runs(runs), "a cancelled run left task runs RUNNING or PENDING"
 
             rerun_started = time.time()
