@@ -687,6 +687,7 @@ class ChunkedMap:
         self.observations: list[Observation] = []
         self.futures: list[PrefectDaskFuture] = []
         self.done: list[Chunk] = []
+        self.region_reason = "after probing: "  # why boxes planned in the loop are planned (for the log)
         self.reporter = None  # --- report: a memchunk_prefect.report.MapReporter, set by report.run_reported
 
     # ---------------------------------------------------------------- model access
@@ -741,6 +742,7 @@ class ChunkedMap:
             # Resume: plan only what the completed chunks (of whatever cut) do not cover.
             self.recover_observations(done_before)
             regions = uncovered_boxes(self.shape, done_before)
+            self.region_reason = "the part a resumed output lacks: "
             self.record("resume", None, f"resuming {self.output_path}: {len(done_before)} chunks already written; "
                                         + (f"{len(regions)} boxes left to compute" if regions else "nothing left"))
         else:
@@ -793,7 +795,7 @@ class ChunkedMap:
                         queue.extend(_Pending(c, p.decision) for c in p.chunks)
                         regions = list(p.remainder) + pending_regions[index + 1:]
                         break
-                    self.record(RECHUNK, p, "after probing: " + p.reason, region=region.key())
+                    self.record(RECHUNK, p, self.region_reason + p.reason, region=region.key())
                     queue.extend(_Pending(c, p.decision) for c in p.chunks)
                 if not regions:
                     planned_upper = self.queue_bound(queue)
@@ -875,9 +877,11 @@ class ChunkedMap:
             self.recover_observations([item.chunk for item, _, _ in in_flight.values()
                                        if item.chunk not in self.done and self.out.is_done(item.chunk)])
         in_flight.clear()
-        logger.warning("%s: stopped early (%s); %d chunks written and kept in %s, %d of them collected while "
-                       "stopping; rerun to finish the rest", self.name, type(exc).__name__, len(self.done),
-                       self.output_path, kept)
+        with contextlib.suppress(BaseException):
+            written = len(self.out.completed_chunks())
+            logger.warning("%s: stopped early (%s); %d chunks are marked written in %s (kept: a rerun resumes "
+                           "there); %d were collected while stopping", self.name, type(exc).__name__, written,
+                           self.output_path, kept)
 
     def queue_bound(self, queue: list[_Pending]) -> float | None:
         """The model's upper bound (bytes) for the largest queued chunk with its halo; None while not ready."""

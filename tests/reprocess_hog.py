@@ -4,6 +4,7 @@
 once (envelope, then the ``memory_hog`` test operator holding each chunk for
 0.5 s, so a test can interrupt it mid-map) on a local cluster of two 1 GiB
 single-thread workers, with a 48 MiB budget per task; prints the rows as JSON.
+The served flow takes the hold time and the budget as parameters.
 
 ``python tests/reprocess_hog.py serve``: serve the ``reprocess-hog`` flow (the
 same run, as a deployment) so a test can cancel it from Prefect.
@@ -24,26 +25,29 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-ATTRIBUTES = ["envelope", {"name": "memory_hog", "multiple": 40, "seconds": 0.5}]
 CLUSTER = {"n_workers": 2, "threads_per_worker": 1, "processes": True, "memory_limit": "1GiB",
            "dashboard_address": "127.0.0.1:0"}
 
 
-def reprocess(directory: str, output: str, store: str) -> list[dict]:
+def attributes(seconds: float) -> list:
+    return ["envelope", {"name": "memory_hog", "multiple": 40, "seconds": seconds}]
+
+
+def reprocess(directory: str, output: str, store: str, seconds: float = 0.5, budget: str = "48MiB") -> list[dict]:
     import tasks
     from flows.seismic import reprocess_survey
     from memchunk_prefect import MemoryAwareRunner
     from memchunk_prefect.testing import memory_hog
 
     tasks.OPERATORS.setdefault("memory_hog", memory_hog)
-    runner = MemoryAwareRunner(cluster_kwargs=dict(CLUSTER), memory_budget="48MiB", store=store)
-    return reprocess_survey.with_options(task_runner=runner)(directory, ATTRIBUTES, output)
+    runner = MemoryAwareRunner(cluster_kwargs=dict(CLUSTER), memory_budget=budget, store=store)
+    return reprocess_survey.with_options(task_runner=runner)(directory, attributes(seconds), output)
 
 
 @flow(name="reprocess-hog")
-def reprocess_hog(directory: str, output: str, store: str) -> list[dict]:
+def reprocess_hog(directory: str, output: str, store: str, seconds: float = 0.5, budget: str = "48MiB") -> list[dict]:
     """The same run as a flow of its own, so it can be served and cancelled from Prefect."""
-    return reprocess(directory, output, store)
+    return reprocess(directory, output, store, seconds, budget)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Faults that need no change to the runner (issue 8): a corrupt store, poisoned history, an impossible budget.
+"""Faults (issue 8): a corrupt store, poisoned history, an impossible budget, and the table of errors.
 
-Two processes writing one store at once, and a store of a newer schema left
+Dead workers and schedulers, interrupted and cancelled runs and failed writes are in
+tests/test_interruptions.py. Two processes writing one store at once, and a store of a newer schema left
 byte-identical, are covered in tests/test_store.py
 (test_two_processes_writing_at_once_lose_nothing,
 test_a_newer_store_is_refused_and_left_untouched).
@@ -133,3 +134,21 @@ def test_an_impossible_budget_fails_before_any_task_is_submitted(cluster, survey
     with pytest.raises(BudgetTooSmallError, match=r"1\.0 KiB"):
         dip_of(survey)
     assert task_runs_of(seen["id"]) == []
+
+
+# =========================================================================== the table of errors
+
+
+def test_every_error_class_is_in_the_table_of_errors_a_user_can_meet():
+    import inspect
+    from pathlib import Path
+
+    from memchunk_prefect import errors, runner
+
+    table = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    classes = {name for mod in (errors, runner) for name, obj in inspect.getmembers(mod, inspect.isclass)
+               if issubclass(obj, errors.MemchunkError) and obj is not errors.MemchunkError
+               and obj.__module__ == mod.__name__}
+    assert "ClusterLostError" in classes and "OutputWriteError" in classes
+    missing = sorted(c for c in classes if f"`{c}`" not in table)
+    assert not missing, f"docs/errors.md does not list {missing}"

@@ -357,7 +357,8 @@ def test_a_run_cancelled_from_prefect_keeps_what_finished_and_the_next_run_resum
     log = open(tmp_path / "serve.log", "wb")
     server = subprocess.Popen([sys.executable, str(HELPER), "serve"], env=env, cwd=tmp_path, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
-    params = {"directory": str(directory), "output": str(out), "store": store}
+    # About 12 chunks held 1.5 s each on 2 workers: the map lasts longer than a cancellation takes to arrive.
+    params = {"directory": str(directory), "output": str(out), "store": store, "seconds": 1.5, "budget": "24MiB"}
     try:
         with get_client(sync_client=True) as client:
             deployment = wait_for(lambda: client.read_deployment_by_name("reprocess-hog/hog"), 90)
