@@ -679,8 +679,10 @@ class ChunkedMap:
         self.whole_traces = self.spec.whole_traces
         self.key = operator_key(task, static, dtype="float32")
         self.output_path = marker.output or runner.next_output_path(self.name)
-        # What an existing output must have been computed from to be resumed rather than recomputed.
-        self.identity = {"operator_key": self.key, "input": self.source.identity(), "code": _code_digest(task.fn)}
+        # What an existing output must have been computed from to be resumed rather than recomputed: the
+        # operator key holds only memory parameters, so every parameter and the halo are added here.
+        self.identity = {"operator_key": self.key, "input": self.source.identity(), "code": _code_digest(task.fn),
+                         "params": _params_digest(static), "halo": list(self.halo)}
         self.settings = runner.policy
         self.decisions: list[dict] = []
         self.events: list[dict] = []
@@ -801,8 +803,9 @@ class ChunkedMap:
                     planned_upper = self.queue_bound(queue)
                 continue
             dask_future = next(ac)
-            item, fut, t0 = in_flight.pop(dask_future.key)
-            self.finish(item, fut, dask_future, queue)
+            item, fut, t0 = in_flight[dask_future.key]
+            self.finish(item, fut, dask_future, queue)  # if it raises, the item stays in flight for abandon()
+            del in_flight[dask_future.key]
             if self.reporter is not None:  # --- report: progress artifact, table row
                 self.reporter.chunk_finished(item)
             # Mid-map: when the bound for what is queued moved enough, re-plan the unsubmitted remainder.
@@ -924,11 +927,15 @@ class ChunkedMap:
                 f"{existing.shape}, not {self.key!r} with shape {self.shape}; choose another output path")
         if identity["input"] is not None and found.get("memchunk_identity") == identity:
             return existing, existing.completed_chunks()
-        why = ("its input cannot be identified without reading it" if identity["input"] is None else
-               "it was computed from " + ", ".join(
-                   k for k in ("input", "code") if (found.get("memchunk_identity") or {}).get(k) != identity[k])
-               .replace("input", "another input (or the input changed)").replace("code", "other task code")
-               or "it was computed from another input")
+        if identity["input"] is None:
+            why = ("its input (an array in memory, or a zarr store not written by memchunk) cannot be identified "
+                   "without reading it all")
+        else:
+            old = found.get("memchunk_identity") or {}
+            names = {"input": "another input (or the input changed since)", "code": "other task code",
+                     "params": "other parameters", "halo": "another halo"}
+            why = "it was computed from " + (" and ".join(v for k, v in names.items() if old.get(k) != identity[k])
+                                             or "something else")
         self.record("restart", None, f"{self.output_path} is replaced: {why}")
         return ZarrOutput.create(self.output_path, self.shape, self.source.coords(), dtype="float32",
                                  attrs=attrs, overwrite=True), []
@@ -1107,6 +1114,24 @@ def _set_task_run_state(task_run_id: Any, name: str, message: str) -> None:
             client.set_task_run_state(task_run_id, state, force=True)
     except Exception as exc:
         logger.info("could not mark task run %s %s: %r", task_run_id, name, exc)
+
+
+def _params_digest(params: Mapping[str, Any]) -> str:
+    """SHA-256 of a map's other arguments (JSON where possible, else their repr; arrays by content)."""
+    import hashlib
+    import json
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, np.ndarray):
+            return {"ndarray": hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest(), "dtype": str(v.dtype),
+                    "shape": list(v.shape)}
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): plain(x) for k, x in v.items()}
+        return v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+
+    return hashlib.sha256(json.dumps(plain(dict(params)), sort_keys=True).encode()).hexdigest()
 
 
 def _code_digest(fn: Any) -> str:

@@ -376,3 +376,13 @@ def test_an_explicit_output_is_reused_only_for_the_same_input_and_recomputed_whe
     for _ in range(2):
         s, _ = env(arr)
         assert s["decisions"][0] == "restart" and "cannot be identified" in s["reasons"][0], s
+
+    # A parameter that is not part of the memory key (memory_hog's hold time) still decides the output.
+    @flow(task_runner=runner)
+    def hog(seconds: float):
+        return memory_hog.map(chunked(str(path), output=tmp_path / "hog.zarr"), multiple=1, seconds=seconds).summary()
+
+    assert hog(0.0)["decisions"][0] != "resume"
+    assert hog(0.0)["decisions"] == ["resume"]
+    changed = hog(0.001)
+    assert changed["decisions"][0] == "restart" and "other parameters" in changed["reasons"][0], changed
