@@ -51,6 +51,11 @@ def reprocess_hog(directory: str, output: str, store: str, seconds: float = 0.5,
 
 
 if __name__ == "__main__":
+    import signal
+
+    # Ctrl-C raises KeyboardInterrupt even when this process was started from a background job (which
+    # inherits SIGINT ignored), as it does for a user at a terminal.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.argv[1] == "run":
         print(json.dumps(reprocess(*sys.argv[2:5])))
     elif sys.argv[1] == "serve":
