@@ -1071,8 +1071,42 @@ class ChunkedMap:
         for piece in reversed(pieces):
             queue.insert(0, _Pending(piece, RETRY_SMALLER, item.attempt + 1))
 
+    def settle_task_runs(self) -> int:
+        """Give the Prefect API the final state of task runs whose worker died right after finishing them.
+
+        A task run's final state leaves its worker as an event sent in the
+        background; a worker killed just after a task returned can take that event
+        with it, leaving the run RUNNING in the UI although the flow holds its
+        Completed state (and the chunk is written). Called when a worker died
+        during the map; one bulk read of this map's task runs. Returns how many
+        runs were set.
+        """
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterId
+        from prefect.states import Completed
+
+        held = [f.task_run_id for f in self.futures
+                if getattr(f, "_final_state", None) is not None and f._final_state.is_completed()]
+        fixed = 0
+        try:
+            with get_client(sync_client=True) as client:
+                for i in range(0, len(held), 200):
+                    ids = held[i:i + 200]
+                    runs = client.read_task_runs(task_run_filter=TaskRunFilter(id=TaskRunFilterId(any_=ids)),
+                                                 limit=len(ids))
+                    for r in runs:
+                        if r.state is None or not r.state.is_final():
+                            client.set_task_run_state(r.id, Completed(
+                                message="completed; its worker died before reporting it"), force=True)
+                            fixed += 1
+        except Exception as exc:
+            logger.info("could not settle the task runs of %s: %r", self.name, exc)
+        return fixed
+
     def finalize(self) -> ChunkedResult:
         self.out.finalize()  # raises IncompleteOutputError unless every element was written
+        if any(e["event"] in ("lost", "killed") for e in self.events):
+            self.settle_task_runs()
         for f in self.futures:
             with contextlib.suppress(Exception):
                 f.wrapped_future.release()
