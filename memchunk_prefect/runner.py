@@ -855,6 +855,7 @@ class ChunkedMap:
 
         interrupted = not isinstance(exc, Exception)  # KeyboardInterrupt, TerminationSignal, SystemExit
         kept = 0
+        unsettled: list[tuple[_Pending, PrefectDaskFuture]] = []
         for item, fut, _ in list(in_flight.values()):
             dask_future = fut.wrapped_future
             state = None
@@ -870,11 +871,22 @@ class ChunkedMap:
                     continue
             with contextlib.suppress(BaseException):
                 dask_future.cancel()
-            why = ("the flow run was interrupted or cancelled" if interrupted else
-                   f"the chunked map stopped ({type(exc).__name__})")
-            _set_task_run_state(fut.task_run_id, "Cancelled" if interrupted else "Crashed",
-                                f"{why} before {self.name}[{item.chunk.label(self.shape)}] finished; the chunk is "
-                                "not marked written and is computed when the flow runs again")
+            unsettled.append((item, fut))
+        # Cancelling first, then marking: a task a worker started just before the cancellation reached it
+        # creates its task run a moment later, so runs not found yet are looked for again for up to 2 s.
+        why = ("the flow run was interrupted or cancelled" if interrupted else
+               f"the chunked map stopped ({type(exc).__name__})")
+        deadline = time.monotonic() + 2.0
+        while unsettled:
+            missing = [(item, fut) for item, fut in unsettled
+                       if _set_task_run_state(fut.task_run_id, "Cancelled" if interrupted else "Crashed",
+                                              f"{why} before {self.name}[{item.chunk.label(self.shape)}] finished; "
+                                              "the chunk is not marked written and is computed when the flow runs "
+                                              "again") == "missing"]
+            if not missing or time.monotonic() > deadline:
+                break
+            unsettled = missing
+            time.sleep(0.25)
         # Chunks that finished on their worker after the last receipt was taken: keep their measurements too.
         with contextlib.suppress(BaseException):
             self.recover_observations([item.chunk for item, _, _ in in_flight.values()
@@ -1130,8 +1142,12 @@ def _mark_crashed(task_run_id: Any, message: str) -> None:
     _set_task_run_state(task_run_id, "Crashed", message)
 
 
-def _set_task_run_state(task_run_id: Any, name: str, message: str) -> None:
-    """Force a task run into a final state (``Crashed`` or ``Cancelled``); a run that never started is skipped."""
+def _set_task_run_state(task_run_id: Any, name: str, message: str) -> str:
+    """Force a task run into a final state (``Crashed`` or ``Cancelled``) unless it has one.
+
+    Returns ``"set"``, ``"final"`` (left alone), ``"missing"`` (not created: its
+    worker never started it) or ``"error"``.
+    """
     try:
         from prefect.client.orchestration import get_client
         from prefect.exceptions import ObjectNotFound
@@ -1141,13 +1157,15 @@ def _set_task_run_state(task_run_id: Any, name: str, message: str) -> None:
         with get_client(sync_client=True) as client:
             try:
                 current = client.read_task_run(task_run_id).state
-            except ObjectNotFound:  # the worker never started it: nothing to mark
-                return
+            except ObjectNotFound:  # the worker never started it (yet): nothing to mark
+                return "missing"
             if current is not None and current.is_final():
-                return
+                return "final"
             client.set_task_run_state(task_run_id, state, force=True)
+            return "set"
     except Exception as exc:
         logger.info("could not mark task run %s %s: %r", task_run_id, name, exc)
+        return "error"
 
 
 def _params_digest(params: Mapping[str, Any]) -> str:

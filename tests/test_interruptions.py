@@ -360,8 +360,9 @@ def test_a_run_cancelled_from_prefect_keeps_what_finished_and_the_next_run_resum
     log = open(tmp_path / "serve.log", "wb")
     server = subprocess.Popen([sys.executable, str(HELPER), "serve"], env=env, cwd=tmp_path, stdout=log,
                               stderr=subprocess.STDOUT, start_new_session=True)
-    # About 12 chunks held 1.5 s each on 2 workers: the map lasts longer than a cancellation takes to arrive.
-    params = {"directory": str(directory), "output": str(out), "store": store, "seconds": 1.5, "budget": "24MiB"}
+    # 6 chunks held 6 s each on 2 workers: after the first 2 are written, 12 s are left for the cancellation to
+    # arrive (usually under 1 s; once, on a loaded machine, over 10 s).
+    params = {"directory": str(directory), "output": str(out), "store": store, "seconds": 6.0, "budget": "48MiB"}
     try:
         with get_client(sync_client=True) as client:
             deployment = wait_for(lambda: client.read_deployment_by_name("reprocess-hog/hog"), 90)
