@@ -40,6 +40,7 @@ Permissions: directories created here are ``0700`` and the database file
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -319,7 +320,7 @@ class Store:
                 con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             con.execute("COMMIT")
         except BaseException:
-            con.execute("ROLLBACK")
+            _rollback(con)
             raise
 
     def _migrate(self, con: sqlite3.Connection, version: int) -> None:
@@ -336,7 +337,7 @@ class Store:
                 con.execute(f"PRAGMA user_version = {version}")
             con.execute("COMMIT")
         except BaseException:
-            con.execute("ROLLBACK")
+            _rollback(con)
             raise
 
     def _move_aside(self, why: str) -> None:
@@ -401,7 +402,7 @@ class Store:
                 ids = [con.execute(sql, r).lastrowid for r in rows]
                 con.execute("COMMIT")
             except BaseException:
-                con.execute("ROLLBACK")
+                _rollback(con)
                 raise
         return ids
 
@@ -443,7 +444,7 @@ class Store:
                 n = con.execute("DELETE FROM observations WHERE operator_key = ?", (key,)).rowcount
                 con.execute("COMMIT")
             except BaseException:
-                con.execute("ROLLBACK")
+                _rollback(con)
                 raise
         return n
 
@@ -481,3 +482,14 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, journal_mode={self.journal_mode!r})"
 
+
+def _rollback(con: sqlite3.Connection) -> None:
+    """Roll back the open transaction, if any, without masking the exception being handled.
+
+    An interrupt (Ctrl-C, a cancellation) can land after COMMIT ran: a bare ROLLBACK
+    would then raise "no transaction is active" and replace the KeyboardInterrupt,
+    which callers that keep a run going on store errors would swallow.
+    """
+    if con.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            con.execute("ROLLBACK")

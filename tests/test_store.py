@@ -281,3 +281,28 @@ def test_an_unreadable_store_is_an_error_not_moved_aside(tmp_path):
         assert list(tmp_path.glob("*.corrupt-*")) == []
     finally:
         path.chmod(0o600)
+
+
+def test_an_interrupt_after_commit_is_not_replaced_by_a_failed_rollback(tmp_path):
+    """Ctrl-C landing after COMMIT: the KeyboardInterrupt must reach the caller (a ROLLBACK with no
+    transaction raised OperationalError instead, which the runner swallowed as a store error)."""
+    import sqlite3
+
+    from memchunk_prefect.store import _rollback
+
+    con = sqlite3.connect(tmp_path / "x.sqlite", isolation_level=None)
+    con.execute("CREATE TABLE t (v INTEGER)")
+    with pytest.raises(KeyboardInterrupt):
+        try:
+            con.execute("BEGIN IMMEDIATE")
+            con.execute("INSERT INTO t VALUES (1)")
+            con.execute("COMMIT")
+            raise KeyboardInterrupt  # arrives after the commit
+        except BaseException:
+            _rollback(con)
+            raise
+    assert con.execute("SELECT count(*) FROM t").fetchone()[0] == 1
+    con.execute("BEGIN IMMEDIATE")
+    con.execute("INSERT INTO t VALUES (2)")
+    _rollback(con)  # an open transaction is rolled back
+    assert con.execute("SELECT count(*) FROM t").fetchone()[0] == 1
