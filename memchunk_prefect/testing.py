@@ -20,6 +20,13 @@ from .operators import operator
 from .records import Observation
 
 
+# How long a hog meant to be killed for memory holds its peak, in seconds. A Dask nanny samples
+# its worker's RSS every 100 ms (distributed.worker.memory.monitor-interval); a peak held for
+# less than that can fall between two samples, and then no kill happens (seen in CI: a 960 MB
+# hog on a 1 GiB worker finished untouched). Five samples make the kill certain.
+KILL_HOLD_S = 0.5
+
+
 @operator(halo=0, memory_params=("multiple",), whole_traces=True)
 def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0):
     """Return a copy of ``block`` after holding ``multiple`` x its bytes of touched memory for ``seconds``.

@@ -20,7 +20,7 @@ from memchunk_prefect.report import (
     summary_markdown,
 )
 from memchunk_prefect.store import Store
-from memchunk_prefect.testing import memory_hog, seed_store, start_local_cluster
+from memchunk_prefect.testing import KILL_HOLD_S, memory_hog, seed_store, start_local_cluster
 
 KEY_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
 MiB = 2**20
@@ -109,12 +109,12 @@ def artifacts_of(flow_run_id) -> list:
 @pytest.mark.server
 @pytest.mark.usefixtures("prefect_server")
 def test_a_real_run_leaves_table_progress_and_summary_artifacts_with_a_recovered_kill(cluster, tmp_path):
-    """memory_hog at 400x its input, with the model seeded to believe 100x: a chunk is really killed."""
+    """memory_hog at 450x its input, held for KILL_HOLD_S, with the model seeded to believe 100x: a chunk is really killed."""
     import json
 
     path = tmp_path / "s.sgy"
     synthetic_survey(path, (48, 50, 500), seed=5)
-    key = operator_key(memory_hog, {"multiple": 400})
+    key = operator_key(memory_hog, {"multiple": 450})
     store = Store(tmp_path / "store.sqlite")
     seed_store(store, key, 4 * 100.0)
     store.close()
@@ -125,7 +125,7 @@ def test_a_real_run_leaves_table_progress_and_summary_artifacts_with_a_recovered
     def hog(p: str):
         from prefect.runtime import flow_run
 
-        out = memory_hog.map(chunked(p), multiple=400)
+        out = memory_hog.map(chunked(p), multiple=450, seconds=KILL_HOLD_S)
         return flow_run.id, out.events, out.result().values
 
     run_id, events, values = hog(str(path))

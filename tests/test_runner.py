@@ -23,7 +23,7 @@ from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, synthetic_su
 from memchunk_prefect.errors import RunnerConfigError
 from memchunk_prefect.operators import operator_key
 from memchunk_prefect.store import Store
-from memchunk_prefect.testing import limit_address_space, memory_hog, seed_store, start_local_cluster
+from memchunk_prefect.testing import KILL_HOLD_S, limit_address_space, memory_hog, seed_store, start_local_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("prefect_server")]
 
@@ -46,7 +46,7 @@ def survey(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def big_survey(tmp_path_factory) -> str:
-    """1.2 M samples (4.6 MiB): a memory_hog at 400x needs ~1.8 GiB in one piece."""
+    """1.2 M samples (4.6 MiB): a memory_hog at 450x needs ~2 GiB in one piece."""
     path = tmp_path_factory.mktemp("big") / "big.sgy"
     synthetic_survey(path, (48, 50, 500), seed=5)
     return str(path)
@@ -189,7 +189,7 @@ def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, t
 
 
 def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cluster, big_survey, tmp_path):
-    key = operator_key(memory_hog, {"multiple": 400})
+    key = operator_key(memory_hog, {"multiple": 450})
     store = Store(tmp_path / "store.sqlite")
     seed_store(store, key, 4 * 100.0)  # the model believes 100x: a 4x under-prediction
     store.close()
@@ -199,7 +199,7 @@ def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cl
     def hog(path: str):
         from prefect.runtime import flow_run
 
-        out = memory_hog.map(chunked(path), multiple=400)
+        out = memory_hog.map(chunked(path), multiple=450, seconds=KILL_HOLD_S)
         return flow_run.id, out.summary(), out.events, out.result().values
 
     run_id, summary, events, values = hog(big_survey)
