@@ -536,7 +536,7 @@ def dask_auto_graph(source_path: str, steps: list[dict], out_path: str):
 
     x = open_segy(source_path).chunk({"iline": "auto", "xline": "auto", "twt": -1}).data
     chunks = x.chunks
-    for op_name, op, params in resolve_steps(steps):
+    for _name, op, params in resolve_steps(steps):
         halo = spec_of(op).halo_for(params)
         x = da.map_overlap(op.fn, x, depth=dict(enumerate(halo)), boundary="none", dtype=np.float32,
                            meta=np.empty((0, 0, 0), np.float32), **params)

@@ -14,7 +14,6 @@ pointing at it.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any, Sequence

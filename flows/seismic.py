@@ -237,10 +237,12 @@ def _clear_stale_store(path: Path, operator_key: str) -> None:
         return
     try:
         attrs = dict(zarr.open_group(str(path), mode="r").attrs)
-    except Exception:
-        raise OutputPathError(f"{path}: exists and is not a zarr store written by memchunk; refusing to replace it")
+    except Exception as err:
+        raise OutputPathError(f"{path}: exists and is not a zarr store written by memchunk; refusing to replace it. "
+                              "Choose another output folder, or move that one away.") from err
     if not attrs.get("memchunk_store"):
-        raise OutputPathError(f"{path}: a zarr store not written by memchunk; refusing to replace it")
+        raise OutputPathError(f"{path}: a zarr store not written by memchunk; refusing to replace it. "
+                              "Choose another output folder, or move that one away.")
     if attrs.get("operator_key") != operator_key:
         shutil.rmtree(path)
 
