@@ -213,6 +213,26 @@ def task_budget_bytes(memory_limit_bytes: int, threads: int = 1, *, target_fract
     return budget
 
 
+def allowed_failures_warning(allowed_failures: int | None, address: str) -> str | None:
+    """What to tell the user about the scheduler's ``allowed-failures`` setting, or None when it is fine.
+
+    Dask retries a task whose worker died on another worker up to ``allowed-failures``
+    times (default 3) before reporting ``KilledWorker``. For a task killed for memory
+    each retry kills another worker, and the runner only learns of it (and splits the
+    chunk) after the last one. The runner sets 0 on clusters it starts; a scheduler
+    started elsewhere is a shared setting it reads but never changes.
+
+    >>> allowed_failures_warning(0, "tcp://s:8786") is None
+    True
+    """
+    if allowed_failures is None or allowed_failures <= 0:
+        return None
+    return (f"the Dask scheduler at {address} retries a task whose worker died up to {allowed_failures} times "
+            f"(allowed-failures={allowed_failures}): a chunk that runs out of memory kills up to "
+            f"{allowed_failures + 1} workers before memchunk can split it. Start that scheduler with "
+            "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0")
+
+
 # --------------------------------------------------------------------------- candidates
 
 

@@ -432,6 +432,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         self.policy = policy
         self._bank = None
         self._map_count = 0
+        self._cluster_checked = False
 
     # ---------------------------------------------------------------- Prefect plumbing
 
@@ -540,6 +541,7 @@ class MemoryAwareRunner(DaskTaskRunner):
                 f"the Dask cluster at {self.client.scheduler.address} has no workers after 60 s: start workers "
                 "(`dask worker ADDRESS --memory-limit 4GiB --nthreads 1`) or check adapt_kwargs")
         slots = sum(int(w.get("nthreads", 1)) for w in workers)
+        self._check_cluster_once()
         if self.memory_budget is not None:
             budget = self.memory_budget
         else:
@@ -551,6 +553,22 @@ class MemoryAwareRunner(DaskTaskRunner):
                     target_fraction=self.target_fraction, resting_bytes=resting))
             budget = min(budgets)
         return slots, int(budget)
+
+    def _check_cluster_once(self) -> None:
+        """Warn once per flow run when the scheduler retries dead workers' tasks (see policy.allowed_failures_warning)."""
+        if self._cluster_checked:
+            return
+        self._cluster_checked = True
+        try:
+            # A lambda travels by value, so a scheduler without memchunk installed can run it.
+            n = self.client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.allowed_failures)
+        except Exception as exc:  # noqa: BLE001 - a scheduler that refuses run_on_scheduler: nothing to say
+            logger.info("could not read the scheduler's allowed-failures: %r", exc)
+            return
+        message = policy_mod.allowed_failures_warning(n, self.client.scheduler.address)
+        if message:
+            logger.warning("%s", message)
+            _flow_logger().warning("memchunk: %s", message)
 
     def kill_threshold_bytes(self) -> int | None:
         """Smallest memory at which the nanny kills a worker (0.95 x memory_limit), minus its resting memory."""

@@ -321,6 +321,36 @@ def test_external_scheduler_with_two_worker_processes_runs_the_same_flow(survey,
                 p.kill()
 
 
+def test_a_scheduler_that_retries_dead_workers_tasks_is_named_in_a_warning_once(cluster, tmp_path, caplog):
+    """Dask's default allowed-failures (3) on a scheduler started elsewhere: the runner says so, and how to fix it."""
+    from distributed import LocalCluster
+
+    volume = np.random.default_rng(1).normal(size=(8, 6, 64)).astype(np.float32)
+
+    def run(address: str) -> None:
+        runner = MemoryAwareRunner(address=address, store=str(tmp_path / "s.sqlite"), output_dir=str(tmp_path / "o"))
+
+        @flow(task_runner=runner)
+        def two_maps(v):
+            first = tasks.envelope.map(chunked(v))
+            return tasks.envelope.map(chunked(first)).result().values
+
+        two_maps(volume)
+
+    warned = "allowed-failures=3"
+    with LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="1GiB", dashboard_address="127.0.0.1:0",
+                      host="127.0.0.1") as default_cluster, caplog.at_level("WARNING", logger="memchunk_prefect"):
+        run(default_cluster.scheduler_address)
+    ours = [r.getMessage() for r in caplog.records if r.name == "memchunk_prefect.runner" and warned in r.getMessage()]
+    assert len(ours) == 1, ours  # once per flow run, not once per map
+    assert default_cluster.scheduler_address in ours[0] and "ALLOWED_FAILURES=0" in ours[0]
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="memchunk_prefect"):
+        run(cluster.scheduler_address)  # started with allowed-failures 0 (memchunk_prefect.testing)
+    assert not [r for r in caplog.records if "allowed-failures" in r.getMessage()]
+
+
 def test_cluster_class_given_as_a_string_runs_a_chunked_flow(survey, tmp_path):
     runner = MemoryAwareRunner(cluster_class="distributed.LocalCluster",
                                cluster_kwargs={"n_workers": 1, "threads_per_worker": 1, "processes": True,
