@@ -1,16 +1,20 @@
 """Faults (issue 8): a corrupt store, poisoned history, an impossible budget, and the table of errors.
 
 Dead workers and schedulers, interrupted and cancelled runs and failed writes are in
-tests/test_interruptions.py. Two processes writing one store at once, and a store of a newer schema left
-byte-identical, are covered in tests/test_store.py
+tests/test_interruptions.py. Two whole flows on one store are here; two bare writers racing at the
+SQLite level, and a store of a newer schema left byte-identical, are in tests/test_store.py
 (test_two_processes_writing_at_once_lose_nothing,
 test_a_newer_store_is_refused_and_left_untouched).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -98,6 +102,65 @@ def chunk_elements(store: Store) -> int:
     p = plan(SHAPE, budget_bytes=BUDGET, predict=bank.predictor(KEY), halo=(3, 3, 3), slots=2, whole_traces=False)
     assert not p.probe
     return int(np.prod(p.chunk_shape))
+
+
+# One flow in its own process: waits for "go" on stdin, runs a chunked envelope on the shared
+# cluster with a small budget (several chunks), prints how many chunks it measured.
+FLOW_PROCESS = """
+import json, sys
+from prefect import flow
+import tasks
+from memchunk_prefect import MemoryAwareRunner, chunked
+
+address, store, survey, out = sys.argv[1:5]
+
+@flow(task_runner=MemoryAwareRunner(address=address, store=store, output_dir=out, memory_budget="24MiB"))
+def envelope(path):
+    res = tasks.envelope.map(chunked(path))
+    res.result()
+    return sum(1 for e in res.events if e["event"] == "ok")
+
+print("ready", flush=True)
+sys.stdin.readline()
+print(json.dumps(envelope(survey)), flush=True)
+"""
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("prefect_server")
+def test_two_flows_on_one_store_at_once_keep_every_observation(cluster, tmp_path):
+    """Two flow processes, one store, one operator, started together: the store ends with N1 + N2 records."""
+    from prefect.settings import get_current_settings
+
+    survey = str(tmp_path / "survey.sgy")
+    synthetic_survey(survey, (24, 40, 500), seed=12)  # 1.8 MiB: several chunks under a 24 MiB budget
+
+    store = str(tmp_path / "shared.sqlite")
+    key = operator_key(tasks.envelope, {})
+    env = dict(os.environ, PREFECT_API_URL=str(get_current_settings().api.url),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    procs = [subprocess.Popen([sys.executable, "-c", FLOW_PROCESS, cluster.scheduler_address, store, survey,
+                               str(tmp_path / f"out{i}")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env) for i in (1, 2)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready"
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        measured = []
+        for p in procs:
+            out, _ = p.communicate(timeout=240)
+            assert p.returncode == 0, out
+            measured.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(n >= 2 for n in measured), measured  # several chunks each, so their writes interleave
+    with Store(store) as s:
+        assert s.count(key) == sum(measured), (s.count(key), measured)
+        assert len({(o.chunk, o.created_at) for o in s.observations(key)}) == sum(measured)
 
 
 @pytest.mark.parametrize("factor", [100.0, 0.01], ids=["100x", "1/100x"])
