@@ -23,7 +23,7 @@ from .records import Observation
 # How long a hog meant to be killed for memory holds its peak, in seconds. A Dask nanny samples
 # its worker's RSS every 100 ms (distributed.worker.memory.monitor-interval); a peak held for
 # less than that can fall between two samples, and then no kill happens (seen in CI: a 960 MB
-# hog on a 1 GiB worker finished untouched). Five samples make the kill certain.
+# hog on a 1 GiB worker finished untouched). Five samples leave no gap for it to hide in.
 KILL_HOLD_S = 0.5
 
 
