@@ -55,8 +55,8 @@ class Config:
 FULL = Config(shape=(128, 128, 400), memory_limit="1GiB", n_workers=2, static_counts=(1, 2, 4, 8, 16),
               overhead_chunks=8, overhead_pairs=5, scaling=(1, 2, 4))
 #: 64 x 96 x 400 = 9.4 MiB: ~400 MiB for gst3d_dip in one piece, over a 640 MiB worker's kill line (608 MiB)
-#: with its ~200 MiB resting memory. A smoke test (one scaling point, one sweep point, one overhead pair): its figures are not
-#: the benchmark's.
+#: with its ~200 MiB resting memory. A smoke test (one scaling point, one sweep point, one overhead pair): its
+#: figures are not the benchmark's.
 QUICK = Config(shape=(64, 96, 400), memory_limit="640MiB", n_workers=2, static_counts=(8,),
                overhead_chunks=8, overhead_pairs=1, scaling=(1,))
 
@@ -93,7 +93,8 @@ def machine_info() -> dict[str, Any]:
 
 def evaluate(strategies: list[dict], overhead: dict, scaling: list[dict], n_operators: int) -> dict[str, dict]:
     by = {s["name"]: s for s in strategies}
-    best, warm, cold, auto = by.get("static-best"), by.get("memchunk-warm"), by.get("memchunk-cold"), by.get("dask-auto")
+    best, warm = by.get("static-best"), by.get("memchunk-warm")
+    cold, auto = by.get("memchunk-cold"), by.get("dask-auto")
     out: dict[str, dict] = {}
 
     def put(key: str, met: bool | None, figure: str) -> None:
@@ -129,7 +130,8 @@ def evaluate(strategies: list[dict], overhead: dict, scaling: list[dict], n_oper
 
 
 def table(strategies: list[dict]) -> str:
-    head = f"{'strategy':<18} {'done':<5} {'wall s':>8} {'OOM':>4} {'tasks':>6} {'lost w-s':>9} {'peak/limit':>10}  notes"
+    head = (f"{'strategy':<18} {'done':<5} {'wall s':>8} {'OOM':>4} {'tasks':>6} {'lost w-s':>9} "
+            f"{'peak/limit':>10}  notes")
     lines = [head, "-" * len(head)]
     for s in strategies:
         peak = "n/a" if s["peak_memory_fraction"] is None else f"{s['peak_memory_fraction']:.2f}"

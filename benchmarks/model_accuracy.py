@@ -48,7 +48,8 @@ SEED = 0
 BLOCKS = 14
 ORDERS = 50
 KS = (3, 5, 10)
-CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memchunk-prefect" / "model_observations.json"
+CACHE = (Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memchunk-prefect"
+         / "model_observations.json")
 CHILD_TIMEOUT_SECONDS = 300
 MIB = 2**20
 
@@ -209,7 +210,8 @@ def format_table(results: dict[str, dict[str, Any]], markdown: bool = False) -> 
              "-" if r["fixed_overhead_bytes"] is None else f"{r['fixed_overhead_bytes'] / MIB:.1f}", r["form"]]
             for k, r in results.items()]
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * (len(header) - 2) + ["---"]) + "|"]
+        rule = "|" + "|".join(["---"] + ["---:"] * (len(header) - 2) + ["---"]) + "|"
+        lines = ["| " + " | ".join(header) + " |", rule]
         return "\n".join(lines + ["| " + " | ".join(c.replace("|", "\\|") for c in b) + " |" for b in body])
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))

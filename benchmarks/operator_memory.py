@@ -16,8 +16,8 @@ its RSS just before (input block excluded, output included), ``seconds`` wall ti
 
 Columns: input MiB (the block's bytes), peak MiB (``peak_bytes``), multiple
 (peak / input bytes) and seconds. Parameters are each operator's defaults.
-Figures drift a few percent from run to run (FACTS.md: determinism is not
-reachable for memory); ``trace_correlation`` is deliberately quadratic in the
+Figures drift a few percent from run to run (allocator and page-cache noise:
+determinism is not reachable for memory); ``trace_correlation`` is deliberately quadratic in the
 block's traces, so its multiple grows with iline x xline.
 """
 

@@ -391,7 +391,7 @@ def _is_oom(exc: BaseException) -> tuple[bool, bool]:
 
 
 def _mark_crashed(fut: Any, message: str) -> None:
-    """A killed worker leaves its Prefect task run RUNNING forever (FACTS.md); say it crashed."""
+    """A killed worker leaves its Prefect task run RUNNING forever (prefect #12968, #21638); say it crashed."""
     try:
         from prefect.client.orchestration import get_client
         from prefect.states import Crashed

@@ -34,9 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
@@ -45,6 +43,7 @@ from prefect import flow, get_run_logger
 
 from memchunk_prefect import MemoryAwareRunner, chunked
 from memchunk_prefect.errors import OutputPathError, RunnerConfigError
+from memchunk_prefect.files import atomic_write_json
 
 MANIFEST = "memchunk-manifest.json"
 MANIFEST_VERSION = 1
@@ -151,24 +150,6 @@ def fingerprint(path: str | os.PathLike) -> dict[str, Any]:
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256_file(path)}
 
 
-def _atomic_write_json(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, indent=2, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    try:  # make the rename itself durable
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:  # pragma: no cover
-        pass
-
-
 def read_manifest(out_dir: str | os.PathLike) -> dict | None:
     p = Path(out_dir) / MANIFEST
     try:
@@ -224,27 +205,9 @@ def up_to_date(segy_path: str | os.PathLike, out_dir: str | os.PathLike, params_
         return False, "content changed (SHA-256)"
     if not same_stat:
         m["fingerprint"] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": digest}
-        _atomic_write_json(Path(out_dir) / MANIFEST, m)
+        atomic_write_json(Path(out_dir) / MANIFEST, m)
         return True, "unchanged (same SHA-256; only touched)"
     return True, "unchanged (same SHA-256)"
-
-
-def _clear_stale_store(path: Path, operator_key: str) -> None:
-    """Remove a finished memchunk store of another operator/parameters at ``path`` (a rerun with new parameters)."""
-    import zarr
-
-    if not path.exists():
-        return
-    try:
-        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
-    except Exception as err:
-        raise OutputPathError(f"{path}: exists and is not a zarr store written by memchunk; refusing to replace it. "
-                              "Choose another output folder, or move that one away.") from err
-    if not attrs.get("memchunk_store"):
-        raise OutputPathError(f"{path}: a zarr store not written by memchunk; refusing to replace it. "
-                              "Choose another output folder, or move that one away.")
-    if attrs.get("operator_key") != operator_key:
-        shutil.rmtree(path)
 
 
 # =========================================================================== flows
@@ -267,10 +230,8 @@ def seismic_attributes(segy_path: str, attributes: list[AttributeSpec] | None = 
     header bytes of the inline and crossline numbers. Returns, per attribute, its
     outputs and what the runner decided (``summary``).
     """
-    from memchunk_prefect.operators import operator_key
-    from memchunk_prefect.volume import to_segy
-
     import tasks
+    from memchunk_prefect.segy import to_segy
 
     log = get_run_logger()
     attrs = normalize_attributes(attributes)
@@ -289,8 +250,9 @@ def seismic_attributes(segy_path: str, attributes: list[AttributeSpec] | None = 
         op = tasks.OPERATORS[a.name]
         zpath, spath = paths[a.output]
         zpath.parent.mkdir(parents=True, exist_ok=True)
-        _clear_stale_store(zpath, operator_key(op, dict(a.params), dtype="float32"))
-        res = op.map(chunked(source, output=zpath), **a.params)
+        # The attribute's file is this flow's: a memchunk output of other parameters there is replaced
+        # (resumed when it is this same computation; anything memchunk did not write is refused).
+        res = op.map(chunked(source, output=zpath, replace_any=True), **a.params)
         summary = res.summary()
         if spath is not None:
             to_segy(res.output_path, spath, src_path, iline=iline, xline=xline)
@@ -306,7 +268,7 @@ def seismic_attributes(segy_path: str, attributes: list[AttributeSpec] | None = 
         "completed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "seconds": round(time.time() - t0, 2),
         "flow_run_id": _flow_run_id(),
     }
-    _atomic_write_json(root / MANIFEST, manifest)  # only now: every store finalized, every export written
+    atomic_write_json(root / MANIFEST, manifest)  # only now: every store finalized, every export written
     return {"segy_path": src_path, "output": str(root), "attributes": results}
 
 

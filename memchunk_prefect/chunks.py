@@ -51,7 +51,7 @@ class Chunk:
     @classmethod
     def whole(cls, shape: Sequence[int]) -> "Chunk":
         """The chunk covering a whole volume of ``shape``."""
-        return cls((0, 0, 0), tuple(int(s) for s in check_shape(shape)))
+        return cls((0, 0, 0), check_shape(shape))
 
     @property
     def shape(self) -> Shape:
@@ -145,7 +145,7 @@ def check_shape(shape: Sequence[int]) -> Shape:
     out = ints3(shape, "a volume shape")
     if any(s <= 0 for s in out):
         raise VolumeError(f"a volume shape must be positive on every axis, got {out}: the volume is empty")
-    return out  # type: ignore[return-value]
+    return out
 
 
 def normalize_halo(halo: int | Sequence[int] | None) -> Shape:
@@ -159,7 +159,7 @@ def normalize_halo(halo: int | Sequence[int] | None) -> Shape:
     if isinstance(halo, bool):
         raise VolumeError(f"halo must be an int or 3 ints (iline, xline, twt), got {halo!r}")
     if hasattr(halo, "__index__") and not isinstance(halo, (str, bytes)):
-        h = int(halo)  # type: ignore[arg-type]
+        h = int(halo)
         out: tuple[int, ...] = (h, h, h)
     else:
         out = ints3(halo, "halo (an int or 3 ints)")
@@ -191,7 +191,8 @@ def check_halo(halo: Sequence[int], shape: Sequence[int], *, what: str = "volume
     return h
 
 
-def with_halo(chunk: Chunk, halo: int | Sequence[int] | None, shape: Sequence[int]) -> tuple[Chunk, tuple[slice, slice, slice]]:
+def with_halo(chunk: Chunk, halo: int | Sequence[int] | None,
+              shape: Sequence[int]) -> tuple[Chunk, tuple[slice, slice, slice]]:
     """The block to read for ``chunk`` and the slices that trim the halo off the result.
 
     The halo is clipped at the volume's edges (the package's one edge rule).
@@ -208,6 +209,20 @@ def with_halo(chunk: Chunk, halo: int | Sequence[int] | None, shape: Sequence[in
     return read, trim  # type: ignore[return-value]
 
 
+def extents_with_halo(chunk_shape: Sequence[int], halo: Sequence[int], volume_shape: Sequence[int]) -> Shape:
+    """What an interior chunk of ``chunk_shape`` holds in memory: its shape plus the halo on both sides.
+
+    Clipped to the volume (a block can never be larger than the volume). This is
+    the block size the planner and the model reason about before a chunk has a
+    position; :func:`with_halo` gives the exact block of a placed chunk (smaller
+    at the volume's edges).
+
+    >>> extents_with_halo((4, 4, 50), (2, 2, 0), (10, 6, 50))
+    (8, 6, 50)
+    """
+    return tuple(min(int(c) + 2 * int(h), int(n)) for c, h, n in zip(chunk_shape, halo, volume_shape))  # type: ignore[return-value]
+
+
 def grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[Chunk]:
     """Cut a volume into a regular grid of chunks (the last along each axis may be smaller).
 
@@ -215,8 +230,7 @@ def grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[Chunk]:
     [(2, 2, 3), (2, 2, 3), (1, 2, 3)]
     """
     s = check_shape(shape)
-    cs = check_shape(chunk_shape)
-    cs = tuple(min(c, n) for c, n in zip(cs, s))
+    cs = tuple(min(c, n) for c, n in zip(check_shape(chunk_shape), s))
     out = []
     for i in range(0, s[0], cs[0]):
         for x in range(0, s[1], cs[1]):

@@ -40,10 +40,9 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 from .units import BUDGET_FORMS, parse_bytes  # noqa: E402,F401  (re-exported: the CLI's budget parser)
 
-
 # --------------------------------------------------------------------------- subcommand registry
 
-AddArguments = Callable[[argparse.ArgumentParser], None]
+AddArguments = Callable[[argparse.ArgumentParser], Any]
 Run = Callable[[argparse.Namespace], int]
 SUBCOMMANDS: dict[str, tuple[str, AddArguments, Run]] = {}
 

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from .settings import ITEMSIZE
+
 #: 128 x 128 x 400 float32 = 25 MiB; gst3d_dip needs ~1.3 GiB for it in one piece.
 DEFAULT_SHAPE = (128, 128, 400)
 DEFAULT_WORKERS = 2
@@ -86,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
     def remember_id(flow, flow_run, state):
         run_id["id"] = str(flow_run.id)
 
-    pipeline = attribute_pipeline.with_options(task_runner=runner, on_completion=[remember_id],
+    pipeline = attribute_pipeline.with_options(task_runner=runner,  # type: ignore[arg-type]  # a DaskTaskRunner
+                                               on_completion=[remember_id],
                                                on_failure=[remember_id])
     t = time.perf_counter()
     with _demo_settings():
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         from .store import Store
 
         with Store(args.store) as store:
-            whole = ModelBank(store).predict(gst["operator_key"], tuple(args.shape), 4)
+            whole = ModelBank(store).predict(gst["operator_key"], tuple(args.shape), ITEMSIZE)
         verdict = "over" if whole.mean_bytes > gst["budget_bytes"] else "within"
         print(f"\n  gst3d_dip in one piece: the model now predicts {format_bytes(whole.mean_bytes)} (upper bound "
               f"{format_bytes(whole.upper_bytes)}), {verdict} the {format_bytes(gst['budget_bytes'])} budget; it ran "

@@ -134,6 +134,23 @@ def _rebuild_chunk_oom(message, operator, chunk, budget_bytes, needed_bytes):
                                  budget_bytes=budget_bytes, needed_bytes=needed_bytes)
 
 
+class ChunkMemoryError(MemchunkError, MemoryError):
+    """Raised on a worker when a chunk's task ran out of memory (``MemoryError``); the runner splits the chunk.
+
+    Carries ``observation``: the censored record (a plain dict of
+    :class:`~memchunk_prefect.records.Observation` fields) of what the run reached
+    before it failed, so the flow learns "needs more than this" from it. Pickles
+    with it (it travels from the worker to the flow).
+    """
+
+    def __init__(self, message: str, observation: dict):
+        super().__init__(message)
+        self.observation = observation
+
+    def __reduce__(self):
+        return (ChunkMemoryError, (self.args[0], self.observation))
+
+
 class RunnerConfigError(MemchunkError, ValueError):
     """MemoryAwareRunner was given arguments that conflict or make no sense."""
 

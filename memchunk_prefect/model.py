@@ -13,7 +13,7 @@ elements (halo included) in units of ``2**20`` ("Mi-elements", ``u``); the
 target is peak bytes in MiB. The *linear* form is ``peak = a + b*u``: ``a`` is
 the fixed overhead (MiB) and ``b`` the bytes per element. A straight line
 extrapolates sensibly to chunks larger than any seen — a tree model under-
-predicted a 400^3 chunk 3x in the reference study (FACTS.md) and the run failed.
+predicted a 400^3 chunk 3x in the memory-aware-chunking study (Unicamp) and the run failed.
 Two curved forms, ``a + b*u + c*u**1.5`` (``superlinear``) and ``a + b*u +
 c*u**2`` (``quadratic``, e.g. all-pairs of traces), are fitted beside it for
 operators whose memory grows faster than their size; the better one's mean is
@@ -91,13 +91,16 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 from river import linear_model, metrics, stats, utils
 
-from .records import Observation
+from .records import Observation, Prediction
+from .settings import ITEMSIZE
 
 if TYPE_CHECKING:  # pragma: no cover
     from .store import Store
 
 MIB = 2**20
 """Scale of features (elements per Mi-element) and targets (bytes per MiB) inside the model."""
+RATE_HISTORY = 256
+"""Latest ``ok`` runs whose seconds per element a model keeps (more than any ``time_window`` needs)."""
 
 LINEAR = "linear"
 SUPERLINEAR = "superlinear"
@@ -105,25 +108,6 @@ QUADRATIC = "quadratic"
 _POWERS = {LINEAR: (0.0, 1.0), SUPERLINEAR: (0.0, 1.0, 1.5), QUADRATIC: (0.0, 1.0, 2.0)}
 CURVED = (SUPERLINEAR, QUADRATIC)
 _FEATURE_NAMES = {0.0: "const", 1.0: "u", 1.5: "u^1.5", 2.0: "u^2"}
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """The model's figures for one block, in bytes.
-
-    - ``mean_bytes``: expected peak (above the worker's resting level);
-    - ``upper_bytes``: one-sided upper bound at the model's ``confidence``; plan with this;
-    - ``n_observations``: usable ``ok`` observations learned under this key;
-    - ``ready``: enough history to plan; False means the numbers are a guess and
-      the policy should probe;
-    - ``reason``: why (not) ready, in words, for logs and the CLI.
-    """
-
-    mean_bytes: float
-    upper_bytes: float
-    n_observations: int
-    ready: bool
-    reason: str
 
 
 @dataclass
@@ -256,12 +240,14 @@ class OperatorModel:
     _coverage: Any = field(init=False, repr=False)
     _bound_ratio: Any = field(init=False, repr=False)
     _cache: dict = field(init=False, repr=False)
+    _rates: deque = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.5 < self.confidence < 1.0:
             raise ValueError(f"confidence must be in (0.5, 1), got {self.confidence!r}")
         if self.min_observations < 2:
-            raise ValueError(f"min_observations must be at least 2 (a line has 2 unknowns), got {self.min_observations!r}")
+            raise ValueError(f"min_observations must be at least 2 (a line has 2 unknowns), "
+                             f"got {self.min_observations!r}")
         if self.outlier_ratio <= 1.0:
             raise ValueError(f"outlier_ratio must be above 1, got {self.outlier_ratio!r}")
         self._forms = {name: _Form(name, self.prior_variance) for name in _POWERS}
@@ -272,6 +258,7 @@ class OperatorModel:
         self._coverage = utils.Rolling(stats.Mean, window_size=self.metric_window)
         self._bound_ratio = utils.Rolling(stats.Mean, window_size=self.metric_window)
         self._cache = {}
+        self._rates = deque(maxlen=RATE_HISTORY)
 
     # ------------------------------------------------------------------ learning
 
@@ -285,6 +272,8 @@ class OperatorModel:
         ``quarantined``, ``accepted`` (a repeated outlier) or ``ignored`` (not about memory)."""
         if obs.operator_key != self.key:
             raise ValueError(f"observation for {obs.operator_key!r} given to the model of {self.key!r}")
+        if obs.outcome == "ok" and obs.elements > 0:
+            self._rates.append(obs.seconds / obs.elements)
         if not obs.usable or obs.elements <= 0 or obs.peak_bytes <= 0:
             return "ignored"
         self._cache.clear()
@@ -306,6 +295,17 @@ class OperatorModel:
         self._expire_quarantine()
         self._learn_point(obs)
         return "learned"
+
+    def seconds_per_element(self, window: int = 20) -> float | None:
+        """Compute seconds per element (halo included): the median of the latest ``window`` ``ok`` runs.
+
+        None before any ``ok`` run. A median, so one run slowed by a busy machine
+        does not move it (the upper one of the two middle values for an even count).
+        """
+        if not self._rates:
+            return None
+        rates = sorted(list(self._rates)[-max(1, int(window)):])
+        return rates[len(rates) // 2]
 
     def _score(self, obs: Observation, pred: Prediction) -> None:
         self._mape.update(obs.peak_bytes, pred.mean_bytes)
@@ -402,7 +402,7 @@ class OperatorModel:
                     "a fixed overhead and a per-element cost need two sizes (probe another size)")
         return None
 
-    def predict(self, extents: Sequence[int], itemsize: int = 4) -> Prediction:
+    def predict(self, extents: Sequence[int], itemsize: int = ITEMSIZE) -> Prediction:
         """Mean and upper bound of the peak bytes for a block of ``extents`` (halo included).
 
         ``itemsize`` (bytes per element) only matters with no usable
@@ -422,7 +422,7 @@ class OperatorModel:
             self._cache[(elements, itemsize)] = cached
         return cached
 
-    def _predict_u(self, u: float, *, itemsize: int = 4, apply_censored: bool = True) -> Prediction:
+    def _predict_u(self, u: float, *, itemsize: int = ITEMSIZE, apply_censored: bool = True) -> Prediction:
         n = self.n_observations
         reason = self._ready_reason()
         if reason is not None:
@@ -470,7 +470,7 @@ class OperatorModel:
             if self._ready_reason() is None:
                 bound_c = self._upper_mib(c.u)[1]
             else:
-                _, bound_c = self._guess(c.u, 4)
+                _, bound_c = self._guess(c.u, ITEMSIZE)
             if bound_c >= need:
                 continue
             ratio = need / max(bound_c, 1e-9)
@@ -593,12 +593,17 @@ class ModelBank:
             self._last_id[obs.operator_key] = row_id
             return m.learn(obs)
 
-    def predict(self, key: str, extents: Sequence[int], itemsize: int = 4) -> Prediction:
+    def predict(self, key: str, extents: Sequence[int], itemsize: int = ITEMSIZE) -> Prediction:
         """The prediction of ``key``'s model for a block of ``extents`` (halo included)."""
         with self._lock:
             return self.model(key).predict(extents, itemsize)
 
-    def predictor(self, key: str, itemsize: int = 4):
+    def seconds_per_element(self, key: str, window: int = 20) -> float | None:
+        """``key``'s recent compute seconds per element (see :meth:`OperatorModel.seconds_per_element`)."""
+        with self._lock:
+            return self.model(key).seconds_per_element(window)
+
+    def predictor(self, key: str, itemsize: int = ITEMSIZE):
         """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""
         return lambda extents: self.predict(key, extents, itemsize)
 

@@ -642,6 +642,14 @@ class Tracker:
     __slots__ = ("_monitor", "_probe", "measurement", "_overlap", "_baseline", "_t0", "_cpu0", "_pcpu0",
                  "_heap0", "_gpu", "_nvml_mj0", "_rapl0", "_tracemalloc", "__weakref__")
 
+    # Set when the run starts (Monitor._start): the probe, its resting bytes, and the clocks (seconds).
+    _probe: "MemoryProbe"
+    _baseline: int
+    _t0: float
+    _cpu0: float
+    _pcpu0: float
+    _heap0: int | None
+
     def __init__(self, monitor: "Monitor") -> None:
         self._monitor = monitor
         self.measurement: Measurement | None = None

@@ -48,10 +48,18 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Sequence
 
-from .chunks import Chunk, Shape, balanced_grid, check_shape, normalize_halo, split
+from .chunks import Chunk, Shape, balanced_grid, check_shape, extents_with_halo, normalize_halo, split
 from .errors import BudgetError, BudgetTooSmallError, VolumeError, format_bytes
+from .records import Prediction
+from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
+
+__all__ = [
+    "CONTINUE", "RECHUNK", "RETRY_SMALLER", "PROBE", "DECISIONS", "Prediction", "PolicySettings", "Plan", "Decision",
+    "Predictor", "plan", "probe_plan", "decide", "split_chunk", "bound_moved", "remaining_boxes", "task_budget_bytes",
+    "allowed_failures_warning", "estimate_seconds", "check_budget",
+]
 
 CONTINUE = "continue"
 RECHUNK = "rechunk"
@@ -60,64 +68,7 @@ PROBE = "probe"
 DECISIONS = (CONTINUE, RECHUNK, RETRY_SMALLER, PROBE)
 
 
-class PredictionLike(Protocol):
-    mean_bytes: float
-    upper_bytes: float
-    n_observations: int
-    ready: bool
-
-
-@dataclass(frozen=True)
-class Prediction:
-    """A memory prediction for one block: mean and upper bound, in bytes.
-
-    ``ready`` is False when the model has too few observations to be trusted;
-    the policy then probes instead of planning. (model.py returns the same
-    fields; this class lets the policy be used and tested without it.)
-    """
-
-    mean_bytes: float
-    upper_bytes: float
-    n_observations: int = 0
-    ready: bool = True
-    reason: str = ""
-
-
-Predictor = Callable[[Shape], PredictionLike]
-
-
-@dataclass(frozen=True)
-class PolicySettings:
-    """Every tunable of the policy, with its default and unit, in one place.
-
-    - ``per_task_overhead_seconds``: slot time one task costs beyond its compute
-      (Prefect + Dask bookkeeping; about 0.15 s measured on a 2-core machine,
-      FACTS.md). Too low over-splits, too high under-uses slots.
-    - ``seconds_per_element``: compute time per element (incl. halo) used until
-      the runner has measured the operator; only the ratio to the overhead matters.
-    - ``continue_tolerance``: keep the incoming chunking when its estimated
-      makespan is within this fraction of the best plan's (avoids rechunking for
-      a few percent).
-    - ``replan_threshold``: re-plan the unsubmitted remainder when the upper bound
-      for the planned chunk moved by more than this fraction.
-    - ``probe_multiple``: the memory multiple (peak bytes / input bytes) assumed
-      for an unknown operator when sizing probes; 100 covers the heaviest
-      operator known (GST3D, about 60x), so probes fit on the first try.
-    - ``probe_chunks``: at least this many probe chunks (three observations of at
-      least two sizes separate a fixed overhead from a per-element cost).
-    - ``max_counts``: largest number of pieces per axis the planner considers.
-    """
-
-    per_task_overhead_seconds: float = 0.15
-    seconds_per_element: float = 1e-7
-    continue_tolerance: float = 0.15
-    replan_threshold: float = 0.2
-    probe_multiple: float = 100.0
-    probe_chunks: int = 3
-    max_counts: int = 4096
-
-
-DEFAULT_SETTINGS = PolicySettings()
+Predictor = Callable[[Shape], Prediction]
 
 
 @dataclass
@@ -170,27 +121,30 @@ def check_budget(budget_bytes: object) -> int:
     if (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Real)
             or not math.isfinite(budget_bytes) or budget_bytes <= 0):
         raise BudgetError(f"the memory budget must be a positive number of bytes, got {budget_bytes!r}")
-    return int(budget_bytes)
+    return int(float(budget_bytes))
 
 
 def _positive(value: object, what: str, *, integer: bool = True) -> float:
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0
-            or (integer and int(value) != value)):
+            or (integer and int(float(value)) != value)):
         kind = "a positive whole number" if integer else "a positive number"
         raise VolumeError(f"{what} must be {kind}, got {value!r}")
-    return int(value) if integer else float(value)
+    return int(float(value)) if integer else float(value)
 
 
 # --------------------------------------------------------------------------- budget
 
 
 def task_budget_bytes(memory_limit_bytes: int, threads: int = 1, *, target_fraction: float = 0.75,
-                      resting_bytes: int = 0) -> int:
+                      resting_bytes: int = 0, kill_fraction: float | None = None) -> int:
     """Memory one task may use above the worker's resting level, in bytes.
 
     ``target_fraction`` of the worker's ``memory_limit`` shared among its threads,
-    minus what the idle worker process already holds. The nanny kills at 0.95 and
-    pauses at 0.80 of the limit; 0.75 stays below both.
+    minus what the idle worker process already holds. ``kill_fraction`` is the
+    fraction of the limit at which the worker's nanny kills it (Dask's
+    ``distributed.worker.memory.terminate``, read from the cluster; None when the
+    nanny does not kill): a target at or above it is refused. With Dask's defaults
+    (pause 0.80, terminate 0.95) the default 0.75 stays below both.
 
     >>> task_budget_bytes(4 * 2**30, 1, target_fraction=0.75, resting_bytes=2**30)
     2147483648
@@ -200,8 +154,12 @@ def task_budget_bytes(memory_limit_bytes: int, threads: int = 1, *, target_fract
             f"the workers have no memory limit (memory_limit={memory_limit_bytes!r}), so there is no budget to "
             "plan for: give the cluster a memory_limit, or pass memory_budget= to MemoryAwareRunner"
         )
-    if not 0 < target_fraction <= 0.95:
-        raise BudgetError(f"target_fraction must be in (0, 0.95] (the nanny kills at 0.95), got {target_fraction}")
+    ceiling = 1.0 if kill_fraction is None else float(kill_fraction)
+    if not 0 < target_fraction <= ceiling:
+        raise BudgetError(
+            f"target_fraction must be in (0, {ceiling:g}], got {target_fraction}"
+            + (f": the workers' nanny kills a worker at {ceiling:g} of its memory_limit "
+               "(distributed.worker.memory.terminate)" if kill_fraction is not None else ""))
     threads = max(1, int(threads))
     budget = int(memory_limit_bytes * target_fraction / threads) - int(resting_bytes)
     if budget <= 0:
@@ -253,11 +211,6 @@ def _count_candidates(n: int, max_counts: int) -> list[int]:
     return sorted(out)
 
 
-def _extents_with_halo(chunk_shape: Sequence[int], halo: Sequence[int], volume_shape: Sequence[int]) -> Shape:
-    """What an interior chunk holds in memory: its shape plus the halo on both sides, clipped to the volume."""
-    return tuple(min(int(c) + 2 * int(h), int(n)) for c, h, n in zip(chunk_shape, halo, volume_shape))  # type: ignore[return-value]
-
-
 def _largest_piece(n: int, count: int) -> int:
     return -(-int(n) // int(count))
 
@@ -288,7 +241,7 @@ def plan(
     slots: int = 1,
     whole_traces: bool = True,
     region: Chunk | None = None,
-    itemsize: int = 4,
+    itemsize: int = ITEMSIZE,
     seconds_per_element: float | None = None,
     settings: PolicySettings = DEFAULT_SETTINGS,
 ) -> Plan:
@@ -307,7 +260,7 @@ def plan(
     slots = int(_positive(slots, "slots"))
     itemsize = int(_positive(itemsize, "itemsize"))
 
-    smallest = _extents_with_halo((1, 1, rshape[2] if whole_traces else 1), h, vol)
+    smallest = extents_with_halo((1, 1, rshape[2] if whole_traces else 1), h, vol)
     probe_pred = predict(smallest)
     if not probe_pred.ready:
         return probe_plan(vol, budget_bytes=budget_bytes, halo=h, slots=slots, whole_traces=whole_traces,
@@ -323,7 +276,7 @@ def plan(
         for ci in _count_candidates(rshape[0], settings.max_counts):
             for cx in _count_candidates(rshape[1], settings.max_counts):
                 cshape = (_largest_piece(rshape[0], ci), _largest_piece(rshape[1], cx), _largest_piece(rshape[2], ct))
-                ext = _extents_with_halo(cshape, h, vol)
+                ext = extents_with_halo(cshape, h, vol)
                 pred = predict(ext)
                 if pred.upper_bytes > budget_bytes:
                     if best_fit_smallest is None or pred.upper_bytes < best_fit_smallest[0]:
@@ -371,7 +324,7 @@ def probe_plan(
     slots: int = 1,
     whole_traces: bool = True,
     region: Chunk | None = None,
-    itemsize: int = 4,
+    itemsize: int = ITEMSIZE,
     settings: PolicySettings = DEFAULT_SETTINGS,
     scale: float = 1.0,
     reason: str = "too little history",
@@ -400,25 +353,25 @@ def probe_plan(
     # Without history nothing is known of the operator but this: it holds at least its input block and
     # writes an output block as large. If even the smallest block allowed cannot do that, refuse now,
     # before anything is submitted.
-    smallest = _extents_with_halo((1, 1, r[2] if whole_traces else 1), h, vol)
+    smallest = extents_with_halo((1, 1, r[2] if whole_traces else 1), h, vol)
     floor_bytes = 2 * itemsize * math.prod(smallest)
     if floor_bytes > budget_bytes:
-        unit = "one trace" if whole_traces else "one sample"
+        smallest_name = "one trace" if whole_traces else "one sample"
         raise BudgetTooSmallError(
-            f"the memory budget of {format_bytes(budget_bytes)} per task cannot hold even {unit} column with its "
-            f"halo (extents {smallest}: {format_bytes(floor_bytes)} for its input and output alone). Give workers "
-            "more memory (memory_limit), fewer threads per worker, or a larger memory_budget")
+            f"the memory budget of {format_bytes(budget_bytes)} per task cannot hold even {smallest_name} column "
+            f"with its halo (extents {smallest}: {format_bytes(floor_bytes)} for its input and output alone). "
+            "Give workers more memory (memory_limit), fewer threads per worker, or a larger memory_budget")
     # One probe per slot (at least probe_chunks), but never more probes than traces on the row.
     n_probes = min(max(int(settings.probe_chunks), slots), r[1])
     # Elements (halo included) the largest probe may hold if the operator needs probe_multiple x its input.
     max_elems = max(1.0, budget_bytes * scale / (settings.probe_multiple * itemsize))
     t_len = r[2]
     if not whole_traces:
-        while t_len > 1 and math.prod(_extents_with_halo((1, 1, t_len), h, vol)) > max_elems:
+        while t_len > 1 and math.prod(extents_with_halo((1, 1, t_len), h, vol)) > max_elems:
             t_len = -(-t_len // 2)
     # Width unit: the largest probe (n_probes units wide) fits max_elems; the probes share one iline.
     unit = 1
-    while (math.prod(_extents_with_halo((1, (unit + 1) * n_probes, t_len), h, vol)) <= max_elems
+    while (math.prod(extents_with_halo((1, (unit + 1) * n_probes, t_len), h, vol)) <= max_elems
            and (unit + 1) * n_probes * (n_probes + 1) // 2 <= r[1]):
         unit += 1
     widths = [unit * k for k in range(1, n_probes + 1)]
@@ -487,7 +440,7 @@ def decide(
     halo: int | Sequence[int] | None = None,
     slots: int = 1,
     whole_traces: bool = True,
-    itemsize: int = 4,
+    itemsize: int = ITEMSIZE,
     seconds_per_element: float | None = None,
     settings: PolicySettings = DEFAULT_SETTINGS,
 ) -> Decision:
@@ -509,7 +462,7 @@ def decide(
         return Decision(RECHUNK, best, "incoming chunks cut traces, which this operator needs whole: " + best.reason,
                         incoming_n_chunks=len(incoming))
     largest = max(incoming, key=lambda c: c.elements)
-    ext = _extents_with_halo(largest.shape, h, vol)
+    ext = extents_with_halo(largest.shape, h, vol)
     pred = predict(ext)
     if pred.upper_bytes > budget_bytes:
         return Decision(

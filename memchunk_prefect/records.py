@@ -1,6 +1,7 @@
-"""The one record every task run leaves: what ran, on what, how much memory and time it took.
+"""The plain records of memchunk-prefect: what a task run measured, and what a model predicts.
 
-An :class:`Observation` is plain data (ints, floats, strings), so it crosses
+An :class:`Observation` is what one task run left: what ran, on what, how much
+memory and time it took. It is plain data (ints, floats, strings), so it crosses
 process boundaries, goes into SQLite as a row and comes back without pickle.
 
 Outcomes:
@@ -72,4 +73,27 @@ class Observation:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Observation":
         names = {f.name for f in fields(cls)}
-        return cls(**{k: (tuple(v) if k == "extents" else v) for k, v in d.items() if k in names})
+        kwargs: dict[str, Any] = {k: (tuple(v) if k == "extents" else v) for k, v in d.items() if k in names}
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A model's figures for one block (halo included), in bytes: what the planner plans with.
+
+    - ``mean_bytes``: expected peak above the worker's resting level;
+    - ``upper_bytes``: one-sided upper bound at the model's confidence; plans must fit this;
+    - ``n_observations``: usable ``ok`` observations behind it;
+    - ``ready``: enough history to plan; False means the numbers are a guess and
+      the policy probes instead;
+    - ``reason``: why (not) ready, in words, for logs and the CLI.
+
+    The one prediction type: the model (``model.py``) returns it, the policy
+    (``policy.py``) and the map state machine read it, tests build it by hand.
+    """
+
+    mean_bytes: float
+    upper_bytes: float
+    n_observations: int = 0
+    ready: bool = True
+    reason: str = ""

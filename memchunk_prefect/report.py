@@ -22,22 +22,34 @@ across runs.
 
 The module has two layers: pure functions over plain data (:class:`MapRecord`,
 :func:`chunk_rows`, :func:`map_summary`, :func:`summary_markdown`), testable
-without Prefect; and a thin :class:`MapReporter` that the runner calls, which
-fills a :class:`MapRecord` and writes the artifacts through ``prefect.artifacts``
-and the client. A failing API call is logged, never raised: a report must not
-stop a run.
+without Prefect; and a thin :class:`MapReporter`, a map observer
+(:mod:`memchunk_prefect.observe`), which fills a :class:`MapRecord` from the
+map's typed events and writes the artifacts through ``prefect.artifacts`` and
+the client. A failing API call is logged, never raised: a report must not stop
+a run.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
+import dask.array as da
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
+from prefect.context import FlowRunContext
+
+from .chunks import Chunk, with_halo
 from .errors import format_bytes
+from .machine import ChunkEnded, DecisionRecord, Submit
+from .observe import MapEnd, MapObserver, MapStart
 
 logger = logging.getLogger("memchunk_prefect.report")
 
@@ -277,10 +289,6 @@ def naive_chunking(shape: Sequence[int], halo: Sequence[int], budget_bytes: int,
     ``predict(extents)`` returns an object with ``mean_bytes`` and ``ready``; an
     unready model gives an empty dict (nothing claimed).
     """
-    import dask.array as da
-
-    from .chunks import Chunk, with_halo
-
     chunks = da.core.normalize_chunks("auto", tuple(shape), dtype="float32")
     starts = [[sum(c[:i]) for i in range(len(c))] for c in chunks]
     boxes = [Chunk((a, b, c), (a + x, b + y, c + z))
@@ -288,19 +296,22 @@ def naive_chunking(shape: Sequence[int], halo: Sequence[int], budget_bytes: int,
              for c, z in zip(starts[2], chunks[2])]
     cache: dict[tuple, float | None] = {}
     over = 0
-    largest = None
+    largest: tuple[tuple[int, int, int], int, float] | None = None
     for box in boxes:
         read, _ = with_halo(box, tuple(halo), tuple(shape))
         ext = read.shape
         if ext not in cache:
             p = predict(ext)
             cache[ext] = float(p.mean_bytes) if getattr(p, "ready", True) else None
-        if cache[ext] is None:
+        predicted = cache[ext]
+        if predicted is None:
             return {}
-        if cache[ext] > budget_bytes:
+        if predicted > budget_bytes:
             over += 1
         if largest is None or read.elements > largest[1]:
-            largest = (box.shape, read.elements, cache[ext])
+            largest = (box.shape, read.elements, predicted)
+    if largest is None:  # pragma: no cover - normalize_chunks gives at least one chunk
+        return {}
     return {"n_chunks": len(boxes), "chunk_shape": list(largest[0]), "predicted_bytes": largest[2],
             "over_budget": over}
 
@@ -313,8 +324,6 @@ _FLOW_RUNS: "OrderedDict[str, dict]" = OrderedDict()
 
 def _flow_context() -> tuple[str | None, str]:
     try:
-        from prefect.context import FlowRunContext
-
         ctx = FlowRunContext.get()
         if ctx and ctx.flow_run:
             return str(ctx.flow_run.id), ctx.flow.name if ctx.flow else ctx.flow_run.name
@@ -323,91 +332,87 @@ def _flow_context() -> tuple[str | None, str]:
     return None, "flow"
 
 
-class MapReporter:
-    """Fills a :class:`MapRecord` from a running ``ChunkedMap`` and keeps its artifacts current.
+class MapReporter(MapObserver):
+    """The map observer that keeps a map's artifacts current: fills a :class:`MapRecord` and writes it.
 
-    Called by the runner from the flow's thread: :meth:`submitted` per task run,
-    :meth:`chunk_finished` after each finished one, :meth:`map_ended` once.
+    Told from the flow's thread (see :mod:`memchunk_prefect.observe`): the progress
+    artifact is created at the first submission and updated as chunks end; the
+    table and the flow run's summary are written when the map ends.
     """
 
-    def __init__(self, cmap: Any):
-        self.cmap = cmap
-        self.record = MapRecord(operator=cmap.name, operator_key=cmap.key, shape=tuple(cmap.shape),
-                                output_path=cmap.output_path)
+    def __init__(self) -> None:
+        self.record: MapRecord | None = None
         self.flow_run_id, self.flow_name = _flow_context()
-        self.key = artifact_key("memchunk", cmap.name)
-        self._open: dict[str, Attempt] = {}
-        self._n_events = 0
-        self._n_obs = 0
+        self.key = "memchunk"
+        self._predict: Callable[[Any], Any] | None = None
+        self._halo: tuple[int, int, int] = (0, 0, 0)
+        self._open: dict[int, Attempt] = {}
         self._progress_id = None
         self._api_ok = True
         self._last_progress = -1.0
 
-    # ---- calls from the runner
+    # ---- the observer calls
 
-    def submitted(self, item: Any) -> None:
-        from .chunks import with_halo
+    def on_map_start(self, event: MapStart) -> None:
+        self.record = MapRecord(operator=event.operator, operator_key=event.operator_key, shape=event.shape,
+                                budget_bytes=int(event.budget_bytes), slots=int(event.slots),
+                                output_path=event.output_path, started_at=event.at or time.time())
+        self.key = artifact_key("memchunk", event.operator)
+        self._predict = event.predict
+        self._halo = tuple(event.halo)  # type: ignore[assignment]
 
-        cm = self.cmap
+    def on_decision(self, event: DecisionRecord) -> None:
+        if self.record is not None:
+            self.record.decisions.append(event.to_dict())
+
+    def on_submit(self, event: Submit) -> None:
+        r = self.record
+        if r is None:
+            return
         if self._progress_id is None and self._api_ok:
-            self.record.budget_bytes, self.record.slots = int(cm.budget), int(cm.slots)
             self._progress_id = self._call(self._create_progress)
-        read, _ = with_halo(item.chunk, cm.halo, cm.shape)
-        pred_mean = pred_upper = None
-        try:
-            p = cm.predict(read.shape)
-            if getattr(p, "ready", False):
-                pred_mean, pred_upper = float(p.mean_bytes), float(p.upper_bytes)
-        except Exception as exc:  # pragma: no cover - a prediction for the report only
-            logger.debug("no prediction for the report: %r", exc)
-        a = Attempt(chunk=item.chunk.label(cm.shape), chunk_key=item.chunk.key(), extents=read.shape,
-                    elements=read.elements, decision=item.decision, predicted_bytes=pred_mean,
-                    upper_bytes=pred_upper, submitted_at=time.time())
-        self.record.attempts.append(a)
-        self._open[a.chunk_key] = a
+        a = Attempt(chunk=event.label, chunk_key=event.chunk.key(), extents=tuple(event.read_extents),  # type: ignore[arg-type]
+                    elements=math.prod(event.read_extents), decision=event.decision,
+                    predicted_bytes=event.predicted_bytes, upper_bytes=event.upper_bytes,
+                    submitted_at=event.at or time.time())
+        r.attempts.append(a)
+        self._open[event.id] = a
 
-    def chunk_finished(self, item: Any) -> None:
-        cm = self.cmap
-        events, self._n_events = cm.events[self._n_events:], len(cm.events)
-        obs, self._n_obs = cm.observations[self._n_obs:], len(cm.observations)
-        by_chunk = {o.chunk: o for o in obs}
-        for e in events:
-            a = self._open.pop(e.get("chunk", ""), None)
-            if a is None:
-                continue
-            o = by_chunk.get(a.chunk_key)
-            a.outcome = e.get("event", "")
-            a.measured_bytes = e.get("peak_bytes") if e.get("peak_bytes") is not None else (o.peak_bytes if o else None)
+    def on_chunk_end(self, event: ChunkEnded) -> None:
+        r = self.record
+        if r is None:
+            return
+        a = self._open.pop(event.id, None)
+        if a is not None:
+            o = event.observation
+            a.outcome = event.outcome
+            a.measured_bytes = o.peak_bytes if o is not None else None
             a.censored = bool(o.censored) if o is not None else a.outcome in OOM_EVENTS
             if a.outcome == "ok" or (o is not None and o.seconds):
-                a.seconds = e.get("seconds") if e.get("seconds") is not None else (o.seconds if o else None)
+                a.seconds = o.seconds if o is not None else None
             else:  # the worker died: the flow only knows the wall time since submission
-                a.seconds = time.time() - a.submitted_at
-            a.worker = (e.get("worker") or (o.worker if o else "")).removeprefix("tcp://")
-        self.record.done_chunks = len(cm.done)
-        self.record.done_elements = sum(c.elements for c in cm.done)
-        pct = progress_percent(self.record.done_elements, self.record.total_elements)
+                a.seconds = (event.at or time.time()) - a.submitted_at
+            a.worker = (o.worker if o is not None else "").removeprefix("tcp://")
+        r.done_chunks, r.done_elements = event.done_chunks, event.done_elements
+        pct = progress_percent(r.done_elements, r.total_elements)
         if self._progress_id is not None and pct != self._last_progress:
             self._last_progress = pct
             self._call(self._update_progress, pct)
 
-    def map_ended(self, error: BaseException | None = None) -> None:
-        cm = self.cmap
+    def on_map_end(self, event: MapEnd) -> None:
         r = self.record
-        r.ended_at = time.time()
-        r.decisions = [dict(d) for d in cm.decisions]
-        r.budget_bytes = int(getattr(cm, "budget", 0) or r.budget_bytes or 0)
-        r.slots = int(getattr(cm, "slots", 0) or r.slots or 0)
-        r.done_chunks = len(cm.done)
-        r.done_elements = sum(c.elements for c in cm.done)
-        if error is not None:
-            r.error = f"{type(error).__name__}: {error}"
-        if r.budget_bytes:
+        if r is None:  # the map failed before it started (no budget, no output): nothing to report
+            return
+        r.ended_at = event.at or time.time()
+        r.done_chunks, r.done_elements = event.done_chunks, event.done_elements
+        if event.error is not None:
+            r.error = f"{type(event.error).__name__}: {event.error}"
+        if r.budget_bytes and self._predict is not None:
             try:
-                r.naive = naive_chunking(r.shape, cm.halo, r.budget_bytes, cm.predict)
-            except Exception as exc:  # pragma: no cover - a figure for the report only
+                r.naive = naive_chunking(r.shape, self._halo, r.budget_bytes, self._predict)
+            except Exception as exc:  # noqa: BLE001  # pragma: no cover - a figure for the report only
                 logger.debug("no naive-chunking estimate: %r", exc)
-        if self._progress_id is not None and error is None:
+        if self._progress_id is not None and event.error is None:
             self._call(self._update_progress, 100.0)
         if r.attempts:
             self._call(self._create_table)
@@ -423,46 +428,46 @@ class MapReporter:
         except Exception as exc:
             self._api_ok = False
             logger.warning("memchunk report: could not write artifacts for %s (%r); the run goes on",
-                           self.record.operator, exc)
+                           self.record.operator if self.record else "a map", exc)
             return None
 
     def _progress_description(self) -> str:
         r = self.record
+        assert r is not None
         return (f"{r.operator}: {r.done_chunks} chunks written, {progress_percent(r.done_elements, r.total_elements)}% "
                 f"of {' x '.join(map(str, r.shape))} → `{r.output_path}`")
 
-    def _create_progress(self):
-        from prefect.artifacts import create_progress_artifact
-
-        return create_progress_artifact(0.0, key=artifact_key(self.key, "progress"),
+    # ``_sync=True``: Prefect's artifact functions dispatch on whether an event loop is running; the flow's
+    # thread may run one (an async flow), and these calls must complete before the map goes on.
+    def _create_progress(self) -> Any:
+        return create_progress_artifact(0.0, key=artifact_key(self.key, "progress"),  # type: ignore[call-arg]
                                         description=self._progress_description(), _sync=True)
 
     def _update_progress(self, pct: float) -> None:
-        from prefect.artifacts import update_progress_artifact
-
-        update_progress_artifact(self._progress_id, pct, description=self._progress_description(), _sync=True)
+        if self._progress_id is None:
+            return
+        update_progress_artifact(self._progress_id, pct, description=self._progress_description(),
+                                 _sync=True)
 
     def _create_table(self) -> None:
-        from prefect.artifacts import create_table_artifact
-
-        s = map_summary(self.record)
+        r = self.record
+        assert r is not None
+        s = map_summary(r)
         create_table_artifact(
-            chunk_rows(self.record), key=artifact_key(self.key, "chunks"),
-            description=(f"**{self.record.operator}** (`{self.record.operator_key}`): {s['chunking']}, "
+            chunk_rows(r), key=artifact_key(self.key, "chunks"),
+            description=(f"**{r.operator}** (`{r.operator_key}`): {s['chunking']}, "
                          f"{s['tasks']} task runs, decisions {' → '.join(dict.fromkeys(s['decisions']))}; "
                          f"peak {format_bytes(s['peak_bytes'])} of a {format_bytes(s['budget_bytes'])} budget; "
                          f"{s['oom_recovered']} out-of-memory events recovered"),
-            _sync=True)
+            _sync=True)  # type: ignore[call-arg]
 
     def _publish_summary(self) -> None:
+        assert self.record is not None
         publish_summary(self.flow_run_id, self.flow_name, self.record)
 
 
 def publish_summary(flow_run_id: str | None, flow_name: str, record: MapRecord) -> Any:
     """Add ``record`` to its flow run's summary, and create or update the markdown artifact."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
-
     run_key = flow_run_id or "no-flow-run"
     entry = _FLOW_RUNS.setdefault(run_key, {"records": [], "artifact_id": None})
     _FLOW_RUNS.move_to_end(run_key)
@@ -475,7 +480,7 @@ def publish_summary(flow_run_id: str | None, flow_name: str, record: MapRecord) 
         if entry["artifact_id"] is None:
             art = client.create_artifact(ArtifactCreate(
                 type="markdown", key=artifact_key("memchunk-summary", flow_name), description=description,
-                data=md, flow_run_id=flow_run_id))
+                data=md, flow_run_id=uuid.UUID(flow_run_id) if flow_run_id else None))
             entry["artifact_id"] = art.id
         else:
             client.update_artifact(entry["artifact_id"], ArtifactUpdate(data=md, description=description))
@@ -485,16 +490,3 @@ def publish_summary(flow_run_id: str | None, flow_name: str, record: MapRecord) 
 def flow_records(flow_run_id: str) -> list[MapRecord]:
     """The records of a flow run's chunked maps seen by this process (for flows that want them)."""
     return list(_FLOW_RUNS.get(str(flow_run_id), {}).get("records", []))
-
-
-def run_reported(cmap: Any) -> Any:
-    """Run one ``ChunkedMap`` with its reporter attached; artifacts are written even when the map fails."""
-    reporter = MapReporter(cmap)
-    cmap.reporter = reporter
-    try:
-        result = cmap.run()
-    except BaseException as exc:
-        reporter.map_ended(exc)
-        raise
-    reporter.map_ended()
-    return result

@@ -14,6 +14,8 @@ What this module covers:
 - :func:`synthetic_volume` / :func:`synthetic_survey` build a realistic post-stack
   volume (dipping, folded, faulted reflectors convolved with a Ricker wavelet,
   plus noise) in memory or as a real SEG-Y file, one inline at a time.
+- :func:`to_segy` writes a volume (a result, a zarr store, an array) as SEG-Y with
+  a template file's geometry and headers.
 
 What it does not cover: the xarray view, the chunk sources, and zarr output live
 in :mod:`memchunk_prefect.volume`, which builds on this module.
@@ -28,14 +30,13 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-from .chunks import check_shape
+from .chunks import Chunk, check_shape
 from .errors import (
     SegyEmptyError,
     SegyError,
@@ -45,6 +46,7 @@ from .errors import (
     SegyPrestackError,
     SegyTruncatedError,
 )
+from .files import atomic_path
 
 #: Byte locations (1-based, as in the SEG-Y standard and segyio) of the trace-header fields used here.
 INLINE_BYTE = 189
@@ -126,7 +128,7 @@ def _segyio():
 
 
 def detect_endian(path: str | os.PathLike) -> str:
-    """``"big"`` or ``"little"``, from which byte order gives a valid sample-format code (binary header bytes 3225-3226).
+    """``"big"`` or ``"little"``: the byte order that gives a valid sample-format code (binary header bytes 3225-6).
 
     segyio 1.9 does not detect byte order itself: opened with the wrong one, a
     little-endian file looks truncated. Big-endian (the standard) wins a tie.
@@ -395,7 +397,9 @@ def _runs(sorted_idx: np.ndarray, max_len: int) -> list[tuple[int, int, int]]:
 
 
 def read_traces(geom: SegyGeometry, ii: np.ndarray, jj: np.ndarray, tkey: slice | np.ndarray) -> np.ndarray:
-    """Samples ``tkey`` of the traces at inline indices ``ii`` × crossline indices ``jj``, as float32 (len(ii), len(jj), nt).
+    """Samples ``tkey`` of the traces at inline indices ``ii`` × crossline indices ``jj``.
+
+    Returned as float32 (len(ii), len(jj), nt).
 
     Only those traces are read, in contiguous runs (``f.trace.raw[a:b]``), at most
     :data:`READ_BATCH_BYTES` of raw samples at a time. This is the only function
@@ -501,7 +505,7 @@ def _synthetic_inline(model: _Model, i: int, shape: tuple[int, int, int], seed: 
     w = amp[:, :, None] * ricker((idx - T[:, :, None]) * dt_s, peak_hz)
     ok = (idx >= 0) & (idx < nt)
     flat = (np.arange(nx)[:, None, None] * nt + idx)[ok]
-    out = np.bincount(flat, weights=w[ok], minlength=nx * nt).reshape(nx, nt)
+    out = np.bincount(flat, weights=w[ok], minlength=nx * nt).reshape(nx, nt).astype(np.float64)
     noise_rng = np.random.default_rng([seed, 0xA015E, i])
     out += model.noise * noise_rng.standard_normal((nx, nt))
     return out.astype(np.float32)
@@ -509,7 +513,9 @@ def _synthetic_inline(model: _Model, i: int, shape: tuple[int, int, int], seed: 
 
 def synthetic_volume(shape: Sequence[int], seed: int = 0, *, sample_interval_ms: float = 4.0,
                      peak_hz: float = 25.0) -> np.ndarray:
-    """A synthetic post-stack volume in memory, float32 (iline, xline, twt); the same values :func:`synthetic_survey` writes.
+    """A synthetic post-stack volume in memory, float32 (iline, xline, twt).
+
+    The same values :func:`synthetic_survey` writes.
 
     Folded and dipping reflectors of varied reflectivity (a few tenths to 1), cut by
     a dipping normal fault, convolved with a ``peak_hz`` Ricker wavelet along time,
@@ -555,7 +561,6 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
                          f"got {sample_interval_ms}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
     model = _model(s, seed)
     spec = segyio.spec()
     spec.iline, spec.xline = INLINE_BYTE, CROSSLINE_BYTE
@@ -570,7 +575,7 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
     az = np.deg2rad(azimuth_deg)
     j = np.arange(nx)
     TF = segyio.TraceField
-    try:
+    with atomic_path(path) as tmp:
         with segyio.create(str(tmp), spec) as f:
             f.text[0] = segyio.tools.create_text_header({
                 1: "MEMCHUNK-PREFECT SYNTHETIC POST-STACK SURVEY",
@@ -602,8 +607,75 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
                     for jj, t in enumerate(tr.tolist()):
                         f.header[t] = headers[jj]
                         f.trace[t] = data[jj]
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return path
+
+
+# --------------------------------------------------------------------------- SEG-Y export
+
+
+def to_segy(data_or_path: Any, out_path: str | os.PathLike, template_segy: str | os.PathLike, *,
+            iline: int = INLINE_BYTE, xline: int = CROSSLINE_BYTE) -> Path:
+    """Write a volume as SEG-Y with the template file's geometry, textual, binary and trace headers.
+
+    ``data_or_path`` is anything :func:`as_source` accepts (a result DataArray, a zarr
+    store path, a numpy array in (iline, xline, twt) order). Samples are written as
+    IEEE float (format 5) in the template's byte order and trace order; every other
+    header field is copied. The shape (and, where the data carries real header
+    numbers, the inline/crossline numbers) must match the template, else
+    :class:`~memchunk_prefect.errors.SegyGeometryError`. Written under a temporary
+    name and renamed when complete. Reads one inline (or crossline) batch at a time.
+    """
+    # volume.py builds on this module (sources read SEG-Y through it); the source conversion is its own.
+    from .volume import as_source
+
+    segyio = _segyio()
+    src = as_source(data_or_path)
+    template = os.path.abspath(os.fspath(template_segy))
+    g = scan(template, iline, xline)
+    if src.shape != g.shape:
+        raise SegyGeometryError(template, f"cannot export data of shape {src.shape} with this template of shape "
+                                f"{g.shape} (iline, xline, twt); the data must come from this survey")
+    c = src.coords()
+    for k, ref in (("iline", g.ilines), ("xline", g.xlines)):
+        v = np.asarray(c[k])
+        if not np.array_equal(v, np.arange(len(v))) and not np.array_equal(v, ref):
+            raise SegyGeometryError(template, f"the data's {k} numbers {v[:3].tolist()}... differ from the "
+                                    f"template's {ref[:3].tolist()}...; export with the survey the data came from")
+    out = Path(out_path).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ni, nx, nt = g.shape
+    with atomic_path(out) as tmp:
+        with segyio.open(template, "r", ignore_geometry=True, endian=g.endian) as s:
+            spec = segyio.spec()
+            spec.format = 5
+            spec.endian = g.endian
+            spec.samples = s.samples
+            spec.tracecount = s.tracecount
+            spec.ext_headers = s.ext_headers
+            with segyio.create(str(tmp), spec) as d:
+                d.text[0] = s.text[0]
+                for n in range(1, 1 + s.ext_headers):
+                    d.text[n] = s.text[n]
+                d.bin = s.bin
+                d.bin.update({segyio.BinField.Format: 5})
+                # Along the template's sort order, one line at a time: contiguous trace runs.
+                outer = 1 if g.sorting == "xline" else 0
+                batch = max(1, int(READ_BATCH_BYTES // max(1, (nx if outer == 0 else ni) * nt * 4)))  # float32 samples
+                n_outer = g.shape[outer]
+                for a in range(0, n_outer, batch):
+                    b = min(n_outer, a + batch)
+                    box = Chunk((a, 0, 0), (b, nx, nt)) if outer == 0 else Chunk((0, a, 0), (ni, b, nt))
+                    block = src.read(box)
+                    ii = np.arange(box.start[0], box.stop[0])
+                    jj = np.arange(box.start[1], box.stop[1])
+                    tr = g.trace_index(ii, jj).ravel()
+                    flat = block.reshape(-1, nt)
+                    if np.array_equal(tr, np.arange(tr[0], tr[0] + len(tr))):  # sorted: one contiguous run
+                        t0, t1 = int(tr[0]), int(tr[0]) + len(tr)
+                        d.header[t0:t1] = s.header[t0:t1]
+                        d.trace[t0:t1] = flat
+                    else:
+                        for row, t in enumerate(tr.tolist()):
+                            d.header[t] = s.header[t]
+                            d.trace[t] = flat[row]
+    return out

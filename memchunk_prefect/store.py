@@ -399,7 +399,7 @@ class Store:
             con = self._connection
             con.execute("BEGIN IMMEDIATE")
             try:
-                ids = [con.execute(sql, r).lastrowid for r in rows]
+                ids = [int(con.execute(sql, r).lastrowid or 0) for r in rows]
                 con.execute("COMMIT")
             except BaseException:
                 _rollback(con)

@@ -18,7 +18,7 @@ import numpy as np
 
 from .operators import operator
 from .records import Observation
-
+from .settings import ITEMSIZE
 
 # How long a hog meant to be killed for memory holds its peak, in seconds. A Dask nanny samples
 # its worker's RSS every 100 ms (distributed.worker.memory.monitor-interval); a peak held for
@@ -50,7 +50,7 @@ def seed_store(store, key: str, bytes_per_element: float, *, sizes=(20_000, 50_0
     for n in sizes:
         traces = max(1, n // traces_of)
         store.add(Observation(operator_key=key, elements=traces * traces_of, extents=(1, traces, traces_of),
-                              bytes_in=traces * traces_of * 4,
+                              bytes_in=traces * traces_of * ITEMSIZE,
                               peak_bytes=int(fixed_bytes + bytes_per_element * traces * traces_of),
                               seconds=0.01, outcome="ok", method="seeded"))
 
@@ -89,7 +89,8 @@ def start_local_cluster(n_workers: int = 2, memory_limit: str | int = "1GiB", **
     """A real LocalCluster of single-thread worker processes that reports a worker's death at once.
 
     ``allowed-failures`` is 0 so the first death raises KilledWorker instead of
-    killing one worker after another (FACTS.md); the dashboard is off.
+    killing one worker after another (Dask retries a task whose worker died
+    ``distributed.scheduler.allowed-failures`` times, default 3); the dashboard is off.
     """
     import dask
     from distributed import LocalCluster

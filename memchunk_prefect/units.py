@@ -11,7 +11,8 @@ from .errors import BudgetError
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-BUDGET_FORMS = "a number of bytes (2147483648) or a number with a unit: B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (powers of 1024), e.g. 2GiB or 512MiB"
+BUDGET_FORMS = ("a number of bytes (2147483648) or a number with a unit: B, KB, MB, GB, TB (powers of 1000), "
+                "KiB, MiB, GiB, TiB (powers of 1024), e.g. 2GiB or 512MiB")
 
 
 def parse_bytes(text: str | int) -> int:

@@ -16,7 +16,7 @@ Results are written with :class:`ZarrOutput` by region from many worker
 processes at once; each finished chunk leaves an atomic completion marker, so a
 store is reported complete only when the finished chunks cover every element.
 :func:`open_result` opens a finished store as an ``xarray.DataArray`` with the
-input's coordinates and :func:`to_segy` exports it with the input file's headers.
+input's coordinates and :func:`~memchunk_prefect.segy.to_segy` exports it with the input file's headers.
 
 NaN and Inf samples are read and written as they are: nothing here replaces or
 checks them (operators document what they produce from them).
@@ -45,15 +45,24 @@ from xarray.backends import BackendArray
 from xarray.core import indexing
 
 from . import segy as _segy
-from .chunks import AXES, Chunk, check_halo, check_shape, covers_exactly, uncovered_boxes, with_halo
+from .chunks import (
+    AXES,
+    Chunk,
+    check_halo,
+    check_shape,
+    covers_exactly,
+    normalize_halo,
+    uncovered_boxes,
+    with_halo,
+)
 from .errors import (
     ChunkedSourceError,
     IncompleteOutputError,
     OutputPathError,
-    SegyGeometryError,
     VolumeError,
 )
-from .segy import SegyGeometry, synthetic_survey, synthetic_volume  # noqa: F401 (public re-exports)
+from .files import atomic_write_text
+from .segy import SegyGeometry, synthetic_survey, synthetic_volume, to_segy  # noqa: F401 (public re-exports)
 
 __all__ = [
     "Source", "SegySource", "ZarrSource", "ArraySource", "as_source", "read_block",
@@ -274,12 +283,12 @@ class ZarrSource(Source):
             return c
         g = zarr.open_group(self.path, mode="r")
         attrs = dict(g.attrs)
-        if "sample_interval_ms" in attrs:
-            c = _default_coords(self.shape, attrs["sample_interval_ms"])
+        if isinstance(attrs.get("sample_interval_ms"), (int, float)):
+            c = _default_coords(self.shape, float(attrs["sample_interval_ms"]))  # type: ignore[arg-type]
         members = {n for n, _ in g.arrays()}
         for k in ("iline", "xline", "twt", "cdp_x", "cdp_y"):
             if k in members:
-                c[k] = np.asarray(g[k][...])
+                c[k] = np.asarray(g[k][...])  # type: ignore[index]  # zarr's Group typing misses array slicing
         return c
 
     def read(self, chunk: Chunk) -> np.ndarray:
@@ -387,7 +396,7 @@ def _still_backed_by_file(da: Any) -> bool:
                     return False
         if isinstance(d, BackendArray):
             return True
-        if not hasattr(d, "array"):
+        if d is None or not hasattr(d, "array"):
             return False
         d = d.array
     return False
@@ -468,7 +477,7 @@ def read_block(source: Any, chunk: Chunk, halo: int | Sequence[int] | None = Non
     larger than the volume raises :class:`~memchunk_prefect.errors.HaloTooLargeError`.
     """
     src = as_source(source)
-    check_halo(halo, src.shape)
+    check_halo(normalize_halo(halo), src.shape)
     read, trim = with_halo(chunk, halo, src.shape)
     return src.read(read), trim
 
@@ -586,16 +595,6 @@ def _group_json(attrs: Mapping[str, Any]) -> str:
     return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": dict(attrs)})
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old file or the new one, never a partial one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def _json_coords(coords: Mapping[str, Any]) -> dict:
     """Only the JSON-able scalars of a coords dict (arrays are stored as zarr arrays)."""
     return {k: v for k, v in coords.items() if not isinstance(v, np.ndarray) and isinstance(v, (int, float, str))}
@@ -695,8 +694,8 @@ class ZarrOutput:
         meta = p / META_GROUP
         for sub in (meta, meta / "done", meta / "locks"):
             sub.mkdir(parents=True, exist_ok=True)
-            _atomic_write(sub / "zarr.json", _group_json({}))
-        _atomic_write(meta / "zarr.json", _group_json({
+            atomic_write_text(sub / "zarr.json", _group_json({}))
+        atomic_write_text(meta / "zarr.json", _group_json({
             "about": "memchunk-prefect bookkeeping: done/<chunk key> marks a written chunk; "
                      "locks/<storage chunk> serialises partial storage-chunk writes"}))
         _ZARR.arrays.clear()
@@ -715,7 +714,8 @@ class ZarrOutput:
     def _storage_chunks(self, chunk: Chunk) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]]:
         """Storage-chunk grid indices that ``chunk`` touches, split into (fully covered, partly covered)."""
         ranges = [range(a // z, (b - 1) // z + 1) for a, b, z in zip(chunk.start, chunk.stop, self.zarr_chunks)]
-        full, partial = [], []
+        full: list[tuple[int, int, int]] = []
+        partial: list[tuple[int, int, int]] = []
         for ix in ranges[0]:
             for jx in ranges[1]:
                 for kx in ranges[2]:
@@ -773,7 +773,7 @@ class ZarrOutput:
         attrs = {"start": list(chunk.start), "stop": list(chunk.stop), "written_at": time.time(), "pid": os.getpid()}
         if record is not None:
             attrs["record"] = dict(record)
-        _atomic_write(d / "zarr.json", _group_json(attrs))
+        atomic_write_text(d / "zarr.json", _group_json(attrs))
 
     def done_records(self, chunks: Iterable[Chunk]) -> list[dict]:
         """The records attached to the completion markers of ``chunks`` (markers without one are skipped)."""
@@ -902,77 +902,3 @@ def open_result(path: str | os.PathLike, allow_incomplete: bool = False):
     da.attrs.update({k: v for k, v in attrs.items() if k not in da.attrs})
     da.attrs["memchunk_source"] = {"kind": "zarr", "path": p, "name": DATA_NAME}
     return da
-
-
-# --------------------------------------------------------------------------- SEG-Y export
-
-
-def to_segy(data_or_path: Any, out_path: str | os.PathLike, template_segy: str | os.PathLike, *,
-            iline: int = _segy.INLINE_BYTE, xline: int = _segy.CROSSLINE_BYTE) -> Path:
-    """Write a volume as SEG-Y with the template file's geometry, textual, binary and trace headers.
-
-    ``data_or_path`` is anything :func:`as_source` accepts (a result DataArray, a zarr
-    store path, a numpy array in (iline, xline, twt) order). Samples are written as
-    IEEE float (format 5) in the template's byte order and trace order; every other
-    header field is copied. The shape (and, where the data carries real header
-    numbers, the inline/crossline numbers) must match the template, else
-    :class:`~memchunk_prefect.errors.SegyGeometryError`. Written under a temporary
-    name and renamed when complete. Reads one inline (or crossline) batch at a time.
-    """
-    import segyio
-
-    src = as_source(data_or_path)
-    tpl = SegySource(template_segy, iline, xline)
-    g = tpl.geometry
-    if src.shape != g.shape:
-        raise SegyGeometryError(tpl.path, f"cannot export data of shape {src.shape} with this template of shape "
-                                f"{g.shape} (iline, xline, twt); the data must come from this survey")
-    c = src.coords()
-    for k, ref in (("iline", g.ilines), ("xline", g.xlines)):
-        v = np.asarray(c[k])
-        if not np.array_equal(v, np.arange(len(v))) and not np.array_equal(v, ref):
-            raise SegyGeometryError(tpl.path, f"the data's {k} numbers {v[:3].tolist()}... differ from the "
-                                    f"template's {ref[:3].tolist()}...; export with the survey the data came from")
-    out = Path(out_path).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
-    ni, nx, nt = g.shape
-    try:
-        with segyio.open(tpl.path, "r", ignore_geometry=True, endian=g.endian) as s:
-            spec = segyio.spec()
-            spec.format = 5
-            spec.endian = g.endian
-            spec.samples = s.samples
-            spec.tracecount = s.tracecount
-            spec.ext_headers = s.ext_headers
-            with segyio.create(str(tmp), spec) as d:
-                d.text[0] = s.text[0]
-                for k in range(1, 1 + s.ext_headers):
-                    d.text[k] = s.text[k]
-                d.bin = s.bin
-                d.bin.update({segyio.BinField.Format: 5})
-                # Along the template's sort order, one line at a time: contiguous trace runs.
-                outer = 1 if g.sorting == "xline" else 0
-                batch = max(1, int(_segy.READ_BATCH_BYTES // max(1, (nx if outer == 0 else ni) * nt * 4)))
-                n_outer = g.shape[outer]
-                for a in range(0, n_outer, batch):
-                    b = min(n_outer, a + batch)
-                    box = Chunk((a, 0, 0), (b, nx, nt)) if outer == 0 else Chunk((0, a, 0), (ni, b, nt))
-                    block = src.read(box)
-                    ii = np.arange(box.start[0], box.stop[0])
-                    jj = np.arange(box.start[1], box.stop[1])
-                    tr = g.trace_index(ii, jj).ravel()
-                    flat = block.reshape(-1, nt)
-                    if np.array_equal(tr, np.arange(tr[0], tr[0] + len(tr))):  # sorted: one contiguous run
-                        t0, t1 = int(tr[0]), int(tr[0]) + len(tr)
-                        d.header[t0:t1] = s.header[t0:t1]
-                        d.trace[t0:t1] = flat
-                    else:
-                        for k, t in enumerate(tr.tolist()):
-                            d.header[t] = s.header[t]
-                            d.trace[t] = flat[k]
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return out

@@ -39,9 +39,9 @@ def test_prefect_yaml_is_valid_without_a_server():
     nightly = next(d for d in CONFIG["deployments"] if d["name"] == "nightly-reprocess")
     assert nightly["entrypoint"] == "flows/seismic.py:reprocess_survey"
     (s,) = nightly["schedules"]
-    from cronsim import CronSim
-
     from zoneinfo import ZoneInfo
+
+    from cronsim import CronSim
 
     start = datetime(2026, 1, 1, 12, tzinfo=ZoneInfo(s["timezone"]))
     fire = next(CronSim(s["cron"], start))

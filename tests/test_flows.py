@@ -24,7 +24,6 @@ from memchunk_prefect.errors import OutputPathError, RunnerConfigError
 from memchunk_prefect.testing import start_local_cluster
 from memchunk_prefect.volume import open_result
 
-
 # --------------------------------------------------------------------------- parameters, no cluster
 
 

@@ -59,8 +59,13 @@ def runner_for(cluster, tmp_path, **kw) -> MemoryAwareRunner:
 
 def crashed_task_runs(flow_run_id) -> list:
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, TaskRunFilter, TaskRunFilterState, \
-        TaskRunFilterStateName
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateName,
+    )
 
     with get_client(sync_client=True) as client:
         return client.read_task_runs(

@@ -1,0 +1,358 @@
+"""One chunked map, executed: the state machine's instructions carried out on Prefect and Dask.
+
+Every decision is the state machine's (:mod:`memchunk_prefect.machine`); this
+module only turns the world into its events and its instructions into actions:
+
+- events: the budget and slots read from the cluster, the output opened or
+  resumed (:mod:`memchunk_prefect.identity`), each finished Dask future
+  classified (``ChunkDone``, ``ChunkOutOfMemory``, ``ChunkFailed``,
+  ``WorkerDied``, ``ClusterLost``), an exception that stops the map (``Stop``);
+- instructions: submit a chunk as a Prefect task run on Dask, persist and learn
+  an observation, tell the observers, mark task runs (:mod:`memchunk_prefect.taskruns`),
+  cancel, read completion markers, raise, finalize the output.
+
+Lives in the flow's thread. What runs on the workers is in :mod:`memchunk_prefect.worker`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Iterable
+
+from distributed import as_completed
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
+from prefect.logging import get_run_logger
+from prefect.states import State
+from prefect_dask import DaskTaskRunner
+from prefect_dask.task_runners import PrefectDaskFuture
+
+from . import taskruns
+from .chunks import Chunk, Shape
+from .errors import MemchunkError
+from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
+from .machine import (
+    Cancel,
+    ChunkDone,
+    ChunkEnded,
+    ChunkFailed,
+    ChunkOutOfMemory,
+    ClusterLost,
+    Decided,
+    Event,
+    Fail,
+    Finalize,
+    Instruction,
+    MapMachine,
+    MapSpec,
+    MarkersRecovered,
+    MarkRuns,
+    Record,
+    RecoverMarkers,
+    Start,
+    Stop,
+    Stopped,
+    Submit,
+    WorkerDied,
+)
+from .observe import MapEnd, MapObserver, MapStart, Observers
+from .operators import operator_key, operator_name, spec_of
+from .records import Observation, Prediction
+from .settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS, PolicySettings
+from .volume import as_source
+from .worker import BlockFunction, BlockJob, chunk_task_run_name
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .model import ModelBank
+    from .runner import MemoryAwareRunner
+
+logger = logging.getLogger("memchunk_prefect.runner")
+
+
+class BankKnowledge:
+    """The state machine's read-only view of one key's model in a :class:`~memchunk_prefect.model.ModelBank`."""
+
+    def __init__(self, bank: "ModelBank", key: str, settings: PolicySettings):
+        self.bank = bank
+        self.key = key
+        self.settings = settings
+
+    def predict(self, extents: Shape) -> Prediction:
+        return self.bank.predict(self.key, extents, ITEMSIZE)
+
+    def seconds_per_element(self) -> float | None:
+        return self.bank.seconds_per_element(self.key, self.settings.time_window)
+
+
+def is_memory_error(exc: Any) -> bool:
+    """A task's exception that means it ran out of memory (also when it arrives unpickled as another class)."""
+    return isinstance(exc, MemoryError) or (isinstance(exc, BaseException) and type(exc).__name__ in (
+        "MemoryError", "ChunkMemoryError", "_ArrayMemoryError"))
+
+
+class ChunkedMap:
+    """One chunked ``.map`` from decision to finished output: a thin executor of a :class:`MapMachine`.
+
+    ``source``: anything :func:`~memchunk_prefect.volume.as_source` reads;
+    ``incoming``: the upstream map's chunks when the source is its result;
+    ``halo``: None for the operator's own; ``output_path``: where the zarr store
+    goes; ``replace_any``: the caller owns that path (see :mod:`memchunk_prefect.identity`).
+    """
+
+    def __init__(self, runner: "MemoryAwareRunner", task: Any, param: str, *, source: Any,
+                 incoming: Iterable[Chunk] | None, halo: Shape | None, output_path: str | None,
+                 replace_any: bool, static: dict[str, Any], wait_for: Iterable[PrefectFuture] | None,
+                 observers: Iterable[MapObserver] = ()):
+        self.runner = runner
+        self.task = task
+        self.param = param
+        self.static = static
+        self.wait_for = list(wait_for) if wait_for else None
+        self.spec = spec_of(task)
+        self.name = operator_name(task)
+        self.incoming = tuple(incoming) if incoming is not None else None
+        self.source = as_source(source)
+        self.shape: Shape = tuple(int(s) for s in self.source.shape)  # type: ignore[assignment]
+        if "sample_interval_ms" in inspect.signature(task.fn).parameters and "sample_interval_ms" not in static:
+            # Operators that need the sample interval get the volume's own, from its headers.
+            interval = self.source.coords().get("sample_interval_ms")
+            if interval:
+                static["sample_interval_ms"] = float(interval)
+        self.halo: Shape = halo if halo is not None else self.spec.halo_for(static)
+        self.key = operator_key(task, static, dtype=DTYPE)
+        self.output_path = output_path or runner.next_output_path(self.name)
+        self.replace_any = replace_any
+        # What an existing output must have been computed from to be resumed rather than recomputed: the
+        # operator key holds only memory parameters, so every parameter and the halo are added here.
+        self.identity = OutputIdentity(self.key, self.source.identity(), code_digest(task.fn), params_digest(static),
+                                       self.halo)
+        self.observers = Observers(observers)
+        self.futures: list[PrefectDaskFuture] = []
+        self.by_id: dict[int, PrefectDaskFuture] = {}
+        self.ids: dict[Any, int] = {}  # Dask key -> submission id
+        self.states: dict[int, Any] = {}  # what each collected future gave
+        self.machine: MapMachine | None = None
+        self.out: Any = None
+        self.budget = 0
+        self.slots = 0
+
+    # ---------------------------------------------------------------- the loop
+
+    def run(self) -> None:
+        """Run the map to its finished output; on any exception, settle what is in flight and re-raise."""
+        try:
+            self._run()
+        except BaseException as exc:  # Ctrl-C, a Prefect cancellation (TerminationSignal), a lost cluster, ...
+            self.abandon(exc)
+            self._end(exc)
+            raise
+        self._end(None)
+
+    def _run(self) -> None:
+        self.slots, self.budget = self.runner.slots_and_budget()
+        self.out, completed, action = open_output(self.output_path, self.identity, self.shape, self.source.coords(),
+                                                  operator=self.name, replace_any=self.replace_any)
+        bank = self.runner.model_bank()
+        self.machine = MapMachine(
+            MapSpec(operator=self.name, operator_key=self.key, shape=self.shape, halo=self.halo,
+                    whole_traces=self.spec.whole_traces, output_path=self.output_path, incoming=self.incoming,
+                    settings=self.runner.policy),
+            BankKnowledge(bank, self.key, self.runner.policy))
+        self.observers.emit("on_map_start", MapStart(
+            operator=self.name, operator_key=self.key, shape=self.shape, halo=self.halo,
+            output_path=self.output_path, budget_bytes=self.budget, slots=self.slots,
+            predict=self.machine.predict, at=time.time()))
+        # A chunk's effect is its write: never serve it from a cache.
+        self.wrapped = self.task.with_options(task_run_name=chunk_task_run_name, cache_policy=NO_CACHE)
+        self.wrapped.fn = BlockFunction(self.task.fn, self.param)
+        self.ac = as_completed(loop=self.runner.client.loop)
+        restarted = action.reason if action.action == RESTART else None
+        self.execute(self.machine.handle(Start(self.slots, self.budget, tuple(completed), restarted, at=time.time())))
+        while not self.machine.finished:
+            self.execute(self.machine.advance(time.time()))
+            if self.machine.finished:
+                break
+            self.execute(self.machine.handle(self.next_event()))
+
+    def next_event(self) -> Event:
+        """Wait for the next finished submission and say what happened to it."""
+        dask_future = next(self.ac)
+        sid = self.ids[dask_future.key]
+        fut = self.by_id[sid]
+        try:
+            state = dask_future.result()
+        except Exception as exc:  # the worker died (KilledWorker), or the cluster went away
+            client = self.runner.client
+            if dask_future.status == "cancelled" or client.status not in ("running", "connecting"):
+                # No worker death: the scheduler forgot the task (it was killed, restarted, or unreachable).
+                return ClusterLost(sid, exc, address=str(client.scheduler.address),
+                                   written_chunks=len(self.out.completed_chunks()), at=time.time())
+            chunk = self.machine.in_flight[sid].chunk  # type: ignore[union-attr]
+            written = self.out.is_done(chunk)
+            return WorkerDied(sid, type(exc).__name__, written=written,
+                              kill_headroom_bytes=None if written else self.runner.kill_headroom_bytes(),
+                              at=time.time())
+        finally:
+            with contextlib.suppress(Exception):
+                dask_future.release()  # completed results must not be recomputed if a worker dies later
+        self.states[sid] = state
+        if isinstance(state, State):
+            fut._final_state = state
+        if isinstance(state, State) and state.is_completed():
+            return ChunkDone(sid, Observation.from_dict(state.result().observation), at=time.time())
+        raised = state.result(raise_on_failure=False) if isinstance(state, State) else state
+        if is_memory_error(raised):
+            obs = getattr(raised, "observation", None)
+            return ChunkOutOfMemory(sid, Observation.from_dict(obs) if obs else None, at=time.time())
+        if isinstance(raised, BaseException):  # any other failure is the operator's own: stop and say which chunk
+            return ChunkFailed(sid, raised, at=time.time())
+        label = self.machine.in_flight[sid].chunk.label(self.shape)  # type: ignore[union-attr]
+        return ChunkFailed(sid, MemchunkError(f"{self.name}[{label}] ended in state {state!r}"), at=time.time())
+
+    # ---------------------------------------------------------------- instructions
+
+    def execute(self, instructions: list[Instruction]) -> None:
+        """Carry out instructions in order; answers they produce (recovered markers) go back to the machine."""
+        for ins in instructions:
+            answer = self.do(ins)
+            if answer is not None:
+                self.execute(self.machine.handle(answer))  # type: ignore[union-attr]
+
+    def do(self, ins: Instruction) -> Event | None:
+        if isinstance(ins, Submit):
+            self.submit(ins)
+        elif isinstance(ins, Record):
+            self.record(ins.observation)
+        elif isinstance(ins, Decided):
+            r = ins.record
+            logger.info("%s: %s — %s", self.name, r.decision, r.reason)
+            _flow_logger().info("memchunk %s: %s — %s", self.name, r.decision, r.reason)
+            self.observers.emit("on_decision", r)
+        elif isinstance(ins, ChunkEnded):
+            self.observers.emit("on_chunk_end", ins)
+        elif isinstance(ins, MarkRuns):
+            # A submission interrupted before it reached Dask (Ctrl-C or a cancellation during submit) has no
+            # future and no task run: nothing to mark or cancel.
+            marks = [(self.by_id[sid].task_run_id, state, msg) for sid, state, msg in ins.marks if sid in self.by_id]
+            taskruns.mark_runs(marks, look_again_seconds=RUNNER_SETTINGS.settle_missing_seconds if ins.look_again
+                               else 0.0)
+        elif isinstance(ins, Cancel):
+            for sid in ins.ids:
+                with contextlib.suppress(BaseException):
+                    if sid in self.by_id:
+                        self.by_id[sid].wrapped_future.cancel()
+        elif isinstance(ins, RecoverMarkers):
+            return self.recover_markers(ins.chunks)
+        elif isinstance(ins, Fail):
+            raise ins.error
+        elif isinstance(ins, Finalize):
+            self.finalize(ins.settle_runs)
+        elif isinstance(ins, Stopped):
+            with contextlib.suppress(BaseException):
+                logger.warning("%s: stopped early (%s); %d chunks are marked written in %s (kept: a rerun resumes "
+                               "there); %d were collected while stopping", self.name, ins.error,
+                               len(self.out.completed_chunks()) if self.out is not None else 0, self.output_path,
+                               ins.kept)
+        else:  # pragma: no cover - a new instruction type without an executor
+            raise MemchunkError(f"internal: no executor for {ins!r}")
+        return None
+
+    def submit(self, ins: Submit) -> None:
+        job = BlockJob(source=self.source, chunk=ins.chunk, halo=self.halo, volume_shape=self.shape,
+                       output_path=self.output_path, operator=self.name, operator_key=self.key,
+                       budget_bytes=self.budget, label=ins.label)
+        params = dict(self.static)
+        params[self.param] = job
+        fut = DaskTaskRunner.submit(self.runner, self.wrapped, params,
+                                    wait_for=self.wait_for)  # type: ignore[arg-type]  # any PrefectFuture works
+        self.futures.append(fut)
+        self.by_id[ins.id] = fut
+        self.ids[fut.wrapped_future.key] = ins.id
+        self.ac.add(fut.wrapped_future)
+        self.observers.emit("on_submit", ins)
+
+    def record(self, obs: Observation) -> None:
+        """Persist the observation and teach the model (a failing store is said loudly, never stops the run)."""
+        try:
+            self.runner.model_bank().learn(obs)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not record an observation for %s: %r", self.key, exc)
+
+    def recover_markers(self, chunks: Iterable[Chunk]) -> MarkersRecovered | None:
+        """The observations that written chunks' completion markers carry and the store lacks.
+
+        A run stopped between a chunk's write and the flow collecting its receipt
+        (Ctrl-C, a cancelled or killed flow process, a lost scheduler, a worker
+        killed after writing) left the measurement only in the marker. Matched by
+        (chunk, created_at), so nothing is stored twice.
+        """
+        try:
+            written = [c for c in chunks if self.out.is_done(c)]
+            records = [Observation.from_dict(r) for r in self.out.done_records(written)]
+            records = [o for o in records if o.operator_key == self.key]
+            if not records:
+                return None
+            store = self.runner.model_bank().store
+            have = {(o.chunk, o.created_at) for o in (store.observations(self.key) if store is not None else [])}
+        except Exception as exc:  # noqa: BLE001 - a measurement lost is logged, never fatal
+            logger.warning("%s: could not read measurements from completion markers: %r", self.name, exc)
+            return None
+        new = tuple(o for o in records if (o.chunk, o.created_at) not in have)
+        if not new:
+            return None
+        logger.info("%s: storing %d observations recovered from completion markers", self.name, len(new))
+        return MarkersRecovered(new, at=time.time())
+
+    def finalize(self, settle_runs: bool) -> None:
+        self.out.finalize()  # raises IncompleteOutputError unless every element was written
+        if settle_runs:
+            taskruns.settle_completed(f.task_run_id for f in self.futures
+                                      if f._final_state is not None and f._final_state.is_completed())
+        for f in self.futures:
+            with contextlib.suppress(Exception):
+                f.wrapped_future.release()
+
+    # ---------------------------------------------------------------- stopping early
+
+    def abandon(self, exc: BaseException) -> None:
+        """The map stops early: keep what finished, stop what did not, leave no task run RUNNING.
+
+        Chunks whose task already returned are learned from (their observation is
+        stored, their completion marker is on disk); the others are cancelled on the
+        cluster and their Prefect task runs marked Cancelled (interrupted) or Crashed
+        (an error). Nothing is finalized: the output stays resumable.
+        """
+        m = self.machine
+        if m is None:
+            return
+        interrupted = not isinstance(exc, Exception)  # KeyboardInterrupt, TerminationSignal, SystemExit
+        finished = []
+        for sid in list(m.in_flight):
+            state = self.states.get(sid)
+            if state is None:
+                fut = self.by_id.get(sid)
+                with contextlib.suppress(BaseException):
+                    if fut is not None and fut.wrapped_future.status == "finished":
+                        state = fut.wrapped_future.result(timeout=RUNNER_SETTINGS.harvest_timeout_seconds)
+            if isinstance(state, State) and state.is_completed():
+                with contextlib.suppress(Exception):
+                    finished.append((sid, Observation.from_dict(state.result().observation)))
+        instructions = m.handle(Stop(type(exc).__name__, interrupted, tuple(finished), at=time.time()))
+        for ins in instructions:
+            with contextlib.suppress(BaseException):
+                self.execute([ins])
+
+    def _end(self, error: BaseException | None) -> None:
+        m = self.machine
+        self.observers.emit("on_map_end", MapEnd(error, len(m.done) if m else 0, m.done_elements if m else 0,
+                                                 at=time.time()))
+
+
+def _flow_logger() -> Any:
+    try:
+        return get_run_logger()
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return logger

@@ -1,0 +1,743 @@
+"""A chunked map's control state as a pure state machine: events in, instructions out.
+
+Every rule of a chunked ``.map`` lives here: what is submitted, in which order
+and how much at once; when the cold-start probes are enlarged; when the
+unsubmitted remainder is re-planned; whether a worker's death was a memory kill
+or a lost worker; how a chunk that ran out of memory is split; what is recorded;
+what happens to the chunks in flight when the map stops early; when the output
+is complete. Nothing here touches Prefect, Dask, files or clocks: the executor
+(:mod:`memchunk_prefect.executor` for real runs; a simulator for what-if runs)
+turns the world into :data:`Event` objects, feeds them to :meth:`MapMachine.handle`,
+and carries out the :data:`Instruction` objects it gets back. The same events give
+the same instructions, so every rule is tested with a table and no cluster
+(``tests/test_machine.py``), the way distributed tests its worker state machine.
+
+The protocol (one map, in the flow's thread)::
+
+    m = MapMachine(spec, knowledge)
+    run(m.handle(Start(slots, budget_bytes, completed=..., at=now)))
+    while not m.finished:
+        run(m.advance(now))          # submit up to the cap, plan what is left, or finalize
+        if m.finished: break
+        run(m.handle(next_event()))  # a chunk finished / ran out of memory / its worker died ...
+    # on any exception (Ctrl-C, a cancellation, a Fail): run(m.handle(Stop(...)))
+
+``run`` must carry out :class:`Record` (persist and learn the observation)
+before the next :meth:`~MapMachine.advance`: plans are made from ``knowledge``,
+which reads what was learned. That is why handling an event and deciding what
+to do next are two calls: the machine never writes to the model itself.
+
+What happens when a worker dies mid-map (:class:`WorkerDied`), in order:
+
+1. its chunk's completion marker exists (``written``): the worker died after
+   writing it. The chunk is kept, its task run marked Crashed, the measurement
+   recovered from the marker. Nothing is recomputed.
+2. else, the model's upper bound for the chunk is *not ready* or above
+   ``memory_kill_fraction`` (0.5) of the kill headroom, or this chunk already
+   died once: a **memory kill**. A censored observation (needs more than the
+   kill headroom) is recorded and the chunk is split in two; the halves go to
+   the front of the queue (``retry-smaller``). A chunk that cannot be split
+   fails the map with :class:`~memchunk_prefect.errors.ChunkOutOfMemoryError`.
+3. else a **lost worker** (a node lost, a SIGKILL): nothing is learned about
+   memory, and the same chunk goes to the front of the queue once more.
+
+Units: bytes, elements, seconds since the epoch (``at``, given by the executor).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Union
+
+from . import policy
+from .chunks import Chunk, Shape, extents_with_halo, uncovered_boxes, with_halo
+from .errors import ChunkOutOfMemoryError, ClusterLostError, MemchunkError, format_bytes
+from .policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
+from .records import Observation, Prediction
+from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
+
+#: Extra decisions recorded about the output (not about the chunking).
+RESUME = "resume"
+RESTART = "restart"
+
+#: How a chunk's task run ended, as the report and ``ChunkedResult.events`` call it.
+OK, MEMORY_ERROR, KILLED, LOST = "ok", "memory_error", "killed", "lost"
+
+#: The machine's phases. ``failed``: a :class:`Fail` was issued and the executor is stopping.
+NEW, RUNNING, FINISHED, FAILED, STOPPED = "new", "running", "finished", "failed", "stopped"
+
+
+class MapStateError(RuntimeError):
+    """An event the machine cannot take in its current state: a bug in the executor, not a user error."""
+
+
+class Knowledge(Protocol):
+    """What the machine reads of the learned model for its operator (read-only).
+
+    ``predict(extents)`` gives the memory figures for a block of ``extents``
+    (halo included); ``seconds_per_element()`` the recent compute time per
+    element, or None before any measurement.
+    """
+
+    def predict(self, extents: Shape) -> Prediction: ...
+
+    def seconds_per_element(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """What one chunked map computes, fixed for its life: plain data."""
+
+    operator: str  # the task's name, for messages
+    operator_key: str  # the model key (name, memory parameters, dtype, device)
+    shape: Shape  # the volume (iline, xline, twt)
+    halo: Shape
+    whole_traces: bool  # the operator needs uncut traces (no cut along twt)
+    output_path: str = ""  # for messages
+    incoming: tuple[Chunk, ...] | None = None  # the upstream map's chunking, if the source is one
+    settings: PolicySettings = DEFAULT_SETTINGS
+
+    def label(self, chunk: Chunk) -> str:
+        return chunk.label(self.shape)
+
+    def read_extents(self, chunk: Chunk) -> Shape:
+        """The block a placed chunk reads (halo included, clipped at the volume's edges)."""
+        return with_halo(chunk, self.halo, self.shape)[0].shape
+
+    def name(self, chunk: Chunk) -> str:
+        return f"{self.operator}[{self.label(chunk)}]"
+
+
+# =========================================================================== events (facts, from the executor)
+
+
+@dataclass(frozen=True)
+class Start:
+    """The map begins on a cluster of ``slots`` worker slots with ``budget_bytes`` per task.
+
+    ``completed``: chunks a resumed output already holds (its completion markers);
+    ``restarted``: why an existing output at the path is being replaced, if it is.
+    """
+
+    slots: int
+    budget_bytes: int
+    completed: tuple[Chunk, ...] = ()
+    restarted: str | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChunkDone:
+    """Submission ``id`` returned: its chunk is written, ``observation`` is what it measured."""
+
+    id: int
+    observation: Observation
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChunkOutOfMemory:
+    """Submission ``id`` raised ``MemoryError``; ``observation`` is the worker's censored record, if it sent one."""
+
+    id: int
+    observation: Observation | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChunkFailed:
+    """Submission ``id`` raised something other than ``MemoryError``: the operator's own error."""
+
+    id: int
+    error: BaseException
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerDied:
+    """The worker running submission ``id`` died (``KilledWorker``).
+
+    ``written``: the chunk's completion marker exists (it died after writing);
+    ``kill_headroom_bytes``: what a task may use above its worker's resting
+    memory before the nanny kills it, read at the death (None: unknown).
+    """
+
+    id: int
+    error: str
+    written: bool = False
+    kill_headroom_bytes: int | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class ClusterLost:
+    """The scheduler forgot submission ``id`` (killed, restarted, unreachable): no worker death to learn from."""
+
+    id: int
+    error: BaseException
+    address: str = ""
+    written_chunks: int = 0  # completion markers on disk, for the message
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class MarkersRecovered:
+    """Observations read back from completion markers that the store lacked (answer to :class:`RecoverMarkers`)."""
+
+    observations: tuple[Observation, ...]
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The map stops early: an interrupt or cancellation (``interrupted``), or an error (named in ``error``).
+
+    ``finished``: (id, observation) of submissions in flight whose task had
+    already returned when the executor looked: their chunks are kept.
+    """
+
+    error: str
+    interrupted: bool
+    finished: tuple[tuple[int, Observation], ...] = ()
+    at: float = 0.0
+
+
+Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop]
+
+
+# =========================================================================== instructions (what to do)
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """A decision taken, with why: for the log, the report and ``ChunkedResult.decisions``.
+
+    ``chunk_shape`` is the largest chunk of the plan (no halo);
+    ``predicted_peak_bytes`` / ``upper_bound_bytes`` the model's mean and upper
+    bound for it with its halo.
+    """
+
+    decision: str
+    reason: str
+    operator: str
+    operator_key: str
+    n_chunks: int | None = None
+    chunk_shape: Shape | None = None
+    predicted_peak_bytes: float | None = None
+    upper_bound_bytes: float | None = None
+    at: float = 0.0
+    region: str | None = None  # Chunk.key() of the box planned
+    chunk: str | None = None  # Chunk.key() of the chunk split
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "decision": self.decision, "reason": self.reason, "operator": self.operator,
+            "operator_key": self.operator_key, "n_chunks": self.n_chunks,
+            "chunk_shape": list(self.chunk_shape) if self.chunk_shape else None,
+            "predicted_peak_bytes": self.predicted_peak_bytes, "upper_bound_bytes": self.upper_bound_bytes,
+            "time": self.at}
+        if self.region is not None:
+            d["region"] = self.region
+        if self.chunk is not None:
+            d["chunk"] = self.chunk
+        return d
+
+
+@dataclass(frozen=True)
+class Decided:
+    """Tell the log and the observers about a decision."""
+
+    record: DecisionRecord
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Submit ``chunk`` as submission ``id`` (a new Prefect task run).
+
+    ``predicted_bytes`` / ``upper_bytes``: the model's figures for the block it
+    reads (``read_extents``, halo included) when submitted; None while the model
+    is not ready.
+    """
+
+    id: int
+    chunk: Chunk
+    decision: str
+    attempt: int
+    label: str
+    read_extents: Shape
+    predicted_bytes: float | None = None
+    upper_bytes: float | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Record:
+    """Persist ``observation`` and teach the model with it, before the next :meth:`MapMachine.advance`."""
+
+    observation: Observation
+
+
+@dataclass(frozen=True)
+class ChunkEnded:
+    """Submission ``id`` ended (``outcome``: ok, memory_error, killed, lost); the map's progress after it."""
+
+    id: int
+    chunk: Chunk
+    outcome: str
+    decision: str
+    observation: Observation | None = None
+    kept: bool = False  # a lost worker had already written it
+    done_chunks: int = 0
+    done_elements: int = 0
+    at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain form kept in ``ChunkedResult.events``."""
+        d: dict[str, Any] = {"event": self.outcome, "chunk": self.chunk.key(), "decision": self.decision}
+        o = self.observation
+        if self.outcome == OK and o is not None:
+            d.update(peak_bytes=o.peak_bytes, seconds=o.seconds, worker=o.worker)
+        elif self.outcome in (MEMORY_ERROR, KILLED) and o is not None:
+            d.update(peak_bytes=o.peak_bytes, worker=o.worker)
+        if self.kept:
+            d["kept"] = True
+        return d
+
+
+@dataclass(frozen=True)
+class MarkRuns:
+    """Force these task runs into a final state unless they have one: (id, ``"Crashed"``/``"Cancelled"``, message).
+
+    Nothing else ends a run whose worker died (prefect #12968, #21638).
+    ``look_again``: a run not created yet may appear a moment later (a worker
+    started it just before a cancellation reached it): look for it again.
+    """
+
+    marks: tuple[tuple[int, str, str], ...]
+    look_again: bool = False
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Cancel these submissions on the cluster."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RecoverMarkers:
+    """Read the measurements in these chunks' completion markers (where written); answer :class:`MarkersRecovered`."""
+
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Stop the map with ``error`` (raise it); then send :class:`Stop` to settle what is in flight."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Finalize:
+    """Every element is written: finalize the output. ``settle_runs``: a worker died during the map."""
+
+    settle_runs: bool
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The early stop is settled; ``kept``: chunks collected while stopping."""
+
+    error: str
+    kept: int
+
+
+Instruction = Union[Decided, Submit, Record, ChunkEnded, MarkRuns, Cancel, RecoverMarkers, Fail, Finalize, Stopped]
+
+
+# =========================================================================== the machine
+
+
+@dataclass
+class Pending:
+    """A chunk queued or in flight, with the decision that made it and how many times it already ran."""
+
+    chunk: Chunk
+    decision: str
+    attempt: int = 0
+
+
+@dataclass
+class MapMachine:
+    """The control state of one chunked map. See the module docstring for the protocol."""
+
+    spec: MapSpec
+    knowledge: Knowledge
+    phase: str = NEW
+    slots: int = 0
+    budget_bytes: int = 0
+    queue: list[Pending] = field(default_factory=list)  # planned, not submitted (re-plannable)
+    regions: list[Chunk] = field(default_factory=list)  # boxes still to plan (after probes, or a resume)
+    in_flight: dict[int, Pending] = field(default_factory=dict)
+    done: list[Chunk] = field(default_factory=list)
+    planned_upper: float | None = None  # bound of the largest queued chunk when the queue was (re)planned
+    probe_scale: float = 1.0
+    region_reason: str = "after probing: "
+    deaths: int = 0  # worker deaths seen (their task runs are settled at the end)
+    next_id: int = 0
+    _check_replan: bool = False
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def finished(self) -> bool:
+        """No more instructions will come from :meth:`advance` (finalized, failed or stopped)."""
+        return self.phase in (FINISHED, FAILED, STOPPED)
+
+    @property
+    def settings(self) -> PolicySettings:
+        return self.spec.settings
+
+    @property
+    def done_elements(self) -> int:
+        return sum(c.elements for c in self.done)
+
+    def predict(self, extents: Shape) -> Prediction:
+        return self.knowledge.predict(extents)
+
+    # ---------------------------------------------------------------- events
+
+    def handle(self, event: Event) -> list[Instruction]:
+        """Take one event; return what to do about it (decisions of what to run next come from :meth:`advance`)."""
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            raise MapStateError(f"not a map event: {event!r}")
+        return handler(self, event)
+
+    def _on_start(self, ev: Start) -> list[Instruction]:
+        if self.phase != NEW:
+            raise MapStateError(f"Start in phase {self.phase}")
+        self.phase = RUNNING
+        self.slots, self.budget_bytes = int(ev.slots), int(ev.budget_bytes)
+        out: list[Instruction] = []
+        if ev.restarted:
+            out.append(self._decided(RESTART, None, f"{self.spec.output_path} is replaced: {ev.restarted}", ev.at))
+        if ev.completed:
+            # Resume: keep every completed chunk (of whatever cut), plan only the boxes they leave.
+            self.done.extend(ev.completed)
+            out.append(RecoverMarkers(tuple(ev.completed)))
+            self.regions = uncovered_boxes(self.spec.shape, ev.completed)
+            self.region_reason = "the part a resumed output lacks: "
+            left = f"{len(self.regions)} boxes left to compute" if self.regions else "nothing left"
+            out.append(self._decided(RESUME, None, f"resuming {self.spec.output_path}: {len(ev.completed)} chunks "
+                                                   f"already written; {left}", ev.at))
+            return out
+        try:
+            d = policy.decide(self.spec.shape, self.spec.incoming, budget_bytes=self.budget_bytes,
+                              predict=self.predict, halo=self.spec.halo, slots=self.slots,
+                              whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
+                              seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings)
+        except MemchunkError as exc:
+            return out + self._fail(exc)
+        out.append(self._decided(d.decision, d.plan, d.reason, ev.at))
+        self.queue.extend(Pending(c, d.decision) for c in d.plan.chunks)
+        self.regions.extend(d.plan.remainder)
+        self.planned_upper = d.plan.upper_bound_bytes
+        return out
+
+    def _on_done(self, ev: ChunkDone) -> list[Instruction]:
+        item = self._take(ev.id)
+        self.done.append(item.chunk)
+        self._check_replan = True
+        return [Record(ev.observation), self._ended(ev.id, item, OK, ev.observation, ev.at)]
+
+    def _on_out_of_memory(self, ev: ChunkOutOfMemory) -> list[Instruction]:
+        item = self._get(ev.id)
+        # A worker that could not send its record: all the flow knows is that it needed more than the budget.
+        obs = ev.observation or self._flow_observation(item, "memory_error", self.budget_bytes, ev.at)
+        self._check_replan = True
+        out: list[Instruction] = [Record(obs), self._ended(ev.id, item, MEMORY_ERROR, obs, ev.at)]
+        out += self._retry_smaller(ev.id, item, obs.peak_bytes, "MemoryError", ev.at)
+        return out
+
+    def _on_failed(self, ev: ChunkFailed) -> list[Instruction]:
+        self._get(ev.id)  # stays in flight: Stop settles its task run
+        return self._fail(ev.error)
+
+    def _on_worker_died(self, ev: WorkerDied) -> list[Instruction]:
+        item = self._get(ev.id)
+        name = self.spec.name(item.chunk)
+        self.deaths += 1
+        self._check_replan = True
+        if ev.written:
+            # It died after writing the chunk and its marker (before returning): keep it, do not redo it.
+            del self.in_flight[ev.id]
+            self.done.append(item.chunk)
+            return [MarkRuns(((ev.id, "Crashed", f"worker died after {name} was written; the chunk is kept"),)),
+                    RecoverMarkers((item.chunk,)),
+                    self._ended(ev.id, item, LOST, None, ev.at, kept=True)]
+        headroom = ev.kill_headroom_bytes or self.budget_bytes
+        memory_kill = is_memory_kill(self._upper_for(item.chunk), headroom, item.attempt, self.settings)
+        message = (f"worker running {name} died ({ev.error}); "
+                   + ("treated as out of memory: the chunk is split and resubmitted" if memory_kill
+                      else "resubmitting the same chunk"))
+        out: list[Instruction] = [MarkRuns(((ev.id, "Crashed", message),))]
+        if memory_kill:
+            obs = self._flow_observation(item, KILLED, headroom, ev.at)
+            out += [Record(obs), self._ended(ev.id, item, KILLED, obs, ev.at)]
+            out += self._retry_smaller(ev.id, item, headroom, "worker killed", ev.at)
+            return out
+        # Lost for another reason: learn nothing about memory; run the same chunk once more, first.
+        del self.in_flight[ev.id]
+        obs = self._flow_observation(item, "error", 0, ev.at)
+        self.queue.insert(0, Pending(item.chunk, item.decision, item.attempt + 1))
+        return out + [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at)]
+
+    def _on_cluster_lost(self, ev: ClusterLost) -> list[Instruction]:
+        item = self._get(ev.id)  # stays in flight: Stop marks its task run
+        detail = " ".join(str(ev.error).split())
+        err = ClusterLostError(
+            f"lost the Dask scheduler at {ev.address} while running {self.spec.operator} "
+            f"({type(ev.error).__name__}: {detail}); the {ev.written_chunks} chunks written so far are kept in "
+            f"{self.spec.output_path}. Start the scheduler again (or point the runner at a live one) and rerun "
+            "the flow: it resumes the output and computes only the missing chunks")
+        err.__cause__ = ev.error
+        del item
+        return self._fail(err)
+
+    def _on_markers(self, ev: MarkersRecovered) -> list[Instruction]:
+        return [Record(o) for o in ev.observations if o.operator_key == self.spec.operator_key]
+
+    def _on_stop(self, ev: Stop) -> list[Instruction]:
+        """Keep what finished, cancel what did not, leave no task run RUNNING; never finalize."""
+        if self.phase == STOPPED:
+            return []
+        self.phase = STOPPED
+        out: list[Instruction] = []
+        kept = 0
+        for sid, obs in ev.finished:
+            item = self.in_flight.pop(sid, None)
+            if item is None:
+                continue
+            self.done.append(item.chunk)
+            kept += 1
+            out += [Record(obs), self._ended(sid, item, OK, obs, ev.at)]
+        rest = list(self.in_flight.items())
+        self.in_flight.clear()
+        if rest:
+            state = "Cancelled" if ev.interrupted else "Crashed"
+            why = ("the flow run was interrupted or cancelled" if ev.interrupted
+                   else f"the chunked map stopped ({ev.error})")
+            out.append(Cancel(tuple(sid for sid, _ in rest)))
+            out.append(MarkRuns(tuple(
+                (sid, state, f"{why} before {self.spec.name(item.chunk)} finished; the chunk is not marked written "
+                             "and is computed when the flow runs again") for sid, item in rest), look_again=True))
+            # Chunks that finished on their worker after the last result was taken: keep their measurements too.
+            out.append(RecoverMarkers(tuple(item.chunk for _, item in rest)))
+        out.append(Stopped(ev.error, kept=kept))
+        return out
+
+    # ---------------------------------------------------------------- deciding what runs next
+
+    def advance(self, at: float = 0.0) -> list[Instruction]:
+        """What to run next: re-plan the remainder if the bound moved, submit up to the cap, plan what is left.
+
+        Returns :class:`Finalize` once every box is written.
+        """
+        if self.phase != RUNNING:
+            return []
+        out: list[Instruction] = []
+        try:
+            if self._check_replan:
+                self._check_replan = False
+                out += self._maybe_replan(at)
+            while True:
+                cap = self.settings.in_flight_cap(self.slots)
+                while self.queue and len(self.in_flight) < cap:
+                    out.append(self._submit(self.queue.pop(0), at))
+                if self.in_flight:
+                    return out
+                if not self.regions:
+                    self.phase = FINISHED
+                    return out + [Finalize(settle_runs=self.deaths > 0)]
+                out += self._plan_regions(at)
+        except MemchunkError as exc:  # a plan that cannot fit the budget
+            return out + self._fail(exc)
+
+    def _plan_regions(self, at: float) -> list[Instruction]:
+        """The probes are back (nothing in flight): plan every box left at once, or probe again with larger chunks.
+
+        Planning every box at once keeps slots busy (no slot waits for a small box).
+        While the history is too short, the next probe wave is twice the size.
+        """
+        out: list[Instruction] = []
+        pending, self.regions = self.regions, []
+        for index, region in enumerate(pending):
+            p = self._plan(region)
+            if p.probe:
+                self.probe_scale *= 2
+                p = policy.probe_plan(self.spec.shape, budget_bytes=self.budget_bytes, halo=self.spec.halo,
+                                      slots=self.slots, whole_traces=self.spec.whole_traces, region=region,
+                                      itemsize=ITEMSIZE, settings=self.settings, scale=self.probe_scale,
+                                      reason=p.reason)
+                out.append(self._decided(PROBE, p, p.reason, at, region=region.key()))
+                self.queue.extend(Pending(c, p.decision) for c in p.chunks)
+                self.regions = list(p.remainder) + pending[index + 1:]
+                break
+            out.append(self._decided(RECHUNK, p, self.region_reason + p.reason, at, region=region.key()))
+            self.queue.extend(Pending(c, p.decision) for c in p.chunks)
+        if not self.regions:
+            self.planned_upper = self.queue_bound()
+        return out
+
+    def _maybe_replan(self, at: float) -> list[Instruction]:
+        """Mid-map: when the bound for what is queued moved enough, re-plan the unsubmitted remainder.
+
+        Like is compared with like: the bound of the largest queued chunk now,
+        against the same figure when the queue was (re)planned. Never while split
+        pieces wait (they are sized by a measured failure, not by the model).
+        """
+        if not self.queue or self.planned_upper is None or any(q.decision == RETRY_SMALLER for q in self.queue):
+            return []
+        new_upper = self.queue_bound()
+        if new_upper is None or not policy.bound_moved(self.planned_upper, new_upper, self.settings):
+            return []
+        old_upper = self.planned_upper
+        boxes, kept = remaining_boxes([q.chunk for q in self.queue])
+        keep = set(kept)
+        queue = [q for q in self.queue if q.chunk in keep]
+        out: list[Instruction] = []
+        for box in boxes:
+            p = self._plan(box)
+            if p.probe:  # cannot happen once ready; keep the old cut
+                queue.extend(Pending(q.chunk, RECHUNK) for q in self.queue if box.contains(q.chunk))
+                continue
+            out.append(self._decided(RECHUNK, p, f"mid-map re-plan: the upper bound moved from "
+                                                 f"{format_bytes(old_upper)} to {format_bytes(new_upper)}; " + p.reason,
+                                     at, region=box.key()))
+            queue.extend(Pending(c, RECHUNK) for c in p.chunks)
+        self.queue = queue
+        self.planned_upper = self.queue_bound()
+        return out
+
+    def queue_bound(self) -> float | None:
+        """The model's upper bound (bytes) for the largest queued chunk with its halo; None while not ready."""
+        if not self.queue:
+            return None
+        largest = max(self.queue, key=lambda q: q.chunk.elements).chunk
+        return self._upper_for(largest)
+
+    # ---------------------------------------------------------------- helpers
+
+    def _plan(self, region: Chunk) -> Plan:
+        return policy.plan(self.spec.shape, budget_bytes=self.budget_bytes, predict=self.predict, halo=self.spec.halo,
+                           slots=self.slots, whole_traces=self.spec.whole_traces, region=region, itemsize=ITEMSIZE,
+                           seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings)
+
+    def _upper_for(self, chunk: Chunk) -> float | None:
+        """Upper bound for an interior chunk of this shape (halo on both sides), None while the model is not ready."""
+        pred = self.predict(extents_with_halo(chunk.shape, self.spec.halo, self.spec.shape))
+        return float(pred.upper_bytes) if pred.ready else None
+
+    def _submit(self, item: Pending, at: float) -> Submit:
+        sid = self.next_id
+        self.next_id += 1
+        self.in_flight[sid] = item
+        extents = self.spec.read_extents(item.chunk)
+        pred = self.predict(extents)
+        mean, upper = (float(pred.mean_bytes), float(pred.upper_bytes)) if pred.ready else (None, None)
+        return Submit(sid, item.chunk, item.decision, item.attempt, self.spec.label(item.chunk), extents,
+                      mean, upper, at)
+
+    def _get(self, sid: int) -> Pending:
+        if self.phase not in (RUNNING, FAILED):
+            raise MapStateError(f"a chunk event in phase {self.phase}")
+        try:
+            return self.in_flight[sid]
+        except KeyError:
+            raise MapStateError(f"submission {sid} is not in flight") from None
+
+    def _take(self, sid: int) -> Pending:
+        item = self._get(sid)
+        del self.in_flight[sid]
+        return item
+
+    def _retry_smaller(self, sid: int, item: Pending, needed_bytes: int, cause: str, at: float) -> list[Instruction]:
+        """Split a chunk that ran out of memory; its pieces go to the front of the queue. Unsplittable: fail."""
+        pieces = split_chunk(item.chunk, whole_traces=self.spec.whole_traces)
+        label = self.spec.label(item.chunk)
+        if not pieces:
+            return self._fail(ChunkOutOfMemoryError(
+                f"{self.spec.name(item.chunk)} ran out of memory ({cause}) and cannot be split further "
+                f"(shape {item.chunk.shape}{', whole traces' if self.spec.whole_traces else ''}): it needed more "
+                f"than {format_bytes(needed_bytes)} with a budget of {format_bytes(self.budget_bytes)} per task. "
+                "Give workers more memory (memory_limit), fewer threads per worker, or a smaller operator parameter",
+                operator=self.spec.operator_key, chunk=item.chunk, budget_bytes=self.budget_bytes,
+                needed_bytes=needed_bytes))
+        del self.in_flight[sid]
+        self.queue[0:0] = [Pending(p, RETRY_SMALLER, item.attempt + 1) for p in pieces]
+        return [self._decided(RETRY_SMALLER, None,
+                              f"{label} ran out of memory ({cause}, needed more than {format_bytes(needed_bytes)}): "
+                              f"split into {len(pieces)} pieces of {pieces[0].shape}", at, chunk=item.chunk.key())]
+
+    def _fail(self, error: BaseException) -> list[Instruction]:
+        self.phase = FAILED
+        return [Fail(error)]
+
+    def _decided(self, decision: str, plan: Plan | None, reason: str, at: float, **where: str) -> Decided:
+        return Decided(DecisionRecord(
+            decision=decision, reason=reason, operator=self.spec.operator, operator_key=self.spec.operator_key,
+            n_chunks=plan.n_chunks if plan else None, chunk_shape=tuple(plan.chunk_shape) if plan else None,  # type: ignore[arg-type]
+            predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
+            upper_bound_bytes=plan.upper_bound_bytes if plan else None, at=at, **where))
+
+    def _ended(self, sid: int, item: Pending, outcome: str, obs: Observation | None, at: float, *,
+               kept: bool = False) -> ChunkEnded:
+        return ChunkEnded(sid, item.chunk, outcome, item.decision, obs, kept, len(self.done), self.done_elements, at)
+
+    def _flow_observation(self, item: Pending, outcome: str, peak_bytes: int | None, at: float) -> Observation:
+        """The record of a run its worker could not report (it died, or sent nothing): from what the flow knows."""
+        read, _ = with_halo(item.chunk, self.spec.halo, self.spec.shape)
+        return Observation(operator_key=self.spec.operator_key, elements=read.elements, extents=read.shape,
+                           bytes_in=read.elements * ITEMSIZE, peak_bytes=int(peak_bytes or 0), outcome=outcome,
+                           censored=outcome in (MEMORY_ERROR, KILLED) and bool(peak_bytes),
+                           chunk=item.chunk.key(), budget_bytes=self.budget_bytes, method="flow", created_at=at)
+
+
+def is_memory_kill(upper_bytes: float | None, kill_headroom_bytes: int, attempt: int,
+                   settings: PolicySettings = DEFAULT_SETTINGS) -> bool:
+    """Whether a worker's death while running a chunk is taken as the nanny killing it for memory.
+
+    Yes when the model had no ready bound for the chunk, when its bound was
+    above ``settings.memory_kill_fraction`` of the kill headroom (the chunk may
+    well have crossed the kill line), or when the same chunk already died once.
+    A chunk predicted far below the kill line whose worker died was most likely
+    lost for another reason (a node lost, a SIGKILL): it runs again once.
+
+    >>> is_memory_kill(None, 1000, 0), is_memory_kill(600.0, 1000, 0), is_memory_kill(100.0, 1000, 0)
+    (True, True, False)
+    >>> is_memory_kill(100.0, 1000, attempt=1)
+    True
+    """
+    return upper_bytes is None or upper_bytes > settings.memory_kill_fraction * kill_headroom_bytes or attempt > 0
+
+
+_HANDLERS: dict[type, Any] = {
+    Start: MapMachine._on_start,
+    ChunkDone: MapMachine._on_done,
+    ChunkOutOfMemory: MapMachine._on_out_of_memory,
+    ChunkFailed: MapMachine._on_failed,
+    WorkerDied: MapMachine._on_worker_died,
+    ClusterLost: MapMachine._on_cluster_lost,
+    MarkersRecovered: MapMachine._on_markers,
+    Stop: MapMachine._on_stop,
+}
+
+__all__ = [
+    "MapMachine", "MapSpec", "Knowledge", "Pending", "MapStateError", "is_memory_kill",
+    "Start", "ChunkDone", "ChunkOutOfMemory", "ChunkFailed", "WorkerDied", "ClusterLost", "MarkersRecovered", "Stop",
+    "Decided", "DecisionRecord", "Submit", "Record", "ChunkEnded", "MarkRuns", "Cancel", "RecoverMarkers", "Fail",
+    "Finalize", "Stopped", "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER", "RESUME",
+    "RESTART", "OK", "MEMORY_ERROR", "KILLED", "LOST",
+]

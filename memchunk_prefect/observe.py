@@ -1,0 +1,154 @@
+"""Watching a chunked map: typed events and a small observer protocol.
+
+Everything that watches a map — the Prefect artifacts (:mod:`memchunk_prefect.report`),
+``ChunkedResult.decisions`` / ``.events`` / ``.summary()``, the demo's summary,
+a user's own progress bar — implements :class:`MapObserver` and receives the
+same typed events, in order, from the flow's thread:
+
+1. :meth:`~MapObserver.on_map_start` with a :class:`MapStart` (what the map
+   computes, the budget and slots read from the cluster, and a read-only
+   ``predict`` over the learned model);
+2. :meth:`~MapObserver.on_decision` with a :class:`~memchunk_prefect.machine.DecisionRecord`
+   each time the runner decides (probe, continue, rechunk, retry-smaller, resume, restart);
+3. :meth:`~MapObserver.on_submit` with a :class:`~memchunk_prefect.machine.Submit`
+   per task run (the chunk, its block's extents, the model's figures for it);
+4. :meth:`~MapObserver.on_chunk_end` with a :class:`~memchunk_prefect.machine.ChunkEnded`
+   per finished task run (outcome, observation, progress);
+5. :meth:`~MapObserver.on_map_end` with a :class:`MapEnd`, once, also when the map fails.
+
+Observers never see the executor or the state machine, so either can change
+without breaking them (as cubed's ``Callback.on_task_end(TaskEndEvent)``). An
+observer that raises is logged and dropped for the rest of the map: watching
+must never stop a run.
+
+>>> log = MapLog()
+>>> log.on_decision(DecisionRecord("rechunk", "why", "envelope", "envelope|float32|cpu"))
+>>> [d["decision"] for d in log.decisions]
+['rechunk']
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+from .chunks import Chunk, Shape
+from .machine import OK, ChunkEnded, DecisionRecord, Submit
+from .records import Observation, Prediction
+
+logger = logging.getLogger("memchunk_prefect.observe")
+
+__all__ = ["MapStart", "MapEnd", "MapObserver", "MapLog", "Observers", "DecisionRecord", "Submit", "ChunkEnded"]
+
+
+@dataclass(frozen=True)
+class MapStart:
+    """A chunked map begins: what it computes and what it may use.
+
+    ``predict(extents)`` is a read-only view of the operator's learned model (the
+    same the runner plans with), for observers that want figures of their own.
+    """
+
+    operator: str
+    operator_key: str
+    shape: Shape
+    halo: Shape
+    output_path: str
+    budget_bytes: int
+    slots: int
+    predict: Callable[[Shape], Prediction] | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class MapEnd:
+    """The map ended: ``error`` is None when every chunk was written and the output finalized."""
+
+    error: BaseException | None
+    done_chunks: int
+    done_elements: int
+    at: float = 0.0
+
+
+class MapObserver:
+    """Base class of map observers: override the calls you need (every default does nothing)."""
+
+    def on_map_start(self, event: MapStart) -> None:
+        """The map begins (budget and slots read, output opened)."""
+
+    def on_decision(self, event: DecisionRecord) -> None:
+        """A decision was taken (and why)."""
+
+    def on_submit(self, event: Submit) -> None:
+        """A chunk was submitted as a task run."""
+
+    def on_chunk_end(self, event: ChunkEnded) -> None:
+        """A task run of the map ended (ok, out of memory, its worker killed or lost)."""
+
+    def on_map_end(self, event: MapEnd) -> None:
+        """The map ended (finished or failed); called once."""
+
+
+class Observers:
+    """Fan one event out to many observers; one that raises is logged and dropped, the others go on."""
+
+    def __init__(self, observers: Iterable[MapObserver] = ()):
+        self.observers = list(observers)
+
+    def emit(self, method: str, event: Any) -> None:
+        for obs in list(self.observers):
+            try:
+                getattr(obs, method)(event)
+            except Exception as exc:  # watching must never stop a run
+                logger.warning("memchunk: observer %r failed on %s (%r); it is dropped for this map",
+                               obs, method, exc)
+                self.observers.remove(obs)
+
+
+@dataclass
+class MapLog(MapObserver):
+    """The plain-data account of one map that ``ChunkedResult`` keeps: decisions, chunk events, observations.
+
+    ``decisions`` and ``events`` are lists of dicts (see
+    :meth:`DecisionRecord.to_dict` and :meth:`ChunkEnded.to_dict`); ``observations``
+    the measured records of finished task runs, in the order they ended.
+    """
+
+    decisions: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    observations: list[Observation] = field(default_factory=list)
+    budget_bytes: int = 0
+    done: list[Chunk] = field(default_factory=list)
+
+    def on_map_start(self, event: MapStart) -> None:
+        self.budget_bytes = event.budget_bytes
+
+    def on_decision(self, event: DecisionRecord) -> None:
+        self.decisions.append(event.to_dict())
+
+    def on_chunk_end(self, event: ChunkEnded) -> None:
+        self.events.append(event.to_dict())
+        if event.observation is not None:
+            self.observations.append(event.observation)
+
+    @property
+    def oom_events(self) -> int:
+        return sum(1 for e in self.events if e.get("event") in ("memory_error", "killed"))
+
+    def summary(self, *, operator: str, operator_key: str, chunks: Sequence[Chunk], output: str) -> dict:
+        """Plain-data account of the map, for logs, artifacts and the demo."""
+        peaks = [o.peak_bytes for o in self.observations if o.outcome == OK]
+        return {
+            "operator": operator,
+            "operator_key": operator_key,
+            "decisions": [d["decision"] for d in self.decisions],
+            "reasons": [d["reason"] for d in self.decisions],
+            "tasks": len(self.observations),
+            "chunks": len(chunks),
+            "oom_events": self.oom_events,
+            "recovered": self.oom_events,
+            "peak_bytes": max(peaks) if peaks else None,
+            "budget_bytes": self.budget_bytes,
+            "output": output,
+        }

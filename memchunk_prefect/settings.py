@@ -1,0 +1,113 @@
+"""Every tunable number of memchunk-prefect, with its unit, default and why, in one place.
+
+Two groups:
+
+- :class:`PolicySettings`: what the decision core weighs (per-task overhead,
+  tolerances, probe sizing, the in-flight cap, the memory-kill rule). They
+  change *decisions*; a runner carries them (``MemoryAwareRunner(policy=...)``)
+  and so does every simulated run of the same policy.
+- :class:`RunnerSettings`: how long the executor waits on the cluster and on
+  the Prefect API. They never change a decision, only how patient the glue is.
+
+What is read from the cluster instead of set here: each worker's
+``memory_limit``, threads and resting memory (from the scheduler), and the
+nanny's kill line (``distributed.worker.memory.terminate``; see
+:mod:`memchunk_prefect.cluster`).
+
+>>> PolicySettings().in_flight_cap(2), PolicySettings().in_flight_cap(1)
+(4, 2)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Every volume is processed as float32 (``DTYPE``); ``ITEMSIZE`` bytes per element.
+DTYPE = "float32"
+ITEMSIZE = 4
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    """The decision core's tunables, with their defaults and units.
+
+    - ``per_task_overhead_seconds``: slot time one task costs beyond its compute
+      (Prefect + Dask bookkeeping: 200 mapped no-op task runs on a 2-core machine
+      with a local Prefect server took 15.5 s, ~75 ms each, ~0.15 s of one worker
+      slot). Too low over-splits, too high under-uses slots.
+    - ``seconds_per_element``: compute time per element (incl. halo) used until
+      the runner has measured the operator; only the ratio to the overhead matters.
+    - ``continue_tolerance``: keep the incoming chunking when its estimated
+      makespan is within this fraction of the best plan's (avoids rechunking for
+      a few percent).
+    - ``replan_threshold``: re-plan the unsubmitted remainder when the upper bound
+      for the planned chunk moved by more than this fraction.
+    - ``probe_multiple``: the memory multiple (peak bytes / input bytes) assumed
+      for an unknown operator when sizing probes; 100 covers the heaviest
+      operator known (GST3D, about 60x), so probes fit on the first try.
+    - ``probe_chunks``: at least this many probe chunks (three observations of at
+      least two sizes separate a fixed overhead from a per-element cost).
+    - ``max_counts``: largest number of pieces per axis the planner considers.
+    - ``in_flight_per_slot``: chunks submitted ahead per worker slot (at least one
+      more than the slots, so a slot never waits for the flow); the rest of the
+      queue stays unsubmitted and can still be re-planned.
+    - ``memory_kill_fraction``: a worker that died running a chunk whose upper
+      bound was *below* this fraction of the kill line is taken as lost for
+      another reason (a node lost, a SIGKILL): the same chunk runs once more and
+      nothing is learned. Above it, or on a second death of the same chunk, the
+      death is taken as out of memory and the chunk is split.
+    - ``time_window``: seconds per element is the median over this many latest
+      ``ok`` observations of the operator (a median: one slow run on a busy
+      machine does not move it).
+    """
+
+    per_task_overhead_seconds: float = 0.15
+    seconds_per_element: float = 1e-7
+    continue_tolerance: float = 0.15
+    replan_threshold: float = 0.2
+    probe_multiple: float = 100.0
+    probe_chunks: int = 3
+    max_counts: int = 4096
+    in_flight_per_slot: int = 2
+    memory_kill_fraction: float = 0.5
+    time_window: int = 20
+
+    def in_flight_cap(self, slots: int) -> int:
+        """Most chunks in flight at once for ``slots`` worker slots."""
+        slots = max(1, int(slots))
+        return max(self.in_flight_per_slot * slots, slots + 1)
+
+
+DEFAULT_SETTINGS = PolicySettings()
+
+
+@dataclass(frozen=True)
+class RunnerSettings:
+    """How patient the executor is with the cluster and the Prefect API (seconds unless named otherwise).
+
+    - ``workers_wait_seconds`` / ``workers_poll_seconds``: how long a map waits for
+      an adaptive or external cluster to get its first worker, and how often it looks.
+    - ``harvest_timeout_seconds``: when a map stops early, how long to wait for the
+      result of a chunk Dask already reports finished (its measurement is kept).
+    - ``settle_missing_seconds`` / ``settle_poll_seconds``: when a map stops early,
+      a task a worker started just before the cancellation reached it creates its
+      Prefect task run a moment later; runs not found yet are looked for again for
+      this long, this often, so none is left RUNNING.
+    - ``task_run_page``: task runs read from the Prefect API per request when
+      settling runs after a worker death.
+    - ``allowed_failures``: ``distributed.scheduler.allowed-failures`` on clusters
+      the runner starts. Dask's default (3) re-runs a task whose worker died on
+      another worker, killing one worker per retry for a task that needs too much
+      memory; 0 reports the first death, and the runner splits the chunk instead.
+    """
+
+    workers_wait_seconds: float = 60.0
+    workers_poll_seconds: float = 0.5
+    harvest_timeout_seconds: float = 5.0
+    settle_missing_seconds: float = 2.0
+    settle_poll_seconds: float = 0.25
+    task_run_page: int = 200
+    allowed_failures: int = 0
+
+
+RUNNER_SETTINGS = RunnerSettings()

@@ -1,0 +1,174 @@
+"""The worker side of a chunked map: what is pickled to Dask workers, and nothing else.
+
+Each chunk runs as an ordinary Prefect task run of the user's task, whose
+function is wrapped in a :class:`BlockFunction` and whose chunked argument is a
+:class:`BlockJob` (paths and ints, never arrays). On the worker,
+:func:`run_block` reads the block (halo included) straight from the source,
+runs the user's function on it, trims the halo, writes the region of the
+output zarr store and its completion marker (which carries the measurement),
+all measured as one run, and returns a small :class:`Receipt`. A ``MemoryError``
+becomes a :class:`~memchunk_prefect.errors.ChunkMemoryError` carrying the
+censored observation, so the flow can learn from it and split the chunk.
+
+Large arrays never travel through the flow process or the Prefect API.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .chunks import Chunk, Shape, with_halo
+from .errors import ChunkMemoryError, OutputWriteError, RunnerConfigError, VolumeError, format_bytes
+from .monitor import default_monitor
+from .records import Observation
+from .settings import DTYPE, ITEMSIZE
+from .volume import ZarrOutput
+
+
+@dataclass(frozen=True)
+class BlockJob:
+    """Everything a worker needs to run one chunk: small (paths and ints, no arrays)."""
+
+    source: Any  # a memchunk_prefect.volume source (SegySource, ZarrSource, ArraySource)
+    chunk: Chunk
+    halo: Shape
+    volume_shape: Shape
+    output_path: str
+    operator: str
+    operator_key: str
+    budget_bytes: int
+    label: str
+
+    def __repr__(self) -> str:  # shown in Prefect logs and the UI's parameters: keep it short
+        return f"BlockJob({self.operator}[{self.label}])"
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What a finished chunk returns to the flow: where it wrote, and what it measured."""
+
+    chunk: Chunk
+    output_path: str
+    observation: dict
+
+    def __repr__(self) -> str:
+        return f"Receipt({self.chunk.key()}, peak={format_bytes(self.observation.get('peak_bytes'))})"
+
+
+def chunk_task_run_name(parameters: dict[str, Any]) -> str:
+    """Task run names that show the chunk: ``gst3d_dip[iline 64:96]``."""
+    for value in parameters.values():
+        if isinstance(value, BlockJob):
+            return f"{value.operator}[{value.label}]"
+    return "chunk"
+
+
+class BlockFunction:
+    """The user's block function, run on a worker against one :class:`BlockJob`.
+
+    It keeps the user's signature (``functools.update_wrapper``), so Prefect binds
+    parameters as for the original task; the chunked parameter arrives as a
+    ``BlockJob`` and is replaced by the numpy block before the user's function runs.
+    """
+
+    def __init__(self, fn: Any, param: str):
+        self.fn = fn
+        self.param = param
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        job = bound.arguments[self.param]
+        if not isinstance(job, BlockJob):  # called outside the runner: behave as the plain function
+            return self.fn(*args, **kwargs)
+        return run_block(self.fn, job, bound)
+
+
+def _worker_name() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except Exception:  # noqa: BLE001 - not on a Dask worker (a plain call, a test)
+        return f"pid:{os.getpid()}"
+
+
+def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
+    """Read the block, run ``fn`` on it, trim the halo, write the region; measure all of it.
+
+    The measurement covers read + compute + write, because the worker's memory
+    limit applies to all of it. Runs on the worker.
+    """
+    read_chunk, trim = with_halo(job.chunk, job.halo, job.volume_shape)
+    base: dict[str, Any] = dict(
+        operator_key=job.operator_key, elements=read_chunk.elements, extents=read_chunk.shape,
+        bytes_in=read_chunk.elements * ITEMSIZE, worker=_worker_name(), chunk=job.chunk.key(),
+        budget_bytes=job.budget_bytes)
+    try:
+        with default_monitor().track() as run:
+            block = job.source.read(read_chunk)
+            bound.arguments[job_param_name(bound, job)] = block
+            out = np.asarray(fn(*bound.args, **bound.kwargs))
+            if out.shape != block.shape:
+                raise VolumeError(
+                    f"operator {job.operator} returned a block of shape {out.shape} for an input block of shape "
+                    f"{block.shape}: chunked operators must return a block of the same shape as their input"
+                )
+            output = ZarrOutput.open(job.output_path)
+            try:
+                output.write(job.chunk, np.ascontiguousarray(out[trim], dtype=DTYPE), mark_done=False)
+            except OSError as exc:
+                raise write_error(job, exc) from exc
+            del block, out
+    except MemoryError as exc:
+        m = getattr(exc, "memchunk_measurement", None)
+        fields = m.observation_fields() if m is not None else {"peak_bytes": 0, "outcome": "memory_error",
+                                                                "censored": True}
+        fields.update(outcome="memory_error", censored=True)
+        obs = Observation(**base, **fields)
+        reached = f"after reaching {format_bytes(obs.peak_bytes)}" if obs.peak_bytes else "(peak not measured)"
+        raise ChunkMemoryError(
+            f"{job.operator}[{job.label}] ran out of memory {reached} "
+            f"(budget {format_bytes(job.budget_bytes)}): {exc!r}", obs.to_dict()) from exc
+    assert run.measurement is not None  # set when the track() block exits
+    obs = Observation(**base, **run.measurement.observation_fields())
+    # The marker carries the observation: a flow stopped before collecting this receipt loses no measurement.
+    try:
+        output.mark_done(job.chunk, record=obs.to_dict())
+    except OSError as exc:
+        raise write_error(job, exc) from exc
+    return Receipt(chunk=job.chunk, output_path=job.output_path, observation=obs.to_dict())
+
+
+_WRITE_HINTS = {errno.ENOSPC: "the disk is full: free space there",
+                errno.EDQUOT: "your disk quota is used up: free space or raise the quota",
+                errno.EFBIG: "a file size limit was hit (ulimit -f): raise it",
+                errno.EROFS: "the filesystem is read-only: choose a writable output directory",
+                errno.EACCES: "permission denied: choose a directory you can write"}
+
+
+def write_error(job: BlockJob, exc: OSError) -> OutputWriteError:
+    """An OutputWriteError naming the chunk, the path, the cause and what to do."""
+    code = exc.errno or 0
+    hint = _WRITE_HINTS.get(code, "fix the cause")
+    return OutputWriteError(
+        code,
+        f"{job.operator}[{job.label}]: could not write its chunk to {job.output_path} "
+        f"({errno.errorcode.get(code, 'error')}: {exc.strerror or exc}); {hint}, or set the runner's "
+        "output_dir (or chunked(..., output=)) to another place. Chunks already written are kept: rerunning the "
+        "flow resumes the output")
+
+
+def job_param_name(bound: inspect.BoundArguments, job: BlockJob) -> str:
+    """The name of the parameter the :class:`BlockJob` was bound to."""
+    for name, value in bound.arguments.items():
+        if value is job:
+            return name
+    raise RunnerConfigError("internal: the BlockJob is not among the bound arguments")  # pragma: no cover

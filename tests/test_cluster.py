@@ -1,0 +1,60 @@
+"""What the cluster says about memory, as plain data: slots, kill line, budget (no cluster needed)."""
+
+from __future__ import annotations
+
+import dask
+import pytest
+
+from memchunk_prefect.cluster import (
+    configured_kill_fraction,
+    kill_headroom_bytes,
+    slots,
+    task_budget,
+    workers_from_info,
+)
+from memchunk_prefect.errors import BudgetError
+
+GiB = 2**30
+
+
+def info(*workers):
+    return {"workers": {f"tcp://w:{i}": w for i, w in enumerate(workers)}}
+
+
+def worker(limit=4 * GiB, threads=1, resting=GiB // 4, nanny="tcp://n:1"):
+    return {"nthreads": threads, "memory_limit": limit, "metrics": {"memory": resting}, "nanny": nanny}
+
+
+@pytest.mark.parametrize("fractions, default, expect", [
+    ({"tcp://n:1": 0.95}, 0.95, int(0.95 * 4 * GiB) - GiB // 4),   # the nanny's own fraction
+    ({"tcp://n:1": 0.80}, 0.95, int(0.80 * 4 * GiB) - GiB // 4),   # a nanny configured otherwise wins
+    ({}, 0.90, int(0.90 * 4 * GiB) - GiB // 4),                    # not asked: this process's setting
+    ({"tcp://n:1": None}, 0.95, None),                             # terminate: False, no kill line
+])
+def test_the_kill_headroom_comes_from_each_nannys_own_fraction(fractions, default, expect):
+    assert kill_headroom_bytes(workers_from_info(info(worker()), fractions, default)) == expect
+
+
+def test_a_worker_without_a_nanny_has_no_kill_line_and_the_smallest_headroom_counts():
+    ws = workers_from_info(info(worker(nanny=None), worker(limit=2 * GiB, nanny="tcp://n:2")), {}, 0.95)
+    assert [w.kill_fraction for w in ws] == [None, 0.95]
+    assert kill_headroom_bytes(ws) == int(0.95 * 2 * GiB) - GiB // 4
+
+
+def test_slots_and_budget_over_several_workers():
+    ws = workers_from_info(info(worker(threads=2), worker(limit=2 * GiB)), {}, 0.95)
+    assert slots(ws) == 3
+    assert task_budget(ws, 0.75) == min(int(4 * GiB * 0.75 / 2), int(2 * GiB * 0.75)) - GiB // 4
+
+
+def test_a_target_at_or_above_the_nannys_kill_fraction_is_refused_naming_the_setting():
+    ws = workers_from_info(info(worker()), {"tcp://n:1": 0.7}, 0.95)
+    with pytest.raises(BudgetError, match="distributed.worker.memory.terminate"):
+        task_budget(ws, 0.75)
+
+
+def test_the_kill_fraction_is_read_from_daskss_configuration():
+    with dask.config.set({"distributed.worker.memory.terminate": False}):
+        assert configured_kill_fraction() is None
+    with dask.config.set({"distributed.worker.memory.terminate": 0.9}):
+        assert configured_kill_fraction() == 0.9

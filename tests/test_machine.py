@@ -1,0 +1,458 @@
+"""The chunked map's rules, one table row each: events in, instructions out, no cluster (milliseconds).
+
+The same rules run for real in tests/test_runner.py, test_interruptions.py and
+test_faults.py (real workers killed by their nanny, real Ctrl-C, a real lost
+scheduler); here each rule is pinned down on its own, including the
+interleavings those cluster tests found.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from memchunk_prefect.chunks import Chunk, covers_exactly
+from memchunk_prefect.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
+from memchunk_prefect.machine import (
+    KILLED,
+    LOST,
+    MEMORY_ERROR,
+    OK,
+    Cancel,
+    ChunkDone,
+    ChunkEnded,
+    ChunkFailed,
+    ChunkOutOfMemory,
+    ClusterLost,
+    Decided,
+    Fail,
+    Finalize,
+    MapMachine,
+    MapSpec,
+    MapStateError,
+    MarkersRecovered,
+    MarkRuns,
+    Record,
+    Start,
+    Stop,
+    Stopped,
+    Submit,
+    WorkerDied,
+    is_memory_kill,
+)
+from memchunk_prefect.records import Observation, Prediction
+from memchunk_prefect.settings import PolicySettings
+from memchunk_prefect.taskruns import mark_runs
+
+KEY = "op|float32|cpu"
+MiB = 2**20
+
+
+@dataclass
+class Linear:
+    """A fake model: ``bytes_per_element`` per element held, the bound 20% above; switchable."""
+
+    bytes_per_element: float = 100.0
+    ready: bool = True
+    spe: float | None = 1e-6
+
+    def predict(self, extents):
+        mean = self.bytes_per_element * math.prod(extents)
+        return Prediction(mean, 1.2 * mean, 10 if self.ready else 0, self.ready, "" if self.ready else "too little")
+
+    def seconds_per_element(self):
+        return self.spe
+
+
+def machine(shape=(8, 8, 10), *, knowledge=None, halo=(0, 0, 0), whole_traces=True, incoming=None, **settings):
+    spec = MapSpec(operator="op", operator_key=KEY, shape=shape, halo=halo, whole_traces=whole_traces,
+                   output_path="/out.zarr", incoming=incoming, settings=PolicySettings(**settings))
+    return MapMachine(spec, knowledge or Linear())
+
+
+def obs(chunk: Chunk, peak=1000, outcome="ok", censored=False, at=0.0) -> Observation:
+    return Observation(KEY, chunk.elements, chunk.shape, chunk.elements * 4, peak, seconds=0.1, outcome=outcome,
+                       censored=censored, chunk=chunk.key(), created_at=at)
+
+
+def of(kind, instructions):
+    return [i for i in instructions if isinstance(i, kind)]
+
+
+def kinds(instructions):
+    return [type(i).__name__ for i in instructions]
+
+
+def started(m: MapMachine, slots=2, budget=10 * MiB, **start):
+    first = m.handle(Start(slots, budget, **start))
+    return first, m.advance()
+
+
+# =========================================================================== starting a map
+
+
+def test_a_warm_start_decides_once_then_submits_up_to_the_in_flight_cap():
+    m = machine((64, 8, 10), max_counts=64)
+    # 64 x 8 x 10 x 100 B x 1.2 = 614 KiB whole; a 100 KiB budget forces many chunks.
+    first, submitted = started(m, slots=2, budget=100 * 1024)
+    (d,) = of(Decided, first)
+    assert d.record.decision == "rechunk" and d.record.n_chunks > 4
+    assert kinds(submitted) == ["Submit"] * 4, "2 slots: 2 per slot in flight, the rest stays re-plannable"
+    assert len(m.queue) == d.record.n_chunks - 4
+    assert all(s.upper_bytes <= 100 * 1024 for s in of(Submit, submitted))
+
+
+@pytest.mark.parametrize("slots, per_slot, cap", [(1, 2, 2), (2, 2, 4), (4, 1, 5), (3, 3, 9)])
+def test_the_in_flight_cap_is_per_slot_and_at_least_one_more_than_the_slots(slots, per_slot, cap):
+    assert PolicySettings(in_flight_per_slot=per_slot).in_flight_cap(slots) == cap
+
+
+def test_an_incoming_chunking_that_fits_and_is_near_the_best_is_kept():
+    incoming = tuple(Chunk((i, 0, 0), (i + 4, 8, 10)) for i in range(0, 8, 4))
+    m = machine(incoming=incoming)
+    first, submitted = started(m, budget=10 * MiB)
+    assert of(Decided, first)[0].record.decision == "continue"
+    assert [s.chunk for s in of(Submit, submitted)] == list(incoming)
+
+
+def test_a_budget_nothing_fits_fails_the_map_before_anything_runs():
+    m = machine(knowledge=Linear(bytes_per_element=1e6))
+    first, submitted = started(m, budget=1000)
+    (fail,) = of(Fail, first)
+    assert isinstance(fail.error, BudgetTooSmallError) and submitted == [] and m.finished
+
+
+def test_a_restart_is_recorded_before_the_chunking_decision():
+    first, _ = started(machine(), restarted="it was computed from other task code")
+    assert [d.record.decision for d in of(Decided, first)] == ["restart", "rechunk"]
+    assert "other task code" in of(Decided, first)[0].record.reason
+
+
+# =========================================================================== cold start
+
+
+def test_cold_start_probes_then_plans_every_box_left_once_the_probes_are_back():
+    know = Linear(ready=False)
+    m = machine((16, 40, 10), knowledge=know)
+    first, probes = started(m, slots=2, budget=10 * MiB)
+    assert of(Decided, first)[0].record.decision == "probe"
+    probe_subs = of(Submit, probes)
+    assert len(probe_subs) == 3 and len({s.chunk.shape for s in probe_subs}) == 3, "three sizes"
+    assert m.regions, "the rest waits for the probes"
+    know.ready = True  # the probes taught the model
+    out = []
+    for s in probe_subs:
+        out += m.handle(ChunkDone(s.id, obs(s.chunk)))
+        out += m.advance()
+    decided = [d.record for d in of(Decided, out)]
+    assert decided and all(r.decision == "rechunk" and r.reason.startswith("after probing: ") for r in decided)
+    assert len(decided) == len({r.region for r in decided}), "each box left planned once"
+    planned = [q.chunk for q in m.queue] + [i.chunk for i in m.in_flight.values()] + [s.chunk for s in probe_subs]
+    assert covers_exactly(planned, (16, 40, 10))
+
+
+def test_probes_grow_twice_as_large_while_the_history_is_still_too_short():
+    m = machine((4, 2000, 10), knowledge=Linear(ready=False))  # a long row: room for both waves
+    first, probes = started(m, slots=2, budget=400 * 1024)  # probes sized by the budget, not the row
+    sizes1 = [s.chunk.elements for s in of(Submit, probes)]
+    out = []
+    for s in of(Submit, probes):
+        out += m.handle(ChunkDone(s.id, obs(s.chunk)))
+        out += m.advance()
+    again = [d.record for d in of(Decided, out)]
+    assert [r.decision for r in again] == ["probe"] and m.probe_scale == 2
+    sizes2 = [s.chunk.elements for s in of(Submit, out)]
+    assert max(sizes2) > max(sizes1)
+
+
+# =========================================================================== mid-map re-plan
+
+
+def _running_with_queue(knowledge, slots=1):
+    m = machine((64, 8, 10), knowledge=knowledge, max_counts=64)
+    started(m, slots=slots, budget=100 * 1024)
+    assert m.queue
+    return m
+
+
+def test_the_remainder_is_replanned_when_the_bound_moved_more_than_the_threshold():
+    know = Linear()
+    m = _running_with_queue(know)
+    n_before = len(m.queue)
+    know.bytes_per_element = 50.0  # measured: half what was planned with
+    sid = next(iter(m.in_flight))
+    out = m.handle(ChunkDone(sid, obs(m.in_flight[sid].chunk))) + m.advance()
+    replans = [d.record for d in of(Decided, out)]
+    assert replans and all(r.reason.startswith("mid-map re-plan: the upper bound moved") for r in replans)
+    assert len(m.queue) < n_before, "larger chunks now fit"
+
+
+def test_a_bound_within_the_threshold_keeps_the_planned_chunks():
+    know = Linear()
+    m = _running_with_queue(know)
+    queued = [q.chunk for q in m.queue]
+    know.bytes_per_element = 110.0  # +10%: under the 20% threshold
+    sid = next(iter(m.in_flight))
+    out = m.handle(ChunkDone(sid, obs(m.in_flight[sid].chunk))) + m.advance()
+    assert not of(Decided, out)
+    assert [q.chunk for q in m.queue] == queued[len(of(Submit, out)):]
+
+
+def test_no_replan_while_split_pieces_wait_their_turn():
+    know = Linear()
+    m = _running_with_queue(know)
+    sid = next(iter(m.in_flight))
+    m.handle(ChunkOutOfMemory(sid, obs(m.in_flight[sid].chunk, peak=200 * 1024, outcome="memory_error",
+                                      censored=True)))
+    know.bytes_per_element = 10.0
+    other = next(iter(m.in_flight))
+    out = m.handle(ChunkDone(other, obs(m.in_flight[other].chunk))) + m.advance()
+    assert not [d for d in of(Decided, out) if "re-plan" in d.record.reason]
+
+
+# =========================================================================== out of memory
+
+
+def test_a_memory_error_records_the_censored_peak_and_resubmits_both_halves_first():
+    m = _running_with_queue(Linear())
+    sid, item = next(iter(m.in_flight.items()))
+    censored = obs(item.chunk, peak=150 * 1024, outcome="memory_error", censored=True)
+    out = m.handle(ChunkOutOfMemory(sid, censored))
+    assert kinds(out) == ["Record", "ChunkEnded", "Decided"]
+    assert out[0].observation is censored and out[1].outcome == MEMORY_ERROR
+    assert out[2].record.decision == "retry-smaller" and out[2].record.chunk == item.chunk.key()
+    halves = [q.chunk for q in m.queue[:2]]
+    assert covers_exactly(halves, item.chunk.shape) or sum(c.elements for c in halves) == item.chunk.elements
+    assert all(q.decision == "retry-smaller" and q.attempt == 1 for q in m.queue[:2])
+    nxt = of(Submit, m.advance())
+    assert [s.chunk for s in nxt] == halves[:len(nxt)], "the pieces go first"
+
+
+def test_a_memory_error_the_worker_could_not_report_is_recorded_as_needing_more_than_the_budget():
+    m = _running_with_queue(Linear())
+    sid = next(iter(m.in_flight))
+    out = m.handle(ChunkOutOfMemory(sid, None, at=123.0))
+    rec = of(Record, out)[0].observation
+    assert (rec.outcome, rec.censored, rec.peak_bytes, rec.method, rec.created_at) == (
+        "memory_error", True, 100 * 1024, "flow", 123.0)
+
+
+def test_a_chunk_that_cannot_be_split_fails_the_map_and_stays_in_flight_to_be_settled():
+    m = machine((1, 1, 10))
+    started(m, slots=1, budget=10 * MiB)
+    (sid,) = m.in_flight
+    out = m.handle(ChunkOutOfMemory(sid, None))
+    (fail,) = of(Fail, out)
+    assert isinstance(fail.error, ChunkOutOfMemoryError) and "cannot be split" in str(fail.error)
+    assert fail.error.chunk == Chunk((0, 0, 0), (1, 1, 10))
+    assert sid in m.in_flight
+    stop = m.handle(Stop("ChunkOutOfMemoryError", interrupted=False))
+    assert of(MarkRuns, stop)[0].marks[0][0] == sid
+
+
+# =========================================================================== a worker dies mid-map
+
+
+@pytest.mark.parametrize(
+    "upper, headroom, attempt, memory_kill",
+    [(None, 1000, 0, True),      # no ready bound: assume memory
+     (600.0, 1000, 0, True),     # above half the kill headroom: it may have crossed the kill line
+     (500.0, 1000, 0, False),    # at half: taken as lost for another reason
+     (100.0, 1000, 0, False),    # far below the kill line: a node lost, a SIGKILL
+     (100.0, 1000, 1, True)],    # the same chunk died before: memory after all
+)
+def test_the_memory_kill_rule(upper, headroom, attempt, memory_kill):
+    assert is_memory_kill(upper, headroom, attempt) is memory_kill
+
+
+def test_a_worker_killed_after_writing_its_chunk_keeps_the_chunk_and_its_measurement():
+    m = _running_with_queue(Linear())
+    sid, item = next(iter(m.in_flight.items()))
+    out = m.handle(WorkerDied(sid, "KilledWorker", written=True, kill_headroom_bytes=500 * 1024))
+    assert kinds(out) == ["MarkRuns", "RecoverMarkers", "ChunkEnded"]
+    assert out[0].marks == ((sid, "Crashed", f"worker died after op[{item.chunk.label((64, 8, 10))}] was written; "
+                                            "the chunk is kept"),)
+    assert out[1].chunks == (item.chunk,) and out[2].outcome == LOST and out[2].kept
+    assert item.chunk in m.done and item.chunk not in [q.chunk for q in m.queue]
+    assert not of(Record, out), "nothing learned from the death itself"
+
+
+def test_a_worker_killed_running_a_chunk_near_the_kill_line_is_out_of_memory_split_and_learned():
+    m = _running_with_queue(Linear())
+    sid, item = next(iter(m.in_flight.items()))
+    out = m.handle(WorkerDied(sid, "KilledWorker", kill_headroom_bytes=150 * 1024))
+    assert kinds(out) == ["MarkRuns", "Record", "ChunkEnded", "Decided"]
+    assert "treated as out of memory" in out[0].marks[0][2]
+    rec = out[1].observation
+    assert (rec.outcome, rec.censored, rec.peak_bytes) == ("killed", True, 150 * 1024)
+    assert out[2].outcome == KILLED and out[3].record.decision == "retry-smaller"
+    assert m.queue[0].decision == "retry-smaller" and sid not in m.in_flight
+
+
+def test_a_worker_lost_running_a_small_chunk_runs_the_same_chunk_again_once_then_splits_it():
+    m = _running_with_queue(Linear())
+    sid, item = next(iter(m.in_flight.items()))
+    out = m.handle(WorkerDied(sid, "KilledWorker", kill_headroom_bytes=100 * MiB))
+    assert kinds(out) == ["MarkRuns", "Record", "ChunkEnded"]
+    assert "resubmitting the same chunk" in out[0].marks[0][2]
+    assert of(Record, out)[0].observation.outcome == "error" and out[2].outcome == LOST
+    assert (m.queue[0].chunk, m.queue[0].attempt) == (item.chunk, 1)
+    (again,) = [s for s in of(Submit, m.advance()) if s.chunk == item.chunk]
+    out = m.handle(WorkerDied(again.id, "KilledWorker", kill_headroom_bytes=100 * MiB))
+    assert of(ChunkEnded, out)[0].outcome == KILLED, "a second death of the same chunk is memory"
+
+
+def test_a_worker_death_with_no_readable_kill_line_is_judged_against_the_budget():
+    m = _running_with_queue(Linear())
+    sid = next(iter(m.in_flight))
+    out = m.handle(WorkerDied(sid, "KilledWorker", kill_headroom_bytes=None))
+    assert of(Record, out)[0].observation.peak_bytes == 100 * 1024
+
+
+def test_a_lost_scheduler_fails_the_map_naming_what_is_kept_and_leaves_its_chunk_to_be_settled():
+    m = _running_with_queue(Linear())
+    sid = next(iter(m.in_flight))
+    cause = OSError("Timed out trying to connect")
+    (fail,) = m.handle(ClusterLost(sid, cause, address="tcp://s:8786", written_chunks=3))
+    assert isinstance(fail.error, ClusterLostError) and fail.error.__cause__ is cause
+    assert "tcp://s:8786" in str(fail.error) and "the 3 chunks written so far are kept in /out.zarr" in str(fail.error)
+    assert sid in m.in_flight and m.finished
+
+
+def test_the_operators_own_error_fails_the_map_as_it_is():
+    m = _running_with_queue(Linear())
+    sid = next(iter(m.in_flight))
+    err = ValueError("bad sigma")
+    assert m.handle(ChunkFailed(sid, err)) == [Fail(err)]
+
+
+# =========================================================================== stopping early
+
+
+def test_an_interrupt_cancels_what_runs_and_marks_its_task_runs_cancelled_looking_again_for_late_ones():
+    m = _running_with_queue(Linear())
+    ids = list(m.in_flight)
+    out = m.handle(Stop("KeyboardInterrupt", interrupted=True))
+    assert kinds(out) == ["Cancel", "MarkRuns", "RecoverMarkers", "Stopped"]
+    assert out[0].ids == tuple(ids)
+    assert {mark[1] for mark in out[1].marks} == {"Cancelled"} and out[1].look_again
+    assert "interrupted or cancelled" in out[1].marks[0][2]
+    assert not m.in_flight and m.finished and m.advance() == [], "nothing is finalized: the output stays resumable"
+
+
+def test_an_error_marks_the_task_runs_in_flight_crashed():
+    m = _running_with_queue(Linear())
+    out = m.handle(Stop("ClusterLostError", interrupted=False))
+    assert {mark[1] for mark in of(MarkRuns, out)[0].marks} == {"Crashed"}
+    assert "the chunked map stopped (ClusterLostError)" in of(MarkRuns, out)[0].marks[0][2]
+
+
+def test_a_chunk_whose_result_arrived_as_the_interrupt_did_is_kept_not_cancelled():
+    m = _running_with_queue(Linear())
+    ids = list(m.in_flight)
+    done = m.in_flight[ids[0]].chunk
+    out = m.handle(Stop("KeyboardInterrupt", interrupted=True, finished=((ids[0], obs(done)),)))
+    assert kinds(out)[:2] == ["Record", "ChunkEnded"] and of(ChunkEnded, out)[0].outcome == OK
+    assert ids[0] not in of(Cancel, out)[0].ids and done in m.done
+    assert of(Stopped, out)[0].kept == 1
+
+
+def test_a_stop_before_the_map_started_settles_nothing():
+    assert kinds(machine().handle(Stop("KeyboardInterrupt", interrupted=True))) == ["Stopped"]
+
+
+@pytest.mark.parametrize("answers, expect_missing", [
+    (["set"], []),                                  # marked at once
+    (["final"], []),                                # already final: left alone
+    (["missing", "missing", "set"], []),            # a run created after the cancellation: found on a later look
+    (["missing"] * 50, ["r"]),                      # never started: given up after the deadline
+])
+def test_runs_created_after_a_cancellation_are_looked_for_again_until_a_deadline(answers, expect_missing):
+    calls = iter(answers)
+    now = [0.0]
+
+    def sleep(s):
+        now[0] += s
+
+    missing = mark_runs([("r", "Cancelled", "why")], look_again_seconds=2.0, poll_seconds=0.25,
+                        set_state=lambda *a: next(calls), clock=lambda: now[0], sleep=sleep)
+    assert missing == expect_missing
+
+
+# =========================================================================== resume, recover, finalize
+
+
+def test_a_resumed_output_plans_only_the_boxes_its_completed_chunks_leave():
+    done = (Chunk((0, 0, 0), (4, 8, 10)),)
+    m = machine()
+    first, out = started(m, completed=done)
+    assert kinds(first) == ["RecoverMarkers", "Decided"]
+    assert first[1].record.decision == "resume" and "1 chunks already written; 1 boxes left" in first[1].record.reason
+    assert all(d.record.reason.startswith("the part a resumed output lacks: ") for d in of(Decided, out))
+    assert not any(Chunk((0, 0, 0), (4, 8, 10)).contains(s.chunk) for s in of(Submit, out))
+
+
+def test_a_resumed_output_that_is_complete_finalizes_without_running_anything():
+    m = machine()
+    first, out = started(m, completed=(Chunk.whole((8, 8, 10)),))
+    assert "nothing left" in of(Decided, first)[0].record.reason
+    assert out == [Finalize(settle_runs=False)]
+
+
+def test_recovered_marker_measurements_are_recorded_for_this_operator_only():
+    m = machine()
+    started(m)
+    mine = obs(Chunk((0, 0, 0), (1, 1, 10)))
+    theirs = Observation("other|float32|cpu", 10, (1, 1, 10), 40, 1000)
+    assert m.handle(MarkersRecovered((mine, theirs))) == [Record(mine)]
+
+
+def test_the_map_finalizes_when_every_chunk_is_written_and_settles_runs_after_a_death():
+    for died in (False, True):
+        m = machine((2, 8, 10))
+        started(m, slots=2)
+        out = []
+        if died:
+            sid = next(iter(m.in_flight))
+            out += m.handle(WorkerDied(sid, "KilledWorker", written=True))
+        while m.in_flight:
+            sid, item = next(iter(m.in_flight.items()))
+            out += m.handle(ChunkDone(sid, obs(item.chunk)))
+            out += m.advance()
+        assert out[-1] == Finalize(settle_runs=died)
+        assert covers_exactly(m.done, (2, 8, 10))
+
+
+# =========================================================================== the machine itself
+
+
+def test_events_that_make_no_sense_are_refused():
+    m = machine()
+    with pytest.raises(MapStateError):
+        m.handle(ChunkDone(0, obs(Chunk((0, 0, 0), (1, 1, 1)))))  # before Start
+    started(m)
+    with pytest.raises(MapStateError, match="not in flight"):
+        m.handle(ChunkDone(999, obs(Chunk((0, 0, 0), (1, 1, 1)))))
+    with pytest.raises(MapStateError):
+        m.handle(Start(1, 1))
+    with pytest.raises(MapStateError):
+        m.handle("chunk finished")  # type: ignore[arg-type]
+
+
+def test_the_same_events_give_the_same_instructions():
+    def replay():
+        m = machine((32, 8, 10), knowledge=Linear(), max_counts=32)
+        out = m.handle(Start(2, 60 * 1024, at=1.0)) + m.advance(1.0)
+        t = 2.0
+        while m.in_flight:
+            sid, item = min(m.in_flight.items())
+            ev = (WorkerDied(sid, "KilledWorker", kill_headroom_bytes=10, at=t) if sid == 1
+                  else ChunkDone(sid, obs(item.chunk, at=t), at=t))
+            out += m.handle(ev) + m.advance(t)
+            t += 1.0
+        return out
+
+    first = replay()
+    assert first == replay() and isinstance(first[-1], Finalize)
