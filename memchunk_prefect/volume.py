@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+import xarray as xr
+import zarr
 from xarray.backends import BackendArray
 from xarray.core import indexing
 
@@ -216,8 +218,6 @@ def _zarr_array(path: str, name: str | None, mode: str = "r"):
     key = (path, name, mode)
     arr = _ZARR.arrays.get(key)
     if arr is None:
-        import zarr
-
         arr = zarr.open_array(path, path=name or "", mode=mode) if name else zarr.open_array(path, mode=mode)
         _ZARR.arrays[key] = arr
     return arr
@@ -225,8 +225,6 @@ def _zarr_array(path: str, name: str | None, mode: str = "r"):
 
 def _find_zarr_array(path: str) -> str | None:
     """The name of the volume inside a zarr store: ``None`` for a root array, else the group member to use."""
-    import zarr
-
     try:
         node = zarr.open(path, mode="r")
     except Exception as exc:  # zarr raises several types for "not a store"
@@ -276,8 +274,6 @@ class ZarrSource(Source):
         return self._shape
 
     def coords(self) -> dict[str, Any]:
-        import zarr
-
         c = _default_coords(self.shape)
         if self.name is None:
             return c
@@ -300,8 +296,6 @@ class ZarrSource(Source):
 
     def identity(self) -> dict | None:
         """A memchunk store's ``write_id`` (new each time it is created) and ``completed_at``; None for others."""
-        import zarr
-
         if self.name is None:
             return None
         attrs = dict(zarr.open_group(self.path, mode="r").attrs)
@@ -327,8 +321,6 @@ class ArraySource(Source):
 
     def __init__(self, array: Any, *, coords: Mapping[str, Any] | None = None,
                  sample_interval_ms: float | None = None):
-        import xarray as xr
-
         self._coords: dict[str, Any]
         if isinstance(array, xr.DataArray):
             if array.ndim != 3:
@@ -456,7 +448,6 @@ def as_source(obj: Any, **kw: Any) -> Source:
             f"{' or '.join(SEGY_SUFFIXES)} or a zarr store directory"
             + ("" if p.exists() else " (and it does not exist)")
         )
-    import xarray as xr
 
     if isinstance(obj, xr.DataArray):
         mapped = None if kw else _source_from_attrs(obj)
@@ -540,8 +531,6 @@ def open_segy(path: str | os.PathLike, iline: int = _segy.INLINE_BYTE, xline: in
 
     Bad files raise a typed :class:`~memchunk_prefect.errors.SegyError` naming the file.
     """
-    import xarray as xr
-
     src = SegySource(path, iline, xline, endian=endian)
     c = src.coords()
     backend = SegyBackendArray(src)
@@ -654,8 +643,6 @@ class ZarrOutput:
         unless ``overwrite=True`` (which deletes it, markers included); open an existing
         store with :meth:`open` to resume it.
         """
-        import zarr
-
         shape = check_shape(shape)
         p = Path(path).absolute()
         if p.exists():
@@ -826,8 +813,6 @@ class ZarrOutput:
         Idempotent: a store already marked complete keeps its ``completed_at`` (part
         of the identity of outputs computed from it, see :meth:`ZarrSource.identity`).
         """
-        import zarr
-
         if zarr.open_group(self.path, mode="r").attrs.get("complete"):
             return
         done = self.completed_chunks()
@@ -881,9 +866,6 @@ def open_result(path: str | os.PathLike, allow_incomplete: bool = False):
     not finalized (not every element written), unless ``allow_incomplete=True``
     (unwritten elements then read as NaN).
     """
-    import xarray as xr
-    import zarr
-
     p = os.path.abspath(os.fspath(path))
     out = ZarrOutput.open(p)
     attrs = dict(zarr.open_group(p, mode="r").attrs)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from distributed import get_worker
 
 from .chunks import Chunk, Shape, with_halo
 from .errors import ChunkMemoryError, OutputWriteError, RunnerConfigError, VolumeError, format_bytes
@@ -93,8 +94,6 @@ class BlockFunction:
 
 def _worker_name() -> str:
     try:
-        from distributed import get_worker
-
         return get_worker().address
     except Exception:  # noqa: BLE001 - not on a Dask worker (a plain call, a test)
         return f"pid:{os.getpid()}"
