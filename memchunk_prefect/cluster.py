@@ -9,11 +9,13 @@ tested with plain dicts.
 The kill line. A worker's nanny kills it when its process memory crosses
 ``distributed.worker.memory.terminate`` (default 0.95) of its ``memory_limit``,
 checked every ``distributed.worker.memory.monitor-interval`` (100 ms). That
-fraction is the nanny's own setting: on a cluster the runner starts it is this
-process's Dask configuration (:func:`configured_kill_fraction`); on a cluster
-started elsewhere it is read from each nanny (:func:`read_kill_fractions`) and
-this process's value is used only where a nanny cannot be asked. ``False``
-(the nanny never kills) reads as None.
+fraction is the nanny's own setting, and a nanny starts its worker process with
+its own Dask configuration, so each worker's value is read from the worker
+(:func:`read_kill_fractions`); this process's configuration
+(:func:`configured_kill_fraction`) is used only where a worker cannot be asked.
+``False`` (the nanny never kills) reads as None. Asking the workers rather than
+the nannies (``client.run(..., nanny=True)``) keeps the nannies out of it: they
+are the processes that restart killed workers.
 
 What it does not cover: choosing a budget from these figures (``policy.py``)
 and starting clusters (``runner.py``).
@@ -25,7 +27,7 @@ import inspect
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import dask
 
@@ -68,50 +70,54 @@ def configured_kill_fraction() -> float | None:
     ...     configured_kill_fraction()
     0.9
     """
-    value = dask.config.get(TERMINATE_KEY, default=None)
-    if value is None or value is False:
-        return None
-    return float(value)
+    return _fraction(dask.config.get(TERMINATE_KEY, default=None))
 
 
-def read_kill_fractions(client: Any) -> dict[str, float | None]:
-    """Each nanny's own kill fraction, by nanny address (empty when the nannies cannot be asked).
+def read_kill_fractions(client: Any, workers: Sequence[str] | None = None) -> dict[str, object]:
+    """Each worker's ``distributed.worker.memory.terminate``, by worker address (empty when they cannot be asked).
 
-    The function runs on the nannies by value (a lambda), so they need not have
-    memchunk installed.
+    The raw setting (a fraction, or False); :func:`workers_from_info` reads it.
+    The function travels by value (a lambda), so workers need not have memchunk installed.
     """
     try:
-        found = client.run(lambda dask_worker: dask_worker.memory_manager.memory_terminate_fraction, nanny=True)
-    except Exception as exc:  # noqa: BLE001 - workers without nannies, or a cluster that refuses client.run
-        logger.info("could not read the nannies' kill fraction: %r", exc)
+        return {str(k): v for k, v in client.run(
+            lambda: __import__("dask").config.get("distributed.worker.memory.terminate", None),
+            workers=list(workers) if workers is not None else None).items()}
+    except Exception as exc:  # noqa: BLE001 - a cluster that refuses client.run: this process's setting is used
+        logger.info("could not read the workers' kill fraction: %r", exc)
         return {}
-    return {str(k): (None if v is None or v is False else float(v)) for k, v in found.items()}
 
 
-def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, float | None],
+def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, object],
                       default_fraction: float | None) -> list[WorkerMemory]:
-    """The workers of a ``client.scheduler_info()`` answer, with their nanny's kill fraction.
+    """The workers of a ``client.scheduler_info()`` answer, with the kill fraction each one's nanny applies.
 
-    A worker without a nanny has no kill line (None); one whose nanny was not
-    asked takes ``default_fraction``.
+    ``kill_fractions``: each worker's own ``distributed.worker.memory.terminate``
+    by worker address (see :func:`read_kill_fractions`); a worker not in it takes
+    ``default_fraction``. A worker without a nanny has no kill line (None).
 
     >>> info = {"workers": {"tcp://w:1": {"nthreads": 1, "memory_limit": 1000, "metrics": {"memory": 100},
     ...                                    "nanny": "tcp://n:1"}}}
-    >>> [w.kill_headroom_bytes for w in workers_from_info(info, {"tcp://n:1": 0.9}, 0.95)]
+    >>> [w.kill_headroom_bytes for w in workers_from_info(info, {"tcp://w:1": 0.9}, 0.95)]
     [800]
     """
     out = []
     for address, w in (info.get("workers") or {}).items():
-        nanny = w.get("nanny")
-        if not nanny:
+        if not w.get("nanny"):
             fraction = None
+        elif address in kill_fractions:
+            fraction = _fraction(kill_fractions[address])
         else:
-            fraction = kill_fractions[nanny] if nanny in kill_fractions else default_fraction
+            fraction = default_fraction
         out.append(WorkerMemory(
             address=str(address), nthreads=int(w.get("nthreads", 1) or 1),
             memory_limit_bytes=int(w.get("memory_limit") or 0),
             resting_bytes=int((w.get("metrics") or {}).get("memory", 0) or 0), kill_fraction=fraction))
     return out
+
+
+def _fraction(value: object) -> float | None:
+    return None if value is None or value is False else float(value)  # type: ignore[arg-type]
 
 
 def slots(workers: list[WorkerMemory]) -> int:

@@ -65,7 +65,7 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import dask
 from prefect.context import FlowRunContext
@@ -76,20 +76,26 @@ from prefect.utilities.annotations import BaseAnnotation
 from prefect_dask import DaskTaskRunner
 
 from . import cluster as _cluster
-from . import policy, report
+from . import policy
 from .chunks import Chunk, Shape, normalize_halo
 from .cluster import WorkerMemory
 from .errors import BudgetError, OutputPathError, RunnerConfigError
 from .executor import ChunkedMap
-from .model import ModelBank
 from .observe import MapLog, MapObserver
 from .records import Observation
 from .settings import RUNNER_SETTINGS, PolicySettings
-from .store import Store
 from .units import parse_bytes as _parse_bytes
 from .volume import open_result
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .model import ModelBank
+
 logger = logging.getLogger("memchunk_prefect.runner")
+
+# Every task run unpickles the flow with its runner on a Dask worker, which imports this module there. What
+# only the flow process needs and costs worker memory is imported where it is used: the model (River, ~65 MiB
+# of resident memory) and the report (Prefect artifacts, ~20 MiB). Every MiB a worker holds at rest is a MiB
+# less of every task's budget.
 
 
 # =========================================================================== the user-facing marker
@@ -298,10 +304,10 @@ class MemoryAwareRunner(DaskTaskRunner):
         for o in self.observers:
             if not isinstance(o, MapObserver):
                 raise RunnerConfigError(f"`observers` must be MapObserver objects, got {type(o).__name__}")
-        self._bank: ModelBank | None = None
+        self._bank: "ModelBank | None" = None
         self._map_count = 0
         self._cluster_checked = False
-        self._kill_fractions: dict[str, float | None] = {}
+        self._kill_fractions: dict[str, object] = {}
 
     # ---------------------------------------------------------------- Prefect plumbing
 
@@ -374,6 +380,8 @@ class MemoryAwareRunner(DaskTaskRunner):
         static = {k: (v.unwrap() if isinstance(v, BaseAnnotation) else v)
                   for k, v in parameters.items() if k != param}
         upstream = marker.source if isinstance(marker.source, ChunkedResult) else None
+        from . import report  # flow process only: see the note at the top of the module
+
         log = MapLog()
         cmap = ChunkedMap(self, task, param, source=upstream.output_path if upstream is not None else marker.source,
                           incoming=upstream.chunks if upstream is not None else None, halo=marker.halo,
@@ -384,18 +392,21 @@ class MemoryAwareRunner(DaskTaskRunner):
 
     # ---------------------------------------------------------------- shared state for maps
 
-    def model_bank(self) -> ModelBank:
+    def model_bank(self) -> "ModelBank":
         """The model bank over this runner's store (opened once per flow run)."""
         if self._bank is None:
+            from .model import ModelBank  # flow process only: see the note at the top of the module
+            from .store import Store
+
             self._bank = ModelBank(Store(self.store))
         return self._bank
 
     def workers(self) -> list[WorkerMemory]:
-        """The cluster's workers as the budget sees them, with each nanny's kill fraction (read once per nanny)."""
+        """The cluster's workers as the budget sees them, with their kill fraction (read once per worker)."""
         info = _cluster.wait_for_workers(self.client)
-        nannies = {w.get("nanny") for w in info["workers"].values() if w.get("nanny")}
-        if not nannies <= set(self._kill_fractions):
-            self._kill_fractions.update(_cluster.read_kill_fractions(self.client))
+        new = [a for a in info["workers"] if a not in self._kill_fractions]
+        if new:
+            self._kill_fractions.update(_cluster.read_kill_fractions(self.client, new))
         return _cluster.workers_from_info(info, self._kill_fractions, _cluster.configured_kill_fraction())
 
     def slots_and_budget(self) -> tuple[int, int]:

@@ -26,12 +26,12 @@ def worker(limit=4 * GiB, threads=1, resting=GiB // 4, nanny="tcp://n:1"):
 
 
 @pytest.mark.parametrize("fractions, default, expect", [
-    ({"tcp://n:1": 0.95}, 0.95, int(0.95 * 4 * GiB) - GiB // 4),   # the nanny's own fraction
-    ({"tcp://n:1": 0.80}, 0.95, int(0.80 * 4 * GiB) - GiB // 4),   # a nanny configured otherwise wins
+    ({"tcp://w:0": 0.95}, 0.95, int(0.95 * 4 * GiB) - GiB // 4),   # the worker's own setting
+    ({"tcp://w:0": 0.80}, 0.95, int(0.80 * 4 * GiB) - GiB // 4),   # a worker configured otherwise wins
     ({}, 0.90, int(0.90 * 4 * GiB) - GiB // 4),                    # not asked: this process's setting
-    ({"tcp://n:1": None}, 0.95, None),                             # terminate: False, no kill line
+    ({"tcp://w:0": False}, 0.95, None),                            # terminate: False, no kill line
 ])
-def test_the_kill_headroom_comes_from_each_nannys_own_fraction(fractions, default, expect):
+def test_the_kill_headroom_comes_from_each_workers_own_setting(fractions, default, expect):
     assert kill_headroom_bytes(workers_from_info(info(worker()), fractions, default)) == expect
 
 
@@ -48,13 +48,34 @@ def test_slots_and_budget_over_several_workers():
 
 
 def test_a_target_at_or_above_the_nannys_kill_fraction_is_refused_naming_the_setting():
-    ws = workers_from_info(info(worker()), {"tcp://n:1": 0.7}, 0.95)
+    ws = workers_from_info(info(worker()), {"tcp://w:0": 0.7}, 0.95)
     with pytest.raises(BudgetError, match="distributed.worker.memory.terminate"):
         task_budget(ws, 0.75)
 
 
-def test_the_kill_fraction_is_read_from_daskss_configuration():
+def test_the_kill_fraction_is_read_from_dasks_configuration():
     with dask.config.set({"distributed.worker.memory.terminate": False}):
         assert configured_kill_fraction() is None
     with dask.config.set({"distributed.worker.memory.terminate": 0.9}):
         assert configured_kill_fraction() == 0.9
+
+
+@pytest.mark.cluster
+def test_the_kill_fraction_is_read_from_the_workers_not_from_this_process():
+    """Workers started with terminate 0.8 (their nanny kills at 0.8) while this process says 0.95."""
+    from distributed import Client
+
+    from memchunk_prefect.cluster import read_kill_fractions, scheduler_info
+    from memchunk_prefect.testing import start_local_cluster
+
+    with dask.config.set({"distributed.worker.memory.terminate": 0.8}):
+        cluster = start_local_cluster(n_workers=1, memory_limit="1GiB")
+    try:
+        with Client(cluster.scheduler_address, set_as_default=False) as client:
+            assert configured_kill_fraction() == 0.95
+            info = scheduler_info(client)
+            (w,) = workers_from_info(info, read_kill_fractions(client), configured_kill_fraction())
+            assert w.kill_fraction == 0.8
+            assert w.kill_headroom_bytes == int(0.8 * GiB) - w.resting_bytes
+    finally:
+        cluster.close()

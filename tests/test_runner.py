@@ -421,3 +421,17 @@ def test_an_explicit_output_is_reused_only_for_the_same_input_and_recomputed_whe
     assert hog(0.0)["decisions"] == ["resume"]
     changed = hog(0.001)
     assert changed["decisions"][0] == "restart" and "other parameters" in changed["reasons"][0], changed
+
+
+def test_workers_unpickling_the_runner_do_not_import_the_model_or_the_report():
+    """Every task run unpickles the runner on its worker: what only the flow needs must not cost worker memory.
+
+    The model (River) adds ~65 MiB and the report ~20 MiB of resident memory, all of it taken from every task's
+    budget on every worker if the runner's module imported them.
+    """
+    code = ("import sys, cloudpickle; import memchunk_prefect.runner as r; cloudpickle.loads(cloudpickle.dumps("
+            "r.MemoryAwareRunner())); print(sorted(m for m in ('river', 'memchunk_prefect.model', "
+            "'memchunk_prefect.report', 'memchunk_prefect.store') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout
