@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 import dask
 
 from . import policy
-from .errors import RunnerConfigError
+from .errors import BudgetError, BudgetTooSmallError, RunnerConfigError, format_bytes
 from .settings import RUNNER_SETTINGS, RunnerSettings
 
 logger = logging.getLogger("memchunk_prefect.cluster")
@@ -132,10 +132,84 @@ def kill_headroom_bytes(workers: list[WorkerMemory]) -> int | None:
 
 
 def task_budget(workers: list[WorkerMemory], target_fraction: float) -> int:
-    """Memory one task may use above its worker's resting level: the smallest over the workers (bytes)."""
+    """Memory one task may use above its worker's resting level, ``target_fraction`` of each limit (bytes)."""
     return min(policy.task_budget_bytes(w.memory_limit_bytes, w.nthreads, target_fraction=target_fraction,
                                         resting_bytes=w.resting_bytes, kill_fraction=w.kill_fraction)
                for w in workers)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one task may use above its worker's resting memory, and how that was decided.
+
+    ``budget_bytes``: the smallest over the workers; ``resting_bytes``: each
+    worker's resting memory as read (by worker address), so a run's start can be
+    compared with what the budget assumed; ``reason``: the derivation in words.
+    """
+
+    slots: int
+    budget_bytes: int
+    resting_bytes: dict[str, int]
+    reason: str
+
+
+def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
+           memory_budget: int | None = None) -> Budget:
+    """The budget per task: the kill line minus the resting memory, per thread; a user's figure caps it.
+
+    The line a task must stay under is where the nanny kills the worker
+    (``kill_fraction x memory_limit``; the limit itself where nothing kills).
+    The safety margin under it is not a fixed fraction: it is the model's, in the
+    upper bound every plan must fit (learned from the operator's own prediction
+    errors and from how far runs started above the resting memory read here).
+    ``target_fraction`` (of the limit) and ``memory_budget`` (bytes), when given,
+    cap the budget.
+
+    >>> w = WorkerMemory("tcp://w:1", 1, 1000 * 2**20, 200 * 2**20, 0.95)
+    >>> b = budget([w])
+    >>> b.budget_bytes // 2**20, b.reason
+    (750, 'budget 750.0 MiB per task: the kill line 950.0 MiB (0.95 x memory_limit 1000.0 MiB) less 200.0 MiB resting')
+    >>> budget([w], target_fraction=0.5).budget_bytes // 2**20
+    300
+    """
+    if not workers:
+        raise BudgetError("no workers to derive a budget from")
+    resting = {x.address: x.resting_bytes for x in workers}
+    if memory_budget is not None and not all(w.memory_limit_bytes for w in workers):
+        return Budget(slots=slots(workers), budget_bytes=int(memory_budget), resting_bytes=resting,
+                      reason=f"budget {format_bytes(memory_budget)} per task (memory_budget; workers without a "
+                             "memory_limit have no line to derive one from)")
+    per_worker = []
+    for w in workers:
+        if not w.memory_limit_bytes:
+            raise BudgetError(
+                f"the worker {w.address} has no memory limit (memory_limit={w.memory_limit_bytes!r}), so there is "
+                "no budget to plan for: give the cluster a memory_limit, or pass memory_budget= to MemoryAwareRunner")
+        threads = max(1, w.nthreads)
+        fraction = 1.0 if w.kill_fraction is None else w.kill_fraction
+        line = fraction * w.memory_limit_bytes
+        headroom = int((line - w.resting_bytes) / threads)
+        b = headroom
+        if target_fraction is not None:
+            b = min(b, policy.task_budget_bytes(w.memory_limit_bytes, threads, target_fraction=target_fraction,
+                                                resting_bytes=w.resting_bytes, kill_fraction=w.kill_fraction))
+        per_worker.append((b, w, line, threads))
+    b, w, line, threads = min(per_worker, key=lambda t: t[0])
+    if b <= 0:
+        raise BudgetTooSmallError(
+            f"the worker {w.address} rests at {format_bytes(w.resting_bytes)}, at or above the line its nanny kills "
+            f"at ({format_bytes(line)}): give workers more memory (memory_limit) or fewer threads per worker")
+    what = (f"the kill line {format_bytes(line)} ({w.kill_fraction:g} x memory_limit "
+            f"{format_bytes(w.memory_limit_bytes)})" if w.kill_fraction is not None
+            else f"memory_limit {format_bytes(line)} (no nanny kills this worker)")
+    reason = (f"budget {format_bytes(b)} per task: {what} less {format_bytes(w.resting_bytes)} resting"
+              + (f", over {threads} threads" if threads > 1 else ""))
+    if target_fraction is not None and b < int((line - w.resting_bytes) / threads):
+        reason += f", capped by target_fraction {target_fraction:g}"
+    if memory_budget is not None and memory_budget < b:
+        b = int(memory_budget)
+        reason = f"budget {format_bytes(b)} per task (memory_budget; the cluster's line allows more)"
+    return Budget(slots=slots(workers), budget_bytes=int(b), resting_bytes=resting, reason=reason)
 
 
 def scheduler_info(client: Any) -> dict:

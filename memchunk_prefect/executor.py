@@ -17,6 +17,7 @@ Lives in the flow's thread. What runs on the workers is in :mod:`memchunk_prefec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import time
@@ -138,6 +139,7 @@ class ChunkedMap:
         self.out: Any = None
         self.budget = 0
         self.slots = 0
+        self.resting: dict[str, int] = {}  # each worker's resting memory the budget assumed
 
     # ---------------------------------------------------------------- the loop
 
@@ -152,7 +154,9 @@ class ChunkedMap:
         self._end(None)
 
     def _run(self) -> None:
-        self.slots, self.budget = self.runner.slots_and_budget()
+        budget = self.runner.budget()
+        self.slots, self.budget, self.resting = budget.slots, budget.budget_bytes, budget.resting_bytes
+        logger.info("%s: %s", self.name, budget.reason)
         self.out, completed, action = open_output(self.output_path, self.identity, self.shape, self.source.coords(),
                                                   operator=self.name, replace_any=self.replace_any)
         bank = self.runner.model_bank()
@@ -164,7 +168,7 @@ class ChunkedMap:
         self.observers.emit("on_map_start", MapStart(
             operator=self.name, operator_key=self.key, shape=self.shape, halo=self.halo,
             output_path=self.output_path, budget_bytes=self.budget, slots=self.slots,
-            predict=self.machine.predict, at=time.time()))
+            predict=self.machine.predict, budget_reason=budget.reason, at=time.time()))
         # A chunk's effect is its write: never serve it from a cache.
         self.wrapped = self.task.with_options(task_run_name=chunk_task_run_name, cache_policy=NO_CACHE)
         self.wrapped.fn = BlockFunction(self.task.fn, self.param)
@@ -202,15 +206,22 @@ class ChunkedMap:
         if isinstance(state, State):
             fut._final_state = state
         if isinstance(state, State) and state.is_completed():
-            return ChunkDone(sid, Observation.from_dict(state.result().observation), at=time.time())
+            return ChunkDone(sid, self.observed(state.result().observation), at=time.time())
         raised = state.result(raise_on_failure=False) if isinstance(state, State) else state
         if is_memory_error(raised):
             obs = getattr(raised, "observation", None)
-            return ChunkOutOfMemory(sid, Observation.from_dict(obs) if obs else None, at=time.time())
+            return ChunkOutOfMemory(sid, self.observed(obs) if obs else None, at=time.time())
         if isinstance(raised, BaseException):  # any other failure is the operator's own: stop and say which chunk
             return ChunkFailed(sid, raised, at=time.time())
         label = self.machine.in_flight[sid].chunk.label(self.shape)  # type: ignore[union-attr]
         return ChunkFailed(sid, MemchunkError(f"{self.name}[{label}] ended in state {state!r}"), at=time.time())
+
+    def observed(self, record: dict) -> Observation:
+        """A worker's record, with the resting memory the budget assumed for that worker (what it did not see)."""
+        obs = Observation.from_dict(record)
+        if obs.resting_bytes is None and obs.worker in self.resting:
+            obs = dataclasses.replace(obs, resting_bytes=int(self.resting[obs.worker]))
+        return obs
 
     # ---------------------------------------------------------------- instructions
 
@@ -339,7 +350,7 @@ class ChunkedMap:
                         state = fut.wrapped_future.result(timeout=RUNNER_SETTINGS.harvest_timeout_seconds)
             if isinstance(state, State) and state.is_completed():
                 with contextlib.suppress(Exception):
-                    finished.append((sid, Observation.from_dict(state.result().observation)))
+                    finished.append((sid, self.observed(state.result().observation)))
         instructions = m.handle(Stop(type(exc).__name__, interrupted, tuple(finished), at=time.time()))
         for ins in instructions:
             with contextlib.suppress(BaseException):

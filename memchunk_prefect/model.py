@@ -228,6 +228,7 @@ class OperatorModel:
     superlinear_gain: float = 0.9
     metric_window: int = 20
     prior_variance: float = 1e6
+    conformal_window: int = 100
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
@@ -241,6 +242,8 @@ class OperatorModel:
     _bound_ratio: Any = field(init=False, repr=False)
     _cache: dict = field(init=False, repr=False)
     _rates: deque = field(init=False, repr=False)
+    _ratios: deque = field(init=False, repr=False)
+    _unseen: deque = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.5 < self.confidence < 1.0:
@@ -259,6 +262,8 @@ class OperatorModel:
         self._bound_ratio = utils.Rolling(stats.Mean, window_size=self.metric_window)
         self._cache = {}
         self._rates = deque(maxlen=RATE_HISTORY)
+        self._ratios = deque(maxlen=self.conformal_window)
+        self._unseen = deque(maxlen=self.conformal_window)
 
     # ------------------------------------------------------------------ learning
 
@@ -292,6 +297,10 @@ class OperatorModel:
             if obs.peak_bytes > self.outlier_ratio * pred.upper_bytes or ratio < 1.0 / self.outlier_ratio:
                 return self._quarantine_or_accept(obs, ratio)
             self._score(obs, pred)
+            # The margin is learned from what the budget had to hold (the peak and any memory the worker held
+            # above the resting level the budget assumed) against what the model predicted before it knew.
+            self._ratios.append((obs.peak_bytes + obs.unseen_bytes) / max(pred.mean_bytes, 1.0))
+        self._unseen.append(obs.unseen_bytes / MIB)
         self._expire_quarantine()
         self._learn_point(obs)
         return "learned"
@@ -308,9 +317,30 @@ class OperatorModel:
         return rates[len(rates) // 2]
 
     def _score(self, obs: Observation, pred: Prediction) -> None:
+        need = obs.peak_bytes + obs.unseen_bytes
         self._mape.update(obs.peak_bytes, pred.mean_bytes)
-        self._coverage.update(1.0 if obs.peak_bytes <= pred.upper_bytes else 0.0)
-        self._bound_ratio.update(pred.upper_bytes / obs.peak_bytes)
+        self._coverage.update(1.0 if need <= pred.upper_bytes else 0.0)
+        self._bound_ratio.update(pred.upper_bytes / need)
+
+    def conformal_factor(self) -> float | None:
+        """The learned margin: the split-conformal quantile of (needed / predicted mean) at ``confidence``.
+
+        Each ``ok`` run scored once the model was ready gives ``(peak + unseen) /
+        mean``, the mean predicted *before* the run was learned. With ``n`` of
+        them the factor is their ``ceil((n + 1) * confidence)``-th smallest, so a
+        new run needs more than ``mean x factor`` with probability at most
+        ``1 - confidence`` (runs exchangeable). None until there are enough runs
+        (19 at 0.95).
+        """
+        n = len(self._ratios)
+        k = math.ceil((n + 1) * self.confidence)
+        if n == 0 or k > n:
+            return None
+        return sorted(self._ratios)[k - 1]
+
+    def unseen_bytes(self) -> float:
+        """The most memory recent runs started above the resting level the budget assumed (bytes; 0 if none)."""
+        return max(self._unseen, default=0.0) * MIB
 
     def _learn_point(self, obs: Observation) -> None:
         u = obs.elements / MIB
@@ -430,6 +460,12 @@ class OperatorModel:
         else:
             mean, upper = self._upper_mib(u)
             reason = f"{self.form()} fit on {n} observations"
+            # What runs held that the budget did not see is added; the conformal margin, once learned, is a floor.
+            upper += max(self._unseen, default=0.0)
+            q = self.conformal_factor()
+            if q is not None and mean * q > upper:
+                upper = mean * q
+                reason += f"; bound {q:.3f} x the mean (learned from {len(self._ratios)} runs)"
         if apply_censored and self._censored:
             mean, upper, note = self._apply_censored(u, mean, upper)
             if note:
@@ -502,6 +538,9 @@ class OperatorModel:
             "coverage": None,
             "bound_over_truth": None,
             "scored": self._coverage.obj.n if hasattr(self._coverage, "obj") else None,
+            "margin": self.conformal_factor(),
+            "margin_runs": len(self._ratios),
+            "unseen_bytes": self.unseen_bytes(),
         }
         if fits and out["ready"]:
             fit = fits[form]

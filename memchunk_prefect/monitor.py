@@ -216,7 +216,7 @@ class Measurement:
         >>> m = Measurement(peak_bytes=10, baseline_bytes=5, process_peak_bytes=15, seconds=1.0,
         ...                 cpu_seconds=0.5, method="vmhwm", outcome="memory_error", error="MemoryError()")
         >>> sorted(m.observation_fields().items())[:4]
-        [('censored', True), ('cpu_seconds', 0.5), ('energy_joules', None), ('gpu_peak_bytes', None)]
+        [('baseline_bytes', 5), ('censored', True), ('cpu_seconds', 0.5), ('energy_joules', None)]
         """
         return {
             "peak_bytes": self.peak_bytes,
@@ -228,6 +228,7 @@ class Measurement:
             "energy_joules": self.energy_joules,
             "shared": self.shared,
             "method": self.method,
+            "baseline_bytes": self.baseline_bytes,
         }
 
 

@@ -58,6 +58,7 @@ class MapStart:
     budget_bytes: int
     slots: int
     predict: Callable[[Shape], Prediction] | None = None
+    budget_reason: str = ""  # how the budget was derived, in words
     at: float = 0.0
 
 

@@ -298,7 +298,8 @@ def plan(
         raise BudgetTooSmallError(
             f"even the smallest chunk allowed ({unit} column with halo {h}, extents {smallest}) is predicted to "
             f"need up to {format_bytes(worst_case)}, more than the budget of {format_bytes(budget_bytes)}. "
-            "Give workers more memory (memory_limit), fewer threads per worker, or a larger target_fraction"
+            "Give workers more memory (memory_limit), fewer threads per worker, or raise a "
+            "memory_budget/target_fraction cap if you set one"
             + ("" if not whole_traces else "; this operator needs whole traces, so traces cannot be cut")
         )
     (_, counts, cshape, pred, secs) = best

@@ -49,6 +49,11 @@ class Observation:
     energy_joules: float | None = None
     shared: bool = False  # True when other tasks ran in the same process: the peak mixes them
     method: str = ""  # how peak_bytes was measured: "vmhwm", "psutil", "tracemalloc", "flow" (from a death)
+    #: Process memory of the worker when the run started (its resting level then), bytes; None if unknown.
+    baseline_bytes: int | None = None
+    #: The worker's resting memory the map's budget assumed (read from the cluster when the map started),
+    #: bytes; None if unknown. ``baseline_bytes - resting_bytes`` is memory the budget did not see.
+    resting_bytes: int | None = None
     flow_run_id: str = ""
     created_at: float = field(default_factory=time.time)
 
@@ -59,6 +64,13 @@ class Observation:
         self.elements = int(self.elements)
         self.bytes_in = int(self.bytes_in)
         self.peak_bytes = int(self.peak_bytes)
+
+    @property
+    def unseen_bytes(self) -> int:
+        """Memory this run held that the budget did not see: its start above the resting level assumed (>= 0)."""
+        if self.baseline_bytes is None or self.resting_bytes is None:
+            return 0
+        return max(0, int(self.baseline_bytes) - int(self.resting_bytes))
 
     @property
     def usable(self) -> bool:

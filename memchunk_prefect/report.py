@@ -126,6 +126,7 @@ class MapRecord:
     operator_key: str
     shape: tuple[int, int, int]
     budget_bytes: int = 0
+    budget_reason: str = ""
     slots: int = 0
     output_path: str = ""
     decisions: list[dict] = field(default_factory=list)
@@ -263,6 +264,8 @@ def summary_markdown(flow_name: str, records: Sequence[MapRecord], *, title: str
     lines.append("")
     for r, s in zip(records, sums):
         lines += [f"## {r.operator}", "", f"`{r.operator_key}` → `{r.output_path}`", ""]
+        if r.budget_reason:
+            lines.append(f"- **budget**: {r.budget_reason}")
         for d in r.decisions:
             reason = str(d.get("reason", "")).replace("\n", " ")
             lines.append(f"- **{d.get('decision')}**: {reason}")
@@ -355,7 +358,8 @@ class MapReporter(MapObserver):
 
     def on_map_start(self, event: MapStart) -> None:
         self.record = MapRecord(operator=event.operator, operator_key=event.operator_key, shape=event.shape,
-                                budget_bytes=int(event.budget_bytes), slots=int(event.slots),
+                                budget_bytes=int(event.budget_bytes), budget_reason=event.budget_reason,
+                                slots=int(event.slots),
                                 output_path=event.output_path, started_at=event.at or time.time())
         self.key = artifact_key("memchunk", event.operator)
         self._predict = event.predict

@@ -235,10 +235,12 @@ class MemoryAwareRunner(DaskTaskRunner):
     plus:
 
     - ``memory_budget``: bytes (or ``"2GiB"``) one task may use above its worker's
-      resting memory; default: derived from the workers' ``memory_limit``;
-    - ``target_fraction``: share of a worker's ``memory_limit`` (per thread) the
-      derived budget aims at (default 0.75: below Dask's pause 0.80 and kill 0.95;
-      it must stay below the kill fraction, ``distributed.worker.memory.terminate``);
+      resting memory, at most; default: derived from the workers' ``memory_limit``;
+    - ``target_fraction``: caps the budget at this share of a worker's ``memory_limit``
+      (per thread) less its resting memory; default: no cap, the budget is the line
+      where the worker's nanny kills it (``distributed.worker.memory.terminate``, read
+      from each worker) less its resting memory, and the safety margin under that
+      line is learned per operator (see :func:`memchunk_prefect.cluster.budget`);
     - ``store``: path of the observation store (default ``$MEMCHUNK_STORE`` or
       under the Prefect home);
     - ``output_dir``: where chunked outputs go when ``chunked(..., output=)`` is not
@@ -262,7 +264,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         performance_report_path: str | None = None,
         *,
         memory_budget: int | str | None = None,
-        target_fraction: float = 0.75,
+        target_fraction: float | None = None,
         store: str | os.PathLike | None = None,
         output_dir: str | os.PathLike | None = None,
         policy: PolicySettings | Mapping[str, Any] | None = None,
@@ -279,15 +281,20 @@ class MemoryAwareRunner(DaskTaskRunner):
         super().__init__(address=address, cluster_class=cluster_class, cluster_kwargs=cluster_kwargs,
                          adapt_kwargs=adapt_kwargs, client_kwargs=client_kwargs,
                          performance_report_path=performance_report_path)
-        kill = _cluster.configured_kill_fraction() if address is None else None
-        ceiling = kill if kill is not None else 1.0
-        if not 0 < float(target_fraction) <= ceiling:
-            raise RunnerConfigError(
-                f"`target_fraction` must be in (0, {ceiling:g}], got {target_fraction!r}"
-                + (f" (Dask's nanny kills a worker at {kill:g} of its memory_limit: "
-                   "distributed.worker.memory.terminate)" if kill is not None else ""))
+        if target_fraction is not None:
+            kill = _cluster.configured_kill_fraction() if address is None else None
+            ceiling = kill if kill is not None else 1.0
+            try:
+                ok = 0 < float(target_fraction) <= ceiling
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise RunnerConfigError(
+                    f"`target_fraction` must be in (0, {ceiling:g}], got {target_fraction!r}"
+                    + (f" (Dask's nanny kills a worker at {kill:g} of its memory_limit: "
+                       "distributed.worker.memory.terminate)" if kill is not None else ""))
         self.memory_budget = parse_bytes(memory_budget)
-        self.target_fraction = float(target_fraction)
+        self.target_fraction = None if target_fraction is None else float(target_fraction)
         self.store = None if store is None else os.fspath(store)
         self.output_dir = None if output_dir is None else os.fspath(output_dir)
         if policy is None:
@@ -409,18 +416,22 @@ class MemoryAwareRunner(DaskTaskRunner):
             self._kill_fractions.update(_cluster.read_kill_fractions(self.client, new))
         return _cluster.workers_from_info(info, self._kill_fractions, _cluster.configured_kill_fraction())
 
-    def slots_and_budget(self) -> tuple[int, int]:
-        """(task slots in the cluster, per-task memory budget in bytes), read from the live cluster.
+    def budget(self) -> _cluster.Budget:
+        """Task slots, the per-task memory budget and how it was derived, read from the live cluster.
 
         Read afresh at every chunked map: between maps the workers are idle, so
         their process memory is their resting level (which grows once Prefect and
-        the operators are imported on them), and the budget is what lies above it.
+        the operators are imported on them), and the budget is what lies above it
+        up to the kill line (see :func:`memchunk_prefect.cluster.budget`).
         """
         workers = self.workers()
         self._check_cluster_once()
-        if self.memory_budget is not None:
-            return _cluster.slots(workers), int(self.memory_budget)
-        return _cluster.slots(workers), int(_cluster.task_budget(workers, self.target_fraction))
+        return _cluster.budget(workers, target_fraction=self.target_fraction, memory_budget=self.memory_budget)
+
+    def slots_and_budget(self) -> tuple[int, int]:
+        """(task slots in the cluster, per-task memory budget in bytes): see :meth:`budget`."""
+        b = self.budget()
+        return b.slots, b.budget_bytes
 
     def kill_headroom_bytes(self) -> int | None:
         """What a task may use above its worker's resting memory before the nanny kills it (smallest over workers)."""

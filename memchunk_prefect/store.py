@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Iterator
 from .errors import StoreError, StoreSchemaTooNewError
 from .records import Observation
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field."""
 
 APPLICATION = "memchunk-prefect"
@@ -147,15 +147,25 @@ _COLUMNS: list[tuple[str, str]] = [
     ("method", "TEXT NOT NULL"),
     ("flow_run_id", "TEXT NOT NULL"),
     ("created_at", "REAL NOT NULL"),
+    ("baseline_bytes", "INTEGER"),
+    ("resting_bytes", "INTEGER"),
 ]
 COLUMN_NAMES = [c for c, _ in _COLUMNS]
 
-_CREATE_V2 = (
-    "CREATE TABLE observations (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-    + ", ".join(f"{c} {t}" for c, t in _COLUMNS)
-    + ");\nCREATE INDEX observations_key ON observations(operator_key, id);\n"
-    "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);\n"
-)
+#: Columns added in schema version 3 (what the worker held when a run started, what the budget assumed).
+_ADDED_V3 = ("baseline_bytes", "resting_bytes")
+
+
+def _create_table(columns: list[tuple[str, str]]) -> str:
+    return ("CREATE TABLE observations (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+            + ", ".join(f"{c} {t}" for c, t in columns)
+            + ");\nCREATE INDEX observations_key ON observations(operator_key, id);\n"
+            "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);\n")
+
+
+_CREATE = _create_table(_COLUMNS)
+# The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
+_CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3])
 
 # The v1 layout, kept to document what migrate_1_to_2 reads (and for the migration test).
 CREATE_V1 = (
@@ -187,6 +197,12 @@ def _migrate_1_to_2(con: sqlite3.Connection) -> None:
     con.execute("DROP TABLE observations_v1")
 
 
+def _migrate_2_to_3(con: sqlite3.Connection) -> None:
+    """v3 adds what the worker held when a run started and what the budget assumed (NULL for older rows)."""
+    for name in _ADDED_V3:
+        con.execute(f"ALTER TABLE observations ADD COLUMN {name} INTEGER")
+
+
 def _execute_script(con: sqlite3.Connection, script: str) -> None:
     """Run ``;``-separated statements one by one (``executescript`` would COMMIT the open transaction)."""
     for stmt in script.split(";\n"):
@@ -194,7 +210,7 @@ def _execute_script(con: sqlite3.Connection, script: str) -> None:
             con.execute(stmt)
 
 
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2}
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 
@@ -314,7 +330,7 @@ class Store:
         try:
             # Another process may have created it between our check and the lock.
             if con.execute("PRAGMA user_version").fetchone()[0] == 0:
-                _execute_script(con, _CREATE_V2)
+                _execute_script(con, _CREATE)
                 con.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('application', ?)", (APPLICATION,))
                 con.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('created_at', ?)", (str(time.time()),))
                 con.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -376,7 +392,7 @@ class Store:
         return (obs.operator_key, obs.elements, il, xl, tw, obs.bytes_in, obs.peak_bytes, float(obs.seconds),
                 obs.outcome, int(bool(obs.censored)), obs.cpu_seconds, obs.worker, obs.chunk, obs.budget_bytes,
                 obs.gpu_peak_bytes, obs.energy_joules, int(bool(obs.shared)), obs.method, obs.flow_run_id,
-                float(obs.created_at))
+                float(obs.created_at), obs.baseline_bytes, obs.resting_bytes)
 
     @staticmethod
     def _observation(row: Iterable[Any]) -> Observation:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -260,3 +261,36 @@ def test_predict_is_fast_enough_for_the_planner():
 def test_outcomes(outcome, censored, result):
     m = trained(linear, n=5)
     assert m.learn(obs((16, 16, 100), 10 * MIB, outcome=outcome, censored=censored)) == result
+
+
+# --------------------------------------------------------------------------- the learned margin
+
+
+def test_the_conformal_margin_is_the_quantile_of_what_runs_needed_over_what_was_predicted():
+    rng = random.Random(7)
+    m = OperatorModel(KEY)
+    assert m.conformal_factor() is None
+    for k in range(60):
+        ext = SIZES[k % len(SIZES)]
+        m.learn(obs(ext, gst(elements(ext)) * rng.uniform(0.9, 1.15)))
+    q = m.conformal_factor()
+    ratios = sorted(m._ratios)
+    assert q == ratios[math.ceil((len(ratios) + 1) * 0.95) - 1]
+    assert 1.0 < q < 1.2, "runs up to 15% over a mean near the middle: the factor lands in between"
+    p = m.predict((64, 64, 400))
+    assert p.upper_bytes >= q * p.mean_bytes * 0.999
+    assert m.summary()["margin"] == q
+
+
+def test_memory_a_run_started_with_above_the_assumed_resting_level_raises_the_bound():
+    calm, drifting = OperatorModel(KEY), OperatorModel(KEY)
+    for ext in SIZES[:12]:
+        peak = linear(elements(ext))
+        calm.learn(obs(ext, peak))
+        o = obs(ext, peak)
+        o.baseline_bytes, o.resting_bytes = 300 * MIB, 250 * MIB  # the worker held 50 MiB the budget did not see
+        drifting.learn(o)
+    ext = (64, 64, 400)
+    assert drifting.unseen_bytes() == 50 * MIB
+    assert drifting.predict(ext).upper_bytes == pytest.approx(calm.predict(ext).upper_bytes + 50 * MIB, rel=1e-6)
+    assert drifting.predict(ext).mean_bytes == pytest.approx(calm.predict(ext).mean_bytes, rel=1e-9)

@@ -35,7 +35,8 @@ def test_round_trip_keeps_every_field(tmp_path):
     full = Observation("gst3d_dip[sigma=2]|float32|cpu", 1200, (10, 12, 10), 4800, 99_000, seconds=1.25,
                        outcome="memory_error", censored=True, cpu_seconds=1.0, worker="tcp://w:1",
                        chunk="i0-8_x0-10_t0-10", budget_bytes=2**30, gpu_peak_bytes=None, energy_joules=3.5,
-                       shared=True, method="vmhwm", flow_run_id="abc", created_at=1700000000.5)
+                       shared=True, method="vmhwm", flow_run_id="abc", created_at=1700000000.5,
+                       baseline_bytes=250_000_000, resting_bytes=240_000_000)
     plain = make_obs()
     with Store(tmp_path / "s.sqlite") as s:
         s.add(full)
@@ -168,7 +169,7 @@ def test_schema_version_is_recorded(tmp_path):
     con.close()
 
 
-def test_a_v1_store_migrates_to_v2_keeping_its_rows(tmp_path):
+def test_a_v1_store_migrates_to_the_current_schema_keeping_its_rows(tmp_path):
     path = tmp_path / "old.sqlite"
     con = sqlite3.connect(path)
     con.executescript(CREATE_V1)
@@ -183,13 +184,36 @@ def test_a_v1_store_migrates_to_v2_keeping_its_rows(tmp_path):
     con.commit()
     con.close()
     with Store(path) as s:
-        assert s.schema_version() == 2
+        assert s.schema_version() == SCHEMA_VERSION
         old = s.observations()
         s.add(make_obs())
         assert len(s.observations()) == 3
     assert [(o.extents, o.peak_bytes, o.outcome, o.censored, o.worker) for o in old] == [
         ((10, 20, 40), 500000, "ok", False, "w1"), ((20, 20, 40), 2000000, "killed", True, "")]
     assert old[0].method == "" and old[0].cpu_seconds is None
+
+
+def test_a_v2_store_gains_the_v3_columns_and_keeps_its_rows(tmp_path):
+    from memchunk_prefect.store import _CREATE_V2, _execute_script
+
+    path = tmp_path / "v2.sqlite"
+    con = sqlite3.connect(path)
+    _execute_script(con, _CREATE_V2)
+    con.execute("INSERT INTO meta VALUES ('application', 'memchunk-prefect')")
+    con.execute("INSERT INTO observations (operator_key, elements, extent_iline, extent_xline, extent_twt, bytes_in, "
+                "peak_bytes, seconds, outcome, censored, worker, chunk, shared, method, flow_run_id, created_at) "
+                "VALUES ('envelope|float32|cpu', 8000, 10, 20, 40, 32000, 500000, 1.5, 'ok', 0, 'w1', '', 0, 'vmhwm', "
+                "'', 1700000000)")
+    con.execute("PRAGMA user_version = 2")
+    con.commit()
+    con.close()
+    with Store(path) as s:
+        assert s.schema_version() == 3
+        (old,) = s.observations()
+        s.add(make_obs(baseline_bytes=300, resting_bytes=200))
+        new = s.observations()[-1]
+    assert (old.peak_bytes, old.baseline_bytes, old.resting_bytes, old.unseen_bytes) == (500000, None, None, 0)
+    assert (new.baseline_bytes, new.resting_bytes, new.unseen_bytes) == (300, 200, 100)
 
 
 def test_a_newer_store_is_refused_and_left_untouched(tmp_path):
