@@ -26,7 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import dask
@@ -88,13 +88,51 @@ def read_kill_fractions(client: Any, workers: Sequence[str] | None = None) -> di
         return {}
 
 
+#: What every chunk's task run imports on its worker before its measurement starts (the task's own module is
+#: added per map): imported before the resting memory is read, so the budget sees it.
+WORKER_MODULES = ("memchunk_prefect.worker", "memchunk_prefect.runner", "prefect.task_engine")
+
+
+def resting_after_imports(modules: Sequence[str]) -> int:
+    """Run on a worker: import ``modules`` (as its first task run would), collect garbage, return its RSS (bytes).
+
+    The RSS is what the nanny compares with the kill line. A fresh worker rests
+    ~100 MiB lower than after its first task run, which imports Prefect's task
+    engine, the runner, the volume layer and the operator: a budget read from a
+    fresh worker's heartbeat would not see that memory.
+    """
+    import gc
+    import importlib
+
+    import psutil
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a module the worker cannot import fails its task, not this read
+            pass
+    gc.collect()
+    return int(psutil.Process().memory_info().rss)
+
+
+def read_resting(client: Any, modules: Sequence[str] = WORKER_MODULES) -> dict[str, int]:
+    """Each worker's resting memory after the imports a task run makes, by worker address (empty if refused)."""
+    try:
+        return {str(k): int(v) for k, v in client.run(resting_after_imports, list(modules)).items()}
+    except Exception as exc:  # noqa: BLE001 - the heartbeat's figure is used instead
+        logger.info("could not read the workers' resting memory: %r", exc)
+        return {}
+
+
 def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, object],
-                      default_fraction: float | None) -> list[WorkerMemory]:
+                      default_fraction: float | None, resting: Mapping[str, int] | None = None) -> list[WorkerMemory]:
     """The workers of a ``client.scheduler_info()`` answer, with the kill fraction each one's nanny applies.
 
     ``kill_fractions``: each worker's own ``distributed.worker.memory.terminate``
     by worker address (see :func:`read_kill_fractions`); a worker not in it takes
     ``default_fraction``. A worker without a nanny has no kill line (None).
+    ``resting``: each worker's resting memory as read by :func:`read_resting`; the
+    heartbeat's process memory for a worker not in it.
 
     >>> info = {"workers": {"tcp://w:1": {"nthreads": 1, "memory_limit": 1000, "metrics": {"memory": 100},
     ...                                    "nanny": "tcp://n:1"}}}
@@ -112,7 +150,8 @@ def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, obje
         out.append(WorkerMemory(
             address=str(address), nthreads=int(w.get("nthreads", 1) or 1),
             memory_limit_bytes=int(w.get("memory_limit") or 0),
-            resting_bytes=int((w.get("metrics") or {}).get("memory", 0) or 0), kill_fraction=fraction))
+            resting_bytes=int((resting or {}).get(address) or (w.get("metrics") or {}).get("memory", 0) or 0),
+            kill_fraction=fraction))
     return out
 
 
@@ -144,13 +183,16 @@ class Budget:
 
     ``budget_bytes``: the smallest over the workers; ``resting_bytes``: each
     worker's resting memory as read (by worker address), so a run's start can be
-    compared with what the budget assumed; ``reason``: the derivation in words.
+    compared with what the budget assumed; ``headroom_bytes``: each worker's kill
+    line less its resting memory, per thread (what a task killed there had, so
+    what it needed more than); ``reason``: the derivation in words.
     """
 
     slots: int
     budget_bytes: int
     resting_bytes: dict[str, int]
     reason: str
+    headroom_bytes: dict[str, int] = field(default_factory=dict)
 
 
 def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
@@ -175,8 +217,11 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
     if not workers:
         raise BudgetError("no workers to derive a budget from")
     resting = {x.address: x.resting_bytes for x in workers}
+    headrooms = {x.address: int((x.kill_headroom_bytes or 0) / max(1, x.nthreads)) for x in workers
+                 if x.kill_headroom_bytes is not None}
     if memory_budget is not None and not all(w.memory_limit_bytes for w in workers):
         return Budget(slots=slots(workers), budget_bytes=int(memory_budget), resting_bytes=resting,
+                      headroom_bytes=headrooms,
                       reason=f"budget {format_bytes(memory_budget)} per task (memory_budget; workers without a "
                              "memory_limit have no line to derive one from)")
     per_worker = []
@@ -209,7 +254,8 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
     if memory_budget is not None and memory_budget < b:
         b = int(memory_budget)
         reason = f"budget {format_bytes(b)} per task (memory_budget; the cluster's line allows more)"
-    return Budget(slots=slots(workers), budget_bytes=int(b), resting_bytes=resting, reason=reason)
+    return Budget(slots=slots(workers), budget_bytes=int(b), resting_bytes=resting, reason=reason,
+                  headroom_bytes=headrooms)
 
 
 def scheduler_info(client: Any) -> dict:

@@ -140,6 +140,7 @@ class ChunkedMap:
         self.budget = 0
         self.slots = 0
         self.resting: dict[str, int] = {}  # each worker's resting memory the budget assumed
+        self.headroom: dict[str, int] = {}  # each worker's kill line less that, per thread
 
     # ---------------------------------------------------------------- the loop
 
@@ -154,8 +155,9 @@ class ChunkedMap:
         self._end(None)
 
     def _run(self) -> None:
-        budget = self.runner.budget()
+        budget = self.runner.budget([getattr(self.task.fn, "__module__", "") or "tasks"])
         self.slots, self.budget, self.resting = budget.slots, budget.budget_bytes, budget.resting_bytes
+        self.headroom = budget.headroom_bytes
         logger.info("%s: %s", self.name, budget.reason)
         self.out, completed, action = open_output(self.output_path, self.identity, self.shape, self.source.coords(),
                                                   operator=self.name, replace_any=self.replace_any)
@@ -197,8 +199,7 @@ class ChunkedMap:
             chunk = self.machine.in_flight[sid].chunk  # type: ignore[union-attr]
             written = self.out.is_done(chunk)
             return WorkerDied(sid, type(exc).__name__, written=written,
-                              kill_headroom_bytes=None if written else self.runner.kill_headroom_bytes(),
-                              at=time.time())
+                              kill_headroom_bytes=None if written else self.headroom_of(exc), at=time.time())
         finally:
             with contextlib.suppress(Exception):
                 dask_future.release()  # completed results must not be recomputed if a worker dies later
@@ -215,6 +216,18 @@ class ChunkedMap:
             return ChunkFailed(sid, raised, at=time.time())
         label = self.machine.in_flight[sid].chunk.label(self.shape)  # type: ignore[union-attr]
         return ChunkFailed(sid, MemchunkError(f"{self.name}[{label}] ended in state {state!r}"), at=time.time())
+
+    def headroom_of(self, exc: BaseException) -> int | None:
+        """What a task killed with ``exc`` had before the kill line: its worker's, as the budget read it.
+
+        ``KilledWorker`` names the worker it last ran on; the kill line less that
+        worker's resting memory at the map's start is what the task needed more
+        than. (Read now, the workers' memory would include the tasks running there.)
+        """
+        address = getattr(getattr(exc, "last_worker", None), "address", None)
+        if address in self.headroom:
+            return self.headroom[address]
+        return self.runner.kill_headroom_bytes()
 
     def observed(self, record: dict) -> Observation:
         """A worker's record, with the resting memory the budget assumed for that worker (what it did not see)."""

@@ -263,7 +263,7 @@ class OperatorModel:
         self._cache = {}
         self._rates = deque(maxlen=RATE_HISTORY)
         self._ratios = deque(maxlen=self.conformal_window)
-        self._unseen = deque(maxlen=self.conformal_window)
+        self._unseen = deque(maxlen=self.metric_window)
 
     # ------------------------------------------------------------------ learning
 
@@ -339,7 +339,11 @@ class OperatorModel:
         return sorted(self._ratios)[k - 1]
 
     def unseen_bytes(self) -> float:
-        """The most memory recent runs started above the resting level the budget assumed (bytes; 0 if none)."""
+        """The most memory the latest ``metric_window`` runs started above the resting level the budget assumed.
+
+        Bytes; 0 if none. Recent runs only: it is a property of the workers as
+        they are now (memory left behind by earlier tasks), not of the operator.
+        """
         return max(self._unseen, default=0.0) * MIB
 
     def _learn_point(self, obs: Observation) -> None:

@@ -408,15 +408,21 @@ class MemoryAwareRunner(DaskTaskRunner):
             self._bank = ModelBank(Store(self.store))
         return self._bank
 
-    def workers(self) -> list[WorkerMemory]:
-        """The cluster's workers as the budget sees them, with their kill fraction (read once per worker)."""
+    def workers(self, modules: Sequence[str] = ()) -> list[WorkerMemory]:
+        """The cluster's workers as the budget sees them: kill fraction (read once per worker), resting memory.
+
+        The resting memory is read on each worker after importing what a task run
+        of this map imports there (``modules`` besides the runner's own), so a fresh
+        worker's first task does not start above what the budget assumed.
+        """
         info = _cluster.wait_for_workers(self.client)
         new = [a for a in info["workers"] if a not in self._kill_fractions]
         if new:
             self._kill_fractions.update(_cluster.read_kill_fractions(self.client, new))
-        return _cluster.workers_from_info(info, self._kill_fractions, _cluster.configured_kill_fraction())
+        resting = _cluster.read_resting(self.client, (*_cluster.WORKER_MODULES, *modules))
+        return _cluster.workers_from_info(info, self._kill_fractions, _cluster.configured_kill_fraction(), resting)
 
-    def budget(self) -> _cluster.Budget:
+    def budget(self, modules: Sequence[str] = ()) -> _cluster.Budget:
         """Task slots, the per-task memory budget and how it was derived, read from the live cluster.
 
         Read afresh at every chunked map: between maps the workers are idle, so
@@ -424,7 +430,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         the operators are imported on them), and the budget is what lies above it
         up to the kill line (see :func:`memchunk_prefect.cluster.budget`).
         """
-        workers = self.workers()
+        workers = self.workers(modules)
         self._check_cluster_once()
         return _cluster.budget(workers, target_fraction=self.target_fraction, memory_budget=self.memory_budget)
 

@@ -79,3 +79,20 @@ def test_the_kill_fraction_is_read_from_the_workers_not_from_this_process():
             assert w.kill_headroom_bytes == int(0.8 * GiB) - w.resting_bytes
     finally:
         cluster.close()
+
+
+def test_the_budget_is_the_kill_line_less_resting_and_a_users_figure_only_caps_it():
+    from memchunk_prefect.cluster import budget
+
+    ws = workers_from_info(info(worker(), worker(limit=2 * GiB, resting=GiB // 2, nanny="tcp://n:2")), {}, 0.95)
+    b = budget(ws)
+    assert b.budget_bytes == int(0.95 * 2 * GiB) - GiB // 2, "the worker with the least headroom sets it"
+    assert b.headroom_bytes == {"tcp://w:0": int(0.95 * 4 * GiB) - GiB // 4, "tcp://w:1": b.budget_bytes}
+    assert "kill line" in b.reason and "resting" in b.reason
+    assert budget(ws, target_fraction=0.5).budget_bytes == int(0.5 * 2 * GiB) - GiB // 2
+    assert budget(ws, memory_budget=GiB // 8).budget_bytes == GiB // 8
+    assert budget(ws, memory_budget=8 * GiB).budget_bytes == b.budget_bytes, "a budget above the line is capped"
+    no_limit = workers_from_info(info(worker(limit=0)), {}, 0.95)
+    assert budget(no_limit, memory_budget=GiB).budget_bytes == GiB, "no limit: the user's budget as given"
+    with pytest.raises(BudgetError, match="memory_limit"):
+        budget(no_limit)
