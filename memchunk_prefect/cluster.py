@@ -99,8 +99,10 @@ def resting_after_imports(modules: Sequence[str]) -> int:
     The RSS is what the nanny compares with the kill line. A fresh worker rests
     ~100 MiB lower than after its first task run, which imports Prefect's task
     engine, the runner, the volume layer and the operator: a budget read from a
-    fresh worker's heartbeat would not see that memory.
+    fresh worker's heartbeat would not see that memory. Runs between maps, when
+    the workers are idle.
     """
+    import ctypes
     import gc
     import importlib
 
@@ -112,6 +114,12 @@ def resting_after_imports(modules: Sequence[str]) -> int:
         except Exception:  # noqa: BLE001 - a module the worker cannot import fails its task, not this read
             pass
     gc.collect()
+    # Heap an earlier task freed but glibc kept would read as resting memory: hand it back first, as
+    # Dask's documentation suggests for "memory not released back to the OS" (worker-memory.html).
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
     return int(psutil.Process().memory_info().rss)
 
 
