@@ -294,24 +294,22 @@ class Bench:
             self.cluster.close()
 
     def fresh(self) -> None:
-        """Restart every worker and warm it (same resting memory for every strategy).
+        """A new cluster with warmed workers for every strategy (the same resting memory for each).
 
-        A restart normally takes ~2 s here. Now and then (seen in about one quick
-        run in three, with a Prefect server running beside it, never with the
-        cluster alone) the killed workers never reconnect; waiting 120 s for them
-        cost whole minutes, so after 30 s the cluster is replaced instead.
+        Not ``client.restart()``: about one benchmark run in three, with a Prefect
+        server running beside it, the restarted worker processes never came back
+        (a 120 s timeout), or came back and vanished before the next strategy's
+        first task, which then waited forever; starting a new cluster never did.
         """
         for attempt in range(3):
             try:
-                self.client.restart(timeout=30, wait_for_workers=True)
-                self.client.wait_for_workers(self.n_workers, timeout=30)
+                self._replace_cluster()
+                self.client.wait_for_workers(self.n_workers, timeout=60)
                 break
             except Exception:
                 if attempt == 2:
                     raise
-                print(f"  (workers did not come back after a restart: a new cluster, try {attempt + 2} of 3)",
-                      flush=True)
-                self._replace_cluster()
+                print(f"  (the new cluster did not get its workers: another one, try {attempt + 2} of 3)", flush=True)
         self.client.run(warm_worker)
         time.sleep(1.0)  # let heartbeats report the resting memory the runner budgets from
 
@@ -440,6 +438,7 @@ def static_flow(source_path: str, steps: list[dict], out_dir: str, chunkings: li
     from memchunk_prefect.operators import spec_of
     from memchunk_prefect.volume import as_source
 
+    t0 = time.perf_counter()
     current: Any = as_source(source_path)
     n_tasks = 0
     for n, ((op_name, op, params), chunks) in enumerate(zip(resolve_steps(steps), chunkings), start=1):
@@ -461,7 +460,8 @@ def static_flow(source_path: str, steps: list[dict], out_dir: str, chunkings: li
                         "notes": f"{op_name} failed: {type(exc).__name__}"}
         out.finalize()
         current = out.to_source()
-    return {"completed": True, "tasks": n_tasks, "memory_errors": 0, "notes": ""}
+    return {"completed": True, "tasks": n_tasks, "memory_errors": 0, "notes": "",
+            "seconds": time.perf_counter() - t0}
 
 
 def _flow_client():
@@ -683,10 +683,12 @@ def overhead_memchunk_flow(zarr_path: str, shape: list[int], chunks: list[Any], 
     import tasks
     from memchunk_prefect import chunked
 
+    t = time.perf_counter()
     incoming = _Incoming.make(zarr_path, shape, chunks)  # built here: a ChunkedResult is no flow parameter
     res = tasks.envelope.map(chunked(incoming, output=out_path))
     s = res.summary()
-    return {"decisions": s["decisions"], "chunks": [c.key() for c in res.chunks], "tasks": s["tasks"]}
+    return {"decisions": s["decisions"], "chunks": [c.key() for c in res.chunks], "tasks": s["tasks"],
+            "seconds": time.perf_counter() - t}
 
 
 def convert_to_zarr(survey: str, path: str) -> str:
@@ -723,23 +725,23 @@ def overhead_pairs(bench: Bench, survey: str, store: str, n_chunks: int, pairs: 
     mem_flow = overhead_memchunk_flow.with_options(task_runner=runner)
     plain_flow = static_flow.with_options(task_runner=DaskTaskRunner(address=bench.address))
 
+    # Each side is timed inside its flow (the map and all its task runs). Prefect's flow start and teardown
+    # are the same on both sides and add 0-1 s at random (the flow run's heartbeat thread sleeps in 1 s steps
+    # and is joined at exit), which on ~1 s of work made single ratios read anywhere from 0.5 to 2.
     def run_memchunk_once() -> tuple[float, dict]:
         out = str(bench.workdir / "ovh-mem.zarr")
         shutil.rmtree(out, ignore_errors=True)
-        t = time.perf_counter()
         info = mem_flow(src_zarr, list(shape), chunks, out)
-        return time.perf_counter() - t, info
+        return float(info["seconds"]), info
 
     def run_plain_once() -> float:
         out_dir = bench.workdir / "ovh-plain"
         out_dir.mkdir(exist_ok=True)
-        t = time.perf_counter()
         r = plain_flow(src_zarr, steps, str(out_dir), [chunks])
-        wall = time.perf_counter() - t
         shutil.rmtree(out_dir, ignore_errors=True)
         if not r.get("completed"):
             raise RuntimeError(f"plain envelope run failed: {r}")
-        return wall
+        return float(r["seconds"])
 
     run_memchunk_once()  # warm-up (and, on a store that has not seen envelope, the probe)
     run_plain_once()

@@ -94,7 +94,7 @@ WORKER_MODULES = ("memchunk_prefect.worker", "memchunk_prefect.runner", "prefect
 
 
 def resting_after_imports(modules: Sequence[str]) -> int:
-    """Run on a worker: import ``modules`` (as its first task run would), collect garbage, return its RSS (bytes).
+    """Run on a worker: import ``modules`` (as its first task run would), return its RSS (bytes).
 
     The RSS is what the nanny compares with the kill line. A fresh worker rests
     ~100 MiB lower than after its first task run, which imports Prefect's task
@@ -103,7 +103,6 @@ def resting_after_imports(modules: Sequence[str]) -> int:
     the workers are idle.
     """
     import ctypes
-    import gc
     import importlib
 
     import psutil
@@ -113,9 +112,10 @@ def resting_after_imports(modules: Sequence[str]) -> int:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a module the worker cannot import fails its task, not this read
             pass
-    gc.collect()
-    # Heap an earlier task freed but glibc kept would read as resting memory: hand it back first, as
-    # Dask's documentation suggests for "memory not released back to the OS" (worker-memory.html).
+    # No gc.collect(): it took ~130 ms per worker with Prefect loaded, at every map, and a task's arrays are
+    # freed by reference counting. Heap an earlier task freed but glibc kept would read as resting memory:
+    # hand it back first, as Dask's documentation suggests for "memory not released back to the OS"
+    # (worker-memory.html).
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
