@@ -721,7 +721,7 @@ def overhead_pairs(bench: Bench, survey: str, store: str, n_chunks: int, pairs: 
     chunks = iline_slabs(shape, n_chunks)
     steps = [{"name": "envelope"}]
     runner = MemoryAwareRunner(address=bench.address, store=store, output_dir=str(bench.workdir / "ovh-runs"),
-                               policy={"continue_tolerance": 1e9})
+                               policy={"continue_tolerance": 1e9, "replan_threshold": 1e9})
     mem_flow = overhead_memchunk_flow.with_options(task_runner=runner)
     plain_flow = static_flow.with_options(task_runner=DaskTaskRunner(address=bench.address))
 
