@@ -49,7 +49,10 @@ for memory; "needs more than
 the model's bound at ``u_c`` is below ``peak_bytes * (1 + censored_margin)``,
 bounds (and means) are multiplied by the shortfall ratio for blocks at least
 half that size, fading (linearly in log size) to no correction at 1/8 of it; a
-block at least as large as ``u_c`` is also floored at that value. The
+block at least as large as ``u_c`` is floored at ``censored_block_factor`` (2) x
+that value: the run says only "more than this", and the budget it is compared
+with moves with the workers' resting memory, so a floor at the value itself
+let the next run plan the same killed size again on workers resting lower. The
 correction shrinks by itself as ``ok`` observations teach the model more. A
 censored point contradicted by an ``ok`` run at least as large that needed less
 is dropped.
@@ -204,6 +207,8 @@ class OperatorModel:
     bound; ``min_observations`` before ``ready``; ``outlier_ratio`` and
     ``quarantine_window`` (observations) for outlier screening;
     ``censored_margin`` (fraction) above a censored peak the bound must reach;
+    ``censored_block_factor``: a block at least as large as a censored one is
+    floored at this multiple of what that run had;
     ``noise_floor_bytes`` added in quadrature to each peak when scaling rows;
     ``prior_noise`` (relative) and ``min_noise`` (relative) for the noise scale;
     ``superlinear_gain``: the superlinear form is chosen only when its
@@ -222,6 +227,7 @@ class OperatorModel:
     outlier_ratio: float = 3.0
     quarantine_window: int = 10
     censored_margin: float = 0.05
+    censored_block_factor: float = 2.0
     noise_floor_bytes: float = 4 * MIB
     prior_noise: float = 0.05
     min_noise: float = 0.01
@@ -509,7 +515,11 @@ class OperatorModel:
         for c in self._censored:
             need = c.peak_mib * (1.0 + self.censored_margin)
             if u >= c.u:
-                floor = max(floor, need)
+                # A block at least as large as one that ran out of memory needs more than that run had, by how
+                # much no one knows: floored at censored_block_factor x what it had. Read against the kill line
+                # less the resting memory, a smaller 'had' on the next run (workers resting lower) must not
+                # admit the same size again; a much larger worker does.
+                floor = max(floor, need * self.censored_block_factor)
             if self._ready_reason() is None:
                 bound_c = self._upper_mib(c.u)[1]
             else:
