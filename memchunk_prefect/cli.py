@@ -92,13 +92,24 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _policy_cell(arms: list[dict[str, Any]]) -> str:
+    """The learned policy's arms that were played: ``arm reward x plans`` (``!n``: n out-of-memory events)."""
+    played = [a for a in arms if a["pulls"]]
+    if not played:
+        return "-"
+    return " ".join(f"{a['arm']} {a['mean_reward']:.2f}x{a['pulls']}" + (f"!{a['out_of_memory']}"
+                                                                          if a["out_of_memory"] else "")
+                    for a in played)
+
+
 def _models_table(rows: list[dict[str, Any]]) -> str:
     header = ["operator key", "obs", "censored", "form", "bytes/element", "fixed overhead", "recent error",
-              "coverage", "ready"]
+              "coverage", "ready", "policy"]
     body = [[r["key"], str(r["n_observations"]), str(r["n_censored"]), r["form"],
              "-" if r["bytes_per_element"] is None else f"{r['bytes_per_element']:.1f}",
              format_bytes(r["fixed_overhead_bytes"]) if r["fixed_overhead_bytes"] is not None else "-",
-             _pct(r["recent_mape"]), _pct(r["coverage"]), "yes" if r["ready"] else "no"] for r in rows]
+             _pct(r["recent_mape"]), _pct(r["coverage"]), "yes" if r["ready"] else "no",
+             _policy_cell(r.get("policy", []))] for r in rows]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
@@ -112,7 +123,7 @@ def _models(args: argparse.Namespace) -> int:
 
     with _open_store(args) as store:
         bank = ModelBank(store)
-        rows = [bank.model(k).summary() for k in store.keys()]
+        rows = [{**bank.model(k).summary(), "policy": bank.learner(k).summary()} for k in store.keys()]
         path = str(store.path)
     if args.json:
         _emit(json.dumps({"store": path, "models": rows}, indent=1))
@@ -121,7 +132,9 @@ def _models(args: argparse.Namespace) -> int:
     else:
         _emit(_models_table(rows))
         _emit("recent error: mean absolute % error of the mean prediction on each next observation; "
-              "coverage: share of next observations within the upper bound")
+              "coverage: share of next observations within the upper bound; policy: the learned policy's arms "
+              "(risk levels of the bound: bold, mid, safe) with their mean reward (slot efficiency less 1 per "
+              "out-of-memory chunk) x plans taught, !n out-of-memory events")
     return EXIT_OK
 
 

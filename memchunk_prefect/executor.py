@@ -32,6 +32,7 @@ from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from . import taskruns
+from .bandit import ArmChoice
 from .chunks import Chunk, Shape
 from .errors import MemchunkError
 from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
@@ -53,6 +54,7 @@ from .machine import (
     MarkRuns,
     Record,
     RecoverMarkers,
+    Rewarded,
     Start,
     Stop,
     Stopped,
@@ -61,7 +63,7 @@ from .machine import (
 )
 from .observe import MapEnd, MapObserver, MapStart, Observers
 from .operators import operator_key, operator_name, spec_of
-from .records import Observation, Prediction
+from .records import Observation, Prediction, Reward
 from .settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS, PolicySettings
 from .volume import as_source
 from .worker import BlockFunction, BlockJob, chunk_task_run_name
@@ -86,6 +88,9 @@ class BankKnowledge:
 
     def seconds_per_element(self) -> float | None:
         return self.bank.seconds_per_element(self.key, self.settings.time_window)
+
+    def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice:
+        return self.bank.choose_arm(self.key, groups)
 
 
 def is_memory_error(exc: Any) -> bool:
@@ -141,6 +146,7 @@ class ChunkedMap:
         self.slots = 0
         self.resting: dict[str, int] = {}  # each worker's resting memory the budget assumed
         self.headroom: dict[str, int] = {}  # each worker's kill line less that, per thread
+        self.reward: Reward | None = None  # what the learned policy's arm earned, once the map is finalized
 
     # ---------------------------------------------------------------- the loop
 
@@ -274,6 +280,8 @@ class ChunkedMap:
             raise ins.error
         elif isinstance(ins, Finalize):
             self.finalize(ins.settle_runs)
+        elif isinstance(ins, Rewarded):
+            self.rewarded(ins.reward)
         elif isinstance(ins, Stopped):
             with contextlib.suppress(BaseException):
                 logger.warning("%s: stopped early (%s); %d chunks are marked written in %s (kept: a rerun resumes "
@@ -304,6 +312,18 @@ class ChunkedMap:
             self.runner.model_bank().learn(obs)
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not record an observation for %s: %r", self.key, exc)
+
+    def rewarded(self, reward: Reward) -> None:
+        """Persist and learn what the map's arm earned (a failing store is said loudly, never stops the run)."""
+        reward = dataclasses.replace(reward, flow_run_id=_flow_run_id())
+        self.reward = reward
+        logger.info("%s: arm %s earned %.3f (slot efficiency %.3f over %.2f s on %d slots, %d out of memory)",
+                    self.name, reward.arm, reward.reward, reward.efficiency, reward.wall_seconds, reward.slots,
+                    reward.out_of_memory)
+        try:
+            self.runner.model_bank().reward(reward)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not record the policy's reward for %s: %r", self.key, exc)
 
     def recover_markers(self, chunks: Iterable[Chunk]) -> MarkersRecovered | None:
         """The observations that written chunks' completion markers carry and the store lacks.
@@ -372,7 +392,16 @@ class ChunkedMap:
     def _end(self, error: BaseException | None) -> None:
         m = self.machine
         self.observers.emit("on_map_end", MapEnd(error, len(m.done) if m else 0, m.done_elements if m else 0,
-                                                 at=time.time()))
+                                                 at=time.time(), reward=self.reward if error is None else None))
+
+
+def _flow_run_id() -> str:
+    try:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.id or "")
+    except Exception:  # noqa: BLE001 - outside a flow run
+        return ""
 
 
 def _flow_logger() -> Any:

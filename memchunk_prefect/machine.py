@@ -41,19 +41,31 @@ What happens when a worker dies mid-map (:class:`WorkerDied`), in order:
 3. else a **lost worker** (a node lost, a SIGKILL): nothing is learned about
    memory, and the same chunk goes to the front of the queue once more.
 
+The learned policy (:mod:`memchunk_prefect.bandit`). The first plan of a map
+that is not a probe is made under every arm (risk level of the bound); arms
+that give the same chunking are grouped, and ``knowledge.choose_arm`` picks one
+(the fixed heuristic's ``safe`` arm when ``settings.learned_policy`` is off).
+Every later plan of the map (other regions, re-plans) uses the same arm, and
+split pieces inherit it. When the map is complete, :class:`Rewarded` carries
+what the arm earned (its chunks' slot efficiency, less a penalty per chunk
+that ran out of memory) for the executor to persist and teach, after
+:class:`Finalize`. A map that stops early or does not finalize teaches nothing.
+
 Units: bytes, elements, seconds since the epoch (``at``, given by the executor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
-from . import policy
+from . import bandit, policy
+from .bandit import ArmChoice
 from .chunks import Chunk, Shape, extents_with_halo, uncovered_boxes, with_halo
 from .errors import ChunkOutOfMemoryError, ClusterLostError, MemchunkError, format_bytes
 from .policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
-from .records import Observation, Prediction
+from .records import Observation, Prediction, Reward
 from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 
 #: Extra decisions recorded about the output (not about the chunking).
@@ -76,12 +88,15 @@ class Knowledge(Protocol):
 
     ``predict(extents)`` gives the memory figures for a block of ``extents``
     (halo included); ``seconds_per_element()`` the recent compute time per
-    element, or None before any measurement.
+    element, or None before any measurement; ``choose_arm(groups)`` the learned
+    policy's arm among ``groups`` (arms grouped by identical plans).
     """
 
     def predict(self, extents: Shape) -> Prediction: ...
 
     def seconds_per_element(self) -> float | None: ...
+
+    def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice: ...
 
 
 @dataclass(frozen=True)
@@ -228,6 +243,7 @@ class DecisionRecord:
     at: float = 0.0
     region: str | None = None  # Chunk.key() of the box planned
     chunk: str | None = None  # Chunk.key() of the chunk split
+    arm: str | None = None  # the learned policy's arm the plan was fitted under
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -238,6 +254,8 @@ class DecisionRecord:
             "time": self.at}
         if self.region is not None:
             d["region"] = self.region
+        if self.arm is not None:
+            d["arm"] = self.arm
         if self.chunk is not None:
             d["chunk"] = self.chunk
         return d
@@ -353,7 +371,15 @@ class Stopped:
     kept: int
 
 
-Instruction = Union[Decided, Submit, Record, ChunkEnded, MarkRuns, Cancel, RecoverMarkers, Fail, Finalize, Stopped]
+@dataclass(frozen=True)
+class Rewarded:
+    """The map is finalized: persist ``reward`` (what its arm's plan earned) and teach the learned policy."""
+
+    reward: Reward
+
+
+Instruction = Union[Decided, Submit, Record, ChunkEnded, MarkRuns, Cancel, RecoverMarkers, Fail, Rewarded, Finalize,
+                    Stopped]
 
 
 # =========================================================================== the machine
@@ -366,6 +392,7 @@ class Pending:
     chunk: Chunk
     decision: str
     attempt: int = 0
+    armed: bool = False  # planned under the map's learned-policy arm (its outcome counts in the reward)
 
 
 @dataclass
@@ -386,6 +413,12 @@ class MapMachine:
     region_reason: str = "after probing: "
     deaths: int = 0  # worker deaths seen (their task runs are settled at the end)
     next_id: int = 0
+    arm: ArmChoice | None = None  # the learned policy's arm, once the first real plan is made
+    arm_started: float | None = None  # first submission of a chunk planned under the arm
+    arm_ended: float = 0.0  # last end of one
+    arm_elements: int = 0  # output elements written under the arm
+    arm_chunks: int = 0
+    arm_out_of_memory: int = 0
     _check_replan: bool = False
 
     # ---------------------------------------------------------------- reading
@@ -404,7 +437,40 @@ class MapMachine:
         return sum(c.elements for c in self.done)
 
     def predict(self, extents: Shape) -> Prediction:
-        return self.knowledge.predict(extents)
+        """What plans are fitted with: the model's prediction as the map's arm sees it (as is before one is chosen)."""
+        pred = self.knowledge.predict(extents)
+        return bandit.arm_view(pred, self.arm.arm) if self.arm is not None else pred
+
+    def _choose_arm(self, make: Any) -> Any:
+        """Make the first real plan under every arm (``make()`` plans with :meth:`predict`), choose one, keep it.
+
+        Arms whose plan is the same chunking are grouped (one outcome teaches
+        them all); an arm under which nothing fits is left out. Returns what
+        ``make()`` returned under the chosen arm; raises the ``safe`` arm's
+        error when no arm fits.
+        """
+        results: dict[str, Any] = {}
+        errors: dict[str, MemchunkError] = {}
+        arms = bandit.ARMS if self.settings.learned_policy else (bandit.HEURISTIC_ARM,)
+        for arm in arms:
+            self.arm = ArmChoice(arm, (arm,), None, 0, "")
+            try:
+                results[arm] = make()
+            except MemchunkError as exc:
+                errors[arm] = exc
+        self.arm = None
+        if not results:
+            raise errors[bandit.HEURISTIC_ARM]
+        groups: dict[Any, tuple[str, ...]] = {}
+        for arm, result in results.items():
+            sig = _signature(result)
+            groups[sig] = groups.get(sig, ()) + (arm,)
+        if self.settings.learned_policy:
+            choice = self.knowledge.choose_arm(list(groups.values()))
+        else:
+            choice = ArmChoice(bandit.HEURISTIC_ARM, (bandit.HEURISTIC_ARM,), None, 0, "heuristic")
+        self.arm = choice
+        return results[choice.arm]
 
     # ---------------------------------------------------------------- events
 
@@ -433,15 +499,18 @@ class MapMachine:
             out.append(self._decided(RESUME, None, f"resuming {self.spec.output_path}: {len(ev.completed)} chunks "
                                                    f"already written; {left}", ev.at))
             return out
+        def decide() -> policy.Decision:
+            return policy.decide(self.spec.shape, self.spec.incoming, budget_bytes=self.budget_bytes,
+                                 predict=self.predict, halo=self.spec.halo, slots=self.slots,
+                                 whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
+                                 seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings)
+
         try:
-            d = policy.decide(self.spec.shape, self.spec.incoming, budget_bytes=self.budget_bytes,
-                              predict=self.predict, halo=self.spec.halo, slots=self.slots,
-                              whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
-                              seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings)
+            d = self._choose_arm(decide) if not _probes(decide) else decide()
         except MemchunkError as exc:
             return out + self._fail(exc)
         out.append(self._decided(d.decision, d.plan, d.reason, ev.at))
-        self.queue.extend(Pending(c, d.decision) for c in d.plan.chunks)
+        self.queue.extend(Pending(c, d.decision, armed=self.arm is not None) for c in d.plan.chunks)
         self.regions.extend(d.plan.remainder)
         self.planned_upper = d.plan.upper_bound_bytes
         return out
@@ -491,7 +560,7 @@ class MapMachine:
         # Lost for another reason: learn nothing about memory; run the same chunk once more, first.
         del self.in_flight[ev.id]
         obs = self._flow_observation(item, "error", 0, ev.at)
-        self.queue.insert(0, Pending(item.chunk, item.decision, item.attempt + 1))
+        self.queue.insert(0, Pending(item.chunk, item.decision, item.attempt + 1, item.armed))
         return out + [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at)]
 
     def _on_cluster_lost(self, ev: ClusterLost) -> list[Instruction]:
@@ -560,7 +629,8 @@ class MapMachine:
                     return out
                 if not self.regions:
                     self.phase = FINISHED
-                    return out + [Finalize(settle_runs=self.deaths > 0)]
+                    # The reward follows the finalize: a map whose output does not finalize teaches nothing.
+                    return out + [Finalize(settle_runs=self.deaths > 0)] + self._rewarded()
                 out += self._plan_regions(at)
         except MemchunkError as exc:  # a plan that cannot fit the budget
             return out + self._fail(exc)
@@ -573,6 +643,8 @@ class MapMachine:
         """
         out: list[Instruction] = []
         pending, self.regions = self.regions, []
+        if self.arm is None and pending and not _probes(lambda: self._plan(pending[0])):
+            self._choose_arm(lambda: [self._plan(r) for r in pending])
         for index, region in enumerate(pending):
             p = self._plan(region)
             if p.probe:
@@ -586,7 +658,7 @@ class MapMachine:
                 self.regions = list(p.remainder) + pending[index + 1:]
                 break
             out.append(self._decided(RECHUNK, p, self.region_reason + p.reason, at, region=region.key()))
-            self.queue.extend(Pending(c, p.decision) for c in p.chunks)
+            self.queue.extend(Pending(c, p.decision, armed=self.arm is not None) for c in p.chunks)
         if not self.regions:
             self.planned_upper = self.queue_bound()
         return out
@@ -611,12 +683,12 @@ class MapMachine:
         for box in boxes:
             p = self._plan(box)
             if p.probe:  # cannot happen once ready; keep the old cut
-                queue.extend(Pending(q.chunk, RECHUNK) for q in self.queue if box.contains(q.chunk))
+                queue.extend(dataclasses.replace(q, decision=RECHUNK) for q in self.queue if box.contains(q.chunk))
                 continue
             out.append(self._decided(RECHUNK, p, f"mid-map re-plan: the upper bound moved from "
                                                  f"{format_bytes(old_upper)} to {format_bytes(new_upper)}; " + p.reason,
                                      at, region=box.key()))
-            queue.extend(Pending(c, RECHUNK) for c in p.chunks)
+            queue.extend(Pending(c, RECHUNK, armed=self.arm is not None) for c in p.chunks)
         self.queue = queue
         self.planned_upper = self.queue_bound()
         return out
@@ -644,6 +716,8 @@ class MapMachine:
         sid = self.next_id
         self.next_id += 1
         self.in_flight[sid] = item
+        if item.armed and self.arm_started is None:
+            self.arm_started = at
         extents = self.spec.read_extents(item.chunk)
         pred = self.predict(extents)
         mean, upper = (float(pred.mean_bytes), float(pred.upper_bytes)) if pred.ready else (None, None)
@@ -676,7 +750,7 @@ class MapMachine:
                 operator=self.spec.operator_key, chunk=item.chunk, budget_bytes=self.budget_bytes,
                 needed_bytes=needed_bytes))
         del self.in_flight[sid]
-        self.queue[0:0] = [Pending(p, RETRY_SMALLER, item.attempt + 1) for p in pieces]
+        self.queue[0:0] = [Pending(p, RETRY_SMALLER, item.attempt + 1, item.armed) for p in pieces]
         return [self._decided(RETRY_SMALLER, None,
                               f"{label} ran out of memory ({cause}, needed more than {format_bytes(needed_bytes)}): "
                               f"split into {len(pieces)} pieces of {pieces[0].shape}", at, chunk=item.chunk.key())]
@@ -686,14 +760,37 @@ class MapMachine:
         return [Fail(error)]
 
     def _decided(self, decision: str, plan: Plan | None, reason: str, at: float, **where: str) -> Decided:
+        arm = self.arm.arm if self.arm is not None and plan is not None and not plan.probe else None
+        if arm is not None and self.arm is not None:
+            reason = f"{reason} [{self.arm.describe()}]"
         return Decided(DecisionRecord(
             decision=decision, reason=reason, operator=self.spec.operator, operator_key=self.spec.operator_key,
             n_chunks=plan.n_chunks if plan else None, chunk_shape=tuple(plan.chunk_shape) if plan else None,  # type: ignore[arg-type]
             predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
-            upper_bound_bytes=plan.upper_bound_bytes if plan else None, at=at, **where))
+            upper_bound_bytes=plan.upper_bound_bytes if plan else None, at=at, arm=arm, **where))
+
+    def _rewarded(self) -> list[Instruction]:
+        """What the arm's plan earned, once every chunk is written (nothing without an arm or a measured rate)."""
+        spe = self.knowledge.seconds_per_element()
+        if (self.arm is None or self.arm_started is None or not self.arm_elements or spe is None
+                or self.arm_ended <= self.arm_started):
+            return []  # no arm, nothing written under it, no measured rate or no time measured
+        value, efficiency = bandit.reward_of(self.arm_elements, spe, self.slots, self.arm_ended - self.arm_started,
+                                             self.arm_out_of_memory, self.settings.oom_penalty)
+        return [Rewarded(Reward(self.spec.operator_key, self.arm.arm, self.arm.arms, value, efficiency,
+                                self.arm_elements, self.arm_ended - self.arm_started, self.slots,
+                                out_of_memory=self.arm_out_of_memory, n_chunks=self.arm_chunks,
+                                created_at=self.arm_ended))]
 
     def _ended(self, sid: int, item: Pending, outcome: str, obs: Observation | None, at: float, *,
                kept: bool = False) -> ChunkEnded:
+        if item.armed:
+            self.arm_ended = max(self.arm_ended, at)
+            if outcome == OK or kept:
+                self.arm_elements += item.chunk.elements
+                self.arm_chunks += 1
+            elif outcome in (MEMORY_ERROR, KILLED):
+                self.arm_out_of_memory += 1
         return ChunkEnded(sid, item.chunk, outcome, item.decision, obs, kept, len(self.done), self.done_elements, at)
 
     def _flow_observation(self, item: Pending, outcome: str, peak_bytes: int | None, at: float) -> Observation:
@@ -703,6 +800,24 @@ class MapMachine:
                            bytes_in=read.elements * ITEMSIZE, peak_bytes=int(peak_bytes or 0), outcome=outcome,
                            censored=outcome in (MEMORY_ERROR, KILLED) and bool(peak_bytes),
                            chunk=item.chunk.key(), budget_bytes=self.budget_bytes, method="flow", created_at=at)
+
+
+def _probes(make: Any) -> bool:
+    """Whether ``make()`` (a decision or a plan) is a cold-start probe; False when it raises (no arm fits yet)."""
+    try:
+        result = make()
+    except MemchunkError:
+        return False
+    return bool(result.decision == PROBE if isinstance(result, policy.Decision) else result.probe)
+
+
+def _signature(result: Any) -> Any:
+    """What makes two plans the same: their decision and chunks (for a decision, a plan or a list of plans)."""
+    if isinstance(result, list):
+        return tuple(_signature(r) for r in result)
+    if isinstance(result, policy.Decision):
+        return (result.decision, _signature(result.plan))
+    return tuple(result.chunks)
 
 
 def is_memory_kill(upper_bytes: float | None, kill_headroom_bytes: int, attempt: int,
@@ -738,6 +853,6 @@ __all__ = [
     "MapMachine", "MapSpec", "Knowledge", "Pending", "MapStateError", "is_memory_kill",
     "Start", "ChunkDone", "ChunkOutOfMemory", "ChunkFailed", "WorkerDied", "ClusterLost", "MarkersRecovered", "Stop",
     "Decided", "DecisionRecord", "Submit", "Record", "ChunkEnded", "MarkRuns", "Cancel", "RecoverMarkers", "Fail",
-    "Finalize", "Stopped", "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER", "RESUME",
-    "RESTART", "OK", "MEMORY_ERROR", "KILLED", "LOST",
+    "Rewarded", "Finalize", "Stopped", "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER",
+    "RESUME", "RESTART", "OK", "MEMORY_ERROR", "KILLED", "LOST",
 ]

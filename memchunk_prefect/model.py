@@ -94,7 +94,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 from river import linear_model, metrics, stats, utils
 
-from .records import Observation, Prediction
+from .bandit import ArmChoice, ArmLearner
+from .records import Observation, Prediction, Reward
 from .settings import ITEMSIZE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -470,21 +471,39 @@ class OperatorModel:
         reason = self._ready_reason()
         if reason is not None:
             mean, upper = self._guess(u, itemsize)
+            tight = upper
         else:
             mean, upper = self._upper_mib(u)
             reason = f"{self.form()} fit on {n} observations"
             # What runs held that the budget did not see is added; the conformal margin, once learned, is a floor.
-            upper += max(self._unseen, default=0.0)
+            unseen = max(self._unseen, default=0.0)
+            upper += unseen
             q = self.conformal_factor()
             if q is not None and mean * q > upper:
                 upper = mean * q
                 reason += f"; bound {q:.3f} x the mean (learned from {len(self._ratios)} runs)"
+            tight = min(upper, self._tight_mib(mean, unseen, q))
         if apply_censored and self._censored:
-            mean, upper, note = self._apply_censored(u, mean, upper)
+            mean, upper, tight, note = self._apply_censored(u, mean, upper, tight)
             if note:
                 reason += f"; {note}"
         return Prediction(mean_bytes=mean * MIB, upper_bytes=upper * MIB, n_observations=n,
-                          ready=self._ready_reason() is None, reason=reason)
+                          ready=self._ready_reason() is None, reason=reason, tight_bytes=tight * MIB)
+
+    def _tight_mib(self, mean: float, unseen: float, q: float | None) -> float:
+        """The least bound (MiB) for a block of mean ``mean``: the learned margin with no extrapolation widening.
+
+        With a conformal factor (see :meth:`conformal_factor`) it is ``mean x q``
+        (the ratios it is learned from already count unseen memory); before that,
+        the prediction interval of a point inside the data (leverage 0, chosen form
+        only) plus the unseen memory. Valid inside the sizes seen; beyond them it is
+        the bet the learned policy may take and is rewarded or penalised for.
+        """
+        if q is not None:
+            return mean * q
+        fit = self._fits()[self.form()]
+        scale = math.hypot(mean, self.noise_floor_bytes / MIB)
+        return mean + _t_quantile(self.confidence, fit.dof) * fit.s * scale + unseen
 
     def _bound(self, name: str, u: float) -> tuple[float, float]:
         """(mean, upper) in MiB from one form's River posterior."""
@@ -510,7 +529,7 @@ class OperatorModel:
         mean = per_u * u
         return mean, 2.0 * mean
 
-    def _apply_censored(self, u: float, mean: float, upper: float) -> tuple[float, float, str]:
+    def _apply_censored(self, u: float, mean: float, upper: float, tight: float) -> tuple[float, float, float, str]:
         factor, floor, note = 1.0, 0.0, ""
         for c in self._censored:
             need = c.peak_mib * (1.0 + self.censored_margin)
@@ -531,7 +550,7 @@ class OperatorModel:
             factor = max(factor, 1.0 + (ratio - 1.0) * w)
         if factor > 1.0 or floor > upper:
             note = f"raised by {len(self._censored)} out-of-memory record(s)"
-        return max(mean * factor, floor), max(upper * factor, floor), note
+        return max(mean * factor, floor), max(upper * factor, floor), max(tight * factor, floor), note
 
     # ------------------------------------------------------------------ reporting
 
@@ -610,6 +629,8 @@ class ModelBank:
         self.model_options = model_options
         self._models: dict[str, OperatorModel] = {}
         self._last_id: dict[str, int] = {}
+        self._learners: dict[str, ArmLearner] = {}
+        self._last_reward: dict[str, int] = {}
         self._lock = threading.RLock()
 
     def model(self, key: str) -> OperatorModel:
@@ -648,6 +669,31 @@ class ModelBank:
             row_id = self.store.add(obs)
             self._last_id[obs.operator_key] = row_id
             return m.learn(obs)
+
+    def learner(self, key: str) -> ArmLearner:
+        """The learned policy's bandit of ``key``, rebuilt from the store's rewards (and any added since)."""
+        with self._lock:
+            lrn = self._learners.get(key)
+            if lrn is None:
+                lrn = self._learners[key] = ArmLearner(key)
+            if self.store is not None:
+                for row_id, r in self.store.reward_rows(key, after=self._last_reward.get(key, 0)):
+                    lrn.learn(r)
+                    self._last_reward[key] = row_id
+            return lrn
+
+    def reward(self, r: Reward) -> None:
+        """Persist a finished plan's reward, then teach the bandit of its key."""
+        with self._lock:
+            lrn = self.learner(r.operator_key)
+            if self.store is not None:
+                self._last_reward[r.operator_key] = self.store.add_reward(r)
+            lrn.learn(r)
+
+    def choose_arm(self, key: str, groups: Sequence[Sequence[str]]) -> ArmChoice:
+        """The arm ``key``'s bandit plays among ``groups`` (arms grouped by identical plans)."""
+        with self._lock:
+            return self.learner(key).choose(groups)
 
     def predict(self, key: str, extents: Sequence[int], itemsize: int = ITEMSIZE) -> Prediction:
         """The prediction of ``key``'s model for a block of ``extents`` (halo included)."""

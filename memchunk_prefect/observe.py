@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from .chunks import Chunk, Shape
 from .machine import OK, ChunkEnded, DecisionRecord, Submit
-from .records import Observation, Prediction
+from .records import Observation, Prediction, Reward
 
 logger = logging.getLogger("memchunk_prefect.observe")
 
@@ -70,6 +70,7 @@ class MapEnd:
     done_chunks: int
     done_elements: int
     at: float = 0.0
+    reward: Reward | None = None  # what the learned policy's arm earned (a finished map with a real plan)
 
 
 class MapObserver:

@@ -94,11 +94,16 @@ class Prediction:
     """A model's figures for one block (halo included), in bytes: what the planner plans with.
 
     - ``mean_bytes``: expected peak above the worker's resting level;
-    - ``upper_bytes``: one-sided upper bound at the model's confidence; plans must fit this;
+    - ``upper_bytes``: one-sided upper bound at the model's confidence, widened where a
+      block is larger than any seen; the fixed heuristic's plans fit this;
     - ``n_observations``: usable ``ok`` observations behind it;
     - ``ready``: enough history to plan; False means the numbers are a guess and
       the policy probes instead;
-    - ``reason``: why (not) ready, in words, for logs and the CLI.
+    - ``reason``: why (not) ready, in words, for logs and the CLI;
+    - ``tight_bytes``: the least bound a plan may be fitted with: the mean times
+      the operator's learned error margin (no widening for extrapolation beyond
+      the sizes seen); None means the same as ``upper_bytes``. The learned policy
+      (``bandit.py``) chooses how far between this and ``upper_bytes`` to plan.
 
     The one prediction type: the model (``model.py``) returns it, the policy
     (``policy.py``) and the map state machine read it, tests build it by hand.
@@ -109,3 +114,52 @@ class Prediction:
     n_observations: int = 0
     ready: bool = True
     reason: str = ""
+    tight_bytes: float | None = None
+
+
+@dataclass
+class Reward:
+    """What one plan of the learned policy earned: the reward its arm is taught, and the figures behind it.
+
+    - ``arm``: the risk level the plan was fitted at (``bandit.ARMS``);
+    - ``arms``: every arm whose plan was the same chunking (all are taught:
+      their outcome would have been this one), ``arm`` included;
+    - ``reward``: ``efficiency - penalty x out_of_memory`` (see
+      :func:`memchunk_prefect.bandit.reward_of`);
+    - ``efficiency``: compute time the plan's chunks needed at the operator's
+      measured seconds per element, over the slot time they held
+      (``slots x wall_seconds``), 0..1;
+    - ``elements``: output elements written under the plan; ``wall_seconds``:
+      from its first submission to its last chunk's end (retries included);
+    - ``out_of_memory``: chunks of the plan that raised ``MemoryError`` or whose
+      worker was killed for memory.
+    """
+
+    operator_key: str
+    arm: str
+    arms: tuple[str, ...]
+    reward: float
+    efficiency: float
+    elements: int
+    wall_seconds: float
+    slots: int
+    out_of_memory: int = 0
+    n_chunks: int = 0
+    flow_run_id: str = ""
+    created_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.arms = tuple(str(a) for a in self.arms)
+        if self.arm not in self.arms:
+            self.arms = (self.arm,) + self.arms
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["arms"] = list(self.arms)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Reward":
+        names = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {k: (tuple(v) if k == "arms" else v) for k, v in d.items() if k in names}
+        return cls(**kwargs)

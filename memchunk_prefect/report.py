@@ -142,6 +142,8 @@ class MapRecord:
     error: str = ""
     #: Dask's ``chunks="auto"`` for this volume and what the model predicts for it (see :func:`naive_chunking`).
     naive: dict = field(default_factory=dict)
+    #: What the learned policy's arm earned (``records.Reward.to_dict()``); empty when nothing was taught.
+    reward: dict = field(default_factory=dict)
 
     @property
     def total_elements(self) -> int:
@@ -283,6 +285,11 @@ def summary_markdown(flow_name: str, records: Sequence[MapRecord], *, title: str
         if s["oom_recovered"]:
             lines.append(f"- **out-of-memory recovered**: {s['oom_recovered']} task run(s) ran out of memory and "
                          f"were split and resubmitted; {s['retry_seconds']:.1f} s of task time lost")
+        if r.reward:
+            w = r.reward
+            lines.append(f"- **learned policy**: arm {w['arm']} earned {w['reward']:.2f} (slot efficiency "
+                         f"{w['efficiency']:.2f} over {w['wall_seconds']:.1f} s on {w['slots']} slot(s), "
+                         f"{w['out_of_memory']} out of memory)")
         if s["error"]:
             lines.append(f"- **failed**: {s['error']}")
         lines.append("")
@@ -421,6 +428,8 @@ class MapReporter(MapObserver):
         r.done_chunks, r.done_elements = event.done_chunks, event.done_elements
         if event.error is not None:
             r.error = f"{type(event.error).__name__}: {event.error}"
+        if event.reward is not None:
+            r.reward = event.reward.to_dict()
         if r.budget_bytes and self._predict is not None:
             try:
                 r.naive = naive_chunking(r.shape, self._halo, r.budget_bytes, self._predict)

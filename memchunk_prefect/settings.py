@@ -59,6 +59,12 @@ class PolicySettings:
     - ``time_window``: seconds per element is the median over this many latest
       ``ok`` observations of the operator (a median: one slow run on a busy
       machine does not move it).
+    - ``learned_policy``: choose the risk level a plan is fitted at with the
+      learned bandit (``bandit.py``); False plays the fixed heuristic (the
+      model's full upper bound) every time, for ablations and for users who
+      want the conservative plan whatever was learned.
+    - ``oom_penalty``: reward taken off a plan per chunk of it that ran out of
+      memory (rewards are slot efficiencies, 0..1: one event costs a whole map).
     """
 
     per_task_overhead_seconds: float = 0.15
@@ -71,6 +77,8 @@ class PolicySettings:
     in_flight_per_slot: int = 2
     memory_kill_fraction: float = 0.5
     time_window: int = 20
+    learned_policy: bool = True
+    oom_penalty: float = 1.0
 
     def in_flight_cap(self, slots: int) -> int:
         """Most chunks in flight at once for ``slots`` worker slots."""

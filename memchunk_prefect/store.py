@@ -53,10 +53,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from .errors import StoreError, StoreSchemaTooNewError
-from .records import Observation
+from .records import Observation, Reward
 
-SCHEMA_VERSION = 3
-"""The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field."""
+SCHEMA_VERSION = 4
+"""The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
+v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table)."""
 
 APPLICATION = "memchunk-prefect"
 BUSY_TIMEOUT_MS = 30_000
@@ -156,6 +157,27 @@ COLUMN_NAMES = [c for c, _ in _COLUMNS]
 _ADDED_V3 = ("baseline_bytes", "resting_bytes")
 
 
+#: The learned policy's rewards (schema v4): one row per finished plan (see ``records.Reward``).
+_REWARD_COLUMNS: list[tuple[str, str]] = [
+    ("operator_key", "TEXT NOT NULL"),
+    ("arm", "TEXT NOT NULL"),
+    ("arms", "TEXT NOT NULL"),  # comma-separated
+    ("reward", "REAL NOT NULL"),
+    ("efficiency", "REAL NOT NULL"),
+    ("elements", "INTEGER NOT NULL"),
+    ("wall_seconds", "REAL NOT NULL"),
+    ("slots", "INTEGER NOT NULL"),
+    ("out_of_memory", "INTEGER NOT NULL"),
+    ("n_chunks", "INTEGER NOT NULL"),
+    ("flow_run_id", "TEXT NOT NULL"),
+    ("created_at", "REAL NOT NULL"),
+]
+REWARD_COLUMN_NAMES = [c for c, _ in _REWARD_COLUMNS]
+_CREATE_REWARDS = ("CREATE TABLE rewards (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+                   + ", ".join(f"{c} {t}" for c, t in _REWARD_COLUMNS)
+                   + ");\nCREATE INDEX rewards_key ON rewards(operator_key, id);\n")
+
+
 def _create_table(columns: list[tuple[str, str]]) -> str:
     return ("CREATE TABLE observations (id INTEGER PRIMARY KEY AUTOINCREMENT, "
             + ", ".join(f"{c} {t}" for c, t in columns)
@@ -163,7 +185,7 @@ def _create_table(columns: list[tuple[str, str]]) -> str:
             "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);\n")
 
 
-_CREATE = _create_table(_COLUMNS)
+_CREATE = _create_table(_COLUMNS) + _CREATE_REWARDS
 # The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
 _CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3])
 
@@ -210,7 +232,13 @@ def _execute_script(con: sqlite3.Connection, script: str) -> None:
             con.execute(stmt)
 
 
-MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
+def _migrate_3_to_4(con: sqlite3.Connection) -> None:
+    """v4 adds the learned policy's rewards (an empty table: older stores start the policy from scratch)."""
+    _execute_script(con, _CREATE_REWARDS)
+
+
+MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3,
+                                                              3: _migrate_3_to_4}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 
@@ -451,12 +479,51 @@ class Store:
             return self._connection.execute("SELECT COUNT(*) FROM observations WHERE operator_key = ?",
                                             (key,)).fetchone()[0]
 
-    def forget(self, key: str) -> int:
-        """Delete every observation of ``key``; returns how many were deleted."""
+    def add_reward(self, reward: Reward) -> int:
+        """Append one learned-policy reward; returns its row id."""
+        d = reward.to_dict()
+        d["arms"] = ",".join(reward.arms)
+        row = tuple(d[c] for c in REWARD_COLUMN_NAMES)
+        sql = (f"INSERT INTO rewards ({', '.join(REWARD_COLUMN_NAMES)}) "
+               f"VALUES ({', '.join('?' * len(REWARD_COLUMN_NAMES))})")
         with self._lock:
             con = self._connection
             con.execute("BEGIN IMMEDIATE")
             try:
+                rid = int(con.execute(sql, row).lastrowid or 0)
+                con.execute("COMMIT")
+            except BaseException:
+                _rollback(con)
+                raise
+        return rid
+
+    def reward_rows(self, key: str | None = None, *, after: int = 0) -> list[tuple[int, Reward]]:
+        """``(row id, Reward)`` in insertion order, optionally for one key and after a row id."""
+        sql = f"SELECT id, {', '.join(REWARD_COLUMN_NAMES)} FROM rewards WHERE id > ?"
+        args: list[Any] = [after]
+        if key is not None:
+            sql += " AND operator_key = ?"
+            args.append(key)
+        with self._lock:
+            fetched = self._connection.execute(sql + " ORDER BY id", args).fetchall()
+        out = []
+        for r in fetched:
+            d = dict(zip(REWARD_COLUMN_NAMES, r[1:]))
+            d["arms"] = tuple(a for a in str(d["arms"]).split(",") if a)
+            out.append((int(r[0]), Reward.from_dict(d)))
+        return out
+
+    def rewards(self, key: str | None = None) -> list[Reward]:
+        """All learned-policy rewards (of ``key``, if given) in insertion order."""
+        return [r for _, r in self.reward_rows(key)]
+
+    def forget(self, key: str) -> int:
+        """Delete every observation and policy reward of ``key``; returns how many observations were deleted."""
+        with self._lock:
+            con = self._connection
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                con.execute("DELETE FROM rewards WHERE operator_key = ?", (key,))
                 n = con.execute("DELETE FROM observations WHERE operator_key = ?", (key,)).rowcount
                 con.execute("COMMIT")
             except BaseException:

@@ -13,7 +13,7 @@ import pytest
 
 from memchunk_prefect.cli import SUBCOMMANDS, main, match_operator, parse_bytes, register
 from memchunk_prefect.errors import BudgetError, UnknownOperatorError
-from memchunk_prefect.records import Observation
+from memchunk_prefect.records import Observation, Reward
 from memchunk_prefect.store import Store
 
 ENV = "envelope|float32|cpu"
@@ -32,6 +32,8 @@ def store_path(tmp_path, monkeypatch):
             e = il * 64 * 400
             s.add(Observation(ENV, e, (il, 64, 400), 4 * e, int((70 * 2**20 + 28 * e) * (1 + rng.gauss(0, 0.02)))))
         s.add(Observation(GST, 1000, (10, 10, 10), 4000, 10**6))
+        s.add_reward(Reward(ENV, "bold", ("bold", "mid"), 0.72, 0.72, 10**6, 3.0, 2, n_chunks=4))
+        s.add_reward(Reward(ENV, "safe", ("safe",), -0.5, 0.5, 10**6, 4.0, 2, out_of_memory=1, n_chunks=6))
     return path
 
 
@@ -59,6 +61,7 @@ def test_parse_bytes_rejects_with_the_value_and_the_accepted_forms(text):
 def test_models_table_and_json(capsys, store_path):
     code, out, _ = run(capsys, "models")
     assert code == 0 and ENV in out and "bytes/element" in out and "coverage" in out
+    assert "bold 0.72x1 mid 0.72x1 safe -0.50x1!1" in out, "the learned policy's arms, as taught from the store"
     code, out, _ = run(capsys, "models", "--json")
     data = json.loads(out)
     by_key = {m["key"]: m for m in data["models"]}
@@ -68,6 +71,8 @@ def test_models_table_and_json(capsys, store_path):
     assert env["recent_mape"] is not None and env["coverage"] is not None
     assert by_key[GST]["ready"] is False
     assert data["store"] == str(store_path)
+    assert [(a["arm"], a["pulls"]) for a in env["policy"]] == [("bold", 1), ("mid", 1), ("safe", 1)]
+    assert by_key[GST]["policy"][0] == {"arm": "bold", "pulls": 0, "mean_reward": None, "out_of_memory": 0}
 
 
 def test_models_on_an_empty_store_says_so(capsys, tmp_path):

@@ -9,10 +9,11 @@ interleavings those cluster tests found.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 
+from memchunk_prefect.bandit import ArmLearner
 from memchunk_prefect.chunks import Chunk, covers_exactly
 from memchunk_prefect.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
 from memchunk_prefect.machine import (
@@ -35,6 +36,7 @@ from memchunk_prefect.machine import (
     MarkersRecovered,
     MarkRuns,
     Record,
+    Rewarded,
     Start,
     Stop,
     Stopped,
@@ -42,7 +44,7 @@ from memchunk_prefect.machine import (
     WorkerDied,
     is_memory_kill,
 )
-from memchunk_prefect.records import Observation, Prediction
+from memchunk_prefect.records import Observation, Prediction, Reward
 from memchunk_prefect.settings import PolicySettings
 from memchunk_prefect.taskruns import mark_runs
 
@@ -52,18 +54,29 @@ MiB = 2**20
 
 @dataclass
 class Linear:
-    """A fake model: ``bytes_per_element`` per element held, the bound 20% above; switchable."""
+    """A fake model: ``bytes_per_element`` per element held, the bound 20% above; switchable.
+
+    ``tight``: the tight bound as a multiple of the mean (None: the same as the
+    bound, so every arm of the learned policy plans alike); the arm is chosen by
+    a real (pure) :class:`ArmLearner`.
+    """
 
     bytes_per_element: float = 100.0
     ready: bool = True
     spe: float | None = 1e-6
+    tight: float | None = None
+    learner: ArmLearner = field(default_factory=lambda: ArmLearner(KEY))
 
     def predict(self, extents):
         mean = self.bytes_per_element * math.prod(extents)
-        return Prediction(mean, 1.2 * mean, 10 if self.ready else 0, self.ready, "" if self.ready else "too little")
+        return Prediction(mean, 1.2 * mean, 10 if self.ready else 0, self.ready, "" if self.ready else "too little",
+                          tight_bytes=None if self.tight is None else self.tight * mean)
 
     def seconds_per_element(self):
         return self.spe
+
+    def choose_arm(self, groups):
+        return self.learner.choose(groups)
 
 
 def machine(shape=(8, 8, 10), *, knowledge=None, halo=(0, 0, 0), whole_traces=True, incoming=None, **settings):
@@ -455,4 +468,113 @@ def test_the_same_events_give_the_same_instructions():
         return out
 
     first = replay()
-    assert first == replay() and isinstance(first[-1], Finalize)
+    assert first == replay() and [type(i) for i in first[-2:]] == [Finalize, Rewarded]
+
+
+# =========================================================================== the learned policy's arms
+
+
+def run_all(m: MapMachine, *, at=1.0, peak=1000):
+    """Finish every submitted chunk at time ``at`` (+1 s per chunk); return every instruction."""
+    out = []
+    t = at
+    for _ in range(1000):
+        out += m.advance(t)
+        if m.finished:
+            break
+        for sub in list(m.in_flight):
+            item = m.in_flight[sub]
+            t += 1.0
+            out += m.handle(ChunkDone(sub, obs(item.chunk, peak=peak), at=t))
+    return out
+
+
+def test_the_first_plan_is_made_under_each_arm_and_burn_in_plays_the_bold_one_first():
+    # 64 x 8 x 10 elements x 100 B: 512 KB mean whole; the bound is 1.2 x, the tight bound 1.05 x: two chunks
+    # fit 300 KB with the tight bound (269 KB each), not with the full one (307 KB).
+    m = machine((64, 8, 10), knowledge=Linear(tight=1.05), max_counts=64)
+    first, _ = started(m, slots=2, budget=300_000)
+    (d,) = of(Decided, first)
+    assert d.record.arm == "bold" and "learned policy: arm bold" in d.record.reason and "burn-in" in d.record.reason
+    safe = machine((64, 8, 10), knowledge=Linear(tight=1.05), max_counts=64, learned_policy=False)
+    (ds,) = of(Decided, started(safe, slots=2, budget=300_000)[0])
+    assert ds.record.arm == "safe" and "fixed heuristic" in ds.record.reason
+    # Bold fits the tight bound (1.05 x mean) to the budget, the heuristic the full bound: fewer, larger chunks.
+    assert d.record.n_chunks < ds.record.n_chunks
+    assert d.record.upper_bound_bytes <= 300_000 < 1.2 * d.record.predicted_peak_bytes
+
+
+def test_no_arm_plans_past_the_budget_with_its_own_bound_and_none_fits_below_the_tight_bound():
+    m = machine((8, 8, 10), knowledge=Linear(tight=1.05))
+    _, submitted = started(m, slots=2, budget=1_000_000)
+    assert all(s.upper_bytes <= 1_000_000 for s in of(Submit, submitted))
+    # One trace (10 elements, 1000 B mean, 1050 B tight) cannot fit 1000 B under any arm: the map fails.
+    tiny = machine((8, 8, 10), knowledge=Linear(tight=1.05))
+    first = tiny.handle(Start(2, 1000))
+    assert kinds(first) == ["Fail"] and isinstance(first[0].error, BudgetTooSmallError)
+
+
+def test_arms_that_give_the_same_plan_are_one_choice_and_all_are_taught():
+    m = machine((8, 8, 10), knowledge=Linear())  # no tight bound: every arm plans alike
+    first, _ = started(m, slots=2, budget=10 * MiB)
+    (d,) = of(Decided, first)
+    assert d.record.arm == "bold" and "same plan as mid, safe" in d.record.reason and "only plan" in d.record.reason
+    out = run_all(m)
+    (r,) = of(Rewarded, out)
+    assert r.reward.arms == ("bold", "mid", "safe")
+    assert kinds(out)[-2:] == ["Finalize", "Rewarded"], "taught only once the output is finalized"
+
+
+def test_the_reward_is_the_arms_slot_efficiency_less_a_penalty_per_out_of_memory_chunk():
+    k = Linear(tight=1.05, spe=1e-3)
+    m = machine((4, 8, 10), knowledge=k, max_counts=64)  # 320 elements x 100 B: 32 KB mean
+    m.handle(Start(2, 20_000, at=0.0))
+    subs = of(Submit, m.advance(0.0))
+    assert subs and m.arm is not None
+    # The first chunk runs out of memory; its halves inherit the arm; the rest finish.
+    m.handle(ChunkOutOfMemory(subs[0].id, obs(subs[0].chunk, peak=30_000, outcome="memory_error", censored=True),
+                              at=1.0))
+    out = run_all(m, at=1.0)
+    (r,) = of(Rewarded, out)
+    assert r.reward.out_of_memory == 1 and r.reward.elements == 320
+    wall = r.reward.wall_seconds
+    assert wall == pytest.approx(m.arm_ended - 0.0)
+    assert r.reward.efficiency == pytest.approx(min(1.0, 320 * 1e-3 / (2 * wall)))
+    assert r.reward.reward == pytest.approx(r.reward.efficiency - 1.0)
+
+
+def test_a_map_that_stops_early_or_probes_only_teaches_nothing():
+    m = machine((8, 8, 10), knowledge=Linear(tight=1.05))
+    _, submitted = started(m, slots=2, budget=10 * MiB)
+    sid = of(Submit, submitted)[0].id
+    m.handle(ChunkDone(sid, obs(m.in_flight[sid].chunk), at=1.0))
+    assert not of(Rewarded, m.handle(Stop("KeyboardInterrupt", True)))
+    cold = machine((8, 8, 10), knowledge=Linear(ready=False))
+    assert not of(Rewarded, run_all_cold(cold))
+
+
+def run_all_cold(m: MapMachine):
+    m.handle(Start(2, 10 * MiB))
+    out = []
+    for _ in range(100):
+        step = m.advance(1.0)
+        out += step
+        if m.finished:
+            break
+        for sid in list(m.in_flight):
+            out += m.handle(ChunkDone(sid, obs(m.in_flight[sid].chunk), at=2.0))
+    return out
+
+
+def test_the_learner_turns_away_from_an_arm_that_ran_out_of_memory():
+    k = Linear(tight=1.05)
+    for arm, arms, value in [("bold", ("bold",), -0.3), ("mid", ("mid",), 0.5), ("safe", ("safe",), 0.4)]:
+        k.learner.learn(Reward(KEY, arm, arms, value, max(value, 0.0), 100, 1.0, 2, out_of_memory=int(value < 0)))
+    chosen = []
+    for _ in range(20):  # epsilon-greedy: mostly the best arm, sometimes a random one
+        m = machine((64, 8, 10), knowledge=k, max_counts=64)
+        (d,) = of(Decided, m.handle(Start(2, 280_000)))  # bold: 2 chunks; mid and safe: 4
+        chosen.append(d.record.arm)
+        k.learner.learn(Reward(KEY, d.record.arm, (d.record.arm,), {"bold": -0.3, "mid": 0.5, "safe": 0.4}[
+            d.record.arm], 0.5, 100, 1.0, 2))
+    assert chosen.count("mid") >= 15 and "expected reward" in d.record.reason

@@ -208,12 +208,28 @@ def test_a_v2_store_gains_the_v3_columns_and_keeps_its_rows(tmp_path):
     con.commit()
     con.close()
     with Store(path) as s:
-        assert s.schema_version() == 3
+        assert s.schema_version() == SCHEMA_VERSION
         (old,) = s.observations()
         s.add(make_obs(baseline_bytes=300, resting_bytes=200))
         new = s.observations()[-1]
+        assert s.rewards() == []  # v4: the policy's rewards table exists, empty
     assert (old.peak_bytes, old.baseline_bytes, old.resting_bytes, old.unseen_bytes) == (500000, None, None, 0)
     assert (new.baseline_bytes, new.resting_bytes, new.unseen_bytes) == (300, 200, 100)
+
+
+def test_policy_rewards_round_trip_and_are_forgotten_with_their_key(tmp_path):
+    from memchunk_prefect.records import Reward
+
+    with Store(tmp_path / "s.sqlite") as s:
+        a = Reward("envelope|float32|cpu", "bold", ("bold", "mid"), 0.4, 0.4, 1000, 2.5, 2, n_chunks=4)
+        b = Reward("gst3d|float32|cpu", "safe", ("safe",), -0.3, 0.7, 500, 9.0, 2, out_of_memory=1)
+        s.add_reward(a)
+        s.add_reward(b)
+        assert s.rewards("envelope|float32|cpu") == [a]
+        assert s.rewards() == [a, b]
+        s.add(make_obs(key="gst3d|float32|cpu"))
+        s.forget("gst3d|float32|cpu")
+        assert s.rewards() == [a]
 
 
 def test_a_newer_store_is_refused_and_left_untouched(tmp_path):
