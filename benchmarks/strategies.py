@@ -23,7 +23,10 @@ the *same* local Dask cluster (single-thread worker processes, nanny-enforced
   regression: it does not carry sizes across operators or runs);
 - ``memchunk-cold`` / ``memchunk-warm``: ``flows.pipeline.attribute_pipeline``
   with ``MemoryAwareRunner(address=<the cluster>)`` on an empty store, then again
-  on the same store.
+  on the same store;
+- ``heuristic-cold`` / ``heuristic-warm``: the same with the learned policy off
+  (``policy={"learned_policy": False}``: every plan fitted at the model's full
+  upper bound), on a store of its own: the ablation.
 
 Measurements (see :class:`Sampler` and :class:`AttemptLog`):
 
@@ -631,23 +634,27 @@ def memchunk_flow(source_path: str, steps: list[dict], out_dir: str) -> list[dic
         s = current.summary()
         s["memory_errors"] = sum(1 for e in current.events if e.get("event") == "memory_error")
         s["killed"] = sum(1 for e in current.events if e.get("event") == "killed")
+        s["arms"] = sorted({d["arm"] for d in current.decisions if d.get("arm")})
         out.append(s)
     return out
 
 
-def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: str) -> dict:
+def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: str, *,
+                 learned_policy: bool = True) -> dict:
+    """The pipeline under MemoryAwareRunner; ``learned_policy=False`` is the ablation (the fixed heuristic)."""
     from memchunk_prefect import MemoryAwareRunner
 
     out_dir = bench.workdir / f"out-{tag}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    runner = MemoryAwareRunner(address=bench.address, store=store, output_dir=str(out_dir / "runs"))
+    runner = MemoryAwareRunner(address=bench.address, store=store, output_dir=str(out_dir / "runs"),
+                               policy={"learned_policy": learned_policy})
     try:
         summaries = memchunk_flow.with_options(task_runner=runner)(survey, steps, str(out_dir))
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     per_op = {s["operator"]: {"decisions": s["decisions"], "tasks": s["tasks"], "chunks": s["chunks"],
                               "oom_events": s["oom_events"], "peak_bytes": s["peak_bytes"],
-                              "budget_bytes": s["budget_bytes"]} for s in summaries}
+                              "budget_bytes": s["budget_bytes"], "arms": s.get("arms", [])} for s in summaries}
     return {"completed": True, "tasks": sum(s["tasks"] for s in summaries),
             "memory_errors": sum(s["memory_errors"] for s in summaries),
             "notes": "; ".join(f"{s['operator']}: {'/'.join(s['decisions'])}, {s['chunks']} chunks"

@@ -18,7 +18,10 @@ warm. The arms are three risk levels of that bound:
 - ``mid``: halfway between the upper bound and the tight bound;
 - ``bold``: the tight bound: the mean times the operator's learned error margin
   (the conformal quantile of needed / predicted over its recent runs), with no
-  widening for extrapolation.
+  widening for extrapolation, for blocks up to twice the largest one measured
+  (``OperatorModel.tight_reach``; the full bound beyond). Each bold plan can at
+  most double what is known, so a warm operator climbs to the size that fits
+  over runs instead of jumping to it from small probes.
 
 Hard limit: every arm's bound, the boldest included, must fit the budget, so no
 arm ever plans a chunk whose mean times its learned margin crosses the kill line
@@ -34,17 +37,22 @@ ran out of memory. Efficiency is dimensionless, so surveys of different sizes
 teach the same arms (no context is needed to compare them; the plans
 themselves are re-made for each survey, slots and budget).
 
-The bandit is River's :class:`river.bandit.EpsilonGreedy` with one burn-in pull
-per arm (arms tried in the order bold, mid, safe: the tight bound is the one a
-warm operator should earn) and exploration ``epsilon`` decaying with pulls. An
-arm whose plan is the same chunking as the chosen one is taught the same reward
-(its outcome would have been this one), so arms that agree cost no exploration.
-The choice is reproducible: the policy is rebuilt from the rewards with a seed
-drawn from the key and the number of rewards.
+The bandit is River's :class:`river.bandit.EpsilonGreedy`: the arm with the
+best mean reward, or a random one with probability ``epsilon`` (decaying with
+plans taught). An arm never played ranks at 0 (River's empty mean): below any
+plan that finished, above one that ran out of memory. Equal arms go to the
+first of bold, mid, safe, so a new operator plays bold (its plan is never
+smaller than safe's, see ``tight_reach``); when bold runs out of memory its
+mean drops below 0 and mid, then safe, are tried. No burn-in: pulling the safe
+arm once per operator for the sake of it would cost every user a slow night.
+An arm whose plan is the same chunking as the chosen one is taught the same
+reward (its outcome would have been this one), so arms that agree cost no
+exploration. The choice is reproducible: the policy is rebuilt from the rewards
+with a seed drawn from the key and the number of rewards.
 
 >>> from memchunk_prefect.records import Reward
 >>> learner = ArmLearner("gst3d_dip|float32|cpu")
->>> learner.choose([("bold",), ("mid", "safe")]).arm  # nothing learned yet: burn-in tries bold first
+>>> learner.choose([("bold",), ("mid", "safe")]).arm  # nothing learned yet: bold first
 'bold'
 >>> learner.learn(Reward("gst3d_dip|float32|cpu", "bold", ("bold",), -0.2, 0.8, 100, 1.0, 2, out_of_memory=1))
 >>> learner.learn(Reward("gst3d_dip|float32|cpu", "mid", ("mid", "safe"), 0.6, 0.6, 100, 1.0, 2))
@@ -58,8 +66,6 @@ import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
-
-from river import bandit, stats
 
 from .records import Prediction, Reward
 
@@ -135,17 +141,19 @@ class ArmChoice:
 class ArmLearner:
     """The bandit of one operator key: taught :class:`Reward` rows, asked which arm to play.
 
-    ``epsilon`` (probability of a random arm once burn-in is done) decays as
-    ``epsilon x exp(-decay x pulls)``; ``burn_in`` pulls per arm first.
+    ``epsilon`` (probability of a random arm) decays as ``epsilon x exp(-decay x
+    pulls)``; ``burn_in``: pulls per arm before exploiting (0, see the module docstring).
     """
 
-    def __init__(self, key: str, *, epsilon: float = 0.1, decay: float = 0.05, burn_in: int = 1):
+    def __init__(self, key: str, *, epsilon: float = 0.1, decay: float = 0.05, burn_in: int = 0):
         if not 0.0 <= epsilon <= 1.0:
             raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
         self.key = key
         self.epsilon = float(epsilon)
         self.decay = float(decay)
         self.burn_in = int(burn_in)
+        from river import stats  # here, not at import: workers import this module (via the machine), not River
+
         self.rewards: list[Reward] = []
         self._means: dict[str, Any] = {a: stats.Mean() for a in ARMS}
         self._oom: dict[str, int] = dict.fromkeys(ARMS, 0)
@@ -160,7 +168,9 @@ class ArmLearner:
                 self._means[arm].update(reward.reward)
                 self._oom[arm] += int(reward.out_of_memory)
 
-    def _policy(self) -> bandit.EpsilonGreedy:
+    def _policy(self) -> Any:
+        from river import bandit
+
         seed = int.from_bytes(hashlib.sha256(f"{self.key}|{len(self.rewards)}".encode()).digest()[:4], "big")
         policy = bandit.EpsilonGreedy(epsilon=self.epsilon, decay=self.decay, burn_in=self.burn_in, seed=seed)
         for r in self.rewards:
@@ -194,9 +204,9 @@ class ArmLearner:
         return ArmChoice(arm, group_of[arm], self.expected(arm), self.pulls(arm), why)
 
     def _rank(self, arm: str) -> float:
-        """An arm's mean reward; one never played ranks first (it is the one to learn about)."""
+        """An arm's mean reward; 0 for one never played (as River's ``EpsilonGreedy`` ranks it)."""
         expected = self.expected(arm)
-        return float("inf") if expected is None else expected
+        return 0.0 if expected is None else expected
 
     def summary(self) -> list[dict[str, Any]]:
         """Per arm: plans taught, mean reward, out-of-memory events (for ``memchunk models``)."""

@@ -215,7 +215,9 @@ class OperatorModel:
     ``superlinear_gain``: the superlinear form is chosen only when its
     leave-one-out error is below this fraction of the line's (its bound is
     blended in otherwise, see :meth:`_curved_weight`);
-    ``metric_window``: observations in the rolling MAPE and coverage.
+    ``metric_window``: observations in the rolling MAPE and coverage;
+    ``tight_reach``: the tight bound (``Prediction.tight_bytes``) is given for
+    blocks up to this multiple of the largest one measured, the upper bound beyond.
 
     Not thread-safe on its own; :class:`ModelBank` serializes ``learn`` and ``predict``.
     ``shared`` observations (other tasks ran in the same process) are learned as
@@ -236,6 +238,7 @@ class OperatorModel:
     metric_window: int = 20
     prior_variance: float = 1e6
     conformal_window: int = 20
+    tight_reach: float = 2.0
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
@@ -482,13 +485,18 @@ class OperatorModel:
             if q is not None and mean * q > upper:
                 upper = mean * q
                 reason += f"; bound {q:.3f} x the mean (learned from {len(self._ratios)} runs)"
-            tight = min(upper, self._tight_mib(mean, unseen, q))
+            # Trusted up to tight_reach x the largest block measured: each plan at most doubles what is known.
+            tight = upper if u > self.tight_reach * self._largest_u() else min(upper, self._tight_mib(mean, unseen, q))
         if apply_censored and self._censored:
             mean, upper, tight, note = self._apply_censored(u, mean, upper, tight)
             if note:
                 reason += f"; {note}"
         return Prediction(mean_bytes=mean * MIB, upper_bytes=upper * MIB, n_observations=n,
                           ready=self._ready_reason() is None, reason=reason, tight_bytes=tight * MIB)
+
+    def _largest_u(self) -> float:
+        """The largest block (Mi-elements) with a usable ``ok`` observation."""
+        return max(self._sizes, default=0) / MIB
 
     def _tight_mib(self, mean: float, unseen: float, q: float | None) -> float:
         """The least bound (MiB) for a block of mean ``mean``: the learned margin with no extrapolation widening.
@@ -497,7 +505,9 @@ class OperatorModel:
         (the ratios it is learned from already count unseen memory); before that,
         the prediction interval of a point inside the data (leverage 0, chosen form
         only) plus the unseen memory. Valid inside the sizes seen; beyond them it is
-        the bet the learned policy may take and is rewarded or penalised for.
+        the bet the learned policy may take and is rewarded or penalised for, and
+        only up to ``tight_reach`` x the largest block measured (beyond that the
+        tight bound is the upper bound).
         """
         if q is not None:
             return mean * q

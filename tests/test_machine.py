@@ -489,13 +489,13 @@ def run_all(m: MapMachine, *, at=1.0, peak=1000):
     return out
 
 
-def test_the_first_plan_is_made_under_each_arm_and_burn_in_plays_the_bold_one_first():
+def test_the_first_plan_is_made_under_each_arm_and_a_new_operator_plays_the_bold_one_first():
     # 64 x 8 x 10 elements x 100 B: 512 KB mean whole; the bound is 1.2 x, the tight bound 1.05 x: two chunks
     # fit 300 KB with the tight bound (269 KB each), not with the full one (307 KB).
     m = machine((64, 8, 10), knowledge=Linear(tight=1.05), max_counts=64)
     first, _ = started(m, slots=2, budget=300_000)
     (d,) = of(Decided, first)
-    assert d.record.arm == "bold" and "learned policy: arm bold" in d.record.reason and "burn-in" in d.record.reason
+    assert d.record.arm == "bold" and "learned policy: arm bold" in d.record.reason and "no reward yet" in d.record.reason
     safe = machine((64, 8, 10), knowledge=Linear(tight=1.05), max_counts=64, learned_policy=False)
     (ds,) = of(Decided, started(safe, slots=2, budget=300_000)[0])
     assert ds.record.arm == "safe" and "fixed heuristic" in ds.record.reason

@@ -294,3 +294,31 @@ def test_memory_a_run_started_with_above_the_assumed_resting_level_raises_the_bo
     assert drifting.unseen_bytes() == 50 * MIB
     assert drifting.predict(ext).upper_bytes == pytest.approx(calm.predict(ext).upper_bytes + 50 * MIB, rel=1e-6)
     assert drifting.predict(ext).mean_bytes == pytest.approx(calm.predict(ext).mean_bytes, rel=1e-9)
+
+
+def test_the_tight_bound_is_the_mean_times_the_learned_margin_up_to_twice_the_largest_block_measured():
+    rng = random.Random(3)
+    m = OperatorModel(KEY)
+    sizes = [(i, 32, 400) for i in (4, 8, 12, 16)]
+    for k in range(40):
+        ext = sizes[k % len(sizes)]
+        m.learn(obs(ext, superlinear(elements(ext)) * rng.uniform(0.97, 1.03)))
+    q = m.conformal_factor()
+    assert q is not None
+    inside, reach, beyond = m.predict((16, 32, 400)), m.predict((32, 32, 400)), m.predict((40, 32, 400))
+    assert inside.tight_bytes == pytest.approx(inside.mean_bytes * q) and inside.tight_bytes <= inside.upper_bytes
+    assert reach.tight_bytes == pytest.approx(reach.mean_bytes * q)
+    assert reach.tight_bytes < reach.upper_bytes, "twice the largest block: the bold bet, below the widened bound"
+    assert beyond.tight_bytes == beyond.upper_bytes, "past twice the largest block measured, no bet"
+    # A censored run at a size raises the tight bound there as it raises the upper bound.
+    m.learn(obs((24, 32, 400), 10 * reach.upper_bytes, outcome="memory_error", censored=True))
+    assert m.predict((32, 32, 400)).tight_bytes >= 10 * reach.upper_bytes
+
+
+def test_before_a_margin_is_learned_the_tight_bound_is_the_in_data_prediction_interval():
+    m = trained(linear, n=6)
+    assert m.conformal_factor() is None
+    largest = max(m._sizes)
+    p = m.predict((1, 1, largest))  # the largest block measured: no extrapolation
+    assert p.mean_bytes < p.tight_bytes <= p.upper_bytes
+    assert p.tight_bytes < 1.3 * p.mean_bytes
