@@ -668,7 +668,11 @@ class MapMachine:
 
         Like is compared with like: the bound of the largest queued chunk now,
         against the same figure when the queue was (re)planned. Never while split
-        pieces wait (they are sized by a measured failure, not by the model).
+        pieces wait (they are sized by a measured failure, not by the model). A
+        box's new plan replaces its queued chunks only when those no longer fit the
+        budget, or when its estimated time is shorter by ``settings.replan_gain``:
+        a bound that wanders within a plan's slack changes nothing, and a re-plan
+        is never undone by the next observation.
         """
         if not self.queue or self.planned_upper is None or any(q.decision == RETRY_SMALLER for q in self.queue):
             return []
@@ -682,16 +686,32 @@ class MapMachine:
         out: list[Instruction] = []
         for box in boxes:
             p = self._plan(box)
-            if p.probe:  # cannot happen once ready; keep the old cut
-                queue.extend(dataclasses.replace(q, decision=RECHUNK) for q in self.queue if box.contains(q.chunk))
+            queued = [q for q in self.queue if box.contains(q.chunk)]
+            why = None if p.probe else self._replan_pays(queued, p)  # a probe cannot happen once ready
+            if why is None:  # keep the queued cut
+                queue.extend(dataclasses.replace(q, decision=RECHUNK) for q in queued)
                 continue
             out.append(self._decided(RECHUNK, p, f"mid-map re-plan: the upper bound moved from "
-                                                 f"{format_bytes(old_upper)} to {format_bytes(new_upper)}; " + p.reason,
-                                     at, region=box.key()))
+                                                 f"{format_bytes(old_upper)} to {format_bytes(new_upper)}; {why}; "
+                                                 + p.reason, at, region=box.key()))
             queue.extend(Pending(c, RECHUNK, armed=self.arm is not None) for c in p.chunks)
         self.queue = queue
         self.planned_upper = self.queue_bound()
         return out
+
+    def _replan_pays(self, queued: list[Pending], new: Plan) -> str | None:
+        """Why ``new`` should replace the ``queued`` chunks of its box (in words), or None to keep them."""
+        largest = max(queued, key=lambda q: q.chunk.elements).chunk
+        ext = extents_with_halo(largest.shape, self.spec.halo, self.spec.shape)
+        pred = self.predict(ext)
+        if pred.upper_bytes > self.budget_bytes:
+            return (f"the queued chunks of up to {largest.shape} no longer fit "
+                    f"({format_bytes(pred.upper_bytes)} over {format_bytes(self.budget_bytes)})")
+        old_secs = policy.estimate_seconds(len(queued), ext, self.slots, self.settings,
+                                           self.knowledge.seconds_per_element())
+        if new.estimated_seconds is not None and new.estimated_seconds < old_secs * (1 - self.settings.replan_gain):
+            return f"estimated {old_secs:.2f} s -> {new.estimated_seconds:.2f} s"
+        return None
 
     def queue_bound(self) -> float | None:
         """The model's upper bound (bytes) for the largest queued chunk with its halo; None while not ready."""

@@ -42,6 +42,9 @@ class PolicySettings:
       a few percent).
     - ``replan_threshold``: re-plan the unsubmitted remainder when the upper bound
       for the planned chunk moved by more than this fraction.
+    - ``replan_gain``: a mid-map re-plan replaces the queued chunks only when its
+      estimated time is shorter by this fraction (or the queued chunks no longer
+      fit the budget), so plans do not go back and forth with each observation.
     - ``probe_multiple``: the memory multiple (peak bytes / input bytes) assumed
       for an unknown operator when sizing probes; 100 covers the heaviest
       operator known (GST3D, about 60x), so probes fit on the first try.
@@ -71,6 +74,7 @@ class PolicySettings:
     seconds_per_element: float = 1e-7
     continue_tolerance: float = 0.15
     replan_threshold: float = 0.2
+    replan_gain: float = 0.1
     probe_multiple: float = 100.0
     probe_chunks: int = 3
     max_counts: int = 4096

@@ -213,6 +213,32 @@ def test_a_bound_within_the_threshold_keeps_the_planned_chunks():
     assert [q.chunk for q in m.queue] == queued[len(of(Submit, out)):]
 
 
+def test_a_replan_that_would_not_save_time_keeps_the_queued_chunks():
+    # No per-task overhead on one slot: any cut of the same box takes the same time, so a bound that
+    # halved changes nothing (a re-plan must pay for itself by replan_gain).
+    know = Linear()
+    m = machine((64, 8, 10), knowledge=know, max_counts=64, per_task_overhead_seconds=0.0)
+    started(m, slots=1, budget=100 * 1024)
+    queued = [q.chunk for q in m.queue]
+    know.bytes_per_element = 50.0
+    sid = next(iter(m.in_flight))
+    out = m.handle(ChunkDone(sid, obs(m.in_flight[sid].chunk))) + m.advance()
+    assert not of(Decided, out)
+    assert [q.chunk for q in m.queue] == queued[len(of(Submit, out)):]
+
+
+def test_queued_chunks_that_no_longer_fit_are_replanned_whatever_the_time():
+    know = Linear()
+    m = machine((64, 8, 10), knowledge=know, max_counts=64, per_task_overhead_seconds=0.0)
+    started(m, slots=1, budget=100 * 1024)
+    know.bytes_per_element = 150.0  # measured: half as much again as planned with
+    sid = next(iter(m.in_flight))
+    out = m.handle(ChunkDone(sid, obs(m.in_flight[sid].chunk))) + m.advance()
+    (d,) = of(Decided, out)
+    assert "no longer fit" in d.record.reason
+    assert all(know.predict(q.chunk.shape).upper_bytes <= 100 * 1024 for q in m.queue)
+
+
 def test_no_replan_while_split_pieces_wait_their_turn():
     know = Linear()
     m = _running_with_queue(know)
