@@ -89,6 +89,9 @@ class BankKnowledge:
     def seconds_per_element(self) -> float | None:
         return self.bank.seconds_per_element(self.key, self.settings.time_window)
 
+    def seconds_for(self, elements: int) -> float | None:
+        return self.bank.seconds_for(self.key, elements)
+
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice:
         return self.bank.choose_arm(self.key, groups)
 

@@ -88,13 +88,16 @@ class Knowledge(Protocol):
 
     ``predict(extents)`` gives the memory figures for a block of ``extents``
     (halo included); ``seconds_per_element()`` the recent compute time per
-    element, or None before any measurement; ``choose_arm(groups)`` the learned
+    element, or None before any measurement; ``seconds_for(elements)`` a block's
+    compute seconds where time grows faster than size (None where proportional); ``choose_arm(groups)`` the learned
     policy's arm among ``groups`` (arms grouped by identical plans).
     """
 
     def predict(self, extents: Shape) -> Prediction: ...
 
     def seconds_per_element(self) -> float | None: ...
+
+    def seconds_for(self, elements: int) -> float | None: ...
 
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice: ...
 
@@ -503,7 +506,8 @@ class MapMachine:
             return policy.decide(self.spec.shape, self.spec.incoming, budget_bytes=self.budget_bytes,
                                  predict=self.predict, halo=self.spec.halo, slots=self.slots,
                                  whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
-                                 seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings)
+                                 seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
+                                 seconds_for=self.knowledge.seconds_for)
 
         try:
             d = self._choose_arm(decide) if not _probes(decide) else decide()
@@ -708,7 +712,7 @@ class MapMachine:
             return (f"the queued chunks of up to {largest.shape} no longer fit "
                     f"({format_bytes(pred.upper_bytes)} over {format_bytes(self.budget_bytes)})")
         old_secs = policy.estimate_seconds(len(queued), ext, self.slots, self.settings,
-                                           self.knowledge.seconds_per_element())
+                                           self.knowledge.seconds_per_element(), self.knowledge.seconds_for)
         if new.estimated_seconds is not None and new.estimated_seconds < old_secs * (1 - self.settings.replan_gain):
             return f"estimated {old_secs:.2f} s -> {new.estimated_seconds:.2f} s"
         return None
@@ -725,7 +729,8 @@ class MapMachine:
     def _plan(self, region: Chunk) -> Plan:
         return policy.plan(self.spec.shape, budget_bytes=self.budget_bytes, predict=self.predict, halo=self.spec.halo,
                            slots=self.slots, whole_traces=self.spec.whole_traces, region=region, itemsize=ITEMSIZE,
-                           seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings)
+                           seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
+                           seconds_for=self.knowledge.seconds_for)
 
     def _upper_for(self, chunk: Chunk) -> float | None:
         """Upper bound for an interior chunk of this shape (halo on both sides), None while the model is not ready."""

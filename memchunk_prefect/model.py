@@ -217,7 +217,8 @@ class OperatorModel:
     blended in otherwise, see :meth:`_curved_weight`);
     ``metric_window``: observations in the rolling MAPE and coverage;
     ``tight_reach``: the tight bound (``Prediction.tight_bytes``) is given for
-    blocks up to this multiple of the largest one measured, the upper bound beyond.
+    blocks up to this multiple of the largest one measured, the upper bound beyond;
+    ``time_floor_seconds`` added in quadrature to each run's seconds when fitting time.
 
     Not thread-safe on its own; :class:`ModelBank` serializes ``learn`` and ``predict``.
     ``shared`` observations (other tasks ran in the same process) are learned as
@@ -239,6 +240,7 @@ class OperatorModel:
     prior_variance: float = 1e6
     conformal_window: int = 20
     tight_reach: float = 2.0
+    time_floor_seconds: float = 0.01
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
@@ -252,6 +254,8 @@ class OperatorModel:
     _bound_ratio: Any = field(init=False, repr=False)
     _cache: dict = field(init=False, repr=False)
     _rates: deque = field(init=False, repr=False)
+    _time_forms: dict[str, _Form] = field(init=False, repr=False)
+    _time_sizes: set = field(init=False, repr=False)
     _ratios: deque = field(init=False, repr=False)
     _unseen: deque = field(init=False, repr=False)
 
@@ -264,6 +268,8 @@ class OperatorModel:
         if self.outlier_ratio <= 1.0:
             raise ValueError(f"outlier_ratio must be above 1, got {self.outlier_ratio!r}")
         self._forms = {name: _Form(name, self.prior_variance) for name in _POWERS}
+        self._time_forms = {name: _Form(name, self.prior_variance) for name in _POWERS}
+        self._time_sizes = set()
         self._censored = []
         self._quarantine = deque()
         self._sizes = set()
@@ -289,6 +295,11 @@ class OperatorModel:
             raise ValueError(f"observation for {obs.operator_key!r} given to the model of {self.key!r}")
         if obs.outcome == "ok" and obs.elements > 0:
             self._rates.append(obs.seconds / obs.elements)
+            if obs.seconds > 0:
+                u = obs.elements / MIB
+                for form in self._time_forms.values():
+                    form.learn(u, obs.seconds, math.hypot(obs.seconds, self.time_floor_seconds))
+                self._time_sizes.add(obs.elements)
         if not obs.usable or obs.elements <= 0 or obs.peak_bytes <= 0:
             return "ignored"
         self._cache.clear()
@@ -325,6 +336,41 @@ class OperatorModel:
             return None
         rates = sorted(list(self._rates)[-max(1, int(window)):])
         return rates[len(rates) // 2]
+
+    def time_form(self) -> str:
+        """The form of compute seconds against block size: a curved one only when it predicts held-out runs better.
+
+        The same forms and the same test as for memory (leave-one-out error below
+        ``superlinear_gain`` x the line's, positive curvature, at least
+        ``p + 2`` runs at ``min_observations``-many sizes), fitted on relative
+        residuals of seconds (a floor of ``time_floor_seconds`` keeps runs of a
+        few milliseconds, mostly scheduling noise, from dominating).
+        """
+        if len(self._time_sizes) < max(3, self.min_observations):
+            return LINEAR
+        fits = {name: f.fit(self.prior_noise, 1.0, self.min_noise) for name, f in self._time_forms.items()}
+        ok = [name for name in CURVED
+              if fits[name].n >= len(_POWERS[name]) + 2 and math.isfinite(fits[name].press) and fits[name].coef[-1] > 0]
+        best = min(ok, key=lambda name: fits[name].press) if ok else None
+        if best is not None and fits[best].press < self.superlinear_gain * fits[LINEAR].press:
+            return best
+        return LINEAR
+
+    def seconds_for(self, elements: int) -> float | None:
+        """Compute seconds for a block of ``elements`` (halo included) when time grows faster than its size.
+
+        None while the line is the better form: then time is proportional to size
+        and the planner uses :meth:`seconds_per_element` (a median: robust to a
+        slow run). An operator whose cost grows with the square of traces per
+        chunk is cheaper per element in smaller chunks; this is how the planner
+        knows it.
+        """
+        form = self.time_form()
+        if form == LINEAR:
+            return None
+        f = self._time_forms[form]
+        fit = f.fit(self.prior_noise, 1.0, self.min_noise)
+        return max(0.0, float(f.raw(int(elements) / MIB) @ fit.coef))
 
     def _score(self, obs: Observation, pred: Prediction) -> None:
         need = obs.peak_bytes + obs.unseen_bytes
@@ -587,6 +633,8 @@ class OperatorModel:
             "margin": self.conformal_factor(),
             "margin_runs": len(self._ratios),
             "unseen_bytes": self.unseen_bytes(),
+            "seconds_per_element": self.seconds_per_element(),
+            "time_form": self.time_form(),
         }
         if fits and out["ready"]:
             fit = fits[form]
@@ -714,6 +762,11 @@ class ModelBank:
         """``key``'s recent compute seconds per element (see :meth:`OperatorModel.seconds_per_element`)."""
         with self._lock:
             return self.model(key).seconds_per_element(window)
+
+    def seconds_for(self, key: str, elements: int) -> float | None:
+        """``key``'s compute seconds for a block, when not proportional (see :meth:`OperatorModel.seconds_for`)."""
+        with self._lock:
+            return self.model(key).seconds_for(elements)
 
     def predictor(self, key: str, itemsize: int = ITEMSIZE):
         """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""

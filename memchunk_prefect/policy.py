@@ -28,6 +28,9 @@ Among the rest the estimated makespan is minimised::
     makespan = ceil(n_chunks / slots) * (elements_with_halo * seconds_per_element
                                          + per_task_overhead_seconds)
 
+(with the learned compute seconds of a chunk in place of ``elements x
+seconds_per_element`` when the model found time growing faster than size:
+such an operator is cheaper per element in smaller chunks)
 so one large chunk per slot wins unless the per-task overhead is small and
 the volume large; halos cost because they are paid per chunk; fewer chunks
 break ties. Whole traces (no cut along ``twt``) are kept for operators that
@@ -58,7 +61,7 @@ from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 __all__ = [
     "CONTINUE", "RECHUNK", "RETRY_SMALLER", "PROBE", "DECISIONS", "Prediction", "PolicySettings", "Plan", "Decision",
     "Predictor", "plan", "probe_plan", "decide", "split_chunk", "bound_moved", "remaining_boxes", "task_budget_bytes",
-    "allowed_failures_warning", "estimate_seconds", "check_budget",
+    "allowed_failures_warning", "estimate_seconds", "check_budget", "SecondsFor",
 ]
 
 CONTINUE = "continue"
@@ -220,13 +223,24 @@ def _offset(chunks: Iterable[Chunk], origin: Sequence[int]) -> list[Chunk]:
             for c in chunks]
 
 
+SecondsFor = Callable[[int], "float | None"]
+"""Compute seconds for a block of that many elements (halo included), or None where time is proportional to size."""
+
+
 def estimate_seconds(n_chunks: int, extents: Sequence[int], slots: int, settings: PolicySettings,
-                     seconds_per_element: float | None = None) -> float:
-    """Estimated makespan in seconds of ``n_chunks`` equal chunks of ``extents`` (halo included) on ``slots``."""
+                     seconds_per_element: float | None = None, seconds_for: SecondsFor | None = None) -> float:
+    """Estimated makespan in seconds of ``n_chunks`` equal chunks of ``extents`` (halo included) on ``slots``.
+
+    A chunk's compute time is ``seconds_for(elements)`` where the model learned
+    that time grows faster than size, else ``elements x seconds_per_element``.
+    """
     spe = settings.seconds_per_element if seconds_per_element is None else seconds_per_element
     elements = math.prod(int(e) for e in extents)
+    compute = seconds_for(elements) if seconds_for is not None else None
+    if compute is None:
+        compute = elements * spe
     waves = math.ceil(n_chunks / max(1, slots))
-    return waves * (elements * spe + settings.per_task_overhead_seconds)
+    return waves * (compute + settings.per_task_overhead_seconds)
 
 
 # --------------------------------------------------------------------------- plan
@@ -244,6 +258,7 @@ def plan(
     itemsize: int = ITEMSIZE,
     seconds_per_element: float | None = None,
     settings: PolicySettings = DEFAULT_SETTINGS,
+    seconds_for: SecondsFor | None = None,
 ) -> Plan:
     """The best chunking of ``region`` (default: the whole volume of ``shape``) for one operator.
 
@@ -283,7 +298,7 @@ def plan(
                         best_fit_smallest = (pred.upper_bytes, cshape)
                     continue
                 n = ci * cx * ct
-                secs = estimate_seconds(n, ext, slots, settings, seconds_per_element)
+                secs = estimate_seconds(n, ext, slots, settings, seconds_per_element, seconds_for)
                 # Prefer: shortest makespan, then fewest chunks, then uncut traces, then cutting ilines first.
                 score = (round(secs, 9), n, ct, cx)
                 if best is None or score < best[0]:
@@ -444,6 +459,7 @@ def decide(
     itemsize: int = ITEMSIZE,
     seconds_per_element: float | None = None,
     settings: PolicySettings = DEFAULT_SETTINGS,
+    seconds_for: SecondsFor | None = None,
 ) -> Decision:
     """Continue with the incoming chunking, rechunk, or probe (no history).
 
@@ -453,7 +469,7 @@ def decide(
     vol = check_shape(shape)
     h = normalize_halo(halo)
     best = plan(vol, budget_bytes=budget_bytes, predict=predict, halo=h, slots=slots, whole_traces=whole_traces,
-                itemsize=itemsize, seconds_per_element=seconds_per_element, settings=settings)
+                itemsize=itemsize, seconds_per_element=seconds_per_element, settings=settings, seconds_for=seconds_for)
     if best.probe:
         return Decision(PROBE, best, best.reason, incoming_n_chunks=len(incoming) if incoming else None)
     if not incoming:
@@ -471,7 +487,7 @@ def decide(
             f"incoming chunks of up to {largest.shape} need up to {format_bytes(pred.upper_bytes)} with this "
             f"operator, over the budget {format_bytes(budget_bytes)}: " + best.reason,
             incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
-    secs = estimate_seconds(len(incoming), ext, slots, settings, seconds_per_element)
+    secs = estimate_seconds(len(incoming), ext, slots, settings, seconds_per_element, seconds_for)
     if best.estimated_seconds is not None and secs > best.estimated_seconds * (1 + settings.continue_tolerance):
         return Decision(
             RECHUNK, best,

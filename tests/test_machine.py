@@ -75,6 +75,9 @@ class Linear:
     def seconds_per_element(self):
         return self.spe
 
+    def seconds_for(self, elements):
+        return None  # time proportional to size
+
     def choose_arm(self, groups):
         return self.learner.choose(groups)
 

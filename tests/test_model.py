@@ -322,3 +322,19 @@ def test_before_a_margin_is_learned_the_tight_bound_is_the_in_data_prediction_in
     p = m.predict((1, 1, largest))  # the largest block measured: no extrapolation
     assert p.mean_bytes < p.tight_bytes <= p.upper_bytes
     assert p.tight_bytes < 1.3 * p.mean_bytes
+
+
+def test_time_that_grows_with_the_square_of_the_block_is_learned_and_a_line_is_left_to_the_median():
+    rng = random.Random(5)
+    quad, lin = OperatorModel(KEY), OperatorModel(KEY)
+    for k in range(24):
+        ext = SIZES[k % len(SIZES)]
+        e = elements(ext)
+        noise = 1 + rng.gauss(0, 0.03)
+        quad.learn(Observation(KEY, e, ext, 4 * e, int(gst(e)), seconds=(0.02 + 1e-12 * e * e) * noise))
+        lin.learn(Observation(KEY, e, ext, 4 * e, int(gst(e)), seconds=(2e-6 * e) * noise))
+    assert quad.time_form() == "quadratic" and lin.time_form() == "linear"
+    big = 2_000_000  # beyond the largest block seen (1.2 M elements)
+    assert quad.seconds_for(big) == pytest.approx(0.02 + 1e-12 * big * big, rel=0.15)
+    assert lin.seconds_for(big) is None, "proportional: the planner uses the median seconds per element"
+    assert lin.summary()["time_form"] == "linear" and lin.summary()["seconds_per_element"] > 0

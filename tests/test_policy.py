@@ -213,3 +213,17 @@ def test_without_history_a_budget_smaller_than_one_trace_in_and_out_is_refused_b
     with pytest.raises(BudgetTooSmallError, match="one trace"):
         plan((10, 10, 1000), budget_bytes=6000, predict=linear(1, ready=False), slots=1)
     assert plan((10, 10, 1000), budget_bytes=9000, predict=linear(1, ready=False), slots=1).probe
+
+
+def test_an_operator_whose_time_grows_with_the_square_of_the_chunk_is_cut_finer_than_one_slot_each():
+    from memchunk_prefect.policy import plan as make_plan
+
+    shape = (64, 64, 100)
+    cheap = lambda ext: Prediction(mean_bytes=10.0 * math.prod(ext), upper_bytes=12.0 * math.prod(ext),  # noqa: E731
+                                   n_observations=10, ready=True)
+    proportional = make_plan(shape, budget_bytes=10**9, predict=cheap, slots=2, seconds_per_element=1e-6)
+    quadratic = make_plan(shape, budget_bytes=10**9, predict=cheap, slots=2, seconds_per_element=1e-6,
+                          seconds_for=lambda e: 1e-11 * e * e)
+    assert proportional.n_chunks == 2, "time proportional to size: one chunk per slot is best"
+    assert quadratic.n_chunks > 2, "time quadratic in size: smaller chunks are cheaper per element"
+    assert quadratic.estimated_seconds < 2 * (1e-11 * (32 * 64 * 100) ** 2 + 0.15)
