@@ -223,6 +223,27 @@ def extents_with_halo(chunk_shape: Sequence[int], halo: Sequence[int], volume_sh
     return tuple(min(int(c) + 2 * int(h), int(n)) for c, h, n in zip(chunk_shape, halo, volume_shape))  # type: ignore[return-value]
 
 
+def largest_read_extents(region: "Chunk", counts: Sequence[int], halo: Sequence[int],
+                         volume_shape: Sequence[int]) -> Shape:
+    """The largest block (per axis) that a :func:`balanced_grid` of ``region`` into ``counts`` pieces reads.
+
+    Each piece's halo is clipped at the volume's edges, as :func:`with_halo`
+    reads it: cut in two, a slab holds its halo on one side only, which
+    :func:`extents_with_halo` (an interior chunk) over-states. The grid is
+    separable, so the largest block is the largest extent along each axis.
+
+    >>> largest_read_extents(Chunk((0, 0, 0), (128, 8, 10)), (2, 1, 1), (12, 0, 0), (128, 8, 10))
+    (76, 8, 10)
+    >>> extents_with_halo((64, 8, 10), (12, 0, 0), (128, 8, 10))
+    (88, 8, 10)
+    """
+    out = []
+    for a0, a1, c, h, n in zip(region.start, region.stop, counts, halo, volume_shape):
+        out.append(max(min(int(n), a0 + b + int(h)) - max(0, a0 + a - int(h))
+                       for a, b in even_splits(a1 - a0, max(1, int(c)))))
+    return tuple(out)  # type: ignore[return-value]
+
+
 def grid(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[Chunk]:
     """Cut a volume into a regular grid of chunks (the last along each axis may be smaller).
 

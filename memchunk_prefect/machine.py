@@ -57,12 +57,13 @@ Units: bytes, elements, seconds since the epoch (``at``, given by the executor).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Union
 
 from . import bandit, policy
 from .bandit import ArmChoice
-from .chunks import Chunk, Shape, extents_with_halo, uncovered_boxes, with_halo
+from .chunks import Chunk, Shape, uncovered_boxes, with_halo
 from .errors import ChunkOutOfMemoryError, ClusterLostError, MemchunkError, format_bytes
 from .policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
 from .records import Observation, Prediction, Reward
@@ -705,8 +706,8 @@ class MapMachine:
 
     def _replan_pays(self, queued: list[Pending], new: Plan) -> str | None:
         """Why ``new`` should replace the ``queued`` chunks of its box (in words), or None to keep them."""
-        largest = max(queued, key=lambda q: q.chunk.elements).chunk
-        ext = extents_with_halo(largest.shape, self.spec.halo, self.spec.shape)
+        largest = max(queued, key=lambda q: math.prod(self.spec.read_extents(q.chunk))).chunk
+        ext = self.spec.read_extents(largest)
         pred = self.predict(ext)
         if pred.upper_bytes > self.budget_bytes:
             return (f"the queued chunks of up to {largest.shape} no longer fit "
@@ -718,10 +719,10 @@ class MapMachine:
         return None
 
     def queue_bound(self) -> float | None:
-        """The model's upper bound (bytes) for the largest queued chunk with its halo; None while not ready."""
+        """The model's upper bound (bytes) for the largest block a queued chunk reads; None while not ready."""
         if not self.queue:
             return None
-        largest = max(self.queue, key=lambda q: q.chunk.elements).chunk
+        largest = max(self.queue, key=lambda q: math.prod(self.spec.read_extents(q.chunk))).chunk
         return self._upper_for(largest)
 
     # ---------------------------------------------------------------- helpers
@@ -733,8 +734,8 @@ class MapMachine:
                            seconds_for=self.knowledge.seconds_for)
 
     def _upper_for(self, chunk: Chunk) -> float | None:
-        """Upper bound for an interior chunk of this shape (halo on both sides), None while the model is not ready."""
-        pred = self.predict(extents_with_halo(chunk.shape, self.spec.halo, self.spec.shape))
+        """Upper bound for the block this chunk reads (its halo clipped at the volume's edges); None while not ready."""
+        pred = self.predict(self.spec.read_extents(chunk))
         return float(pred.upper_bytes) if pred.ready else None
 
     def _submit(self, item: Pending, at: float) -> Submit:

@@ -21,8 +21,8 @@ they have been measured.
 
 How :func:`plan` chooses. Candidates are near-equal grids (sizes differ by at
 most one element per axis, so chunks are balanced). For each candidate the
-largest chunk is widened by the halo (what the operator really holds) and
-bounded by the model; candidates whose upper bound exceeds the budget are out.
+largest block its chunks read (each chunk's halo clipped at the volume's
+edges: what the operator really holds) is bounded by the model; candidates whose upper bound exceeds the budget are out.
 Among the rest the estimated makespan is minimised::
 
     makespan = ceil(n_chunks / slots) * (elements_with_halo * seconds_per_element
@@ -53,7 +53,17 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from .chunks import Chunk, Shape, balanced_grid, check_shape, extents_with_halo, normalize_halo, split
+from .chunks import (
+    Chunk,
+    Shape,
+    balanced_grid,
+    check_shape,
+    extents_with_halo,
+    largest_read_extents,
+    normalize_halo,
+    split,
+    with_halo,
+)
 from .errors import BudgetError, BudgetTooSmallError, VolumeError, format_bytes
 from .records import Prediction
 from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
@@ -282,6 +292,20 @@ def plan(
                           region=region, itemsize=itemsize, settings=settings,
                           reason=getattr(probe_pred, "reason", "") or "too little history")
 
+    axis_extent: dict[tuple[int, int], int] = {}
+
+    def read_extents(counts: tuple[int, int, int]) -> Shape:
+        """The largest block the grid's chunks read, halos clipped at the volume's edges (cached per axis)."""
+        out = []
+        for axis, c in enumerate(counts):
+            e = axis_extent.get((axis, c))
+            if e is None:
+                one = [1, 1, 1]
+                one[axis] = c
+                e = axis_extent[(axis, c)] = largest_read_extents(region, one, h, vol)[axis]
+            out.append(e)
+        return tuple(out)  # type: ignore[return-value]
+
     t_counts = [1] if whole_traces else _count_candidates(rshape[2], min(settings.max_counts, 64))
     best: tuple | None = None
     best_fit_smallest = None
@@ -291,7 +315,7 @@ def plan(
         for ci in _count_candidates(rshape[0], settings.max_counts):
             for cx in _count_candidates(rshape[1], settings.max_counts):
                 cshape = (_largest_piece(rshape[0], ci), _largest_piece(rshape[1], cx), _largest_piece(rshape[2], ct))
-                ext = extents_with_halo(cshape, h, vol)
+                ext = read_extents((ci, cx, ct))
                 pred = predict(ext)
                 if pred.upper_bytes > budget_bytes:
                     if best_fit_smallest is None or pred.upper_bytes < best_fit_smallest[0]:
@@ -479,7 +503,7 @@ def decide(
         return Decision(RECHUNK, best, "incoming chunks cut traces, which this operator needs whole: " + best.reason,
                         incoming_n_chunks=len(incoming))
     largest = max(incoming, key=lambda c: c.elements)
-    ext = extents_with_halo(largest.shape, h, vol)
+    ext = max((with_halo(c, h, vol)[0].shape for c in incoming), key=math.prod)  # the largest block read
     pred = predict(ext)
     if pred.upper_bytes > budget_bytes:
         return Decision(

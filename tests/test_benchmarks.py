@@ -35,7 +35,8 @@ def test_quick_benchmark_reports_every_strategy(tmp_path):
     result = json.loads(out.read_text())
 
     names = [s["name"] for s in result["strategies"]]
-    for expected in ("dask-auto", "static-best", "split-on-failure", "memchunk-cold", "memchunk-warm"):
+    for expected in ("dask-auto", "static-best", "split-on-failure", "memchunk-cold", "memchunk-warm",
+                     "heuristic-cold", "heuristic-warm"):
         assert expected in names, names
     assert any(n.startswith("static-") and n != "static-best" for n in names)
     for s in result["strategies"]:
@@ -49,4 +50,29 @@ def test_quick_benchmark_reports_every_strategy(tmp_path):
     # The memory-aware runner finishes the work the benchmark is sized to break in one piece.
     by = {s["name"]: s for s in result["strategies"]}
     assert by["memchunk-cold"]["completed"] and by["memchunk-warm"]["completed"]
+    assert by["heuristic-cold"]["completed"] and by["heuristic-warm"]["completed"]
     assert "dask-auto" in proc.stdout and "memchunk-warm" in proc.stdout
+    # Every map under the learned policy names the arm it played; the ablation plays the heuristic's only.
+    arms = {op: v["arms"] for op, v in by["memchunk-warm"]["extra"]["operators"].items()}
+    assert all(a and set(a) <= {"bold", "mid", "safe"} for a in arms.values()), arms
+    assert all(v["arms"] == ["safe"] for v in by["heuristic-warm"]["extra"]["operators"].values())
+
+
+def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp_path):
+    out = tmp_path / "hetero.json"
+    env = dict(os.environ)
+    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.heterogeneous", "--quick", "--json", str(out),
+                           "--workdir", str(tmp_path / "work")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [s["name"] for s in result["steps"]] == ["envelope", "trace_correlation", "gaussian_smooth", "gst3d_dip"]
+    for survey in result["surveys"]:
+        by = {s["name"]: s for s in survey["strategies"]}
+        for name in ("memchunk-cold", "memchunk-warm", "heuristic-cold", "heuristic-warm"):
+            assert by[name]["completed"], (name, by[name]["notes"])
+        assert "static-best" in by
+    assert any("0.85x static-best" in label for label in result["targets"])

@@ -227,3 +227,15 @@ def test_an_operator_whose_time_grows_with_the_square_of_the_chunk_is_cut_finer_
     assert proportional.n_chunks == 2, "time proportional to size: one chunk per slot is best"
     assert quadratic.n_chunks > 2, "time quadratic in size: smaller chunks are cheaper per element"
     assert quadratic.estimated_seconds < 2 * (1e-11 * (32 * 64 * 100) ** 2 + 0.15)
+
+
+def test_a_slab_is_bounded_by_the_block_it_reads_with_its_halo_clipped_at_the_volume_edges():
+    from memchunk_prefect.policy import plan as make_plan
+
+    # 128 ilines in two slabs read 64 + 12 ilines each (halo on one side); an interior 64-iline chunk
+    # would read 88. The budget holds the first and not the second.
+    per = lambda ext: Prediction(mean_bytes=100.0 * math.prod(ext), upper_bytes=100.0 * math.prod(ext),  # noqa: E731
+                                 n_observations=10, ready=True)
+    budget = 100 * 80 * 8 * 10
+    p = make_plan((128, 8, 10), budget_bytes=budget, predict=per, halo=(12, 12, 0), slots=2, whole_traces=False)
+    assert p.n_chunks == 2 and p.upper_bound_bytes == 100.0 * 76 * 8 * 10
