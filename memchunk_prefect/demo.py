@@ -3,8 +3,9 @@
 ``memchunk demo`` (or ``python -m memchunk_prefect.demo``) generates a synthetic
 post-stack survey once, then runs the ``attribute-pipeline`` flow on a local Dask
 cluster of single-thread worker processes with a deliberately small memory limit
-(1.5 GiB per worker by default), so the structure tensor (about 60x its input)
-cannot run on the survey in one piece. It prints, per operator, what the runner
+(1 GiB per worker by default: the nanny kills at 0.95 of it, and a worker rests at
+~0.25 GiB), so the structure tensor (about 42x its input here, ~1.05 GiB for the
+whole survey) cannot run on the survey in one piece. It prints, per operator, what the runner
 decided and why, the out-of-memory events avoided and recovered, and where the
 outputs and the run in the Prefect UI are. The observations go to the default
 store, so a second ``memchunk demo`` starts warm (``memchunk models`` shows them).
@@ -20,10 +21,13 @@ from typing import Any, Sequence
 
 from .settings import ITEMSIZE
 
-#: 128 x 128 x 400 float32 = 25 MiB; gst3d_dip needs ~1.3 GiB for it in one piece.
+#: 128 x 128 x 400 float32 = 25 MiB; gst3d_dip needs ~1.05 GiB above resting memory for it in one piece.
 DEFAULT_SHAPE = (128, 128, 400)
 DEFAULT_WORKERS = 2
-DEFAULT_MEMORY_LIMIT = "1.5GiB"
+#: Below what gst3d_dip needs in one piece: the budget per task is the kill line (0.95 x 1 GiB) less the
+#: worker's resting memory, ~0.7 GiB. (It was 1.5 GiB while the budget was 0.75 x the limit; with the kill-line
+#: budget, ~1.2 GiB at 1.5 GiB, the whole survey fit and the demo no longer showed chunking by necessity.)
+DEFAULT_MEMORY_LIMIT = "1GiB"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
