@@ -30,6 +30,13 @@ the *same* local Dask cluster (single-thread worker processes, nanny-enforced
 
 Measurements (see :class:`Sampler` and :class:`AttemptLog`):
 
+- ``wall_seconds``: measured inside each strategy's flow, from its first line to
+  its last (every strategy is one Prefect flow); a strategy that failed keeps the
+  time around the flow call. Around the call the wall also holds the flow run's
+  creation and the heartbeat thread Prefect joins at flow exit (it sleeps in 1 s
+  steps), which quantized every wall to whole seconds; that time is kept in
+  ``extra["outer_seconds"]``.
+
 - ``peak_memory_fraction``: the largest RSS of any worker process, sampled every
   20 ms by psutil from this process (workers are its children), divided by the
   worker ``memory_limit``. A killed worker reads about 0.95 or a little more (the
@@ -330,7 +337,12 @@ class Bench:
                 raise
             out = {"completed": False, "tasks": 0, "memory_errors": 0,
                    "notes": f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"}
-        wall = time.perf_counter() - t
+        outer = time.perf_counter() - t
+        # The strategy's own time, from its flow's first line to its last: the same for every strategy, and
+        # free of Prefect's flow-run creation and of the heartbeat thread joined at flow exit (it sleeps in
+        # 1 s steps, which quantized every outer wall to whole seconds). A failed run keeps the outer time.
+        inner = out.get("seconds") if out.get("completed") else None
+        wall = float(inner) if inner else outer
         time.sleep(0.5)  # a killed worker's pid vanishes within the sampler's refresh
         with contextlib.suppress(Exception):
             self.client.wait_for_workers(self.n_workers, timeout=60)
@@ -343,7 +355,8 @@ class Bench:
         res = StrategyResult(name=name, wall_seconds=wall, completed=completed,
                              oom_events=deaths + int(out.get("memory_errors", 0)), tasks=int(out.get("tasks", 0)),
                              lost_worker_seconds=lost, peak_memory_fraction=peak / self.memory_limit if peak else None,
-                             notes=out.get("notes", ""), extra=dict(out.get("extra", {}), worker_deaths=deaths))
+                             notes=out.get("notes", ""), extra=dict(out.get("extra", {}), worker_deaths=deaths,
+                                                                    outer_seconds=round(outer, 3)))
         print(f"  {name:<18} {'ok    ' if completed else 'FAILED'} {wall:8.1f} s  oom {res.oom_events}  "
               f"tasks {res.tasks}  lost {res.lost_worker_seconds:.1f} s  peak "
               f"{(res.peak_memory_fraction or 0):.2f} of limit  {res.notes}", flush=True)
@@ -488,6 +501,7 @@ def split_flow(source_path: str, steps: list[dict], out_dir: str, max_in_flight:
     from memchunk_prefect.operators import spec_of
     from memchunk_prefect.volume import as_source
 
+    t0 = time.perf_counter()
     current: Any = as_source(source_path)
     n_tasks = memory_errors = 0
     sizes: dict[str, int] = {}
@@ -533,7 +547,7 @@ def split_flow(source_path: str, steps: list[dict], out_dir: str, max_in_flight:
         sizes[op_name] = n_tasks
         current = out.to_source()
     return {"completed": True, "tasks": n_tasks, "memory_errors": memory_errors, "notes": "",
-            "extra": {"tasks_after_step": sizes}}
+            "extra": {"tasks_after_step": sizes}, "seconds": time.perf_counter() - t0}
 
 
 def dask_auto_graph(source_path: str, steps: list[dict], out_path: str):
@@ -558,6 +572,7 @@ def dask_auto_flow(source_path: str, steps: list[dict], out_path: str, address: 
     import dask
     from distributed import Client
 
+    t0 = time.perf_counter()
     store, chunks = dask_auto_graph(source_path, steps, out_path)
     n_tasks = len(store.__dask_graph__())
     client = Client(address, set_as_default=False)
@@ -566,7 +581,7 @@ def dask_auto_flow(source_path: str, steps: list[dict], out_path: str, address: 
             client.compute(store).result()
     finally:
         client.close()
-    return {"completed": True, "tasks": n_tasks, "memory_errors": 0,
+    return {"completed": True, "tasks": n_tasks, "memory_errors": 0, "seconds": time.perf_counter() - t0,
             "notes": f"chunks {tuple(len(c) for c in chunks)} of up to {tuple(max(c) for c in chunks)}"}
 
 
@@ -623,10 +638,11 @@ def run_split(bench: Bench, survey: str, steps: list[dict]) -> dict:
 
 
 @flow(name="benchmark-memchunk")
-def memchunk_flow(source_path: str, steps: list[dict], out_dir: str) -> list[dict]:
-    """flows.pipeline.attribute_pipeline, returning each map's summary and its out-of-memory event kinds."""
+def memchunk_flow(source_path: str, steps: list[dict], out_dir: str) -> dict:
+    """flows.pipeline.attribute_pipeline: each map's summary and its out-of-memory event kinds, and the seconds."""
     from memchunk_prefect import chunked
 
+    t0 = time.perf_counter()
     current: Any = source_path
     out = []
     for n, (op_name, op, params) in enumerate(resolve_steps(steps), start=1):
@@ -636,7 +652,7 @@ def memchunk_flow(source_path: str, steps: list[dict], out_dir: str) -> list[dic
         s["killed"] = sum(1 for e in current.events if e.get("event") == "killed")
         s["arms"] = sorted({d["arm"] for d in current.decisions if d.get("arm")})
         out.append(s)
-    return out
+    return {"summaries": out, "seconds": time.perf_counter() - t0}
 
 
 def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: str, *,
@@ -649,13 +665,14 @@ def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: 
     runner = MemoryAwareRunner(address=bench.address, store=store, output_dir=str(out_dir / "runs"),
                                policy={"learned_policy": learned_policy})
     try:
-        summaries = memchunk_flow.with_options(task_runner=runner)(survey, steps, str(out_dir))
+        result = memchunk_flow.with_options(task_runner=runner)(survey, steps, str(out_dir))
+        summaries = result["summaries"]
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     per_op = {s["operator"]: {"decisions": s["decisions"], "tasks": s["tasks"], "chunks": s["chunks"],
                               "oom_events": s["oom_events"], "peak_bytes": s["peak_bytes"],
                               "budget_bytes": s["budget_bytes"], "arms": s.get("arms", [])} for s in summaries}
-    return {"completed": True, "tasks": sum(s["tasks"] for s in summaries),
+    return {"completed": True, "tasks": sum(s["tasks"] for s in summaries), "seconds": result["seconds"],
             "memory_errors": sum(s["memory_errors"] for s in summaries),
             "notes": "; ".join(f"{s['operator']}: {'/'.join(s['decisions'])}, {s['chunks']} chunks"
                                for s in summaries),
