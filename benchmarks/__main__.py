@@ -217,18 +217,7 @@ def run(cfg: Config, quick: bool, workdir: Path) -> dict:
             r = bench.measure(f"static-{n}", lambda n=n: st.run_static(bench, survey, steps, n, f"static-{n}"))
             results.append(r)
             statics.append(r)
-        done = [r for r in statics if r.completed]
-        if done:
-            b = min(done, key=lambda r: r.wall_seconds)
-            results.append(st.StrategyResult(name="static-best", wall_seconds=b.wall_seconds, completed=True,
-                                             oom_events=b.oom_events, tasks=b.tasks,
-                                             lost_worker_seconds=b.lost_worker_seconds,
-                                             peak_memory_fraction=b.peak_memory_fraction, notes=f"= {b.name}",
-                                             extra={"of": b.name}))
-        else:
-            results.append(st.StrategyResult(name="static-best", wall_seconds=float("nan"), completed=False,
-                                             oom_events=0, tasks=0, lost_worker_seconds=0.0,
-                                             peak_memory_fraction=None, notes="no static chunking completed"))
+        results.append(st.static_best(statics))
         results.append(bench.measure("split-on-failure", lambda: st.run_split(bench, survey, steps)))
         store = str(workdir / "memchunk-store.sqlite")
         results.append(bench.measure("memchunk-cold", lambda: st.run_memchunk(bench, survey, steps, store, "cold")))

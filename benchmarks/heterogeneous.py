@@ -75,20 +75,10 @@ def run_survey(bench: Any, shape: tuple[int, int, int], statics: tuple[int, ...]
     tag = f"{il}x{xl}x{nt}"
     survey = st.make_survey(workdir / f"survey-{tag}.sgy", shape)
     print(f"survey {shape} ({il * xl * nt * 4 / 2**20:.1f} MiB float32)", flush=True)
-    results: list[st.StrategyResult] = []
-    done = []
-    for n in statics:
-        r = bench.measure(f"static-{n}", lambda n=n: st.run_static(bench, survey, steps, n, f"static-{n}-{tag}"))
-        results.append(r)
-        if r.completed:
-            done.append(r)
-    if done:
-        b = min(done, key=lambda r: r.wall_seconds)
-        results.append(st.StrategyResult(name="static-best", wall_seconds=b.wall_seconds, completed=True,
-                                         oom_events=b.oom_events, tasks=b.tasks,
-                                         lost_worker_seconds=b.lost_worker_seconds,
-                                         peak_memory_fraction=b.peak_memory_fraction, notes=f"= {b.name}",
-                                         extra={"of": b.name}))
+    results: list[st.StrategyResult] = [
+        bench.measure(f"static-{n}", lambda n=n: st.run_static(bench, survey, steps, n, f"static-{n}-{tag}"))
+        for n in statics]
+    results.append(st.static_best(results))
     for name, learned in (("memchunk", True), ("heuristic", False)):
         store = str(workdir / f"{name}-{tag}.sqlite")
         for phase in ("cold", "warm"):
@@ -105,7 +95,7 @@ def evaluate(surveys: list[dict]) -> dict[str, dict]:
         for s in surveys:
             by = {r["name"]: r for r in s["strategies"]}
             best, mine = by.get("static-best"), by.get(f"memchunk-{phase}")
-            if not best or not mine or not mine["completed"]:
+            if not best or not best["completed"] or not mine or not mine["completed"]:
                 met = False
                 figures.append(f"{tuple(s['shape'])}: not completed")
                 continue

@@ -604,6 +604,19 @@ def run_dask_auto(bench: Bench, survey: str, steps: list[dict]) -> dict:
         shutil.rmtree(out, ignore_errors=True)
 
 
+def static_best(statics: Sequence[StrategyResult]) -> StrategyResult:
+    """The ``static-best`` row: the fastest ``static-N`` that completed (the hand tuner's oracle), or a failed row."""
+    done = [r for r in statics if r.completed]
+    if not done:
+        return StrategyResult(name="static-best", wall_seconds=float("nan"), completed=False, oom_events=0, tasks=0,
+                              lost_worker_seconds=0.0, peak_memory_fraction=None,
+                              notes="no static chunking completed")
+    b = min(done, key=lambda r: r.wall_seconds)
+    return StrategyResult(name="static-best", wall_seconds=b.wall_seconds, completed=True, oom_events=b.oom_events,
+                          tasks=b.tasks, lost_worker_seconds=b.lost_worker_seconds,
+                          peak_memory_fraction=b.peak_memory_fraction, notes=f"= {b.name}", extra={"of": b.name})
+
+
 def iline_slabs(shape: Sequence[int], n: int) -> list[Any]:
     from memchunk_prefect.chunks import balanced_grid
 

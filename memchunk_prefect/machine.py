@@ -648,10 +648,11 @@ class MapMachine:
         """
         out: list[Instruction] = []
         pending, self.regions = self.regions, []
+        chosen: list[Plan] | None = None  # the first real plans, made under the arm chosen for them
         if self.arm is None and pending and not _probes(lambda: self._plan(pending[0])):
-            self._choose_arm(lambda: [self._plan(r) for r in pending])
+            chosen = self._choose_arm(lambda: [self._plan(r) for r in pending])
         for index, region in enumerate(pending):
-            p = self._plan(region)
+            p = chosen[index] if chosen is not None else self._plan(region)
             if p.probe:
                 self.probe_scale *= 2
                 p = policy.probe_plan(self.spec.shape, budget_bytes=self.budget_bytes, halo=self.spec.halo,

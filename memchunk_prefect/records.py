@@ -84,9 +84,7 @@ class Observation:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Observation":
-        names = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {k: (tuple(v) if k == "extents" else v) for k, v in d.items() if k in names}
-        return cls(**kwargs)
+        return cls(**_known_fields(cls, d, tuples=("extents",)))
 
 
 @dataclass(frozen=True)
@@ -160,6 +158,10 @@ class Reward:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Reward":
-        names = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {k: (tuple(v) if k == "arms" else v) for k, v in d.items() if k in names}
-        return cls(**kwargs)
+        return cls(**_known_fields(cls, d, tuples=("arms",)))
+
+
+def _known_fields(cls: type, d: Mapping[str, Any], *, tuples: tuple[str, ...]) -> dict[str, Any]:
+    """The entries of ``d`` that are fields of the dataclass ``cls`` (others, from newer writers, are dropped)."""
+    names = {f.name for f in fields(cls)}
+    return {k: (tuple(v) if k in tuples else v) for k, v in d.items() if k in names}

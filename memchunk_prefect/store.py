@@ -436,9 +436,11 @@ class Store:
 
     def add_many(self, observations: Iterable[Observation]) -> list[int]:
         """Append observations in one transaction; returns their row ids."""
-        rows = [self._row(o) for o in observations]
-        sql = (f"INSERT INTO observations ({', '.join(COLUMN_NAMES)}) "
-               f"VALUES ({', '.join('?' * len(COLUMN_NAMES))})")
+        return self._insert("observations", COLUMN_NAMES, [self._row(o) for o in observations])
+
+    def _insert(self, table: str, columns: list[str], rows: list[tuple]) -> list[int]:
+        """Append ``rows`` to ``table`` in one ``BEGIN IMMEDIATE`` transaction; returns their row ids."""
+        sql = f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})"
         with self._lock:
             con = self._connection
             con.execute("BEGIN IMMEDIATE")
@@ -450,16 +452,19 @@ class Store:
                 raise
         return ids
 
-    def rows(self, key: str | None = None, *, after: int = 0) -> Iterator[tuple[int, Observation]]:
-        """``(row id, Observation)`` in insertion order, optionally for one key and after a row id."""
-        sql = f"SELECT id, {', '.join(COLUMN_NAMES)} FROM observations WHERE id > ?"
+    def _select(self, table: str, columns: list[str], key: str | None, after: int) -> list[tuple]:
+        """``(id, *columns)`` rows of ``table`` in insertion order, optionally for one key and after a row id."""
+        sql = f"SELECT id, {', '.join(columns)} FROM {table} WHERE id > ?"
         args: list[Any] = [after]
         if key is not None:
             sql += " AND operator_key = ?"
             args.append(key)
         with self._lock:
-            fetched = self._connection.execute(sql + " ORDER BY id", args).fetchall()
-        for r in fetched:
+            return self._connection.execute(sql + " ORDER BY id", args).fetchall()
+
+    def rows(self, key: str | None = None, *, after: int = 0) -> Iterator[tuple[int, Observation]]:
+        """``(row id, Observation)`` in insertion order, optionally for one key and after a row id."""
+        for r in self._select("observations", COLUMN_NAMES, key, after):
             yield r[0], self._observation(r[1:])
 
     def observations(self, key: str | None = None) -> list[Observation]:
@@ -483,31 +488,12 @@ class Store:
         """Append one learned-policy reward; returns its row id."""
         d = reward.to_dict()
         d["arms"] = ",".join(reward.arms)
-        row = tuple(d[c] for c in REWARD_COLUMN_NAMES)
-        sql = (f"INSERT INTO rewards ({', '.join(REWARD_COLUMN_NAMES)}) "
-               f"VALUES ({', '.join('?' * len(REWARD_COLUMN_NAMES))})")
-        with self._lock:
-            con = self._connection
-            con.execute("BEGIN IMMEDIATE")
-            try:
-                rid = int(con.execute(sql, row).lastrowid or 0)
-                con.execute("COMMIT")
-            except BaseException:
-                _rollback(con)
-                raise
-        return rid
+        return self._insert("rewards", REWARD_COLUMN_NAMES, [tuple(d[c] for c in REWARD_COLUMN_NAMES)])[0]
 
     def reward_rows(self, key: str | None = None, *, after: int = 0) -> list[tuple[int, Reward]]:
         """``(row id, Reward)`` in insertion order, optionally for one key and after a row id."""
-        sql = f"SELECT id, {', '.join(REWARD_COLUMN_NAMES)} FROM rewards WHERE id > ?"
-        args: list[Any] = [after]
-        if key is not None:
-            sql += " AND operator_key = ?"
-            args.append(key)
-        with self._lock:
-            fetched = self._connection.execute(sql + " ORDER BY id", args).fetchall()
         out = []
-        for r in fetched:
+        for r in self._select("rewards", REWARD_COLUMN_NAMES, key, after):
             d = dict(zip(REWARD_COLUMN_NAMES, r[1:]))
             d["arms"] = tuple(a for a in str(d["arms"]).split(",") if a)
             out.append((int(r[0]), Reward.from_dict(d)))
