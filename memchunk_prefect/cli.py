@@ -9,6 +9,7 @@
     memchunk export [--format csv|json] [--output FILE]
     memchunk demo [--dir DIR] [--shape IL XL T] [--workers N] [--memory-limit 1.5GiB]
     memchunk ui [--port 4200]
+    memchunk doctor [--address tcp://HOST:8786] [--json]
 
 Watch runs in the Prefect UI: ``memchunk ui`` (or ``prefect server start``), then
 open http://127.0.0.1:4200; flows started with ``PREFECT_API_URL`` pointing at it
@@ -32,6 +33,7 @@ import argparse
 import json
 import re
 import sys
+import warnings
 from typing import Any, Callable, Sequence
 
 from .errors import BudgetError, BudgetTooSmallError, MemchunkError, UnknownOperatorError, VolumeError, format_bytes
@@ -319,6 +321,30 @@ def _ui(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+# --------------------------------------------------------------------------- doctor
+
+
+def _doctor_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", help="a Dask scheduler to check (default: what the runner would start locally)")
+    p.add_argument("--output-dir", help="where chunked outputs go (default: $MEMCHUNK_OUTPUT_DIR or a temporary dir)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("doctor", "check what the runner relies on (versions, Prefect API, store, cluster, GPU, energy counters)")
+@arguments(_doctor_arguments)
+def _doctor(args: argparse.Namespace) -> int:
+    from .doctor import FAIL, run_checks
+
+    checks = run_checks(address=args.address, store=args.store, output_dir=args.output_dir)
+    failed = [c for c in checks if c.status == FAIL]
+    if args.json:
+        _emit(json.dumps({"ok": not failed, "checks": [c.to_dict() for c in checks]}, indent=1))
+    else:
+        _emit("\n".join(c.line() for c in checks))
+        _emit(f"{len(failed)} problem(s) stop a run" if failed else "nothing stops a run")
+    return EXIT_FAILURE if failed else EXIT_OK
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -339,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 failure, 2 bad input)."""
+    # Prefect warns at import when it cannot create its home; the commands that need it say so with the fix
+    # (memchunk_prefect.doctor), once.
+    warnings.filterwarnings("ignore", message="Failed to create the Prefect home directory", category=UserWarning)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

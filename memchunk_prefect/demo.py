@@ -37,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="worker processes (one thread each)")
     p.add_argument("--memory-limit", default=DEFAULT_MEMORY_LIMIT,
                    help=f"memory limit per worker, enforced by Dask's nanny (default {DEFAULT_MEMORY_LIMIT})")
+    p.add_argument("--verbose", "-v", action="store_true",
+                   help="show Dask's INFO log and Prefect's line per task run (quiet by default)")
 
 
 def ensure_survey(directory: Path, shape: Sequence[int]) -> Path:
@@ -53,63 +55,67 @@ def ensure_survey(directory: Path, shape: Sequence[int]) -> Path:
     return path
 
 
-def _demo_settings():
-    """Settings for a first run on a fresh machine, unless the user set them.
+def _no_telemetry() -> None:
+    """No telemetry from the demo's temporary Prefect server unless the user asked for it: there may be no
+    network to send it to, and its notice is noise in the demo's output. Set in the environment, which the
+    server process inherits. (The server's startup timeout is raised by the runner itself:
+    :func:`memchunk_prefect.runner.allow_slow_first_start`.)"""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-    A temporary Prefect server migrating a new database on a busy 2-core machine
-    can take longer than Prefect's default 20 s to start; and there is no network
-    here to send telemetry to.
+
+def summary_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
+    """One row per operator: its decisions, tasks, peak against budget and out-of-memory events recovered.
+
+    >>> print("\\n".join(summary_lines([{"operator": "envelope", "decisions": ["probe", "rechunk"], "tasks": 7,
+    ...     "peak_bytes": 68_000_000, "budget_bytes": 781_000_000, "oom_events": 0}])))
+      operator  decisions       tasks  peak / budget per task  out of memory
+      envelope  probe, rechunk  7      64.8 MiB / 744.8 MiB    0 recovered
     """
-    from prefect.settings import (
-        PREFECT_SERVER_ANALYTICS_ENABLED,
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-        temporary_settings,
-    )
+    from .errors import format_bytes
 
-    updates: dict[Any, Any] = {}
-    if "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" not in os.environ:
-        updates[PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS] = 180
-    if "PREFECT_SERVER_ANALYTICS_ENABLED" not in os.environ:
-        updates[PREFECT_SERVER_ANALYTICS_ENABLED] = False
-    return temporary_settings(updates=updates)
+    header = ["operator", "decisions", "tasks", "peak / budget per task", "out of memory"]
+    rows = [[s["operator"], ", ".join(s["decisions"]), str(s["tasks"]),
+             f"{format_bytes(s['peak_bytes']) if s['peak_bytes'] else 'n/a'} / {format_bytes(s['budget_bytes'])}",
+             f"{s['oom_events']} recovered"] for s in summaries]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
 
 
 def run(args: argparse.Namespace) -> int:
+    from .doctor import preflight
+    from .errors import format_bytes
+    from .logs import quiet
+
+    if not getattr(args, "verbose", False):
+        quiet()
+    _no_telemetry()
+    directory = Path(args.dir).absolute()
+    # What the run cannot do without (Prefect home and database or API, store, output directory): checked in
+    # seconds, before a survey is generated or a cluster started.
+    preflight(store=args.store, output_dir=directory / "runs")
+
     from flows.pipeline import DEFAULT_STEPS, attribute_pipeline
 
-    from .errors import format_bytes
     from .runner import MemoryAwareRunner, parse_bytes
 
-    directory = Path(args.dir).absolute()
-    survey = ensure_survey(directory, args.shape)
     limit = parse_bytes(args.memory_limit, what="--memory-limit")
+    survey = ensure_survey(directory, args.shape)
     runner = MemoryAwareRunner(
         cluster_kwargs={"n_workers": args.workers, "threads_per_worker": 1, "processes": True,
                         "memory_limit": limit, "dashboard_address": "127.0.0.1:0"},
         store=args.store, output_dir=str(directory / "runs"))
-    run_id: dict[str, Any] = {}
-
-    def remember_id(flow, flow_run, state):
-        run_id["id"] = str(flow_run.id)
-
-    pipeline = attribute_pipeline.with_options(task_runner=runner,  # type: ignore[arg-type]  # a DaskTaskRunner
-                                               on_completion=[remember_id],
-                                               on_failure=[remember_id])
+    pipeline = attribute_pipeline.with_options(task_runner=runner)  # type: ignore[arg-type]  # a DaskTaskRunner
     t = time.perf_counter()
-    with _demo_settings():
-        summaries = pipeline(str(survey), DEFAULT_STEPS, None)
+    state = pipeline(str(survey), DEFAULT_STEPS, None, return_state=True)
     wall = time.perf_counter() - t
+    summaries = state.result()  # raises the flow's error when it failed
+    run_id = str(state.state_details.flow_run_id or "")
     print()
     print(f"memchunk demo: {args.shape[0]} x {args.shape[1]} x {args.shape[2]} survey, {args.workers} workers x "
-          f"{format_bytes(limit)} memory limit, {wall:.1f} s")
-    for s in summaries:
-        print(f"\n  {s['operator']} ({s['operator_key']})")
-        for d, reason in zip(s["decisions"], s["reasons"]):
-            print(f"    {d:<14} {reason}")
-        peak = format_bytes(s["peak_bytes"]) if s["peak_bytes"] else "n/a"
-        print(f"    {s['tasks']} tasks, peak {peak} of a {format_bytes(s['budget_bytes'])} budget per task, "
-              f"{s['oom_events']} out-of-memory events recovered")
-        print(f"    output: {s['output']}")
+          f"{format_bytes(limit)} memory limit, {wall:.1f} s (why each decision: the log lines above)")
+    print()
+    for line in summary_lines(summaries):
+        print(line)
     gst = next((s for s in summaries if s["operator"] == "gst3d_dip"), None)
     if gst:
         # What the learned model now says the whole survey would need in one piece.
@@ -122,13 +128,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"\n  gst3d_dip in one piece: the model now predicts {format_bytes(whole.mean_bytes)} (upper bound "
               f"{format_bytes(whole.upper_bytes)}), {verdict} the {format_bytes(gst['budget_bytes'])} budget; it ran "
               f"in {gst['chunks']} chunks with {gst['oom_events']} out-of-memory events")
+    if summaries:
+        print(f"  outputs: {Path(summaries[-1]['output']).parent}/")
     api = os.environ.get("PREFECT_API_URL")
-    rid = run_id.get("id", "")
     if api:
-        print(f"\n  the run in the Prefect UI: {api.removesuffix('/api')}/runs/flow-run/{rid}")
+        print(f"  the run in the Prefect UI: {api.removesuffix('/api')}/runs/flow-run/{run_id}")
     else:
-        print("\n  the run in the Prefect UI: start the server with `prefect server start` (or `memchunk ui`), then "
-              f"open http://127.0.0.1:4200/runs/flow-run/{rid}")
+        print("  the run in the Prefect UI: `memchunk ui`, then open "
+              f"http://127.0.0.1:4200/runs/flow-run/{run_id}")
     print("  what was learned: `memchunk models`; run `memchunk demo` again to start warm")
     return 0
 

@@ -155,6 +155,11 @@ class RunnerConfigError(MemchunkError, ValueError):
     """MemoryAwareRunner was given arguments that conflict or make no sense."""
 
 
+class EnvironmentProblemError(MemchunkError, RuntimeError):
+    """Something a run cannot work without is missing or wrong (an unwritable Prefect home or store, an API
+    that does not answer): found before anything started; the message names each problem and its fix."""
+
+
 class ClusterLostError(MemchunkError, ConnectionError):
     """The Dask scheduler went away (killed, restarted, network lost) while a chunked map was running.
 

@@ -92,6 +92,17 @@ class BankKnowledge:
     def seconds_for(self, elements: int) -> float | None:
         return self.bank.seconds_for(self.key, elements)
 
+    def block_seconds(self, elements: int) -> float | None:
+        """Learned wall seconds of one block of ``elements`` (halo included): its compute time as the planner
+        estimates it, plus the per-task overhead; None while no time is learned (for progress displays)."""
+        compute = self.seconds_for(elements)
+        if compute is None:
+            spe = self.seconds_per_element()
+            if spe is None:
+                return None
+            compute = elements * spe
+        return compute + self.settings.per_task_overhead_seconds
+
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice:
         return self.bank.choose_arm(self.key, groups)
 
@@ -171,15 +182,16 @@ class ChunkedMap:
         self.out, completed, action = open_output(self.output_path, self.identity, self.shape, self.source.coords(),
                                                   operator=self.name, replace_any=self.replace_any)
         bank = self.runner.model_bank()
+        knowledge = BankKnowledge(bank, self.key, self.runner.policy)
         self.machine = MapMachine(
             MapSpec(operator=self.name, operator_key=self.key, shape=self.shape, halo=self.halo,
                     whole_traces=self.spec.whole_traces, output_path=self.output_path, incoming=self.incoming,
-                    settings=self.runner.policy),
-            BankKnowledge(bank, self.key, self.runner.policy))
+                    settings=self.runner.policy), knowledge)
         self.observers.emit("on_map_start", MapStart(
             operator=self.name, operator_key=self.key, shape=self.shape, halo=self.halo,
             output_path=self.output_path, budget_bytes=self.budget, slots=self.slots,
-            predict=self.machine.predict, budget_reason=budget.reason, at=time.time()))
+            predict=self.machine.predict, budget_reason=budget.reason, at=time.time(),
+            block_seconds=knowledge.block_seconds))
         # A chunk's effect is its write: never serve it from a cache.
         self.wrapped = self.task.with_options(task_run_name=chunk_task_run_name, cache_policy=NO_CACHE)
         self.wrapped.fn = BlockFunction(self.task.fn, self.param)

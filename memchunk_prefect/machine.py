@@ -312,6 +312,7 @@ class ChunkEnded:
     done_chunks: int = 0
     done_elements: int = 0
     at: float = 0.0
+    queued_chunks: int = 0  # chunks in flight or planned after this one ended (boxes not planned yet not counted)
 
     def to_dict(self) -> dict[str, Any]:
         """The plain form kept in ``ChunkedResult.events``."""
@@ -818,7 +819,8 @@ class MapMachine:
                 self.arm_chunks += 1
             elif outcome in (MEMORY_ERROR, KILLED):
                 self.arm_out_of_memory += 1
-        return ChunkEnded(sid, item.chunk, outcome, item.decision, obs, kept, len(self.done), self.done_elements, at)
+        return ChunkEnded(sid, item.chunk, outcome, item.decision, obs, kept, len(self.done), self.done_elements, at,
+                          queued_chunks=len(self.in_flight) + len(self.queue))
 
     def _flow_observation(self, item: Pending, outcome: str, peak_bytes: int | None, at: float) -> Observation:
         """The record of a run its worker could not report (it died, or sent nothing): from what the flow knows."""

@@ -60,6 +60,9 @@ class MapStart:
     predict: Callable[[Shape], Prediction] | None = None
     budget_reason: str = ""  # how the budget was derived, in words
     at: float = 0.0
+    #: Learned wall seconds of one block of n elements (halo included), per-task overhead included; None while
+    #: the time model has too little.
+    block_seconds: Callable[[int], float | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,7 @@ from . import cluster as _cluster
 from . import policy
 from .chunks import Chunk, Shape, normalize_halo
 from .cluster import WorkerMemory
-from .errors import BudgetError, OutputPathError, RunnerConfigError
+from .errors import BudgetError, EnvironmentProblemError, OutputPathError, RunnerConfigError
 from .executor import ChunkedMap
 from .observe import MapLog, MapObserver
 from .records import Observation
@@ -247,7 +247,11 @@ class MemoryAwareRunner(DaskTaskRunner):
       given (default ``$MEMCHUNK_OUTPUT_DIR`` or a per-user temporary directory);
     - ``policy``: a :class:`~memchunk_prefect.settings.PolicySettings` (or a dict of its fields);
     - ``observers``: :class:`~memchunk_prefect.observe.MapObserver` objects told about
-      every chunked map (in the flow's process; not sent to workers).
+      every chunked map (in the flow's process; not sent to workers);
+    - ``progress``: each chunked map's progress on standard error
+      (:mod:`memchunk_prefect.progress`): a live bar on a terminal and one line
+      when the map ends (only that line when the output is not a terminal);
+      ``False`` for none.
 
     Zero arguments work: a local cluster of one single-thread worker process per
     core, memory split among them, budget derived from their limit.
@@ -269,6 +273,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         output_dir: str | os.PathLike | None = None,
         policy: PolicySettings | Mapping[str, Any] | None = None,
         observers: Iterable[MapObserver] = (),
+        progress: bool = True,
     ):
         if cluster is not None:
             raise RunnerConfigError(
@@ -278,6 +283,8 @@ class MemoryAwareRunner(DaskTaskRunner):
             )
         if address is None and cluster_class is None and not cluster_kwargs:
             cluster_kwargs = _default_cluster_kwargs()
+        allow_slow_first_start()
+        _fail_fast_without_a_database()
         super().__init__(address=address, cluster_class=cluster_class, cluster_kwargs=cluster_kwargs,
                          adapt_kwargs=adapt_kwargs, client_kwargs=client_kwargs,
                          performance_report_path=performance_report_path)
@@ -308,6 +315,7 @@ class MemoryAwareRunner(DaskTaskRunner):
             raise RunnerConfigError(f"`policy` must be a PolicySettings or a dict, got {type(policy).__name__}")
         self.policy = policy
         self.observers = tuple(observers)
+        self.progress = bool(progress)
         for o in self.observers:
             if not isinstance(o, MapObserver):
                 raise RunnerConfigError(f"`observers` must be MapObserver objects, got {type(o).__name__}")
@@ -332,6 +340,7 @@ class MemoryAwareRunner(DaskTaskRunner):
             output_dir=self.output_dir,
             policy=self.policy,
             observers=self.observers,
+            progress=self.progress,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -343,6 +352,7 @@ class MemoryAwareRunner(DaskTaskRunner):
             and self.store == other.store
             and self.output_dir == other.output_dir
             and self.policy == other.policy
+            and self.progress == other.progress
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable, compared by settings
@@ -393,7 +403,8 @@ class MemoryAwareRunner(DaskTaskRunner):
         cmap = ChunkedMap(self, task, param, source=upstream.output_path if upstream is not None else marker.source,
                           incoming=upstream.chunks if upstream is not None else None, halo=marker.halo,
                           output_path=marker.output, replace_any=marker.replace_any, static=static,
-                          wait_for=wait_for, observers=[log, report.MapReporter(), *self.observers])
+                          wait_for=wait_for, observers=[log, report.MapReporter(), *self.observers,
+                                                        *_progress_observers(self.progress)])
         cmap.run()
         return ChunkedResult.of(cmap, log)
 
@@ -457,8 +468,7 @@ class MemoryAwareRunner(DaskTaskRunner):
     def next_output_path(self, operator: str) -> str:
         ctx = FlowRunContext.get()
         run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
-        base = Path(self.output_dir or os.environ.get("MEMCHUNK_OUTPUT_DIR")
-                    or Path(tempfile.gettempdir()) / f"memchunk-{_user()}").absolute()
+        base = default_output_dir(self.output_dir)
         self._map_count += 1
         # A task name is free text: keep it to one safe path component, and check the result stays inside.
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", operator).lstrip(".") or "operator"
@@ -468,6 +478,24 @@ class MemoryAwareRunner(DaskTaskRunner):
         if not path.resolve().is_relative_to(base.resolve()):
             raise OutputPathError(f"{path}: the output for {operator!r} would leave the output directory {base}")
         return str(path)
+
+
+def _progress_observers(on: bool) -> list[MapObserver]:
+    if not on:
+        return []
+    from .progress import TerminalProgress  # flow process only
+
+    return [TerminalProgress()]
+
+
+def default_output_dir(output_dir: str | os.PathLike | None = None) -> Path:
+    """Where chunked outputs go when ``chunked(..., output=)`` is not given (absolute).
+
+    ``output_dir`` (the runner's), else ``$MEMCHUNK_OUTPUT_DIR``, else a per-user
+    directory under the temporary directory.
+    """
+    return Path(output_dir or os.environ.get("MEMCHUNK_OUTPUT_DIR")
+                or Path(tempfile.gettempdir()) / f"memchunk-{_user()}").absolute()
 
 
 def _private_dir(d: Path) -> None:
@@ -497,6 +525,53 @@ def _flow_logger() -> Any:
         return get_run_logger()
     except Exception:  # noqa: BLE001 - outside a flow run
         return logger
+
+
+#: Seconds a flow waits for Prefect's temporary server when none is configured. Its first start migrates a new
+#: database: ~23 s on a busy 2-core machine, beyond Prefect's default 20 s
+#: (``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``), and a flow that gives up leaves a half-started server
+#: holding the database ("database is locked").
+FIRST_START_TIMEOUT_SECONDS = 180
+_STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+
+
+def allow_slow_first_start() -> bool:
+    """Give Prefect's temporary server :data:`FIRST_START_TIMEOUT_SECONDS` to start, unless the user chose a timeout.
+
+    Called when a runner is made (at ``@flow(task_runner=MemoryAwareRunner())``,
+    before the flow starts the server). A value the user set in the environment
+    or a Prefect profile is left alone. Sets the environment variable (worker
+    processes started later inherit it) and refreshes Prefect's global settings,
+    which were read when Prefect was imported. Returns whether it changed anything.
+    """
+    if _STARTUP_TIMEOUT_ENV in os.environ:
+        return False
+    try:
+        from prefect.context import refresh_global_settings_context
+        from prefect.settings.models.server.ephemeral import ServerEphemeralSettings
+
+        default = ServerEphemeralSettings.model_fields["startup_timeout_seconds"].default
+        if get_current_settings().server.ephemeral.startup_timeout_seconds != default:
+            return False  # chosen in a profile
+        os.environ[_STARTUP_TIMEOUT_ENV] = str(FIRST_START_TIMEOUT_SECONDS)
+        refresh_global_settings_context()
+    except Exception as exc:  # noqa: BLE001 - a Prefect without these: its own default applies
+        logger.debug("could not raise the temporary server's startup timeout: %r", exc)
+        return False
+    return True
+
+
+def _fail_fast_without_a_database() -> None:
+    """With no Prefect API configured, a flow starts a temporary server on a SQLite file under the Prefect home;
+    where that cannot be written the server never starts and Prefect retries it for minutes with thousands of
+    lines of tracebacks. Say so at once, with the path and the fix (:class:`EnvironmentProblemError`)."""
+    from .doctor import FAIL, check_prefect_api
+
+    if get_current_settings().api.url:
+        return  # a configured server: reaching it is Prefect's to report (``memchunk doctor`` checks it)
+    check = check_prefect_api()
+    if check.status == FAIL:
+        raise EnvironmentProblemError(f"{check.detail}; {check.fix}")
 
 
 @contextlib.contextmanager

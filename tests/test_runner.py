@@ -6,6 +6,7 @@ memory limit is killed, and a MemoryError is raised by a real failed allocation.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import subprocess
@@ -17,11 +18,13 @@ import numpy as np
 import pytest
 from prefect import flow, task, unmapped
 from prefect_dask import DaskTaskRunner
+from rich.console import Console
 
 import tasks
 from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, synthetic_survey
 from memchunk_prefect.errors import RunnerConfigError
 from memchunk_prefect.operators import operator_key
+from memchunk_prefect.progress import TerminalProgress
 from memchunk_prefect.store import Store
 from memchunk_prefect.testing import KILL_HOLD_S, limit_address_space, memory_hog, seed_store, start_local_cluster
 
@@ -88,9 +91,10 @@ def unfinished_task_runs(flow_run_id) -> list:
 
 def test_runner_carries_every_setting_through_duplicate_and_eq(tmp_path):
     r = MemoryAwareRunner(address="tcp://127.0.0.1:1", memory_budget="512MiB", target_fraction=0.6,
-                          store=tmp_path / "s.sqlite", output_dir=tmp_path, policy={"per_task_overhead_seconds": 1.0})
+                          store=tmp_path / "s.sqlite", output_dir=tmp_path, policy={"per_task_overhead_seconds": 1.0},
+                          progress=False)
     d = r.duplicate()
-    assert d == r and d is not r
+    assert d == r and d is not r and d.progress is False
     assert (d.memory_budget, d.target_fraction, d.store, d.output_dir) == (512 * 2**20, 0.6, r.store, r.output_dir)
     assert d.policy.per_task_overhead_seconds == 1.0
     assert d != MemoryAwareRunner(address="tcp://127.0.0.1:1", memory_budget="1GiB")
@@ -198,7 +202,9 @@ def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cl
     store = Store(tmp_path / "store.sqlite")
     seed_store(store, key, 4 * 100.0)  # the model believes 100x: a 4x under-prediction
     store.close()
-    runner = runner_for(cluster, tmp_path)
+    terminal = io.StringIO()
+    progress = TerminalProgress(console=Console(file=terminal, width=400), live=False)
+    runner = runner_for(cluster, tmp_path, observers=[progress], progress=False)
 
     @flow(task_runner=runner)
     def hog(path: str):
@@ -217,6 +223,11 @@ def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cl
     crashed = crashed_task_runs(run_id)
     assert crashed and all(r.name.startswith("memory_hog[") for r in crashed)
     assert not unfinished_task_runs(run_id)
+    # What the terminal showed: one line for the map, with the out-of-memory events it recovered.
+    killed_events = sum(e["event"] == "killed" for e in events)
+    line, = terminal.getvalue().splitlines()
+    assert line.startswith(f"memory_hog  {summary['chunks']} chunks, 48 x 50 x 500 in ") and \
+        line.endswith(" recovered") and f"avoided, {killed_events} recovered" in line, line
 
     _, again, events2, values2 = hog(big_survey)
     assert again["oom_events"] == 0 and "retry-smaller" not in again["decisions"], events2

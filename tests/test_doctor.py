@@ -1,0 +1,165 @@
+"""`memchunk doctor`: each misconfiguration created for real (clusters, servers, paths), found and named with a fix."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sqlite3
+
+import dask
+import pytest
+
+from memchunk_prefect import cli, doctor
+from memchunk_prefect.doctor import FAIL, OK, WARN
+from memchunk_prefect.store import SCHEMA_VERSION, Store
+from memchunk_prefect.testing import start_local_cluster
+
+
+def _by_name(checks) -> dict[str, doctor.Check]:
+    return {c.name: c for c in checks}
+
+
+def _doctor_json(capsys, *argv: str) -> tuple[int, dict[str, doctor.Check]]:
+    code = cli.main(["doctor", "--json", *argv])
+    out = json.loads(capsys.readouterr().out)
+    return code, {c["name"]: doctor.Check(**c) for c in out["checks"]}
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def test_a_store_that_cannot_be_created_fails_and_a_new_one_is_not_created_by_looking(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    bad = doctor.check_store(blocker / "store.sqlite")
+    assert bad.status == FAIL and str(blocker) in bad.detail and "MEMCHUNK_STORE" in bad.fix
+    new = doctor.check_store(tmp_path / "deep" / "store.sqlite")
+    assert new.status == OK and "new" in new.detail
+    assert not (tmp_path / "deep").exists(), "the doctor changes nothing"
+
+
+def test_an_existing_store_reports_its_schema_and_keys_and_a_read_only_one_fails(tmp_path):
+    path = tmp_path / "store.sqlite"
+    Store(path).close()
+    ok = doctor.check_store(path)
+    assert ok.status == OK and f"schema {SCHEMA_VERSION}" in ok.detail and "0 operator key(s)" in ok.detail
+    with sqlite3.connect(path) as con:
+        con.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    newer = doctor.check_store(path)
+    assert newer.status == FAIL and "newer" in newer.detail and "upgrade" in newer.fix
+    if os.geteuid() != 0:  # root writes through file modes
+        path.chmod(0o444)
+        assert doctor.check_store(path).status == FAIL
+
+
+def test_prefect_home_under_a_file_fails_for_the_home_and_the_temporary_servers_database(tmp_path):
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    home = tmp_path / "a-file" / "prefect"
+    (tmp_path / "a-file").write_text("")
+    with temporary_settings(updates={PREFECT_HOME: home}, restore_defaults={PREFECT_API_URL}):
+        checks = _by_name([doctor.check_prefect_home(), doctor.check_prefect_api()])
+    assert checks["prefect home"].status == FAIL and str(home) in checks["prefect home"].detail
+    assert checks["prefect api"].status == FAIL and "prefect.db" in checks["prefect api"].detail
+    assert "PREFECT_HOME" in checks["prefect api"].fix
+
+
+# --------------------------------------------------------------------------- Prefect API
+
+
+def test_an_unreachable_prefect_api_fails_naming_the_address():
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        check = doctor.check_prefect_api(timeout=2.0)
+    assert check.status == FAIL and "http://127.0.0.1:9/api" in check.detail and "memchunk ui" in check.fix
+
+
+@pytest.mark.server
+def test_a_running_prefect_server_answers(prefect_server):
+    check = doctor.check_prefect_api()
+    assert check.status == OK and "answers" in check.detail
+
+
+# --------------------------------------------------------------------------- clusters
+
+
+@pytest.mark.cluster
+def test_a_cluster_without_memory_limits_with_two_threads_and_retries_is_named_on_each_count(capsys):
+    # Three misconfigurations at once, made for real: no memory_limit, two threads per worker, and a scheduler
+    # that retries a dead worker's task three times.
+    from distributed import LocalCluster
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 3}):
+        cluster = LocalCluster(n_workers=1, threads_per_worker=2, processes=True, memory_limit=0,
+                               dashboard_address="127.0.0.1:0")
+    try:
+        code, checks = _doctor_json(capsys, "--address", cluster.scheduler_address)
+    finally:
+        cluster.close()
+    assert code == cli.EXIT_FAILURE
+    assert checks["memory limits"].status == FAIL and "--memory-limit" in checks["memory limits"].fix
+    assert checks["threads"].status == WARN and "[2]" in checks["threads"].detail
+    assert checks["allowed-failures"].status == WARN and "allowed-failures=3" in checks["allowed-failures"].detail
+    assert "ALLOWED_FAILURES=0" in checks["allowed-failures"].fix
+
+
+@pytest.mark.cluster
+def test_a_cluster_as_the_runner_wants_it_passes_with_its_lines_and_resting_memory(capsys):
+    cluster = start_local_cluster(n_workers=1, memory_limit="1GiB")
+    try:
+        code, checks = _doctor_json(capsys, "--address", cluster.scheduler_address)
+    finally:
+        cluster.close()
+    for name in ("cluster", "memory limits", "threads", "kill line", "allowed-failures", "resting memory"):
+        assert checks[name].status == OK, checks[name]
+    assert "1.0 GiB" in checks["memory limits"].detail and "0.95" in checks["kill line"].detail
+    assert code == cli.EXIT_OK, [c for c in checks.values() if c.status == FAIL]
+
+
+def test_an_address_with_no_scheduler_fails_naming_it():
+    check, = doctor.check_cluster("tcp://127.0.0.1:9", timeout=2.0)
+    assert check.status == FAIL and "tcp://127.0.0.1:9" in check.detail
+
+
+# --------------------------------------------------------------------------- versions, GPU, energy
+
+
+def test_a_package_outside_its_declared_range_fails_naming_the_range(monkeypatch):
+    from importlib import metadata
+
+    real = metadata.version
+    # The one fake here: installing another fastapi is not possible offline. The range is the package's own.
+    monkeypatch.setattr(metadata, "version", lambda name: "0.151.0" if name == "fastapi" else real(name))
+    packages = _by_name(doctor.check_versions())["packages"]
+    assert packages.status == FAIL and "fastapi 0.151.0 (needs <0.151,>=0.139)" in packages.detail
+
+
+def test_versions_of_this_install_are_in_range():
+    assert all(c.status == OK for c in doctor.check_versions())
+
+
+def test_gpu_and_energy_counters_are_reported_as_this_machine_has_them():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        nvml = True
+    except Exception:  # noqa: BLE001
+        nvml = False
+    gpu = _by_name(doctor.check_gpu())
+    assert (gpu["gpu (nvml)"].status == OK) == nvml, gpu
+    readable = [p for p in glob.glob("/sys/class/powercap/intel-rapl:*/energy_uj") if os.access(p, os.R_OK)]
+    assert (doctor.check_energy().status == OK) == bool(readable)
+
+
+def test_doctor_on_this_machine_prints_a_line_per_check_and_exits_zero(capsys, tmp_path):
+    code = cli.main(["doctor", "--store", str(tmp_path / "s.sqlite"), "--output-dir", str(tmp_path / "out")])
+    out = capsys.readouterr().out.splitlines()
+    assert code == cli.EXIT_OK, out
+    assert out[-1] == "nothing stops a run"
+    assert {line.split(":")[0].split(None, 1)[1] for line in out[:-1]} >= {
+        "python", "packages", "prefect home", "prefect api", "store", "outputs", "cluster", "gpu (nvml)",
+        "energy (rapl)"}

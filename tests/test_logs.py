@@ -1,0 +1,41 @@
+"""Quiet mode for the `memchunk` command: Dask's and Prefect's own logging configuration, in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+CHILD = r"""
+import ast, json, logging, os
+from memchunk_prefect.logs import quiet
+quiet()
+import yaml
+config = yaml.safe_load(open(os.environ["PREFECT_LOGGING_SETTINGS_PATH"]))
+task_runs = logging.getLogger("prefect.task_runs")
+print(json.dumps({
+    "dask_env": ast.literal_eval(os.environ["DASK_LOGGING"]),
+    "distributed_level": logging.getLogger("distributed").getEffectiveLevel(),
+    "memory_level": logging.getLogger("distributed.worker.memory").getEffectiveLevel(),
+    "task_runs_config": config["loggers"]["prefect.task_runs"],
+    "task_runs_propagate": task_runs.propagate,
+    "task_runs_handlers": sorted(type(h).__name__ + ":" + logging.getLevelName(h.level) for h in task_runs.handlers),
+    "flow_runs_propagate": logging.getLogger("prefect.flow_runs").propagate,
+}))
+"""
+
+
+def test_quiet_turns_dask_info_and_task_run_lines_off_the_terminal_and_keeps_them_for_the_ui():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DASK_LOGGING", "PREFECT_LOGGING"))}
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Worker processes inherit DASK_LOGGING (distributed lays it over its own defaults when it is imported).
+    assert got["dask_env"] == {"distributed": "warning", "distributed.worker.memory": "error"}
+    assert (got["distributed_level"], got["memory_level"]) == (30, 40)
+    # Task-run lines: still to the API (the UI), to the console only from WARNING; flow-level lines unchanged.
+    assert got["task_runs_config"]["propagate"] is False
+    assert got["task_runs_propagate"] is False
+    assert got["task_runs_handlers"] == ["APILogHandler:NOTSET", "PrefectConsoleHandler:WARNING"]
+    assert got["flow_runs_propagate"] is True

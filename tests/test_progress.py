@@ -1,0 +1,110 @@
+"""The terminal progress of a chunked map, fed the observer events a map emits (the real-map case: test_runner)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+from rich.console import Console
+
+from memchunk_prefect.chunks import Chunk
+from memchunk_prefect.machine import KILLED, OK, ChunkEnded, Submit
+from memchunk_prefect.observe import MapEnd, MapStart
+from memchunk_prefect.progress import TerminalProgress
+from memchunk_prefect.records import Observation, Prediction
+
+MiB = 2**20
+SHAPE = (64, 64, 100)
+
+
+def _console(terminal: bool) -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, force_terminal=terminal, width=300, color_system=None), out
+
+
+def _start(predict=None, block_seconds=None, at: float = 1000.0) -> MapStart:
+    return MapStart(operator="gst3d_dip", operator_key="gst3d_dip|float32|cpu", shape=SHAPE, halo=(0, 0, 0),
+                    output_path="/tmp/x.zarr", budget_bytes=700 * MiB, slots=2, predict=predict, at=at,
+                    block_seconds=block_seconds)
+
+
+def _chunk(i: int) -> Chunk:
+    return Chunk((16 * i, 0, 0), (16 * i + 16, 64, 100))
+
+
+def _obs(peak: int, outcome: str = OK) -> Observation:
+    return Observation(operator_key="gst3d_dip|float32|cpu", elements=16 * 64 * 100, extents=(16, 64, 100),
+                       bytes_in=16 * 64 * 100 * 4, peak_bytes=peak, outcome=outcome, censored=outcome != OK)
+
+
+def _run_map(p: TerminalProgress, *, killed: int = 0, error: BaseException | None = None, **start) -> None:
+    """Four chunks on two slots; ``killed`` of them run out of memory first (split in the real runner)."""
+    p.on_map_start(_start(**start))
+    sid, done, elements = 0, 0, 0
+    for i in range(4):
+        if i < killed:
+            p.on_submit(Submit(sid, _chunk(i), "rechunk", 0, f"c{i}", (16, 64, 100), at=1000.0 + i))
+            p.on_chunk_end(ChunkEnded(sid, _chunk(i), KILLED, "rechunk", _obs(900 * MiB, KILLED), done_chunks=done,
+                                      done_elements=elements, at=1001.0 + i, queued_chunks=4 - i))
+            sid += 1
+        p.on_submit(Submit(sid, _chunk(i), "rechunk", 0, f"c{i}", (16, 64, 100), at=1000.0 + i))
+        done, elements = done + 1, elements + _chunk(i).elements
+        p.on_chunk_end(ChunkEnded(sid, _chunk(i), OK, "rechunk", _obs((100 + i) * MiB), done_chunks=done,
+                                  done_elements=elements, at=1001.0 + i, queued_chunks=3 - i))
+        sid += 1
+    p.on_map_end(MapEnd(error, done, elements, at=1010.0))
+
+
+def test_off_a_terminal_one_line_per_map_when_it_ends_with_peak_budget_and_out_of_memory_recovered():
+    console, out = _console(terminal=False)
+    p = TerminalProgress(console=console)
+    assert not p.live
+    _run_map(p, killed=1)
+    line, = out.getvalue().splitlines()
+    assert line == ("gst3d_dip  4 chunks, 64 x 64 x 100 in 10.0 s; peak 103.0 MiB of a 700.0 MiB budget; "
+                    "out of memory: - avoided, 1 recovered")
+
+
+def test_avoided_counts_the_dask_auto_chunks_the_model_says_would_not_fit():
+    console, out = _console(terminal=False)
+    # A model that says any block needs 1 GiB per MiB of input: every one of Dask's auto chunks is over 700 MiB.
+    predict = lambda ext: Prediction(math.prod(ext) * 4 * 1024.0, math.prod(ext) * 4 * 1100.0)  # noqa: E731
+    _run_map(TerminalProgress(console=console), predict=predict)
+    assert out.getvalue().rstrip().endswith("out of memory: 1 avoided, 0 recovered"), out.getvalue()
+
+
+def test_on_a_terminal_a_live_bar_shows_chunks_time_left_and_peak_then_gives_way_to_the_line():
+    console, out = _console(terminal=True)
+    p = TerminalProgress(console=console)
+    assert p.live
+    _run_map(p, block_seconds=lambda elements: 2.0)
+    text = out.getvalue()
+    assert "2/4 chunks, ~2.0 s left (learned), peak 101.0 MiB / 700.0 MiB, 0 out-of-memory recovered" in text, text
+    assert text.rstrip().endswith("out of memory: - avoided, 0 recovered")
+    assert p._progress is None, "the live display is stopped when the map ends"
+
+
+def test_without_a_learned_time_the_time_left_is_the_rate_so_far():
+    console, _ = _console(terminal=False)
+    p = TerminalProgress(console=console)
+    p.on_map_start(_start(at=1000.0))
+    p.on_submit(Submit(0, _chunk(0), "rechunk", 0, "c0", (16, 64, 100), at=1000.0))
+    p.on_chunk_end(ChunkEnded(0, _chunk(0), OK, "rechunk", _obs(MiB), done_chunks=1,
+                              done_elements=_chunk(0).elements, at=1004.0, queued_chunks=3))
+    assert "1/4 chunks, ~12.0 s left (so far)" in p.status(now=1004.0)
+
+
+def test_a_failed_map_says_how_far_it_got_and_one_observer_serves_map_after_map():
+    console, out = _console(terminal=False)
+    p = TerminalProgress(console=console)
+    _run_map(p, killed=2, error=KeyboardInterrupt())
+    _run_map(p)
+    first, second = out.getvalue().splitlines()
+    assert "stopped after 10.0 s with 4 chunks written (100% of 64 x 64 x 100): KeyboardInterrupt" in first
+    assert "2 recovered" in first and second.endswith("0 recovered"), "counts start again at each map"
+
+
+def test_a_map_that_fails_before_it_starts_prints_nothing():
+    console, out = _console(terminal=False)
+    TerminalProgress(console=console).on_map_end(MapEnd(RuntimeError("no workers"), 0, 0))
+    assert out.getvalue() == ""
