@@ -366,9 +366,19 @@ class MemoryAwareRunner(DaskTaskRunner):
         return state
 
     def __enter__(self):
+        self._check_paths()  # before a cluster is started or anything submitted
         super().__enter__()
         self._exit_stack.enter_context(_one_api_for_workers())
         return self
+
+    def _check_paths(self) -> None:
+        """The store and the default output directory can be written; else EnvironmentProblemError, at once."""
+        from .doctor import FAIL, check_output_dir, check_store
+
+        failed = [c for c in (check_store(self.store), check_output_dir(self.output_dir)) if c.status == FAIL]
+        if failed:
+            raise EnvironmentProblemError("MemoryAwareRunner cannot start, nothing was run:\n"
+                                          + "\n".join(f"  {c.line()}" for c in failed))
 
     @property
     def client(self):

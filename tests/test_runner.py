@@ -22,7 +22,7 @@ from rich.console import Console
 
 import tasks
 from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, synthetic_survey
-from memchunk_prefect.errors import RunnerConfigError
+from memchunk_prefect.errors import EnvironmentProblemError, RunnerConfigError
 from memchunk_prefect.operators import operator_key
 from memchunk_prefect.progress import TerminalProgress
 from memchunk_prefect.store import Store
@@ -98,6 +98,21 @@ def test_runner_carries_every_setting_through_duplicate_and_eq(tmp_path):
     assert (d.memory_budget, d.target_fraction, d.store, d.output_dir) == (512 * 2**20, 0.6, r.store, r.output_dir)
     assert d.policy.per_task_overhead_seconds == 1.0
     assert d != MemoryAwareRunner(address="tcp://127.0.0.1:1", memory_budget="1GiB")
+
+
+def test_a_store_that_cannot_be_written_stops_the_flow_before_a_cluster_starts(tmp_path, survey):
+    (tmp_path / "a-file").write_text("")
+    runner = MemoryAwareRunner(cluster_kwargs={"n_workers": 1, "processes": True},
+                               store=tmp_path / "a-file" / "store.sqlite", output_dir=tmp_path / "out")
+
+    @flow(task_runner=runner)
+    def light(path: str):
+        return tasks.envelope.map(chunked(path)).result()
+
+    with pytest.raises(EnvironmentProblemError, match=r"(?s)cannot start, nothing was run.*store: .*a-file.*"
+                                                      r"MEMCHUNK_STORE"):
+        light(survey)
+    assert not (tmp_path / "out").exists(), "nothing was written"
 
 
 def test_zero_argument_runner_is_a_local_cluster_with_one_thread_per_worker():
