@@ -33,9 +33,16 @@ Reward: the plan's *slot efficiency*, the compute its chunks needed (output
 elements x the operator's measured seconds per element) over the slot time they
 held (``slots x`` wall seconds from first submission to last end, retries and
 splits included), minus ``penalty`` (1.0: a whole map's worth) per chunk that
-ran out of memory. Efficiency is dimensionless, so surveys of different sizes
-teach the same arms (no context is needed to compare them; the plans
-themselves are re-made for each survey, slots and budget).
+ran out of memory, minus the share of that slot time its workers spent paused
+(a worker above Dask's pause line, 0.8 of its limit, takes no new task; the
+scheduler's log of status changes says when: ``records.pauses_from``). Paused
+time is counted as lost whether or not a task was waiting for that worker (an
+upper bound of what it cost; a single-thread worker finishing its one chunk
+loses nothing): a plan that runs its workers into the pause line is closer to
+the kill line, and earns less than one that fits below it in the same time.
+Efficiency is dimensionless, so surveys of different sizes teach the same arms
+(no context is needed to compare them; the plans themselves are re-made for
+each survey, slots and budget).
 
 The bandit is River's :class:`river.bandit.EpsilonGreedy`: the arm with the
 best mean reward, or a random one with probability ``epsilon`` (decaying with
@@ -101,21 +108,26 @@ def arm_view(pred: Prediction, arm: str) -> Prediction:
 
 
 def reward_of(elements: int, seconds_per_element: float, slots: int, wall_seconds: float,
-              out_of_memory: int = 0, penalty: float = 1.0) -> tuple[float, float]:
+              out_of_memory: int = 0, penalty: float = 1.0, paused_seconds: float = 0.0) -> tuple[float, float]:
     """``(reward, efficiency)`` of a finished plan; see the module docstring.
 
     ``elements`` written at ``seconds_per_element`` (compute seconds each) on
     ``slots`` slots over ``wall_seconds``; efficiency is capped at 1 (a plan
     cannot use more slot time than there is; a faster-than-median run says so).
+    ``paused_seconds``: worker-seconds its workers spent paused within that
+    time, taken off as a share of the slot time held.
 
     >>> reward_of(1000, 0.001, 2, 1.0)
     (0.5, 0.5)
     >>> reward_of(1000, 0.001, 2, 1.0, out_of_memory=1)
     (-0.5, 0.5)
+    >>> reward_of(1000, 0.001, 2, 1.0, paused_seconds=0.5)
+    (0.25, 0.5)
     """
     held = max(1, int(slots)) * max(float(wall_seconds), 1e-9)
     efficiency = min(1.0, max(0.0, int(elements) * float(seconds_per_element) / held))
-    return efficiency - float(penalty) * int(out_of_memory), efficiency
+    paused = min(1.0, max(0.0, float(paused_seconds)) / held)
+    return efficiency - float(penalty) * int(out_of_memory) - paused, efficiency
 
 
 @dataclass(frozen=True)

@@ -297,3 +297,30 @@ def read_allowed_failures(client: Any) -> int | None:
     except Exception as exc:  # noqa: BLE001 - a scheduler that refuses run_on_scheduler: nothing to say
         logger.info("could not read the scheduler's allowed-failures: %r", exc)
         return None
+
+
+# --------------------------------------------------------------------------- pauses
+
+# A worker crossing ``distributed.worker.memory.pause`` (default 0.8 of its memory_limit) stops taking new tasks
+# until its memory falls again; the scheduler logs each status change under the worker's address. The intervals
+# are computed from the log by the pure ``records.pauses_from``.
+
+
+def _status_changes_on_scheduler(dask_scheduler: Any) -> list[tuple[str, float, str]]:
+    """Run on the scheduler: every logged worker status change as ``(worker, time, status)``."""
+    out = []
+    for topic, events in dask_scheduler.get_events().items():
+        for t, msg in events:
+            if isinstance(msg, dict) and msg.get("action") == "worker-status-change":
+                out.append((str(topic), float(t), str(msg.get("status"))))
+    return out
+
+
+def read_status_changes(client: Any) -> list[tuple[str, float, str]] | None:
+    """The scheduler's log of worker status changes (None when it cannot be read). Filtered on the scheduler,
+    so only these few tuples travel; a worker that left the cluster takes its log with it."""
+    try:
+        return client.run_on_scheduler(_status_changes_on_scheduler)
+    except Exception as exc:  # noqa: BLE001 - a scheduler that refuses run_on_scheduler: no pause figures
+        logger.info("could not read the workers' status changes: %r", exc)
+        return None

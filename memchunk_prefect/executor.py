@@ -31,6 +31,7 @@ from prefect.states import State
 from prefect_dask import DaskTaskRunner
 from prefect_dask.task_runners import PrefectDaskFuture
 
+from . import cluster as _cluster
 from . import taskruns
 from .bandit import ArmChoice
 from .chunks import Chunk, Shape
@@ -52,6 +53,8 @@ from .machine import (
     MapSpec,
     MarkersRecovered,
     MarkRuns,
+    PausesRead,
+    ReadPauses,
     Record,
     RecoverMarkers,
     Rewarded,
@@ -63,7 +66,7 @@ from .machine import (
 )
 from .observe import MapEnd, MapObserver, MapStart, Observers
 from .operators import operator_key, operator_name, spec_of
-from .records import Observation, Prediction, Reward
+from .records import Observation, Prediction, Reward, paused_within, pauses_from
 from .settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS, PolicySettings
 from .volume import as_source
 from .worker import BlockFunction, BlockJob, chunk_task_run_name
@@ -161,6 +164,7 @@ class ChunkedMap:
         self.resting: dict[str, int] = {}  # each worker's resting memory the budget assumed
         self.headroom: dict[str, int] = {}  # each worker's kill line less that, per thread
         self.reward: Reward | None = None  # what the learned policy's arm earned, once the map is finalized
+        self.paused: tuple[int, float] = (0, 0.0)  # workers' pauses over the map and their worker-seconds
 
     # ---------------------------------------------------------------- the loop
 
@@ -297,6 +301,8 @@ class ChunkedMap:
             self.finalize(ins.settle_runs)
         elif isinstance(ins, Rewarded):
             self.rewarded(ins.reward)
+        elif isinstance(ins, ReadPauses):
+            return self.read_pauses(ins.since, ins.until)
         elif isinstance(ins, Stopped):
             with contextlib.suppress(BaseException):
                 logger.warning("%s: stopped early (%s); %d chunks are marked written in %s (kept: a rerun resumes "
@@ -339,6 +345,16 @@ class ChunkedMap:
             self.runner.model_bank().reward(reward)
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not record the policy's reward for %s: %r", self.key, exc)
+
+    def read_pauses(self, since: float, until: float) -> PausesRead:
+        """The workers' pauses over the map, from the scheduler's log (none when it cannot be read)."""
+        changes = _cluster.read_status_changes(self.runner.client)
+        pauses = pauses_from(changes or [], time.time())
+        self.paused = paused_within(pauses, since, until)
+        if self.paused[0]:
+            logger.info("%s: workers paused %d time(s) for %.1f worker-seconds (Dask's pause line, "
+                        "distributed.worker.memory.pause)", self.name, *self.paused)
+        return PausesRead(pauses, at=time.time())
 
     def recover_markers(self, chunks: Iterable[Chunk]) -> MarkersRecovered | None:
         """The observations that written chunks' completion markers carry and the store lacks.
@@ -407,7 +423,8 @@ class ChunkedMap:
     def _end(self, error: BaseException | None) -> None:
         m = self.machine
         self.observers.emit("on_map_end", MapEnd(error, len(m.done) if m else 0, m.done_elements if m else 0,
-                                                 at=time.time(), reward=self.reward if error is None else None))
+                                                 at=time.time(), reward=self.reward if error is None else None,
+                                                 pauses=self.paused[0], paused_seconds=self.paused[1]))
 
 
 def _flow_run_id() -> str:

@@ -46,10 +46,12 @@ that is not a probe is made under every arm (risk level of the bound); arms
 that give the same chunking are grouped, and ``knowledge.choose_arm`` picks one
 (the fixed heuristic's ``safe`` arm when ``settings.learned_policy`` is off).
 Every later plan of the map (other regions, re-plans) uses the same arm, and
-split pieces inherit it. When the map is complete, :class:`Rewarded` carries
-what the arm earned (its chunks' slot efficiency, less a penalty per chunk
-that ran out of memory) for the executor to persist and teach, after
-:class:`Finalize`. A map that stops early or does not finalize teaches nothing.
+split pieces inherit it. When the map is complete, :class:`Finalize` is
+followed by :class:`ReadPauses` (the scheduler's log of worker pauses over the
+map); its answer :class:`PausesRead` brings :class:`Rewarded`: what the arm
+earned (its chunks' slot efficiency, less a penalty per chunk that ran out of
+memory and the share of slot time its workers spent paused) for the executor
+to persist and teach. A map that stops early or does not finalize teaches nothing.
 
 Units: bytes, elements, seconds since the epoch (``at``, given by the executor).
 """
@@ -66,7 +68,7 @@ from .bandit import ArmChoice
 from .chunks import Chunk, Shape, uncovered_boxes, with_halo
 from .errors import ChunkOutOfMemoryError, ClusterLostError, MemchunkError, format_bytes
 from .policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
-from .records import Observation, Prediction, Reward
+from .records import Observation, Pause, Prediction, Reward, paused_within
 from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 
 #: Extra decisions recorded about the output (not about the chunking).
@@ -221,7 +223,17 @@ class Stop:
     at: float = 0.0
 
 
-Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop]
+@dataclass(frozen=True)
+class PausesRead:
+    """The workers' pauses the scheduler logged over the map (answer to :class:`ReadPauses`; empty when they could
+    not be read)."""
+
+    pauses: tuple[Pause, ...] = ()
+    at: float = 0.0
+
+
+Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
+              PausesRead]
 
 
 # =========================================================================== instructions (what to do)
@@ -355,6 +367,14 @@ class RecoverMarkers:
 
 
 @dataclass(frozen=True)
+class ReadPauses:
+    """Read the workers' pauses (Dask's pause line) between ``since`` and ``until``; answer :class:`PausesRead`."""
+
+    since: float
+    until: float
+
+
+@dataclass(frozen=True)
 class Fail:
     """Stop the map with ``error`` (raise it); then send :class:`Stop` to settle what is in flight."""
 
@@ -384,7 +404,7 @@ class Rewarded:
 
 
 Instruction = Union[Decided, Submit, Record, ChunkEnded, MarkRuns, Cancel, RecoverMarkers, Fail, Rewarded, Finalize,
-                    Stopped]
+                    ReadPauses, Stopped]
 
 
 # =========================================================================== the machine
@@ -424,6 +444,7 @@ class MapMachine:
     arm_elements: int = 0  # output elements written under the arm
     arm_chunks: int = 0
     arm_out_of_memory: int = 0
+    started_at: float = 0.0  # when the map started (Start.at)
     _check_replan: bool = False
 
     # ---------------------------------------------------------------- reading
@@ -490,6 +511,7 @@ class MapMachine:
         if self.phase != NEW:
             raise MapStateError(f"Start in phase {self.phase}")
         self.phase = RUNNING
+        self.started_at = ev.at
         self.slots, self.budget_bytes = int(ev.slots), int(ev.budget_bytes)
         out: list[Instruction] = []
         if ev.restarted:
@@ -581,6 +603,11 @@ class MapMachine:
         del item
         return self._fail(err)
 
+    def _on_pauses(self, ev: PausesRead) -> list[Instruction]:
+        if self.phase != FINISHED:
+            raise MapStateError(f"PausesRead in phase {self.phase}")
+        return self._rewarded(ev.pauses)
+
     def _on_markers(self, ev: MarkersRecovered) -> list[Instruction]:
         return [Record(o) for o in ev.observations if o.operator_key == self.spec.operator_key]
 
@@ -635,8 +662,9 @@ class MapMachine:
                     return out
                 if not self.regions:
                     self.phase = FINISHED
-                    # The reward follows the finalize: a map whose output does not finalize teaches nothing.
-                    return out + [Finalize(settle_runs=self.deaths > 0)] + self._rewarded()
+                    # The reward follows the finalize (a map whose output does not finalize teaches nothing), once
+                    # the workers' pauses over the map are read (PausesRead).
+                    return out + [Finalize(settle_runs=self.deaths > 0), ReadPauses(self.started_at, at)]
                 out += self._plan_regions(at)
         except MemchunkError as exc:  # a plan that cannot fit the budget
             return out + self._fail(exc)
@@ -797,18 +825,22 @@ class MapMachine:
             predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
             upper_bound_bytes=plan.upper_bound_bytes if plan else None, at=at, arm=arm, **where))
 
-    def _rewarded(self) -> list[Instruction]:
-        """What the arm's plan earned, once every chunk is written (nothing without an arm or a measured rate)."""
+    def _rewarded(self, pauses: tuple[Pause, ...] = ()) -> list[Instruction]:
+        """What the arm's plan earned, once every chunk is written (nothing without an arm or a measured rate).
+
+        ``pauses``: the workers' pauses over the map; those within the plan's time count against it.
+        """
         spe = self.knowledge.seconds_per_element()
         if (self.arm is None or self.arm_started is None or not self.arm_elements or spe is None
                 or self.arm_ended <= self.arm_started):
             return []  # no arm, nothing written under it, no measured rate or no time measured
+        n_paused, paused = paused_within(pauses, self.arm_started, self.arm_ended)
         value, efficiency = bandit.reward_of(self.arm_elements, spe, self.slots, self.arm_ended - self.arm_started,
-                                             self.arm_out_of_memory, self.settings.oom_penalty)
+                                             self.arm_out_of_memory, self.settings.oom_penalty, paused)
         return [Rewarded(Reward(self.spec.operator_key, self.arm.arm, self.arm.arms, value, efficiency,
                                 self.arm_elements, self.arm_ended - self.arm_started, self.slots,
-                                out_of_memory=self.arm_out_of_memory, n_chunks=self.arm_chunks,
-                                created_at=self.arm_ended))]
+                                out_of_memory=self.arm_out_of_memory, n_chunks=self.arm_chunks, pauses=n_paused,
+                                paused_seconds=paused, created_at=self.arm_ended))]
 
     def _ended(self, sid: int, item: Pending, outcome: str, obs: Observation | None, at: float, *,
                kept: bool = False) -> ChunkEnded:
@@ -876,11 +908,13 @@ _HANDLERS: dict[type, Any] = {
     ClusterLost: MapMachine._on_cluster_lost,
     MarkersRecovered: MapMachine._on_markers,
     Stop: MapMachine._on_stop,
+    PausesRead: MapMachine._on_pauses,
 }
 
 __all__ = [
     "MapMachine", "MapSpec", "Knowledge", "Pending", "MapStateError", "is_memory_kill",
     "Start", "ChunkDone", "ChunkOutOfMemory", "ChunkFailed", "WorkerDied", "ClusterLost", "MarkersRecovered", "Stop",
+    "PausesRead", "ReadPauses",
     "Decided", "DecisionRecord", "Submit", "Record", "ChunkEnded", "MarkRuns", "Cancel", "RecoverMarkers", "Fail",
     "Rewarded", "Finalize", "Stopped", "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER",
     "RESUME", "RESTART", "OK", "MEMORY_ERROR", "KILLED", "LOST",

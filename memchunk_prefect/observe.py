@@ -74,6 +74,8 @@ class MapEnd:
     done_elements: int
     at: float = 0.0
     reward: Reward | None = None  # what the learned policy's arm earned (a finished map with a real plan)
+    pauses: int = 0  # times a worker paused (Dask's pause line) during the map
+    paused_seconds: float = 0.0  # worker-seconds those pauses lasted
 
 
 class MapObserver:

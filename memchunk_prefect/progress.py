@@ -227,9 +227,11 @@ class TerminalProgress(MapObserver):
             head = (f"stopped after {format_seconds(wall)} with {self.done_chunks} chunks written ({share:.0f}% of "
                     f"{shape}): {type(event.error).__name__}")
         avoided = self.avoided()
+        paused = (f"; workers paused {event.pauses}x, {format_seconds(event.paused_seconds)}"
+                  if event.pauses else "")
         return (f"{s.operator}  {head}; peak {format_bytes(self.peak) if self.peak else '-'} of a "
                 f"{format_bytes(s.budget_bytes)} budget; out of memory: "
-                f"{'-' if avoided is None else avoided} avoided, {self.recovered} recovered")
+                f"{'-' if avoided is None else avoided} avoided, {self.recovered} recovered{paused}")
 
     # ---- the live bar
 

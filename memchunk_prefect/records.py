@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 OUTCOMES = ("ok", "memory_error", "killed", "error")
 
@@ -122,7 +122,7 @@ class Reward:
     - ``arm``: the risk level the plan was fitted at (``bandit.ARMS``);
     - ``arms``: every arm whose plan was the same chunking (all are taught:
       their outcome would have been this one), ``arm`` included;
-    - ``reward``: ``efficiency - penalty x out_of_memory`` (see
+    - ``reward``: ``efficiency - penalty x out_of_memory - paused share`` (see
       :func:`memchunk_prefect.bandit.reward_of`);
     - ``efficiency``: compute time the plan's chunks needed at the operator's
       measured seconds per element, over the slot time they held
@@ -130,7 +130,9 @@ class Reward:
     - ``elements``: output elements written under the plan; ``wall_seconds``:
       from its first submission to its last chunk's end (retries included);
     - ``out_of_memory``: chunks of the plan that raised ``MemoryError`` or whose
-      worker was killed for memory.
+      worker was killed for memory;
+    - ``pauses`` / ``paused_seconds``: its workers' pauses (Dask's pause line)
+      while it ran, and the worker-seconds they lasted.
     """
 
     operator_key: str
@@ -143,6 +145,8 @@ class Reward:
     slots: int
     out_of_memory: int = 0
     n_chunks: int = 0
+    pauses: int = 0  # times a worker paused (Dask's pause line) during the plan; not stored (the reward includes it)
+    paused_seconds: float = 0.0  # worker-seconds paused during the plan
     flow_run_id: str = ""
     created_at: float = field(default_factory=time.time)
 
@@ -165,3 +169,54 @@ def _known_fields(cls: type, d: Mapping[str, Any], *, tuples: tuple[str, ...]) -
     """The entries of ``d`` that are fields of the dataclass ``cls`` (others, from newer writers, are dropped)."""
     names = {f.name for f in fields(cls)}
     return {k: (tuple(v) if k in tuples else v) for k, v in d.items() if k in names}
+
+
+# --------------------------------------------------------------------------- worker pauses
+
+#: The status a worker has while paused (Dask's ``Status.paused``, as the scheduler logs it).
+PAUSED = "paused"
+
+
+@dataclass(frozen=True)
+class Pause:
+    """A worker paused from ``start`` to ``end`` (epoch seconds; ``end`` is the read time if it is still paused)."""
+
+    worker: str
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, self.end - self.start)
+
+
+def pauses_from(changes: Sequence[tuple[str, float, str]], now: float) -> tuple[Pause, ...]:
+    """Each worker's paused intervals from its status changes (a pause not yet ended runs to ``now``).
+
+    >>> pauses_from([("w", 1.0, "paused"), ("w", 3.5, "running"), ("v", 2.0, "paused")], now=4.0)
+    (Pause(worker='v', start=2.0, end=4.0), Pause(worker='w', start=1.0, end=3.5))
+    """
+    out: list[Pause] = []
+    started: dict[str, float] = {}
+    for worker, t, status in sorted(changes, key=lambda c: (c[0], c[1])):
+        if status == PAUSED:
+            started.setdefault(worker, t)
+        elif worker in started:
+            out.append(Pause(worker, started.pop(worker), t))
+    out += [Pause(w, t, max(t, now)) for w, t in started.items()]
+    return tuple(sorted(out, key=lambda p: (p.worker, p.start)))
+
+
+def paused_within(pauses: Sequence[Pause], since: float, until: float) -> tuple[int, float]:
+    """``(pauses, paused worker-seconds)`` that overlap the window ``[since, until]``, clipped to it.
+
+    >>> paused_within([Pause("w", 1.0, 3.0), Pause("v", 5.0, 9.0), Pause("w", 20.0, 21.0)], 2.0, 6.0)
+    (2, 2.0)
+    """
+    n, seconds = 0, 0.0
+    for p in pauses:
+        overlap = min(p.end, until) - max(p.start, since)
+        if overlap > 0:
+            n += 1
+            seconds += overlap
+    return n, seconds

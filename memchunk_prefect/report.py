@@ -144,6 +144,9 @@ class MapRecord:
     naive: dict = field(default_factory=dict)
     #: What the learned policy's arm earned (``records.Reward.to_dict()``); empty when nothing was taught.
     reward: dict = field(default_factory=dict)
+    #: Workers' pauses (Dask's pause line) during the map, and the worker-seconds they lasted.
+    pauses: int = 0
+    paused_seconds: float = 0.0
 
     @property
     def total_elements(self) -> int:
@@ -227,6 +230,8 @@ def map_summary(record: MapRecord) -> dict[str, Any]:
         "budget_use": None if not peak or not record.budget_bytes else round(peak / record.budget_bytes, 3),
         "model_error": model_error(record.attempts),
         "retry_seconds": round(sum(a.seconds or 0.0 for a in lost), 2),
+        "pauses": record.pauses,
+        "paused_seconds": round(record.paused_seconds, 2),
         "seconds": None if record.ended_at is None else round(record.ended_at - record.started_at, 2),
         "error": record.error,
         "output": record.output_path,
@@ -285,11 +290,15 @@ def summary_markdown(flow_name: str, records: Sequence[MapRecord], *, title: str
         if s["oom_recovered"]:
             lines.append(f"- **out-of-memory recovered**: {s['oom_recovered']} task run(s) ran out of memory and "
                          f"were split and resubmitted; {s['retry_seconds']:.1f} s of task time lost")
+        if s["pauses"]:
+            lines.append(f"- **workers paused**: {s['pauses']} time(s), {s['paused_seconds']:.1f} worker-seconds "
+                         "above Dask's pause line (`distributed.worker.memory.pause`): no new task started there")
         if r.reward:
             w = r.reward
+            paused = (f", {w.get('paused_seconds', 0.0):.1f} worker-seconds paused" if w.get("pauses") else "")
             lines.append(f"- **learned policy**: arm {w['arm']} earned {w['reward']:.2f} (slot efficiency "
                          f"{w['efficiency']:.2f} over {w['wall_seconds']:.1f} s on {w['slots']} slot(s), "
-                         f"{w['out_of_memory']} out of memory)")
+                         f"{w['out_of_memory']} out of memory{paused})")
         if s["error"]:
             lines.append(f"- **failed**: {s['error']}")
         lines.append("")
@@ -430,6 +439,7 @@ class MapReporter(MapObserver):
             r.error = f"{type(event.error).__name__}: {event.error}"
         if event.reward is not None:
             r.reward = event.reward.to_dict()
+        r.pauses, r.paused_seconds = event.pauses, event.paused_seconds
         if r.budget_bytes and self._predict is not None:
             try:
                 r.naive = naive_chunking(r.shape, self._halo, r.budget_bytes, self._predict)

@@ -96,3 +96,46 @@ def test_the_budget_is_the_kill_line_less_resting_and_a_users_figure_only_caps_i
     assert budget(no_limit, memory_budget=GiB).budget_bytes == GiB, "no limit: the user's budget as given"
     with pytest.raises(BudgetError, match="memory_limit"):
         budget(no_limit)
+
+
+def _hold(target_bytes: int, seconds: float) -> int:
+    """Run on a worker: grow the process to ``target_bytes`` for ``seconds``; return its memory while holding."""
+    import time as _time
+
+    import numpy as np
+    import psutil
+
+    block = np.ones(max(0, target_bytes - psutil.Process().memory_info().rss) // 8)
+    rss = psutil.Process().memory_info().rss
+    _time.sleep(seconds)
+    del block
+    return rss
+
+
+@pytest.mark.cluster
+def test_a_worker_above_its_pause_line_is_read_as_one_pause_with_its_duration():
+    # A real pause: the worker grown to 0.875 of its 1 GiB limit, between Dask's pause line (0.8: 819 MiB) and the
+    # nanny's kill line (0.95: 973 MiB), for 2 s.
+    import time
+
+    from distributed import Client
+
+    from memchunk_prefect import cluster
+    from memchunk_prefect.records import paused_within, pauses_from
+    from memchunk_prefect.testing import start_local_cluster
+
+    lc = start_local_cluster(n_workers=1, memory_limit="1GiB")
+    client = Client(lc)
+    try:
+        before = time.time()
+        rss = client.submit(_hold, int(0.875 * 2**30), 2.0, pure=False).result()
+        time.sleep(0.5)  # the worker's memory monitor resumes it within its 100 ms interval
+        after = time.time()
+        pauses = pauses_from(cluster.read_status_changes(client) or [], after)
+    finally:
+        client.close()
+        lc.close()
+    assert 0.8 * 2**30 < rss < 0.95 * 2**30, f"the task held {rss / 2**20:.0f} MiB: not between the lines"
+    n, seconds = paused_within(pauses, before, after)
+    assert n == 1 and 0.3 < seconds < 2.5, pauses
+    assert paused_within(pauses, after, after + 10) == (0, 0.0), "the pause ended"

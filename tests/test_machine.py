@@ -35,6 +35,8 @@ from memchunk_prefect.machine import (
     MapStateError,
     MarkersRecovered,
     MarkRuns,
+    PausesRead,
+    ReadPauses,
     Record,
     Rewarded,
     Start,
@@ -44,7 +46,7 @@ from memchunk_prefect.machine import (
     WorkerDied,
     is_memory_kill,
 )
-from memchunk_prefect.records import Observation, Prediction, Reward
+from memchunk_prefect.records import Observation, Pause, Prediction, Reward
 from memchunk_prefect.settings import PolicySettings
 from memchunk_prefect.taskruns import mark_runs
 
@@ -99,6 +101,14 @@ def of(kind, instructions):
 
 def kinds(instructions):
     return [type(i).__name__ for i in instructions]
+
+
+def answered(m: MapMachine, instructions, pauses=()):
+    """``instructions`` and what the machine says to the answer an executor gives to :class:`ReadPauses`."""
+    out = list(instructions)
+    for ins in of(ReadPauses, instructions):
+        out += m.handle(PausesRead(tuple(pauses), at=ins.until))
+    return out
 
 
 def started(m: MapMachine, slots=2, budget=10 * MiB, **start):
@@ -440,7 +450,7 @@ def test_a_resumed_output_that_is_complete_finalizes_without_running_anything():
     m = machine()
     first, out = started(m, completed=(Chunk.whole((8, 8, 10)),))
     assert "nothing left" in of(Decided, first)[0].record.reason
-    assert out == [Finalize(settle_runs=False)]
+    assert out == [Finalize(settle_runs=False), ReadPauses(0.0, 0.0)]
 
 
 def test_recovered_marker_measurements_are_recorded_for_this_operator_only():
@@ -463,7 +473,7 @@ def test_the_map_finalizes_when_every_chunk_is_written_and_settles_runs_after_a_
             sid, item = next(iter(m.in_flight.items()))
             out += m.handle(ChunkDone(sid, obs(item.chunk)))
             out += m.advance()
-        assert out[-1] == Finalize(settle_runs=died)
+        assert out[-2] == Finalize(settle_runs=died) and isinstance(out[-1], ReadPauses)
         assert covers_exactly(m.done, (2, 8, 10))
 
 
@@ -492,23 +502,24 @@ def test_the_same_events_give_the_same_instructions():
             sid, item = min(m.in_flight.items())
             ev = (WorkerDied(sid, "KilledWorker", kill_headroom_bytes=10, at=t) if sid == 1
                   else ChunkDone(sid, obs(item.chunk, at=t), at=t))
-            out += m.handle(ev) + m.advance(t)
+            out += answered(m, m.handle(ev) + m.advance(t))
             t += 1.0
         return out
 
     first = replay()
-    assert first == replay() and [type(i) for i in first[-2:]] == [Finalize, Rewarded]
+    assert first == replay() and [type(i) for i in first[-3:]] == [Finalize, ReadPauses, Rewarded]
 
 
 # =========================================================================== the learned policy's arms
 
 
-def run_all(m: MapMachine, *, at=1.0, peak=1000):
-    """Finish every submitted chunk at time ``at`` (+1 s per chunk); return every instruction."""
+def run_all(m: MapMachine, *, at=1.0, peak=1000, pauses=()):
+    """Finish every submitted chunk at time ``at`` (+1 s per chunk); return every instruction (``pauses``: the
+    workers' pauses the executor reads at the end)."""
     out = []
     t = at
     for _ in range(1000):
-        out += m.advance(t)
+        out += answered(m, m.advance(t), pauses)
         if m.finished:
             break
         for sub in list(m.in_flight):
@@ -551,7 +562,7 @@ def test_arms_that_give_the_same_plan_are_one_choice_and_all_are_taught():
     out = run_all(m)
     (r,) = of(Rewarded, out)
     assert r.reward.arms == ("bold", "mid", "safe")
-    assert kinds(out)[-2:] == ["Finalize", "Rewarded"], "taught only once the output is finalized"
+    assert kinds(out)[-3:] == ["Finalize", "ReadPauses", "Rewarded"], "taught only once the output is finalized"
 
 
 def test_the_reward_is_the_arms_slot_efficiency_less_a_penalty_per_out_of_memory_chunk():
@@ -572,6 +583,29 @@ def test_the_reward_is_the_arms_slot_efficiency_less_a_penalty_per_out_of_memory
     assert r.reward.reward == pytest.approx(r.reward.efficiency - 1.0)
 
 
+def test_worker_pauses_while_the_plan_ran_cost_their_share_of_its_slot_time():
+    def reward(pauses):
+        m = machine((4, 8, 10), knowledge=Linear(tight=1.05, spe=1e-3), max_counts=64)
+        m.handle(Start(2, 10 * MiB, at=0.0))
+        (r,) = of(Rewarded, run_all(m, at=0.0, pauses=pauses))
+        return r.reward
+
+    clean = reward(())
+    # One pause of 1 s inside the plan's time, one before the map started (not the plan's doing).
+    paused = reward((Pause("tcp://w1", clean.wall_seconds / 2, clean.wall_seconds / 2 + 1.0),
+                     Pause("tcp://w2", -10.0, -5.0)))
+    assert (paused.pauses, paused.paused_seconds) == (1, pytest.approx(1.0))
+    assert paused.efficiency == clean.efficiency, "pauses do not change what the chunks needed"
+    assert paused.reward == pytest.approx(clean.reward - 1.0 / (2 * clean.wall_seconds))
+
+
+def test_pauses_are_read_only_once_the_map_is_finished():
+    m = machine()
+    started(m)
+    with pytest.raises(MapStateError):
+        m.handle(PausesRead(()))
+
+
 def test_a_map_that_stops_early_or_probes_only_teaches_nothing():
     m = machine((8, 8, 10), knowledge=Linear(tight=1.05))
     _, submitted = started(m, slots=2, budget=10 * MiB)
@@ -586,8 +620,7 @@ def run_all_cold(m: MapMachine):
     m.handle(Start(2, 10 * MiB))
     out = []
     for _ in range(100):
-        step = m.advance(1.0)
-        out += step
+        out += answered(m, m.advance(1.0))
         if m.finished:
             break
         for sid in list(m.in_flight):

@@ -108,3 +108,11 @@ def test_a_map_that_fails_before_it_starts_prints_nothing():
     console, out = _console(terminal=False)
     TerminalProgress(console=console).on_map_end(MapEnd(RuntimeError("no workers"), 0, 0))
     assert out.getvalue() == ""
+
+
+def test_workers_paused_during_the_map_are_on_its_line():
+    console, out = _console(terminal=False)
+    p = TerminalProgress(console=console)
+    p.on_map_start(_start())
+    p.on_map_end(MapEnd(None, 0, 0, at=1003.0, pauses=2, paused_seconds=2.2))
+    assert out.getvalue().rstrip().endswith("0 recovered; workers paused 2x, 2.2 s")
