@@ -33,7 +33,6 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from . import cluster as _cluster
 from . import taskruns
-from .bandit import ArmChoice
 from .chunks import Chunk, Shape
 from .errors import MemchunkError
 from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
@@ -66,48 +65,15 @@ from .machine import (
 )
 from .observe import MapEnd, MapObserver, MapStart, Observers
 from .operators import operator_key, operator_name, spec_of
-from .records import Observation, Prediction, Reward, paused_within, pauses_from
-from .settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS, PolicySettings
+from .records import Observation, Reward, paused_within, pauses_from
+from .settings import DTYPE, RUNNER_SETTINGS
 from .volume import as_source
 from .worker import BlockFunction, BlockJob, chunk_task_run_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .model import ModelBank
     from .runner import MemoryAwareRunner
 
 logger = logging.getLogger("memchunk_prefect.runner")
-
-
-class BankKnowledge:
-    """The state machine's read-only view of one key's model in a :class:`~memchunk_prefect.model.ModelBank`."""
-
-    def __init__(self, bank: "ModelBank", key: str, settings: PolicySettings):
-        self.bank = bank
-        self.key = key
-        self.settings = settings
-
-    def predict(self, extents: Shape) -> Prediction:
-        return self.bank.predict(self.key, extents, ITEMSIZE)
-
-    def seconds_per_element(self) -> float | None:
-        return self.bank.seconds_per_element(self.key, self.settings.time_window)
-
-    def seconds_for(self, elements: int) -> float | None:
-        return self.bank.seconds_for(self.key, elements)
-
-    def block_seconds(self, elements: int) -> float | None:
-        """Learned wall seconds of one block of ``elements`` (halo included): its compute time as the planner
-        estimates it, plus the per-task overhead; None while no time is learned (for progress displays)."""
-        compute = self.seconds_for(elements)
-        if compute is None:
-            spe = self.seconds_per_element()
-            if spe is None:
-                return None
-            compute = elements * spe
-        return compute + self.settings.per_task_overhead_seconds
-
-    def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice:
-        return self.bank.choose_arm(self.key, groups)
 
 
 def is_memory_error(exc: Any) -> bool:
@@ -185,6 +151,8 @@ class ChunkedMap:
         logger.info("%s: %s", self.name, budget.reason)
         self.out, completed, action = open_output(self.output_path, self.identity, self.shape, self.source.coords(),
                                                   operator=self.name, replace_any=self.replace_any)
+        from .model import BankKnowledge  # flow process only (River): see the note at the top of runner.py
+
         bank = self.runner.model_bank()
         knowledge = BankKnowledge(bank, self.key, self.runner.policy)
         self.machine = MapMachine(

@@ -95,8 +95,9 @@ import numpy as np
 from river import linear_model, metrics, stats, utils
 
 from .bandit import ArmChoice, ArmLearner
+from .chunks import Shape
 from .records import Observation, Prediction, Reward
-from .settings import ITEMSIZE
+from .settings import ITEMSIZE, PolicySettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from .store import Store
@@ -777,3 +778,35 @@ class ModelBank:
         with self._lock:
             keys = list(self.store.keys()) if self.store is not None else []
             return keys + [k for k in self._models if k not in keys and self._models[k].n_observations]
+
+
+class BankKnowledge:
+    """The state machine's read-only view of one key's model in a :class:`~memchunk_prefect.model.ModelBank`."""
+
+    def __init__(self, bank: "ModelBank", key: str, settings: PolicySettings):
+        self.bank = bank
+        self.key = key
+        self.settings = settings
+
+    def predict(self, extents: Shape) -> Prediction:
+        return self.bank.predict(self.key, extents, ITEMSIZE)
+
+    def seconds_per_element(self) -> float | None:
+        return self.bank.seconds_per_element(self.key, self.settings.time_window)
+
+    def seconds_for(self, elements: int) -> float | None:
+        return self.bank.seconds_for(self.key, elements)
+
+    def block_seconds(self, elements: int) -> float | None:
+        """Learned wall seconds of one block of ``elements`` (halo included): its compute time as the planner
+        estimates it, plus the per-task overhead; None while no time is learned (for progress displays)."""
+        compute = self.seconds_for(elements)
+        if compute is None:
+            spe = self.seconds_per_element()
+            if spe is None:
+                return None
+            compute = elements * spe
+        return compute + self.settings.per_task_overhead_seconds
+
+    def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice:
+        return self.bank.choose_arm(self.key, groups)
