@@ -10,6 +10,7 @@
     memchunk demo [--dir DIR] [--shape IL XL T] [--workers N] [--memory-limit 1.5GiB]
     memchunk ui [--port 4200]
     memchunk doctor [--address tcp://HOST:8786] [--json]
+    memchunk simulate --shape IL XL T --workers N --memory-limit 8GiB [--steps OP ...] [--runs 20] [--deadline S]
 
 Watch runs in the Prefect UI: ``memchunk ui`` (or ``prefect server start``), then
 open http://127.0.0.1:4200; flows started with ``PREFECT_API_URL`` pointing at it
@@ -30,13 +31,22 @@ with :func:`register`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
 import warnings
 from typing import Any, Callable, Sequence
 
-from .errors import BudgetError, BudgetTooSmallError, MemchunkError, UnknownOperatorError, VolumeError, format_bytes
+from .errors import (
+    BudgetError,
+    BudgetTooSmallError,
+    MemchunkError,
+    SimulationInputError,
+    UnknownOperatorError,
+    VolumeError,
+    format_bytes,
+)
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -321,6 +331,80 @@ def _ui(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
+# --------------------------------------------------------------------------- simulate
+
+
+def _simulate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", nargs="+", metavar="OPERATOR",
+                   help="operators in the flow's order, default parameters (default: the demo pipeline)")
+    p.add_argument("--steps-json", help='steps with parameters, as the flows take them: \'[{"name": "gst3d_dip"}]\'')
+    p.add_argument("--shape", required=True, nargs=3, type=int, metavar=("IL", "XL", "T"), help="survey shape")
+    p.add_argument("--workers", required=True, type=int, help="worker processes")
+    p.add_argument("--memory-limit", required=True, help="memory limit per worker, e.g. 8GiB")
+    p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
+    p.add_argument("--resting", default="256MiB", help="a worker's memory before any task (default 256MiB)")
+    p.add_argument("--strategies", nargs="+", default=["memchunk", "split", "dask-auto", "static-1", "static-2",
+                                                       "static-4", "static-8"],
+                   help="memchunk, split, dask-auto, static-N (default: all of these, N = 1 2 4 8)")
+    p.add_argument("--runs", type=int, default=20, help="simulated runs per strategy (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first run (default 0)")
+    p.add_argument("--deadline", type=float, help="seconds: also give the chance of finishing within it")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _steps_of(args: argparse.Namespace) -> list[Any]:
+    if args.steps_json:
+        try:
+            steps = json.loads(args.steps_json)
+        except json.JSONDecodeError as exc:
+            raise VolumeError(f"--steps-json is not JSON ({exc}): give a list like "
+                              "'[{\"name\": \"envelope\"}]'") from exc
+        if not isinstance(steps, list) or not steps:
+            raise VolumeError(f"--steps-json must be a non-empty list of steps, got {args.steps_json!r}")
+        return steps
+    if args.steps:
+        return list(args.steps)
+    from flows.pipeline import DEFAULT_STEPS
+
+    return list(DEFAULT_STEPS)
+
+
+def _opt(x: float | None, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+@register("simulate", "simulate a flow's chunked maps on a cluster shape from what was learned (no cluster needed)")
+@arguments(_simulate_arguments)
+def _simulate(args: argparse.Namespace) -> int:
+    from .simulate import ClusterShape, Step, simulate, store_knowledge
+
+    steps = [Step.of(s) for s in _steps_of(args)]
+    cluster = ClusterShape(workers=args.workers, memory_limit_bytes=parse_bytes(args.memory_limit),
+                           threads_per_worker=args.threads, resting_bytes=parse_bytes(args.resting))
+    summaries = simulate(args.strategies, steps, tuple(args.shape), cluster, store_knowledge(args.store),
+                         runs=args.runs, seed=args.seed, deadline=args.deadline)
+    if args.json:
+        _emit(json.dumps({"shape": list(args.shape), "cluster": dataclasses.asdict(cluster),
+                          "steps": [dataclasses.asdict(s) for s in steps], "runs": args.runs,
+                          "deadline": args.deadline, "strategies": [s.to_dict() for s in summaries]}, indent=1))
+        return EXIT_OK
+    header = ["strategy", "completed", "makespan p50 s", "p90 s", "P(deadline)", "OOM/run", "lost worker-s",
+              "utilisation", "core-hours", "peak/worker"]
+    rows = [[s.strategy, f"{s.completed}/{s.runs}", _opt(s.makespan_p50, ".1f"), _opt(s.makespan_p90, ".1f"),
+             _opt(s.p_deadline, ".2f"), f"{s.out_of_memory_mean:.2f}", f"{s.lost_worker_seconds_mean:.1f}",
+             _opt(s.slot_utilisation_p50, ".2f"), _opt(s.core_hours_p50, ".3f"), format_bytes(s.peak_bytes_max)]
+            for s in summaries]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    _emit(f"{' -> '.join(s.operator for s in steps)} on {' x '.join(map(str, args.shape))}: {args.workers} workers x "
+          f"{args.threads} thread(s), {format_bytes(cluster.memory_limit_bytes)} each (kill line less resting: "
+          f"{format_bytes(cluster.headroom_bytes)}); {args.runs} simulated runs per strategy")
+    _emit("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]))
+    for s in summaries:
+        if s.failure and s.completed < s.runs:
+            _emit(f"{s.strategy} failed {s.runs - s.completed} of {s.runs} runs: {s.failure}")
+    return EXIT_OK
+
+
 # --------------------------------------------------------------------------- doctor
 
 
@@ -381,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BudgetTooSmallError as exc:
         sys.stderr.write(f"memchunk {args.command}: {exc}\n")
         return EXIT_FAILURE
-    except (BudgetError, UnknownOperatorError, VolumeError) as exc:
+    except (BudgetError, UnknownOperatorError, VolumeError, SimulationInputError) as exc:
         sys.stderr.write(f"memchunk {args.command}: {exc}\n")
         return EXIT_USAGE
     except MemchunkError as exc:

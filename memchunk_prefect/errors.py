@@ -160,6 +160,10 @@ class EnvironmentProblemError(MemchunkError, RuntimeError):
     that does not answer): found before anything started; the message names each problem and its fix."""
 
 
+class SimulationInputError(MemchunkError, ValueError):
+    """A simulation was asked of something that cannot be simulated (the message says what and what to do)."""
+
+
 class ClusterLostError(MemchunkError, ConnectionError):
     """The Dask scheduler went away (killed, restarted, network lost) while a chunked map was running.
 

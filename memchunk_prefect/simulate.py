@@ -1,0 +1,575 @@
+"""Plan before you run: a discrete-event simulation of chunked maps on a cluster, from what was learned.
+
+"How long will tonight's run take on 40 workers of 8 GiB, and will anything
+die?" The simulator answers from the store: each chunk's peak memory and
+compute seconds are drawn from the operator's learned models, chunks run on
+simulated worker slots, a worker whose tasks cross its nanny's kill line dies
+(and restarts), and the runner's decisions are the runner's own: the
+``memchunk`` strategy drives the real map state machine
+(:class:`~memchunk_prefect.machine.MapMachine`, the same object the executor
+drives on Dask), so probes, continue / rechunk, re-plans, retry-smaller and the
+learned policy's arm behave as in a real run. Baselines: ``static-N`` (N iline
+slabs per operator, a run fails at the first worker killed, as Dask reports
+``KilledWorker``), ``split`` (one slab per slot, a killed chunk split in two and
+resubmitted) and ``dask-auto`` (Dask's ``chunks="auto"``; fails like static).
+
+What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
+
+- peak memory above the worker's resting level: the model's mean for the
+  block it reads (halo included) times a log-normal factor whose 95th percentile
+  is the model's learned margin (``Prediction.tight_bytes``, the conformal
+  quantile of needed / predicted; its upper bound where none is learned yet);
+- compute seconds: the learned time (``seconds_for``, or seconds per element x
+  elements) times a log-normal factor of ``time_sigma`` (default 0.1, a stated
+  figure: the time model keeps no spread), plus the per-task overhead.
+
+A warm run is simulated: the models are read from the store and not taught by
+simulated chunks (the simulation never writes to the store). An operator with no
+usable history cannot be simulated (:class:`SimulationInputError`); run it once.
+
+Pure apart from reading the store: no Prefect, no Dask, no clock. Units: bytes,
+seconds (simulated, from 0), elements.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+
+from .chunks import Chunk, Shape, balanced_grid, split, with_halo
+from .errors import SimulationInputError, format_bytes
+from .machine import (
+    ChunkDone,
+    Decided,
+    Fail,
+    Knowledge,
+    MapMachine,
+    MapSpec,
+    PausesRead,
+    ReadPauses,
+    Start,
+    Submit,
+    WorkerDied,
+)
+from .records import Observation, Prediction
+from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
+
+MiB = 2**20
+#: z of the 95th percentile of a standard normal: the learned margin is a 95% quantile of needed / predicted.
+Z95 = 1.6448536269514722
+#: Seconds a killed worker is away before its nanny's new process takes tasks (a stated figure).
+RESTART_SECONDS = 3.0
+
+
+# =========================================================================== inputs
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """The cluster to simulate: ``workers`` processes of ``threads_per_worker`` threads and ``memory_limit_bytes``.
+
+    ``resting_bytes``: a worker's memory before a task (after the runner's
+    imports; ~250 MiB measured on the demo's workers); ``kill_fraction``: the
+    nanny's ``distributed.worker.memory.terminate``; ``per_task_overhead_seconds``:
+    slot time a task costs beyond its compute (Prefect + Dask).
+    """
+
+    workers: int
+    memory_limit_bytes: int
+    threads_per_worker: int = 1
+    resting_bytes: int = 256 * MiB
+    kill_fraction: float = 0.95
+    per_task_overhead_seconds: float = DEFAULT_SETTINGS.per_task_overhead_seconds
+    restart_seconds: float = RESTART_SECONDS
+
+    def __post_init__(self) -> None:
+        if int(self.workers) < 1 or int(self.threads_per_worker) < 1:
+            raise SimulationInputError(f"a cluster needs at least one worker and one thread per worker, got "
+                                       f"workers={self.workers}, threads_per_worker={self.threads_per_worker}")
+        if not 0 < float(self.kill_fraction) <= 1:
+            raise SimulationInputError(f"kill_fraction must be in (0, 1], got {self.kill_fraction}")
+        if self.headroom_bytes <= 0:
+            raise SimulationInputError(
+                f"a worker of {format_bytes(self.memory_limit_bytes)} killed at {self.kill_fraction:g} of it has no "
+                f"room above its resting {format_bytes(self.resting_bytes)}: give workers more memory")
+
+    @property
+    def slots(self) -> int:
+        return int(self.workers) * int(self.threads_per_worker)
+
+    @property
+    def headroom_bytes(self) -> int:
+        """What a worker's tasks together may use above its resting memory before the nanny kills it."""
+        return int(self.kill_fraction * self.memory_limit_bytes) - int(self.resting_bytes)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The runner's budget per task: the headroom split among the worker's threads."""
+        return self.headroom_bytes // int(self.threads_per_worker)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One operator of the flow: its name, model key, halo and whether it keeps traces whole."""
+
+    operator: str
+    key: str
+    halo: Shape
+    whole_traces: bool = True
+
+    @classmethod
+    def of(cls, step: str | dict[str, Any]) -> "Step":
+        """From a built-in operator's name or ``{"name": ..., **params}`` (as ``attribute_pipeline`` takes)."""
+        import tasks
+
+        from .operators import operator_key, spec_of
+
+        d = {"name": step} if isinstance(step, str) else dict(step)
+        name = str(d.pop("name", ""))
+        if name not in tasks.OPERATORS:
+            raise SimulationInputError(f"unknown operator {name!r}: choose from {', '.join(sorted(tasks.OPERATORS))}")
+        task = tasks.OPERATORS[name]
+        params = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
+        spec = spec_of(task)
+        return cls(name, operator_key(task, params, dtype="float32"), spec.halo_for(params), spec.whole_traces)
+
+
+class Draws:
+    """Memory and seconds of one chunk, drawn from one operator's learned models (see the module docstring)."""
+
+    def __init__(self, knowledge: Knowledge, key: str, per_task_overhead: float, time_sigma: float = 0.1):
+        self.knowledge = knowledge
+        self.key = key
+        self.per_task_overhead = float(per_task_overhead)
+        self.time_sigma = float(time_sigma)
+        self._predictions: dict[Shape, Prediction] = {}
+
+    def prediction(self, extents: Shape) -> Prediction:
+        p = self._predictions.get(extents)
+        if p is None:
+            p = self._predictions[extents] = self.knowledge.predict(extents)
+            if not p.ready:
+                raise SimulationInputError(
+                    f"{self.key} has too little history to simulate ({p.reason}); run it once on a small survey "
+                    "(or `memchunk demo` for the demo's operators) so its memory and time are learned")
+        return p
+
+    def memory(self, extents: Shape, rng: np.random.Generator) -> int:
+        p = self.prediction(extents)
+        margin = (p.tight_bytes or p.upper_bytes) / max(p.mean_bytes, 1.0)
+        sigma = math.log(max(margin, 1.0)) / Z95
+        return int(p.mean_bytes * math.exp(sigma * rng.standard_normal()))
+
+    def seconds(self, elements: int, rng: np.random.Generator) -> float:
+        compute = self.knowledge.seconds_for(elements)
+        if compute is None:
+            spe = self.knowledge.seconds_per_element()
+            if spe is None:
+                raise SimulationInputError(f"{self.key} has no measured compute time; run it once")
+            compute = elements * spe
+        return float(compute) * math.exp(self.time_sigma * rng.standard_normal()) + self.per_task_overhead
+
+
+# =========================================================================== the cluster, simulated
+
+
+@dataclass
+class _Task:
+    sid: int
+    chunk: Chunk
+    extents: Shape
+    memory: int
+    seconds: float
+    started: float = 0.0
+    worker: int = -1
+
+
+#: The pseudo-task :meth:`SimulatedCluster.next` returns when a restarted worker is back (no task ended).
+_WAKE = _Task(-1, Chunk((0, 0, 0), (1, 1, 1)), (1, 1, 1), 0, 0.0)
+
+
+@dataclass
+class _Ended:
+    task: _Task
+    at: float
+    killed: bool
+
+
+class SimulatedCluster:
+    """Worker slots running tasks first come, first served; a worker whose tasks cross its kill line dies.
+
+    A task's memory is taken to rise through its run: a worker is killed when the
+    tasks running on it together need more than its headroom, at the moment the
+    newest of them has used half its time (every task on it then ends killed), and
+    is back after ``restart_seconds``.
+    """
+
+    def __init__(self, shape: ClusterShape):
+        self.shape = shape
+        self.now = 0.0
+        self.pending: list[_Task] = []
+        self.running: dict[int, list[_Task]] = {w: [] for w in range(shape.workers)}
+        self.away_until: dict[int, float] = {}
+        self._events: list[tuple[float, int, int, bool]] = []  # (time, seq, sid, killed)
+        self._by_sid: dict[int, _Task] = {}
+        self._seq = 0
+        self.busy_slot_seconds = 0.0
+        self.lost_worker_seconds = 0.0
+        self.peak_bytes: dict[int, int] = {w: 0 for w in range(shape.workers)}
+        self.kills = 0
+
+    def submit(self, task: _Task) -> None:
+        self.pending.append(task)
+        self._dispatch()
+
+    def _free_worker(self) -> int | None:
+        for w, tasks in self.running.items():
+            if len(tasks) < self.shape.threads_per_worker and self.away_until.get(w, 0.0) <= self.now:
+                return w
+        return None
+
+    def _dispatch(self) -> None:
+        while self.pending:
+            w = self._free_worker()
+            if w is None:
+                return
+            task = self.pending.pop(0)
+            task.started, task.worker = self.now, w
+            self.running[w].append(task)
+            self._by_sid[task.sid] = task
+            load = sum(t.memory for t in self.running[w])
+            self.peak_bytes[w] = max(self.peak_bytes[w], load)
+            if load > self.shape.headroom_bytes:
+                # The worker dies when the newest task is half way through; everything on it dies with it.
+                die = self.now + 0.5 * task.seconds
+                for t in self.running[w]:
+                    self._push(min(die, t.started + t.seconds), t.sid, killed=t.started + t.seconds > die)
+            else:
+                self._push(self.now + task.seconds, task.sid, killed=False)
+
+    def _push(self, at: float, sid: int, killed: bool) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (at, self._seq, sid, killed))
+
+    @property
+    def idle(self) -> bool:
+        return not self._events and not self.pending
+
+    def next(self) -> _Ended:
+        """Advance to the next task end."""
+        while self._events:
+            at, _, sid, killed = heapq.heappop(self._events)
+            if sid == _WAKE.sid:  # a restarted worker is back: start what waits
+                self.now = max(self.now, at)
+                self._dispatch()
+                return _Ended(_WAKE, self.now, False)
+            task = self._by_sid.pop(sid, None)
+            if task is None:  # already ended (killed with its worker)
+                continue
+            self.now = max(self.now, at)
+            w = task.worker
+            self.running[w] = [t for t in self.running[w] if t.sid != sid]
+            spent = self.now - task.started
+            self.busy_slot_seconds += spent
+            if killed:
+                self.lost_worker_seconds += spent
+                if self.away_until.get(w, 0.0) <= self.now:
+                    self.kills += 1
+                    self.away_until[w] = self.now + self.shape.restart_seconds
+                    self._push(self.away_until[w], _WAKE.sid, killed=False)  # wake the dispatcher then
+            self._dispatch()
+            return _Ended(task, self.now, killed)
+        raise SimulationInputError("internal: the simulated cluster has nothing running")
+
+
+# =========================================================================== results
+
+
+@dataclass
+class MapResult:
+    operator: str
+    chunks: int
+    tasks: int
+    out_of_memory: int
+    seconds: float
+    decisions: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SimResult:
+    """One simulated run of a flow's maps with one strategy."""
+
+    strategy: str
+    completed: bool
+    makespan_seconds: float
+    out_of_memory: int
+    lost_worker_seconds: float
+    busy_slot_seconds: float
+    slots: int
+    workers: int
+    peak_bytes: int
+    maps: list[MapResult] = field(default_factory=list)
+    failure: str = ""
+
+    @property
+    def slot_utilisation(self) -> float:
+        """Busy slot-seconds over allocated slot-seconds (slots x makespan)."""
+        held = self.slots * self.makespan_seconds
+        return self.busy_slot_seconds / held if held > 0 else 0.0
+
+    @property
+    def core_hours(self) -> float:
+        """Allocated core-hours: one core per slot for the whole makespan."""
+        return self.slots * self.makespan_seconds / 3600.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(slot_utilisation=self.slot_utilisation, core_hours=self.core_hours)
+        return d
+
+
+# =========================================================================== strategies
+
+
+KnowledgeFor = Callable[[str], Knowledge]
+
+
+def _observation(step: Step, task: _Task, killed: bool, budget: int, at: float) -> Observation:
+    elements = math.prod(task.extents)
+    return Observation(operator_key=step.key, elements=elements, extents=task.extents, bytes_in=elements * ITEMSIZE,
+                       peak_bytes=int(task.memory), seconds=0.0 if killed else task.seconds,
+                       outcome="killed" if killed else "ok", censored=killed, worker=f"sim-{task.worker}",
+                       chunk=task.chunk.key(), budget_bytes=budget, created_at=at)
+
+
+def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
+                 rng: np.random.Generator, *, settings: PolicySettings = DEFAULT_SETTINGS,
+                 time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None) -> SimResult:
+    """The runner's own state machine over the steps, chained (each map's chunking is the next one's incoming).
+
+    ``truth_for``: where chunks' memory and time are drawn from, when it is not
+    what the runner plans with (what if the model is 30% low?); default the same.
+    """
+    sim = SimulatedCluster(cluster)
+    maps: list[MapResult] = []
+    incoming: tuple[Chunk, ...] | None = None
+    failure = ""
+    for step in steps:
+        knowledge = knowledge_for(step.key)
+        truth = truth_for(step.key) if truth_for is not None else knowledge
+        run = _MachineRun(step, shape, cluster, knowledge, truth, sim, rng, incoming, settings, time_sigma)
+        maps.append(run.run())
+        failure = run.failure
+        if failure:
+            break
+        incoming = tuple(run.machine.done)
+    return _result("memchunk", sim, cluster, maps, failure)
+
+
+class _MachineRun:
+    """One map: the machine's instructions carried out on the simulated cluster, its events fed back."""
+
+    def __init__(self, step: Step, shape: Shape, cluster: ClusterShape, knowledge: Knowledge, truth: Knowledge,
+                 sim: SimulatedCluster, rng: np.random.Generator, incoming: tuple[Chunk, ...] | None,
+                 settings: PolicySettings, time_sigma: float):
+        self.step, self.cluster, self.sim, self.rng = step, cluster, sim, rng
+        self.draws = Draws(truth, step.key, cluster.per_task_overhead_seconds, time_sigma)
+        spec = MapSpec(operator=step.operator, operator_key=step.key, shape=tuple(shape),  # type: ignore[arg-type]
+                       halo=step.halo, whole_traces=step.whole_traces, incoming=incoming, settings=settings)
+        self.machine = MapMachine(spec, knowledge)
+        self.record = MapResult(step.operator, 0, 0, 0, 0.0)
+        self.failure = ""
+
+    def run(self) -> MapResult:
+        m, sim, started = self.machine, self.sim, self.sim.now
+        self.carry_out(m.handle(Start(self.cluster.slots, self.cluster.budget_bytes, at=sim.now)))
+        while not m.finished and not self.failure:
+            self.carry_out(m.advance(sim.now))
+            if m.finished or self.failure:
+                break
+            if sim.idle:
+                self.failure = f"{self.step.operator}: internal: nothing in flight and the map is not finished"
+                break
+            ended = sim.next()
+            if ended.task.sid < 0:
+                continue
+            if ended.killed:
+                self.record.out_of_memory += 1
+                event: Any = WorkerDied(ended.task.sid, "KilledWorker", written=False,
+                                        kill_headroom_bytes=self.cluster.headroom_bytes, at=ended.at)
+            else:
+                obs = _observation(self.step, ended.task, False, self.cluster.budget_bytes, ended.at)
+                event = ChunkDone(ended.task.sid, obs, at=ended.at)
+            self.carry_out(m.handle(event))
+        self.record.chunks, self.record.seconds = len(m.done), sim.now - started
+        return self.record
+
+    def carry_out(self, instructions: Iterable[Any]) -> None:
+        for ins in instructions:
+            if isinstance(ins, Submit):
+                extents: Shape = tuple(ins.read_extents)  # type: ignore[assignment]
+                self.sim.submit(_Task(ins.id, ins.chunk, extents, self.draws.memory(extents, self.rng),
+                                      self.draws.seconds(math.prod(extents), self.rng)))
+                self.record.tasks += 1
+            elif isinstance(ins, Decided):
+                self.record.decisions.append(ins.record.decision)
+            elif isinstance(ins, ReadPauses):
+                self.carry_out(self.machine.handle(PausesRead((), at=self.sim.now)))
+            elif isinstance(ins, Fail):
+                self.failure = f"{self.step.operator}: {ins.error}"
+            # Record / Rewarded / Finalize / MarkRuns / Cancel / RecoverMarkers / ChunkEnded: nothing to simulate
+            # (a warm run: the models are not taught by simulated chunks).
+
+
+def _static_boxes(shape: Shape, n: int) -> list[Chunk]:
+    return balanced_grid(tuple(shape), (min(int(n), shape[0]), 1, 1))
+
+
+def _auto_boxes(shape: Shape) -> list[Chunk]:
+    from dask.array.core import normalize_chunks
+
+    chunks = normalize_chunks("auto", tuple(shape), dtype="float32")
+    starts = [[sum(c[:i]) for i in range(len(c))] for c in chunks]
+    return [Chunk((a, b, c), (a + x, b + y, c + z)) for a, x in zip(starts[0], chunks[0])
+            for b, y in zip(starts[1], chunks[1]) for c, z in zip(starts[2], chunks[2])]
+
+
+def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
+              rng: np.random.Generator, boxes: Callable[[Step], list[Chunk]], *, split_on_failure: bool = False,
+              time_sigma: float = 0.1) -> SimResult:
+    """A fixed chunking per step, every chunk submitted at once; a killed chunk fails the run, or is split in two
+    and resubmitted (``split_on_failure``)."""
+    sim = SimulatedCluster(cluster)
+    maps: list[MapResult] = []
+    failure = ""
+    ids = iter(range(10**12))
+    for step in steps:
+        draws = Draws(knowledge_for(step.key), step.key, cluster.per_task_overhead_seconds, time_sigma)
+        record = MapResult(step.operator, 0, 0, 0, 0.0)
+        started = sim.now
+        queue = list(boxes(step))
+        while queue or not sim.idle:
+            for chunk in queue:
+                extents: Shape = with_halo(chunk, step.halo, shape)[0].shape
+                sim.submit(_Task(next(ids), chunk, extents, draws.memory(extents, rng),
+                                 draws.seconds(math.prod(extents), rng)))
+                record.tasks += 1
+            queue = []
+            ended = sim.next()
+            if ended.task.sid < 0:
+                continue
+            if not ended.killed:
+                record.chunks += 1
+                continue
+            record.out_of_memory += 1
+            pieces = split(ended.task.chunk, axes=(0, 1) if step.whole_traces else (0, 1, 2))
+            if not split_on_failure or not pieces:
+                failure = (f"{step.operator}: a chunk of {ended.task.chunk.shape} needed "
+                           f"{format_bytes(ended.task.memory)}, over the {format_bytes(cluster.headroom_bytes)} a "
+                           "worker has below its kill line (KilledWorker)")
+                break
+            queue = pieces
+        record.seconds = sim.now - started
+        maps.append(record)
+        if failure:
+            break
+    return _result(name, sim, cluster, maps, failure)
+
+
+def _result(name: str, sim: SimulatedCluster, cluster: ClusterShape, maps: list[MapResult], failure: str) -> SimResult:
+    return SimResult(strategy=name, completed=not failure, makespan_seconds=sim.now,
+                     out_of_memory=sum(m.out_of_memory for m in maps), lost_worker_seconds=sim.lost_worker_seconds,
+                     busy_slot_seconds=sim.busy_slot_seconds, slots=cluster.slots, workers=cluster.workers,
+                     peak_bytes=max(sim.peak_bytes.values(), default=0), maps=maps, failure=failure)
+
+
+STRATEGIES = ("memchunk", "split", "dask-auto", "static-N")
+
+
+def run_strategy(strategy: str, steps: Sequence[Step], shape: Shape, cluster: ClusterShape,
+                 knowledge_for: KnowledgeFor, rng: np.random.Generator, **kw: Any) -> SimResult:
+    """One simulated run of ``strategy``: ``memchunk``, ``split``, ``dask-auto`` or ``static-<N>``."""
+    shape = tuple(int(s) for s in shape)  # type: ignore[assignment]
+    if len(shape) != 3 or min(shape) < 1:
+        raise SimulationInputError(f"a survey shape is three positive extents (iline, xline, twt), got {shape}")
+    if strategy == "memchunk":
+        return run_memchunk(steps, shape, cluster, knowledge_for, rng, **kw)
+    if strategy == "split":
+        return run_fixed(strategy, steps, shape, cluster, knowledge_for, rng,
+                         lambda s: _static_boxes(shape, cluster.slots), split_on_failure=True, **kw)
+    if strategy == "dask-auto":
+        return run_fixed(strategy, steps, shape, cluster, knowledge_for, rng, lambda s: _auto_boxes(shape), **kw)
+    if strategy.startswith("static-") and strategy[7:].isdigit() and int(strategy[7:]) >= 1:
+        n = int(strategy[7:])
+        return run_fixed(strategy, steps, shape, cluster, knowledge_for, rng, lambda s: _static_boxes(shape, n), **kw)
+    raise SimulationInputError(f"unknown strategy {strategy!r}: use memchunk, split, dask-auto or static-N "
+                               "(N iline slabs, e.g. static-4)")
+
+
+# =========================================================================== Monte Carlo
+
+
+@dataclass
+class Summary:
+    """Repeated runs of one strategy: completion, makespan percentiles, the chance of meeting a deadline."""
+
+    strategy: str
+    runs: int
+    completed: int
+    makespan_p50: float | None
+    makespan_p90: float | None
+    p_deadline: float | None  # P(completed and makespan <= deadline); None without a deadline
+    out_of_memory_mean: float
+    lost_worker_seconds_mean: float
+    slot_utilisation_p50: float | None
+    core_hours_p50: float | None
+    peak_bytes_max: int
+    failure: str = ""  # the first failure's reason, if any run failed
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(strategy: str, results: Sequence[SimResult], deadline: float | None = None) -> Summary:
+    done = [r for r in results if r.completed]
+    spans = np.array([r.makespan_seconds for r in done]) if done else None
+
+    def pct(values: np.ndarray | None, q: float) -> float | None:
+        return None if values is None or not len(values) else float(np.percentile(values, q))
+
+    util = np.array([r.slot_utilisation for r in done]) if done else None
+    hours = np.array([r.core_hours for r in done]) if done else None
+    met = None if deadline is None else sum(r.makespan_seconds <= deadline for r in done) / len(results)
+    return Summary(strategy, len(results), len(done), pct(spans, 50), pct(spans, 90), met,
+                   float(np.mean([r.out_of_memory for r in results])),
+                   float(np.mean([r.lost_worker_seconds for r in results])), pct(util, 50), pct(hours, 50),
+                   max((r.peak_bytes for r in results), default=0),
+                   next((r.failure for r in results if r.failure), ""))
+
+
+def simulate(strategies: Sequence[str], steps: Sequence[Step], shape: Shape, cluster: ClusterShape,
+             knowledge_for: KnowledgeFor, *, runs: int = 20, seed: int = 0, deadline: float | None = None,
+             **kw: Any) -> list[Summary]:
+    """``runs`` simulated runs of each strategy (run ``i`` draws from seed ``seed + i``, the same for every
+    strategy), summarized."""
+    if int(runs) < 1:
+        raise SimulationInputError(f"runs must be at least 1, got {runs}")
+    out = []
+    for strategy in strategies:
+        results = [run_strategy(strategy, steps, shape, cluster, knowledge_for, np.random.default_rng(seed + i), **kw)
+                   for i in range(int(runs))]
+        out.append(summarize(strategy, results, deadline))
+    return out
+
+
+def store_knowledge(store_path: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS) -> KnowledgeFor:
+    """Each key's knowledge as the runner would read it from the store (read only: nothing is written)."""
+    from .model import BankKnowledge, ModelBank
+    from .store import Store
+
+    bank = ModelBank(Store(store_path))
+    return lambda key: BankKnowledge(bank, key, settings)

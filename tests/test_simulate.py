@@ -1,0 +1,140 @@
+"""The simulator: the runner's own state machine and the baselines on a simulated cluster, from learned models."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from memchunk_prefect import cli
+from memchunk_prefect.bandit import ArmLearner
+from memchunk_prefect.errors import SimulationInputError
+from memchunk_prefect.records import Prediction
+from memchunk_prefect.simulate import ClusterShape, Step, run_strategy, simulate
+from memchunk_prefect.store import Store
+from memchunk_prefect.testing import seed_store
+
+MiB = 2**20
+KEY = "op|float32|cpu"
+
+
+@dataclass
+class Known:
+    """A learned model as the simulator reads it: ``bpe`` bytes per element held, a learned margin of ``margin``."""
+
+    bpe: float = 100.0
+    margin: float = 1.0  # the 95% quantile of needed / predicted: 1.0 draws the mean every time
+    spe: float = 1e-6
+    ready: bool = True
+    learner: ArmLearner = field(default_factory=lambda: ArmLearner(KEY))
+
+    def predict(self, extents):
+        mean = self.bpe * math.prod(extents)
+        return Prediction(mean, 1.2 * mean * self.margin, 10, self.ready, "" if self.ready else "0 observations",
+                          tight_bytes=mean * self.margin)
+
+    def seconds_per_element(self):
+        return self.spe
+
+    def seconds_for(self, elements):
+        return None
+
+    def choose_arm(self, groups):
+        return self.learner.choose(groups)
+
+
+STEP = Step("op", KEY, (0, 0, 0), True)
+SHAPE = (40, 40, 100)  # 160,000 elements: 16 MB at 100 B each, 0.16 s of compute at 1 us each
+CLUSTER = ClusterShape(workers=2, memory_limit_bytes=100 * MiB, resting_bytes=40 * MiB, per_task_overhead_seconds=0.1)
+
+
+def run(strategy, knowledge=None, shape=SHAPE, cluster=CLUSTER, seed=0, **kw):
+    k = knowledge or Known()
+    return run_strategy(strategy, [STEP], shape, cluster, lambda key: k, np.random.default_rng(seed),
+                        time_sigma=0.0, **kw)
+
+
+def test_a_static_plan_that_fits_takes_waves_of_compute_plus_overhead():
+    # static-4 on 2 slots: two waves of 10 x 40 x 100 blocks (40,000 elements: 0.04 s + 0.1 s overhead).
+    r = run("static-4")
+    assert r.completed and r.out_of_memory == 0
+    assert r.makespan_seconds == pytest.approx(2 * (0.04 + 0.1))
+    assert r.slot_utilisation == pytest.approx(1.0)
+    assert r.core_hours == pytest.approx(2 * r.makespan_seconds / 3600)
+    assert r.peak_bytes == 100 * 40_000
+
+
+def test_a_chunk_over_the_kill_line_fails_static_and_dask_auto_and_is_split_by_split_on_failure():
+    # The whole volume needs 16 MB x 4 = 64 MB; a worker has 0.95 x 100 MiB - 40 MiB = 55 MiB below its kill line.
+    heavy = Known(bpe=400.0)
+    for strategy in ("static-1", "dask-auto"):
+        r = run(strategy, heavy)
+        assert not r.completed and r.out_of_memory == 1 and "KilledWorker" in r.failure
+        assert r.lost_worker_seconds > 0
+    split = run("split", Known(bpe=800.0))  # one slab per slot (32 MB each) is still too much: split once more
+    assert split.completed and split.out_of_memory == 2 and split.lost_worker_seconds > 0
+
+
+def test_memchunk_plans_under_the_budget_and_never_dies_when_the_model_is_right():
+    r = run("memchunk", Known(bpe=400.0))
+    assert r.completed and r.out_of_memory == 0
+    (m,) = r.maps
+    assert m.decisions[0] == "rechunk" and m.chunks >= 2
+    assert r.peak_bytes <= CLUSTER.budget_bytes
+
+
+def test_memchunk_recovers_when_the_model_is_low_by_splitting_as_the_runner_does():
+    # The runner plans with 400 B per element; chunks really need 2.5 times that: workers are killed, the
+    # machine splits those chunks (retry-smaller) and the run completes.
+    plan_with, truth = Known(bpe=400.0), Known(bpe=1000.0)
+    r = run_strategy("memchunk", [STEP], SHAPE, CLUSTER, lambda key: plan_with, np.random.default_rng(0),
+                     truth_for=lambda key: truth)
+    assert r.completed and r.out_of_memory >= 1 and r.lost_worker_seconds > 0
+    assert "retry-smaller" in r.maps[0].decisions
+
+
+def test_the_same_seed_gives_the_same_run_and_monte_carlo_gives_percentiles_and_a_deadline_chance():
+    k = Known(margin=1.3)
+    a = run_strategy("static-4", [STEP], SHAPE, CLUSTER, lambda key: k, np.random.default_rng(7))
+    b = run_strategy("static-4", [STEP], SHAPE, CLUSTER, lambda key: k, np.random.default_rng(7))
+    assert a.to_dict() == b.to_dict()
+    (s,) = simulate(["static-4"], [STEP], SHAPE, CLUSTER, lambda key: k, runs=30, deadline=0.28)
+    assert s.runs == 30 and s.completed == 30
+    assert s.makespan_p50 <= s.makespan_p90
+    assert 0.0 < s.p_deadline < 1.0, "times are drawn: some runs meet 0.28 s, some do not"
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: ClusterShape(workers=0, memory_limit_bytes=MiB), "at least one worker"),
+    (lambda: ClusterShape(workers=2, memory_limit_bytes=100 * MiB, resting_bytes=200 * MiB), "no room"),
+    (lambda: run("static-0"), "unknown strategy"),
+    (lambda: run("static-4", shape=(0, 10, 10)), "three positive extents"),
+    (lambda: run("memchunk", Known(ready=False)), "too little history"),
+    (lambda: Step.of("no_such_operator"), "unknown operator"),
+])
+def test_bad_input_is_a_typed_error_saying_what_to_do(make, match):
+    with pytest.raises(SimulationInputError, match=match):
+        make()
+
+
+def test_the_command_line_simulates_from_a_store_and_says_which_strategies_fail(tmp_path, capsys):
+    from memchunk_prefect.operators import operator_key
+    from tasks import gst3d_dip
+
+    key = operator_key(gst3d_dip, {}, dtype="float32")
+    with Store(tmp_path / "s.sqlite") as store:
+        seed_store(store, key, 40 * 4.0, sizes=(20_000, 50_000, 100_000, 200_000, 400_000, 800_000))
+    argv = ["simulate", "--store", str(tmp_path / "s.sqlite"), "--steps", "gst3d_dip", "--shape", "128", "128", "400",
+            "--workers", "2", "--memory-limit", "1GiB", "--runs", "3", "--strategies", "memchunk", "static-1"]
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "memchunk  3/3" in out and "static-1 failed 3 of 3 runs" in out, out
+    assert cli.main([*argv, "--json"]) == cli.EXIT_OK
+    got = json.loads(capsys.readouterr().out)
+    assert [s["strategy"] for s in got["strategies"]] == ["memchunk", "static-1"]
+    assert got["strategies"][0]["completed"] == 3 and got["strategies"][1]["completed"] == 0
+    assert cli.main([*argv[:-3], "--steps-json", "not json"]) == cli.EXIT_USAGE
+    assert "--steps-json is not JSON" in capsys.readouterr().err
