@@ -808,5 +808,10 @@ class BankKnowledge:
             compute = elements * spe
         return compute + self.settings.per_task_overhead_seconds
 
+    def margin(self) -> float | None:
+        """The learned margin: the conformal quantile of needed / predicted mean (None until learned)."""
+        with self.bank._lock:
+            return self.bank.model(self.key).conformal_factor()
+
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice:
         return self.bank.choose_arm(self.key, groups)

@@ -17,8 +17,8 @@ What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
 
 - peak memory above the worker's resting level: the model's mean for the
   block it reads (halo included) times a log-normal factor whose 95th percentile
-  is the model's learned margin (``Prediction.tight_bytes``, the conformal
-  quantile of needed / predicted; its upper bound where none is learned yet);
+  is the operator's learned margin (the conformal quantile of needed /
+  predicted; see :meth:`Draws.margin` before it is learned);
 - compute seconds: the learned time (``seconds_for``, or seconds per element x
   elements) times a log-normal factor of ``time_sigma`` (default 0.1, a stated
   figure: the time model keeps no spread), plus the per-task overhead.
@@ -61,6 +61,9 @@ from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 MiB = 2**20
 #: z of the 95th percentile of a standard normal: the learned margin is a 95% quantile of needed / predicted.
 Z95 = 1.6448536269514722
+#: The 95% quantile of needed / predicted memory where the model has not learned its own (a stated figure: the
+#: largest recent error this project's models are held to).
+DEFAULT_MARGIN = 1.25
 #: Seconds a killed worker is away before its nanny's new process takes tasks (a stated figure).
 RESTART_SECONDS = 3.0
 
@@ -158,10 +161,20 @@ class Draws:
                     "(or `memchunk demo` for the demo's operators) so its memory and time are learned")
         return p
 
+    def margin(self, p: Prediction) -> float:
+        """The 95% quantile of needed / predicted mean: the learned margin (a property of the operator, not of the
+        block's size); before it is learned, the tight bound's ratio where the block is within what was measured,
+        else :data:`DEFAULT_MARGIN`. (The upper bound beyond the measured sizes widens for what the model does not
+        know, not for how runs vary: drawn from, it would make every extrapolated chunk a gamble.)"""
+        learned = getattr(self.knowledge, "margin", None)
+        factor = learned() if callable(learned) else None
+        if factor is None and p.tight_bytes is not None and p.tight_bytes < p.upper_bytes:
+            factor = p.tight_bytes / max(p.mean_bytes, 1.0)
+        return max(1.0, float(factor if factor is not None else DEFAULT_MARGIN))
+
     def memory(self, extents: Shape, rng: np.random.Generator) -> int:
         p = self.prediction(extents)
-        margin = (p.tight_bytes or p.upper_bytes) / max(p.mean_bytes, 1.0)
-        sigma = math.log(max(margin, 1.0)) / Z95
+        sigma = math.log(self.margin(p)) / Z95
         return int(p.mean_bytes * math.exp(sigma * rng.standard_normal()))
 
     def seconds(self, elements: int, rng: np.random.Generator) -> float:
