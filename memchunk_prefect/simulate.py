@@ -10,8 +10,9 @@ simulated worker slots, a worker whose tasks cross its nanny's kill line dies
 drives on Dask), so probes, continue / rechunk, re-plans, retry-smaller and the
 learned policy's arm behave as in a real run. Baselines: ``static-N`` (N iline
 slabs per operator, a run fails at the first worker killed, as Dask reports
-``KilledWorker``), ``split`` (one slab per slot, a killed chunk split in two and
-resubmitted) and ``dask-auto`` (Dask's ``chunks="auto"``; fails like static).
+``KilledWorker``), ``split`` (split-on-failure: the whole volume first, a killed
+chunk split in two and resubmitted, and chunks as large as one that failed
+halved before they run) and ``dask-auto`` (Dask's ``chunks="auto"``; fails like static).
 
 What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
 
@@ -465,13 +466,18 @@ def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterSh
         record = MapResult(step.operator, 0, 0, 0, 0.0)
         started = sim.now
         queue = list(boxes(step))
+        limit: int | None = None  # split on failure: elements of the largest piece of the smallest failed chunk
+        axes = (0, 1) if step.whole_traces else (0, 1, 2)
         while queue or not sim.idle:
-            for chunk in queue:
+            while queue:
+                chunk = queue.pop(0)
+                if limit is not None and chunk.elements > limit and split(chunk, axes=axes):
+                    queue[:0] = split(chunk, axes=axes)  # as large as one that failed: halve it before it runs
+                    continue
                 extents: Shape = with_halo(chunk, step.halo, shape)[0].shape
                 sim.submit(_Task(next(ids), chunk, extents, draws.memory(extents, rng),
                                  draws.seconds(math.prod(extents), rng)))
                 record.tasks += 1
-            queue = []
             ended = sim.next()
             if ended.task.sid < 0:
                 continue
@@ -479,13 +485,14 @@ def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterSh
                 record.chunks += 1
                 continue
             record.out_of_memory += 1
-            pieces = split(ended.task.chunk, axes=(0, 1) if step.whole_traces else (0, 1, 2))
+            pieces = split(ended.task.chunk, axes=axes)
             if not split_on_failure or not pieces:
                 failure = (f"{step.operator}: a chunk of {ended.task.chunk.shape} needed "
                            f"{format_bytes(ended.task.memory)}, over the {format_bytes(cluster.headroom_bytes)} a "
                            "worker has below its kill line (KilledWorker)")
                 break
-            queue = pieces
+            limit = min(limit or ended.task.chunk.elements, max(p.elements for p in pieces))
+            queue = pieces + queue
         record.seconds = sim.now - started
         maps.append(record)
         if failure:
@@ -513,7 +520,7 @@ def run_strategy(strategy: str, steps: Sequence[Step], shape: Shape, cluster: Cl
         return run_memchunk(steps, shape, cluster, knowledge_for, rng, **kw)
     if strategy == "split":
         return run_fixed(strategy, steps, shape, cluster, knowledge_for, rng,
-                         lambda s: _static_boxes(shape, cluster.slots), split_on_failure=True, **kw)
+                         lambda s: [Chunk.whole(shape)], split_on_failure=True, **kw)
     if strategy == "dask-auto":
         return run_fixed(strategy, steps, shape, cluster, knowledge_for, rng, lambda s: _auto_boxes(shape), **kw)
     if strategy.startswith("static-") and strategy[7:].isdigit() and int(strategy[7:]) >= 1:

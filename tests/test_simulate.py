@@ -74,8 +74,10 @@ def test_a_chunk_over_the_kill_line_fails_static_and_dask_auto_and_is_split_by_s
         r = run(strategy, heavy)
         assert not r.completed and r.out_of_memory == 1 and "KilledWorker" in r.failure
         assert r.lost_worker_seconds > 0
-    split = run("split", Known(bpe=800.0))  # one slab per slot (32 MB each) is still too much: split once more
-    assert split.completed and split.out_of_memory == 2 and split.lost_worker_seconds > 0
+    # Split on failure: the whole volume (64 MB) dies, its halves (32 MB each) fit.
+    split = run("split", heavy)
+    assert split.completed and split.out_of_memory == 1 and split.lost_worker_seconds > 0
+    assert split.maps[0].chunks == 2 and split.maps[0].tasks == 3
 
 
 def test_memchunk_plans_under_the_budget_and_never_dies_when_the_model_is_right():
