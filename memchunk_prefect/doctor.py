@@ -230,16 +230,22 @@ def check_store(path: str | os.PathLike | None = None) -> Check:
         return Check("store", FAIL, f"{p} is a directory", fix)
     if not os.access(p, os.W_OK):
         return Check("store", FAIL, f"{p} is read-only", fix)
+    size = format_bytes(p.stat().st_size)
     try:
-        con = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+        con = sqlite3.connect(f"file:{p}?mode=ro", uri=True, timeout=5.0)
         try:
             version = int(con.execute("PRAGMA user_version").fetchone()[0])
             n = con.execute("SELECT COUNT(DISTINCT operator_key) FROM observations").fetchone()[0]
         finally:
             con.close()
     except sqlite3.Error as exc:
-        return Check("store", FAIL, f"{p} is not a memchunk store SQLite can read ({exc})", fix)
-    size = format_bytes(p.stat().st_size)
+        if p.stat().st_size == 0 or "locked" in str(exc) or "no such table" in str(exc):
+            # Another flow is creating or writing it at this moment: a run waits its turn (SQLite's busy timeout).
+            return Check("store", OK, f"{p} ({size}, in use by another process: {exc})")
+        # Not a memchunk store (corrupt, or another program's database): a run moves it aside, keeps it, and
+        # starts a new store there (store.StoreMovedAsideWarning); nothing stops the run.
+        return Check("store", WARN, f"{p} is not a memchunk store SQLite can read ({exc}): a run moves it aside "
+                     "and starts a new one there", "point MEMCHUNK_STORE at the right file if this is not expected")
     if version > SCHEMA_VERSION:
         return Check("store", FAIL, f"{p} has schema {version}, newer than the {SCHEMA_VERSION} this version reads",
                      "upgrade memchunk-prefect, or point MEMCHUNK_STORE at another file")

@@ -163,3 +163,16 @@ def test_doctor_on_this_machine_prints_a_line_per_check_and_exits_zero(capsys, t
     assert {line.split(":")[0].split(None, 1)[1] for line in out[:-1]} >= {
         "python", "packages", "prefect home", "prefect api", "store", "outputs", "cluster", "gpu (nvml)",
         "energy (rapl)"}
+
+
+def test_a_corrupt_store_is_a_warning_not_a_stop_since_a_run_moves_it_aside(tmp_path):
+    path = tmp_path / "store.sqlite"
+    path.write_bytes(b"this is not a database" * 100)
+    check = doctor.check_store(path)
+    assert check.status == WARN and "moves it aside" in check.detail
+
+
+def test_an_empty_store_file_another_flow_is_creating_is_fine(tmp_path):
+    path = tmp_path / "store.sqlite"
+    path.write_bytes(b"")
+    assert doctor.check_store(path).status == OK
