@@ -11,6 +11,7 @@
     memchunk ui [--port 4200]
     memchunk doctor [--address tcp://HOST:8786] [--json]
     memchunk simulate --shape IL XL T --workers N --memory-limit 8GiB [--steps OP ...] [--runs 20] [--deadline S]
+    memchunk recommend --shape IL XL T --deadline 6h [--memory 4GiB 8GiB ...] [--max-workers 256]
 
 Watch runs in the Prefect UI: ``memchunk ui`` (or ``prefect server start``), then
 open http://127.0.0.1:4200; flows started with ``PREFECT_API_URL`` pointing at it
@@ -402,6 +403,60 @@ def _simulate(args: argparse.Namespace) -> int:
     for s in summaries:
         if s.failure and s.completed < s.runs:
             _emit(f"{s.strategy} failed {s.runs - s.completed} of {s.runs} runs: {s.failure}")
+    return EXIT_OK
+
+
+def _recommend_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--steps", nargs="+", metavar="OPERATOR",
+                   help="operators in the flow's order, default parameters (default: the demo pipeline)")
+    p.add_argument("--steps-json", help='steps with parameters: \'[{"name": "gst3d_dip"}]\'')
+    p.add_argument("--shape", required=True, nargs=3, type=int, metavar=("IL", "XL", "T"), help="survey shape")
+    p.add_argument("--deadline", required=True, help="finish within: seconds, 45min, 6h or HH:MM[:SS]")
+    p.add_argument("--memory", nargs="+", default=["2GiB", "4GiB", "8GiB", "16GiB", "32GiB"],
+                   help="memory sizes per worker to try (default 2GiB 4GiB 8GiB 16GiB 32GiB)")
+    p.add_argument("--max-workers", type=int, default=256, help="most workers to consider (default 256)")
+    p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
+    p.add_argument("--resting", default="256MiB", help="a worker's memory before any task (default 256MiB)")
+    p.add_argument("--confidence", type=float, default=0.9, help="chance of meeting the deadline (default 0.9)")
+    p.add_argument("--runs", type=int, default=5, help="simulated runs per cluster shape (default 5)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("recommend", "the cluster to ask for: fewest core-hours that meet a deadline, from what was learned")
+@arguments(_recommend_arguments)
+def _recommend(args: argparse.Namespace) -> int:
+    from .simulate import Step, recommend, store_knowledge
+    from .units import parse_seconds
+
+    steps = [Step.of(s) for s in _steps_of(args)]
+    deadline = parse_seconds(args.deadline)
+    rec = recommend(steps, tuple(args.shape), store_knowledge(args.store), deadline_seconds=deadline,
+                    memory_options=[parse_bytes(m) for m in args.memory], max_workers=args.max_workers,
+                    threads_per_worker=args.threads, confidence=args.confidence, runs=args.runs,
+                    resting_bytes=parse_bytes(args.resting))
+    if args.json:
+        _emit(json.dumps({"best": rec.best.to_dict() if rec.best else None, "jobqueue": rec.jobqueue_kwargs(),
+                          "deadline_seconds": deadline, "confidence": args.confidence,
+                          "tried": [c.to_dict() for c in rec.tried]}, indent=1))
+        return EXIT_OK if rec.best else EXIT_FAILURE
+    survey = " x ".join(map(str, args.shape))
+    if rec.best is None:
+        _emit(f"no cluster of up to {args.max_workers} workers with {', '.join(args.memory)} each finishes "
+              f"{' -> '.join(s.operator for s in steps)} on {survey} within {deadline:.0f} s with probability "
+              f"{args.confidence:g} (tried {len(rec.tried)} shapes): allow more workers (--max-workers) or a later "
+              "deadline")
+        return EXIT_FAILURE
+    b, s, jq = rec.best, rec.best.summary, rec.jobqueue_kwargs()
+    assert jq is not None
+    _emit(f"{' -> '.join(st.operator for st in steps)} on {survey}, deadline {deadline:.0f} s "
+          f"(probability >= {args.confidence:g}):")
+    _emit(f"  {b.workers} workers x {b.threads_per_worker} thread(s), {format_bytes(b.memory_limit_bytes)} each: "
+          f"makespan p50 {s.makespan_p50:.0f} s, p90 {s.makespan_p90:.0f} s, P(deadline) {s.p_deadline:.2f}, "
+          f"{s.core_hours_p50:.2f} core-hours, slot utilisation {s.slot_utilisation_p50:.2f}, "
+          f"{s.out_of_memory_mean:.2f} out-of-memory events per run")
+    _emit(f"  dask-jobqueue: SLURMCluster(cores={jq['cores']}, processes={jq['processes']}, memory=\"{jq['memory']}\", "
+          f"walltime=\"{jq['walltime']}\"); cluster.scale(jobs={jq['jobs']})")
+    _emit(f"  ({len(rec.tried)} cluster shapes simulated, {args.runs} runs each; `--json` lists them)")
     return EXIT_OK
 
 

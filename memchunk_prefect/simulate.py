@@ -593,3 +593,104 @@ def store_knowledge(store_path: str | None = None, settings: PolicySettings = DE
 
     bank = ModelBank(Store(store_path))
     return lambda key: BankKnowledge(bank, key, settings)
+
+
+# =========================================================================== what cluster to ask for
+
+
+@dataclass
+class Candidate:
+    """One cluster shape tried by :func:`recommend`, with what the simulator says of it."""
+
+    workers: int
+    memory_limit_bytes: int
+    threads_per_worker: int
+    summary: Summary
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workers": self.workers, "memory_limit_bytes": self.memory_limit_bytes,
+                "threads_per_worker": self.threads_per_worker, **self.summary.to_dict()}
+
+
+@dataclass
+class Recommendation:
+    """The cluster shape that meets the deadline with the asked confidence at the least core-hours (None: none
+    of those tried), every candidate tried, and the dask-jobqueue arguments for the chosen one."""
+
+    best: Candidate | None
+    tried: list[Candidate]
+    deadline_seconds: float
+    confidence: float
+
+    def jobqueue_kwargs(self) -> dict[str, Any] | None:
+        """``cores``, ``processes``, ``memory``, ``walltime`` for a dask-jobqueue cluster of one worker per job,
+        and the number of jobs to ``scale`` to (the walltime is the deadline: a job outliving it is lost)."""
+        b = self.best
+        if b is None:
+            return None
+        t = int(math.ceil(self.deadline_seconds))
+        return {"cores": b.threads_per_worker, "processes": 1,
+                "memory": format_bytes(b.memory_limit_bytes).replace(" ", ""),
+                "walltime": f"{t // 3600:02d}:{t % 3600 // 60:02d}:{t % 60:02d}", "jobs": b.workers}
+
+
+def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, *, deadline_seconds: float,
+              memory_options: Sequence[int], max_workers: int = 256, threads_per_worker: int = 1,
+              confidence: float = 0.9, runs: int = 5, seed: int = 0, **cluster_kw: Any) -> Recommendation:
+    """The least core-hours cluster that finishes ``steps`` on ``shape`` within the deadline with probability at
+    least ``confidence`` (memchunk strategy, ``runs`` simulated runs per shape).
+
+    For each memory size, the fewest workers (up to ``max_workers``) that meet the deadline are found by
+    doubling then bisection (makespan falls as workers are added, up to the survey's parallelism); with one
+    thread per core, fewer workers meeting the deadline is fewer core-hours.
+    """
+    if deadline_seconds <= 0:
+        raise SimulationInputError(f"the deadline must be a positive number of seconds, got {deadline_seconds}")
+    if not 0 < confidence <= 1:
+        raise SimulationInputError(f"confidence must be in (0, 1], got {confidence}")
+    if not memory_options:
+        raise SimulationInputError("give at least one memory size per worker to try")
+    tried: list[Candidate] = []
+
+    def trial(workers: int, memory: int) -> Candidate:
+        cluster = ClusterShape(workers=workers, memory_limit_bytes=memory, threads_per_worker=threads_per_worker,
+                               **cluster_kw)
+        (s,) = simulate(["memchunk"], steps, shape, cluster, knowledge_for, runs=runs, seed=seed,
+                        deadline=deadline_seconds)
+        c = Candidate(workers, memory, threads_per_worker, s)
+        tried.append(c)
+        return c
+
+    def ok(c: Candidate) -> bool:
+        return c.summary.p_deadline is not None and c.summary.p_deadline >= confidence
+
+    best: Candidate | None = None
+    for memory in sorted(set(int(m) for m in memory_options)):
+        try:
+            ClusterShape(workers=1, memory_limit_bytes=memory, **cluster_kw)
+        except SimulationInputError:
+            continue  # no room above the resting memory: not a candidate
+        lo, hi, found = 0, 1, None
+        while hi <= max_workers:
+            c = trial(hi, memory)
+            if ok(c):
+                found = c
+                break
+            lo, hi = hi, hi * 2
+        if found is None and lo < max_workers:
+            c = trial(max_workers, memory)
+            if ok(c):
+                found, hi = c, max_workers
+        if found is None:
+            continue
+        while hi - lo > 1:  # the fewest workers in (lo, hi] that meet it
+            mid = (lo + hi) // 2
+            c = trial(mid, memory)
+            if ok(c):
+                found, hi = c, mid
+            else:
+                lo = mid
+        hours = found.summary.core_hours_p50 or math.inf
+        if best is None or hours < (best.summary.core_hours_p50 or math.inf):
+            best = found
+    return Recommendation(best, tried, float(deadline_seconds), float(confidence))

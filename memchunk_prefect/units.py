@@ -33,3 +33,36 @@ def parse_bytes(text: str | int) -> int:
     if value <= 0:
         raise BudgetError(f"a memory size must be positive, got {text!r}; use {BUDGET_FORMS}")
     return value
+
+
+def parse_seconds(text: str | float | int) -> float:
+    """A duration: seconds (``"3600"``), with a unit (``"90s"``, ``"45min"``, ``"6h"``) or ``"HH:MM[:SS]"``.
+
+    >>> parse_seconds("6h"), parse_seconds("45min"), parse_seconds("06:30"), parse_seconds(90)
+    (21600.0, 2700.0, 23400.0, 90.0)
+    """
+    from .errors import VolumeError
+
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        t = str(text).strip().lower()
+        try:
+            if ":" in t:
+                parts = [float(p) for p in t.split(":")]
+                if len(parts) not in (2, 3):
+                    raise ValueError(t)
+                value = parts[0] * 3600 + parts[1] * 60 + (parts[2] if len(parts) == 3 else 0.0)
+            else:
+                for unit, scale in (("min", 60.0), ("h", 3600.0), ("s", 1.0)):
+                    if t.endswith(unit):
+                        value = float(t[: -len(unit)]) * scale
+                        break
+                else:
+                    value = float(t)
+        except ValueError:
+            raise VolumeError(f"cannot read {text!r} as a duration: give seconds (3600), 90s, 45min, 6h or "
+                              "HH:MM[:SS]") from None
+    if not value > 0:
+        raise VolumeError(f"a duration must be positive, got {text!r}")
+    return value

@@ -57,6 +57,18 @@ def test_quick_benchmark_reports_every_strategy(tmp_path):
     assert all(a and set(a) <= {"bold", "mid", "safe"} for a in arms.values()), arms
     assert all(v["arms"] == ["safe"] for v in by["heuristic-warm"]["extra"]["operators"].values())
 
+    # The simulator against these runs, from the benchmark's own store (no timing assertions either).
+    sim_json = tmp_path / "sim.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.simulated", "--from", str(out), "--workdir",
+                           str(tmp_path / "work"), "--runs", "3", "--json", str(sim_json)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["strategy"]: r for r in json.loads(sim_json.read_text())["rows"]}
+    assert {"dask-auto", "split-on-failure", "memchunk-warm"} <= set(rows), rows
+    assert any(name.startswith("static-") for name in rows)
+    assert rows["memchunk-warm"]["predicted_p50"] > 0 and rows["memchunk-warm"]["predicted_completed"] == "3/3"
+    assert "| memchunk-warm |" in proc.stdout
+
 
 def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp_path):
     out = tmp_path / "hetero.json"

@@ -140,3 +140,46 @@ def test_the_command_line_simulates_from_a_store_and_says_which_strategies_fail(
     assert got["strategies"][0]["completed"] == 3 and got["strategies"][1]["completed"] == 0
     assert cli.main([*argv[:-3], "--steps-json", "not json"]) == cli.EXIT_USAGE
     assert "--steps-json is not JSON" in capsys.readouterr().err
+
+
+# =========================================================================== recommend
+
+
+def _recommend(deadline, **kw):
+    from memchunk_prefect.simulate import recommend
+
+    k = Known(bpe=400.0, spe=1e-5)  # 160,000 elements: 1.6 s of compute on one slot
+    return recommend([STEP], SHAPE, lambda key: k, deadline_seconds=deadline,
+                     memory_options=kw.pop("memory_options", [100 * MiB, 200 * MiB]), resting_bytes=40 * MiB,
+                     per_task_overhead_seconds=0.1, **kw)
+
+
+def test_recommend_gives_the_fewest_workers_that_meet_the_deadline_and_the_jobqueue_arguments():
+    easy = _recommend(60.0)
+    assert easy.best is not None and easy.best.workers == 1, "one worker finishes in a minute"
+    tight = _recommend(0.8, max_workers=16)
+    assert tight.best is not None and tight.best.workers > 1
+    assert tight.best.summary.p_deadline >= 0.9 and tight.best.summary.makespan_p90 <= 0.8
+    fewer = [c for c in tight.tried if c.memory_limit_bytes == tight.best.memory_limit_bytes
+             and c.workers == tight.best.workers - 1]
+    assert all(c.summary.p_deadline < 0.9 for c in fewer), "one worker fewer would not meet it"
+    jq = tight.jobqueue_kwargs()
+    assert jq["walltime"] == "00:00:01" and jq["jobs"] == tight.best.workers and jq["processes"] == 1
+    assert jq["memory"] in ("100.0MiB", "200.0MiB")
+
+
+def test_recommend_says_when_nothing_meets_the_deadline_and_refuses_nonsense():
+    assert _recommend(0.01, max_workers=4).best is None
+    with pytest.raises(SimulationInputError, match="positive"):
+        _recommend(0.0)
+    # A worker smaller than its resting memory is not a candidate: nothing else to try, no recommendation.
+    assert _recommend(60.0, memory_options=[30 * MiB]).best is None
+
+
+def test_durations_read_as_a_user_writes_them():
+    from memchunk_prefect.errors import VolumeError
+    from memchunk_prefect.units import parse_seconds
+
+    assert parse_seconds("6h") == 21600 and parse_seconds("01:30:00") == 5400 and parse_seconds("90s") == 90
+    with pytest.raises(VolumeError, match="HH:MM"):
+        parse_seconds("tomorrow")
