@@ -306,21 +306,30 @@ def read_allowed_failures(client: Any) -> int | None:
 # are computed from the log by the pure ``records.pauses_from``.
 
 
-def _status_changes_on_scheduler(dask_scheduler: Any) -> list[tuple[str, float, str]]:
-    """Run on the scheduler: every logged worker status change as ``(worker, time, status)``."""
-    out = []
-    for topic, events in dask_scheduler.get_events().items():
-        for t, msg in events:
-            if isinstance(msg, dict) and msg.get("action") == "worker-status-change":
-                out.append((str(topic), float(t), str(msg.get("status"))))
-    return out
-
-
 def read_status_changes(client: Any) -> list[tuple[str, float, str]] | None:
-    """The scheduler's log of worker status changes (None when it cannot be read). Filtered on the scheduler,
-    so only these few tuples travel; a worker that left the cluster takes its log with it."""
+    """The scheduler's log of worker status changes as ``(worker, time, status)`` (None when it cannot be read).
+
+    A worker leaving the cluster (killed by its nanny, often while paused) or joining it is logged as status
+    ``removed`` / ``added``: either ends a pause (``records.pauses_from``). Filtered on the scheduler by a nested
+    function, which travels by value (the scheduler need not have memchunk installed), so only these few tuples
+    come back.
+    """
+    def collect(dask_scheduler: Any) -> list[tuple[str, float, str]]:
+        names = {"remove-worker": "removed", "add-worker": "added"}
+        out = []
+        for topic, events in dask_scheduler.get_events().items():
+            for t, msg in events:
+                if not isinstance(msg, dict) or topic == "all":
+                    continue
+                action = msg.get("action")
+                if action == "worker-status-change":
+                    out.append((str(topic), float(t), str(msg.get("status"))))
+                elif action in names:
+                    out.append((str(topic), float(t), names[action]))
+        return out
+
     try:
-        return client.run_on_scheduler(_status_changes_on_scheduler)
+        return client.run_on_scheduler(collect)
     except Exception as exc:  # noqa: BLE001 - a scheduler that refuses run_on_scheduler: no pause figures
         logger.info("could not read the workers' status changes: %r", exc)
         return None

@@ -196,8 +196,16 @@ def check_prefect_api(settings: Any = None, timeout: float = REACH_TIMEOUT_SECON
     import httpx
 
     health = f"{str(url).rstrip('/')}/health"
+    headers, auth = {}, None
+    key = settings.api.key.get_secret_value() if getattr(settings.api, "key", None) else None
+    if key:  # Prefect Cloud
+        headers["Authorization"] = f"Bearer {key}"
+    auth_string = getattr(settings.api, "auth_string", None)
+    auth_string = auth_string.get_secret_value() if auth_string else None
+    if auth_string and ":" in auth_string:  # a self-hosted server with basic auth (PREFECT_API_AUTH_STRING)
+        auth = tuple(auth_string.split(":", 1))
     try:
-        response = httpx.get(health, timeout=timeout)
+        response = httpx.get(health, timeout=timeout, headers=headers, auth=auth)
         response.raise_for_status()
     except Exception as exc:  # noqa: BLE001 - any failure to reach it is the finding
         return Check("prefect api", FAIL, f"PREFECT_API_URL={url} does not answer ({type(exc).__name__}: {exc})",
@@ -231,21 +239,29 @@ def check_store(path: str | os.PathLike | None = None) -> Check:
     if not os.access(p, os.W_OK):
         return Check("store", FAIL, f"{p} is read-only", fix)
     size = format_bytes(p.stat().st_size)
+    error: sqlite3.Error | None = None
     try:
-        con = sqlite3.connect(f"file:{p}?mode=ro", uri=True, timeout=5.0)
+        # immutable=1: no lock, no -wal / -shm files left beside it (a WAL store opened read-only still makes
+        # them); a write under way at this moment may be missed, which a check can afford.
+        con = sqlite3.connect(f"file:{p}?mode=ro&immutable=1", uri=True)
         try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             version = int(con.execute("PRAGMA user_version").fetchone()[0])
-            n = con.execute("SELECT COUNT(DISTINCT operator_key) FROM observations").fetchone()[0]
+            n = (con.execute("SELECT COUNT(DISTINCT operator_key) FROM observations").fetchone()[0]
+                 if "observations" in tables else None)
         finally:
             con.close()
     except sqlite3.Error as exc:
-        if p.stat().st_size == 0 or "locked" in str(exc) or "no such table" in str(exc):
-            # Another flow is creating or writing it at this moment: a run waits its turn (SQLite's busy timeout).
-            return Check("store", OK, f"{p} ({size}, in use by another process: {exc})")
+        tables, version, n, error = set(), 0, None, exc
+    if n is None:
+        if not tables and error is None:
+            # Empty: another flow is creating it at this moment (a run waits its turn), or it was never used.
+            return Check("store", OK, f"{p} ({size}, empty: a run creates its tables)")
         # Not a memchunk store (corrupt, or another program's database): a run moves it aside, keeps it, and
         # starts a new store there (store.StoreMovedAsideWarning); nothing stops the run.
-        return Check("store", WARN, f"{p} is not a memchunk store SQLite can read ({exc}): a run moves it aside "
-                     "and starts a new one there", "point MEMCHUNK_STORE at the right file if this is not expected")
+        why = f"({error})" if error is not None else f"(its tables: {', '.join(sorted(tables))})"
+        return Check("store", WARN, f"{p} is not a memchunk store {why}: a run moves it aside and starts a new one "
+                     "there", "point MEMCHUNK_STORE at the right file if this is not expected")
     if version > SCHEMA_VERSION:
         return Check("store", FAIL, f"{p} has schema {version}, newer than the {SCHEMA_VERSION} this version reads",
                      "upgrade memchunk-prefect, or point MEMCHUNK_STORE at another file")
@@ -280,8 +296,6 @@ def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS) -
                       "each; check an existing scheduler with --address tcp://HOST:8786")]
     from distributed import Client
 
-    from . import cluster as _cluster
-    from .policy import allowed_failures_warning
 
     try:
         client = Client(address, timeout=timeout, set_as_default=False)
@@ -290,56 +304,68 @@ def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS) -
                       "start the scheduler (dask scheduler) or correct --address / the runner's address=")]
     checks: list[Check] = []
     try:
-        info = _cluster.scheduler_info(client)
-        workers = info.get("workers", {})
-        if not workers:
-            return [Check("cluster", FAIL, f"{address} has no workers",
-                          f"start workers: dask worker {address} --nthreads 1 --memory-limit 4GiB")]
-        checks.append(Check("cluster", OK, f"{address}: {len(workers)} worker(s)"))
-        no_limit = sorted(a for a, w in workers.items() if not w.get("memory_limit"))
-        checks.append(Check("memory limits", FAIL, f"{len(no_limit)} of {len(workers)} worker(s) have no memory_limit "
-                            f"({', '.join(no_limit[:3])}{', ...' if len(no_limit) > 3 else ''}): the runner has "
-                            "no budget to plan within, and nothing stops a worker before the kernel's OOM killer",
-                            "start workers with --memory-limit (e.g. dask worker ADDR --memory-limit 4GiB) or "
-                            "LocalCluster(memory_limit=...)") if no_limit else
-                      Check("memory limits", OK, ", ".join(sorted({format_bytes(w["memory_limit"])
-                                                                   for w in workers.values()})) + " per worker"))
-        threads = sorted({int(w.get("nthreads", 1)) for w in workers.values()})
-        checks.append(Check("threads", WARN, f"threads per worker {threads}: tasks sharing a worker share its "
-                            "memory, so each one's peak cannot be told apart (figures are marked shared) and "
-                            "the budget is split among them", "one thread per worker process "
-                            "(dask worker --nthreads 1, or LocalCluster(threads_per_worker=1))")
-                      if max(threads) > 1 else Check("threads", OK, "1 thread per worker"))
-        fractions = client.run(lambda: {k: __import__("dask").config.get(f"distributed.worker.memory.{k}", None)
-                                        for k in ("terminate", "pause")})
-        terminate = sorted({str(f["terminate"]) for f in fractions.values()})
-        pause = sorted({str(f["pause"]) for f in fractions.values()})
-        never = [a for a, f in fractions.items() if f["terminate"] in (None, False)]
-        checks.append(Check("kill line", WARN, f"{len(never)} worker(s) have no nanny kill line "
-                            "(distributed.worker.memory.terminate false): the budget falls back to the memory "
-                            "limit and a task over it meets the kernel's OOM killer",
-                            "keep the nanny's terminate fraction (default 0.95)") if never else
-                      Check("kill line", OK, f"nanny terminates at {', '.join(terminate)} of memory_limit; pauses "
-                            f"at {', '.join(pause)}"))
-        allowed = _cluster.read_allowed_failures(client)
-        message = allowed_failures_warning(allowed, address)
-        checks.append(Check("allowed-failures", WARN, message.split(". Start")[0],
-                            "start that scheduler with DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0") if message
-                      else Check("allowed-failures", OK, f"{allowed if allowed is not None else 'unknown'}"))
-        resting = _cluster.read_resting(client)
-        if resting:
-            worst = max(resting.items(), key=lambda kv: kv[1] / max(1, workers.get(kv[0], {}).get("memory_limit")
-                                                                     or 1))
-            limit = workers.get(worst[0], {}).get("memory_limit") or 0
-            share = worst[1] / limit if limit else None
-            status = WARN if share is not None and share > 0.5 else OK
-            checks.append(Check("resting memory", status,
-                                f"up to {format_bytes(worst[1])} per worker after the runner's imports"
-                                + (f" ({share:.0%} of its limit)" if share is not None else ""),
-                                "give workers more memory: more than half the limit is taken before any task runs"
-                                if status == WARN else ""))
+        checks = _cluster_checks(client, address)
+    except Exception as exc:  # noqa: BLE001 - a scheduler or worker that refuses: the finding, not a traceback
+        checks.append(Check("cluster", FAIL, f"{address} answered, then failed while being checked "
+                            f"({type(exc).__name__}: {exc})", "check the scheduler's and workers' logs"))
     finally:
         client.close()
+    return checks
+
+
+def _cluster_checks(client: Any, address: str) -> list[Check]:
+    from . import cluster as _cluster
+    from .policy import allowed_failures_warning
+
+    checks: list[Check] = []
+    info = _cluster.scheduler_info(client)
+    workers = info.get("workers", {})
+    if not workers:
+        return [Check("cluster", FAIL, f"{address} has no workers",
+                      f"start workers: dask worker {address} --nthreads 1 --memory-limit 4GiB")]
+    checks.append(Check("cluster", OK, f"{address}: {len(workers)} worker(s)"))
+    no_limit = sorted(a for a, w in workers.items() if not w.get("memory_limit"))
+    checks.append(Check("memory limits", FAIL, f"{len(no_limit)} of {len(workers)} worker(s) have no memory_limit "
+                        f"({', '.join(no_limit[:3])}{', ...' if len(no_limit) > 3 else ''}): the runner has "
+                        "no budget to plan within, and nothing stops a worker before the kernel's OOM killer",
+                        "start workers with --memory-limit (e.g. dask worker ADDR --memory-limit 4GiB) or "
+                        "LocalCluster(memory_limit=...)") if no_limit else
+                  Check("memory limits", OK, ", ".join(sorted({format_bytes(w["memory_limit"])
+                                                               for w in workers.values()})) + " per worker"))
+    threads = sorted({int(w.get("nthreads", 1)) for w in workers.values()})
+    checks.append(Check("threads", WARN, f"threads per worker {threads}: tasks sharing a worker share its "
+                        "memory, so each one's peak cannot be told apart (figures are marked shared) and "
+                        "the budget is split among them", "one thread per worker process "
+                        "(dask worker --nthreads 1, or LocalCluster(threads_per_worker=1))")
+                  if max(threads) > 1 else Check("threads", OK, "1 thread per worker"))
+    fractions = client.run(lambda: {k: __import__("dask").config.get(f"distributed.worker.memory.{k}", None)
+                                    for k in ("terminate", "pause")})
+    terminate = sorted({str(f["terminate"]) for f in fractions.values()})
+    pause = sorted({str(f["pause"]) for f in fractions.values()})
+    never = [a for a, f in fractions.items() if f["terminate"] in (None, False)]
+    checks.append(Check("kill line", WARN, f"{len(never)} worker(s) have no nanny kill line "
+                        "(distributed.worker.memory.terminate false): the budget falls back to the memory "
+                        "limit and a task over it meets the kernel's OOM killer",
+                        "keep the nanny's terminate fraction (default 0.95)") if never else
+                  Check("kill line", OK, f"nanny terminates at {', '.join(terminate)} of memory_limit; pauses "
+                        f"at {', '.join(pause)}"))
+    allowed = _cluster.read_allowed_failures(client)
+    message = allowed_failures_warning(allowed, address)
+    checks.append(Check("allowed-failures", WARN, message.split(". Start")[0],
+                        "start that scheduler with DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0") if message
+                  else Check("allowed-failures", OK, f"{allowed if allowed is not None else 'unknown'}"))
+    resting = _cluster.read_resting(client)
+    if resting:
+        worst = max(resting.items(), key=lambda kv: kv[1] / max(1, workers.get(kv[0], {}).get("memory_limit")
+                                                                 or 1))
+        limit = workers.get(worst[0], {}).get("memory_limit") or 0
+        share = worst[1] / limit if limit else None
+        status = WARN if share is not None and share > 0.5 else OK
+        checks.append(Check("resting memory", status,
+                            f"up to {format_bytes(worst[1])} per worker after the runner's imports"
+                            + (f" ({share:.0%} of its limit)" if share is not None else ""),
+                            "give workers more memory: more than half the limit is taken before any task runs"
+                            if status == WARN else ""))
     return checks
 
 

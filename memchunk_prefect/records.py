@@ -193,8 +193,13 @@ class Pause:
 def pauses_from(changes: Sequence[tuple[str, float, str]], now: float) -> tuple[Pause, ...]:
     """Each worker's paused intervals from its status changes (a pause not yet ended runs to ``now``).
 
+    Any other status ends a pause: ``running``, and ``removed`` for a worker that
+    left (a nanny kills a worker past its pause line without a status change).
+
     >>> pauses_from([("w", 1.0, "paused"), ("w", 3.5, "running"), ("v", 2.0, "paused")], now=4.0)
     (Pause(worker='v', start=2.0, end=4.0), Pause(worker='w', start=1.0, end=3.5))
+    >>> pauses_from([("w", 1.0, "paused"), ("w", 2.0, "removed")], now=9.0)
+    (Pause(worker='w', start=1.0, end=2.0),)
     """
     out: list[Pause] = []
     started: dict[str, float] = {}

@@ -372,10 +372,12 @@ class MemoryAwareRunner(DaskTaskRunner):
         return self
 
     def _check_paths(self) -> None:
-        """The store and the default output directory can be written; else EnvironmentProblemError, at once."""
-        from .doctor import FAIL, check_output_dir, check_store
+        """The store can be written; else EnvironmentProblemError, at once. (The default output directory is not
+        checked here: every map may name its own output; one that needs the default and cannot write there
+        raises OutputPathError naming it.)"""
+        from .doctor import FAIL, check_store
 
-        failed = [c for c in (check_store(self.store), check_output_dir(self.output_dir)) if c.status == FAIL]
+        failed = [c for c in (check_store(self.store),) if c.status == FAIL]
         if failed:
             raise EnvironmentProblemError("MemoryAwareRunner cannot start, nothing was run:\n"
                                           + "\n".join(f"  {c.line()}" for c in failed))
@@ -554,8 +556,8 @@ def allow_slow_first_start() -> bool:
     processes started later inherit it) and refreshes Prefect's global settings,
     which were read when Prefect was imported. Returns whether it changed anything.
     """
-    if _STARTUP_TIMEOUT_ENV in os.environ:
-        return False
+    if _STARTUP_TIMEOUT_ENV in os.environ or get_current_settings().api.url:
+        return False  # the user's own timeout, or a configured server: no temporary server to wait for
     try:
         from prefect.context import refresh_global_settings_context
         from prefect.settings.models.server.ephemeral import ServerEphemeralSettings

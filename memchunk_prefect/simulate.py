@@ -25,7 +25,7 @@ What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
   figure: the time model keeps no spread), plus the per-task overhead.
 
 A warm run is simulated: the models are read from the store and not taught by
-simulated chunks (the simulation never writes to the store). An operator with no
+simulated chunks (no observation or reward is written to the store). An operator with no
 usable history cannot be simulated (:class:`SimulationInputError`); run it once.
 
 Pure apart from reading the store: no Prefect, no Dask, no clock. Units: bytes,
@@ -37,6 +37,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -193,17 +194,18 @@ class Draws:
 
 @dataclass
 class _Task:
-    sid: int
+    sid: int  # the submitter's id (a map's submission id)
     chunk: Chunk
     extents: Shape
     memory: int
     seconds: float
     started: float = 0.0
     worker: int = -1
+    key: int = 0  # the simulated cluster's own, unique over the whole run
 
 
 #: The pseudo-task :meth:`SimulatedCluster.next` returns when a restarted worker is back (no task ended).
-_WAKE = _Task(-1, Chunk((0, 0, 0), (1, 1, 1)), (1, 1, 1), 0, 0.0)
+_WAKE = _Task(-1, Chunk((0, 0, 0), (1, 1, 1)), (1, 1, 1), 0, 0.0, key=-1)
 
 
 @dataclass
@@ -218,18 +220,23 @@ class SimulatedCluster:
 
     A task's memory is taken to rise through its run: a worker is killed when the
     tasks running on it together need more than its headroom, at the moment the
-    newest of them has used half its time (every task on it then ends killed), and
-    is back after ``restart_seconds``.
+    newest of them has used half its time (every task on it then ends killed; no
+    task is placed on a worker due to die), and is back after ``restart_seconds``.
+    Each placed task gets its own key, so the events of one map never end another
+    map's task that reuses a submission id.
     """
 
     def __init__(self, shape: ClusterShape):
         self.shape = shape
         self.now = 0.0
+        self.last_end = 0.0  # when the latest task ended: the makespan so far
         self.pending: list[_Task] = []
         self.running: dict[int, list[_Task]] = {w: [] for w in range(shape.workers)}
         self.away_until: dict[int, float] = {}
-        self._events: list[tuple[float, int, int, bool]] = []  # (time, seq, sid, killed)
-        self._by_sid: dict[int, _Task] = {}
+        self.dies_at: dict[int, float] = {}  # a worker over its kill line, and when it dies
+        self._events: list[tuple[float, int, int, bool]] = []  # (time, seq, task key or -1 to wake, killed)
+        self._live: dict[int, _Task] = {}  # task key -> task, while it runs
+        self._keys = 0
         self._seq = 0
         self.busy_slot_seconds = 0.0
         self.lost_worker_seconds = 0.0
@@ -242,7 +249,8 @@ class SimulatedCluster:
 
     def _free_worker(self) -> int | None:
         for w, tasks in self.running.items():
-            if len(tasks) < self.shape.threads_per_worker and self.away_until.get(w, 0.0) <= self.now:
+            if (len(tasks) < self.shape.threads_per_worker and self.away_until.get(w, 0.0) <= self.now
+                    and w not in self.dies_at):
                 return w
         return None
 
@@ -252,49 +260,55 @@ class SimulatedCluster:
             if w is None:
                 return
             task = self.pending.pop(0)
-            task.started, task.worker = self.now, w
+            self._keys += 1
+            task.key, task.started, task.worker = self._keys, self.now, w
             self.running[w].append(task)
-            self._by_sid[task.sid] = task
+            self._live[task.key] = task
             load = sum(t.memory for t in self.running[w])
             self.peak_bytes[w] = max(self.peak_bytes[w], load)
             if load > self.shape.headroom_bytes:
                 # The worker dies when the newest task is half way through; everything on it dies with it.
                 die = self.now + 0.5 * task.seconds
+                self.dies_at[w] = die
                 for t in self.running[w]:
-                    self._push(min(die, t.started + t.seconds), t.sid, killed=t.started + t.seconds > die)
+                    self._push(min(die, t.started + t.seconds), t.key, killed=t.started + t.seconds > die)
             else:
-                self._push(self.now + task.seconds, task.sid, killed=False)
+                self._push(self.now + task.seconds, task.key, killed=False)
 
-    def _push(self, at: float, sid: int, killed: bool) -> None:
+    def _push(self, at: float, key: int, killed: bool) -> None:
         self._seq += 1
-        heapq.heappush(self._events, (at, self._seq, sid, killed))
+        heapq.heappush(self._events, (at, self._seq, key, killed))
 
     @property
     def idle(self) -> bool:
-        return not self._events and not self.pending
+        """Nothing runs and nothing waits (a pending restart alone does not count)."""
+        return not self._live and not self.pending
 
     def next(self) -> _Ended:
-        """Advance to the next task end."""
+        """Advance to the next task end (or to a restarted worker's return, when tasks wait for it)."""
         while self._events:
-            at, _, sid, killed = heapq.heappop(self._events)
-            if sid == _WAKE.sid:  # a restarted worker is back: start what waits
+            at, _, key, killed = heapq.heappop(self._events)
+            if key == _WAKE.key:  # a restarted worker is back: start what waits
+                if not self.pending:
+                    continue
                 self.now = max(self.now, at)
                 self._dispatch()
                 return _Ended(_WAKE, self.now, False)
-            task = self._by_sid.pop(sid, None)
-            if task is None:  # already ended (killed with its worker)
+            task = self._live.pop(key, None)
+            if task is None:  # already ended (its first event, or killed with its worker)
                 continue
             self.now = max(self.now, at)
+            self.last_end = max(self.last_end, self.now)
             w = task.worker
-            self.running[w] = [t for t in self.running[w] if t.sid != sid]
+            self.running[w] = [t for t in self.running[w] if t.key != key]
             spent = self.now - task.started
             self.busy_slot_seconds += spent
             if killed:
                 self.lost_worker_seconds += spent
-                if self.away_until.get(w, 0.0) <= self.now:
+                if self.dies_at.pop(w, None) is not None:
                     self.kills += 1
                     self.away_until[w] = self.now + self.shape.restart_seconds
-                    self._push(self.away_until[w], _WAKE.sid, killed=False)  # wake the dispatcher then
+                    self._push(self.away_until[w], _WAKE.key, killed=False)  # wake the dispatcher then
             self._dispatch()
             return _Ended(task, self.now, killed)
         raise SimulationInputError("internal: the simulated cluster has nothing running")
@@ -413,8 +427,9 @@ class _MachineRun:
                 continue
             if ended.killed:
                 self.record.out_of_memory += 1
+                # What the executor passes: the worker's kill line less its resting memory, per thread.
                 event: Any = WorkerDied(ended.task.sid, "KilledWorker", written=False,
-                                        kill_headroom_bytes=self.cluster.headroom_bytes, at=ended.at)
+                                        kill_headroom_bytes=self.cluster.budget_bytes, at=ended.at)
             else:
                 obs = _observation(self.step, ended.task, False, self.cluster.budget_bytes, ended.at)
                 event = ChunkDone(ended.task.sid, obs, at=ended.at)
@@ -501,7 +516,7 @@ def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterSh
 
 
 def _result(name: str, sim: SimulatedCluster, cluster: ClusterShape, maps: list[MapResult], failure: str) -> SimResult:
-    return SimResult(strategy=name, completed=not failure, makespan_seconds=sim.now,
+    return SimResult(strategy=name, completed=not failure, makespan_seconds=sim.last_end,
                      out_of_memory=sum(m.out_of_memory for m in maps), lost_worker_seconds=sim.lost_worker_seconds,
                      busy_slot_seconds=sim.busy_slot_seconds, slots=cluster.slots, workers=cluster.workers,
                      peak_bytes=max(sim.peak_bytes.values(), default=0), maps=maps, failure=failure)
@@ -587,11 +602,20 @@ def simulate(strategies: Sequence[str], steps: Sequence[Step], shape: Shape, clu
 
 
 def store_knowledge(store_path: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS) -> KnowledgeFor:
-    """Each key's knowledge as the runner would read it from the store (read only: nothing is written)."""
-    from .model import BankKnowledge, ModelBank
-    from .store import Store
+    """Each key's knowledge as the runner would read it from the store (default: the runner's default store).
 
-    bank = ModelBank(Store(store_path))
+    No observation or reward is written; opening the store is what a run does
+    (an older schema is migrated, a foreign file moved aside). A store that does
+    not exist is an error, not a new empty store.
+    """
+    from .model import BankKnowledge, ModelBank
+    from .store import Store, default_store_path
+
+    path = default_store_path() if store_path is None else Path(store_path).expanduser()
+    if not path.is_file():
+        raise SimulationInputError(f"no observation store at {path}: run your flow (or `memchunk demo`) once so "
+                                   "there is something learned to simulate from, or pass --store")
+    bank = ModelBank(Store(path))
     return lambda key: BankKnowledge(bank, key, settings)
 
 

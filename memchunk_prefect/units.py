@@ -5,6 +5,7 @@ One parser for the command line, the runner's ``memory_budget`` and the demo.
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import BudgetError
@@ -63,6 +64,6 @@ def parse_seconds(text: str | float | int) -> float:
         except ValueError:
             raise VolumeError(f"cannot read {text!r} as a duration: give seconds (3600), 90s, 45min, 6h or "
                               "HH:MM[:SS]") from None
-    if not value > 0:
-        raise VolumeError(f"a duration must be positive, got {text!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise VolumeError(f"a duration must be a positive, finite number of seconds, got {text!r}")
     return value

@@ -183,3 +183,27 @@ def test_durations_read_as_a_user_writes_them():
     assert parse_seconds("6h") == 21600 and parse_seconds("01:30:00") == 5400 and parse_seconds("90s") == 90
     with pytest.raises(VolumeError, match="HH:MM"):
         parse_seconds("tomorrow")
+
+
+def test_a_worker_over_its_kill_line_takes_its_tasks_with_it_and_nothing_new_lands_on_it():
+    from memchunk_prefect.chunks import Chunk
+    from memchunk_prefect.simulate import SimulatedCluster, _Task
+
+    c = Chunk((0, 0, 0), (1, 1, 1))
+    sim = SimulatedCluster(ClusterShape(workers=1, threads_per_worker=3, memory_limit_bytes=100 * MiB,
+                                        resting_bytes=40 * MiB, restart_seconds=2.0))
+    sim.submit(_Task(0, c, (1, 1, 1), 30 * MiB, 50.0))
+    sim.submit(_Task(1, c, (1, 1, 1), 30 * MiB, 10.0))  # 60 MiB on a worker with 55 MiB: it dies at t = 5
+    sim.submit(_Task(2, c, (1, 1, 1), 1 * MiB, 1.0))  # waits: the worker is due to die
+    ends = [sim.next() for _ in range(2)]
+    assert [(e.task.sid, e.at, e.killed) for e in ends] == [(0, 5.0, True), (1, 5.0, True)]
+    assert sim.kills == 1 and sim.lost_worker_seconds == 10.0
+    # Back at t = 7: the waiting task runs then; a new task reusing submission id 0 ends at its own time.
+    sim.submit(_Task(0, c, (1, 1, 1), 1 * MiB, 3.0))
+    got = []
+    while not sim.idle:
+        e = sim.next()
+        if e.task.sid >= 0:
+            got.append((e.task.sid, e.at, e.killed))
+    assert got == [(2, 8.0, False), (0, 10.0, False)]
+    assert sim.last_end == 10.0
