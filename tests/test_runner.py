@@ -242,7 +242,7 @@ def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cl
     killed_events = sum(e["event"] == "killed" for e in events)
     line, = terminal.getvalue().splitlines()
     assert line.startswith(f"memory_hog  {summary['chunks']} chunks, 48 x 50 x 500 in ") and \
-        line.endswith(" recovered") and f"avoided, {killed_events} recovered" in line, line
+        f"avoided, {killed_events} recovered" in line, line
 
     _, again, events2, values2 = hog(big_survey)
     assert again["oom_events"] == 0 and "retry-smaller" not in again["decisions"], events2
