@@ -241,9 +241,12 @@ def check_store(path: str | os.PathLike | None = None) -> Check:
     size = format_bytes(p.stat().st_size)
     error: sqlite3.Error | None = None
     try:
-        # immutable=1: no lock, no -wal / -shm files left beside it (a WAL store opened read-only still makes
-        # them); a write under way at this moment may be missed, which a check can afford.
-        con = sqlite3.connect(f"file:{p}?mode=ro&immutable=1", uri=True)
+        # Without a -wal file beside it, immutable=1: no lock and no -wal / -shm files left behind (a WAL store
+        # opened read-only still makes them). With one (a flow has it open, or did not checkpoint), a plain
+        # read-only open, which reads what the WAL holds; its -wal / -shm exist already.
+        wal = Path(f"{p}-wal")
+        flags = "mode=ro" if wal.exists() and wal.stat().st_size > 0 else "mode=ro&immutable=1"
+        con = sqlite3.connect(f"file:{p}?{flags}", uri=True, timeout=5.0)
         try:
             tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
             version = int(con.execute("PRAGMA user_version").fetchone()[0])

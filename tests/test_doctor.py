@@ -176,3 +176,11 @@ def test_an_empty_store_file_another_flow_is_creating_is_fine(tmp_path):
     path = tmp_path / "store.sqlite"
     path.write_bytes(b"")
     assert doctor.check_store(path).status == OK
+
+
+def test_checking_a_store_leaves_nothing_beside_it(tmp_path):
+    path = tmp_path / "store.sqlite"
+    Store(path).close()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert doctor.check_store(path).status == OK
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
