@@ -349,8 +349,33 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
                    help="memchunk, split, dask-auto, static-N (default: all of these, N = 1 2 4 8)")
     p.add_argument("--runs", type=int, default=20, help="simulated runs per strategy (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first run (default 0)")
-    p.add_argument("--deadline", type=float, help="seconds: also give the chance of finishing within it")
+    p.add_argument("--deadline", help="also give the chance of finishing within it: seconds, 45min, 6h, HH:MM")
+    _prior_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _prior_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prior-multiple", type=float,
+                   help="simulate an operator with no history from a stated prior: peak = this x its input "
+                        "(flagged in the output); without it such an operator is an error")
+    p.add_argument("--prior-seconds-per-element", type=float, default=1e-6,
+                   help="the prior's compute time per element (default 1e-6 s)")
+
+
+def _sim_models(args: argparse.Namespace) -> Any:
+    from .simulate import PriorKnowledge, store_models
+
+    prior = (PriorKnowledge(args.prior_multiple, args.prior_seconds_per_element)
+             if args.prior_multiple is not None else None)
+    return store_models(args.store, prior=prior)
+
+
+def _prior_note(models: Any, args: argparse.Namespace) -> str | None:
+    if not models.from_prior:
+        return None
+    return (f"simulated from a stated prior, not from what was learned ({args.prior_multiple:g}x the input, "
+            f"{args.prior_seconds_per_element:g} s per element; the runner starts cold and learns): "
+            f"{', '.join(sorted(models.from_prior))}")
 
 
 def _steps_of(args: argparse.Namespace) -> list[Any]:
@@ -377,17 +402,22 @@ def _opt(x: float | None, fmt: str) -> str:
 @register("simulate", "simulate a flow's chunked maps on a cluster shape from what was learned (no cluster needed)")
 @arguments(_simulate_arguments)
 def _simulate(args: argparse.Namespace) -> int:
-    from .simulate import ClusterShape, Step, simulate, store_knowledge
+    from .simulate import ClusterShape, Step, simulate
+    from .units import parse_seconds
 
     steps = [Step.of(s) for s in _steps_of(args)]
     cluster = ClusterShape(workers=args.workers, memory_limit_bytes=parse_bytes(args.memory_limit),
                            threads_per_worker=args.threads, resting_bytes=parse_bytes(args.resting))
-    summaries = simulate(args.strategies, steps, tuple(args.shape), cluster, store_knowledge(args.store),
-                         runs=args.runs, seed=args.seed, deadline=args.deadline)
+    deadline = parse_seconds(args.deadline) if args.deadline is not None else None
+    models = _sim_models(args)
+    summaries = simulate(args.strategies, steps, tuple(args.shape), cluster, models.knowledge, runs=args.runs,
+                         seed=args.seed, deadline=deadline, truth_for=models.truth)
+    note = _prior_note(models, args)
     if args.json:
         _emit(json.dumps({"shape": list(args.shape), "cluster": dataclasses.asdict(cluster),
                           "steps": [dataclasses.asdict(s) for s in steps], "runs": args.runs,
-                          "deadline": args.deadline, "strategies": [s.to_dict() for s in summaries]}, indent=1))
+                          "deadline": deadline, "from_prior": sorted(models.from_prior), "prior_note": note,
+                          "strategies": [s.to_dict() for s in summaries]}, indent=1))
         return EXIT_OK
     header = ["strategy", "completed", "makespan p50 s", "p90 s", "P(deadline)", "OOM/run", "lost worker-s",
               "utilisation", "core-hours", "peak/worker"]
@@ -403,6 +433,8 @@ def _simulate(args: argparse.Namespace) -> int:
     for s in summaries:
         if s.failure and s.completed < s.runs:
             _emit(f"{s.strategy} failed {s.runs - s.completed} of {s.runs} runs: {s.failure}")
+    if note:
+        _emit(note)
     return EXIT_OK
 
 
@@ -419,26 +451,32 @@ def _recommend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resting", default="256MiB", help="a worker's memory before any task (default 256MiB)")
     p.add_argument("--confidence", type=float, default=0.9, help="chance of meeting the deadline (default 0.9)")
     p.add_argument("--runs", type=int, default=5, help="simulated runs per cluster shape (default 5)")
+    _prior_arguments(p)
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
 @register("recommend", "the cluster to ask for: fewest core-hours that meet a deadline, from what was learned")
 @arguments(_recommend_arguments)
 def _recommend(args: argparse.Namespace) -> int:
-    from .simulate import Step, recommend, store_knowledge
+    from .simulate import Step, recommend
     from .units import parse_seconds
 
     steps = [Step.of(s) for s in _steps_of(args)]
     deadline = parse_seconds(args.deadline)
-    rec = recommend(steps, tuple(args.shape), store_knowledge(args.store), deadline_seconds=deadline,
+    models = _sim_models(args)
+    rec = recommend(steps, tuple(args.shape), models.knowledge, deadline_seconds=deadline,
                     memory_options=[parse_bytes(m) for m in args.memory], max_workers=args.max_workers,
                     threads_per_worker=args.threads, confidence=args.confidence, runs=args.runs,
-                    resting_bytes=parse_bytes(args.resting))
+                    truth_for=models.truth, resting_bytes=parse_bytes(args.resting))
+    note = _prior_note(models, args)
     if args.json:
         _emit(json.dumps({"best": rec.best.to_dict() if rec.best else None, "jobqueue": rec.jobqueue_kwargs(),
                           "deadline_seconds": deadline, "confidence": args.confidence,
+                          "from_prior": sorted(models.from_prior), "prior_note": note,
                           "tried": [c.to_dict() for c in rec.tried]}, indent=1))
         return EXIT_OK if rec.best else EXIT_FAILURE
+    if note:
+        _emit(note)
     survey = " x ".join(map(str, args.shape))
     if rec.best is None:
         _emit(f"no cluster of up to {args.max_workers} workers with {', '.join(args.memory)} each finishes "

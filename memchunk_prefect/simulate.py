@@ -53,6 +53,7 @@ from .machine import (
     MapSpec,
     PausesRead,
     ReadPauses,
+    Record,
     Start,
     Submit,
     WorkerDied,
@@ -187,6 +188,34 @@ class Draws:
                 raise SimulationInputError(f"{self.key} has no measured compute time; run it once")
             compute = elements * spe
         return float(compute) * math.exp(self.time_sigma * rng.standard_normal()) + self.per_task_overhead
+
+
+class PriorKnowledge:
+    """A stated prior for an operator with no history: peak = ``multiple`` x its input bytes, ``seconds_per_element``
+    compute; a margin of :data:`DEFAULT_MARGIN`. What chunks are drawn from when nothing was learned (flagged)."""
+
+    def __init__(self, multiple: float, seconds_per_element: float, itemsize: int = ITEMSIZE):
+        if not multiple > 0 or not seconds_per_element > 0:
+            raise SimulationInputError(f"a prior needs a positive memory multiple and seconds per element, got "
+                                       f"{multiple} and {seconds_per_element}")
+        self.multiple, self.spe, self.itemsize = float(multiple), float(seconds_per_element), int(itemsize)
+
+    def predict(self, extents: Shape) -> Prediction:
+        mean = self.multiple * math.prod(extents) * self.itemsize
+        return Prediction(mean, mean * DEFAULT_MARGIN, 0, True, f"prior: {self.multiple:g}x the input",
+                          tight_bytes=mean * DEFAULT_MARGIN)
+
+    def seconds_per_element(self) -> float | None:
+        return self.spe
+
+    def seconds_for(self, elements: int) -> float | None:
+        return None
+
+    def margin(self) -> float:
+        return DEFAULT_MARGIN
+
+    def choose_arm(self, groups: list[tuple[str, ...]]) -> Any:
+        raise SimulationInputError("internal: a prior is what chunks are drawn from, not what the runner plans with")
 
 
 # =========================================================================== the cluster, simulated
@@ -406,6 +435,9 @@ class _MachineRun:
                  settings: PolicySettings, time_sigma: float):
         self.step, self.cluster, self.sim, self.rng = step, cluster, sim, rng
         self.draws = Draws(truth, step.key, cluster.per_task_overhead_seconds, time_sigma)
+        self.knowledge = knowledge
+        # An operator with no history learns as the runner would, from this run's own chunks (a cold run).
+        self.learns = bool(getattr(knowledge, "learning", False))
         spec = MapSpec(operator=step.operator, operator_key=step.key, shape=tuple(shape),  # type: ignore[arg-type]
                        halo=step.halo, whole_traces=step.whole_traces, incoming=incoming, settings=settings)
         self.machine = MapMachine(spec, knowledge)
@@ -450,8 +482,10 @@ class _MachineRun:
                 self.carry_out(self.machine.handle(PausesRead((), at=self.sim.now)))
             elif isinstance(ins, Fail):
                 self.failure = f"{self.step.operator}: {ins.error}"
-            # Record / Rewarded / Finalize / MarkRuns / Cancel / RecoverMarkers / ChunkEnded: nothing to simulate
-            # (a warm run: the models are not taught by simulated chunks).
+            elif isinstance(ins, Record) and self.learns:
+                self.knowledge.bank.learn(ins.observation)  # type: ignore[attr-defined]
+            # Rewarded / Finalize / MarkRuns / Cancel / RecoverMarkers / ChunkEnded, and Record for an operator
+            # with history: nothing to simulate (a warm run: its models are not taught by simulated chunks).
 
 
 def _static_boxes(shape: Shape, n: int) -> list[Chunk]:
@@ -469,7 +503,7 @@ def _auto_boxes(shape: Shape) -> list[Chunk]:
 
 def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
               rng: np.random.Generator, boxes: Callable[[Step], list[Chunk]], *, split_on_failure: bool = False,
-              time_sigma: float = 0.1) -> SimResult:
+              time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None) -> SimResult:
     """A fixed chunking per step, every chunk submitted at once; a killed chunk fails the run, or is split in two
     and resubmitted (``split_on_failure``)."""
     sim = SimulatedCluster(cluster)
@@ -477,7 +511,8 @@ def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterSh
     failure = ""
     ids = iter(range(10**12))
     for step in steps:
-        draws = Draws(knowledge_for(step.key), step.key, cluster.per_task_overhead_seconds, time_sigma)
+        draws = Draws((truth_for or knowledge_for)(step.key), step.key, cluster.per_task_overhead_seconds,
+                      time_sigma)
         record = MapResult(step.operator, 0, 0, 0, 0.0)
         started = sim.now
         queue = list(boxes(step))
@@ -601,22 +636,56 @@ def simulate(strategies: Sequence[str], steps: Sequence[Step], shape: Shape, clu
     return out
 
 
-def store_knowledge(store_path: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS) -> KnowledgeFor:
-    """Each key's knowledge as the runner would read it from the store (default: the runner's default store).
+@dataclass
+class StoreModels:
+    """What a simulation reads from a store: each key's knowledge (what the runner plans with) and truth (what
+    chunks are drawn from). A key with no usable history is simulated from a stated prior
+    (:class:`PriorKnowledge`) when ``prior`` is given: the runner then starts cold (probes) and learns from the
+    run's own chunks, as it would; such keys are listed in ``from_prior``. Without a prior it is an error."""
 
-    No observation or reward is written; opening the store is what a run does
-    (an older schema is migrated, a foreign file moved aside). A store that does
-    not exist is an error, not a new empty store.
-    """
-    from .model import BankKnowledge, ModelBank
+    bank: Any
+    settings: PolicySettings = DEFAULT_SETTINGS
+    prior: PriorKnowledge | None = None
+    from_prior: set[str] = field(default_factory=set)
+
+    def _has_history(self, key: str) -> bool:
+        return bool(self.bank.predict(key, (1, 1, 1)).ready)
+
+    def knowledge(self, key: str) -> Knowledge:
+        from .model import BankKnowledge, ModelBank
+
+        if self.prior is None or self._has_history(key):
+            return BankKnowledge(self.bank, key, self.settings)
+        self.from_prior.add(key)
+        fresh = BankKnowledge(ModelBank(None), key, self.settings)  # learns from this run's chunks only
+        fresh.learning = True  # type: ignore[attr-defined]
+        return fresh
+
+    def truth(self, key: str) -> Knowledge:
+        if self.prior is not None and not self._has_history(key):
+            self.from_prior.add(key)
+            return self.prior
+        return self.knowledge(key)
+
+
+def store_models(store_path: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS,
+                 prior: PriorKnowledge | None = None) -> StoreModels:
+    """The models of the store at ``store_path`` (default: the runner's default store), read as the runner reads
+    them. No observation or reward is written; opening the store is what a run does (an older schema is migrated,
+    a foreign file moved aside). A store that does not exist is an error, not a new empty store."""
+    from .model import ModelBank
     from .store import Store, default_store_path
 
     path = default_store_path() if store_path is None else Path(store_path).expanduser()
     if not path.is_file():
         raise SimulationInputError(f"no observation store at {path}: run your flow (or `memchunk demo`) once so "
                                    "there is something learned to simulate from, or pass --store")
-    bank = ModelBank(Store(path))
-    return lambda key: BankKnowledge(bank, key, settings)
+    return StoreModels(ModelBank(Store(path)), settings, prior)
+
+
+def store_knowledge(store_path: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS) -> KnowledgeFor:
+    """Each key's knowledge as the runner would read it from the store (see :func:`store_models`)."""
+    return store_models(store_path, settings).knowledge
 
 
 # =========================================================================== what cluster to ask for
@@ -660,7 +729,8 @@ class Recommendation:
 
 def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, *, deadline_seconds: float,
               memory_options: Sequence[int], max_workers: int = 256, threads_per_worker: int = 1,
-              confidence: float = 0.9, runs: int = 5, seed: int = 0, **cluster_kw: Any) -> Recommendation:
+              confidence: float = 0.9, runs: int = 5, seed: int = 0, truth_for: KnowledgeFor | None = None,
+              **cluster_kw: Any) -> Recommendation:
     """The least core-hours cluster that finishes ``steps`` on ``shape`` within the deadline with probability at
     least ``confidence`` (memchunk strategy, ``runs`` simulated runs per shape).
 
@@ -680,7 +750,7 @@ def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, 
         cluster = ClusterShape(workers=workers, memory_limit_bytes=memory, threads_per_worker=threads_per_worker,
                                **cluster_kw)
         (s,) = simulate(["memchunk"], steps, shape, cluster, knowledge_for, runs=runs, seed=seed,
-                        deadline=deadline_seconds)
+                        deadline=deadline_seconds, truth_for=truth_for)
         c = Candidate(workers, memory, threads_per_worker, s)
         tried.append(c)
         return c

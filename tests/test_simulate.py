@@ -207,3 +207,24 @@ def test_a_worker_over_its_kill_line_takes_its_tasks_with_it_and_nothing_new_lan
             got.append((e.task.sid, e.at, e.killed))
     assert got == [(2, 8.0, False), (0, 10.0, False)]
     assert sim.last_end == 10.0
+
+
+def test_an_operator_never_run_is_simulated_cold_from_a_stated_prior_and_flagged(tmp_path, capsys):
+    from memchunk_prefect.simulate import PriorKnowledge, store_models
+
+    with Store(tmp_path / "s.sqlite"):
+        pass  # an empty store: nothing learned
+    models = store_models(str(tmp_path / "s.sqlite"), prior=PriorKnowledge(40.0, 1e-6))
+    step = Step.of("gst3d_dip")
+    cluster = ClusterShape(workers=2, memory_limit_bytes=2**30, resting_bytes=250 * MiB)
+    r = run_strategy("memchunk", [step], (64, 64, 200), cluster, models.knowledge, np.random.default_rng(0),
+                     truth_for=models.truth)
+    assert r.completed and models.from_prior == {step.key}
+    # Cold, as the runner would be: it probes, learns from those chunks, then plans the rest.
+    assert r.maps[0].decisions[0] == "probe" and "rechunk" in r.maps[0].decisions
+    argv = ["simulate", "--store", str(tmp_path / "s.sqlite"), "--steps", "gst3d_dip", "--shape", "64", "64", "200",
+            "--workers", "2", "--memory-limit", "1GiB", "--runs", "2", "--strategies", "memchunk"]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert "too little history" in capsys.readouterr().err
+    assert cli.main([*argv, "--prior-multiple", "40"]) == cli.EXIT_OK
+    assert "simulated from a stated prior, not from what was learned (40x the input" in capsys.readouterr().out
