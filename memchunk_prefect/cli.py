@@ -115,6 +115,12 @@ def _policy_cell(arms: list[dict[str, Any]]) -> str:
                     for a in played)
 
 
+def table(header: list[str], body: list[list[str]], indent: str = "") -> str:
+    """Left-aligned columns as wide as their widest cell, two spaces apart."""
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
+    return "\n".join(indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *body])
+
+
 def _models_table(rows: list[dict[str, Any]]) -> str:
     header = ["operator key", "obs", "censored", "form", "bytes/element", "fixed overhead", "recent error",
               "coverage", "ready", "policy"]
@@ -123,10 +129,7 @@ def _models_table(rows: list[dict[str, Any]]) -> str:
              format_bytes(r["fixed_overhead_bytes"]) if r["fixed_overhead_bytes"] is not None else "-",
              _pct(r["recent_mape"]), _pct(r["coverage"]), "yes" if r["ready"] else "no",
              _policy_cell(r.get("policy", []))] for r in rows]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(header)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(b, widths)) for b in body]
-    return "\n".join(lines)
+    return table(header, body)
 
 
 @register("models", "per operator key: observations, bytes per element, fixed overhead, recent error, coverage")
@@ -335,31 +338,32 @@ def _ui(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- simulate
 
 
-def _simulate_arguments(p: argparse.ArgumentParser) -> None:
+def _flow_arguments(p: argparse.ArgumentParser) -> None:
+    """What `simulate` and `recommend` both take: the flow's steps, the survey, the workers' threads and rest."""
     p.add_argument("--steps", nargs="+", metavar="OPERATOR",
                    help="operators in the flow's order, default parameters (default: the demo pipeline)")
     p.add_argument("--steps-json", help='steps with parameters, as the flows take them: \'[{"name": "gst3d_dip"}]\'')
     p.add_argument("--shape", required=True, nargs=3, type=int, metavar=("IL", "XL", "T"), help="survey shape")
-    p.add_argument("--workers", required=True, type=int, help="worker processes")
-    p.add_argument("--memory-limit", required=True, help="memory limit per worker, e.g. 8GiB")
     p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
     p.add_argument("--resting", default="256MiB", help="a worker's memory before any task (default 256MiB)")
+    p.add_argument("--prior-multiple", type=float,
+                   help="simulate an operator with no history from a stated prior: peak = this x its input "
+                        "(flagged in the output); without it such an operator is an error")
+    p.add_argument("--prior-seconds-per-element", type=float, default=1e-6,
+                   help="the prior's compute time per element (default 1e-6 s)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def _simulate_arguments(p: argparse.ArgumentParser) -> None:
+    _flow_arguments(p)
+    p.add_argument("--workers", required=True, type=int, help="worker processes")
+    p.add_argument("--memory-limit", required=True, help="memory limit per worker, e.g. 8GiB")
     p.add_argument("--strategies", nargs="+", default=["memchunk", "split", "dask-auto", "static-1", "static-2",
                                                        "static-4", "static-8"],
                    help="memchunk, split, dask-auto, static-N (default: all of these, N = 1 2 4 8)")
     p.add_argument("--runs", type=int, default=20, help="simulated runs per strategy (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first run (default 0)")
     p.add_argument("--deadline", help="also give the chance of finishing within it: seconds, 45min, 6h, HH:MM")
-    _prior_arguments(p)
-    p.add_argument("--json", action="store_true", help="print JSON")
-
-
-def _prior_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prior-multiple", type=float,
-                   help="simulate an operator with no history from a stated prior: peak = this x its input "
-                        "(flagged in the output); without it such an operator is an error")
-    p.add_argument("--prior-seconds-per-element", type=float, default=1e-6,
-                   help="the prior's compute time per element (default 1e-6 s)")
 
 
 def _sim_models(args: argparse.Namespace) -> Any:
@@ -425,11 +429,10 @@ def _simulate(args: argparse.Namespace) -> int:
              _opt(s.p_deadline, ".2f"), f"{s.out_of_memory_mean:.2f}", f"{s.lost_worker_seconds_mean:.1f}",
              _opt(s.slot_utilisation_p50, ".2f"), _opt(s.core_hours_p50, ".3f"), format_bytes(s.peak_bytes_max)]
             for s in summaries]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     _emit(f"{' -> '.join(s.operator for s in steps)} on {' x '.join(map(str, args.shape))}: {args.workers} workers x "
           f"{args.threads} thread(s), {format_bytes(cluster.memory_limit_bytes)} each (kill line less resting: "
           f"{format_bytes(cluster.headroom_bytes)}); {args.runs} simulated runs per strategy")
-    _emit("\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]))
+    _emit(table(header, rows))
     for s in summaries:
         if s.failure and s.completed < s.runs:
             _emit(f"{s.strategy} failed {s.runs - s.completed} of {s.runs} runs: {s.failure}")
@@ -439,20 +442,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _recommend_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", nargs="+", metavar="OPERATOR",
-                   help="operators in the flow's order, default parameters (default: the demo pipeline)")
-    p.add_argument("--steps-json", help='steps with parameters: \'[{"name": "gst3d_dip"}]\'')
-    p.add_argument("--shape", required=True, nargs=3, type=int, metavar=("IL", "XL", "T"), help="survey shape")
+    _flow_arguments(p)
     p.add_argument("--deadline", required=True, help="finish within: seconds, 45min, 6h or HH:MM[:SS]")
     p.add_argument("--memory", nargs="+", default=["2GiB", "4GiB", "8GiB", "16GiB", "32GiB"],
                    help="memory sizes per worker to try (default 2GiB 4GiB 8GiB 16GiB 32GiB)")
     p.add_argument("--max-workers", type=int, default=256, help="most workers to consider (default 256)")
-    p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
-    p.add_argument("--resting", default="256MiB", help="a worker's memory before any task (default 256MiB)")
     p.add_argument("--confidence", type=float, default=0.9, help="chance of meeting the deadline (default 0.9)")
     p.add_argument("--runs", type=int, default=5, help="simulated runs per cluster shape (default 5)")
-    _prior_arguments(p)
-    p.add_argument("--json", action="store_true", help="print JSON")
 
 
 @register("recommend", "the cluster to ask for: fewest core-hours that meet a deadline, from what was learned")

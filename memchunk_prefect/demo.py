@@ -71,14 +71,14 @@ def summary_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
       operator  decisions       tasks  peak / budget per task  out of memory
       envelope  probe, rechunk  7      64.8 MiB / 744.8 MiB    0 recovered
     """
+    from .cli import table
     from .errors import format_bytes
 
     header = ["operator", "decisions", "tasks", "peak / budget per task", "out of memory"]
     rows = [[s["operator"], ", ".join(s["decisions"]), str(s["tasks"]),
              f"{format_bytes(s['peak_bytes']) if s['peak_bytes'] else 'n/a'} / {format_bytes(s['budget_bytes'])}",
              f"{s['oom_events']} recovered"] for s in summaries]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+    return table(header, rows, indent="  ").splitlines()
 
 
 def run(args: argparse.Namespace) -> int:

@@ -810,8 +810,7 @@ class BankKnowledge:
 
     def margin(self) -> float | None:
         """The learned margin: the conformal quantile of needed / predicted mean (None until learned)."""
-        with self.bank._lock:
-            return self.bank.model(self.key).conformal_factor()
+        return self.bank.model(self.key).conformal_factor()
 
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice:
         return self.bank.choose_arm(self.key, groups)

@@ -58,6 +58,7 @@ from .machine import (
     Submit,
     WorkerDied,
 )
+from .model import BankKnowledge, ModelBank
 from .records import Observation, Prediction
 from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 
@@ -435,9 +436,8 @@ class _MachineRun:
                  settings: PolicySettings, time_sigma: float):
         self.step, self.cluster, self.sim, self.rng = step, cluster, sim, rng
         self.draws = Draws(truth, step.key, cluster.per_task_overhead_seconds, time_sigma)
+        # An operator with no history (LearningKnowledge) learns as the runner would, from this run's own chunks.
         self.knowledge = knowledge
-        # An operator with no history learns as the runner would, from this run's own chunks (a cold run).
-        self.learns = bool(getattr(knowledge, "learning", False))
         spec = MapSpec(operator=step.operator, operator_key=step.key, shape=tuple(shape),  # type: ignore[arg-type]
                        halo=step.halo, whole_traces=step.whole_traces, incoming=incoming, settings=settings)
         self.machine = MapMachine(spec, knowledge)
@@ -482,8 +482,8 @@ class _MachineRun:
                 self.carry_out(self.machine.handle(PausesRead((), at=self.sim.now)))
             elif isinstance(ins, Fail):
                 self.failure = f"{self.step.operator}: {ins.error}"
-            elif isinstance(ins, Record) and self.learns:
-                self.knowledge.bank.learn(ins.observation)  # type: ignore[attr-defined]
+            elif isinstance(ins, Record) and isinstance(self.knowledge, LearningKnowledge):
+                self.knowledge.learn(ins.observation)
             # Rewarded / Finalize / MarkRuns / Cancel / RecoverMarkers / ChunkEnded, and Record for an operator
             # with history: nothing to simulate (a warm run: its models are not taught by simulated chunks).
 
@@ -636,6 +636,14 @@ def simulate(strategies: Sequence[str], steps: Sequence[Step], shape: Shape, clu
     return out
 
 
+class LearningKnowledge(BankKnowledge):
+    """The knowledge of an operator with no history in a simulation: an in-memory bank taught by the simulated
+    run's own chunks (the store is never written)."""
+
+    def learn(self, obs: Observation) -> None:
+        self.bank.learn(obs)
+
+
 @dataclass
 class StoreModels:
     """What a simulation reads from a store: each key's knowledge (what the runner plans with) and truth (what
@@ -652,14 +660,10 @@ class StoreModels:
         return bool(self.bank.predict(key, (1, 1, 1)).ready)
 
     def knowledge(self, key: str) -> Knowledge:
-        from .model import BankKnowledge, ModelBank
-
         if self.prior is None or self._has_history(key):
             return BankKnowledge(self.bank, key, self.settings)
         self.from_prior.add(key)
-        fresh = BankKnowledge(ModelBank(None), key, self.settings)  # learns from this run's chunks only
-        fresh.learning = True  # type: ignore[attr-defined]
-        return fresh
+        return LearningKnowledge(ModelBank(None), key, self.settings)  # learns from this run's chunks only
 
     def truth(self, key: str) -> Knowledge:
         if self.prior is not None and not self._has_history(key):
@@ -673,7 +677,6 @@ def store_models(store_path: str | None = None, settings: PolicySettings = DEFAU
     """The models of the store at ``store_path`` (default: the runner's default store), read as the runner reads
     them. No observation or reward is written; opening the store is what a run does (an older schema is migrated,
     a foreign file moved aside). A store that does not exist is an error, not a new empty store."""
-    from .model import ModelBank
     from .store import Store, default_store_path
 
     path = default_store_path() if store_path is None else Path(store_path).expanduser()
