@@ -23,6 +23,7 @@ and starting clusters (``runner.py``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -130,6 +131,49 @@ def read_resting(client: Any, modules: Sequence[str] = WORKER_MODULES) -> dict[s
     except Exception as exc:  # noqa: BLE001 - the heartbeat's figure is used instead
         logger.info("could not read the workers' resting memory: %r", exc)
         return {}
+
+
+def machine_info() -> dict[str, Any]:
+    """What this machine is, for traces (WfFormat's ``machines``): runs on a worker.
+
+    Host name, system, architecture, kernel release, CPU cores / speed (MHz) /
+    vendor and total memory (bytes). Values that cannot be read are left out.
+    """
+    import platform
+    import socket
+
+    import psutil
+
+    info: dict[str, Any] = {"nodeName": socket.gethostname(), "system": platform.system().lower(),
+                            "architecture": platform.machine(), "release": platform.release(),
+                            "memoryInBytes": int(psutil.virtual_memory().total)}
+    cpu: dict[str, Any] = {"coreCount": int(psutil.cpu_count(logical=True) or 1)}
+    with contextlib.suppress(Exception):
+        freq = psutil.cpu_freq()
+        if freq is not None and freq.max > 0:
+            cpu["speedInMHz"] = int(freq.max)
+        elif freq is not None and freq.current > 0:
+            cpu["speedInMHz"] = int(freq.current)
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                name, _, value = line.partition(":")
+                if name.strip() in ("vendor_id", "model name") and value.strip():
+                    cpu["vendor" if name.strip() == "vendor_id" else "model"] = value.strip()
+                if "vendor" in cpu and "model" in cpu:
+                    break
+    info["cpu"] = cpu
+    return info
+
+
+def read_machines(client: Any) -> dict[str, dict[str, Any]]:
+    """``{host: machine_info()}`` for the hosts of the cluster's workers (empty if the cluster refuses)."""
+    try:
+        infos = client.run(machine_info)
+    except Exception as exc:  # noqa: BLE001 - a trace without machine details is still a trace
+        logger.info("could not read the workers' machine descriptions: %r", exc)
+        return {}
+    return {str(i["nodeName"]): i for i in infos.values() if isinstance(i, dict) and i.get("nodeName")}
 
 
 def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, object],

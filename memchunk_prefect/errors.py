@@ -164,6 +164,15 @@ class SimulationInputError(MemchunkError, ValueError):
     """A simulation was asked of something that cannot be simulated (the message says what and what to do)."""
 
 
+class EnergyInputError(MemchunkError, ValueError):
+    """A power figure or an energy objective that cannot be used (not a positive number, an unknown objective)."""
+
+
+class TraceExportError(MemchunkError):
+    """A flow run that cannot be exported as a workflow trace (unknown, unfinished, without chunked maps,
+    or an output path that cannot be written)."""
+
+
 class ClusterLostError(MemchunkError, ConnectionError):
     """The Dask scheduler went away (killed, restarted, network lost) while a chunked map was running.
 

@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -34,6 +35,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from . import cluster as _cluster
 from . import taskruns
 from .chunks import Chunk, Shape
+from .energy import ESTIMATE, estimate_joules
 from .errors import MemchunkError
 from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
 from .machine import (
@@ -65,8 +67,8 @@ from .machine import (
 )
 from .observe import MapEnd, MapObserver, MapStart, Observers
 from .operators import operator_key, operator_name, spec_of
-from .records import Observation, Reward, paused_within, pauses_from
-from .settings import DTYPE, RUNNER_SETTINGS
+from .records import MapRun, Observation, Reward, paused_within, pauses_from
+from .settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS
 from .volume import as_source
 from .worker import BlockFunction, BlockJob, chunk_task_run_name
 
@@ -131,6 +133,8 @@ class ChunkedMap:
         self.headroom: dict[str, int] = {}  # each worker's kill line less that, per thread
         self.reward: Reward | None = None  # what the learned policy's arm earned, once the map is finalized
         self.paused: tuple[int, float] = (0, 0.0)  # workers' pauses over the map and their worker-seconds
+        self.started_at: float | None = None  # when the map began (epoch seconds), for its MapRun record
+        self.flow_run_id = _flow_run_id()
 
     # ---------------------------------------------------------------- the loop
 
@@ -148,7 +152,9 @@ class ChunkedMap:
         budget = self.runner.budget([getattr(self.task.fn, "__module__", "") or "tasks"])
         self.slots, self.budget, self.resting = budget.slots, budget.budget_bytes, budget.resting_bytes
         self.headroom = budget.headroom_bytes
+        self.started_at = time.time()
         logger.info("%s: %s", self.name, budget.reason)
+        self.runner.record_machines()
         self.out, completed, action = open_output(self.output_path, self.identity, self.shape, self.source.coords(),
                                                   operator=self.name, replace_any=self.replace_any)
         from .model import BankKnowledge  # flow process only (River): see the note at the top of runner.py
@@ -223,11 +229,19 @@ class ChunkedMap:
         return self.runner.kill_headroom_bytes()
 
     def observed(self, record: dict) -> Observation:
-        """A worker's record, with the resting memory the budget assumed for that worker (what it did not see)."""
+        """A worker's record, completed with what the flow knows: the resting memory the budget assumed for
+        that worker (what it did not see), the flow run, and an energy estimate where no counter measured it
+        (CPU seconds x ``policy.watts_per_core``, labelled ``energy_source="estimate"``)."""
         obs = Observation.from_dict(record)
+        changes: dict[str, Any] = {}
         if obs.resting_bytes is None and obs.worker in self.resting:
-            obs = dataclasses.replace(obs, resting_bytes=int(self.resting[obs.worker]))
-        return obs
+            changes["resting_bytes"] = int(self.resting[obs.worker])
+        if not obs.flow_run_id and self.flow_run_id:
+            changes["flow_run_id"] = self.flow_run_id
+        if obs.energy_joules is None and obs.cpu_seconds is not None:
+            changes["energy_joules"] = estimate_joules(obs.cpu_seconds, self.runner.policy.watts_per_core)
+            changes["energy_source"] = ESTIMATE
+        return dataclasses.replace(obs, **changes) if changes else obs
 
     # ---------------------------------------------------------------- instructions
 
@@ -390,9 +404,39 @@ class ChunkedMap:
 
     def _end(self, error: BaseException | None) -> None:
         m = self.machine
+        self.record_map(error)
         self.observers.emit("on_map_end", MapEnd(error, len(m.done) if m else 0, m.done_elements if m else 0,
                                                  at=time.time(), reward=self.reward if error is None else None,
                                                  pauses=self.paused[0], paused_seconds=self.paused[1]))
+
+
+    def record_map(self, error: BaseException | None) -> None:
+        """Keep what a trace of this flow run needs about the map (a failing store is logged, never raised)."""
+        if self.started_at is None:
+            return  # it never started: nothing ran
+        outcome = "ok" if error is None else ("failed" if isinstance(error, Exception) else "interrupted")
+        path = getattr(self.source, "path", "") or ""
+        run = MapRun(flow_run_id=self.flow_run_id, operator=self.name, operator_key=self.key, source=str(path),
+                     source_bytes=_size_on_disk(path) if path else None, output_path=self.output_path,
+                     shape=self.shape, halo=self.halo, itemsize=ITEMSIZE, slots=self.slots,
+                     budget_bytes=int(self.budget), started_at=self.started_at, ended_at=time.time(),
+                     outcome=outcome)
+        try:
+            store = self.runner.model_bank().store
+            if store is not None:
+                store.add_map(run)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not record the map %s for traces: %r", self.name, exc)
+
+
+def _size_on_disk(path: str) -> int | None:
+    """Bytes of a file, or of every file under a directory (a zarr store); None if it cannot be read."""
+    try:
+        if os.path.isdir(path):
+            return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+        return os.path.getsize(path)
+    except OSError:
+        return None
 
 
 def _flow_run_id() -> str:

@@ -226,6 +226,7 @@ class Measurement:
             "censored": self.censored,
             "gpu_peak_bytes": self.gpu_peak_bytes,
             "energy_joules": self.energy_joules,
+            "energy_source": self.energy_source,
             "shared": self.shared,
             "method": self.method,
             "baseline_bytes": self.baseline_bytes,

@@ -46,6 +46,7 @@ class Observation:
     chunk: str = ""  # Chunk.key() of the output chunk (no halo), e.g. "i0-32_x0-64_t0-400"
     budget_bytes: int | None = None
     gpu_peak_bytes: int | None = None
+    #: Energy of the run, joules: measured by a counter, or estimated (see ``energy_source``); None if neither.
     energy_joules: float | None = None
     shared: bool = False  # True when other tasks ran in the same process: the peak mixes them
     method: str = ""  # how peak_bytes was measured: "vmhwm", "psutil", "tracemalloc", "flow" (from a death)
@@ -56,6 +57,15 @@ class Observation:
     resting_bytes: int | None = None
     flow_run_id: str = ""
     created_at: float = field(default_factory=time.time)
+    #: What ``energy_joules`` is: a counter ("nvml", "rapl", "nvml+rapl": measured over the whole device
+    #: during the run) or "estimate" (CPU seconds x a power figure, :mod:`memchunk_prefect.energy`); None if none.
+    energy_source: str | None = None
+    #: When the run started (epoch seconds; None for records older than schema v5).
+    started_at: float | None = None
+    #: The Prefect task run that ran it ("" when unknown: older records, a plain call outside Prefect).
+    task_run_id: str = ""
+    #: The host name of the machine it ran on ("" when unknown).
+    host: str = ""
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -163,6 +173,49 @@ class Reward:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Reward":
         return cls(**_known_fields(cls, d, tuples=("arms",)))
+
+
+@dataclass
+class MapRun:
+    """One chunked map of a flow run, as the store keeps it: what it read, where it wrote, how it ran.
+
+    What a trace of the run needs beyond its observations: which map fed which
+    (``source`` is the upstream map's ``output_path`` when the map read another
+    map's result), the volume and halo (a chunk's input box), the element size
+    and the cluster it ran on. Times are epoch seconds; sizes bytes.
+
+    - ``source``: the path read (a SEG-Y file, a zarr store) or "" for an array in memory;
+    - ``source_bytes``: the size of that file on disk (a directory's files summed), or None;
+    - ``outcome``: "ok" (every chunk written), "failed" or "interrupted".
+    """
+
+    flow_run_id: str
+    operator: str
+    operator_key: str
+    source: str
+    output_path: str
+    shape: tuple[int, int, int]
+    halo: tuple[int, int, int]
+    itemsize: int
+    slots: int
+    budget_bytes: int
+    started_at: float
+    ended_at: float
+    outcome: str = "ok"
+    source_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(int(v) for v in self.shape)  # type: ignore[assignment]
+        self.halo = tuple(int(v) for v in self.halo)  # type: ignore[assignment]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["shape"], d["halo"] = list(self.shape), list(self.halo)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "MapRun":
+        return cls(**_known_fields(cls, d, tuples=("shape", "halo")))
 
 
 def _known_fields(cls: type, d: Mapping[str, Any], *, tuples: tuple[str, ...]) -> dict[str, Any]:

@@ -323,6 +323,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         self._map_count = 0
         self._cluster_checked = False
         self._kill_fractions: dict[str, object] = {}
+        self._machines_recorded = False
 
     # ---------------------------------------------------------------- Prefect plumbing
 
@@ -465,6 +466,19 @@ class MemoryAwareRunner(DaskTaskRunner):
     def kill_headroom_bytes(self) -> int | None:
         """What a task may use above its worker's resting memory before the nanny kills it (smallest over workers)."""
         return _cluster.kill_headroom_bytes(self.workers())
+
+    def record_machines(self) -> None:
+        """Store what the cluster's hosts are (CPU, memory, system) once per runner, for traces."""
+        if self._machines_recorded:
+            return
+        self._machines_recorded = True
+        machines = _cluster.read_machines(self.client)
+        try:
+            store = self.model_bank().store
+            if store is not None and machines:
+                store.put_machines(machines)
+        except Exception as exc:  # noqa: BLE001 - never stops a run
+            logger.warning("could not record the cluster's machines: %r", exc)
 
     def _check_cluster_once(self) -> None:
         """Warn once per flow run when the scheduler retries dead workers' tasks (policy.allowed_failures_warning)."""

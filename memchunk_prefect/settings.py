@@ -20,7 +20,11 @@ nanny's kill line (``distributed.worker.memory.terminate``; see
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from .energy import DEFAULT_IDLE_WATTS_PER_CORE, DEFAULT_WATTS_PER_CORE, check_objective, check_watts
+from .errors import EnergyInputError
 
 #: Every volume is processed as float32 (``DTYPE``); ``ITEMSIZE`` bytes per element.
 DTYPE = "float32"
@@ -68,6 +72,18 @@ class PolicySettings:
       want the conservative plan whatever was learned.
     - ``oom_penalty``: reward taken off a plan per chunk of it that ran out of
       memory (rewards are slot efficiencies, 0..1: one event costs a whole map).
+    - ``objective``: what :func:`~memchunk_prefect.policy.plan` minimises among the
+      chunkings that fit: ``"time"`` (estimated makespan) or ``"energy"`` (estimated
+      joules: busy slots at ``watts_per_core`` or the operator's learned joules per
+      element, allocated idle slots at ``idle_watts_per_core``, per-task overhead;
+      see :func:`memchunk_prefect.energy.plan_energy_joules`).
+    - ``deadline_seconds``: with ``objective="energy"``, only plans whose estimated
+      makespan is within this many seconds are considered (the least energy that
+      meets it; the fastest plan when none does). None: no limit.
+    - ``watts_per_core`` / ``idle_watts_per_core``: power of one busy / one
+      allocated idle core, watts, where no counter measured it: energy estimates
+      (``energy_source="estimate"``) and the energy objective use them
+      (:mod:`memchunk_prefect.energy` states the defaults' reasoning).
     """
 
     per_task_overhead_seconds: float = 0.15
@@ -83,6 +99,23 @@ class PolicySettings:
     time_window: int = 20
     learned_policy: bool = True
     oom_penalty: float = 1.0
+    objective: str = "time"
+    deadline_seconds: float | None = None
+    watts_per_core: float = DEFAULT_WATTS_PER_CORE
+    idle_watts_per_core: float = DEFAULT_IDLE_WATTS_PER_CORE
+
+    def __post_init__(self) -> None:
+        check_objective(self.objective)
+        check_watts(self.watts_per_core, "watts_per_core")
+        check_watts(self.idle_watts_per_core, "idle_watts_per_core")
+        if self.deadline_seconds is not None:
+            try:
+                ok = math.isfinite(float(self.deadline_seconds)) and float(self.deadline_seconds) > 0
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise EnergyInputError(f"`deadline_seconds` must be a positive number of seconds or None, got "
+                                       f"{self.deadline_seconds!r}")
 
     def in_flight_cap(self, slots: int) -> int:
         """Most chunks in flight at once for ``slots`` worker slots."""

@@ -50,12 +50,12 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from .errors import StoreError, StoreSchemaTooNewError
-from .records import Observation, Reward
+from .records import MapRun, Observation, Reward
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
 v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table)."""
 
@@ -150,11 +150,17 @@ _COLUMNS: list[tuple[str, str]] = [
     ("created_at", "REAL NOT NULL"),
     ("baseline_bytes", "INTEGER"),
     ("resting_bytes", "INTEGER"),
+    ("energy_source", "TEXT"),
+    ("started_at", "REAL"),
+    ("task_run_id", "TEXT NOT NULL DEFAULT ''"),
+    ("host", "TEXT NOT NULL DEFAULT ''"),
 ]
 COLUMN_NAMES = [c for c, _ in _COLUMNS]
 
 #: Columns added in schema version 3 (what the worker held when a run started, what the budget assumed).
 _ADDED_V3 = ("baseline_bytes", "resting_bytes")
+#: Columns added in schema version 5 (what a trace of a run needs: energy's source, start, task run, host).
+_ADDED_V5 = ("energy_source", "started_at", "task_run_id", "host")
 
 
 #: The learned policy's rewards (schema v4): one row per finished plan (see ``records.Reward``).
@@ -178,6 +184,31 @@ _CREATE_REWARDS = ("CREATE TABLE rewards (id INTEGER PRIMARY KEY AUTOINCREMENT, 
                    + ");\nCREATE INDEX rewards_key ON rewards(operator_key, id);\n")
 
 
+#: The chunked maps of each flow run (schema v5): one row per map (see ``records.MapRun``).
+_MAP_COLUMNS: list[tuple[str, str]] = [
+    ("flow_run_id", "TEXT NOT NULL"),
+    ("operator", "TEXT NOT NULL"),
+    ("operator_key", "TEXT NOT NULL"),
+    ("source", "TEXT NOT NULL"),
+    ("source_bytes", "INTEGER"),
+    ("output_path", "TEXT NOT NULL"),
+    ("shape", "TEXT NOT NULL"),  # "ni,nx,nt"
+    ("halo", "TEXT NOT NULL"),  # "hi,hx,ht"
+    ("itemsize", "INTEGER NOT NULL"),
+    ("slots", "INTEGER NOT NULL"),
+    ("budget_bytes", "INTEGER NOT NULL"),
+    ("started_at", "REAL NOT NULL"),
+    ("ended_at", "REAL NOT NULL"),
+    ("outcome", "TEXT NOT NULL"),
+]
+MAP_COLUMN_NAMES = [c for c, _ in _MAP_COLUMNS]
+_CREATE_V5 = ("CREATE TABLE maps (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+              + ", ".join(f"{c} {t}" for c, t in _MAP_COLUMNS)
+              + ");\nCREATE INDEX maps_run ON maps(flow_run_id, id);\n"
+              # What each host that ran a task is (CPU, memory, system), for traces: one row per host name.
+              "CREATE TABLE machines (host TEXT PRIMARY KEY, info TEXT NOT NULL, updated_at REAL NOT NULL);\n")
+
+
 def _create_table(columns: list[tuple[str, str]]) -> str:
     return ("CREATE TABLE observations (id INTEGER PRIMARY KEY AUTOINCREMENT, "
             + ", ".join(f"{c} {t}" for c, t in columns)
@@ -185,9 +216,9 @@ def _create_table(columns: list[tuple[str, str]]) -> str:
             "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);\n")
 
 
-_CREATE = _create_table(_COLUMNS) + _CREATE_REWARDS
+_CREATE = _create_table(_COLUMNS) + _CREATE_REWARDS + _CREATE_V5
 # The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
-_CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3])
+_CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5])
 
 # The v1 layout, kept to document what migrate_1_to_2 reads (and for the migration test).
 CREATE_V1 = (
@@ -237,8 +268,17 @@ def _migrate_3_to_4(con: sqlite3.Connection) -> None:
     _execute_script(con, _CREATE_REWARDS)
 
 
+def _migrate_4_to_5(con: sqlite3.Connection) -> None:
+    """v5 adds what a trace of a run needs: energy's source, start, task run and host per observation
+    (NULL / '' for older rows), the maps of each flow run and the machines tasks ran on (empty tables)."""
+    for name, kind in _COLUMNS:
+        if name in _ADDED_V5:
+            con.execute(f"ALTER TABLE observations ADD COLUMN {name} {kind}")
+    _execute_script(con, _CREATE_V5)
+
+
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3,
-                                                              3: _migrate_3_to_4}
+                                                              3: _migrate_3_to_4, 4: _migrate_4_to_5}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 
@@ -420,7 +460,8 @@ class Store:
         return (obs.operator_key, obs.elements, il, xl, tw, obs.bytes_in, obs.peak_bytes, float(obs.seconds),
                 obs.outcome, int(bool(obs.censored)), obs.cpu_seconds, obs.worker, obs.chunk, obs.budget_bytes,
                 obs.gpu_peak_bytes, obs.energy_joules, int(bool(obs.shared)), obs.method, obs.flow_run_id,
-                float(obs.created_at), obs.baseline_bytes, obs.resting_bytes)
+                float(obs.created_at), obs.baseline_bytes, obs.resting_bytes, obs.energy_source, obs.started_at,
+                obs.task_run_id or "", obs.host or "")
 
     @staticmethod
     def _observation(row: Iterable[Any]) -> Observation:
@@ -452,13 +493,18 @@ class Store:
                 raise
         return ids
 
-    def _select(self, table: str, columns: list[str], key: str | None, after: int) -> list[tuple]:
-        """``(id, *columns)`` rows of ``table`` in insertion order, optionally for one key and after a row id."""
+    def _select(self, table: str, columns: list[str], key: str | None, after: int, *,
+                flow_run_id: str | None = None) -> list[tuple]:
+        """``(id, *columns)`` rows of ``table`` in insertion order, optionally for one key (and/or one flow
+        run) and after a row id."""
         sql = f"SELECT id, {', '.join(columns)} FROM {table} WHERE id > ?"
         args: list[Any] = [after]
         if key is not None:
             sql += " AND operator_key = ?"
             args.append(key)
+        if flow_run_id is not None:
+            sql += " AND flow_run_id = ?"
+            args.append(str(flow_run_id))
         with self._lock:
             return self._connection.execute(sql + " ORDER BY id", args).fetchall()
 
@@ -466,6 +512,49 @@ class Store:
         """``(row id, Observation)`` in insertion order, optionally for one key and after a row id."""
         for r in self._select("observations", COLUMN_NAMES, key, after):
             yield r[0], self._observation(r[1:])
+
+    def run_observations(self, flow_run_id: str) -> list[Observation]:
+        """Every observation of one flow run, in insertion order."""
+        return [self._observation(r[1:]) for r in self._select("observations", COLUMN_NAMES, None, 0,
+                                                                flow_run_id=flow_run_id)]
+
+    def add_map(self, run: MapRun) -> int:
+        """Record one chunked map of a flow run (written when the map ends); returns its row id."""
+        d = run.to_dict()
+        d["shape"] = ",".join(str(v) for v in run.shape)
+        d["halo"] = ",".join(str(v) for v in run.halo)
+        return self._insert("maps", MAP_COLUMN_NAMES, [tuple(d[c] for c in MAP_COLUMN_NAMES)])[0]
+
+    def maps(self, flow_run_id: str | None = None) -> list[MapRun]:
+        """The chunked maps recorded (of one flow run, if given), in the order they ended."""
+        out = []
+        for r in self._select("maps", MAP_COLUMN_NAMES, None, 0, flow_run_id=flow_run_id):
+            d = dict(zip(MAP_COLUMN_NAMES, r[1:]))
+            d["shape"] = tuple(int(v) for v in str(d["shape"]).split(","))
+            d["halo"] = tuple(int(v) for v in str(d["halo"]).split(","))
+            out.append(MapRun.from_dict(d))
+        return out
+
+    def put_machines(self, machines: Mapping[str, Mapping[str, Any]]) -> None:
+        """Record what each host is (``{host: info}``, JSON-able), replacing an older description."""
+        rows = [(str(h), json.dumps(dict(info), sort_keys=True), time.time()) for h, info in machines.items()]
+        if not rows:
+            return
+        with self._lock:
+            con = self._connection
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                con.executemany("INSERT OR REPLACE INTO machines (host, info, updated_at) VALUES (?, ?, ?)", rows)
+                con.execute("COMMIT")
+            except BaseException:
+                _rollback(con)
+                raise
+
+    def machines(self) -> dict[str, dict[str, Any]]:
+        """``{host: info}`` for every host recorded."""
+        with self._lock:
+            rows = self._connection.execute("SELECT host, info FROM machines ORDER BY host").fetchall()
+        return {str(h): json.loads(info) for h, info in rows}
 
     def observations(self, key: str | None = None) -> list[Observation]:
         """All observations (of ``key``, if given) in insertion order."""

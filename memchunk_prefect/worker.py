@@ -19,6 +19,8 @@ import errno
 import functools
 import inspect
 import os
+import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +101,17 @@ def _worker_name() -> str:
         return f"pid:{os.getpid()}"
 
 
+def _task_run_id() -> str:
+    """The Prefect task run this chunk runs in ("" outside one)."""
+    try:
+        from prefect.context import TaskRunContext
+
+        ctx = TaskRunContext.get()
+        return str(ctx.task_run.id) if ctx is not None else ""
+    except Exception:  # noqa: BLE001 - never let bookkeeping fail a chunk
+        return ""
+
+
 def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     """Read the block, run ``fn`` on it, trim the halo, write the region; measure all of it.
 
@@ -109,7 +122,8 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     base: dict[str, Any] = dict(
         operator_key=job.operator_key, elements=read_chunk.elements, extents=read_chunk.shape,
         bytes_in=read_chunk.elements * ITEMSIZE, worker=_worker_name(), chunk=job.chunk.key(),
-        budget_bytes=job.budget_bytes)
+        budget_bytes=job.budget_bytes, started_at=time.time(), task_run_id=_task_run_id(),
+        host=socket.gethostname())
     try:
         with default_monitor().track() as run:
             block = job.source.read(read_chunk)
