@@ -92,8 +92,10 @@ class Knowledge(Protocol):
     ``predict(extents)`` gives the memory figures for a block of ``extents``
     (halo included); ``seconds_per_element()`` the recent compute time per
     element, or None before any measurement; ``seconds_for(elements)`` a block's
-    compute seconds where time grows faster than size (None where proportional); ``choose_arm(groups)`` the learned
-    policy's arm among ``groups`` (arms grouped by identical plans).
+    compute seconds where time grows faster than size (None where proportional); ``joules_for(elements)`` a
+    block's learned energy in joules (None where none was learned: the planner then counts compute seconds at
+    ``PolicySettings.watts_per_core``); ``choose_arm(groups)`` the learned policy's arm among ``groups``
+    (arms grouped by identical plans).
     """
 
     def predict(self, extents: Shape) -> Prediction: ...
@@ -101,6 +103,8 @@ class Knowledge(Protocol):
     def seconds_per_element(self) -> float | None: ...
 
     def seconds_for(self, elements: int) -> float | None: ...
+
+    def joules_for(self, elements: int) -> float | None: ...
 
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice: ...
 
@@ -531,7 +535,7 @@ class MapMachine:
                                  predict=self.predict, halo=self.spec.halo, slots=self.slots,
                                  whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
                                  seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
-                                 seconds_for=self.knowledge.seconds_for)
+                                 seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for)
 
         try:
             d = self._choose_arm(decide) if not _probes(decide) else decide()
@@ -742,8 +746,15 @@ class MapMachine:
         if pred.upper_bytes > self.budget_bytes:
             return (f"the queued chunks of up to {largest.shape} no longer fit "
                     f"({format_bytes(pred.upper_bytes)} over {format_bytes(self.budget_bytes)})")
-        old_secs = policy.estimate_seconds(len(queued), ext, self.slots, self.settings,
-                                           self.knowledge.seconds_per_element(), self.knowledge.seconds_for)
+        k = self.knowledge
+        old_secs = policy.estimate_seconds(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
+                                           k.seconds_for)
+        if self.settings.objective == "energy" and new.estimated_joules is not None:
+            old_j = policy.estimate_joules(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
+                                           k.seconds_for, k.joules_for)
+            if new.estimated_joules < old_j * (1 - self.settings.replan_gain):
+                return f"estimated {old_j:.0f} J -> {new.estimated_joules:.0f} J"
+            return None
         if new.estimated_seconds is not None and new.estimated_seconds < old_secs * (1 - self.settings.replan_gain):
             return f"estimated {old_secs:.2f} s -> {new.estimated_seconds:.2f} s"
         return None
@@ -761,7 +772,7 @@ class MapMachine:
         return policy.plan(self.spec.shape, budget_bytes=self.budget_bytes, predict=self.predict, halo=self.spec.halo,
                            slots=self.slots, whole_traces=self.spec.whole_traces, region=region, itemsize=ITEMSIZE,
                            seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
-                           seconds_for=self.knowledge.seconds_for)
+                           seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for)
 
     def _upper_for(self, chunk: Chunk) -> float | None:
         """Upper bound for the block this chunk reads (its halo clipped at the volume's edges); None while not ready."""

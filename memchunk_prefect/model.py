@@ -96,6 +96,7 @@ from river import linear_model, metrics, stats, utils
 
 from .bandit import ArmChoice, ArmLearner
 from .chunks import Shape
+from .energy import ESTIMATE, DeviceRun, is_measured, split_device_energy
 from .records import Observation, Prediction, Reward
 from .settings import ITEMSIZE, PolicySettings
 
@@ -259,6 +260,8 @@ class OperatorModel:
     _time_sizes: set = field(init=False, repr=False)
     _ratios: deque = field(init=False, repr=False)
     _unseen: deque = field(init=False, repr=False)
+    _energy: deque = field(init=False, repr=False)
+    _energy_mape: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.5 < self.confidence < 1.0:
@@ -281,6 +284,8 @@ class OperatorModel:
         self._rates = deque(maxlen=RATE_HISTORY)
         self._ratios = deque(maxlen=self.conformal_window)
         self._unseen = deque(maxlen=self.metric_window)
+        self._energy = deque(maxlen=RATE_HISTORY)  # _EnergyRun of recent ok runs with an energy figure
+        self._energy_mape = utils.Rolling(metrics.MAPE, window_size=self.metric_window)
 
     # ------------------------------------------------------------------ learning
 
@@ -294,6 +299,8 @@ class OperatorModel:
         ``quarantined``, ``accepted`` (a repeated outlier) or ``ignored`` (not about memory)."""
         if obs.operator_key != self.key:
             raise ValueError(f"observation for {obs.operator_key!r} given to the model of {self.key!r}")
+        if obs.outcome == "ok" and obs.elements > 0 and obs.energy_joules is not None:
+            self._learn_energy(obs)
         if obs.outcome == "ok" and obs.elements > 0:
             self._rates.append(obs.seconds / obs.elements)
             if obs.seconds > 0:
@@ -326,6 +333,42 @@ class OperatorModel:
         self._expire_quarantine()
         self._learn_point(obs)
         return "learned"
+
+    def _learn_energy(self, obs: Observation) -> None:
+        """Keep one run's energy; score what the model predicted for it first (River's rolling MAPE)."""
+        run = _EnergyRun.of(obs)
+        before = self.joules_per_element(measured_only=run.measured)
+        if before is not None and run.joules > 0:
+            self._energy_mape.update(run.joules, before[0] * run.elements)
+        self._energy.append(run)
+
+    def joules_per_element(self, window: int = 20, *, measured_only: bool = False) -> tuple[float, str] | None:
+        """Energy per element (halo included) and what it rests on: ``(joules, source)``; None before any run.
+
+        The median over the latest ``window`` ``ok`` runs of one kind: measured
+        runs (``energy_source`` a counter) whenever any exists, estimates
+        otherwise; the two are never mixed. Measured runs read a whole-device
+        counter: runs of this operator that overlapped on the same host share it
+        (:func:`memchunk_prefect.energy.split_device_energy`), so two chunks
+        running side by side are not each charged for both. ``source`` is the
+        counter's name ("rapl", "nvml", ...) or "estimate".
+        """
+        measured = [r for r in self._energy if r.measured]
+        runs = measured if measured else ([] if measured_only else [r for r in self._energy])
+        runs = runs[-max(1, int(window)):]
+        if not runs:
+            return None
+        joules = [r.joules for r in runs]
+        if measured:
+            joules = _split_by_device(runs)
+        rates = sorted(j / r.elements for j, r in zip(joules, runs))
+        sources = sorted({r.source for r in runs})
+        return rates[len(rates) // 2], "+".join(sources)
+
+    def joules_for(self, elements: int, window: int = 20) -> float | None:
+        """Energy of one block of ``elements`` (halo included), joules, from :meth:`joules_per_element`."""
+        jpe = self.joules_per_element(window)
+        return None if jpe is None else jpe[0] * int(elements)
 
     def seconds_per_element(self, window: int = 20) -> float | None:
         """Compute seconds per element (halo included): the median of the latest ``window`` ``ok`` runs.
@@ -636,7 +679,16 @@ class OperatorModel:
             "unseen_bytes": self.unseen_bytes(),
             "seconds_per_element": self.seconds_per_element(),
             "time_form": self.time_form(),
+            "joules_per_element": None,
+            "energy_source": None,
+            "energy_runs": len(self._energy),
+            "energy_mape": None,
         }
+        jpe = self.joules_per_element()
+        if jpe is not None:
+            out["joules_per_element"], out["energy_source"] = jpe
+        if _rolling_count(self._energy_mape):
+            out["energy_mape"] = self._energy_mape.get() / 100.0
         if fits and out["ready"]:
             fit = fits[form]
             out["fixed_overhead_bytes"] = float(fit.coef[0] * MIB)
@@ -652,6 +704,45 @@ class OperatorModel:
             out["coverage"] = self._coverage.get()
             out["bound_over_truth"] = self._bound_ratio.get()
         return out
+
+
+@dataclass(frozen=True)
+class _EnergyRun:
+    """One ok run's energy, as the energy model keeps it (joules, elements, when and where it ran)."""
+
+    joules: float
+    elements: int
+    source: str
+    start: float
+    end: float
+    weight: float  # busy cores while it ran (CPU seconds / wall seconds), for sharing a device counter
+    host: str
+
+    @property
+    def measured(self) -> bool:
+        return is_measured(self.source)
+
+    @classmethod
+    def of(cls, obs: Observation) -> "_EnergyRun":
+        end = float(obs.created_at)
+        start = float(obs.started_at) if obs.started_at is not None else end - float(obs.seconds)
+        busy = (obs.cpu_seconds or 0.0) / obs.seconds if obs.seconds > 0 else 0.0
+        return cls(float(obs.energy_joules or 0.0), int(obs.elements), str(obs.energy_source or ESTIMATE),
+                   start, max(start, end), busy if busy > 0 else 1.0, obs.host or obs.worker)
+
+
+def _split_by_device(runs: Sequence[_EnergyRun]) -> list[float]:
+    """Each measured run's share of its device's counter, runs grouped by (host, counter)."""
+    out = [0.0] * len(runs)
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, r in enumerate(runs):
+        groups.setdefault((r.host, r.source), []).append(i)
+    for idx in groups.values():
+        shares = split_device_energy([DeviceRun(runs[i].start, runs[i].end, runs[i].joules, runs[i].weight)
+                                      for i in idx])
+        for i, j in zip(idx, shares):
+            out[i] = j
+    return out
 
 
 def _rolling_count(rolling: Any) -> int:
@@ -769,6 +860,11 @@ class ModelBank:
         with self._lock:
             return self.model(key).seconds_for(elements)
 
+    def joules_for(self, key: str, elements: int, window: int = 20) -> float | None:
+        """``key``'s learned energy of a block (see :meth:`OperatorModel.joules_for`), joules; None if none."""
+        with self._lock:
+            return self.model(key).joules_for(elements, window)
+
     def predictor(self, key: str, itemsize: int = ITEMSIZE):
         """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""
         return lambda extents: self.predict(key, extents, itemsize)
@@ -796,6 +892,9 @@ class BankKnowledge:
 
     def seconds_for(self, elements: int) -> float | None:
         return self.bank.seconds_for(self.key, elements)
+
+    def joules_for(self, elements: int) -> float | None:
+        return self.bank.joules_for(self.key, elements, self.settings.time_window)
 
     def block_seconds(self, elements: int) -> float | None:
         """Learned wall seconds of one block of ``elements`` (halo included): its compute time as the planner

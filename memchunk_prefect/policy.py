@@ -64,6 +64,7 @@ from .chunks import (
     split,
     with_halo,
 )
+from .energy import plan_energy_joules
 from .errors import BudgetError, BudgetTooSmallError, VolumeError, format_bytes
 from .records import Prediction
 from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
@@ -71,7 +72,8 @@ from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 __all__ = [
     "CONTINUE", "RECHUNK", "RETRY_SMALLER", "PROBE", "DECISIONS", "Prediction", "PolicySettings", "Plan", "Decision",
     "Predictor", "plan", "probe_plan", "decide", "split_chunk", "bound_moved", "remaining_boxes", "task_budget_bytes",
-    "allowed_failures_warning", "estimate_seconds", "check_budget", "SecondsFor",
+    "allowed_failures_warning", "estimate_seconds", "estimate_joules", "objective_value", "check_budget", "SecondsFor",
+    "JoulesFor",
 ]
 
 CONTINUE = "continue"
@@ -101,6 +103,7 @@ class Plan:
     upper_bound_bytes: float | None
     budget_bytes: int
     estimated_seconds: float | None = None
+    estimated_joules: float | None = None
     probe: bool = False
     remainder: list[Chunk] = field(default_factory=list)
     decision: str = RECHUNK
@@ -119,6 +122,7 @@ class Plan:
             "upper_bound_bytes": self.upper_bound_bytes,
             "budget_bytes": self.budget_bytes,
             "estimated_seconds": self.estimated_seconds,
+            "estimated_joules": self.estimated_joules,
             "probe": self.probe,
             "too_little_history": self.probe,
             "remainder": [[list(c.start), list(c.stop)] for c in self.remainder],
@@ -236,6 +240,47 @@ def _offset(chunks: Iterable[Chunk], origin: Sequence[int]) -> list[Chunk]:
 SecondsFor = Callable[[int], "float | None"]
 """Compute seconds for a block of that many elements (halo included), or None where time is proportional to size."""
 
+JoulesFor = Callable[[int], "float | None"]
+"""Learned energy (joules) of a block of that many elements (halo included), or None where none was learned."""
+
+
+def _compute_seconds(extents: Sequence[int], settings: PolicySettings, seconds_per_element: float | None,
+                     seconds_for: SecondsFor | None) -> float:
+    spe = settings.seconds_per_element if seconds_per_element is None else seconds_per_element
+    elements = math.prod(int(e) for e in extents)
+    compute = seconds_for(elements) if seconds_for is not None else None
+    return elements * spe if compute is None else compute
+
+
+def estimate_joules(n_chunks: int, extents: Sequence[int], slots: int, settings: PolicySettings,
+                    seconds_per_element: float | None = None, seconds_for: SecondsFor | None = None,
+                    joules_for: JoulesFor | None = None) -> float:
+    """Estimated energy in joules of ``n_chunks`` equal chunks of ``extents`` (halo included) on ``slots``.
+
+    Busy slots at the operator's learned joules per block (``joules_for``), else at
+    ``settings.watts_per_core`` x its compute seconds; per-task overhead at the busy
+    figure; slots left idle by the last wave at ``settings.idle_watts_per_core``
+    (:func:`memchunk_prefect.energy.plan_energy_joules`).
+    """
+    elements = math.prod(int(e) for e in extents)
+    return plan_energy_joules(
+        n_chunks=n_chunks, slots=slots,
+        chunk_seconds=_compute_seconds(extents, settings, seconds_per_element, seconds_for),
+        overhead_seconds=settings.per_task_overhead_seconds,
+        chunk_joules=joules_for(elements) if joules_for is not None else None,
+        watts_per_core=settings.watts_per_core, idle_watts_per_core=settings.idle_watts_per_core)
+
+
+def objective_value(seconds: float, joules: float, settings: PolicySettings) -> float:
+    """What the planner minimises for ``settings.objective``: seconds, or joules."""
+    return joules if settings.objective == "energy" else seconds
+
+
+def late(seconds: float, settings: PolicySettings) -> bool:
+    """True when an energy-objective plan misses ``settings.deadline_seconds`` (never for the time objective)."""
+    return (settings.objective == "energy" and settings.deadline_seconds is not None
+            and seconds > settings.deadline_seconds)
+
 
 def estimate_seconds(n_chunks: int, extents: Sequence[int], slots: int, settings: PolicySettings,
                      seconds_per_element: float | None = None, seconds_for: SecondsFor | None = None) -> float:
@@ -244,11 +289,7 @@ def estimate_seconds(n_chunks: int, extents: Sequence[int], slots: int, settings
     A chunk's compute time is ``seconds_for(elements)`` where the model learned
     that time grows faster than size, else ``elements x seconds_per_element``.
     """
-    spe = settings.seconds_per_element if seconds_per_element is None else seconds_per_element
-    elements = math.prod(int(e) for e in extents)
-    compute = seconds_for(elements) if seconds_for is not None else None
-    if compute is None:
-        compute = elements * spe
+    compute = _compute_seconds(extents, settings, seconds_per_element, seconds_for)
     waves = math.ceil(n_chunks / max(1, slots))
     return waves * (compute + settings.per_task_overhead_seconds)
 
@@ -269,6 +310,7 @@ def plan(
     seconds_per_element: float | None = None,
     settings: PolicySettings = DEFAULT_SETTINGS,
     seconds_for: SecondsFor | None = None,
+    joules_for: JoulesFor | None = None,
 ) -> Plan:
     """The best chunking of ``region`` (default: the whole volume of ``shape``) for one operator.
 
@@ -323,10 +365,14 @@ def plan(
                     continue
                 n = ci * cx * ct
                 secs = estimate_seconds(n, ext, slots, settings, seconds_per_element, seconds_for)
-                # Prefer: shortest makespan, then fewest chunks, then uncut traces, then cutting ilines first.
-                score = (round(secs, 9), n, ct, cx)
+                joules = estimate_joules(n, ext, slots, settings, seconds_per_element, seconds_for, joules_for)
+                # Prefer: the objective (shortest makespan, or least energy among the plans that meet the
+                # deadline, then the fastest late one), then fewest chunks, uncut traces, cutting ilines first.
+                is_late = late(secs, settings)
+                value = secs if is_late else objective_value(secs, joules, settings)
+                score = (is_late, round(value, 9), round(secs, 9), n, ct, cx)
                 if best is None or score < best[0]:
-                    best = (score, (ci, cx, ct), cshape, pred, secs)
+                    best = (score, (ci, cx, ct), cshape, pred, secs, joules)
                 # Larger cx only makes chunks smaller along xline: once it fits, more cuts only add overhead
                 # unless they fill slots; keep scanning a little for balance but stop at many waves.
                 if n >= 4 * slots and pred.upper_bytes <= budget_bytes:
@@ -341,7 +387,7 @@ def plan(
             "memory_budget/target_fraction cap if you set one"
             + ("" if not whole_traces else "; this operator needs whole traces, so traces cannot be cut")
         )
-    (_, counts, cshape, pred, secs) = best
+    (_, counts, cshape, pred, secs, joules) = best
     chunks = _offset(balanced_grid(rshape, counts), region.start)
     return Plan(
         chunks=chunks,
@@ -350,10 +396,23 @@ def plan(
         upper_bound_bytes=float(pred.upper_bytes),
         budget_bytes=int(budget_bytes),
         estimated_seconds=secs,
+        estimated_joules=joules,
         decision=RECHUNK,
         reason=(f"{len(chunks)} chunks of up to {cshape}: upper bound {format_bytes(pred.upper_bytes)} "
-                f"fits the budget {format_bytes(budget_bytes)} with {slots} slot(s)"),
+                f"fits the budget {format_bytes(budget_bytes)} with {slots} slot(s)"
+                + _objective_words(secs, joules, settings)),
     )
+
+
+def _objective_words(secs: float, joules: float, settings: PolicySettings) -> str:
+    """What an energy-objective plan was chosen for, in words ("" for the time objective)."""
+    if settings.objective != "energy":
+        return ""
+    words = f"; least energy: about {joules:.0f} J in {secs:.1f} s"
+    if settings.deadline_seconds is not None:
+        words += (f", misses the {settings.deadline_seconds:g} s deadline (the fastest plan)" if late(secs, settings)
+                  else f" within the {settings.deadline_seconds:g} s deadline")
+    return words
 
 
 def probe_plan(
@@ -484,6 +543,7 @@ def decide(
     seconds_per_element: float | None = None,
     settings: PolicySettings = DEFAULT_SETTINGS,
     seconds_for: SecondsFor | None = None,
+    joules_for: JoulesFor | None = None,
 ) -> Decision:
     """Continue with the incoming chunking, rechunk, or probe (no history).
 
@@ -493,7 +553,8 @@ def decide(
     vol = check_shape(shape)
     h = normalize_halo(halo)
     best = plan(vol, budget_bytes=budget_bytes, predict=predict, halo=h, slots=slots, whole_traces=whole_traces,
-                itemsize=itemsize, seconds_per_element=seconds_per_element, settings=settings, seconds_for=seconds_for)
+                itemsize=itemsize, seconds_per_element=seconds_per_element, settings=settings, seconds_for=seconds_for,
+                joules_for=joules_for)
     if best.probe:
         return Decision(PROBE, best, best.reason, incoming_n_chunks=len(incoming) if incoming else None)
     if not incoming:
@@ -512,19 +573,38 @@ def decide(
             f"operator, over the budget {format_bytes(budget_bytes)}: " + best.reason,
             incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
     secs = estimate_seconds(len(incoming), ext, slots, settings, seconds_per_element, seconds_for)
-    if best.estimated_seconds is not None and secs > best.estimated_seconds * (1 + settings.continue_tolerance):
-        return Decision(
-            RECHUNK, best,
-            f"incoming chunking fits but is estimated {secs:.2f} s against {best.estimated_seconds:.2f} s: "
-            + best.reason,
-            incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
+    joules = estimate_joules(len(incoming), ext, slots, settings, seconds_per_element, seconds_for, joules_for)
+    worse = _worse_than(secs, joules, best, settings)
+    if worse:
+        return Decision(RECHUNK, best, f"incoming chunking fits but {worse}: " + best.reason,
+                        incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
     kept = Plan(chunks=incoming, chunk_shape=largest.shape, predicted_peak_bytes=float(pred.mean_bytes),
                 upper_bound_bytes=float(pred.upper_bytes), budget_bytes=int(budget_bytes), estimated_seconds=secs,
-                decision=CONTINUE,
+                estimated_joules=joules, decision=CONTINUE,
                 reason=(f"incoming {len(incoming)} chunks of up to {largest.shape} fit (upper bound "
                         f"{format_bytes(pred.upper_bytes)} of {format_bytes(budget_bytes)}) and are near the best"))
     return Decision(CONTINUE, kept, kept.reason, incoming_n_chunks=len(incoming),
                     incoming_upper_bytes=float(pred.upper_bytes))
+
+
+def _worse_than(secs: float, joules: float, best: Plan, settings: PolicySettings) -> str | None:
+    """Why a chunking estimated at ``secs`` / ``joules`` should give way to ``best`` (words), or None.
+
+    Worse means: past the energy objective's deadline where ``best`` is not, or
+    its objective (seconds or joules) more than ``continue_tolerance`` above
+    ``best``'s.
+    """
+    if best.estimated_seconds is None:
+        return None
+    if late(secs, settings) and not late(best.estimated_seconds, settings):
+        return f"is estimated {secs:.2f} s, past the {settings.deadline_seconds:g} s deadline"
+    if settings.objective == "energy" and best.estimated_joules is not None:
+        if joules > best.estimated_joules * (1 + settings.continue_tolerance):
+            return f"is estimated {joules:.0f} J against {best.estimated_joules:.0f} J"
+        return None
+    if secs > best.estimated_seconds * (1 + settings.continue_tolerance):
+        return f"is estimated {secs:.2f} s against {best.estimated_seconds:.2f} s"
+    return None
 
 
 def split_chunk(chunk: Chunk, *, whole_traces: bool = True) -> list[Chunk]:

@@ -56,6 +56,7 @@ Ordinary iterables map exactly as with ``DaskTaskRunner``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import getpass
 import logging
 import os
@@ -79,12 +80,20 @@ from . import cluster as _cluster
 from . import policy
 from .chunks import Chunk, Shape, normalize_halo
 from .cluster import WorkerMemory
-from .errors import BudgetError, EnvironmentProblemError, OutputPathError, RunnerConfigError
+from .errors import (
+    BudgetError,
+    EnergyInputError,
+    EnvironmentProblemError,
+    MemchunkError,
+    OutputPathError,
+    RunnerConfigError,
+)
 from .executor import ChunkedMap
 from .observe import MapLog, MapObserver
 from .records import Observation
 from .settings import RUNNER_SETTINGS, PolicySettings
 from .units import parse_bytes as _parse_bytes
+from .units import parse_seconds
 from .volume import open_result
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -251,7 +260,17 @@ class MemoryAwareRunner(DaskTaskRunner):
     - ``progress``: each chunked map's progress on standard error
       (:mod:`memchunk_prefect.progress`): a live bar on a terminal and one line
       when the map ends (only that line when the output is not a terminal);
-      ``False`` for none.
+      ``False`` for none;
+    - ``objective``: ``"time"`` (default: the shortest estimated run) or ``"energy"``
+      (the least estimated joules: busy slots, idle slots of a last wave, per-task
+      overhead; :func:`memchunk_prefect.policy.estimate_joules`);
+    - ``deadline``: with ``objective="energy"``, the most seconds (or ``"10min"``)
+      a chunked map may be estimated to take: the least energy that meets it;
+    - ``watts_per_core`` / ``idle_watts_per_core``: power of a busy / an idle core,
+      watts, for energy estimates where no counter can be read and for the energy
+      objective (:mod:`memchunk_prefect.energy` states the defaults).
+
+    These four set the same fields of ``policy``.
 
     Zero arguments work: a local cluster of one single-thread worker process per
     core, memory split among them, budget derived from their limit.
@@ -274,6 +293,10 @@ class MemoryAwareRunner(DaskTaskRunner):
         policy: PolicySettings | Mapping[str, Any] | None = None,
         observers: Iterable[MapObserver] = (),
         progress: bool = True,
+        objective: str | None = None,
+        deadline: float | str | None = None,
+        watts_per_core: float | None = None,
+        idle_watts_per_core: float | None = None,
     ):
         if cluster is not None:
             raise RunnerConfigError(
@@ -313,6 +336,11 @@ class MemoryAwareRunner(DaskTaskRunner):
                 raise RunnerConfigError(f"`policy` has an unknown setting: {exc}") from exc
         elif not isinstance(policy, PolicySettings):
             raise RunnerConfigError(f"`policy` must be a PolicySettings or a dict, got {type(policy).__name__}")
+        energy = {name: value for name, value in (
+            ("objective", objective), ("watts_per_core", watts_per_core), ("idle_watts_per_core", idle_watts_per_core),
+            ("deadline_seconds", None if deadline is None else _deadline_seconds(deadline))) if value is not None}
+        if energy:
+            policy = dataclasses.replace(policy, **energy)  # validated by PolicySettings (EnergyInputError)
         self.policy = policy
         self.observers = tuple(observers)
         self.progress = bool(progress)
@@ -504,6 +532,15 @@ class MemoryAwareRunner(DaskTaskRunner):
         if not path.resolve().is_relative_to(base.resolve()):
             raise OutputPathError(f"{path}: the output for {operator!r} would leave the output directory {base}")
         return str(path)
+
+
+def _deadline_seconds(deadline: float | str) -> float:
+    """A map deadline in seconds from ``90``, ``"90s"``, ``"10min"``; EnergyInputError for anything else."""
+    try:
+        return parse_seconds(deadline)
+    except (MemchunkError, TypeError, ValueError) as exc:
+        raise EnergyInputError(f"`deadline` must be seconds (90) or a duration ('90s', '10min', '2h'), got "
+                               f"{deadline!r}: {exc}") from exc
 
 
 def _progress_observers(on: bool) -> list[MapObserver]:

@@ -212,6 +212,9 @@ class PriorKnowledge:
     def seconds_for(self, elements: int) -> float | None:
         return None
 
+    def joules_for(self, elements: int) -> float | None:
+        return None  # no energy is learned for a prior: the planner counts its seconds at watts_per_core
+
     def margin(self) -> float:
         return DEFAULT_MARGIN
 

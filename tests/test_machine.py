@@ -80,6 +80,9 @@ class Linear:
     def seconds_for(self, elements):
         return None  # time proportional to size
 
+    def joules_for(self, elements):
+        return None  # no energy learned: seconds x watts_per_core
+
     def choose_arm(self, groups):
         return self.learner.choose(groups)
 

@@ -42,6 +42,9 @@ class Known:
     def seconds_for(self, elements):
         return None
 
+    def joules_for(self, elements):
+        return None
+
     def choose_arm(self, groups):
         return self.learner.choose(groups)
 
