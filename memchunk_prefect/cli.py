@@ -123,16 +123,25 @@ def table(header: list[str], body: list[list[str]], indent: str = "") -> str:
 
 def _models_table(rows: list[dict[str, Any]]) -> str:
     header = ["operator key", "obs", "censored", "form", "bytes/element", "fixed overhead", "recent error",
-              "coverage", "ready", "policy"]
+              "coverage", "ready", "energy/element", "policy"]
     body = [[r["key"], str(r["n_observations"]), str(r["n_censored"]), r["form"],
              "-" if r["bytes_per_element"] is None else f"{r['bytes_per_element']:.1f}",
              format_bytes(r["fixed_overhead_bytes"]) if r["fixed_overhead_bytes"] is not None else "-",
-             _pct(r["recent_mape"]), _pct(r["coverage"]), "yes" if r["ready"] else "no",
+             _pct(r["recent_mape"]), _pct(r["coverage"]), "yes" if r["ready"] else "no", _energy_cell(r),
              _policy_cell(r.get("policy", []))] for r in rows]
     return table(header, body)
 
 
-@register("models", "per operator key: observations, bytes per element, fixed overhead, recent error, coverage")
+def _energy_cell(r: dict[str, Any]) -> str:
+    """Learned energy per element in microjoules, with its source: ``2.41 uJ est`` or ``1.90 uJ rapl``."""
+    if r.get("joules_per_element") is None:
+        return "-"
+    source = "est" if r.get("energy_source") == "estimate" else str(r.get("energy_source"))
+    return f"{r['joules_per_element'] * 1e6:.2f} uJ {source}"
+
+
+@register("models", "per operator key: observations, bytes per element, fixed overhead, recent error, coverage, "
+                    "energy per element")
 @arguments(lambda p: p.add_argument("--json", action="store_true", help="print JSON instead of a table"))
 def _models(args: argparse.Namespace) -> int:
     from .model import ModelBank
@@ -150,7 +159,9 @@ def _models(args: argparse.Namespace) -> int:
         _emit("recent error: mean absolute % error of the mean prediction on each next observation; "
               "coverage: share of next observations within the upper bound; policy: the learned policy's arms "
               "(risk levels of the bound: bold, mid, safe) with their mean reward (slot efficiency less 1 per "
-              "out-of-memory chunk) x plans taught, !n out-of-memory events")
+              "out-of-memory chunk) x plans taught, !n out-of-memory events; energy/element: learned joules per "
+              "element (halo included), measured by a counter (rapl, nvml) or est(imated: CPU seconds x "
+              "watts_per_core where no counter can be read)")
     return EXIT_OK
 
 

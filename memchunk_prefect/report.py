@@ -120,6 +120,8 @@ class Attempt:
     censored: bool = False  # measured_bytes is a floor: it needed more
     seconds: float | None = None
     worker: str = ""
+    joules: float | None = None  # the run's energy (measured or estimated, see energy_source)
+    energy_source: str | None = None
 
 
 @dataclass
@@ -173,6 +175,8 @@ def chunk_rows(record: MapRecord) -> list[dict[str, Any]]:
             "upper-bound MiB": mib(a.upper_bytes),
             "measured MiB": measured,
             "seconds": None if a.seconds is None else round(a.seconds, 2),
+            "energy J": None if a.joules is None else round(a.joules, 1),
+            "energy source": a.energy_source,
             "decision": a.decision,
             "outcome": OUTCOME_TEXT.get(a.outcome, a.outcome or "running"),
             "worker": a.worker,
@@ -207,6 +211,21 @@ def model_error(attempts: Iterable[Attempt]) -> dict[str, Any]:
             "within_upper": None if not within else round(sum(within) / len(within), 3)}
 
 
+def energy_text(joules: float | None, sources: Iterable[str]) -> str:
+    """Energy for a table cell, with what it rests on: measured by a counter, or estimated.
+
+    >>> energy_text(1534.0, ["estimate"]), energy_text(12.5, ["rapl"]), energy_text(None, [])
+    ('1.5 kJ (estimated)', '12.5 J (rapl)', 'n/a')
+    """
+    if joules is None:
+        return "n/a"
+    figure = f"{joules / 1000:.1f} kJ" if joules >= 1000 else f"{joules:.1f} J"
+    names = sorted(set(sources))
+    label = "estimated" if names == ["estimate"] else "+".join(n for n in names if n != "estimate") + (
+        ", partly estimated" if "estimate" in names else "")
+    return f"{figure} ({label})" if label else figure
+
+
 def map_summary(record: MapRecord) -> dict[str, Any]:
     """One map in numbers: what the flow summary shows per operator."""
     ok = [a for a in record.attempts if a.outcome == "ok"]
@@ -232,6 +251,10 @@ def map_summary(record: MapRecord) -> dict[str, Any]:
         "retry_seconds": round(sum(a.seconds or 0.0 for a in lost), 2),
         "pauses": record.pauses,
         "paused_seconds": round(record.paused_seconds, 2),
+        # Every task run's energy, failed attempts included (they used it too).
+        "joules": (None if all(a.joules is None for a in record.attempts)
+                   else round(sum(a.joules or 0.0 for a in record.attempts), 3)),
+        "energy_sources": sorted({a.energy_source for a in record.attempts if a.energy_source}),
         "seconds": None if record.ended_at is None else round(record.ended_at - record.started_at, 2),
         "error": record.error,
         "output": record.output_path,
@@ -257,12 +280,15 @@ def summary_markdown(flow_name: str, records: Sequence[MapRecord], *, title: str
         f"highest measured peak {format_bytes(peak or None)} ({_pct(peak / budget if budget and peak else None)} "
         f"of the budget). Out-of-memory events: {sum(s['oom_avoided'] for s in sums)} avoided, "
         f"{sum(s['oom_recovered'] for s in sums)} recovered. Time lost in retries: "
-        f"{sum(s['retry_seconds'] for s in sums):.1f} s."
+        f"{sum(s['retry_seconds'] for s in sums):.1f} s. Energy: "
+        + energy_text(None if all(s["joules"] is None for s in sums) else sum(s["joules"] or 0.0 for s in sums),
+                      [x for s in sums for x in s["energy_sources"]])
+        + "."
         + (f" **{len(failed)} map(s) failed.**" if failed else ""),
         "",
         "| operator | chunking | decisions | tasks | OOM avoided / recovered | peak / budget | "
-        "model error: median, within bound | retry time |",
-        "|---|---|---|---|---|---|---|---|",
+        "model error: median, within bound | retry time | energy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in sums:
         me = s["model_error"]
@@ -271,7 +297,8 @@ def summary_markdown(flow_name: str, records: Sequence[MapRecord], *, title: str
         lines.append(
             f"| {s['operator']} | {s['chunking']} | {decisions or 'n/a'} | {s['tasks']} | {s['oom_avoided']} / "
             f"{s['oom_recovered']} | {format_bytes(s['peak_bytes'])} / {format_bytes(s['budget_bytes'])} "
-            f"({_pct(s['budget_use'])}) | {err}, {_pct(me['within_upper'])} | {s['retry_seconds']:.1f} s |")
+            f"({_pct(s['budget_use'])}) | {err}, {_pct(me['within_upper'])} | {s['retry_seconds']:.1f} s | "
+            f"{energy_text(s['joules'], s['energy_sources'])} |")
     lines.append("")
     for r, s in zip(records, sums):
         lines += [f"## {r.operator}", "", f"`{r.operator_key}` → `{r.output_path}`", ""]
@@ -418,6 +445,8 @@ class MapReporter(MapObserver):
             else:  # the worker died: the flow only knows the wall time since submission
                 a.seconds = (event.at or time.time()) - a.submitted_at
             a.worker = (o.worker if o is not None else "").removeprefix("tcp://")
+            if o is not None and o.energy_joules is not None:
+                a.joules, a.energy_source = float(o.energy_joules), o.energy_source
         r.done_chunks, r.done_elements = event.done_chunks, event.done_elements
         pct = progress_percent(r.done_elements, r.total_elements)
         # One API call per chunk cost ~30 ms of the flow's time each: update when the share moved by

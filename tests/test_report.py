@@ -35,9 +35,9 @@ def record_with_a_kill() -> MapRecord:
         Attempt("iline 0:32", "i0-32", (36, 10, 50), 18000, "rechunk", 300 * MiB, 400 * MiB, outcome="killed",
                 measured_bytes=950 * MiB, censored=True, seconds=4.0),
         Attempt("iline 32:64", "i32-64", (36, 10, 50), 18000, "rechunk", 300 * MiB, 400 * MiB, outcome="ok",
-                measured_bytes=330 * MiB, seconds=2.0, worker="tcp://w1"),
+                measured_bytes=330 * MiB, seconds=2.0, worker="tcp://w1", joules=20.0, energy_source="estimate"),
         Attempt("iline 0:16", "i0-16", (20, 10, 50), 10000, "retry-smaller", 200 * MiB, 260 * MiB, outcome="ok",
-                measured_bytes=200 * MiB, seconds=1.0, worker="tcp://w2"),
+                measured_bytes=200 * MiB, seconds=1.0, worker="tcp://w2", joules=10.5, energy_source="estimate"),
     ]
     r.done_chunks, r.done_elements, r.ended_at = 2, 64 * 10 * 50, r.started_at + 9
     r.naive = {"n_chunks": 1, "chunk_shape": [64, 10, 50], "predicted_bytes": 2e9, "over_budget": 1}
@@ -53,10 +53,20 @@ def test_keys_are_valid_for_the_artifacts_page():
 def test_rows_have_every_column_and_mark_censored_peaks():
     rows = chunk_rows(record_with_a_kill())
     assert list(rows[0]) == ["chunk", "extents", "elements", "predicted MiB", "upper-bound MiB", "measured MiB",
-                             "seconds", "decision", "outcome", "worker"]
+                             "seconds", "energy J", "energy source", "decision", "outcome", "worker"]
     assert rows[0]["measured MiB"] == "over 950.0" and rows[0]["outcome"] == "worker killed"
     assert rows[1]["measured MiB"] == 330.0 and rows[1]["predicted MiB"] == 300.0 and rows[1]["extents"] == "36 x 10 x 50"
     assert [r["decision"] for r in rows] == ["rechunk", "rechunk", "retry-smaller"]
+    assert [r["energy J"] for r in rows] == [None, 20.0, 10.5]
+    assert [r["energy source"] for r in rows] == [None, "estimate", "estimate"]
+
+
+def test_summary_shows_each_maps_energy_and_the_runs_total_labelled_by_source():
+    s = map_summary(record_with_a_kill())
+    assert s["joules"] == 30.5 and s["energy_sources"] == ["estimate"]
+    md = summary_markdown("flow", [record_with_a_kill()])
+    assert "Energy: 30.5 J (estimated)." in md
+    assert md.count("| 30.5 J (estimated) |") == 1
 
 
 def test_summary_counts_avoided_recovered_budget_model_error_and_retry_time():
