@@ -669,14 +669,15 @@ def memchunk_flow(source_path: str, steps: list[dict], out_dir: str) -> dict:
 
 
 def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: str, *,
-                 learned_policy: bool = True) -> dict:
-    """The pipeline under MemoryAwareRunner; ``learned_policy=False`` is the ablation (the fixed heuristic)."""
+                 learned_policy: bool = True, **policy: Any) -> dict:
+    """The pipeline under MemoryAwareRunner; ``learned_policy=False`` is the ablation (the fixed heuristic);
+    other keywords are further ``PolicySettings`` fields (e.g. ``objective="energy"``)."""
     from memchunk_prefect import MemoryAwareRunner
 
     out_dir = bench.workdir / f"out-{tag}"
     out_dir.mkdir(parents=True, exist_ok=True)
     runner = MemoryAwareRunner(address=bench.address, store=store, output_dir=str(out_dir / "runs"),
-                               policy={"learned_policy": learned_policy})
+                               policy={"learned_policy": learned_policy, **policy})
     try:
         result = memchunk_flow.with_options(task_runner=runner)(survey, steps, str(out_dir))
         summaries = result["summaries"]

@@ -217,6 +217,39 @@ def test_a_v2_store_gains_the_v3_columns_and_keeps_its_rows(tmp_path):
     assert (new.baseline_bytes, new.resting_bytes, new.unseen_bytes) == (300, 200, 100)
 
 
+def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
+    from memchunk_prefect.records import MapRun
+    from memchunk_prefect.store import _CREATE_V2, _execute_script
+
+    path = tmp_path / "v2.sqlite"
+    con = sqlite3.connect(path)
+    _execute_script(con, _CREATE_V2)
+    con.execute("INSERT INTO meta VALUES ('application', 'memchunk-prefect')")
+    con.execute("INSERT INTO observations (operator_key, elements, extent_iline, extent_xline, extent_twt, bytes_in, "
+                "peak_bytes, seconds, outcome, censored, worker, chunk, shared, method, flow_run_id, created_at) "
+                "VALUES ('envelope|float32|cpu', 8000, 10, 20, 40, 32000, 500000, 1.5, 'ok', 0, 'w1', '', 0, 'vmhwm', "
+                "'', 1700000000)")
+    con.execute("PRAGMA user_version = 2")
+    con.commit()
+    con.close()
+    run = MapRun("fr1", "envelope", "envelope|float32|cpu", "/s.sgy", "/o.zarr", (4, 5, 6), (0, 1, 2), 4, 2,
+                 1000, 10.0, 12.5, source_bytes=480)
+    with Store(path) as s:
+        (old,) = s.observations()
+        assert (old.energy_source, old.started_at, old.task_run_id, old.host) == (None, None, "", "")
+        assert s.maps() == [] and s.machines() == {}
+        s.add(make_obs(energy_joules=3.5, energy_source="estimate", started_at=9.0, task_run_id="t1", host="h",
+                       flow_run_id="fr1"))
+        s.add_map(run)
+        s.put_machines({"h": {"nodeName": "h", "cpu": {"coreCount": 2}}})
+        s.put_machines({"h": {"nodeName": "h", "cpu": {"coreCount": 4}}})  # a newer description replaces it
+        assert s.maps("fr1") == [run] and s.maps("other") == []
+        assert s.machines() == {"h": {"nodeName": "h", "cpu": {"coreCount": 4}}}
+        (new,) = s.run_observations("fr1")
+    assert (new.energy_joules, new.energy_source, new.started_at, new.task_run_id, new.host) == (
+        3.5, "estimate", 9.0, "t1", "h")
+
+
 def test_policy_rewards_round_trip_and_are_forgotten_with_their_key(tmp_path):
     from memchunk_prefect.records import Reward
 
