@@ -435,11 +435,11 @@ def _simulate(args: argparse.Namespace) -> int:
                           "strategies": [s.to_dict() for s in summaries]}, indent=1))
         return EXIT_OK
     header = ["strategy", "completed", "makespan p50 s", "p90 s", "P(deadline)", "OOM/run", "lost worker-s",
-              "utilisation", "core-hours", "peak/worker"]
+              "utilisation", "core-hours", "energy p50", "peak/worker"]
     rows = [[s.strategy, f"{s.completed}/{s.runs}", _opt(s.makespan_p50, ".1f"), _opt(s.makespan_p90, ".1f"),
              _opt(s.p_deadline, ".2f"), f"{s.out_of_memory_mean:.2f}", f"{s.lost_worker_seconds_mean:.1f}",
-             _opt(s.slot_utilisation_p50, ".2f"), _opt(s.core_hours_p50, ".3f"), format_bytes(s.peak_bytes_max)]
-            for s in summaries]
+             _opt(s.slot_utilisation_p50, ".2f"), _opt(s.core_hours_p50, ".3f"), _joules(s.energy_joules_p50),
+             format_bytes(s.peak_bytes_max)] for s in summaries]
     _emit(f"{' -> '.join(s.operator for s in steps)} on {' x '.join(map(str, args.shape))}: {args.workers} workers x "
           f"{args.threads} thread(s), {format_bytes(cluster.memory_limit_bytes)} each (kill line less resting: "
           f"{format_bytes(cluster.headroom_bytes)}); {args.runs} simulated runs per strategy")
@@ -447,9 +447,31 @@ def _simulate(args: argparse.Namespace) -> int:
     for s in summaries:
         if s.failure and s.completed < s.runs:
             _emit(f"{s.strategy} failed {s.runs - s.completed} of {s.runs} runs: {s.failure}")
+    basis = next((s.energy_basis for s in summaries if s.energy_basis), "")
+    if basis:
+        _emit(_energy_note(basis))
     if note:
         _emit(note)
     return EXIT_OK
+
+
+def _joules(j: float | None) -> str:
+    """Joules for a table cell: ``812 J``, ``3.4 kJ``, ``1.2 MJ``."""
+    if j is None:
+        return "-"
+    for unit, scale in (("MJ", 1e6), ("kJ", 1e3)):
+        if j >= scale:
+            return f"{j / scale:.1f} {unit}"
+    return f"{j:.0f} J"
+
+
+def _energy_note(basis: str) -> str:
+    """What the simulated energy rests on, in words."""
+    how = {"learned": "each operator's learned joules per element",
+           "estimated from seconds": "compute seconds x watts_per_core (no energy learned for these operators)",
+           "mixed": "learned joules per element where learned, else compute seconds x watts_per_core"}.get(basis, basis)
+    return (f"energy: tasks from {how}, plus the slots held idle at idle_watts_per_core; an estimate unless the "
+            "store learned it from a counter (`memchunk models` shows each operator's source)")
 
 
 def _recommend_arguments(p: argparse.ArgumentParser) -> None:
@@ -460,9 +482,13 @@ def _recommend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-workers", type=int, default=256, help="most workers to consider (default 256)")
     p.add_argument("--confidence", type=float, default=0.9, help="chance of meeting the deadline (default 0.9)")
     p.add_argument("--runs", type=int, default=5, help="simulated runs per cluster shape (default 5)")
+    p.add_argument("--objective", choices=("time", "energy"), default="time",
+                   help="among the shapes that meet the deadline: the fewest core-hours (time, default) or the "
+                        "least energy (energy)")
 
 
-@register("recommend", "the cluster to ask for: fewest core-hours that meet a deadline, from what was learned")
+@register("recommend", "the cluster to ask for: fewest core-hours (or least energy) that meet a deadline, from what "
+                       "was learned")
 @arguments(_recommend_arguments)
 def _recommend(args: argparse.Namespace) -> int:
     from .simulate import Step, recommend
@@ -474,7 +500,7 @@ def _recommend(args: argparse.Namespace) -> int:
     rec = recommend(steps, tuple(args.shape), models.knowledge, deadline_seconds=deadline,
                     memory_options=[parse_bytes(m) for m in args.memory], max_workers=args.max_workers,
                     threads_per_worker=args.threads, confidence=args.confidence, runs=args.runs,
-                    truth_for=models.truth, resting_bytes=parse_bytes(args.resting))
+                    truth_for=models.truth, resting_bytes=parse_bytes(args.resting), objective=args.objective)
     note = _prior_note(models, args)
     if args.json:
         _emit(json.dumps({"best": rec.best.to_dict() if rec.best else None, "jobqueue": rec.jobqueue_kwargs(),
@@ -498,10 +524,13 @@ def _recommend(args: argparse.Namespace) -> int:
     _emit(f"  {b.workers} workers x {b.threads_per_worker} thread(s), {format_bytes(b.memory_limit_bytes)} each: "
           f"makespan p50 {s.makespan_p50:.0f} s, p90 {s.makespan_p90:.0f} s, P(deadline) {s.p_deadline:.2f}, "
           f"{s.core_hours_p50:.2f} core-hours, slot utilisation {s.slot_utilisation_p50:.2f}, "
-          f"{s.out_of_memory_mean:.2f} out-of-memory events per run")
+          f"{s.out_of_memory_mean:.2f} out-of-memory events per run, energy p50 {_joules(s.energy_joules_p50)}"
+          + (" (the least energy that meets it)" if args.objective == "energy" else ""))
     _emit(f"  dask-jobqueue: SLURMCluster(cores={jq['cores']}, processes={jq['processes']}, memory=\"{jq['memory']}\", "
           f"walltime=\"{jq['walltime']}\"); cluster.scale(jobs={jq['jobs']})")
     _emit(f"  ({len(rec.tried)} cluster shapes simulated, {args.runs} runs each; `--json` lists them)")
+    if s.energy_basis:
+        _emit("  " + _energy_note(s.energy_basis))
     return EXIT_OK
 
 

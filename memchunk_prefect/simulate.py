@@ -22,7 +22,12 @@ What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
   predicted; see :meth:`Draws.margin` before it is learned);
 - compute seconds: the learned time (``seconds_for``, or seconds per element x
   elements) times a log-normal factor of ``time_sigma`` (default 0.1, a stated
-  figure: the time model keeps no spread), plus the per-task overhead.
+  figure: the time model keeps no spread), plus the per-task overhead;
+- energy: the operator's learned joules for the block (scaled by the same time
+  factor: a slower run draws power longer), else its compute seconds x
+  ``watts_per_core``; the overhead at ``watts_per_core``; a killed task's share by
+  the time it ran. A run's energy adds the slots it held idle at
+  ``idle_watts_per_core`` (:mod:`memchunk_prefect.energy`).
 
 A warm run is simulated: the models are read from the store and not taught by
 simulated chunks (no observation or reward is written to the store). An operator with no
@@ -148,12 +153,15 @@ class Step:
 class Draws:
     """Memory and seconds of one chunk, drawn from one operator's learned models (see the module docstring)."""
 
-    def __init__(self, knowledge: Knowledge, key: str, per_task_overhead: float, time_sigma: float = 0.1):
+    def __init__(self, knowledge: Knowledge, key: str, per_task_overhead: float, time_sigma: float = 0.1,
+                 watts_per_core: float = DEFAULT_SETTINGS.watts_per_core):
         self.knowledge = knowledge
         self.key = key
         self.per_task_overhead = float(per_task_overhead)
         self.time_sigma = float(time_sigma)
+        self.watts_per_core = float(watts_per_core)
         self._predictions: dict[Shape, Prediction] = {}
+        self.learned_energy = False  # whether any block's energy came from a learned figure
 
     def prediction(self, extents: Shape) -> Prediction:
         p = self._predictions.get(extents)
@@ -181,14 +189,39 @@ class Draws:
         sigma = math.log(self.margin(p)) / Z95
         return int(p.mean_bytes * math.exp(sigma * rng.standard_normal()))
 
-    def seconds(self, elements: int, rng: np.random.Generator) -> float:
+    def compute_seconds(self, elements: int) -> float:
+        """The learned compute seconds of a block (no spread, no overhead)."""
         compute = self.knowledge.seconds_for(elements)
         if compute is None:
             spe = self.knowledge.seconds_per_element()
             if spe is None:
                 raise SimulationInputError(f"{self.key} has no measured compute time; run it once")
             compute = elements * spe
-        return float(compute) * math.exp(self.time_sigma * rng.standard_normal()) + self.per_task_overhead
+        return float(compute)
+
+    def seconds(self, elements: int, rng: np.random.Generator) -> float:
+        return self.compute_seconds(elements) * math.exp(self.time_sigma * rng.standard_normal()) + \
+            self.per_task_overhead
+
+    def joules(self, elements: int, seconds: float) -> float:
+        """Energy of a block that took ``seconds`` (drawn, overhead included), joules: see the module docstring."""
+        compute = max(0.0, seconds - self.per_task_overhead)
+        learned = getattr(self.knowledge, "joules_for", None)
+        jf = learned(elements) if callable(learned) else None
+        expected = self.compute_seconds(elements)
+        if jf is not None and expected > 0:
+            self.learned_energy = True
+            busy = float(jf) * compute / expected
+        else:
+            busy = compute * self.watts_per_core
+        return busy + self.per_task_overhead * self.watts_per_core
+
+    def task(self, sid: int, chunk: Chunk, extents: Shape, rng: np.random.Generator) -> "_Task":
+        """A simulated task of ``chunk`` reading a block of ``extents``, its memory, seconds and energy drawn."""
+        elements = math.prod(extents)
+        memory = self.memory(extents, rng)  # drawn first, as before energy was simulated: the same seeds, the same runs
+        seconds = self.seconds(elements, rng)
+        return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds))
 
 
 class PriorKnowledge:
@@ -232,6 +265,7 @@ class _Task:
     extents: Shape
     memory: int
     seconds: float
+    joules: float = 0.0  # energy of the whole run, joules (a killed task is charged for the share it ran)
     started: float = 0.0
     worker: int = -1
     key: int = 0  # the simulated cluster's own, unique over the whole run
@@ -272,6 +306,7 @@ class SimulatedCluster:
         self._keys = 0
         self._seq = 0
         self.busy_slot_seconds = 0.0
+        self.busy_joules = 0.0
         self.lost_worker_seconds = 0.0
         self.peak_bytes: dict[int, int] = {w: 0 for w in range(shape.workers)}
         self.kills = 0
@@ -336,6 +371,7 @@ class SimulatedCluster:
             self.running[w] = [t for t in self.running[w] if t.key != key]
             spent = self.now - task.started
             self.busy_slot_seconds += spent
+            self.busy_joules += task.joules * (min(1.0, spent / task.seconds) if task.seconds > 0 else 1.0)
             if killed:
                 self.lost_worker_seconds += spent
                 if self.dies_at.pop(w, None) is not None:
@@ -375,6 +411,17 @@ class SimResult:
     peak_bytes: int
     maps: list[MapResult] = field(default_factory=list)
     failure: str = ""
+    busy_joules: float = 0.0  # the tasks' energy (see the module docstring), joules
+    idle_watts_per_core: float = DEFAULT_SETTINGS.idle_watts_per_core
+    #: What the tasks' energy rests on: "learned" (every operator's joules per element) or "estimated from
+    #: seconds" (compute seconds x watts_per_core for at least one operator), or "mixed".
+    energy_basis: str = ""
+
+    @property
+    def energy_joules(self) -> float:
+        """The run's energy: its tasks' plus the slots it held idle (slots x makespan less busy slot-seconds)."""
+        idle = max(0.0, self.slots * self.makespan_seconds - self.busy_slot_seconds)
+        return self.busy_joules + idle * self.idle_watts_per_core
 
     @property
     def slot_utilisation(self) -> float:
@@ -389,7 +436,7 @@ class SimResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(slot_utilisation=self.slot_utilisation, core_hours=self.core_hours)
+        d.update(slot_utilisation=self.slot_utilisation, core_hours=self.core_hours, energy_joules=self.energy_joules)
         return d
 
 
@@ -419,16 +466,18 @@ def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, kno
     maps: list[MapResult] = []
     incoming: tuple[Chunk, ...] | None = None
     failure = ""
+    draws: list[Draws] = []
     for step in steps:
         knowledge = knowledge_for(step.key)
         truth = truth_for(step.key) if truth_for is not None else knowledge
         run = _MachineRun(step, shape, cluster, knowledge, truth, sim, rng, incoming, settings, time_sigma)
         maps.append(run.run())
+        draws.append(run.draws)
         failure = run.failure
         if failure:
             break
         incoming = tuple(run.machine.done)
-    return _result("memchunk", sim, cluster, maps, failure)
+    return _result("memchunk", sim, cluster, maps, failure, draws, settings)
 
 
 class _MachineRun:
@@ -438,7 +487,7 @@ class _MachineRun:
                  sim: SimulatedCluster, rng: np.random.Generator, incoming: tuple[Chunk, ...] | None,
                  settings: PolicySettings, time_sigma: float):
         self.step, self.cluster, self.sim, self.rng = step, cluster, sim, rng
-        self.draws = Draws(truth, step.key, cluster.per_task_overhead_seconds, time_sigma)
+        self.draws = Draws(truth, step.key, cluster.per_task_overhead_seconds, time_sigma, settings.watts_per_core)
         # An operator with no history (LearningKnowledge) learns as the runner would, from this run's own chunks.
         self.knowledge = knowledge
         spec = MapSpec(operator=step.operator, operator_key=step.key, shape=tuple(shape),  # type: ignore[arg-type]
@@ -476,8 +525,7 @@ class _MachineRun:
         for ins in instructions:
             if isinstance(ins, Submit):
                 extents: Shape = tuple(ins.read_extents)  # type: ignore[assignment]
-                self.sim.submit(_Task(ins.id, ins.chunk, extents, self.draws.memory(extents, self.rng),
-                                      self.draws.seconds(math.prod(extents), self.rng)))
+                self.sim.submit(self.draws.task(ins.id, ins.chunk, extents, self.rng))
                 self.record.tasks += 1
             elif isinstance(ins, Decided):
                 self.record.decisions.append(ins.record.decision)
@@ -506,16 +554,19 @@ def _auto_boxes(shape: Shape) -> list[Chunk]:
 
 def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
               rng: np.random.Generator, boxes: Callable[[Step], list[Chunk]], *, split_on_failure: bool = False,
-              time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None) -> SimResult:
+              time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None,
+              settings: PolicySettings = DEFAULT_SETTINGS) -> SimResult:
     """A fixed chunking per step, every chunk submitted at once; a killed chunk fails the run, or is split in two
     and resubmitted (``split_on_failure``)."""
     sim = SimulatedCluster(cluster)
     maps: list[MapResult] = []
     failure = ""
     ids = iter(range(10**12))
+    all_draws: list[Draws] = []
     for step in steps:
         draws = Draws((truth_for or knowledge_for)(step.key), step.key, cluster.per_task_overhead_seconds,
-                      time_sigma)
+                      time_sigma, settings.watts_per_core)
+        all_draws.append(draws)
         record = MapResult(step.operator, 0, 0, 0, 0.0)
         started = sim.now
         queue = list(boxes(step))
@@ -528,8 +579,7 @@ def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterSh
                     queue[:0] = split(chunk, axes=axes)  # as large as one that failed: halve it before it runs
                     continue
                 extents: Shape = with_halo(chunk, step.halo, shape)[0].shape
-                sim.submit(_Task(next(ids), chunk, extents, draws.memory(extents, rng),
-                                 draws.seconds(math.prod(extents), rng)))
+                sim.submit(draws.task(next(ids), chunk, extents, rng))
                 record.tasks += 1
             ended = sim.next()
             if ended.task.sid < 0:
@@ -550,14 +600,19 @@ def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterSh
         maps.append(record)
         if failure:
             break
-    return _result(name, sim, cluster, maps, failure)
+    return _result(name, sim, cluster, maps, failure, all_draws, settings)
 
 
-def _result(name: str, sim: SimulatedCluster, cluster: ClusterShape, maps: list[MapResult], failure: str) -> SimResult:
+def _result(name: str, sim: SimulatedCluster, cluster: ClusterShape, maps: list[MapResult], failure: str,
+            draws: Sequence[Draws], settings: PolicySettings) -> SimResult:
+    learned = {d.learned_energy for d in draws}
+    basis = "learned" if learned == {True} else "estimated from seconds" if learned == {False} else "mixed"
     return SimResult(strategy=name, completed=not failure, makespan_seconds=sim.last_end,
                      out_of_memory=sum(m.out_of_memory for m in maps), lost_worker_seconds=sim.lost_worker_seconds,
                      busy_slot_seconds=sim.busy_slot_seconds, slots=cluster.slots, workers=cluster.workers,
-                     peak_bytes=max(sim.peak_bytes.values(), default=0), maps=maps, failure=failure)
+                     peak_bytes=max(sim.peak_bytes.values(), default=0), maps=maps, failure=failure,
+                     busy_joules=sim.busy_joules, idle_watts_per_core=settings.idle_watts_per_core,
+                     energy_basis=basis if draws else "")
 
 
 STRATEGIES = ("memchunk", "split", "dask-auto", "static-N")
@@ -602,6 +657,8 @@ class Summary:
     core_hours_p50: float | None
     peak_bytes_max: int
     failure: str = ""  # the first failure's reason, if any run failed
+    energy_joules_p50: float | None = None  # completed runs' energy (tasks and idle slots), joules
+    energy_basis: str = ""  # "learned", "estimated from seconds" or "mixed" (see SimResult.energy_basis)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -616,12 +673,14 @@ def summarize(strategy: str, results: Sequence[SimResult], deadline: float | Non
 
     util = np.array([r.slot_utilisation for r in done]) if done else None
     hours = np.array([r.core_hours for r in done]) if done else None
+    energy = np.array([r.energy_joules for r in done]) if done else None
     met = None if deadline is None else sum(r.makespan_seconds <= deadline for r in done) / len(results)
     return Summary(strategy, len(results), len(done), pct(spans, 50), pct(spans, 90), met,
                    float(np.mean([r.out_of_memory for r in results])),
                    float(np.mean([r.lost_worker_seconds for r in results])), pct(util, 50), pct(hours, 50),
                    max((r.peak_bytes for r in results), default=0),
-                   next((r.failure for r in results if r.failure), ""))
+                   next((r.failure for r in results if r.failure), ""), pct(energy, 50),
+                   next((r.energy_basis for r in results if r.energy_basis), ""))
 
 
 def simulate(strategies: Sequence[str], steps: Sequence[Step], shape: Shape, cluster: ClusterShape,
@@ -720,6 +779,7 @@ class Recommendation:
     tried: list[Candidate]
     deadline_seconds: float
     confidence: float
+    objective: str = "time"
 
     def jobqueue_kwargs(self) -> dict[str, Any] | None:
         """``cores``, ``processes``, ``memory``, ``walltime`` for a dask-jobqueue cluster of one worker per job,
@@ -736,14 +796,20 @@ class Recommendation:
 def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, *, deadline_seconds: float,
               memory_options: Sequence[int], max_workers: int = 256, threads_per_worker: int = 1,
               confidence: float = 0.9, runs: int = 5, seed: int = 0, truth_for: KnowledgeFor | None = None,
+              objective: str = "time", settings: PolicySettings = DEFAULT_SETTINGS,
               **cluster_kw: Any) -> Recommendation:
-    """The least core-hours cluster that finishes ``steps`` on ``shape`` within the deadline with probability at
-    least ``confidence`` (memchunk strategy, ``runs`` simulated runs per shape).
+    """The cluster that finishes ``steps`` on ``shape`` within the deadline with probability at least
+    ``confidence`` (memchunk strategy, ``runs`` simulated runs per shape) at the least core-hours
+    (``objective="time"``) or the least energy (``objective="energy"``: the simulated runs' p50 joules, tasks and
+    idle slots; learned per operator where it was, else seconds x ``settings.watts_per_core``).
 
     For each memory size, the fewest workers (up to ``max_workers``) that meet the deadline are found by
     doubling then bisection (makespan falls as workers are added, up to the survey's parallelism); with one
-    thread per core, fewer workers meeting the deadline is fewer core-hours.
+    thread per core, fewer workers meeting the deadline is fewer core-hours, and fewer slots left idle.
     """
+    from .energy import check_objective
+
+    check_objective(objective)
     if deadline_seconds <= 0:
         raise SimulationInputError(f"the deadline must be a positive number of seconds, got {deadline_seconds}")
     if not 0 < confidence <= 1:
@@ -756,7 +822,7 @@ def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, 
         cluster = ClusterShape(workers=workers, memory_limit_bytes=memory, threads_per_worker=threads_per_worker,
                                **cluster_kw)
         (s,) = simulate(["memchunk"], steps, shape, cluster, knowledge_for, runs=runs, seed=seed,
-                        deadline=deadline_seconds, truth_for=truth_for)
+                        deadline=deadline_seconds, truth_for=truth_for, settings=settings)
         c = Candidate(workers, memory, threads_per_worker, s)
         tried.append(c)
         return c
@@ -790,7 +856,12 @@ def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, 
                 found, hi = c, mid
             else:
                 lo = mid
-        hours = found.summary.core_hours_p50 or math.inf
-        if best is None or hours < (best.summary.core_hours_p50 or math.inf):
+        if best is None or _cost(found, objective) < _cost(best, objective):
             best = found
-    return Recommendation(best, tried, float(deadline_seconds), float(confidence))
+    return Recommendation(best, tried, float(deadline_seconds), float(confidence), objective)
+
+
+def _cost(c: Candidate, objective: str) -> float:
+    """What :func:`recommend` minimises: core-hours, or joules (p50 of the simulated runs)."""
+    value = c.summary.energy_joules_p50 if objective == "energy" else c.summary.core_hours_p50
+    return math.inf if value is None else float(value)

@@ -13,6 +13,7 @@ from memchunk_prefect import cli
 from memchunk_prefect.bandit import ArmLearner
 from memchunk_prefect.errors import SimulationInputError
 from memchunk_prefect.records import Prediction
+from memchunk_prefect.settings import DEFAULT_SETTINGS
 from memchunk_prefect.simulate import ClusterShape, Step, run_strategy, simulate
 from memchunk_prefect.store import Store
 from memchunk_prefect.testing import seed_store
@@ -169,6 +170,42 @@ def test_recommend_gives_the_fewest_workers_that_meet_the_deadline_and_the_jobqu
     jq = tight.jobqueue_kwargs()
     assert jq["walltime"] == "00:00:01" and jq["jobs"] == tight.best.workers and jq["processes"] == 1
     assert jq["memory"] in ("100.0MiB", "200.0MiB")
+
+
+def test_a_runs_energy_is_its_tasks_at_the_busy_figure_plus_the_slots_it_held_idle():
+    # static-3 on 2 slots: 3 blocks of 13-14 x 40 x 100 (~0.053 s compute + 0.1 s overhead each) in 2 waves.
+    r = run("static-3")
+    settings = DEFAULT_SETTINGS
+    compute = [b * 40 * 100 * 1e-6 for b in (14, 13, 13)]
+    busy = sum(c * settings.watts_per_core for c in compute) + 3 * 0.1 * settings.watts_per_core
+    assert r.busy_joules == pytest.approx(busy)
+    idle = 2 * r.makespan_seconds - r.busy_slot_seconds
+    assert idle > 0  # the second wave leaves a slot waiting
+    assert r.energy_joules == pytest.approx(busy + idle * settings.idle_watts_per_core)
+    assert r.energy_basis == "estimated from seconds"
+
+
+def test_learned_joules_per_block_are_what_the_simulator_charges_and_it_says_so():
+    @dataclass
+    class WithEnergy(Known):
+        def joules_for(self, elements):
+            return 5e-5 * elements  # 5x the seconds x 10 W the plain figure would give
+
+    plain, learned = run("static-2"), run("static-2", knowledge=WithEnergy())
+    overhead = 2 * 0.1 * 10.0
+    assert learned.busy_joules - overhead == pytest.approx(5 * (plain.busy_joules - overhead))
+    assert learned.energy_basis == "learned"
+
+
+def test_recommend_for_energy_picks_the_least_energy_shape_that_meets_the_deadline():
+    by_energy = _recommend(60.0, objective="energy", memory_options=[100 * MiB, 200 * MiB, 400 * MiB])
+    meets = [c for c in by_energy.tried if c.summary.p_deadline is not None and c.summary.p_deadline >= 0.9]
+    fewest = {m: min((c for c in meets if c.memory_limit_bytes == m), key=lambda c: c.workers)
+              for m in {c.memory_limit_bytes for c in meets}}  # what recommend keeps per memory size
+    assert by_energy.best is not None and by_energy.objective == "energy" and len(fewest) == 3
+    assert by_energy.best.summary.energy_joules_p50 == min(c.summary.energy_joules_p50 for c in fewest.values())
+    with pytest.raises(Exception, match="objective"):
+        _recommend(60.0, objective="cheap")
 
 
 def test_recommend_says_when_nothing_meets_the_deadline_and_refuses_nonsense():
