@@ -30,7 +30,8 @@ def store_path(tmp_path, monkeypatch):
         for _ in range(12):
             il = rng.choice([8, 16, 32, 64])
             e = il * 64 * 400
-            s.add(Observation(ENV, e, (il, 64, 400), 4 * e, int((70 * 2**20 + 28 * e) * (1 + rng.gauss(0, 0.02)))))
+            s.add(Observation(ENV, e, (il, 64, 400), 4 * e, int((70 * 2**20 + 28 * e) * (1 + rng.gauss(0, 0.02))),
+                              energy_joules=2e-7 * e, energy_source="estimate"))
         s.add(Observation(GST, 1000, (10, 10, 10), 4000, 10**6))
         s.add_reward(Reward(ENV, "bold", ("bold", "mid"), 0.72, 0.72, 10**6, 3.0, 2, n_chunks=4))
         s.add_reward(Reward(ENV, "safe", ("safe",), -0.5, 0.5, 10**6, 4.0, 2, out_of_memory=1, n_chunks=6))
@@ -62,6 +63,7 @@ def test_models_table_and_json(capsys, store_path):
     code, out, _ = run(capsys, "models")
     assert code == 0 and ENV in out and "bytes/element" in out and "coverage" in out
     assert "bold 0.72x1 mid 0.72x1 safe -0.50x1!1" in out, "the learned policy's arms, as taught from the store"
+    assert "energy/element" in out and "0.20 uJ est" in out, "joules per element, labelled as an estimate"
     code, out, _ = run(capsys, "models", "--json")
     data = json.loads(out)
     by_key = {m["key"]: m for m in data["models"]}
@@ -70,6 +72,8 @@ def test_models_table_and_json(capsys, store_path):
     assert env["fixed_overhead_bytes"] > 0 and env["bytes_per_element"] > 0
     assert env["recent_mape"] is not None and env["coverage"] is not None
     assert by_key[GST]["ready"] is False
+    assert env["joules_per_element"] == pytest.approx(2e-7) and env["energy_source"] == "estimate"
+    assert by_key[GST]["joules_per_element"] is None  # no energy recorded for it
     assert data["store"] == str(store_path)
     assert [(a["arm"], a["pulls"]) for a in env["policy"]] == [("bold", 1), ("mid", 1), ("safe", 1)]
     assert by_key[GST]["policy"][0] == {"arm": "bold", "pulls": 0, "mean_reward": None, "out_of_memory": 0}
