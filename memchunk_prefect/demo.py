@@ -67,19 +67,19 @@ def summary_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
     """One row per operator: its decisions, tasks, peak against budget, out-of-memory events recovered, energy.
 
     >>> print("\\n".join(summary_lines([{"operator": "envelope", "decisions": ["probe", "rechunk"], "tasks": 7,
-    ...     "peak_bytes": 68_000_000, "budget_bytes": 781_000_000, "oom_events": 0, "joules": 3.25,
-    ...     "energy_sources": ["estimate"]}])))
+    ...     "peak_bytes": 68_000_000, "budget_bytes": 781_000_000, "oom_events": 0,
+    ...     "energy": {"estimate": 3.25}}])))
       operator  decisions       tasks  peak / budget per task  out of memory  energy
       envelope  probe, rechunk  7      64.8 MiB / 744.8 MiB    0 recovered    3.2 J (estimated)
     """
     from .cli import table
+    from .energy import energy_text
     from .errors import format_bytes
-    from .report import energy_text
 
     header = ["operator", "decisions", "tasks", "peak / budget per task", "out of memory", "energy"]
     rows = [[s["operator"], ", ".join(s["decisions"]), str(s["tasks"]),
              f"{format_bytes(s['peak_bytes']) if s['peak_bytes'] else 'n/a'} / {format_bytes(s['budget_bytes'])}",
-             f"{s['oom_events']} recovered", energy_text(s.get("joules"), s.get("energy_sources", []))]
+             f"{s['oom_events']} recovered", energy_text(s.get("energy", {}))]
             for s in summaries]
     return table(header, rows, indent="  ").splitlines()
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 from .errors import EnergyInputError
 
@@ -174,3 +174,37 @@ def plan_energy_joules(*, n_chunks: int, slots: int, chunk_seconds: float, overh
     makespan = math.ceil(n / s) * (chunk_seconds + overhead_seconds)
     idle_seconds = max(0.0, s * makespan - busy_seconds)
     return n * (per_chunk + overhead_seconds * watts_per_core) + idle_seconds * idle_watts_per_core
+
+
+def energy_by_source(items: Iterable[tuple[float | None, str | None]]) -> dict[str, float]:
+    """Joules summed per source (``rapl``, ``nvml``, ``estimate``, ...): measured and estimated figures are
+    kept apart, never added together. ``items``: ``(joules, source)`` pairs; those without joules are skipped.
+
+    >>> energy_by_source([(1.0, "estimate"), (2.5, "estimate"), (4.0, "rapl"), (None, None)])
+    {'estimate': 3.5, 'rapl': 4.0}
+    """
+    out: dict[str, float] = {}
+    for joules, source in items:
+        if joules is not None:
+            key = source or "estimate"
+            out[key] = out.get(key, 0.0) + float(joules)
+    return dict(sorted(out.items()))
+
+
+def energy_text(by_source: Mapping[str, float]) -> str:
+    """Energy for a table cell, per source: measured by a counter, or estimated (never one sum of both).
+
+    >>> energy_text({"estimate": 1534.0}), energy_text({"rapl": 12.5, "estimate": 3.0}), energy_text({})
+    ('1.5 kJ (estimated)', '12.5 J (rapl) + 3.0 J (estimated)', 'n/a')
+    """
+    if not by_source:
+        return "n/a"
+
+    def figure(j: float) -> str:
+        return f"{j / 1000:.1f} kJ" if j >= 1000 else f"{j:.1f} J"
+
+    measured = [(s, j) for s, j in by_source.items() if s != "estimate"]
+    parts = [f"{figure(j)} ({s})" for s, j in measured]
+    if "estimate" in by_source:
+        parts.append(f"{figure(by_source['estimate'])} (estimated)")
+    return " + ".join(parts)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .chunks import Chunk, Shape
+from .energy import energy_by_source
 from .machine import OK, ChunkEnded, DecisionRecord, Submit
 from .records import Observation, Prediction, Reward
 
@@ -146,7 +147,6 @@ class MapLog(MapObserver):
     def summary(self, *, operator: str, operator_key: str, chunks: Sequence[Chunk], output: str) -> dict:
         """Plain-data account of the map, for logs, artifacts and the demo."""
         peaks = [o.peak_bytes for o in self.observations if o.outcome == OK]
-        energy = [o for o in self.observations if o.energy_joules is not None]
         return {
             "operator": operator,
             "operator_key": operator_key,
@@ -158,8 +158,7 @@ class MapLog(MapObserver):
             "recovered": self.oom_events,
             "peak_bytes": max(peaks) if peaks else None,
             "budget_bytes": self.budget_bytes,
-            # Every task run's energy (failed attempts too), joules, and what it rests on (a counter, "estimate").
-            "joules": sum(float(o.energy_joules) for o in energy) if energy else None,  # type: ignore[arg-type]
-            "energy_sources": sorted({str(o.energy_source) for o in energy}),
+            # Every task run's energy (failed attempts too), joules per source (a counter, or "estimate").
+            "energy": energy_by_source((o.energy_joules, o.energy_source) for o in self.observations),
             "output": output,
         }

@@ -47,6 +47,7 @@ from prefect.client.schemas.actions import ArtifactCreate, ArtifactUpdate
 from prefect.context import FlowRunContext
 
 from .chunks import Chunk, with_halo
+from .energy import energy_by_source, energy_text
 from .errors import format_bytes
 from .machine import ChunkEnded, DecisionRecord, Submit
 from .observe import MapEnd, MapObserver, MapStart
@@ -211,21 +212,6 @@ def model_error(attempts: Iterable[Attempt]) -> dict[str, Any]:
             "within_upper": None if not within else round(sum(within) / len(within), 3)}
 
 
-def energy_text(joules: float | None, sources: Iterable[str]) -> str:
-    """Energy for a table cell, with what it rests on: measured by a counter, or estimated.
-
-    >>> energy_text(1534.0, ["estimate"]), energy_text(12.5, ["rapl"]), energy_text(None, [])
-    ('1.5 kJ (estimated)', '12.5 J (rapl)', 'n/a')
-    """
-    if joules is None:
-        return "n/a"
-    figure = f"{joules / 1000:.1f} kJ" if joules >= 1000 else f"{joules:.1f} J"
-    names = sorted(set(sources))
-    label = "estimated" if names == ["estimate"] else "+".join(n for n in names if n != "estimate") + (
-        ", partly estimated" if "estimate" in names else "")
-    return f"{figure} ({label})" if label else figure
-
-
 def map_summary(record: MapRecord) -> dict[str, Any]:
     """One map in numbers: what the flow summary shows per operator."""
     ok = [a for a in record.attempts if a.outcome == "ok"]
@@ -251,10 +237,8 @@ def map_summary(record: MapRecord) -> dict[str, Any]:
         "retry_seconds": round(sum(a.seconds or 0.0 for a in lost), 2),
         "pauses": record.pauses,
         "paused_seconds": round(record.paused_seconds, 2),
-        # Every task run's energy, failed attempts included (they used it too).
-        "joules": (None if all(a.joules is None for a in record.attempts)
-                   else round(sum(a.joules or 0.0 for a in record.attempts), 3)),
-        "energy_sources": sorted({a.energy_source for a in record.attempts if a.energy_source}),
+        # Every task run's energy, failed attempts included (they used it too), joules per source.
+        "energy": energy_by_source((a.joules, a.energy_source) for a in record.attempts),
         "seconds": None if record.ended_at is None else round(record.ended_at - record.started_at, 2),
         "error": record.error,
         "output": record.output_path,
@@ -281,8 +265,7 @@ def summary_markdown(flow_name: str, records: Sequence[MapRecord], *, title: str
         f"of the budget). Out-of-memory events: {sum(s['oom_avoided'] for s in sums)} avoided, "
         f"{sum(s['oom_recovered'] for s in sums)} recovered. Time lost in retries: "
         f"{sum(s['retry_seconds'] for s in sums):.1f} s. Energy: "
-        + energy_text(None if all(s["joules"] is None for s in sums) else sum(s["joules"] or 0.0 for s in sums),
-                      [x for s in sums for x in s["energy_sources"]])
+        + energy_text(energy_by_source((j, src) for s in sums for src, j in s["energy"].items()))
         + "."
         + (f" **{len(failed)} map(s) failed.**" if failed else ""),
         "",
@@ -298,7 +281,7 @@ def summary_markdown(flow_name: str, records: Sequence[MapRecord], *, title: str
             f"| {s['operator']} | {s['chunking']} | {decisions or 'n/a'} | {s['tasks']} | {s['oom_avoided']} / "
             f"{s['oom_recovered']} | {format_bytes(s['peak_bytes'])} / {format_bytes(s['budget_bytes'])} "
             f"({_pct(s['budget_use'])}) | {err}, {_pct(me['within_upper'])} | {s['retry_seconds']:.1f} s | "
-            f"{energy_text(s['joules'], s['energy_sources'])} |")
+            f"{energy_text(s['energy'])} |")
     lines.append("")
     for r, s in zip(records, sums):
         lines += [f"## {r.operator}", "", f"`{r.operator_key}` → `{r.output_path}`", ""]

@@ -63,7 +63,7 @@ def test_rows_have_every_column_and_mark_censored_peaks():
 
 def test_summary_shows_each_maps_energy_and_the_runs_total_labelled_by_source():
     s = map_summary(record_with_a_kill())
-    assert s["joules"] == 30.5 and s["energy_sources"] == ["estimate"]
+    assert s["energy"] == {"estimate": 30.5}
     md = summary_markdown("flow", [record_with_a_kill()])
     assert "Energy: 30.5 J (estimated)." in md
     assert md.count("| 30.5 J (estimated) |") == 1
