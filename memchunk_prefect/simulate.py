@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -221,7 +221,7 @@ class Draws:
         elements = math.prod(extents)
         memory = self.memory(extents, rng)  # drawn first, as before energy was simulated: the same seeds, the same runs
         seconds = self.seconds(elements, rng)
-        return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds))
+        return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds), operator_key=self.key)
 
 
 class PriorKnowledge:
@@ -269,6 +269,7 @@ class _Task:
     started: float = 0.0
     worker: int = -1
     key: int = 0  # the simulated cluster's own, unique over the whole run
+    operator_key: str = ""  # whose task it is (for traces of a simulated run)
 
 
 #: The pseudo-task :meth:`SimulatedCluster.next` returns when a restarted worker is back (no task ended).
@@ -310,6 +311,7 @@ class SimulatedCluster:
         self.lost_worker_seconds = 0.0
         self.peak_bytes: dict[int, int] = {w: 0 for w in range(shape.workers)}
         self.kills = 0
+        self.ended: list[_Ended] = []  # every task that ended, in order (what a trace of the run is made of)
 
     def submit(self, task: _Task) -> None:
         self.pending.append(task)
@@ -379,7 +381,9 @@ class SimulatedCluster:
                     self.away_until[w] = self.now + self.shape.restart_seconds
                     self._push(self.away_until[w], _WAKE.key, killed=False)  # wake the dispatcher then
             self._dispatch()
-            return _Ended(task, self.now, killed)
+            ended = _Ended(task, self.now, killed)
+            self.ended.append(ended)
+            return ended
         raise SimulationInputError("internal: the simulated cluster has nothing running")
 
 
@@ -412,6 +416,8 @@ class SimResult:
     maps: list[MapResult] = field(default_factory=list)
     failure: str = ""
     busy_joules: float = 0.0  # the tasks' energy (see the module docstring), joules
+    #: Every task that ended, in order (not in ``to_dict``): what :func:`trace_records` turns into a trace.
+    ended: list = field(default_factory=list, repr=False)
     idle_watts_per_core: float = DEFAULT_SETTINGS.idle_watts_per_core
     #: What the tasks' energy rests on: "learned" (every operator's joules per element) or "estimated from
     #: seconds" (compute seconds x watts_per_core for at least one operator), or "mixed".
@@ -435,7 +441,8 @@ class SimResult:
         return self.slots * self.makespan_seconds / 3600.0
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ended"}
+        d["maps"] = [asdict(m) for m in self.maps]
         d.update(slot_utilisation=self.slot_utilisation, core_hours=self.core_hours, energy_joules=self.energy_joules)
         return d
 
@@ -612,7 +619,7 @@ def _result(name: str, sim: SimulatedCluster, cluster: ClusterShape, maps: list[
                      busy_slot_seconds=sim.busy_slot_seconds, slots=cluster.slots, workers=cluster.workers,
                      peak_bytes=max(sim.peak_bytes.values(), default=0), maps=maps, failure=failure,
                      busy_joules=sim.busy_joules, idle_watts_per_core=settings.idle_watts_per_core,
-                     energy_basis=basis if draws else "")
+                     energy_basis=basis if draws else "", ended=list(sim.ended))
 
 
 STRATEGIES = ("memchunk", "split", "dask-auto", "static-N")
@@ -636,6 +643,64 @@ def run_strategy(strategy: str, steps: Sequence[Step], shape: Shape, cluster: Cl
         return run_fixed(strategy, steps, shape, cluster, knowledge_for, rng, lambda s: _static_boxes(shape, n), **kw)
     raise SimulationInputError(f"unknown strategy {strategy!r}: use memchunk, split, dask-auto or static-N "
                                "(N iline slabs, e.g. static-4)")
+
+
+# =========================================================================== traces of simulated runs
+
+
+def trace_records(result: SimResult, steps: Sequence[Step], shape: Shape, cluster: ClusterShape, *,
+                  started_at: float = 0.0, run_id: str = "simulated") -> tuple[list[Any], list[Observation],
+                                                                                dict[str, dict[str, Any]],
+                                                                                dict[str, Any]]:
+    """One simulated run as the records a real run leaves in the store, for :func:`memchunk_prefect.trace.
+    build_instance`: ``(maps, observations, machines, flow_run)``.
+
+    Each simulated task becomes an observation (its drawn peak, seconds and energy, labelled an estimate;
+    a killed task ``killed`` and censored), each step a map reading the previous step's output (the first
+    reads ``survey``), each simulated worker a machine ``sim-worker-N`` with the cluster's memory and
+    threads. Times are ``started_at`` plus simulated seconds. A simulated run and a real one then export to
+    the same WfFormat and compare task by task (``memchunk trace-compare``).
+    """
+    from .records import MapRun
+
+    t0 = float(started_at)
+    by_key = {s.key: i for i, s in enumerate(steps)}
+    outputs = [f"simulated/{i + 1:02d}-{s.operator}.zarr" for i, s in enumerate(steps)]
+    observations: list[Observation] = []
+    spans: dict[int, list[float]] = {}
+    for e in result.ended:
+        t = e.task
+        if t.sid < 0 or t.operator_key not in by_key:
+            continue
+        i = by_key[t.operator_key]
+        spent = e.at - t.started
+        share = min(1.0, spent / t.seconds) if t.seconds > 0 else 1.0
+        elements = math.prod(t.extents)
+        observations.append(Observation(
+            operator_key=t.operator_key, elements=elements, extents=t.extents, bytes_in=elements * ITEMSIZE,
+            peak_bytes=int(t.memory), seconds=spent, outcome="killed" if e.killed else "ok", censored=e.killed,
+            cpu_seconds=spent, worker=f"sim-{t.worker}", chunk=t.chunk.key(), budget_bytes=cluster.budget_bytes,
+            energy_joules=t.joules * share, energy_source="estimate", started_at=t0 + t.started,
+            created_at=t0 + e.at, host=f"sim-worker-{t.worker}", flow_run_id=run_id, method="simulated"))
+        lo_hi = spans.setdefault(i, [math.inf, 0.0])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], t.started), max(lo_hi[1], e.at)
+    maps = []
+    for i, step in enumerate(steps):
+        if i not in spans:
+            continue
+        maps.append(MapRun(flow_run_id=run_id, operator=step.operator, operator_key=step.key,
+                           source="survey" if i == 0 else outputs[i - 1], output_path=outputs[i], shape=shape,
+                           halo=step.halo, itemsize=ITEMSIZE, slots=cluster.slots, budget_bytes=cluster.budget_bytes,
+                           started_at=t0 + spans[i][0], ended_at=t0 + spans[i][1],
+                           outcome="ok" if result.completed or i < len(spans) - 1 else "failed",
+                           source_bytes=math.prod(shape) * ITEMSIZE if i == 0 else None))
+    machines = {f"sim-worker-{w}": {"nodeName": f"sim-worker-{w}", "memoryInBytes": int(cluster.memory_limit_bytes),
+                                    "cpu": {"coreCount": int(cluster.threads_per_worker)}}
+                for w in sorted({int(o.host.rsplit("-", 1)[1]) for o in observations})}
+    flow_run = {"id": run_id, "name": f"{result.strategy} (simulated)", "flow_name": "simulation",
+                "start_time": t0, "end_time": t0 + result.makespan_seconds, "state": "COMPLETED"
+                if result.completed else "FAILED"}
+    return maps, observations, machines, flow_run
 
 
 # =========================================================================== Monte Carlo
