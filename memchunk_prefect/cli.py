@@ -182,20 +182,62 @@ def _forget(args: argparse.Namespace) -> int:
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=("csv", "json"), default="csv", help="output format (default csv)")
-    p.add_argument("--output", "-o", help="write to this file instead of standard output")
+    p.add_argument("--format", choices=("csv", "json", "wfcommons"), default="csv",
+                   help="csv or json: every observation in the store (default csv); wfcommons: a WfFormat trace of "
+                        "one flow run (--flow-run), validated before it is written (needs `pip install "
+                        "'memchunk-prefect[trace]'`; docs/traces.md)")
+    p.add_argument("--output", "-o",
+                   help="write to this file (replaced atomically: never half-written) instead of standard output; "
+                        "for wfcommons the default is ./<flow run id>.wfcommons.json")
+    p.add_argument("--flow-run", metavar="ID",
+                   help="wfcommons: the finished flow run to trace, by id, or `latest` (the flow run of the most "
+                        "recently ended chunked map in the store); Prefect's API (PREFECT_API_URL, else a temporary "
+                        "server on PREFECT_HOME's database) must know it")
+    p.add_argument("--schema", metavar="FILE",
+                   help="wfcommons: validate against this WfFormat schema instead of the bundled WfFormat 1.5 one "
+                        "(the trace's schemaVersion follows it)")
+    p.add_argument("--author", help="wfcommons: the trace's author name (with --email; default: no author)")
+    p.add_argument("--email", help="wfcommons: the author's email (with --author)")
 
 
-@register("export", "every observation as CSV or JSON")
+@register("export", "every observation as CSV or JSON, or one flow run as a WfCommons (WfFormat) trace")
 @arguments(_export_arguments)
 def _export(args: argparse.Namespace) -> int:
+    if args.format == "wfcommons":
+        return _export_wfcommons(args)
+    unused = [f"--{n.replace('_', '-')}" for n in ("flow_run", "schema", "author", "email") if getattr(args, n)]
+    if unused:
+        sys.stderr.write(f"memchunk export: {', '.join(unused)} only apply to --format wfcommons\n")
+        return EXIT_USAGE
     with _open_store(args) as store:
         text = store.export(args.format)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        from .files import atomic_write_text
+
+        try:
+            atomic_write_text(args.output, text)
+        except OSError as exc:
+            sys.stderr.write(f"memchunk export: cannot write {args.output}: {exc}; nothing was written\n")
+            return EXIT_FAILURE
     else:
         sys.stdout.write(text)
+    return EXIT_OK
+
+
+def _export_wfcommons(args: argparse.Namespace) -> int:
+    from .trace import export_wfcommons, summary
+
+    if not args.flow_run:
+        sys.stderr.write("memchunk export: --format wfcommons needs --flow-run ID (or --flow-run latest)\n")
+        return EXIT_USAGE
+    with _open_store(args) as store:
+        path = export_wfcommons(args.flow_run, store, args.output, schema=args.schema, author=args.author,
+                                email=args.email)
+    s = summary(json.loads(path.read_text(encoding="utf-8")))
+    energy = (f"{s['energy_kwh'] * 3.6e6:.1f} J ({', '.join(s['energy_sources'])})" if s["energy_sources"]
+              else "no energy recorded")
+    _emit(f"wrote {path}: WfFormat {s['schema_version']}, validated; {s['tasks']} tasks ({s['failed']} failed "
+          f"attempts), {s['files']} files, {s['edges']} dependencies, energy {energy}")
     return EXIT_OK
 
 
