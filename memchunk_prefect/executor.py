@@ -22,6 +22,7 @@ import inspect
 import logging
 import os
 import time
+import uuid
 from typing import TYPE_CHECKING, Any, Iterable
 
 from distributed import as_completed
@@ -135,6 +136,7 @@ class ChunkedMap:
         self.paused: tuple[int, float] = (0, 0.0)  # workers' pauses over the map and their worker-seconds
         self.started_at: float | None = None  # when the map began (epoch seconds), for its MapRun record
         self.flow_run_id = _flow_run_id()
+        self.map_id = uuid.uuid4().hex  # ties the map's observations to its MapRun record (traces)
 
     # ---------------------------------------------------------------- the loop
 
@@ -236,8 +238,6 @@ class ChunkedMap:
         changes: dict[str, Any] = {}
         if obs.resting_bytes is None and obs.worker in self.resting:
             changes["resting_bytes"] = int(self.resting[obs.worker])
-        if not obs.flow_run_id and self.flow_run_id:
-            changes["flow_run_id"] = self.flow_run_id
         if obs.energy_joules is None and obs.cpu_seconds is not None:
             changes["energy_joules"] = estimate_joules(obs.cpu_seconds, self.runner.policy.watts_per_core)
             changes["energy_source"] = ESTIMATE
@@ -310,7 +310,14 @@ class ChunkedMap:
         self.observers.emit("on_submit", ins)
 
     def record(self, obs: Observation) -> None:
-        """Persist the observation and teach the model (a failing store is said loudly, never stops the run)."""
+        """Persist the observation and teach the model (a failing store is said loudly, never stops the run).
+
+        Every observation of the map passes here (a finished chunk's, a censored one's, one the flow wrote
+        for a killed worker): it is stamped with the flow run and the map it belongs to.
+        """
+        if (not obs.flow_run_id and self.flow_run_id) or not obs.map_id:
+            obs = dataclasses.replace(obs, flow_run_id=obs.flow_run_id or self.flow_run_id,
+                                      map_id=obs.map_id or self.map_id)
         try:
             self.runner.model_bank().learn(obs)
         except Exception as exc:  # noqa: BLE001
@@ -360,6 +367,11 @@ class ChunkedMap:
         new = tuple(o for o in records if (o.chunk, o.created_at) not in have)
         if not new:
             return None
+        # A marker written while this map ran is this map's (a worker killed after writing); an older one is
+        # an earlier run's, whose flow run and map are unknown: marked so, it is not stamped as this run's.
+        since = self.started_at or 0.0
+        new = tuple(o if o.created_at >= since else dataclasses.replace(o, map_id=o.map_id or "earlier-run")
+                    for o in new)
         logger.info("%s: storing %d observations recovered from completion markers", self.name, len(new))
         return MarkersRecovered(new, at=time.time())
 
@@ -420,7 +432,7 @@ class ChunkedMap:
                      source_bytes=_size_on_disk(path) if path else None, output_path=self.output_path,
                      shape=self.shape, halo=self.halo, itemsize=ITEMSIZE, slots=self.slots,
                      budget_bytes=int(self.budget), started_at=self.started_at, ended_at=time.time(),
-                     outcome=outcome)
+                     outcome=outcome, map_id=self.map_id)
         try:
             store = self.runner.model_bank().store
             if store is not None:

@@ -66,6 +66,8 @@ class Observation:
     task_run_id: str = ""
     #: The host name of the machine it ran on ("" when unknown).
     host: str = ""
+    #: The chunked map it belongs to (``MapRun.map_id``; "" when unknown: older records, markers recovered).
+    map_id: str = ""
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:
@@ -203,6 +205,8 @@ class MapRun:
     ended_at: float
     outcome: str = "ok"
     source_bytes: int | None = None
+    #: This map's id, unique per chunked map: its observations carry it (``Observation.map_id``).
+    map_id: str = ""
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(v) for v in self.shape)  # type: ignore[assignment]

@@ -336,7 +336,7 @@ class MemoryAwareRunner(DaskTaskRunner):
                 raise RunnerConfigError(f"`policy` has an unknown setting: {exc}") from exc
         elif not isinstance(policy, PolicySettings):
             raise RunnerConfigError(f"`policy` must be a PolicySettings or a dict, got {type(policy).__name__}")
-        energy = {name: value for name, value in (
+        energy: dict[str, Any] = {name: value for name, value in (
             ("objective", objective), ("watts_per_core", watts_per_core), ("idle_watts_per_core", idle_watts_per_core),
             ("deadline_seconds", None if deadline is None else _deadline_seconds(deadline))) if value is not None}
         if energy:

@@ -154,13 +154,14 @@ _COLUMNS: list[tuple[str, str]] = [
     ("started_at", "REAL"),
     ("task_run_id", "TEXT NOT NULL DEFAULT ''"),
     ("host", "TEXT NOT NULL DEFAULT ''"),
+    ("map_id", "TEXT NOT NULL DEFAULT ''"),
 ]
 COLUMN_NAMES = [c for c, _ in _COLUMNS]
 
 #: Columns added in schema version 3 (what the worker held when a run started, what the budget assumed).
 _ADDED_V3 = ("baseline_bytes", "resting_bytes")
 #: Columns added in schema version 5 (what a trace of a run needs: energy's source, start, task run, host).
-_ADDED_V5 = ("energy_source", "started_at", "task_run_id", "host")
+_ADDED_V5 = ("energy_source", "started_at", "task_run_id", "host", "map_id")
 
 
 #: The learned policy's rewards (schema v4): one row per finished plan (see ``records.Reward``).
@@ -200,6 +201,7 @@ _MAP_COLUMNS: list[tuple[str, str]] = [
     ("started_at", "REAL NOT NULL"),
     ("ended_at", "REAL NOT NULL"),
     ("outcome", "TEXT NOT NULL"),
+    ("map_id", "TEXT NOT NULL DEFAULT ''"),
 ]
 MAP_COLUMN_NAMES = [c for c, _ in _MAP_COLUMNS]
 _CREATE_V5 = ("CREATE TABLE maps (id INTEGER PRIMARY KEY AUTOINCREMENT, "
@@ -461,7 +463,7 @@ class Store:
                 obs.outcome, int(bool(obs.censored)), obs.cpu_seconds, obs.worker, obs.chunk, obs.budget_bytes,
                 obs.gpu_peak_bytes, obs.energy_joules, int(bool(obs.shared)), obs.method, obs.flow_run_id,
                 float(obs.created_at), obs.baseline_bytes, obs.resting_bytes, obs.energy_source, obs.started_at,
-                obs.task_run_id or "", obs.host or "")
+                obs.task_run_id or "", obs.host or "", obs.map_id or "")
 
     @staticmethod
     def _observation(row: Iterable[Any]) -> Observation:

@@ -217,11 +217,16 @@ def _start_of(o: Observation) -> float:
 def _assign_maps(maps: Sequence[MapRun], observations: Sequence[Observation]) -> tuple[list[int], int]:
     """The map each observation belongs to (index into ``maps``), and how many could belong to several.
 
-    Observations name their operator key, not their map: a key used by one map
-    of the run settles it. When several maps of the run share the key (the same
-    operator applied twice), the map whose volume holds the chunk and whose
-    ``[started_at, ended_at]`` holds the attempt's end (nearest, else) is taken.
+    An observation that carries its map's id (``Observation.map_id``, recorded
+    since store v5) belongs to that map. Otherwise (records of older runners) it
+    names only its operator key: a key used by one map of the run settles it;
+    when several maps of the run share the key (the same operator applied twice),
+    the map whose volume holds the chunk and whose ``[started_at, ended_at]``
+    holds the attempt's end (nearest, else) is taken.
     """
+    by_id = {m.map_id: i for i, m in enumerate(maps) if m.map_id}
+    if by_id and all(o.map_id in by_id for o in observations):
+        return [by_id[o.map_id] for o in observations], 0
     by_key: dict[str, list[int]] = {}
     for i, m in enumerate(maps):
         by_key.setdefault(m.operator_key, []).append(i)

@@ -233,21 +233,21 @@ def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_
     con.commit()
     con.close()
     run = MapRun("fr1", "envelope", "envelope|float32|cpu", "/s.sgy", "/o.zarr", (4, 5, 6), (0, 1, 2), 4, 2,
-                 1000, 10.0, 12.5, source_bytes=480)
+                 1000, 10.0, 12.5, source_bytes=480, map_id="m1")
     with Store(path) as s:
         (old,) = s.observations()
         assert (old.energy_source, old.started_at, old.task_run_id, old.host) == (None, None, "", "")
         assert s.maps() == [] and s.machines() == {}
         s.add(make_obs(energy_joules=3.5, energy_source="estimate", started_at=9.0, task_run_id="t1", host="h",
-                       flow_run_id="fr1"))
+                       flow_run_id="fr1", map_id="m1"))
         s.add_map(run)
         s.put_machines({"h": {"nodeName": "h", "cpu": {"coreCount": 2}}})
         s.put_machines({"h": {"nodeName": "h", "cpu": {"coreCount": 4}}})  # a newer description replaces it
         assert s.maps("fr1") == [run] and s.maps("other") == []
         assert s.machines() == {"h": {"nodeName": "h", "cpu": {"coreCount": 4}}}
         (new,) = s.run_observations("fr1")
-    assert (new.energy_joules, new.energy_source, new.started_at, new.task_run_id, new.host) == (
-        3.5, "estimate", 9.0, "t1", "h")
+    assert (new.energy_joules, new.energy_source, new.started_at, new.task_run_id, new.host, new.map_id) == (
+        3.5, "estimate", 9.0, "t1", "h", "m1")
 
 
 def test_policy_rewards_round_trip_and_are_forgotten_with_their_key(tmp_path):

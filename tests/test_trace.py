@@ -257,6 +257,24 @@ def test_ids_are_sanitized_and_unique_even_for_odd_names_and_one_operator_twice(
     assert "matched more than one map" not in doc["description"]
 
 
+def test_observations_that_carry_their_map_id_go_to_that_map_even_when_time_and_volume_cannot_tell():
+    import dataclasses
+
+    # Two maps of one key over same-shaped volumes at the same time: only the map id tells their tasks apart.
+    a = dataclasses.replace(a_map("op", "/data/a.sgy", "/runs/a.zarr", started=1000, ended=1020), map_id="A")
+    b = dataclasses.replace(a_map("op", "/data/b.sgy", "/runs/b.zarr", started=1000, ended=1020), map_id="B")
+    key = slabs(0, 9)[0]
+    obs = [dataclasses.replace(attempt(a, key, 1001), map_id="B"), dataclasses.replace(attempt(b, key, 1002),
+                                                                                       map_id="A")]
+    doc = trace.build_instance([a, b], obs, MACHINES, FLOW_RUN)
+    inputs = sorted(t["inputFiles"][0] for t in doc["workflow"]["specification"]["tasks"])
+    assert inputs == ["a.sgy", "b.sgy"]
+    by_start = {t["executedAt"]: spec_tasks(doc)[t["id"]]["inputFiles"][0]
+                for t in doc["workflow"]["execution"]["tasks"]}
+    assert by_start == {trace.rfc3339(1001): "b.sgy", trace.rfc3339(1002): "a.sgy"}, "by map id, not by time"
+    assert "matched more than one map" not in doc["description"]
+
+
 def test_an_upstream_output_partly_written_by_an_earlier_run_is_read_as_a_whole(tmp_path):
     env = a_map("envelope", "/data/s.sgy", "/runs/r/env.zarr", started=1000, ended=1010)
     smo = a_map("smooth", env.output_path, "/runs/r/smooth.zarr", halo=(1, 0, 0), started=1010, ended=1020,
@@ -510,6 +528,10 @@ def test_a_real_flow_exported_through_the_cli_holds_every_chunk_task_run(capsys,
     with Store(store_path) as s:
         assert len(ex) == len(s.run_observations(run_id))
         smooth_halo = next(m.halo for m in s.maps(run_id) if m.operator == "gaussian_smooth")
+        # Every observation names its map (what the trace assigns tasks by).
+        map_ids = {m.map_id for m in s.maps(run_id)}
+        assert len(map_ids) == 2 and "" not in map_ids
+        assert {o.map_id for o in s.run_observations(run_id)} == map_ids
     for t in ex.values():
         assert t["energySource"] == "estimate" and t["energyInKWh"] > 0 and t["avgPowerInW"] > 0
         assert inst.workflow.tasks[t["id"]].energy == t["energyInKWh"]
