@@ -7,11 +7,15 @@
                   [--slots N] [--whole-traces | --cut-traces] [--json]
     memchunk forget KEY
     memchunk export [--format csv|json] [--output FILE]
+    memchunk export --format wfcommons --flow-run ID|latest [-o FILE] [--schema FILE]
+    memchunk compare-traces TRACE_A TRACE_B [--json]
     memchunk demo [--dir DIR] [--shape IL XL T] [--workers N] [--memory-limit 1.5GiB]
     memchunk ui [--port 4200]
     memchunk doctor [--address tcp://HOST:8786] [--json]
     memchunk simulate --shape IL XL T --workers N --memory-limit 8GiB [--steps OP ...] [--runs 20] [--deadline S]
+                      [--trace FILE]
     memchunk recommend --shape IL XL T --deadline 6h [--memory 4GiB 8GiB ...] [--max-workers 256]
+                       [--objective time|energy]
 
 Watch runs in the Prefect UI: ``memchunk ui`` (or ``prefect server start``), then
 open http://127.0.0.1:4200; flows started with ``PREFECT_API_URL`` pointing at it
@@ -417,6 +421,9 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=20, help="simulated runs per strategy (default 20)")
     p.add_argument("--seed", type=int, default=0, help="seed of the first run (default 0)")
     p.add_argument("--deadline", help="also give the chance of finishing within it: seconds, 45min, 6h, HH:MM")
+    p.add_argument("--trace", metavar="FILE",
+                   help="also write the first simulated run of the memchunk strategy as a WfCommons (WfFormat) "
+                        "trace, to compare with a real run's (`memchunk compare-traces REAL FILE`)")
 
 
 def _sim_models(args: argparse.Namespace) -> Any:
@@ -470,11 +477,12 @@ def _simulate(args: argparse.Namespace) -> int:
     summaries = simulate(args.strategies, steps, tuple(args.shape), cluster, models.knowledge, runs=args.runs,
                          seed=args.seed, deadline=deadline, truth_for=models.truth)
     note = _prior_note(models, args)
+    traced = _simulated_trace(args, steps, cluster, models) if args.trace else None
     if args.json:
         _emit(json.dumps({"shape": list(args.shape), "cluster": dataclasses.asdict(cluster),
                           "steps": [dataclasses.asdict(s) for s in steps], "runs": args.runs,
                           "deadline": deadline, "from_prior": sorted(models.from_prior), "prior_note": note,
-                          "strategies": [s.to_dict() for s in summaries]}, indent=1))
+                          "trace": traced, "strategies": [s.to_dict() for s in summaries]}, indent=1))
         return EXIT_OK
     header = ["strategy", "completed", "makespan p50 s", "p90 s", "P(deadline)", "OOM/run", "lost worker-s",
               "utilisation", "core-hours", "energy p50", "peak/worker"]
@@ -494,6 +502,65 @@ def _simulate(args: argparse.Namespace) -> int:
         _emit(_energy_note(basis))
     if note:
         _emit(note)
+    if traced:
+        _emit(f"wrote {traced}: the first simulated memchunk run (seed {args.seed}) as a WfFormat trace, validated")
+    return EXIT_OK
+
+
+def _simulated_trace(args: argparse.Namespace, steps: list[Any], cluster: Any, models: Any) -> str:
+    """Write the memchunk strategy's run of seed ``args.seed`` (the summaries' first) as a validated trace."""
+    import numpy as np
+
+    from .simulate import run_strategy
+    from .trace import simulated_instance, write_instance
+
+    result = run_strategy("memchunk", steps, tuple(args.shape), cluster, models.knowledge,
+                          np.random.default_rng(args.seed), truth_for=models.truth)
+    return str(write_instance(simulated_instance(result, steps, args.shape, cluster), args.trace))
+
+
+def _compare_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", metavar="TRACE_A", help="a WfFormat trace (e.g. a real run's: memchunk export --format "
+                                                "wfcommons)")
+    p.add_argument("b", metavar="TRACE_B", help="another trace of the same work (e.g. memchunk simulate --trace)")
+    p.add_argument("--schema", metavar="FILE", help="validate both against this WfFormat schema (default: the "
+                                                    "bundled 1.5 one)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("compare-traces", "two WfCommons traces of the same work side by side, per operator (a real run and its "
+                            "simulation)")
+@arguments(_compare_arguments)
+def _compare_traces(args: argparse.Namespace) -> int:
+    from .errors import TraceExportError
+    from .trace import compare, validate
+
+    docs = []
+    for path in (args.a, args.b):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise TraceExportError(f"cannot read the trace {path}: {exc}; give a WfFormat JSON file (memchunk "
+                                   "export --format wfcommons, memchunk simulate --trace)") from exc
+        validate(doc, args.schema)
+        docs.append(doc)
+    c = compare(*docs)
+    if args.json:
+        _emit(json.dumps(c, indent=1))
+        return EXIT_OK
+
+    def pair(v: tuple, fmt: str) -> str:
+        x, y, r = v
+        cell = f"{_opt(x, fmt)} / {_opt(y, fmt)}"
+        return cell + ("" if r is None else f" ({100 * r:+.0f}%)")
+
+    header = ["operator", "tasks", "failed", "task seconds", "mean s", "span s", "energy J"]
+    rows = [[r["category"], pair(r["tasks"], "d"), pair(r["failed"], "d"), pair(r["runtime_seconds"], ".1f"),
+             pair(r["mean_runtime_seconds"], ".2f"), pair(r["span_seconds"], ".1f"), pair(r["energy_joules"], ".0f")]
+            for r in c["operators"]]
+    _emit(f"A: {c['a']}\nB: {c['b']}\nmakespan: {pair(c['makespan_seconds'], '.1f')} s (B against A in brackets)")
+    _emit(table(header, rows))
     return EXIT_OK
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -144,6 +145,15 @@ def test_the_command_line_simulates_from_a_store_and_says_which_strategies_fail(
     assert got["strategies"][0]["completed"] == 3 and got["strategies"][1]["completed"] == 0
     assert cli.main([*argv[:-3], "--steps-json", "not json"]) == cli.EXIT_USAGE
     assert "--steps-json is not JSON" in capsys.readouterr().err
+    if sys.version_info >= (3, 11):  # the WfCommons trace needs wfcommons (Python >= 3.11)
+        out_path = tmp_path / "sim.wfcommons.json"
+        assert cli.main([*argv, "--trace", str(out_path)]) == cli.EXIT_OK
+        assert f"wrote {out_path}" in capsys.readouterr().out
+        doc = json.loads(out_path.read_text())
+        assert doc["schemaVersion"] == "1.5" and doc["workflow"]["execution"]["tasks"]
+    # The seeded store has no energy: the simulator says its figures rest on seconds x watts_per_core.
+    assert got["strategies"][0]["energy_basis"] == "estimated from seconds"
+    assert got["strategies"][0]["energy_joules_p50"] > 0
 
 
 # =========================================================================== recommend
