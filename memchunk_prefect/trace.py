@@ -703,7 +703,8 @@ def simulated_instance(result: Any, steps: Sequence[Any], shape: Sequence[int], 
     from .simulate import trace_records
 
     t0 = _time.time() if started_at is None else float(started_at)
-    maps, observations, machines, flow_run = trace_records(result, steps, tuple(shape), cluster, started_at=t0)
+    ni, nx, nt = (int(v) for v in shape)
+    maps, observations, machines, flow_run = trace_records(result, steps, (ni, nx, nt), cluster, started_at=t0)
     doc = build_instance(maps, observations, machines, flow_run, created_at=t0)
     doc["description"] = ("A SIMULATED run (memchunk simulate), not a measured one: each task's memory, time and "
                           "energy were drawn from the models learned by memchunk-prefect. " + doc["description"])
