@@ -88,3 +88,22 @@ def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp
             assert by[name]["completed"], (name, by[name]["notes"])
         assert "static-best" in by
     assert any("0.85x static-best" in label for label in result["targets"])
+
+
+def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_sources(tmp_path):
+    out = tmp_path / "energy.json"
+    env = dict(os.environ)
+    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.energy", "--quick", "--pairs", "1", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted(r["objective"] for r in runs) == ["energy", "time"]
+    for r in runs:
+        assert r["completed"] and r["oom_events"] == 0, r
+        # No counter is readable on CI machines: every figure is an estimate, and says so.
+        assert r["energy_sources"] == ["estimate"] or "rapl" in r["energy_sources"] or "nvml" in r["energy_sources"]
+        assert r["busy_joules"] > 0 and r["total_joules"] >= r["busy_joules"]
+    assert "objective  wall s  busy J" in proc.stdout
