@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 from .errors import EnergyInputError
 
@@ -151,6 +151,31 @@ def split_device_energy(runs: Sequence[DeviceRun]) -> list[float]:
         for i in active:
             out[i] += watts * (b - a) * runs[i].weight / total_weight
     return out
+
+
+def split_among_devices(devices: Sequence[Hashable], runs: Sequence[DeviceRun]) -> list[float]:
+    """:func:`split_device_energy` within each device's runs: ``devices[i]`` names run ``i``'s device (a host
+    and its counter, e.g. ``("node-a", "rapl")``); runs on different devices share nothing.
+
+    >>> split_among_devices(["a", "a", "b"], [DeviceRun(0, 10, 100.0)] * 3)
+    [50.0, 50.0, 100.0]
+    """
+    out = [0.0] * len(runs)
+    groups: dict[Hashable, list[int]] = {}
+    for i, device in enumerate(devices):
+        groups.setdefault(device, []).append(i)
+    for idx in groups.values():
+        for i, j in zip(idx, split_device_energy([runs[i] for i in idx])):
+            out[i] = j
+    return out
+
+
+def busy_weight(cpu_seconds: float | None, seconds: float | None) -> float:
+    """A run's share of a device while it ran, for :class:`DeviceRun`: busy cores (CPU seconds over wall
+    seconds), 1.0 where either is unknown or zero."""
+    if cpu_seconds is None or seconds is None or cpu_seconds <= 0 or seconds <= 0:
+        return 1.0
+    return float(cpu_seconds) / float(seconds)
 
 
 def plan_energy_joules(*, n_chunks: int, slots: int, chunk_seconds: float, overhead_seconds: float,

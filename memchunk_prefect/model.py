@@ -96,7 +96,7 @@ from river import linear_model, metrics, stats, utils
 
 from .bandit import ArmChoice, ArmLearner
 from .chunks import Shape
-from .energy import ESTIMATE, DeviceRun, is_measured, split_device_energy
+from .energy import ESTIMATE, DeviceRun, busy_weight, is_measured, split_among_devices
 from .records import Observation, Prediction, Reward
 from .settings import ITEMSIZE, PolicySettings
 
@@ -726,23 +726,14 @@ class _EnergyRun:
     def of(cls, obs: Observation) -> "_EnergyRun":
         end = float(obs.created_at)
         start = float(obs.started_at) if obs.started_at is not None else end - float(obs.seconds)
-        busy = (obs.cpu_seconds or 0.0) / obs.seconds if obs.seconds > 0 else 0.0
         return cls(float(obs.energy_joules or 0.0), int(obs.elements), str(obs.energy_source or ESTIMATE),
-                   start, max(start, end), busy if busy > 0 else 1.0, obs.host or obs.worker)
+                   start, max(start, end), busy_weight(obs.cpu_seconds, obs.seconds), obs.host or obs.worker)
 
 
 def _split_by_device(runs: Sequence[_EnergyRun]) -> list[float]:
     """Each measured run's share of its device's counter, runs grouped by (host, counter)."""
-    out = [0.0] * len(runs)
-    groups: dict[tuple[str, str], list[int]] = {}
-    for i, r in enumerate(runs):
-        groups.setdefault((r.host, r.source), []).append(i)
-    for idx in groups.values():
-        shares = split_device_energy([DeviceRun(runs[i].start, runs[i].end, runs[i].joules, runs[i].weight)
-                                      for i in idx])
-        for i, j in zip(idx, shares):
-            out[i] = j
-    return out
+    return split_among_devices([(r.host, r.source) for r in runs],
+                               [DeviceRun(r.start, r.end, r.joules, r.weight) for r in runs])
 
 
 def _rolling_count(rolling: Any) -> int:

@@ -59,7 +59,7 @@ from types import SimpleNamespace
 from typing import Any, Mapping, Sequence
 
 from .chunks import Chunk, with_halo
-from .energy import ESTIMATE, JOULES_PER_KWH, DeviceRun, is_measured, kwh, split_device_energy
+from .energy import ESTIMATE, JOULES_PER_KWH, DeviceRun, busy_weight, is_measured, kwh, split_among_devices
 from .errors import MemchunkError, TraceExportError
 from .records import MapRun, Observation
 
@@ -273,29 +273,28 @@ def _energy_shares(observations: Sequence[Observation]) -> list[float | None]:
     cores (CPU seconds over wall seconds, 1 when unknown).
     """
     out: list[float | None] = [None] * len(observations)
-    groups: dict[tuple[str, str], list[int]] = {}
+    measured: list[int] = []
     for i, o in enumerate(observations):
         if not _finite(o.energy_joules):
             continue
         if is_measured(o.energy_source):
-            groups.setdefault((o.host, str(o.energy_source)), []).append(i)
+            measured.append(i)
         else:
             out[i] = float(o.energy_joules)  # type: ignore[arg-type]
-    for idx in groups.values():
-        runs = []
-        for i in idx:
-            o = observations[i]
-            seconds = max(0.0, float(o.seconds or 0.0))
-            cpu = _cpu_seconds(o)
-            weight = cpu / seconds if cpu is not None and cpu > 0 and seconds > 0 else 1.0
-            start = _start_of(o)
-            runs.append(DeviceRun(start, start + seconds, float(o.energy_joules), weight))  # type: ignore[arg-type]
-        try:
-            shares = split_device_energy(runs)
-        except MemchunkError as exc:
-            raise TraceExportError(f"cannot share the measured energy of the task runs: {exc}") from exc
-        for i, j in zip(idx, shares):
-            out[i] = j
+    runs = []
+    for i in measured:
+        o = observations[i]
+        seconds = max(0.0, float(o.seconds or 0.0))
+        start = _start_of(o)
+        runs.append(DeviceRun(start, start + seconds, float(o.energy_joules),  # type: ignore[arg-type]
+                              busy_weight(_cpu_seconds(o), seconds)))
+    try:
+        shares = split_among_devices([(observations[i].host, str(observations[i].energy_source)) for i in measured],
+                                     runs)
+    except MemchunkError as exc:
+        raise TraceExportError(f"cannot share the measured energy of the task runs: {exc}") from exc
+    for i, j in zip(measured, shares):
+        out[i] = j
     return out
 
 
