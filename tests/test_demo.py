@@ -31,7 +31,9 @@ def test_demo_runs_on_local_defaults_with_one_prefect_api_and_reports_decisions(
         if line.startswith("  ") and line.split():
             rows.setdefault(line.split()[0], line)  # the summary table's row comes first
     for operator in ("envelope", "gaussian_smooth", "gst3d_dip"):
-        assert operator in rows and rows[operator].rstrip().endswith("recovered"), proc.stdout
+        assert operator in rows and " recovered " in rows[operator], proc.stdout
+        # The energy column: no counter is readable on these machines, so it is an estimate and says so.
+        assert rows[operator].rstrip().endswith("(estimated)") or "(rapl)" in rows[operator], proc.stdout
         # Not a terminal: one progress line per map, when it ends.
         assert f"{operator}  " in proc.stderr and " chunks, 24 x 24 x 200 in " in proc.stderr, proc.stderr
     assert "probe" in out and "rechunk" in out, "the runner's decisions are in the flow's log lines"
