@@ -594,6 +594,9 @@ def _recommend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--objective", choices=("time", "energy"), default="time",
                    help="among the shapes that meet the deadline: the fewest core-hours (time, default) or the "
                         "least energy (energy)")
+    p.add_argument("--plot", metavar="PNG",
+                   help="also plot makespan, core-hours and energy against memory per worker (needs matplotlib: "
+                        "pip install 'memchunk-prefect[plot]')")
 
 
 @register("recommend", "the cluster to ask for: fewest core-hours (or least energy) that meet a deadline, from what "
@@ -638,6 +641,10 @@ def _recommend(args: argparse.Namespace) -> int:
     _emit(f"  dask-jobqueue: SLURMCluster(cores={jq['cores']}, processes={jq['processes']}, memory=\"{jq['memory']}\", "
           f"walltime=\"{jq['walltime']}\"); cluster.scale(jobs={jq['jobs']})")
     _emit(f"  ({len(rec.tried)} cluster shapes simulated, {args.runs} runs each; `--json` lists them)")
+    if args.plot:
+        from .simulate import plot_recommendation
+
+        _emit(f"  plot: {plot_recommendation(rec, args.plot)}")
     if s.energy_basis:
         _emit("  " + _energy_note(s.energy_basis))
     return EXIT_OK

@@ -926,6 +926,56 @@ def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, 
     return Recommendation(best, tried, float(deadline_seconds), float(confidence), objective)
 
 
+def frontier(rec: Recommendation) -> list[Candidate]:
+    """Per memory size tried, the fewest workers that met the deadline (what :func:`recommend` chose among),
+    by memory size: the trade-off a plot of makespan, core-hours and energy against memory per worker shows."""
+    best: dict[int, Candidate] = {}
+    for c in rec.tried:
+        met = c.summary.p_deadline is not None and c.summary.p_deadline >= rec.confidence
+        if met and (c.memory_limit_bytes not in best or c.workers < best[c.memory_limit_bytes].workers):
+            best[c.memory_limit_bytes] = c
+    return [best[m] for m in sorted(best)]
+
+
+def plot_recommendation(rec: Recommendation, path: str | Path, title: str = "") -> Path:
+    """A PNG of :func:`frontier`: makespan p50, core-hours and (where simulated) energy against memory per
+    worker, the workers each needs written at its point, the recommended shape marked. Needs matplotlib
+    (``pip install 'memchunk-prefect[plot]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SimulationInputError(f"the plot needs matplotlib ({exc}): pip install 'memchunk-prefect[plot]'") from exc
+    points = frontier(rec)
+    if not points:
+        raise SimulationInputError("no cluster shape met the deadline: nothing to plot")
+    gib = [c.memory_limit_bytes / 2**30 for c in points]
+    series = [("makespan p50 (s)", [c.summary.makespan_p50 for c in points]),
+              ("core-hours", [c.summary.core_hours_p50 for c in points])]
+    if all(c.summary.energy_joules_p50 is not None for c in points):
+        series.append(("energy p50 (kJ)", [c.summary.energy_joules_p50 / 1e3 for c in points]))  # type: ignore
+    fig, axes = plt.subplots(len(series), 1, sharex=True, figsize=(6, 2.2 * len(series)))
+    for ax, (label, values) in zip(axes, series):
+        ax.plot(gib, values, marker="o")
+        for x, y, c in zip(gib, values, points):
+            ax.annotate(f"{c.workers} w", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            if rec.best is not None and c is rec.best:
+                ax.plot([x], [y], marker="*", markersize=14, color="tab:red")
+        ax.set_ylabel(label)
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("memory per worker (GiB)")
+    axes[0].set_title(title or f"fewest workers meeting {rec.deadline_seconds:.0f} s "
+                               f"(p >= {rec.confidence:g}); * = recommended ({rec.objective})", fontsize=9)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def _cost(c: Candidate, objective: str) -> float:
     """What :func:`recommend` minimises: core-hours, or joules (p50 of the simulated runs)."""
     value = c.summary.energy_joules_p50 if objective == "energy" else c.summary.core_hours_p50

@@ -218,6 +218,22 @@ def test_recommend_for_energy_picks_the_least_energy_shape_that_meets_the_deadli
         _recommend(60.0, objective="cheap")
 
 
+def test_the_frontier_holds_the_fewest_workers_per_memory_size_and_plots(tmp_path):
+    from memchunk_prefect.simulate import frontier, plot_recommendation
+
+    rec = _recommend(0.8, max_workers=16, memory_options=[100 * MiB, 200 * MiB])
+    points = frontier(rec)
+    assert [c.memory_limit_bytes for c in points] == sorted(c.memory_limit_bytes for c in points)
+    for c in points:
+        fewer = [t for t in rec.tried if t.memory_limit_bytes == c.memory_limit_bytes and t.workers < c.workers]
+        assert all(t.summary.p_deadline < 0.9 for t in fewer)
+    assert rec.best in points
+    png = plot_recommendation(rec, tmp_path / "rec.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SimulationInputError, match="nothing to plot"):
+        plot_recommendation(_recommend(0.01, max_workers=4), tmp_path / "none.png")
+
+
 def test_recommend_says_when_nothing_meets_the_deadline_and_refuses_nonsense():
     assert _recommend(0.01, max_workers=4).best is None
     with pytest.raises(SimulationInputError, match="positive"):
