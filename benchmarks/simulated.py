@@ -17,8 +17,11 @@ is the planner's figure (``PolicySettings.per_task_overhead_seconds``).
 
 Measured walls are each strategy's own time inside its flow (the benchmark's
 ``wall_seconds``); a simulated makespan starts at the first task and ends at
-the last, so what the flow does before and between maps (reading the budget,
-creating outputs, Prefect's task-run creation) is not in it.
+the last, so what a plain flow does before and between maps (creating outputs,
+Prefect's task-run creation beyond the per-task overhead) is not in it. The
+runner's own work per map (before a map's first task and after its last) is:
+measured from the benchmark's store (``memchunk_prefect.simulate.measured_map_work``,
+the medians over its maps) and simulated for the ``memchunk`` strategy.
 """
 
 from __future__ import annotations
@@ -60,15 +63,19 @@ def resting_bytes(n_workers: int, memory_limit: str) -> int:
         cluster.close()
 
 
-def compare(result: dict, store: str, runs: int, resting: int) -> list[dict[str, Any]]:
-    from memchunk_prefect.simulate import ClusterShape, Step, simulate, store_knowledge
+def compare(result: dict, store: str, runs: int, resting: int) -> tuple[list[dict[str, Any]], Any]:
+    from memchunk_prefect.simulate import ClusterShape, Step, simulate, store_models
     from memchunk_prefect.units import parse_bytes
 
     cfg = result["config"]
     steps = [Step.of(dict(s)) for s in cfg["steps"]]
+    models = store_models(store)
+    work = models.map_work()
     cluster = ClusterShape(workers=int(cfg["n_workers"]), memory_limit_bytes=parse_bytes(cfg["memory_limit"]),
-                           threads_per_worker=int(cfg.get("threads_per_worker", 1)), resting_bytes=resting)
-    knowledge = store_knowledge(store)
+                           threads_per_worker=int(cfg.get("threads_per_worker", 1)), resting_bytes=resting,
+                           map_start_seconds=work.start_seconds if work else 0.0,
+                           map_end_seconds=work.end_seconds if work else 0.0)
+    knowledge = models.knowledge
     rows = []
     for measured in result["strategies"]:
         name = sim_name(measured["name"])
@@ -82,16 +89,19 @@ def compare(result: dict, store: str, runs: int, resting: int) -> list[dict[str,
                      "predicted_completed": f"{s.completed}/{s.runs}", "predicted_p50": s.makespan_p50,
                      "predicted_p90": s.makespan_p90, "predicted_oom_per_run": s.out_of_memory_mean,
                      "error": error, "failure": s.failure})
-    return rows
+    return rows, work
 
 
-def markdown(rows: list[dict[str, Any]], result: dict, resting: int, runs: int) -> str:
+def markdown(rows: list[dict[str, Any]], result: dict, resting: int, runs: int, work: Any = None) -> str:
     from memchunk_prefect.errors import format_bytes
 
     cfg = result["config"]
+    per_map = ("no per-map work measured" if work is None else
+               f"the runner's work per map {work.start_seconds:.3f} s before and {work.end_seconds:.3f} s after its "
+               f"tasks (medians of {work.maps} maps in the store)")
     lines = [f"Simulated from the benchmark's store ({runs} runs per strategy) against its measured runs: "
              f"{' x '.join(map(str, cfg['shape']))} survey, {cfg['n_workers']} workers x {cfg['memory_limit']}, "
-             f"resting {format_bytes(resting)}.", "",
+             f"resting {format_bytes(resting)}; {per_map}.", "",
              "| strategy | measured | predicted p50 / p90 | error of p50 | completed (measured / predicted) | "
              "OOM measured / predicted per run |", "|---|---:|---:|---:|---|---|"]
 
@@ -133,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"no benchmark store at {store}")
     cfg = result["config"]
     resting = resting_bytes(int(cfg["n_workers"]), cfg["memory_limit"])
-    rows = compare(result, str(store), args.runs, resting)
+    rows, work = compare(result, str(store), args.runs, resting)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "resting_bytes": resting, "runs": args.runs,
-                                               "config": cfg}, indent=1))
-    print(markdown(rows, result, resting, args.runs))
+                                               "config": cfg, "map_work": None if work is None else
+                                               {"start_seconds": work.start_seconds,
+                                                "end_seconds": work.end_seconds, "maps": work.maps}}, indent=1))
+    print(markdown(rows, result, resting, args.runs, work))
     return 0
 
 

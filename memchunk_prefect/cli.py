@@ -470,10 +470,12 @@ def _simulate(args: argparse.Namespace) -> int:
     from .units import parse_seconds
 
     steps = [Step.of(s) for s in _steps_of(args)]
-    cluster = ClusterShape(workers=args.workers, memory_limit_bytes=parse_bytes(args.memory_limit),
-                           threads_per_worker=args.threads, resting_bytes=parse_bytes(args.resting))
-    deadline = parse_seconds(args.deadline) if args.deadline is not None else None
     models = _sim_models(args)
+    work = models.map_work()
+    cluster = ClusterShape(workers=args.workers, memory_limit_bytes=parse_bytes(args.memory_limit),
+                           threads_per_worker=args.threads, resting_bytes=parse_bytes(args.resting),
+                           **_map_work_kwargs(work))
+    deadline = parse_seconds(args.deadline) if args.deadline is not None else None
     summaries = simulate(args.strategies, steps, tuple(args.shape), cluster, models.knowledge, runs=args.runs,
                          seed=args.seed, deadline=deadline, truth_for=models.truth)
     note = _prior_note(models, args)
@@ -500,6 +502,7 @@ def _simulate(args: argparse.Namespace) -> int:
     basis = next((s.energy_basis for s in summaries if s.energy_basis), "")
     if basis:
         _emit(_energy_note(basis))
+    _emit(_map_work_note(work))
     if note:
         _emit(note)
     if traced:
@@ -564,6 +567,20 @@ def _compare_traces(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _map_work_kwargs(work: Any) -> dict[str, Any]:
+    """ClusterShape's per-map work from what the store measured (none: nothing added)."""
+    return {} if work is None else {"map_start_seconds": work.start_seconds, "map_end_seconds": work.end_seconds}
+
+
+def _map_work_note(work: Any) -> str:
+    if work is None:
+        return ("the runner's own work per map is not simulated: the store holds no map of a run recorded by this "
+                "version (run a flow once with it to measure it)")
+    return (f"the runner's own work per map: {work.start_seconds:.2f} s before its first task and "
+            f"{work.end_seconds:.2f} s after its last (medians of {work.maps} maps in the store), in the memchunk "
+            "strategy's makespan")
+
+
 def _joules(j: float | None) -> str:
     """Joules for a table cell: ``812 J``, ``3.4 kJ``, ``1.2 MJ``."""
     if j is None:
@@ -609,10 +626,12 @@ def _recommend(args: argparse.Namespace) -> int:
     steps = [Step.of(s) for s in _steps_of(args)]
     deadline = parse_seconds(args.deadline)
     models = _sim_models(args)
+    work = models.map_work()
     rec = recommend(steps, tuple(args.shape), models.knowledge, deadline_seconds=deadline,
                     memory_options=[parse_bytes(m) for m in args.memory], max_workers=args.max_workers,
                     threads_per_worker=args.threads, confidence=args.confidence, runs=args.runs,
-                    truth_for=models.truth, resting_bytes=parse_bytes(args.resting), objective=args.objective)
+                    truth_for=models.truth, resting_bytes=parse_bytes(args.resting), objective=args.objective,
+                    **_map_work_kwargs(work))
     note = _prior_note(models, args)
     if args.json:
         _emit(json.dumps({"best": rec.best.to_dict() if rec.best else None, "jobqueue": rec.jobqueue_kwargs(),

@@ -87,7 +87,12 @@ class ClusterShape:
     ``resting_bytes``: a worker's memory before a task (after the runner's
     imports; ~250 MiB measured on the demo's workers); ``kill_fraction``: the
     nanny's ``distributed.worker.memory.terminate``; ``per_task_overhead_seconds``:
-    slot time a task costs beyond its compute (Prefect + Dask).
+    slot time a task costs beyond its compute (Prefect + Dask); ``map_start_seconds`` /
+    ``map_end_seconds``: the runner's own work in the flow before a chunked map's first task
+    (reading the budget from the workers, opening the output, the decision) and after its last
+    (finalizing the output, the artifacts, reading pauses), while the slots wait: measured from a
+    store's runs by :func:`measured_map_work` (0 when not given). Only the ``memchunk``
+    strategy pays them: the baselines are plain flows without that work.
     """
 
     workers: int
@@ -97,11 +102,16 @@ class ClusterShape:
     kill_fraction: float = 0.95
     per_task_overhead_seconds: float = DEFAULT_SETTINGS.per_task_overhead_seconds
     restart_seconds: float = RESTART_SECONDS
+    map_start_seconds: float = 0.0
+    map_end_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if int(self.workers) < 1 or int(self.threads_per_worker) < 1:
             raise SimulationInputError(f"a cluster needs at least one worker and one thread per worker, got "
                                        f"workers={self.workers}, threads_per_worker={self.threads_per_worker}")
+        if min(float(self.map_start_seconds), float(self.map_end_seconds)) < 0:
+            raise SimulationInputError(f"a map's own work takes zero seconds or more, got map_start_seconds="
+                                       f"{self.map_start_seconds}, map_end_seconds={self.map_end_seconds}")
         if not 0 < float(self.kill_fraction) <= 1:
             raise SimulationInputError(f"kill_fraction must be in (0, 1], got {self.kill_fraction}")
         if self.headroom_bytes <= 0:
@@ -317,6 +327,13 @@ class SimulatedCluster:
         self.pending.append(task)
         self._dispatch()
 
+    def wait(self, seconds: float) -> None:
+        """The flow works for ``seconds`` while nothing runs (a map's own work): the clock and the makespan move,
+        the slots stay held (idle)."""
+        if seconds > 0:
+            self.now += float(seconds)
+            self.last_end = max(self.last_end, self.now)
+
     def _free_worker(self) -> int | None:
         for w, tasks in self.running.items():
             if (len(tasks) < self.shape.threads_per_worker and self.away_until.get(w, 0.0) <= self.now
@@ -505,6 +522,7 @@ class _MachineRun:
 
     def run(self) -> MapResult:
         m, sim, started = self.machine, self.sim, self.sim.now
+        sim.wait(self.cluster.map_start_seconds)  # the runner's work before the map's first task
         self.carry_out(m.handle(Start(self.cluster.slots, self.cluster.budget_bytes, at=sim.now)))
         while not m.finished and not self.failure:
             self.carry_out(m.advance(sim.now))
@@ -525,6 +543,8 @@ class _MachineRun:
                 obs = _observation(self.step, ended.task, False, self.cluster.budget_bytes, ended.at)
                 event = ChunkDone(ended.task.sid, obs, at=ended.at)
             self.carry_out(m.handle(event))
+        if not self.failure:
+            sim.wait(self.cluster.map_end_seconds)  # and after its last
         self.record.chunks, self.record.seconds = len(m.done), sim.now - started
         return self.record
 
@@ -643,6 +663,34 @@ def run_strategy(strategy: str, steps: Sequence[Step], shape: Shape, cluster: Cl
         return run_fixed(strategy, steps, shape, cluster, knowledge_for, rng, lambda s: _static_boxes(shape, n), **kw)
     raise SimulationInputError(f"unknown strategy {strategy!r}: use memchunk, split, dask-auto or static-N "
                                "(N iline slabs, e.g. static-4)")
+
+
+@dataclass(frozen=True)
+class MapWork:
+    """The runner's own work per chunked map, seconds (medians over ``maps`` maps of a store): before its
+    first task starts and after its last ends (see :class:`ClusterShape`)."""
+
+    start_seconds: float
+    end_seconds: float
+    maps: int
+
+
+def measured_map_work(store: Any) -> MapWork | None:
+    """The runner's per-map work as a store's runs measured it: for every finished map whose observations
+    name it (``map_id``), its first task's start less the map's start, and the map's end less its last
+    task's end; the medians. None when the store has no such map (runs before store v5)."""
+    before, after = [], []
+    for m in store.maps():
+        if not m.map_id or m.outcome != "ok":
+            continue
+        obs = [o for o in store.run_observations(m.flow_run_id) if o.map_id == m.map_id and o.started_at]
+        if not obs:
+            continue
+        before.append(max(0.0, min(float(o.started_at) for o in obs) - m.started_at))
+        after.append(max(0.0, m.ended_at - max(o.created_at for o in obs)))
+    if not before:
+        return None
+    return MapWork(float(np.median(before)), float(np.median(after)), len(before))
 
 
 # =========================================================================== traces of simulated runs
@@ -785,6 +833,10 @@ class StoreModels:
 
     def _has_history(self, key: str) -> bool:
         return bool(self.bank.predict(key, (1, 1, 1)).ready)
+
+    def map_work(self) -> MapWork | None:
+        """The runner's per-map work as this store's runs measured it (:func:`measured_map_work`)."""
+        return measured_map_work(self.bank.store) if self.bank.store is not None else None
 
     def knowledge(self, key: str) -> Knowledge:
         if self.prior is None or self._has_history(key):

@@ -234,6 +234,36 @@ def test_the_frontier_holds_the_fewest_workers_per_memory_size_and_plots(tmp_pat
         plot_recommendation(_recommend(0.01, max_workers=4), tmp_path / "none.png")
 
 
+def test_the_runners_own_work_per_map_is_measured_from_the_store_and_lengthens_only_its_runs(tmp_path):
+    import dataclasses
+
+    from memchunk_prefect.records import MapRun, Observation
+    from memchunk_prefect.simulate import measured_map_work
+
+    with Store(tmp_path / "s.sqlite") as store:
+        assert measured_map_work(store) is None  # nothing recorded by a v5 runner yet
+        for i, (before, after) in enumerate([(0.2, 0.1), (0.4, 0.3), (0.3, 0.2)]):
+            start = 100.0 * i
+            store.add_map(MapRun("fr", "op", KEY, "/s", f"/o{i}", (4, 4, 4), (0, 0, 0), 4, 2, 10**9, start,
+                                 start + before + 5.0 + after, map_id=f"m{i}"))
+            for t in (0.0, 2.0):  # two tasks: the first starts `before` after the map, the last ends 5 s later
+                store.add(Observation(KEY, 64, (4, 4, 4), 256, 1000, seconds=3.0, started_at=start + before + t,
+                                      created_at=start + before + t + 3.0, flow_run_id="fr", map_id=f"m{i}"))
+        work = measured_map_work(store)
+    assert (work.start_seconds, work.end_seconds, work.maps) == (pytest.approx(0.3), pytest.approx(0.2), 3)
+    with_work = dataclasses.replace(CLUSTER, map_start_seconds=0.3, map_end_seconds=0.2)
+    steps = [STEP, STEP]
+    def go(strategy, cluster):
+        return run_strategy(strategy, steps, SHAPE, cluster, lambda key: Known(), np.random.default_rng(0),
+                            time_sigma=0.0)
+    plain, worked = go("memchunk", CLUSTER), go("memchunk", with_work)
+    assert worked.makespan_seconds == pytest.approx(plain.makespan_seconds + 2 * (0.3 + 0.2))
+    assert worked.busy_slot_seconds == pytest.approx(plain.busy_slot_seconds)  # the slots wait, idle
+    assert go("static-4", with_work).makespan_seconds == pytest.approx(go("static-4", CLUSTER).makespan_seconds)
+    with pytest.raises(SimulationInputError, match="zero seconds or more"):
+        dataclasses.replace(CLUSTER, map_start_seconds=-1.0)
+
+
 def test_recommend_says_when_nothing_meets_the_deadline_and_refuses_nonsense():
     assert _recommend(0.01, max_workers=4).best is None
     with pytest.raises(SimulationInputError, match="positive"):
