@@ -328,7 +328,12 @@ class OperatorModel:
             self._score(obs, pred)
             # The margin is learned from what the budget had to hold (the peak and any memory the worker held
             # above the resting level the budget assumed) against what the model predicted before it knew.
-            self._ratios.append((obs.peak_bytes + obs.unseen_bytes) / max(pred.mean_bytes, 1.0))
+            # A prediction below the block's own input bytes is no prediction of this operator at this size
+            # (early probes whose peaks fell as blocks grew fit a line sloping down, whose mean for a larger
+            # block is ~0): its ratio would be a margin of millions that poisons every plan for the next
+            # conformal_window runs. The fit learns that point; the margin does not.
+            if pred.mean_bytes >= obs.bytes_in:
+                self._ratios.append((obs.peak_bytes + obs.unseen_bytes) / pred.mean_bytes)
         self._unseen.append(obs.unseen_bytes / MIB)
         self._expire_quarantine()
         self._learn_point(obs)

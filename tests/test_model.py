@@ -338,3 +338,22 @@ def test_time_that_grows_with_the_square_of_the_block_is_learned_and_a_line_is_l
     assert quad.seconds_for(big) == pytest.approx(0.02 + 1e-12 * big * big, rel=0.15)
     assert lin.seconds_for(big) is None, "proportional: the planner uses the median seconds per element"
     assert lin.summary()["time_form"] == "linear" and lin.summary()["seconds_per_element"] > 0
+
+
+def test_a_prediction_below_the_blocks_own_bytes_does_not_teach_the_margin():
+    """Regression (a quick benchmark's store, 2026-11-23): three probes whose peaks fell as blocks grew fitted a
+    line sloping down; its mean for the next, 60x larger block was ~1 byte, the ratio needed / predicted 41
+    million, and the learned margin made every later plan need terabytes (BudgetTooSmallError)."""
+    key = "envelope|float32|cpu"
+    m = OperatorModel(key)
+    rows = [(6400, (1, 16, 400), 7172096), (12800, (1, 32, 400), 8896512), (19200, (1, 48, 400), 5873664),
+            (1209600, (63, 48, 400), 26931200), (1209600, (63, 48, 400), 33366016),
+            (1228800, (32, 96, 400), 27525120), (1228800, (32, 96, 400), 39096320)]
+    peaks = [16306176, 23302144, 21155840, 23801856, 29560832, 19054592, 19386368, 19341312, 10604544, 17874944,
+             21585920, 28053504, 23429120, 17649664, 19087360, 22683648]
+    rows += [(307200, (8, 96, 400), p) for p in peaks]
+    for elements, extents, peak in rows:
+        m.learn(Observation(key, elements, extents, 4 * elements, peak, seconds=0.05))
+    margin = m.conformal_factor()
+    assert margin is not None and margin < 5, margin
+    assert m.predict((8, 96, 400)).upper_bytes < 2**30
