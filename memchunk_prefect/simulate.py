@@ -216,8 +216,7 @@ class Draws:
     def joules(self, elements: int, seconds: float) -> float:
         """Energy of a block that took ``seconds`` (drawn, overhead included), joules: see the module docstring."""
         compute = max(0.0, seconds - self.per_task_overhead)
-        learned = getattr(self.knowledge, "joules_for", None)
-        jf = learned(elements) if callable(learned) else None
+        jf = self.knowledge.joules_for(elements)
         expected = self.compute_seconds(elements)
         if jf is not None and expected > 0:
             self.learned_energy = True

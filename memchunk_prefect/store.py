@@ -164,6 +164,14 @@ _ADDED_V3 = ("baseline_bytes", "resting_bytes")
 _ADDED_V5 = ("energy_source", "started_at", "task_run_id", "host", "map_id")
 
 
+def _table_sql(table: str, columns: list[tuple[str, str]], index: str, index_column: str) -> str:
+    """``CREATE TABLE`` of ``table`` (an autoincrement ``id`` plus ``columns``) and its index on
+    ``(index_column, id)``, as ``;``-separated statements."""
+    return (f"CREATE TABLE {table} (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+            + ", ".join(f"{c} {t}" for c, t in columns)
+            + f");\nCREATE INDEX {index} ON {table}({index_column}, id);\n")
+
+
 #: The learned policy's rewards (schema v4): one row per finished plan (see ``records.Reward``).
 _REWARD_COLUMNS: list[tuple[str, str]] = [
     ("operator_key", "TEXT NOT NULL"),
@@ -180,9 +188,7 @@ _REWARD_COLUMNS: list[tuple[str, str]] = [
     ("created_at", "REAL NOT NULL"),
 ]
 REWARD_COLUMN_NAMES = [c for c, _ in _REWARD_COLUMNS]
-_CREATE_REWARDS = ("CREATE TABLE rewards (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-                   + ", ".join(f"{c} {t}" for c, t in _REWARD_COLUMNS)
-                   + ");\nCREATE INDEX rewards_key ON rewards(operator_key, id);\n")
+_CREATE_REWARDS = _table_sql("rewards", _REWARD_COLUMNS, "rewards_key", "operator_key")
 
 
 #: The chunked maps of each flow run (schema v5): one row per map (see ``records.MapRun``).
@@ -204,18 +210,14 @@ _MAP_COLUMNS: list[tuple[str, str]] = [
     ("map_id", "TEXT NOT NULL DEFAULT ''"),
 ]
 MAP_COLUMN_NAMES = [c for c, _ in _MAP_COLUMNS]
-_CREATE_V5 = ("CREATE TABLE maps (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-              + ", ".join(f"{c} {t}" for c, t in _MAP_COLUMNS)
-              + ");\nCREATE INDEX maps_run ON maps(flow_run_id, id);\n"
+_CREATE_V5 = (_table_sql("maps", _MAP_COLUMNS, "maps_run", "flow_run_id")
               # What each host that ran a task is (CPU, memory, system), for traces: one row per host name.
-              "CREATE TABLE machines (host TEXT PRIMARY KEY, info TEXT NOT NULL, updated_at REAL NOT NULL);\n")
+              + "CREATE TABLE machines (host TEXT PRIMARY KEY, info TEXT NOT NULL, updated_at REAL NOT NULL);\n")
 
 
 def _create_table(columns: list[tuple[str, str]]) -> str:
-    return ("CREATE TABLE observations (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-            + ", ".join(f"{c} {t}" for c, t in columns)
-            + ");\nCREATE INDEX observations_key ON observations(operator_key, id);\n"
-            "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);\n")
+    return (_table_sql("observations", columns, "observations_key", "operator_key")
+            + "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);\n")
 
 
 _CREATE = _create_table(_COLUMNS) + _CREATE_REWARDS + _CREATE_V5

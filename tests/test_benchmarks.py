@@ -22,12 +22,19 @@ STRATEGY_FIELDS = {"name", "wall_seconds", "completed", "oom_events", "tasks", "
                    "peak_memory_fraction"}
 
 
-def test_quick_benchmark_reports_every_strategy(tmp_path):
-    out = tmp_path / "bench.json"
+def benchmark_env(tmp_path):
+    """The environment a benchmark subprocess runs in: no Prefect API (it starts its own server), a Prefect home
+    of its own, no telemetry."""
     env = dict(os.environ)
-    env.pop("PREFECT_API_URL", None)  # the benchmark starts its own server
+    env.pop("PREFECT_API_URL", None)
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    return env
+
+
+def test_quick_benchmark_reports_every_strategy(tmp_path):
+    out = tmp_path / "bench.json"
+    env = benchmark_env(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--json", str(out),
                            "--plot", str(tmp_path / "bench.png"), "--workdir", str(tmp_path / "work")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
@@ -72,10 +79,7 @@ def test_quick_benchmark_reports_every_strategy(tmp_path):
 
 def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp_path):
     out = tmp_path / "hetero.json"
-    env = dict(os.environ)
-    env.pop("PREFECT_API_URL", None)
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env = benchmark_env(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.heterogeneous", "--quick", "--json", str(out),
                            "--workdir", str(tmp_path / "work")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
@@ -92,10 +96,7 @@ def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp
 
 def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_sources(tmp_path):
     out = tmp_path / "energy.json"
-    env = dict(os.environ)
-    env.pop("PREFECT_API_URL", None)
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env = benchmark_env(tmp_path)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.energy", "--quick", "--pairs", "1", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -193,7 +193,8 @@ def test_a_v1_store_migrates_to_the_current_schema_keeping_its_rows(tmp_path):
     assert old[0].method == "" and old[0].cpu_seconds is None
 
 
-def test_a_v2_store_gains_the_v3_columns_and_keeps_its_rows(tmp_path):
+def v2_store(tmp_path):
+    """A schema-v2 store (as migrate_1_to_2 wrote it) holding one observation."""
     from memchunk_prefect.store import _CREATE_V2, _execute_script
 
     path = tmp_path / "v2.sqlite"
@@ -207,6 +208,11 @@ def test_a_v2_store_gains_the_v3_columns_and_keeps_its_rows(tmp_path):
     con.execute("PRAGMA user_version = 2")
     con.commit()
     con.close()
+    return path
+
+
+def test_a_v2_store_gains_the_v3_columns_and_keeps_its_rows(tmp_path):
+    path = v2_store(tmp_path)
     with Store(path) as s:
         assert s.schema_version() == SCHEMA_VERSION
         (old,) = s.observations()
@@ -219,19 +225,8 @@ def test_a_v2_store_gains_the_v3_columns_and_keeps_its_rows(tmp_path):
 
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
     from memchunk_prefect.records import MapRun
-    from memchunk_prefect.store import _CREATE_V2, _execute_script
 
-    path = tmp_path / "v2.sqlite"
-    con = sqlite3.connect(path)
-    _execute_script(con, _CREATE_V2)
-    con.execute("INSERT INTO meta VALUES ('application', 'memchunk-prefect')")
-    con.execute("INSERT INTO observations (operator_key, elements, extent_iline, extent_xline, extent_twt, bytes_in, "
-                "peak_bytes, seconds, outcome, censored, worker, chunk, shared, method, flow_run_id, created_at) "
-                "VALUES ('envelope|float32|cpu', 8000, 10, 20, 40, 32000, 500000, 1.5, 'ok', 0, 'w1', '', 0, 'vmhwm', "
-                "'', 1700000000)")
-    con.execute("PRAGMA user_version = 2")
-    con.commit()
-    con.close()
+    path = v2_store(tmp_path)
     run = MapRun("fr1", "envelope", "envelope|float32|cpu", "/s.sgy", "/o.zarr", (4, 5, 6), (0, 1, 2), 4, 2,
                  1000, 10.0, 12.5, source_bytes=480, map_id="m1")
     with Store(path) as s:
