@@ -18,7 +18,10 @@ pairs of runs, one per objective, in alternating order. Per run:
 - **host J (rapl)**: the CPU packages' RAPL counter over the whole run, where
   ``/sys/class/powercap/intel-rapl:*/energy_uj`` is readable; "n/a" otherwise.
 
-The table gives each objective's medians; the JSON every run.
+The table gives each objective's medians; the JSON every run. Then, from the store
+the runs left, what the planner's cost model estimates for each operator cut into
+1 to 4 iline slabs (seconds, joules, whether the largest block fits the budget the
+runs had): why the two objectives chose what they chose.
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                     order = ("time", "energy") if k % 2 == 0 else ("energy", "time")
                     for objective in order:
                         runs.append(_run(bench, survey, steps, store, f"pair{k + 1}", objective))
+                estimates = _cost_model(store, cfg.shape, bench.slots)
             finally:
                 bench.close()
     finally:
@@ -113,11 +117,45 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{objective:<9}  {med('wall_seconds'):6.1f}  {med('busy_joules'):6.0f}  {med('idle_joules'):6.0f}  "
               f"{med('total_joules'):7.0f}  {'n/a' if host is None else f'{host:.0f}':>13}  "
               f"{'+'.join(sources):<13}  {mine[-1]['chunks']}")
+    print()
+    print("the planner's estimates from the runs' store, per operator and iline slabs (energy objective's figures):")
+    print("operator         slabs  block read         fits  seconds  joules")
+    for e in estimates:
+        print(f"{e['operator']:<16} {e['slabs']:>5}  {' x '.join(map(str, e['extents'])):<17}  "
+              f"{'yes' if e['fits'] else 'no':<4}  {e['seconds']:7.2f}  {e['joules']:6.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": list(cfg.shape), "memory_limit": cfg.memory_limit,
-                                               "n_workers": cfg.n_workers, "runs": runs,
+                                               "n_workers": cfg.n_workers, "runs": runs, "estimates": estimates,
                                                "at": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=1))
     return 0
+
+
+def _cost_model(store_path: str, shape: tuple[int, int, int], slots: int) -> list[dict]:
+    """The planner's estimated seconds and joules for each operator of the store cut into 1..4 iline slabs
+    (halo included, clipped at the volume's edges), with the learned models, and whether the largest block's
+    upper bound fits the budget its last map had."""
+    from memchunk_prefect.chunks import Chunk, largest_read_extents
+    from memchunk_prefect.model import BankKnowledge, ModelBank
+    from memchunk_prefect.policy import estimate_joules, estimate_seconds
+    from memchunk_prefect.settings import PolicySettings
+    from memchunk_prefect.store import Store
+
+    settings = PolicySettings(objective="energy")
+    out = []
+    with Store(store_path) as s:
+        bank = ModelBank(s)
+        last = {m.operator_key: m for m in s.maps()}
+        for key, m in last.items():
+            k = BankKnowledge(bank, key, settings)
+            for n in (1, 2, 3, 4):
+                ext = largest_read_extents(Chunk.whole(shape), (n, 1, 1), m.halo, shape)
+                out.append({"operator": m.operator, "slabs": n, "extents": list(ext),
+                            "fits": bool(k.predict(ext).upper_bytes <= m.budget_bytes),
+                            "seconds": estimate_seconds(n, ext, slots, settings, k.seconds_per_element(),
+                                                        k.seconds_for),
+                            "joules": estimate_joules(n, ext, slots, settings, k.seconds_per_element(),
+                                                      k.seconds_for, k.joules_for)})
+    return out
 
 
 if __name__ == "__main__":

@@ -100,7 +100,11 @@ def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_source
     proc = subprocess.run([sys.executable, "-m", "benchmarks.energy", "--quick", "--pairs", "1", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = json.loads(out.read_text())["runs"]
+    result = json.loads(out.read_text())
+    runs = result["runs"]
+    # The planner's estimates per operator and slab count, from the store the runs left.
+    assert {e["operator"] for e in result["estimates"]} == {"envelope", "gaussian_smooth", "gst3d_dip"}
+    assert all(e["joules"] > 0 and e["seconds"] > 0 for e in result["estimates"])
     assert sorted(r["objective"] for r in runs) == ["energy", "time"]
     for r in runs:
         assert r["completed"] and r["oom_events"] == 0, r
