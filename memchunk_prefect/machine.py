@@ -450,6 +450,7 @@ class MapMachine:
     arm_out_of_memory: int = 0
     started_at: float = 0.0  # when the map started (Start.at)
     _check_replan: bool = False
+    _summed: tuple[int, int] = (0, 0)  # (chunks of ``done`` summed, their elements): ``done`` only grows
 
     # ---------------------------------------------------------------- reading
 
@@ -464,7 +465,16 @@ class MapMachine:
 
     @property
     def done_elements(self) -> int:
-        return sum(c.elements for c in self.done)
+        """Output elements of the chunks done. Summed incrementally (``done`` is only appended to): a map of n
+        chunks reports its progress n times, and summing the whole list each time made that O(n^2) -- 1.3 M chunk
+        sizes computed for a map of 2,800 chunks."""
+        counted, total = self._summed
+        if counted > len(self.done):  # replaced by a shorter list: count afresh
+            counted, total = 0, 0
+        if counted != len(self.done):
+            total += sum(c.elements for c in self.done[counted:])
+            self._summed = (len(self.done), total)
+        return total
 
     def predict(self, extents: Shape) -> Prediction:
         """What plans are fitted with: the model's prediction as the map's arm sees it (as is before one is chosen)."""

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
+from .allocation import AllocationCheck, QueueWait, held_fraction
 from .chunks import Chunk, Shape, balanced_grid, split, with_halo
 from .errors import SimulationInputError, format_bytes
 from .machine import (
@@ -93,6 +94,10 @@ class ClusterShape:
     (finalizing the output, the artifacts, reading pauses), while the slots wait: measured from a
     store's runs by :func:`measured_map_work` (0 when not given). Only the ``memchunk``
     strategy pays them: the baselines are plain flows without that work.
+
+    An HPC allocation: ``queue_wait`` (a :class:`~memchunk_prefect.allocation.QueueWait`), each
+    worker a batch job joining after its own wait; ``walltime_seconds``, each job leaving that long
+    after it joined (None: no limit). Makespans then count from the jobs' submission.
     """
 
     workers: int
@@ -104,8 +109,14 @@ class ClusterShape:
     restart_seconds: float = RESTART_SECONDS
     map_start_seconds: float = 0.0
     map_end_seconds: float = 0.0
+    queue_wait: QueueWait | None = None
+    walltime_seconds: float | None = None
 
     def __post_init__(self) -> None:
+        if self.walltime_seconds is not None and not (float(self.walltime_seconds) > 0
+                                                      and math.isfinite(float(self.walltime_seconds))):
+            raise SimulationInputError(f"a walltime is a positive, finite number of seconds, got "
+                                       f"{self.walltime_seconds}")
         if int(self.workers) < 1 or int(self.threads_per_worker) < 1:
             raise SimulationInputError(f"a cluster needs at least one worker and one thread per worker, got "
                                        f"workers={self.workers}, threads_per_worker={self.threads_per_worker}")
@@ -281,8 +292,12 @@ class _Task:
     operator_key: str = ""  # whose task it is (for traces of a simulated run)
 
 
-#: The pseudo-task :meth:`SimulatedCluster.next` returns when a restarted worker is back (no task ended).
+#: The pseudo-task :meth:`SimulatedCluster.next` returns when a worker comes (back) and tasks wait for it.
 _WAKE = _Task(-1, Chunk((0, 0, 0), (1, 1, 1)), (1, 1, 1), 0, 0.0, key=-1)
+# Kinds of event, in the order events at the same time are handled: a task ends, a worker comes (back), a
+# worker leaves at its walltime. How a task ends: done, killed with its worker, lost with a worker that left.
+_END, _COME, _LEAVE = 0, 1, 2
+_DONE, _KILLED, _LOST = 0, 1, 2
 
 
 @dataclass
@@ -290,6 +305,7 @@ class _Ended:
     task: _Task
     at: float
     killed: bool
+    lost: bool = False  # its worker left at walltime (not killed: nothing to learn about memory)
 
 
 class SimulatedCluster:
@@ -300,10 +316,17 @@ class SimulatedCluster:
     newest of them has used half its time (every task on it then ends killed; no
     task is placed on a worker due to die), and is back after ``restart_seconds``.
     Each placed task gets its own key, so the events of one map never end another
-    map's task that reuses a submission id.
+    map's task that reuses a submission id. A task goes to the free worker of
+    lowest number (kept in a heap: O(log workers) per placement).
+
+    An HPC allocation (``ClusterShape.queue_wait`` / ``walltime_seconds``): each
+    worker is one batch job that joins after its queue wait (drawn from ``rng``
+    when the cluster is made) and leaves at its walltime, the tasks running on it
+    then lost (``_Ended.lost``: Dask reschedules them; nothing was learned about
+    their memory). Without them every worker is there from 0 to the end.
     """
 
-    def __init__(self, shape: ClusterShape):
+    def __init__(self, shape: ClusterShape, rng: np.random.Generator | None = None):
         self.shape = shape
         self.now = 0.0
         self.last_end = 0.0  # when the latest task ended: the makespan so far
@@ -311,7 +334,7 @@ class SimulatedCluster:
         self.running: dict[int, list[_Task]] = {w: [] for w in range(shape.workers)}
         self.away_until: dict[int, float] = {}
         self.dies_at: dict[int, float] = {}  # a worker over its kill line, and when it dies
-        self._events: list[tuple[float, int, int, bool]] = []  # (time, seq, task key or -1 to wake, killed)
+        self._events: list[tuple[float, int, int, int, int]] = []  # (time, kind, seq, task key or worker, how)
         self._live: dict[int, _Task] = {}  # task key -> task, while it runs
         self._keys = 0
         self._seq = 0
@@ -320,7 +343,26 @@ class SimulatedCluster:
         self.lost_worker_seconds = 0.0
         self.peak_bytes: dict[int, int] = {w: 0 for w in range(shape.workers)}
         self.kills = 0
+        self.walltime_losses = 0  # tasks lost with a worker that left at its walltime
         self.ended: list[_Ended] = []  # every task that ended, in order (what a trace of the run is made of)
+        if shape.queue_wait is not None:
+            if rng is None:
+                raise SimulationInputError("internal: a cluster with queue waits needs a random generator")
+            self.joins = [float(t) for t in shape.queue_wait.sample(rng, shape.workers)]
+        else:
+            self.joins = [0.0] * shape.workers
+        wall = shape.walltime_seconds
+        self.leaves = [j + float(wall) if wall is not None else math.inf for j in self.joins]
+        self.gone: set[int] = set()  # workers past their walltime
+        self._ready: list[int] = []  # heap of workers that may have a free slot (checked when taken)
+        self._in_ready: set[int] = set()
+        for w in range(shape.workers):
+            if self.joins[w] <= 0.0:
+                self._offer(w)
+            else:
+                self._push(self.joins[w], _COME, w)
+            if math.isfinite(self.leaves[w]):
+                self._push(self.leaves[w], _LEAVE, w)
 
     def submit(self, task: _Task) -> None:
         self.pending.append(task)
@@ -333,11 +375,52 @@ class SimulatedCluster:
             self.now += float(seconds)
             self.last_end = max(self.last_end, self.now)
 
+    def present_slots(self) -> int:
+        """Slots of the workers that have joined and not left: what the runner reads at a map's start."""
+        return sum(self.shape.threads_per_worker for w in range(self.shape.workers)
+                   if self.joins[w] <= self.now < self.leaves[w])
+
+    def await_worker(self) -> bool:
+        """Move the clock to the first worker's arrival when none is there (the runner waits for one before a
+        map); False when none is there and none will come (every job past its walltime)."""
+        if self.present_slots():
+            return True
+        coming = [j for w, j in enumerate(self.joins) if j > self.now and w not in self.gone]
+        if not coming:
+            return False
+        self.now = min(coming)
+        return True
+
+    @property
+    def stranded(self) -> bool:
+        """Tasks wait and no worker is left to run them: every job has reached its walltime."""
+        return bool(self.pending) and len(self.gone) == self.shape.workers
+
+    def allocated_slot_seconds(self, end: float | None = None) -> float:
+        """Slot-seconds the allocation held until ``end`` (default: the makespan): each worker's slots from its
+        arrival until it left or the run ended (then the cluster is closed and queued jobs cancelled)."""
+        end = self.last_end if end is None else float(end)
+        return self.shape.threads_per_worker * sum(max(0.0, min(lv, end) - j)
+                                                   for j, lv in zip(self.joins, self.leaves))
+
+    def _available(self, w: int) -> bool:
+        return (len(self.running[w]) < self.shape.threads_per_worker and self.joins[w] <= self.now
+                and w not in self.gone and self.away_until.get(w, 0.0) <= self.now and w not in self.dies_at)
+
+    def _offer(self, w: int) -> None:
+        if w not in self._in_ready:
+            self._in_ready.add(w)
+            heapq.heappush(self._ready, w)
+
     def _free_worker(self) -> int | None:
-        for w, tasks in self.running.items():
-            if (len(tasks) < self.shape.threads_per_worker and self.away_until.get(w, 0.0) <= self.now
-                    and w not in self.dies_at):
+        # Every available worker is in the heap (offered when it joins, comes back, or a task on it ends);
+        # one that is not available when it reaches the top is dropped until it is offered again.
+        while self._ready:
+            w = self._ready[0]
+            if self._available(w):
                 return w
+            heapq.heappop(self._ready)
+            self._in_ready.discard(w)
         return None
 
     def _dispatch(self) -> None:
@@ -357,13 +440,14 @@ class SimulatedCluster:
                 die = self.now + 0.5 * task.seconds
                 self.dies_at[w] = die
                 for t in self.running[w]:
-                    self._push(min(die, t.started + t.seconds), t.key, killed=t.started + t.seconds > die)
+                    end = t.started + t.seconds
+                    self._push(min(die, end), _END, t.key, _KILLED if end > die else _DONE)
             else:
-                self._push(self.now + task.seconds, task.key, killed=False)
+                self._push(self.now + task.seconds, _END, task.key, _DONE)
 
-    def _push(self, at: float, key: int, killed: bool) -> None:
+    def _push(self, at: float, kind: int, ident: int, how: int = _DONE) -> None:
         self._seq += 1
-        heapq.heappush(self._events, (at, self._seq, key, killed))
+        heapq.heappush(self._events, (at, kind, self._seq, ident, how))
 
     @property
     def idle(self) -> bool:
@@ -371,33 +455,44 @@ class SimulatedCluster:
         return not self._live and not self.pending
 
     def next(self) -> _Ended:
-        """Advance to the next task end (or to a restarted worker's return, when tasks wait for it)."""
+        """Advance to the next task end (or to a worker's arrival or return, when tasks wait for it)."""
         while self._events:
-            at, _, key, killed = heapq.heappop(self._events)
-            if key == _WAKE.key:  # a restarted worker is back: start what waits
+            at, kind, _, ident, how = heapq.heappop(self._events)
+            if kind == _COME:  # a worker joined or is back from a restart: start what waits
+                self.now = max(self.now, at)
+                self._offer(ident)
                 if not self.pending:
                     continue
-                self.now = max(self.now, at)
                 self._dispatch()
                 return _Ended(_WAKE, self.now, False)
-            task = self._live.pop(key, None)
-            if task is None:  # already ended (its first event, or killed with its worker)
+            if kind == _LEAVE:  # its job reached the walltime: what runs there is lost now
+                self.gone.add(ident)
+                self.now = max(self.now, at)
+                for t in self.running[ident]:
+                    self._push(self.now, _END, t.key, _LOST)
+                continue
+            task = self._live.pop(ident, None)
+            if task is None:  # already ended (its first event, or killed or lost with its worker)
                 continue
             self.now = max(self.now, at)
             self.last_end = max(self.last_end, self.now)
             w = task.worker
-            self.running[w] = [t for t in self.running[w] if t.key != key]
+            self.running[w] = [t for t in self.running[w] if t.key != ident]
             spent = self.now - task.started
             self.busy_slot_seconds += spent
             self.busy_joules += task.joules * (min(1.0, spent / task.seconds) if task.seconds > 0 else 1.0)
-            if killed:
+            if how == _KILLED:
                 self.lost_worker_seconds += spent
                 if self.dies_at.pop(w, None) is not None:
                     self.kills += 1
                     self.away_until[w] = self.now + self.shape.restart_seconds
-                    self._push(self.away_until[w], _WAKE.key, killed=False)  # wake the dispatcher then
+                    self._push(self.away_until[w], _COME, w)  # back then
+            elif how == _LOST:
+                self.lost_worker_seconds += spent
+                self.walltime_losses += 1
+            self._offer(w)
             self._dispatch()
-            ended = _Ended(task, self.now, killed)
+            ended = _Ended(task, self.now, how == _KILLED, how == _LOST)
             self.ended.append(ended)
             return ended
         raise SimulationInputError("internal: the simulated cluster has nothing running")
@@ -438,26 +533,36 @@ class SimResult:
     #: What the tasks' energy rests on: "learned" (every operator's joules per element) or "estimated from
     #: seconds" (compute seconds x watts_per_core for at least one operator), or "mixed".
     energy_basis: str = ""
+    #: Slot-seconds the workers were held (:meth:`SimulatedCluster.allocated_slot_seconds`); None: slots x makespan.
+    allocated_slot_seconds: float | None = None
+    walltime_losses: int = 0  # tasks lost with a worker that reached its walltime (rerun, not out of memory)
+    #: When each worker joined, seconds (not in ``to_dict``): with ``ended``, what :func:`window_utilisation` reads.
+    joins: list = field(default_factory=list, repr=False)
+
+    @property
+    def held_slot_seconds(self) -> float:
+        return self.slots * self.makespan_seconds if self.allocated_slot_seconds is None \
+            else self.allocated_slot_seconds
 
     @property
     def energy_joules(self) -> float:
-        """The run's energy: its tasks' plus the slots it held idle (slots x makespan less busy slot-seconds)."""
-        idle = max(0.0, self.slots * self.makespan_seconds - self.busy_slot_seconds)
+        """The run's energy: its tasks' plus the slots it held idle (held slot-seconds less busy ones)."""
+        idle = max(0.0, self.held_slot_seconds - self.busy_slot_seconds)
         return self.busy_joules + idle * self.idle_watts_per_core
 
     @property
     def slot_utilisation(self) -> float:
-        """Busy slot-seconds over allocated slot-seconds (slots x makespan)."""
-        held = self.slots * self.makespan_seconds
+        """Busy slot-seconds over held slot-seconds (slots x makespan, or from each worker's arrival)."""
+        held = self.held_slot_seconds
         return self.busy_slot_seconds / held if held > 0 else 0.0
 
     @property
     def core_hours(self) -> float:
-        """Allocated core-hours: one core per slot for the whole makespan."""
-        return self.slots * self.makespan_seconds / 3600.0
+        """Allocated core-hours: one core per slot for as long as its worker was held."""
+        return self.held_slot_seconds / 3600.0
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "ended"}
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("ended", "joins")}
         d["maps"] = [asdict(m) for m in self.maps]
         d.update(slot_utilisation=self.slot_utilisation, core_hours=self.core_hours, energy_joules=self.energy_joules)
         return d
@@ -485,7 +590,7 @@ def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, kno
     ``truth_for``: where chunks' memory and time are drawn from, when it is not
     what the runner plans with (what if the model is 30% low?); default the same.
     """
-    sim = SimulatedCluster(cluster)
+    sim = SimulatedCluster(cluster, rng.spawn(1)[0])  # queue waits from their own stream: the same chunks' draws
     maps: list[MapResult] = []
     incoming: tuple[Chunk, ...] | None = None
     failure = ""
@@ -521,8 +626,13 @@ class _MachineRun:
 
     def run(self) -> MapResult:
         m, sim, started = self.machine, self.sim, self.sim.now
+        if not sim.await_worker():  # the runner waits for a worker, then reads the slots there are
+            self.failure = f"{self.step.operator}: {_walltime_failure(self.cluster, len(m.done))}"
+            self.record.seconds = sim.now - started
+            return self.record
         sim.wait(self.cluster.map_start_seconds)  # the runner's work before the map's first task
-        self.carry_out(m.handle(Start(self.cluster.slots, self.cluster.budget_bytes, at=sim.now)))
+        self.carry_out(m.handle(Start(sim.present_slots() or self.cluster.slots, self.cluster.budget_bytes,
+                                      at=sim.now)))
         while not m.finished and not self.failure:
             self.carry_out(m.advance(sim.now))
             if m.finished or self.failure:
@@ -530,13 +640,19 @@ class _MachineRun:
             if sim.idle:
                 self.failure = f"{self.step.operator}: internal: nothing in flight and the map is not finished"
                 break
+            if sim.stranded:
+                self.failure = f"{self.step.operator}: {_walltime_failure(self.cluster, len(m.done))}"
+                break
             ended = sim.next()
             if ended.task.sid < 0:
                 continue
-            if ended.killed:
+            if ended.lost:  # Dask sees a worker leave with the task on it: the runner's own death handling
+                event: Any = WorkerDied(ended.task.sid, "worker left at its walltime", written=False,
+                                        kill_headroom_bytes=self.cluster.budget_bytes, at=ended.at)
+            elif ended.killed:
                 self.record.out_of_memory += 1
                 # What the executor passes: the worker's kill line less its resting memory, per thread.
-                event: Any = WorkerDied(ended.task.sid, "KilledWorker", written=False,
+                event = WorkerDied(ended.task.sid, "KilledWorker", written=False,
                                         kill_headroom_bytes=self.cluster.budget_bytes, at=ended.at)
             else:
                 obs = _observation(self.step, ended.task, False, self.cluster.budget_bytes, ended.at)
@@ -584,7 +700,7 @@ def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterSh
               settings: PolicySettings = DEFAULT_SETTINGS) -> SimResult:
     """A fixed chunking per step, every chunk submitted at once; a killed chunk fails the run, or is split in two
     and resubmitted (``split_on_failure``)."""
-    sim = SimulatedCluster(cluster)
+    sim = SimulatedCluster(cluster, rng.spawn(1)[0])
     maps: list[MapResult] = []
     failure = ""
     ids = iter(range(10**12))
@@ -607,8 +723,14 @@ def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterSh
                 extents: Shape = with_halo(chunk, step.halo, shape)[0].shape
                 sim.submit(draws.task(next(ids), chunk, extents, rng))
                 record.tasks += 1
+            if sim.stranded:
+                failure = f"{step.operator}: {_walltime_failure(cluster, record.chunks)}"
+                break
             ended = sim.next()
             if ended.task.sid < 0:
+                continue
+            if ended.lost:  # its worker reached its walltime: Dask reruns the task elsewhere
+                queue.insert(0, ended.task.chunk)
                 continue
             if not ended.killed:
                 record.chunks += 1
@@ -633,15 +755,23 @@ def _result(name: str, sim: SimulatedCluster, cluster: ClusterShape, maps: list[
             draws: Sequence[Draws], settings: PolicySettings) -> SimResult:
     learned = {d.learned_energy for d in draws}
     basis = "learned" if learned == {True} else "estimated from seconds" if learned == {False} else "mixed"
+    hpc = cluster.queue_wait is not None or cluster.walltime_seconds is not None
     return SimResult(strategy=name, completed=not failure, makespan_seconds=sim.last_end,
                      out_of_memory=sum(m.out_of_memory for m in maps), lost_worker_seconds=sim.lost_worker_seconds,
                      busy_slot_seconds=sim.busy_slot_seconds, slots=cluster.slots, workers=cluster.workers,
                      peak_bytes=max(sim.peak_bytes.values(), default=0), maps=maps, failure=failure,
                      busy_joules=sim.busy_joules, idle_watts_per_core=settings.idle_watts_per_core,
-                     energy_basis=basis if draws else "", ended=list(sim.ended))
+                     energy_basis=basis if draws else "", ended=list(sim.ended),
+                     allocated_slot_seconds=sim.allocated_slot_seconds() if hpc else None,
+                     walltime_losses=sim.walltime_losses, joins=list(sim.joins))
 
 
 STRATEGIES = ("memchunk", "split", "dask-auto", "static-N")
+
+
+def _walltime_failure(cluster: ClusterShape, done: int) -> str:
+    return (f"every worker reached its {cluster.walltime_seconds:g} s walltime with work left ({done} chunks of this "
+            "map written): ask for a longer walltime or more workers (`memchunk recommend --walltime`)")
 
 
 def run_strategy(strategy: str, steps: Sequence[Step], shape: Shape, cluster: ClusterShape,
@@ -725,7 +855,8 @@ def trace_records(result: SimResult, steps: Sequence[Step], shape: Shape, cluste
         elements = math.prod(t.extents)
         observations.append(Observation(
             operator_key=t.operator_key, elements=elements, extents=t.extents, bytes_in=elements * ITEMSIZE,
-            peak_bytes=int(t.memory), seconds=spent, outcome="killed" if e.killed else "ok", censored=e.killed,
+            peak_bytes=int(t.memory), seconds=spent, outcome="killed" if e.killed else "error" if e.lost else "ok",
+            censored=e.killed,
             cpu_seconds=spent, worker=f"sim-{t.worker}", chunk=t.chunk.key(), budget_bytes=cluster.budget_bytes,
             energy_joules=t.joules * share, energy_source="estimate", started_at=t0 + t.started,
             created_at=t0 + e.at, host=f"sim-worker-{t.worker}", flow_run_id=run_id, method="simulated"))
@@ -771,9 +902,43 @@ class Summary:
     failure: str = ""  # the first failure's reason, if any run failed
     energy_joules_p50: float | None = None  # completed runs' energy (tasks and idle slots), joules
     energy_basis: str = ""  # "learned", "estimated from seconds" or "mixed" (see SimResult.energy_basis)
+    walltime_losses_mean: float = 0.0  # tasks lost per run with a worker that reached its walltime
+    #: The allocation's utilisation over a window, simulated and by the model (:func:`allocation_check`).
+    allocation: AllocationCheck | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "allocation"}
+        d["allocation"] = self.allocation.to_dict() if self.allocation is not None else None
+        return d
+
+
+def window_utilisation(result: SimResult, cluster: ClusterShape, window: float) -> tuple[float, list[float]]:
+    """One simulated run's allocation utilisation over ``[0, window]`` and its jobs' own (see
+    :mod:`memchunk_prefect.allocation`): ``U(T0)``, busy slot-seconds within the window over
+    ``slots x min(W, T0)``; and for each worker that joined within the window, its busy slot-seconds there
+    over ``threads x min(W, T0 - its wait)``."""
+    joins = result.joins or [0.0] * cluster.workers
+    busy = [0.0] * cluster.workers
+    for e in result.ended:
+        t = e.task
+        if t.sid >= 0 and 0 <= t.worker < cluster.workers:
+            busy[t.worker] += max(0.0, min(e.at, window) - min(t.started, window))
+    c, wall = cluster.threads_per_worker, cluster.walltime_seconds
+    full = min(math.inf if wall is None else float(wall), float(window))
+    held = held_fraction(np.asarray(joins), window, wall) * full * c
+    u = [min(1.0, b / h) for b, h in zip(busy, held) if h > 0]
+    return sum(busy) / (cluster.slots * full), u
+
+
+def allocation_check(results: Sequence[SimResult], cluster: ClusterShape, *, window: float,
+                     target: float) -> AllocationCheck:
+    """The simulated runs' ``U(T0)`` beside the model's ``P(U(T0) >= U0)`` from the cluster's queue waits and
+    the per-job utilisation those runs measured (:func:`memchunk_prefect.allocation.check`)."""
+    from .allocation import check
+
+    wait = cluster.queue_wait if cluster.queue_wait is not None else QueueWait("fixed", 0.0)
+    return check(wait, [window_utilisation(r, cluster, window) for r in results], jobs=cluster.workers,
+                 window=window, target=target, walltime=cluster.walltime_seconds)
 
 
 def summarize(strategy: str, results: Sequence[SimResult], deadline: float | None = None) -> Summary:
@@ -792,21 +957,29 @@ def summarize(strategy: str, results: Sequence[SimResult], deadline: float | Non
                    float(np.mean([r.lost_worker_seconds for r in results])), pct(util, 50), pct(hours, 50),
                    max((r.peak_bytes for r in results), default=0),
                    next((r.failure for r in results if r.failure), ""), pct(energy, 50),
-                   next((r.energy_basis for r in results if r.energy_basis), ""))
+                   next((r.energy_basis for r in results if r.energy_basis), ""),
+                   float(np.mean([r.walltime_losses for r in results])))
 
 
 def simulate(strategies: Sequence[str], steps: Sequence[Step], shape: Shape, cluster: ClusterShape,
              knowledge_for: KnowledgeFor, *, runs: int = 20, seed: int = 0, deadline: float | None = None,
-             **kw: Any) -> list[Summary]:
+             window: float | None = None, target_utilisation: float | None = None, **kw: Any) -> list[Summary]:
     """``runs`` simulated runs of each strategy (run ``i`` draws from seed ``seed + i``, the same for every
-    strategy), summarized."""
+    strategy), summarized; with ``window`` and ``target_utilisation``, each summary carries the allocation's
+    utilisation over the window, simulated and by the model (:func:`allocation_check`)."""
     if int(runs) < 1:
         raise SimulationInputError(f"runs must be at least 1, got {runs}")
+    if (window is None) != (target_utilisation is None):
+        raise SimulationInputError(f"the allocation's utilisation needs both a window and a target, got window="
+                                   f"{window}, target_utilisation={target_utilisation}")
     out = []
     for strategy in strategies:
         results = [run_strategy(strategy, steps, shape, cluster, knowledge_for, np.random.default_rng(seed + i), **kw)
                    for i in range(int(runs))]
-        out.append(summarize(strategy, results, deadline))
+        summary = summarize(strategy, results, deadline)
+        if window is not None and target_utilisation is not None:
+            summary.allocation = allocation_check(results, cluster, window=window, target=target_utilisation)
+        out.append(summary)
     return out
 
 
