@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .errors import SimulationInputError
 
@@ -205,7 +206,7 @@ class UtilisationModel:
         return asdict(self)
 
 
-def p_utilisation(queue_wait: QueueWait, utilisation: Sequence[float] | float, *, jobs: int, window: float,
+def p_utilisation(queue_wait: QueueWait, utilisation: ArrayLike, *, jobs: int, window: float,
                   target: float, walltime: float | None = None, bins: int = 2000,
                   quantiles: int = 2000) -> UtilisationModel:
     """The model: ``P(U(T0) >= U0)`` for ``jobs`` jobs whose waits follow ``queue_wait`` and whose own
@@ -243,7 +244,7 @@ def p_utilisation(queue_wait: QueueWait, utilisation: Sequence[float] | float, *
     return UtilisationModel(float(target), float(window), n, min(1.0, p_exact), p_normal, mean, sd, m)
 
 
-def monte_carlo(queue_wait: QueueWait, utilisation: Sequence[float] | float, *, jobs: int, window: float,
+def monte_carlo(queue_wait: QueueWait, utilisation: ArrayLike, *, jobs: int, window: float,
                 target: float, walltime: float | None = None, draws: int = 20000, seed: int = 0) -> float:
     """``P(U(T0) >= U0)`` by drawing the model's own assumptions ``draws`` times (independent waits and
     utilisations): what :func:`p_utilisation` computes, by brute force, to test it."""

@@ -334,6 +334,16 @@ def wait_for_workers(client: Any, settings: RunnerSettings = RUNNER_SETTINGS) ->
     return info
 
 
+def read_slots(client: Any) -> int | None:
+    """The cluster's worker threads now (the scheduler's ``nthreads`` answer: one number per worker, small at
+    any scale); None when it cannot be read."""
+    try:
+        return int(sum(client.nthreads().values()))
+    except Exception as exc:  # noqa: BLE001 - a busy or lost scheduler: keep the slots there were
+        logger.info("could not read the cluster's worker threads: %r", exc)
+        return None
+
+
 def read_allowed_failures(client: Any) -> int | None:
     """The scheduler's ``allowed-failures`` (None when it cannot be read). Read by value: no memchunk needed there."""
     try:

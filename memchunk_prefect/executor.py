@@ -60,6 +60,7 @@ from .machine import (
     Record,
     RecoverMarkers,
     Rewarded,
+    SlotsChanged,
     Start,
     Stop,
     Stopped,
@@ -178,11 +179,26 @@ class ChunkedMap:
         self.ac = as_completed(loop=self.runner.client.loop)
         restarted = action.reason if action.action == RESTART else None
         self.execute(self.machine.handle(Start(self.slots, self.budget, tuple(completed), restarted, at=time.time())))
+        polled = time.monotonic()
         while not self.machine.finished:
             self.execute(self.machine.advance(time.time()))
             if self.machine.finished:
                 break
             self.execute(self.machine.handle(self.next_event()))
+            if time.monotonic() - polled >= RUNNER_SETTINGS.slots_poll_seconds:
+                polled = time.monotonic()
+                self.follow_slots()
+
+    def follow_slots(self) -> None:
+        """Tell the machine when the cluster's worker threads changed since the map started (jobs joined from a
+        batch queue, an adaptive cluster scaled, workers left): it raises or lowers its in-flight cap."""
+        from .cluster import read_slots
+
+        slots = read_slots(self.runner.client)
+        if slots and self.machine is not None and slots != self.machine.slots:
+            logger.info("%s: the cluster now has %d worker threads (%d when the map started)", self.name, slots,
+                        self.slots)
+            self.execute(self.machine.handle(SlotsChanged(slots, at=time.time())))
 
     def next_event(self) -> Event:
         """Wait for the next finished submission and say what happened to it."""

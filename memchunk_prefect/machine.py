@@ -236,8 +236,19 @@ class PausesRead:
     at: float = 0.0
 
 
+@dataclass(frozen=True)
+class SlotsChanged:
+    """The cluster's worker slots changed mid-map: batch jobs joined from the queue (dask-jobqueue), an adaptive
+    cluster scaled, or workers left at their walltime. The in-flight cap follows at once, and a queue planned
+    for the old count is re-planned where the new count makes it faster by ``settings.replan_gain`` (the
+    rule of a moved bound). The budget per task stays the one read at the start."""
+
+    slots: int
+    at: float = 0.0
+
+
 Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
-              PausesRead]
+              PausesRead, SlotsChanged]
 
 
 # =========================================================================== instructions (what to do)
@@ -451,6 +462,7 @@ class MapMachine:
     started_at: float = 0.0  # when the map started (Start.at)
     _check_replan: bool = False
     _summed: tuple[int, int] = (0, 0)  # (chunks of ``done`` summed, their elements): ``done`` only grows
+    _slots_moved: tuple[int, int] | None = None  # (old, new) slots, until the next re-plan looks at them
 
     # ---------------------------------------------------------------- reading
 
@@ -622,6 +634,14 @@ class MapMachine:
             raise MapStateError(f"PausesRead in phase {self.phase}")
         return self._rewarded(ev.pauses)
 
+    def _on_slots(self, ev: SlotsChanged) -> list[Instruction]:
+        new = int(ev.slots)
+        if self.phase != RUNNING or new < 1 or new == self.slots:
+            return []
+        old = self._slots_moved[0] if self._slots_moved else self.slots
+        self.slots, self._slots_moved, self._check_replan = new, (old, new), True
+        return []
+
     def _on_markers(self, ev: MarkersRecovered) -> list[Instruction]:
         return [Record(o) for o in ev.observations if o.operator_key == self.spec.operator_key]
 
@@ -713,7 +733,8 @@ class MapMachine:
         return out
 
     def _maybe_replan(self, at: float) -> list[Instruction]:
-        """Mid-map: when the bound for what is queued moved enough, re-plan the unsubmitted remainder.
+        """Mid-map: when the bound for what is queued moved enough, or the cluster's slots changed
+        (:class:`SlotsChanged`), re-plan the unsubmitted remainder.
 
         Like is compared with like: the bound of the largest queued chunk now,
         against the same figure when the queue was (re)planned. Never while split
@@ -723,12 +744,18 @@ class MapMachine:
         a bound that wanders within a plan's slack changes nothing, and a re-plan
         is never undone by the next observation.
         """
+        slots_moved, self._slots_moved = self._slots_moved, None
         if not self.queue or self.planned_upper is None or any(q.decision == RETRY_SMALLER for q in self.queue):
             return []
         new_upper = self.queue_bound()
-        if new_upper is None or not policy.bound_moved(self.planned_upper, new_upper, self.settings):
+        if new_upper is None:
             return []
-        old_upper = self.planned_upper
+        if policy.bound_moved(self.planned_upper, new_upper, self.settings):
+            what = f"the upper bound moved from {format_bytes(self.planned_upper)} to {format_bytes(new_upper)}"
+        elif slots_moved is not None:
+            what = f"the cluster's slots went from {slots_moved[0]} to {slots_moved[1]}"
+        else:
+            return []
         boxes, kept = remaining_boxes([q.chunk for q in self.queue])
         keep = set(kept)
         queue = [q for q in self.queue if q.chunk in keep]
@@ -740,9 +767,8 @@ class MapMachine:
             if why is None:  # keep the queued cut
                 queue.extend(dataclasses.replace(q, decision=RECHUNK) for q in queued)
                 continue
-            out.append(self._decided(RECHUNK, p, f"mid-map re-plan: the upper bound moved from "
-                                                 f"{format_bytes(old_upper)} to {format_bytes(new_upper)}; {why}; "
-                                                 + p.reason, at, region=box.key()))
+            out.append(self._decided(RECHUNK, p, f"mid-map re-plan: {what}; {why}; " + p.reason, at,
+                                     region=box.key()))
             queue.extend(Pending(c, RECHUNK, armed=self.arm is not None) for c in p.chunks)
         self.queue = queue
         self.planned_upper = self.queue_bound()
@@ -930,12 +956,13 @@ _HANDLERS: dict[type, Any] = {
     MarkersRecovered: MapMachine._on_markers,
     Stop: MapMachine._on_stop,
     PausesRead: MapMachine._on_pauses,
+    SlotsChanged: MapMachine._on_slots,
 }
 
 __all__ = [
     "MapMachine", "MapSpec", "Knowledge", "Pending", "MapStateError", "is_memory_kill",
     "Start", "ChunkDone", "ChunkOutOfMemory", "ChunkFailed", "WorkerDied", "ClusterLost", "MarkersRecovered", "Stop",
-    "PausesRead", "ReadPauses",
+    "PausesRead", "ReadPauses", "SlotsChanged",
     "Decided", "DecisionRecord", "Submit", "Record", "ChunkEnded", "MarkRuns", "Cancel", "RecoverMarkers", "Fail",
     "Rewarded", "Finalize", "Stopped", "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER",
     "RESUME", "RESTART", "OK", "MEMORY_ERROR", "KILLED", "LOST",

@@ -144,6 +144,10 @@ class RunnerSettings:
       the runner starts. Dask's default (3) re-runs a task whose worker died on
       another worker, killing one worker per retry for a task that needs too much
       memory; 0 reports the first death, and the runner splits the chunk instead.
+    - ``slots_poll_seconds``: how often, at most, a running map asks the scheduler how
+      many worker threads it has (one small ``nthreads`` request, between chunk
+      events): batch jobs that join from the queue mid-map, or an adaptive cluster
+      scaling, raise the map's in-flight cap (``machine.SlotsChanged``).
     """
 
     workers_wait_seconds: float = 60.0
@@ -153,6 +157,7 @@ class RunnerSettings:
     settle_poll_seconds: float = 0.25
     task_run_page: int = 200
     allowed_failures: int = 0
+    slots_poll_seconds: float = 2.0
 
 
 RUNNER_SETTINGS = RunnerSettings()

@@ -60,6 +60,7 @@ from .machine import (
     PausesRead,
     ReadPauses,
     Record,
+    SlotsChanged,
     Start,
     Submit,
     WorkerDied,
@@ -298,6 +299,7 @@ _WAKE = _Task(-1, Chunk((0, 0, 0), (1, 1, 1)), (1, 1, 1), 0, 0.0, key=-1)
 # worker leaves at its walltime. How a task ends: done, killed with its worker, lost with a worker that left.
 _END, _COME, _LEAVE = 0, 1, 2
 _DONE, _KILLED, _LOST = 0, 1, 2
+_JOIN = 1  # a _COME that is a job's arrival (else a restarted worker's return)
 
 
 @dataclass
@@ -356,11 +358,13 @@ class SimulatedCluster:
         self.gone: set[int] = set()  # workers past their walltime
         self._ready: list[int] = []  # heap of workers that may have a free slot (checked when taken)
         self._in_ready: set[int] = set()
+        self._present = 0  # workers that have joined and not left
         for w in range(shape.workers):
             if self.joins[w] <= 0.0:
                 self._offer(w)
+                self._present += 1
             else:
-                self._push(self.joins[w], _COME, w)
+                self._push(self.joins[w], _COME, w, _JOIN)
             if math.isfinite(self.leaves[w]):
                 self._push(self.leaves[w], _LEAVE, w)
 
@@ -377,8 +381,7 @@ class SimulatedCluster:
 
     def present_slots(self) -> int:
         """Slots of the workers that have joined and not left: what the runner reads at a map's start."""
-        return sum(self.shape.threads_per_worker for w in range(self.shape.workers)
-                   if self.joins[w] <= self.now < self.leaves[w])
+        return self._present * self.shape.threads_per_worker
 
     def await_worker(self) -> bool:
         """Move the clock to the first worker's arrival when none is there (the runner waits for one before a
@@ -460,6 +463,7 @@ class SimulatedCluster:
             at, kind, _, ident, how = heapq.heappop(self._events)
             if kind == _COME:  # a worker joined or is back from a restart: start what waits
                 self.now = max(self.now, at)
+                self._present += how == _JOIN
                 self._offer(ident)
                 if not self.pending:
                     continue
@@ -467,6 +471,7 @@ class SimulatedCluster:
                 return _Ended(_WAKE, self.now, False)
             if kind == _LEAVE:  # its job reached the walltime: what runs there is lost now
                 self.gone.add(ident)
+                self._present -= 1
                 self.now = max(self.now, at)
                 for t in self.running[ident]:
                     self._push(self.now, _END, t.key, _LOST)
@@ -644,6 +649,8 @@ class _MachineRun:
                 self.failure = f"{self.step.operator}: {_walltime_failure(self.cluster, len(m.done))}"
                 break
             ended = sim.next()
+            if sim.present_slots() and sim.present_slots() != m.slots:  # jobs joined or left: the runner reads it
+                self.carry_out(m.handle(SlotsChanged(sim.present_slots(), at=sim.now)))
             if ended.task.sid < 0:
                 continue
             if ended.lost:  # Dask sees a worker leave with the task on it: the runner's own death handling

@@ -39,6 +39,7 @@ from memchunk_prefect.machine import (
     ReadPauses,
     Record,
     Rewarded,
+    SlotsChanged,
     Start,
     Stop,
     Stopped,
@@ -204,6 +205,53 @@ def _running_with_queue(knowledge, slots=1):
     started(m, slots=slots, budget=100 * 1024)
     assert m.queue
     return m
+
+
+def test_workers_joining_mid_map_raise_the_in_flight_cap_at_once_and_leaving_lowers_it():
+    m = machine((256, 8, 10), max_counts=256)
+    _, submitted = started(m, slots=1, budget=100 * 1024)
+    assert len(of(Submit, submitted)) == 2 and len(m.queue) > 8, "1 slot: a cap of 2"
+    assert m.handle(SlotsChanged(4)) == []
+    more = m.advance()
+    assert len(of(Submit, more)) == 6 and len(m.in_flight) == 8, "4 slots: a cap of 8, at once"
+    m.handle(SlotsChanged(2))  # two jobs reached their walltime: nothing is cancelled, nothing new until under 4
+    sid = next(iter(m.in_flight))
+    assert not of(Submit, m.handle(ChunkDone(sid, obs(m.in_flight[sid].chunk))) + m.advance())
+    assert len(m.in_flight) == 7
+
+
+def test_slot_counts_that_change_nothing_are_ignored():
+    m = machine((64, 8, 10), max_counts=64)
+    assert m.handle(SlotsChanged(4)) == [] and m.slots == 0, "before the map started: its Start reads the slots"
+    started(m, slots=2, budget=100 * 1024)
+    for n in (2, 0, -1):
+        assert m.handle(SlotsChanged(n)) == [] and m.slots == 2
+    assert not of(Decided, m.advance())
+
+
+def test_a_queue_planned_for_one_slot_is_replanned_for_the_slots_that_joined_when_that_is_faster():
+    # 1 ms per element: two queued chunks of 64 ilines are ~5 s each, and 16 slots could share them.
+    m = machine((256, 8, 10), knowledge=Linear(spe=1e-3), max_counts=256)
+    started(m, slots=1, budget=600 * 1024)
+    queued = sum(q.chunk.elements for q in m.queue)
+    n_before = len(m.queue)
+    m.handle(SlotsChanged(16))
+    out = m.advance()
+    replans = [d.record for d in of(Decided, out)]
+    assert replans and all(r.reason.startswith("mid-map re-plan: the cluster's slots went from 1 to 16")
+                           for r in replans)
+    assert len(m.queue) + len(of(Submit, out)) > n_before, "smaller chunks for more slots"
+    assert sum(q.chunk.elements for q in m.queue) + sum(s.chunk.elements for s in of(Submit, out)) == queued
+
+
+def test_more_slots_keep_a_queue_whose_re_plan_would_not_be_faster():
+    # 1 us per element: the queued chunk is 7 ms of compute; cutting it for 16 slots would only add overhead.
+    m = machine((256, 8, 10), max_counts=256)
+    started(m, slots=1, budget=1 * MiB)
+    queued = [q.chunk for q in m.queue]
+    m.handle(SlotsChanged(16))
+    out = m.advance()
+    assert not of(Decided, out) and [s.chunk for s in of(Submit, out)] == queued
 
 
 def test_the_remainder_is_replanned_when_the_bound_moved_more_than_the_threshold():

@@ -310,27 +310,50 @@ def _wait_for_file(path: Path, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def test_external_scheduler_with_two_worker_processes_runs_the_same_flow(survey, tmp_path):
-    dask = shutil.which("dask", path=os.path.dirname(sys.executable)) or shutil.which("dask")
-    sched_file = tmp_path / "scheduler.json"
-    env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0")
-    procs = [subprocess.Popen([dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--dashboard-address",
-                               "127.0.0.1:0", "--scheduler-file", str(sched_file)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
-    try:
-        _wait_for_file(sched_file)
-        for _ in range(2):
-            procs.append(subprocess.Popen([dask, "worker", "--scheduler-file", str(sched_file), "--nthreads", "1",
-                                           "--memory-limit", "1GiB", "--host", "127.0.0.1"], env=env,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+class _ExternalCluster:
+    """A ``dask scheduler`` process and ``dask worker`` processes (1 thread, 1 GiB each), started as a user would."""
+
+    def __init__(self, tmp_path: Path):
+        self.dask = shutil.which("dask", path=os.path.dirname(sys.executable)) or shutil.which("dask")
+        self.sched_file = tmp_path / "scheduler.json"
+        self.env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0")
+        self.procs = [subprocess.Popen([self.dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
+                                        "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(self.sched_file)],
+                                       env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        _wait_for_file(self.sched_file)
         import json
 
-        address = json.loads(sched_file.read_text())["address"]
+        self.address = json.loads(self.sched_file.read_text())["address"]
+
+    def add_worker(self) -> None:
+        self.procs.append(subprocess.Popen([self.dask, "worker", "--scheduler-file", str(self.sched_file),
+                                            "--nthreads", "1", "--memory-limit", "1GiB", "--host", "127.0.0.1"],
+                                           env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def wait_for_workers(self, n: int) -> None:
         from distributed import Client
 
-        with Client(address) as client:
-            client.wait_for_workers(2, timeout=90)
-        runner = MemoryAwareRunner(address=address, store=str(tmp_path / "s.sqlite"), output_dir=str(tmp_path / "o"))
+        with Client(self.address) as client:
+            client.wait_for_workers(n, timeout=90)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def test_external_scheduler_with_two_worker_processes_runs_the_same_flow(survey, tmp_path):
+    ext = _ExternalCluster(tmp_path)
+    try:
+        for _ in range(2):
+            ext.add_worker()
+        ext.wait_for_workers(2)
+        runner = MemoryAwareRunner(address=ext.address, store=str(tmp_path / "s.sqlite"),
+                                   output_dir=str(tmp_path / "o"))
 
         @flow(task_runner=runner)
         def smooth(path: str):
@@ -343,13 +366,42 @@ def test_external_scheduler_with_two_worker_processes_runs_the_same_flow(survey,
         np.testing.assert_allclose(values, reference, atol=1e-5 * np.abs(reference).max())
         assert len({e["worker"] for e in events if e["event"] == "ok"}) == 2, "both worker processes ran chunks"
     finally:
-        for p in reversed(procs):
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        ext.close()
+
+
+def test_a_worker_joining_mid_map_raises_the_maps_slots(big_survey, tmp_path, caplog):
+    """A batch job's worker that joins after the map started (dask-jobqueue's queue wait, an adaptive cluster):
+    the running map reads the cluster's threads between chunks and keeps the newcomer busy, not only the slots
+    there were at its start."""
+    import logging
+    import threading
+
+    ext = _ExternalCluster(tmp_path)
+    try:
+        ext.add_worker()
+        ext.wait_for_workers(1)
+        runner = MemoryAwareRunner(address=ext.address, store=str(tmp_path / "s.sqlite"),
+                                   output_dir=str(tmp_path / "o"), memory_budget="48MiB")
+
+        @flow(task_runner=runner)
+        def hog(path: str):
+            out = memory_hog.map(chunked(path), multiple=40, seconds=1.0)
+            return out.events, out.result().values
+
+        # The second job leaves the queue while the map runs (the flow is pickled into every task run: the timer
+        # stays out of it).
+        joiner = threading.Timer(3.0, ext.add_worker)
+        joiner.start()
+        with caplog.at_level(logging.INFO, logger="memchunk_prefect"):
+            events, values = hog(big_survey)
+        joiner.join()
+        np.testing.assert_array_equal(values, open_segy(big_survey).values)
+        assert any("now has 2 worker threads (1 when the map started)" in r.getMessage() for r in caplog.records), \
+            "the map never saw the second worker"
+        late = [e for e in events if e["event"] == "ok"]
+        assert len({e["worker"] for e in late}) == 2, "the worker that joined mid-map ran chunks"
+    finally:
+        ext.close()
 
 
 def test_a_scheduler_that_retries_dead_workers_tasks_is_named_in_a_warning_once(cluster, tmp_path, caplog):
