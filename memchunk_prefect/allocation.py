@@ -229,7 +229,7 @@ def p_utilisation(queue_wait: QueueWait, utilisation: ArrayLike, *, jobs: int, w
     size = n * m + 1
     length = 1 << (size - 1).bit_length()
     total = np.fft.irfft(np.fft.rfft(pmf, length) ** n, length)[:size]
-    total = np.clip(total, 0.0, None)
+    total[total < 1e-13] = 0.0  # FFT round-off (~1e-15 here), not probability
     total /= total.sum()
     # U >= U0  <=>  sum of the binned X >= N U0 m (in grid units; a hair below for values exactly on it)
     first = int(math.ceil(n * target * m - 1e-9))

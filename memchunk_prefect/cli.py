@@ -408,6 +408,12 @@ def _flow_arguments(p: argparse.ArgumentParser) -> None:
                         "(flagged in the output); without it such an operator is an error")
     p.add_argument("--prior-seconds-per-element", type=float, default=1e-6,
                    help="the prior's compute time per element (default 1e-6 s)")
+    p.add_argument("--queue-wait", metavar="WAIT",
+                   help="an HPC allocation: each worker is a batch job that waits in the queue first: "
+                        "20min (fixed), exp:MEAN, lognormal:MEDIAN,P90 (e.g. lognormal:10min,2h) or file:PATH "
+                        "(measured waits in seconds, one per line); makespans then count from submission")
+    p.add_argument("--walltime", help="each job leaves this long after it started (its running tasks are lost and "
+                                      "rerun): seconds, 45min, 6h or HH:MM[:SS]")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -424,6 +430,43 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", metavar="FILE",
                    help="also write the first simulated run of the memchunk strategy as a WfCommons (WfFormat) "
                         "trace, to compare with a real run's (`memchunk compare-traces REAL FILE`)")
+    p.add_argument("--utilisation", type=float, metavar="U0",
+                   help="also give the chance that the allocation's utilisation over --window reaches U0 (a "
+                        "fraction), simulated and by the queue-wait model (memchunk_prefect/allocation.py)")
+    p.add_argument("--window", help="the window for --utilisation: seconds, 45min, 6h or HH:MM (default: the "
+                                    "deadline)")
+
+
+def _allocation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``queue_wait`` and ``walltime_seconds`` for a ClusterShape, from --queue-wait and --walltime."""
+    from .allocation import QueueWait
+    from .units import parse_seconds
+
+    out: dict[str, Any] = {}
+    if args.queue_wait is not None:
+        out["queue_wait"] = QueueWait.parse(args.queue_wait)
+    if args.walltime is not None:
+        out["walltime_seconds"] = parse_seconds(args.walltime)
+    return out
+
+
+def _allocation_note(cluster: Any, summaries: list[Any]) -> str | None:
+    if cluster.queue_wait is None and cluster.walltime_seconds is None:
+        return None
+    wait = cluster.queue_wait.describe() if cluster.queue_wait is not None else "no queue wait"
+    wall = f"a {cluster.walltime_seconds:g} s walltime" if cluster.walltime_seconds is not None else "no walltime"
+    lost = ", ".join(f"{s.strategy} {s.walltime_losses_mean:.1f}" for s in summaries if s.walltime_losses_mean)
+    return (f"an allocation of {cluster.workers} batch jobs (one worker each), {wait}, {wall}: makespans count from "
+            "submission, core-hours from each job's start" + (f"; tasks lost at walltime per run: {lost}" if lost
+                                                                else ""))
+
+
+def _utilisation_line(s: Any) -> str:
+    a = s.allocation
+    return (f"{s.strategy}: P(U >= {a.target:g} within {a.window_seconds:g} s) simulated {a.p_simulated:.2f} "
+            f"({a.runs} runs, U p50 {a.utilisation_p50:.2f}); model {a.model.p_exact:.2f} (normal approximation "
+            f"{a.model.p_normal:.2f}) from the queue waits and the simulated jobs' own utilisation (p50 "
+            f"{a.job_utilisation_p50:.2f})")
 
 
 def _sim_models(args: argparse.Namespace) -> Any:
@@ -474,10 +517,16 @@ def _simulate(args: argparse.Namespace) -> int:
     work = models.map_work()
     cluster = ClusterShape(workers=args.workers, memory_limit_bytes=parse_bytes(args.memory_limit),
                            threads_per_worker=args.threads, resting_bytes=parse_bytes(args.resting),
-                           **_map_work_kwargs(work))
+                           **_map_work_kwargs(work), **_allocation_kwargs(args))
     deadline = parse_seconds(args.deadline) if args.deadline is not None else None
+    window = parse_seconds(args.window) if args.window is not None else deadline
+    if args.utilisation is not None and window is None:
+        raise SimulationInputError(f"--utilisation {args.utilisation:g} needs a window: give --window (or "
+                                   "--deadline), e.g. --window 6h")
     summaries = simulate(args.strategies, steps, tuple(args.shape), cluster, models.knowledge, runs=args.runs,
-                         seed=args.seed, deadline=deadline, truth_for=models.truth)
+                         seed=args.seed, deadline=deadline, truth_for=models.truth,
+                         window=window if args.utilisation is not None else None,
+                         target_utilisation=args.utilisation)
     note = _prior_note(models, args)
     traced = _simulated_trace(args, steps, cluster, models) if args.trace else None
     if args.json:
@@ -503,6 +552,12 @@ def _simulate(args: argparse.Namespace) -> int:
     if basis:
         _emit(_energy_note(basis))
     _emit(_map_work_note(work))
+    allocation = _allocation_note(cluster, summaries)
+    if allocation:
+        _emit(allocation)
+    for s in summaries:
+        if s.allocation is not None:
+            _emit(_utilisation_line(s))
     if note:
         _emit(note)
     if traced:
@@ -631,7 +686,7 @@ def _recommend(args: argparse.Namespace) -> int:
                     memory_options=[parse_bytes(m) for m in args.memory], max_workers=args.max_workers,
                     threads_per_worker=args.threads, confidence=args.confidence, runs=args.runs,
                     truth_for=models.truth, resting_bytes=parse_bytes(args.resting), objective=args.objective,
-                    **_map_work_kwargs(work))
+                    **_map_work_kwargs(work), **_allocation_kwargs(args))
     note = _prior_note(models, args)
     if args.json:
         _emit(json.dumps({"best": rec.best.to_dict() if rec.best else None, "jobqueue": rec.jobqueue_kwargs(),
@@ -660,6 +715,11 @@ def _recommend(args: argparse.Namespace) -> int:
     _emit(f"  dask-jobqueue: SLURMCluster(cores={jq['cores']}, processes={jq['processes']}, memory=\"{jq['memory']}\", "
           f"walltime=\"{jq['walltime']}\"); cluster.scale(jobs={jq['jobs']})")
     _emit(f"  ({len(rec.tried)} cluster shapes simulated, {args.runs} runs each; `--json` lists them)")
+    if args.queue_wait is not None or args.walltime is not None:
+        from .simulate import ClusterShape
+
+        shape = ClusterShape(workers=b.workers, memory_limit_bytes=b.memory_limit_bytes, **_allocation_kwargs(args))
+        _emit("  " + str(_allocation_note(shape, [s])))
     if args.plot:
         from .simulate import plot_recommendation
 

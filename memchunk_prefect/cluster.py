@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -334,14 +335,50 @@ def wait_for_workers(client: Any, settings: RunnerSettings = RUNNER_SETTINGS) ->
     return info
 
 
-def read_slots(client: Any) -> int | None:
-    """The cluster's worker threads now (the scheduler's ``nthreads`` answer: one number per worker, small at
-    any scale); None when it cannot be read."""
+def read_nthreads(client: Any) -> dict[str, int] | None:
+    """Each worker's threads now (the scheduler's ``nthreads`` answer: one number per worker, small at any
+    scale); None when it cannot be read."""
     try:
-        return int(sum(client.nthreads().values()))
+        return {str(k): int(v) for k, v in client.nthreads().items()}
     except Exception as exc:  # noqa: BLE001 - a busy or lost scheduler: keep the slots there were
         logger.info("could not read the cluster's worker threads: %r", exc)
         return None
+
+
+def requested_workers(cluster: Any) -> int | None:
+    """How many workers the runner's own cluster was asked for: its spec (``SpecCluster.plan``: what ``scale``
+    asked; dask-jobqueue's jobs times their processes) or its adaptive maximum, whichever is larger. None for a
+    scheduler started elsewhere (the runner has no cluster object) or a cluster that says neither.
+
+    The adaptive maximum is read from ``cluster._adaptive.maximum`` (distributed keeps the Adaptive object
+    there; dask-jobqueue converts ``maximum_jobs`` into it): a private attribute, read defensively.
+    """
+    if cluster is None:
+        return None
+    counts = []
+    try:
+        counts.append(len(cluster.plan))
+    except Exception:  # noqa: BLE001 - not a SpecCluster
+        pass
+    maximum = getattr(getattr(cluster, "_adaptive", None), "maximum", None)
+    if isinstance(maximum, (int, float)) and math.isfinite(maximum):
+        counts.append(int(maximum))
+    return max(counts) if counts and max(counts) > 0 else None
+
+
+def planned_slots(nthreads: dict[str, int], requested: int | None) -> int:
+    """The slots a map plans for: the threads of the workers there, or, when more workers were requested than
+    have joined (batch jobs still queued, an adaptive cluster still growing), the requested workers at the
+    joined ones' threads each. Planning for what was asked keeps enough chunks in flight for the jobs that
+    join later, and for an adaptive cluster to see the load that makes it grow.
+
+    >>> planned_slots({"a": 2}, 8), planned_slots({"a": 2, "b": 2}, None), planned_slots({"a": 1}, 1)
+    (16, 4, 1)
+    """
+    present = sum(nthreads.values())
+    if not requested or requested <= len(nthreads) or not nthreads:
+        return present
+    return max(present, int(round(requested * present / len(nthreads))))
 
 
 def read_allowed_failures(client: Any) -> int | None:

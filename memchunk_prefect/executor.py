@@ -190,11 +190,10 @@ class ChunkedMap:
                 self.follow_slots()
 
     def follow_slots(self) -> None:
-        """Tell the machine when the cluster's worker threads changed since the map started (jobs joined from a
-        batch queue, an adaptive cluster scaled, workers left): it raises or lowers its in-flight cap."""
-        from .cluster import read_slots
-
-        slots = read_slots(self.runner.client)
+        """Tell the machine when the slots to plan for changed since the map started (workers joined a scheduler
+        started elsewhere, or left; on the runner's own cluster, more than were requested): it raises or lowers
+        its in-flight cap."""
+        slots = self.runner.slots_now()
         if slots and self.machine is not None and slots != self.machine.slots:
             logger.info("%s: the cluster now has %d worker threads (%d when the map started)", self.name, slots,
                         self.slots)

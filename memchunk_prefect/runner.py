@@ -484,7 +484,25 @@ class MemoryAwareRunner(DaskTaskRunner):
         """
         workers = self.workers(modules)
         self._check_cluster_once()
-        return _cluster.budget(workers, target_fraction=self.target_fraction, memory_budget=self.memory_budget)
+        b = _cluster.budget(workers, target_fraction=self.target_fraction, memory_budget=self.memory_budget)
+        requested = self.requested_workers()
+        planned = _cluster.planned_slots({w.address: w.nthreads for w in workers}, requested)
+        if planned != b.slots:
+            b = dataclasses.replace(b, slots=planned, reason=f"{b.reason}; planned for {planned} slots: "
+                                                              f"{requested} workers requested, {len(workers)} joined")
+        return b
+
+    def requested_workers(self) -> int | None:
+        """Workers the runner's own cluster was asked for (None on a scheduler started elsewhere): see
+        :func:`memchunk_prefect.cluster.requested_workers`."""
+        # prefect-dask keeps the cluster it started (or was given) in ``_cluster``; None with an address.
+        return _cluster.requested_workers(getattr(self, "_cluster", None))
+
+    def slots_now(self) -> int | None:
+        """The slots a running map should plan for now (the workers there, or the requested ones; see
+        :func:`memchunk_prefect.cluster.planned_slots`); None when the scheduler cannot be asked."""
+        nthreads = _cluster.read_nthreads(self.client)
+        return _cluster.planned_slots(nthreads, self.requested_workers()) if nthreads else None
 
     def slots_and_budget(self) -> tuple[int, int]:
         """(task slots in the cluster, per-task memory budget in bytes): see :meth:`budget`."""

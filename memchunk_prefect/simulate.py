@@ -39,6 +39,7 @@ seconds (simulated, from 0), elements.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -98,7 +99,11 @@ class ClusterShape:
 
     An HPC allocation: ``queue_wait`` (a :class:`~memchunk_prefect.allocation.QueueWait`), each
     worker a batch job joining after its own wait; ``walltime_seconds``, each job leaving that long
-    after it joined (None: no limit). Makespans then count from the jobs' submission.
+    after it joined (None: no limit). Makespans then count from the jobs' submission. The runner
+    plans each map for the workers requested when it started the cluster itself (``cluster_class``
+    with ``scale`` or ``adapt``: it reads the cluster's plan); ``external``: the workers join a
+    scheduler started elsewhere, so a map plans for the workers that have joined and follows them
+    as more join or leave (``machine.SlotsChanged``).
     """
 
     workers: int
@@ -112,6 +117,7 @@ class ClusterShape:
     map_end_seconds: float = 0.0
     queue_wait: QueueWait | None = None
     walltime_seconds: float | None = None
+    external: bool = False
 
     def __post_init__(self) -> None:
         if self.walltime_seconds is not None and not (float(self.walltime_seconds) > 0
@@ -299,7 +305,6 @@ _WAKE = _Task(-1, Chunk((0, 0, 0), (1, 1, 1)), (1, 1, 1), 0, 0.0, key=-1)
 # worker leaves at its walltime. How a task ends: done, killed with its worker, lost with a worker that left.
 _END, _COME, _LEAVE = 0, 1, 2
 _DONE, _KILLED, _LOST = 0, 1, 2
-_JOIN = 1  # a _COME that is a job's arrival (else a restarted worker's return)
 
 
 @dataclass
@@ -358,13 +363,12 @@ class SimulatedCluster:
         self.gone: set[int] = set()  # workers past their walltime
         self._ready: list[int] = []  # heap of workers that may have a free slot (checked when taken)
         self._in_ready: set[int] = set()
-        self._present = 0  # workers that have joined and not left
+        self._sorted_joins = sorted(self.joins)
         for w in range(shape.workers):
             if self.joins[w] <= 0.0:
                 self._offer(w)
-                self._present += 1
             else:
-                self._push(self.joins[w], _COME, w, _JOIN)
+                self._push(self.joins[w], _COME, w)
             if math.isfinite(self.leaves[w]):
                 self._push(self.leaves[w], _LEAVE, w)
 
@@ -381,7 +385,8 @@ class SimulatedCluster:
 
     def present_slots(self) -> int:
         """Slots of the workers that have joined and not left: what the runner reads at a map's start."""
-        return self._present * self.shape.threads_per_worker
+        joined = bisect.bisect_right(self._sorted_joins, self.now)  # by the clock (await_worker moves it)
+        return (joined - len(self.gone)) * self.shape.threads_per_worker
 
     def await_worker(self) -> bool:
         """Move the clock to the first worker's arrival when none is there (the runner waits for one before a
@@ -463,7 +468,6 @@ class SimulatedCluster:
             at, kind, _, ident, how = heapq.heappop(self._events)
             if kind == _COME:  # a worker joined or is back from a restart: start what waits
                 self.now = max(self.now, at)
-                self._present += how == _JOIN
                 self._offer(ident)
                 if not self.pending:
                     continue
@@ -471,7 +475,6 @@ class SimulatedCluster:
                 return _Ended(_WAKE, self.now, False)
             if kind == _LEAVE:  # its job reached the walltime: what runs there is lost now
                 self.gone.add(ident)
-                self._present -= 1
                 self.now = max(self.now, at)
                 for t in self.running[ident]:
                     self._push(self.now, _END, t.key, _LOST)
@@ -636,8 +639,7 @@ class _MachineRun:
             self.record.seconds = sim.now - started
             return self.record
         sim.wait(self.cluster.map_start_seconds)  # the runner's work before the map's first task
-        self.carry_out(m.handle(Start(sim.present_slots() or self.cluster.slots, self.cluster.budget_bytes,
-                                      at=sim.now)))
+        self.carry_out(m.handle(Start(self.planned_slots(), self.cluster.budget_bytes, at=sim.now)))
         while not m.finished and not self.failure:
             self.carry_out(m.advance(sim.now))
             if m.finished or self.failure:
@@ -649,8 +651,8 @@ class _MachineRun:
                 self.failure = f"{self.step.operator}: {_walltime_failure(self.cluster, len(m.done))}"
                 break
             ended = sim.next()
-            if sim.present_slots() and sim.present_slots() != m.slots:  # jobs joined or left: the runner reads it
-                self.carry_out(m.handle(SlotsChanged(sim.present_slots(), at=sim.now)))
+            if self.cluster.external and sim.present_slots() and sim.present_slots() != m.slots:
+                self.carry_out(m.handle(SlotsChanged(sim.present_slots(), at=sim.now)))  # jobs joined or left
             if ended.task.sid < 0:
                 continue
             if ended.lost:  # Dask sees a worker leave with the task on it: the runner's own death handling
@@ -669,6 +671,11 @@ class _MachineRun:
             sim.wait(self.cluster.map_end_seconds)  # and after its last
         self.record.chunks, self.record.seconds = len(m.done), sim.now - started
         return self.record
+
+    def planned_slots(self) -> int:
+        """The slots the runner plans a map for (see :class:`ClusterShape`): the requested workers' on its own
+        cluster, the joined workers' on a scheduler started elsewhere."""
+        return self.sim.present_slots() if self.cluster.external else self.cluster.slots
 
     def carry_out(self, instructions: Iterable[Any]) -> None:
         for ins in instructions:
@@ -1076,14 +1083,16 @@ class Recommendation:
     deadline_seconds: float
     confidence: float
     objective: str = "time"
+    walltime_seconds: float | None = None  # the jobs' walltime as simulated (None: none was given)
 
     def jobqueue_kwargs(self) -> dict[str, Any] | None:
         """``cores``, ``processes``, ``memory``, ``walltime`` for a dask-jobqueue cluster of one worker per job,
-        and the number of jobs to ``scale`` to (the walltime is the deadline: a job outliving it is lost)."""
+        and the number of jobs to ``scale`` to (the walltime as simulated, else the deadline: a job outliving
+        it is of no use)."""
         b = self.best
         if b is None:
             return None
-        t = int(math.ceil(self.deadline_seconds))
+        t = int(math.ceil(self.walltime_seconds if self.walltime_seconds is not None else self.deadline_seconds))
         return {"cores": b.threads_per_worker, "processes": 1,
                 "memory": format_bytes(b.memory_limit_bytes).replace(" ", ""),
                 "walltime": f"{t // 3600:02d}:{t % 3600 // 60:02d}:{t % 60:02d}", "jobs": b.workers}
@@ -1154,7 +1163,8 @@ def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, 
                 lo = mid
         if best is None or _cost(found, objective) < _cost(best, objective):
             best = found
-    return Recommendation(best, tried, float(deadline_seconds), float(confidence), objective)
+    return Recommendation(best, tried, float(deadline_seconds), float(confidence), objective,
+                          cluster_kw.get("walltime_seconds"))
 
 
 def frontier(rec: Recommendation) -> list[Candidate]:

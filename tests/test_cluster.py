@@ -139,3 +139,21 @@ def test_a_worker_above_its_pause_line_is_read_as_one_pause_with_its_duration():
     n, seconds = paused_within(pauses, before, after)
     assert n == 1 and 0.3 < seconds < 2.5, pauses
     assert paused_within(pauses, after, after + 10) == (0, 0.0), "the pause ended"
+
+
+def test_the_workers_a_cluster_was_asked_for_are_read_from_its_plan_and_its_adaptive_maximum():
+    """A cluster the runner starts (dask-jobqueue, LocalCluster) says how many workers were asked for, before
+    they have joined: a map plans for them (cluster.planned_slots); a scheduler started elsewhere says nothing."""
+    from distributed import LocalCluster
+
+    from memchunk_prefect.cluster import planned_slots, requested_workers
+
+    assert requested_workers(None) is None
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
+        assert requested_workers(cluster) is None, "asked for nothing yet"
+        cluster.scale(3)
+        assert requested_workers(cluster) == 3
+        cluster.adapt(minimum=1, maximum=5)
+        assert requested_workers(cluster) == 5
+    assert planned_slots({"a": 2}, 5) == 10 and planned_slots({"a": 2, "b": 2, "c": 2}, 2) == 6
+    assert planned_slots({}, 4) == 0, "no worker yet: nothing to plan for (the runner waits for one first)"

@@ -324,3 +324,112 @@ def test_an_operator_never_run_is_simulated_cold_from_a_stated_prior_and_flagged
     assert "too little history" in capsys.readouterr().err
     assert cli.main([*argv, "--prior-multiple", "40"]) == cli.EXIT_OK
     assert "simulated from a stated prior, not from what was learned (40x the input" in capsys.readouterr().out
+
+
+# =========================================================================== HPC allocations: queue waits, walltime
+
+
+def _hpc(**kw):
+    from dataclasses import replace
+
+    from memchunk_prefect.allocation import QueueWait
+
+    wait = kw.pop("wait", None)
+    return replace(CLUSTER, queue_wait=QueueWait.parse(wait) if wait else None, **kw)
+
+
+def test_jobs_that_wait_in_the_queue_start_the_work_late_and_are_charged_from_their_start():
+    r = run("static-4", cluster=_hpc(wait="5s"))
+    assert r.completed and r.makespan_seconds == pytest.approx(5 + 2 * (0.04 + 0.1)), "submission to the end"
+    assert r.core_hours == pytest.approx(2 * 2 * (0.04 + 0.1) / 3600), "held from each job's start, not submission"
+    assert r.slot_utilisation == pytest.approx(1.0)
+    assert r.energy_joules == pytest.approx(run("static-4").energy_joules), "waiting in the queue costs no energy"
+
+
+def test_no_queue_wait_and_no_walltime_simulate_exactly_as_before():
+    for strategy in ("memchunk", "static-4", "split"):
+        a, b = run(strategy, Known(bpe=400.0), seed=3), run(strategy, Known(bpe=400.0), seed=3, cluster=_hpc(wait="0"))
+        assert (a.makespan_seconds, a.out_of_memory, a.core_hours) == (b.makespan_seconds, b.out_of_memory,
+                                                                        b.core_hours)
+
+
+def test_a_walltime_before_the_work_is_done_loses_the_running_tasks_and_fails_saying_so():
+    r = run("static-4", cluster=_hpc(walltime_seconds=0.2))
+    assert not r.completed and r.walltime_losses == 2 and r.out_of_memory == 0
+    assert "every worker reached its 0.2 s walltime with work left" in r.failure
+    assert "--walltime" in r.failure
+    m = run("memchunk", cluster=_hpc(walltime_seconds=0.1))
+    assert not m.completed and "walltime" in m.failure and m.out_of_memory == 0
+
+
+def test_jobs_arriving_one_by_one_each_work_as_soon_as_they_join():
+    # Eight jobs, waits exponential with a 2 s mean, ~13 s of work for one slot. On the runner's own cluster
+    # the map plans for the eight requested; on a scheduler started elsewhere it sees one worker at its start,
+    # so cuts the survey for it, and follows the slots as jobs join (machine.SlotsChanged): where the budget
+    # cuts the survey into more chunks than one slot's cap of 2, the late jobs get work as they join (without
+    # following them: 2 at once, 26.6 s against 10.5 s).
+    for external, know, shape in ((False, Known(spe=8e-5), SHAPE), (True, Known(bpe=800.0, spe=8e-5), (160, 40, 100))):
+        cluster = _hpc(wait="exp:2s", workers=8, external=external)
+        r = run("memchunk", know, shape=shape, cluster=cluster, seed=1)
+        assert r.completed and min(r.joins) > 0
+        first = min(r.joins)
+        assert all(e.task.started >= first for e in r.ended), "nothing runs before the first job starts"
+        spans = [(e.task.started, e.at) for e in r.ended]
+        most = max(sum(a <= t < b for a, b in spans) for t, _ in spans)
+        assert most >= 6, f"external={external}: at most {most} chunks ran at once: joined jobs were left idle"
+
+
+def test_window_utilisation_is_the_mean_of_each_jobs_share_and_the_model_sits_beside_the_simulation():
+    from memchunk_prefect.allocation import held_fraction
+    from memchunk_prefect.simulate import allocation_check, window_utilisation
+
+    cluster = _hpc(wait="exp:2s", workers=6, walltime_seconds=30.0)
+    results = [run("memchunk", Known(spe=8e-5), cluster=cluster, seed=s) for s in range(12)]
+    window = 4.0
+    for r in results:  # U(T0) = (1/N) sum u_i a(Q_i), by construction
+        u_run, _ = window_utilisation(r, cluster, window)
+        held = held_fraction(np.asarray(r.joins), window, cluster.walltime_seconds)
+        busy = [0.0] * cluster.workers
+        for e in r.ended:
+            busy[e.task.worker] += max(0.0, min(e.at, window) - min(e.task.started, window))
+        assert u_run == pytest.approx(sum(b / (cluster.threads_per_worker * window) for b in busy) / cluster.workers)
+        assert all(h >= 0 for h in held)
+    a = allocation_check(results, cluster, window=window, target=0.5)
+    assert a.runs == 12 and 0.0 <= a.p_simulated <= 1.0
+    # The work outlasts the window: jobs are busy from their arrival, and the independent-jobs model holds.
+    assert a.job_utilisation_p50 > 0.9
+    assert abs(a.model.mean - np.mean([window_utilisation(r, cluster, window)[0] for r in results])) < 0.05
+    assert abs(a.model.p_exact - a.p_simulated) < 0.35
+
+
+def test_the_command_line_simulates_an_allocation_and_its_utilisation(tmp_path, capsys):
+    import tasks
+    from memchunk_prefect.operators import operator_key
+
+    key = operator_key(tasks.OPERATORS["gst3d_dip"], {}, dtype="float32")
+    with Store(tmp_path / "s.sqlite") as store:
+        seed_store(store, key, 40 * 4.0, sizes=(20_000, 50_000, 100_000, 200_000, 400_000, 800_000))
+    argv = ["simulate", "--store", str(tmp_path / "s.sqlite"), "--steps", "gst3d_dip", "--shape", "128", "128", "400",
+            "--workers", "4", "--memory-limit", "1GiB", "--runs", "3", "--strategies", "memchunk",
+            "--queue-wait", "lognormal:1s,5s", "--walltime", "1h", "--utilisation", "0.5", "--window", "10"]
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "an allocation of 4 batch jobs (one worker each), log-normal queue waits, median 1 s, p90 5 s" in out, out
+    assert "memchunk: P(U >= 0.5 within 10 s) simulated" in out and "model" in out
+    assert cli.main([*argv, "--json"]) == cli.EXIT_OK
+    got = json.loads(capsys.readouterr().out)["strategies"][0]["allocation"]
+    assert got["runs"] == 3 and 0 <= got["model"]["p_exact"] <= 1 and "u_samples" not in got
+    assert cli.main([*argv[:-4], "--utilisation", "0.5"]) == cli.EXIT_USAGE
+    assert "needs a window" in capsys.readouterr().err
+    assert cli.main([*argv[:-6], "--queue-wait", "soon"]) == cli.EXIT_USAGE
+    assert "cannot read the queue wait 'soon'" in capsys.readouterr().err
+
+
+def test_recommend_with_queue_waits_needs_more_workers_and_asks_for_the_walltime_given():
+    easy = _recommend(3.0, max_workers=16)
+    queued = _recommend(3.0, max_workers=16, queue_wait=__import__(
+        "memchunk_prefect.allocation", fromlist=["QueueWait"]).QueueWait.parse("1s"), walltime_seconds=600.0)
+    assert easy.best is not None and queued.best is not None
+    assert queued.best.workers >= easy.best.workers, "a second of each deadline is spent in the queue"
+    assert queued.jobqueue_kwargs()["walltime"] == "00:10:00"
+    assert easy.jobqueue_kwargs()["walltime"] == "00:00:03"
