@@ -414,6 +414,9 @@ def _flow_arguments(p: argparse.ArgumentParser) -> None:
                         "(measured waits in seconds, one per line); makespans then count from submission")
     p.add_argument("--walltime", help="each job leaves this long after it started (its running tasks are lost and "
                                       "rerun): seconds, 45min, 6h or HH:MM[:SS]")
+    p.add_argument("--external", action="store_true",
+                   help="the workers join a scheduler started elsewhere (MemoryAwareRunner(address=...)): each map "
+                        "plans for the workers that have joined and follows them, instead of for all requested")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -442,7 +445,7 @@ def _allocation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     from .allocation import QueueWait
     from .units import parse_seconds
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"external": bool(args.external)}
     if args.queue_wait is not None:
         out["queue_wait"] = QueueWait.parse(args.queue_wait)
     if args.walltime is not None:
@@ -457,8 +460,10 @@ def _allocation_note(cluster: Any, summaries: list[Any]) -> str | None:
     wall = f"a {cluster.walltime_seconds:g} s walltime" if cluster.walltime_seconds is not None else "no walltime"
     lost = ", ".join(f"{s.strategy} {s.walltime_losses_mean:.1f}" for s in summaries if s.walltime_losses_mean)
     return (f"an allocation of {cluster.workers} batch jobs (one worker each), {wait}, {wall}: makespans count from "
-            "submission, core-hours from each job's start" + (f"; tasks lost at walltime per run: {lost}" if lost
-                                                                else ""))
+            "submission, core-hours from each job's start"
+            + ("; each map plans for the workers that have joined (a scheduler started elsewhere)" if cluster.external
+               else "")
+            + (f"; tasks lost at walltime per run: {lost}" if lost else ""))
 
 
 def _utilisation_line(s: Any) -> str:

@@ -112,3 +112,43 @@ def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_source
         assert r["energy_sources"] == ["estimate"] or "rapl" in r["energy_sources"] or "nvml" in r["energy_sources"]
         assert r["busy_joules"] > 0 and r["total_joules"] >= r["busy_joules"]
     assert "objective  wall s  busy J" in proc.stdout
+
+
+def _seeded_demo_store(path: Path) -> Path:
+    """A store that knows the demo pipeline's operators (seeded figures: a smoke test checks structure, not values)."""
+    from flows.pipeline import DEFAULT_STEPS
+    from memchunk_prefect.simulate import Step
+    from memchunk_prefect.store import Store
+    from memchunk_prefect.testing import seed_store
+
+    with Store(path) as store:
+        for step, bpe in zip(DEFAULT_STEPS, (40.0, 12.0, 240.0)):
+            seed_store(store, Step.of(step).key, bpe, sizes=(20_000, 50_000, 100_000, 200_000, 400_000, 800_000))
+    return path
+
+
+def test_quick_simulator_scale_benchmark_times_every_row_and_says_whether_it_meets_the_target(tmp_path):
+    store, out = _seeded_demo_store(tmp_path / "s.sqlite"), tmp_path / "scale.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sim_scale", "--quick", "--repeat", "1", "--store",
+                           str(store), "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: the 30 s target missed
+    result = json.loads(out.read_text())
+    assert [r["kind"] for r in result["rows"]] == ["target"] + ["workers"] * 3 + ["survey"] * 3
+    assert all(r["tasks"] > 0 and r["seconds"] > 0 for r in result["rows"])
+    assert result["rows"][0]["workers"] == 1000 and result["rows"][0]["shape"] == [2000, 2000, 1500]
+    assert result["end_to_end"]["seconds"] > 0 and result["allocation"]["runs"] == 3
+    assert ("meets the 30 s target" in proc.stdout) == (proc.returncode == 0)
+
+
+def test_quick_allocation_benchmark_sets_the_model_beside_the_simulated_runs(tmp_path):
+    store, out = _seeded_demo_store(tmp_path / "s.sqlite"), tmp_path / "alloc.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.allocation", "--quick", "--store", str(store), "--json",
+                           str(out)], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["runs"] == 8 and result["rows"]
+    for r in result["rows"]:
+        assert 0 <= r["p_model"] <= 1 and 0 <= r["p_simulated"] <= 1 and r["target"] > 0
+    assert "model - simulated: mean |gap|" in proc.stdout
