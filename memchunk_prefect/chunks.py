@@ -116,6 +116,8 @@ def ints3(values: object, what: str) -> Shape:
     >>> ints3((1, 2.0, 3), "a shape")
     (1, 2, 3)
     """
+    if type(values) is tuple and len(values) == 3 and all(type(v) is int for v in values):
+        return values  # the common case, already exact (chunks are made by the 100k)
     try:
         items = list(values)  # type: ignore[call-overload]
     except TypeError:

@@ -719,7 +719,9 @@ def _recommend(args: argparse.Namespace) -> int:
           + (" (the least energy that meets it)" if args.objective == "energy" else ""))
     _emit(f"  dask-jobqueue: SLURMCluster(cores={jq['cores']}, processes={jq['processes']}, memory=\"{jq['memory']}\", "
           f"walltime=\"{jq['walltime']}\"); cluster.scale(jobs={jq['jobs']})")
-    _emit(f"  ({len(rec.tried)} cluster shapes simulated, {args.runs} runs each; `--json` lists them)")
+    screened = sum(c.screened for c in rec.tried)
+    _emit(f"  ({len(rec.tried)} cluster shapes simulated: {screened} searched with one run each, "
+          f"{len(rec.tried) - screened} confirmed with up to {args.runs}; `--json` lists them)")
     if args.queue_wait is not None or args.walltime is not None:
         from .simulate import ClusterShape
 

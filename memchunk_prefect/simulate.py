@@ -592,11 +592,14 @@ def _observation(step: Step, task: _Task, killed: bool, budget: int, at: float) 
 
 def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
                  rng: np.random.Generator, *, settings: PolicySettings = DEFAULT_SETTINGS,
-                 time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None) -> SimResult:
+                 time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None,
+                 stop_after: float | None = None) -> SimResult:
     """The runner's own state machine over the steps, chained (each map's chunking is the next one's incoming).
 
     ``truth_for``: where chunks' memory and time are drawn from, when it is not
     what the runner plans with (what if the model is 30% low?); default the same.
+    ``stop_after``: give up (a failed run) once the simulated clock passes it: a
+    run that cannot meet a deadline need not be simulated to its end.
     """
     sim = SimulatedCluster(cluster, rng.spawn(1)[0])  # queue waits from their own stream: the same chunks' draws
     maps: list[MapResult] = []
@@ -607,6 +610,7 @@ def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, kno
         knowledge = knowledge_for(step.key)
         truth = truth_for(step.key) if truth_for is not None else knowledge
         run = _MachineRun(step, shape, cluster, knowledge, truth, sim, rng, incoming, settings, time_sigma)
+        run.stop_after = stop_after
         maps.append(run.run())
         draws.append(run.draws)
         failure = run.failure
@@ -631,6 +635,7 @@ class _MachineRun:
         self.machine = MapMachine(spec, knowledge)
         self.record = MapResult(step.operator, 0, 0, 0, 0.0)
         self.failure = ""
+        self.stop_after: float | None = None
 
     def run(self) -> MapResult:
         m, sim, started = self.machine, self.sim, self.sim.now
@@ -649,6 +654,10 @@ class _MachineRun:
                 break
             if sim.stranded:
                 self.failure = f"{self.step.operator}: {_walltime_failure(self.cluster, len(m.done))}"
+                break
+            if self.stop_after is not None and sim.now > self.stop_after:
+                self.failure = (f"{self.step.operator}: still running at {self.stop_after:g} s (the deadline); the "
+                                "simulation stopped there")
                 break
             ended = sim.next()
             if self.cluster.external and sim.present_slots() and sim.present_slots() != m.slots:
@@ -1067,10 +1076,12 @@ class Candidate:
     memory_limit_bytes: int
     threads_per_worker: int
     summary: Summary
+    screened: bool = False  # one run only, while searching (not a verdict on the shape)
 
     def to_dict(self) -> dict[str, Any]:
         return {"workers": self.workers, "memory_limit_bytes": self.memory_limit_bytes,
-                "threads_per_worker": self.threads_per_worker, **self.summary.to_dict()}
+                "threads_per_worker": self.threads_per_worker, "screened": self.screened,
+                **self.summary.to_dict()}
 
 
 @dataclass
@@ -1109,8 +1120,11 @@ def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, 
     idle slots; learned per operator where it was, else seconds x ``settings.watts_per_core``).
 
     For each memory size, the fewest workers (up to ``max_workers``) that meet the deadline are found by
-    doubling then bisection (makespan falls as workers are added, up to the survey's parallelism); with one
-    thread per core, fewer workers meeting the deadline is fewer core-hours, and fewer slots left idle.
+    a search on one run per shape (from the previous memory size's answer: galloping, then bisection;
+    makespan falls as workers are added, up to the survey's parallelism), then confirmed with ``runs`` runs,
+    adding a few percent of workers while the confidence is not met. No run is simulated past the
+    deadline, and a shape's runs stop once more miss it than the confidence allows. With one thread per
+    core, fewer workers meeting the deadline is fewer core-hours, and fewer slots left idle.
     """
     from .energy import check_objective
 
@@ -1123,44 +1137,76 @@ def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, 
         raise SimulationInputError("give at least one memory size per worker to try")
     tried: list[Candidate] = []
 
-    def trial(workers: int, memory: int) -> Candidate:
+    # A shape fails once more runs miss the deadline than the confidence allows: its remaining runs are not
+    # simulated, and no run is simulated past the deadline (what the search needs is only whether it is met).
+    allowed_misses = int(math.floor((1.0 - confidence) * int(runs) + 1e-9))
+
+    def trial(workers: int, memory: int, n: int = int(runs)) -> Candidate:
         cluster = ClusterShape(workers=workers, memory_limit_bytes=memory, threads_per_worker=threads_per_worker,
                                **cluster_kw)
-        (s,) = simulate(["memchunk"], steps, shape, cluster, knowledge_for, runs=runs, seed=seed,
-                        deadline=deadline_seconds, truth_for=truth_for, settings=settings)
-        c = Candidate(workers, memory, threads_per_worker, s)
+        results: list[SimResult] = []
+        for i in range(n):
+            results.append(run_strategy("memchunk", steps, shape, cluster, knowledge_for,
+                                        np.random.default_rng(seed + i), truth_for=truth_for, settings=settings,
+                                        stop_after=deadline_seconds))
+            if sum(not r.completed or r.makespan_seconds > deadline_seconds for r in results) > allowed_misses:
+                break
+        c = Candidate(workers, memory, threads_per_worker, summarize("memchunk", results, deadline_seconds),
+                      screened=n < int(runs))
         tried.append(c)
         return c
 
     def ok(c: Candidate) -> bool:
         return c.summary.p_deadline is not None and c.summary.p_deadline >= confidence
 
+    def screen(workers: int, memory: int) -> bool:
+        """One run (seed ``seed``) meets the deadline: the search's cheap question."""
+        s = trial(workers, memory, 1).summary
+        return s.completed == 1 and s.p_deadline == 1.0
+
     best: Candidate | None = None
+    start = 1  # where the search for the next memory size begins: the previous size's answer
     for memory in sorted(set(int(m) for m in memory_options)):
         try:
             ClusterShape(workers=1, memory_limit_bytes=memory, **cluster_kw)
         except SimulationInputError:
             continue  # no room above the resting memory: not a candidate
-        lo, hi, found = 0, 1, None
-        while hi <= max_workers:
+        # Bracket the fewest workers whose first run meets the deadline in (lo, hi]: gallop down from the start
+        # while it passes, or up (doubling) while it fails; then bisect.
+        hi: int | None
+        if screen(start, memory):
+            hi, lo = start, start // 2
+            while lo >= 1 and screen(lo, memory):
+                hi, lo = lo, lo // 2
+        else:
+            lo, hi = start, None
+            while hi is None and lo < max_workers:
+                nxt = min(max_workers, lo * 2)
+                if screen(nxt, memory):
+                    hi = nxt
+                else:
+                    lo = nxt
+            if hi is None:
+                continue
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if screen(mid, memory):
+                hi = mid
+            else:
+                lo = mid
+        # Confirm with every run (the asked confidence), a few percent more workers at a time where it falls short.
+        found: Candidate | None = None
+        while True:
             c = trial(hi, memory)
             if ok(c):
                 found = c
                 break
-            lo, hi = hi, hi * 2
-        if found is None and lo < max_workers:
-            c = trial(max_workers, memory)
-            if ok(c):
-                found, hi = c, max_workers
+            if hi >= max_workers:
+                break
+            hi = min(max_workers, hi + max(1, hi // 20))
         if found is None:
             continue
-        while hi - lo > 1:  # the fewest workers in (lo, hi] that meet it
-            mid = (lo + hi) // 2
-            c = trial(mid, memory)
-            if ok(c):
-                found, hi = c, mid
-            else:
-                lo = mid
+        start = found.workers
         if best is None or _cost(found, objective) < _cost(best, objective):
             best = found
     return Recommendation(best, tried, float(deadline_seconds), float(confidence), objective,
@@ -1172,6 +1218,8 @@ def frontier(rec: Recommendation) -> list[Candidate]:
     by memory size: the trade-off a plot of makespan, core-hours and energy against memory per worker shows."""
     best: dict[int, Candidate] = {}
     for c in rec.tried:
+        if c.screened:
+            continue
         met = c.summary.p_deadline is not None and c.summary.p_deadline >= rec.confidence
         if met and (c.memory_limit_bytes not in best or c.workers < best[c.memory_limit_bytes].workers):
             best[c.memory_limit_bytes] = c

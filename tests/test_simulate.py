@@ -209,7 +209,8 @@ def test_learned_joules_per_block_are_what_the_simulator_charges_and_it_says_so(
 
 def test_recommend_for_energy_picks_the_least_energy_shape_that_meets_the_deadline():
     by_energy = _recommend(60.0, objective="energy", memory_options=[100 * MiB, 200 * MiB, 400 * MiB])
-    meets = [c for c in by_energy.tried if c.summary.p_deadline is not None and c.summary.p_deadline >= 0.9]
+    meets = [c for c in by_energy.tried  # a screened shape had one run, while searching: not a verdict
+             if not c.screened and c.summary.p_deadline is not None and c.summary.p_deadline >= 0.9]
     fewest = {m: min((c for c in meets if c.memory_limit_bytes == m), key=lambda c: c.workers)
               for m in {c.memory_limit_bytes for c in meets}}  # what recommend keeps per memory size
     assert by_energy.best is not None and by_energy.objective == "energy" and len(fewest) == 3
@@ -432,4 +433,7 @@ def test_recommend_with_queue_waits_needs_more_workers_and_asks_for_the_walltime
     assert easy.best is not None and queued.best is not None
     assert queued.best.workers >= easy.best.workers, "a second of each deadline is spent in the queue"
     assert queued.jobqueue_kwargs()["walltime"] == "00:10:00"
+    confirmed = [c for c in queued.tried if not c.screened]
+    assert queued.best in confirmed and all(c.summary.runs <= 5 for c in queued.tried)
+    assert any(c.screened and c.summary.runs == 1 for c in queued.tried), "the search screens with one run"
     assert easy.jobqueue_kwargs()["walltime"] == "00:00:03"
