@@ -22,6 +22,7 @@ Chunk(start=(0, 2, 0), stop=(6, 10, 50))
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -239,10 +240,18 @@ def largest_read_extents(region: "Chunk", counts: Sequence[int], halo: Sequence[
     >>> extents_with_halo((64, 8, 10), (12, 0, 0), (128, 8, 10))
     (88, 8, 10)
     """
+    return _largest_read_extents(region, tuple(int(c) for c in counts), tuple(int(h) for h in halo),
+                                 tuple(int(n) for n in volume_shape))
+
+
+@functools.lru_cache(maxsize=2**16)
+def _largest_read_extents(region: "Chunk", counts: tuple[int, ...], halo: tuple[int, ...],
+                          volume_shape: tuple[int, ...]) -> Shape:
+    # O(pieces) per call, and the planner asks it for every candidate count of every plan: the same questions
+    # recur across a simulation's repeated runs (the same warm models give the same plans), so they are cached.
     out = []
     for a0, a1, c, h, n in zip(region.start, region.stop, counts, halo, volume_shape):
-        out.append(max(min(int(n), a0 + b + int(h)) - max(0, a0 + a - int(h))
-                       for a, b in even_splits(a1 - a0, max(1, int(c)))))
+        out.append(max(min(n, a0 + b + h) - max(0, a0 + a - h) for a, b in even_splits(a1 - a0, max(1, c))))
     return tuple(out)  # type: ignore[return-value]
 
 

@@ -1111,7 +1111,7 @@ class Recommendation:
 
 def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, *, deadline_seconds: float,
               memory_options: Sequence[int], max_workers: int = 256, threads_per_worker: int = 1,
-              confidence: float = 0.9, runs: int = 5, seed: int = 0, truth_for: KnowledgeFor | None = None,
+              confidence: float = 0.9, runs: int = 20, seed: int = 0, truth_for: KnowledgeFor | None = None,
               objective: str = "time", settings: PolicySettings = DEFAULT_SETTINGS,
               **cluster_kw: Any) -> Recommendation:
     """The cluster that finishes ``steps`` on ``shape`` within the deadline with probability at least

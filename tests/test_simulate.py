@@ -434,6 +434,6 @@ def test_recommend_with_queue_waits_needs_more_workers_and_asks_for_the_walltime
     assert queued.best.workers >= easy.best.workers, "a second of each deadline is spent in the queue"
     assert queued.jobqueue_kwargs()["walltime"] == "00:10:00"
     confirmed = [c for c in queued.tried if not c.screened]
-    assert queued.best in confirmed and all(c.summary.runs <= 5 for c in queued.tried)
+    assert queued.best in confirmed and all(c.summary.runs <= 20 for c in queued.tried)
     assert any(c.screened and c.summary.runs == 1 for c in queued.tried), "the search screens with one run"
     assert easy.jobqueue_kwargs()["walltime"] == "00:00:03"
