@@ -29,6 +29,13 @@ What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
   the time it ran. A run's energy adds the slots it held idle at
   ``idle_watts_per_core`` (:mod:`memchunk_prefect.energy`).
 
+An HPC allocation (:class:`ClusterShape` ``queue_wait`` / ``walltime_seconds``): each worker
+is a batch job that joins after a wait drawn from the queue-wait distribution and leaves at its
+walltime (the tasks running there are lost and rerun; a job that leaves is not replaced);
+makespans count from submission and core-hours from each job's start. The allocation's
+utilisation over a window, simulated and by the model of :mod:`memchunk_prefect.allocation`:
+:func:`allocation_check`.
+
 A warm run is simulated: the models are read from the store and not taught by
 simulated chunks (no observation or reward is written to the store). An operator with no
 usable history cannot be simulated (:class:`SimulationInputError`); run it once.
