@@ -121,6 +121,9 @@ def test_the_same_seed_gives_the_same_run_and_monte_carlo_gives_percentiles_and_
     (lambda: run("static-4", shape=(0, 10, 10)), "three positive extents"),
     (lambda: run("memchunk", Known(ready=False)), "too little history"),
     (lambda: Step.of("no_such_operator"), "unknown operator"),
+    (lambda: ClusterShape(workers=2, memory_limit_bytes=100 * MiB, walltime_seconds=0), "walltime is a positive"),
+    (lambda: simulate(["memchunk"], [STEP], SHAPE, CLUSTER, lambda k: Known(), runs=1, window=1.0),
+     "needs both a window and a target"),
 ])
 def test_bad_input_is_a_typed_error_saying_what_to_do(make, match):
     with pytest.raises(SimulationInputError, match=match):
@@ -337,6 +340,12 @@ def _hpc(**kw):
 
     wait = kw.pop("wait", None)
     return replace(CLUSTER, queue_wait=QueueWait.parse(wait) if wait else None, **kw)
+
+
+def test_workers_that_cannot_hold_one_trace_column_are_a_labelled_failure_saying_what_to_do():
+    r = run("memchunk", Known(bpe=1e6))  # one 100-sample trace column: 100 MB of a 55 MiB budget
+    assert not r.completed and "even the smallest chunk allowed (one trace column" in r.failure
+    assert "Give workers more memory" in r.failure and r.out_of_memory == 0, "refused before anything ran"
 
 
 def test_jobs_that_wait_in_the_queue_start_the_work_late_and_are_charged_from_their_start():
