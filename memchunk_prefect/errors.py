@@ -126,12 +126,17 @@ class ChunkOutOfMemoryError(MemchunkError, MemoryError):
 
     def __reduce__(self):
         return (_rebuild_chunk_oom, (self.args[0], self.operator, self.chunk,
-                                     self.budget_bytes, self.needed_bytes))
+                                     self.budget_bytes, self.needed_bytes, type(self)))
 
 
-def _rebuild_chunk_oom(message, operator, chunk, budget_bytes, needed_bytes):
-    return ChunkOutOfMemoryError(message, operator=operator, chunk=chunk,
-                                 budget_bytes=budget_bytes, needed_bytes=needed_bytes)
+class MemoryNotChunkSizeError(ChunkOutOfMemoryError):
+    """``MemoryError`` keeps coming at chunk sizes the model puts far under the budget, split after split:
+    what fails is not the chunk's size (an address-space limit, thread pools reserving memory, another
+    process), so the map stops instead of splitting on. Same fields as :class:`ChunkOutOfMemoryError`."""
+
+
+def _rebuild_chunk_oom(message, operator, chunk, budget_bytes, needed_bytes, cls=ChunkOutOfMemoryError):
+    return cls(message, operator=operator, chunk=chunk, budget_bytes=budget_bytes, needed_bytes=needed_bytes)
 
 
 class ChunkMemoryError(MemchunkError, MemoryError):

@@ -68,7 +68,7 @@ from typing import Any, Iterable, Iterator, Protocol, Union
 from . import bandit, policy
 from .bandit import ArmChoice
 from .chunks import Chunk, Shape, uncovered_boxes, with_halo
-from .errors import ChunkOutOfMemoryError, ClusterLostError, MemchunkError, format_bytes
+from .errors import ChunkOutOfMemoryError, ClusterLostError, MemchunkError, MemoryNotChunkSizeError, format_bytes
 from .policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
 from .records import Observation, Pause, Prediction, Reward, paused_within
 from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
@@ -653,6 +653,17 @@ class MapMachine:
         obs = ev.observation or self._flow_observation(item, "memory_error", self.budget_bytes, ev.at)
         self._check_replan = True
         out: list[Instruction] = [Record(obs), self._ended(ev.id, item, MEMORY_ERROR, obs, ev.at)]
+        upper = self._upper_for(item.chunk)
+        if (item.attempt >= self.settings.memory_error_splits and upper is not None
+                and upper <= self.settings.memory_kill_fraction * self.budget_bytes):
+            return out + self._fail(MemoryNotChunkSizeError(
+                f"{self.spec.name(item.chunk)} raised MemoryError after {item.attempt} splits, at {item.chunk.shape} "
+                f"(the model puts it at {format_bytes(upper)} at most, of a {format_bytes(self.budget_bytes)} "
+                "budget per task): what fails is not the chunk's size, so it is not split further. Look for a "
+                "limit on the workers' address space (ulimit -v, a container limit) or thread pools reserving "
+                "memory (BLAS / OpenMP: set OMP_NUM_THREADS=1 on the workers), then rerun: the chunks written "
+                "are kept", operator=self.spec.operator_key, chunk=item.chunk, budget_bytes=self.budget_bytes,
+                needed_bytes=obs.peak_bytes))
         out += self._retry_smaller(ev.id, item, obs.peak_bytes, "MemoryError", ev.at)
         return out
 

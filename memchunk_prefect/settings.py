@@ -63,6 +63,12 @@ class PolicySettings:
       another reason (a node lost, a SIGKILL): the same chunk runs once more and
       nothing is learned. Above it, or on a second death of the same chunk, the
       death is taken as out of memory and the chunk is split.
+    - ``memory_error_splits``: a chunk split this many times (1/16 of what was
+      planned, at 4) that still raises ``MemoryError`` while the model puts it
+      under ``memory_kill_fraction`` of the budget is not short of chunk size:
+      the map stops with ``MemoryNotChunkSizeError`` instead of splitting on
+      (seen on a 16-core machine under an address-space limit: BLAS thread
+      pools took the allowance and chunks failed down to 3 x 3 traces).
     - ``time_window``: seconds per element is the median over this many latest
       ``ok`` observations of the operator (a median: one slow run on a busy
       machine does not move it).
@@ -96,6 +102,7 @@ class PolicySettings:
     max_counts: int = 4096
     in_flight_per_slot: int = 2
     memory_kill_fraction: float = 0.5
+    memory_error_splits: int = 4
     time_window: int = 20
     learned_policy: bool = True
     oom_penalty: float = 1.0

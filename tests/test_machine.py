@@ -691,3 +691,33 @@ def test_the_learner_turns_away_from_an_arm_that_ran_out_of_memory():
         k.learner.learn(Reward(KEY, d.record.arm, (d.record.arm,), {"bold": -0.3, "mid": 0.5, "safe": 0.4}[
             d.record.arm], 0.5, 100, 1.0, 2))
     assert chosen.count("mid") >= 15 and "expected reward" in d.record.reason
+
+
+def test_memory_errors_that_splitting_does_not_cure_stop_the_map_saying_it_is_not_chunk_size():
+    # Every piece raises MemoryError though the model puts it far under the budget (an address-space limit,
+    # thread pools reserving memory): after memory_error_splits (4) splits the map stops, typed, not at 3 x 3
+    # traces after dozens of splits.
+    from memchunk_prefect.errors import MemoryNotChunkSizeError
+
+    m = _running_with_queue(Linear())
+    sid = next(iter(m.in_flight))
+    for _ in range(10):
+        item = m.in_flight[sid]
+        out = m.handle(ChunkOutOfMemory(sid, obs(item.chunk, peak=1024, outcome="memory_error", censored=True)))
+        if of(Fail, out):
+            break
+        sid = of(Submit, m.advance())[0].id  # the first piece goes first
+    (fail,) = of(Fail, out)
+    assert isinstance(fail.error, MemoryNotChunkSizeError) and isinstance(fail.error, MemoryError)
+    assert item.attempt == 4 and fail.error.chunk == item.chunk
+    assert "not the chunk's size" in str(fail.error) and "OMP_NUM_THREADS=1" in str(fail.error)
+
+
+def test_memory_errors_at_sizes_the_model_puts_near_the_budget_keep_splitting():
+    # The model puts the pieces above half the budget: a MemoryError there may well be the chunk's size.
+    m = machine((64, 8, 10), max_counts=64, memory_error_splits=0)
+    started(m, slots=1, budget=100 * 1024)
+    sid, item = next(iter(m.in_flight.items()))
+    assert m._upper_for(item.chunk) > 0.5 * m.budget_bytes
+    out = m.handle(ChunkOutOfMemory(sid, obs(item.chunk, peak=1024, outcome="memory_error", censored=True)))
+    assert not of(Fail, out) and of(Decided, out)[0].record.decision == "retry-smaller"
