@@ -285,7 +285,7 @@ def check(queue_wait: QueueWait, runs: Sequence[tuple[float, Sequence[float]]], 
     if not runs:
         raise SimulationInputError("no simulated runs to check the model against")
     us = np.array([r[0] for r in runs], dtype=float)
-    pooled = np.concatenate([np.asarray(r[1], dtype=float) for r in runs]) if runs else np.zeros(0)
+    pooled = np.concatenate([np.asarray(r[1], dtype=float) for r in runs])
     if not len(pooled):
         raise SimulationInputError(f"no job held cores within the {window:g} s window in any simulated run "
                                    f"({queue_wait.describe()}): widen the window")

@@ -667,8 +667,9 @@ class _MachineRun:
                                 "simulation stopped there")
                 break
             ended = sim.next()
-            if self.cluster.external and sim.present_slots() and sim.present_slots() != m.slots:
-                self.carry_out(m.handle(SlotsChanged(sim.present_slots(), at=sim.now)))  # jobs joined or left
+            slots = self.planned_slots()  # what the executor's follow_slots reads between events
+            if slots and slots != m.slots:
+                self.carry_out(m.handle(SlotsChanged(slots, at=sim.now)))
             if ended.task.sid < 0:
                 continue
             if ended.lost:  # Dask sees a worker leave with the task on it: the runner's own death handling
