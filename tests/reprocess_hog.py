@@ -1,8 +1,8 @@
 """reprocess_survey with slow chunks, in its own process: for the interruption tests (tests/test_interruptions.py).
 
-``python tests/reprocess_hog.py run DIRECTORY OUTPUT STORE``: run ``reprocess_survey``
+``python tests/reprocess_hog.py run DIRECTORY OUTPUT STORE [SECONDS]``: run ``reprocess_survey``
 once (envelope, then the ``memory_hog`` test operator holding each chunk for
-0.5 s, so a test can interrupt it mid-map) on a local cluster of two 1 GiB
+SECONDS, default 0.5 s, so a test can interrupt it mid-map) on a local cluster of two 1 GiB
 single-thread workers, with a 48 MiB budget per task; prints the rows as JSON.
 The served flow takes the hold time and the budget as parameters.
 
@@ -57,8 +57,8 @@ if __name__ == "__main__":
     # inherits SIGINT ignored), as it does for a user at a terminal.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if sys.argv[1] == "run":
-        print(json.dumps(reprocess(*sys.argv[2:5])))
+        print(json.dumps(reprocess(*sys.argv[2:5], *map(float, sys.argv[5:6]))))
     elif sys.argv[1] == "serve":
         reprocess_hog.serve(name="hog")
     else:
-        raise SystemExit(f"usage: {sys.argv[0]} run DIRECTORY OUTPUT STORE | serve")
+        raise SystemExit(f"usage: {sys.argv[0]} run DIRECTORY OUTPUT STORE [SECONDS] | serve")

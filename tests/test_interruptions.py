@@ -328,7 +328,9 @@ def check_resumed(out: Path, store: str, survey: str, written: list[Chunk], reru
 def test_ctrl_c_during_reprocess_survey_keeps_what_finished_and_a_rerun_resumes(survey, tmp_path):
     directory, out = survey_dir(survey, tmp_path), tmp_path / "attributes"
     store = seeded_store(tmp_path / "obs.sqlite")
-    cmd = [sys.executable, str(HELPER), "run", str(directory), str(out), store]
+    # 5 chunks held 2 s each on 2 workers: after the first 2 are written the map has 4 s left for the Ctrl-C to
+    # land (held 0.5 s, it once finished first on a loaded CI machine and the run rightly exited 0).
+    cmd = [sys.executable, str(HELPER), "run", str(directory), str(out), store, "2.0"]
     log = open(tmp_path / "interrupted.log", "wb")
     proc = subprocess.Popen(cmd, env=helper_env(), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
     killer = KillAfterMarkers(out / "line" / "memory_hog.zarr", 2, proc.pid, signal.SIGINT, timeout=240)
@@ -336,7 +338,8 @@ def test_ctrl_c_during_reprocess_survey_keeps_what_finished_and_a_rerun_resumes(
     log.close()
     text = (tmp_path / "interrupted.log").read_text(errors="replace")
     assert killer.killed_at is not None, text[-3000:]
-    assert rc != 0, "an interrupted run must not exit as a success"
+    assert rc != 0, (f"an interrupted run must not exit as a success ({killer.markers_then} chunks written "
+                     f"when Ctrl-C was sent):\n" + text[-3000:])
     # Usually "(KeyboardInterrupt)"; an interrupt landing inside a library may arrive wrapped in its error type.
     assert "memory_hog: stopped early (" in text, text[-3000:]
     written = check_interrupted(out, store)
