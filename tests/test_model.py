@@ -357,3 +357,28 @@ def test_a_prediction_below_the_blocks_own_bytes_does_not_teach_the_margin():
     margin = m.conformal_factor()
     assert margin is not None and margin < 5, margin
     assert m.predict((8, 96, 400)).upper_bytes < 2**30
+
+
+def test_a_form_fit_from_running_sums_and_a_press_window_equals_the_fit_over_every_row(monkeypatch):
+    """The residual sum of squares comes from running sums (O(1) per refit); PRESS from the latest window."""
+    import numpy as np
+
+    from memchunk_prefect import model as m
+
+    rng = np.random.default_rng(4)
+    us = rng.uniform(0.01, 4.0, 60)
+    ys = 3.0 + 40.0 * us * rng.uniform(0.9, 1.1, 60)
+    monkeypatch.setattr(m, "PRESS_WINDOW", 25)
+    form = m._Form(m.LINEAR, prior_variance=1e4)
+    for u, y in zip(us, ys):
+        form.learn(u, y, scale_mib=float(np.hypot(y, 1.0)))
+    fit = form.fit(prior_s=0.1, prior_dof=2.0, min_s=0.0)
+    scale = np.hypot(ys, 1.0)
+    X = np.stack([np.ones_like(us), us], axis=1) / scale[:, None]
+    y = ys / scale
+    resid = y - X @ fit.coef
+    assert fit.s == pytest.approx(np.sqrt((2.0 * 0.1**2 + resid @ resid) / (2.0 + 60 - 2)), rel=1e-9)
+    last = slice(60 - 25, 60)
+    lev = np.einsum("ij,jk,ik->i", X[last], fit.cov, X[last])
+    assert fit.press == pytest.approx(np.mean((resid[last] / (1 - lev)) ** 2), rel=1e-9)
+    assert form.max_per_u == pytest.approx(max(ys / us))
