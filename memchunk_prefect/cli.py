@@ -185,6 +185,29 @@ def _forget(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _compact_arguments(p: argparse.ArgumentParser) -> None:
+    from .settings import RUNNER_SETTINGS
+
+    p.add_argument("--keep", type=int, default=RUNNER_SETTINGS.store_keep_per_key,
+                   help="observations (and policy rewards) to keep per operator key, the newest "
+                        f"(default {RUNNER_SETTINGS.store_keep_per_key}, what each map's end keeps)")
+    p.add_argument("--key", help="one operator key, as `memchunk models` lists it (default: every key)")
+
+
+@register("compact", "keep the newest observations of each operator key and delete the older ones")
+@arguments(_compact_arguments)
+def _compact(args: argparse.Namespace) -> int:
+    with _open_store(args) as store:
+        if args.key is not None and args.key not in store.keys():
+            raise UnknownOperatorError(f"no observations under {args.key!r} in {store.path}; "
+                                       f"known keys: {', '.join(store.keys()) or 'none'}")
+        deleted = store.compact(args.keep, args.key)
+        left = store.count()
+    _emit(f"deleted {deleted['observations']} observations, {deleted['rewards']} policy rewards and "
+          f"{deleted['maps']} map records; {left} observations kept")
+    return EXIT_OK
+
+
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("csv", "json", "wfcommons"), default="csv",
                    help="csv or json: every observation in the store (default csv); wfcommons: a WfFormat trace of "
@@ -378,13 +401,12 @@ def _ui_arguments(p: argparse.ArgumentParser) -> None:
 @register("ui", "start the Prefect server and UI on 127.0.0.1 (prefect server start); Ctrl-C stops it")
 @arguments(_ui_arguments)
 def _ui(args: argparse.Namespace) -> int:
-    import os
     import subprocess
 
     url = f"http://127.0.0.1:{args.port}"
     _emit(f"Prefect UI at {url}; to send flow runs to it: export PREFECT_API_URL={url}/api")
-    prefect = os.path.join(os.path.dirname(sys.executable), "prefect")
-    cmd = [prefect if os.path.exists(prefect) else "prefect", "server", "start", "--host", "127.0.0.1",
+    # `python -m prefect`: this interpreter's Prefect, wherever its console scripts were installed.
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
            "--port", str(args.port)]
     try:
         return subprocess.call(cmd)

@@ -432,6 +432,7 @@ class ChunkedMap:
     def _end(self, error: BaseException | None) -> None:
         m = self.machine
         self.record_map(error)
+        self.compact_store()
         self.observers.emit("on_map_end", MapEnd(error, len(m.done) if m else 0, m.done_elements if m else 0,
                                                  at=time.time(), reward=self.reward if error is None else None,
                                                  pauses=self.paused[0], paused_seconds=self.paused[1]))
@@ -454,6 +455,20 @@ class ChunkedMap:
                 store.add_map(run)
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not record the map %s for traces: %r", self.name, exc)
+
+
+    def compact_store(self) -> None:
+        """Trim this key's history to ``RunnerSettings.store_keep_per_key`` rows once it is past it (a failing
+        store is logged, never raised): see ``Store.compact``."""
+        keep = RUNNER_SETTINGS.store_keep_per_key
+        try:
+            store = self.runner.model_bank().store
+            if store is not None and self.started_at is not None and store.count(self.key) > keep:
+                deleted = store.compact(keep, self.key)
+                logger.info("%s: the store keeps the newest %d observations of %s; deleted %s", self.name, keep,
+                            self.key, ", ".join(f"{n} {t}" for t, n in deleted.items()))
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not compact the store for %s: %r", self.key, exc)
 
 
 def _size_on_disk(path: str) -> int | None:

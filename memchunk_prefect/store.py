@@ -610,6 +610,43 @@ class Store:
                 raise
         return n
 
+    def compact(self, keep: int, key: str | None = None) -> dict[str, int]:
+        """Keep the newest ``keep`` observations and ``keep`` policy rewards of each operator key (of ``key`` only,
+        if given); delete the rest, and the map records of each key older than its oldest observation kept.
+
+        Why a cap: a model is rebuilt by replaying its key's rows at each flow run's first map (about 0.5 ms
+        a row), and a nightly map of thousands of chunks would otherwise make that replay grow without end.
+        What is kept is the latest history: the model then reflects the last ``keep`` chunks, which also lets
+        it follow an operator or a machine that changed. SQLite reuses the freed pages, so the file stops
+        growing once every key is at its cap (it does not shrink: ``VACUUM`` would need every other
+        connection closed). Returns how many rows were deleted, per table.
+        """
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise StoreError(f"compact: keep must be a whole number of rows of at least 1, got {keep!r}")
+        deleted = {"observations": 0, "rewards": 0, "maps": 0}
+        with self._lock:
+            con = self._connection
+            keys = [key] if key is not None else [r[0] for r in con.execute(
+                "SELECT DISTINCT operator_key FROM observations UNION SELECT DISTINCT operator_key FROM rewards")]
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                for k in keys:
+                    for table in ("observations", "rewards"):
+                        # The (keep+1)-th newest row of this key and every older one go.
+                        deleted[table] += con.execute(
+                            f"DELETE FROM {table} WHERE operator_key = ? AND id <= (SELECT id FROM {table} "
+                            f"WHERE operator_key = ? ORDER BY id DESC LIMIT 1 OFFSET ?)", (k, k, keep)).rowcount
+                    oldest = con.execute("SELECT MIN(created_at) FROM observations WHERE operator_key = ?",
+                                         (k,)).fetchone()[0]
+                    if oldest is not None:
+                        deleted["maps"] += con.execute("DELETE FROM maps WHERE operator_key = ? AND ended_at < ?",
+                                                       (k, oldest)).rowcount
+                con.execute("COMMIT")
+            except BaseException:
+                _rollback(con)
+                raise
+        return deleted
+
     def schema_version(self) -> int:
         with self._lock:
             return self._connection.execute("PRAGMA user_version").fetchone()[0]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -143,6 +143,17 @@ def test_forget_and_unknown_key(capsys, store_path):
     assert code == 2 and GST in err and ENV in err
 
 
+def test_compact_keeps_the_newest_observations_of_each_key(capsys, store_path):
+    code, out, _ = run(capsys, "compact", "--keep", "5")
+    assert code == 0 and "deleted 7 observations, 0 policy rewards and 0 map records; 6 observations kept" in out
+    with Store(store_path) as s:
+        assert s.count(ENV) == 5 and s.count(GST) == 1
+    code, _, err = run(capsys, "compact", "--keep", "0")
+    assert code == 1 and "keep must be a whole number of rows of at least 1, got 0" in err
+    code, _, err = run(capsys, "compact", "--key", "nope")
+    assert code == 2 and "'nope'" in err and GST in err
+
+
 @pytest.mark.parametrize("fmt", ["csv", "json"])
 def test_export_to_stdout_and_file(capsys, store_path, tmp_path, fmt):
     code, out, _ = run(capsys, "export", "--format", fmt)
@@ -183,8 +194,8 @@ def test_match_operator():
 
 
 def test_installed_console_script(store_path):
-    script = Path(sys.executable).with_name("memchunk")
-    assert script.exists(), f"console script missing at {script}; pip install -e ."
+    script = shutil.which("memchunk", path=os.path.dirname(sys.executable)) or shutil.which("memchunk")
+    assert script, "the memchunk console script is not beside this Python or on PATH; pip install -e ."
     proc = subprocess.run([str(script), "models", "--json"], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "MEMCHUNK_STORE": str(store_path)})
     assert proc.returncode == 0, proc.stderr

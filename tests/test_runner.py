@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +25,14 @@ from memchunk_prefect.errors import EnvironmentProblemError, RunnerConfigError
 from memchunk_prefect.operators import operator_key
 from memchunk_prefect.progress import TerminalProgress
 from memchunk_prefect.store import Store
-from memchunk_prefect.testing import KILL_HOLD_S, limit_address_space, memory_hog, seed_store, start_local_cluster
+from memchunk_prefect.testing import (
+    KILL_HOLD_S,
+    dask_cli,
+    limit_address_space,
+    memory_hog,
+    seed_store,
+    start_local_cluster,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("prefect_server")]
 
@@ -187,7 +193,13 @@ def test_chunked_pipeline_equals_whole_volume_result_cold_then_warm(cluster, sur
         assert warm_s["oom_events"] == 0
 
 
-def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, tmp_path):
+def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, tmp_path, monkeypatch):
+    import dataclasses
+
+    from memchunk_prefect import executor
+
+    # Each map's end trims its key to the newest 3 rows.
+    monkeypatch.setattr(executor, "RUNNER_SETTINGS", dataclasses.replace(executor.RUNNER_SETTINGS, store_keep_per_key=3))
     store = Store(tmp_path / "store.sqlite")
     light = operator_key(tasks.envelope, {})
     heavy = operator_key(tasks.gst3d_dip, {})
@@ -210,6 +222,10 @@ def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, t
     assert cos["decisions"] == ["continue"]
     assert dip["decisions"][0] == "rechunk" and "over the budget" in dip["reasons"][0]
     assert dip["oom_events"] == 0
+    with Store(tmp_path / "store.sqlite") as s:  # the 5 seeded rows of each key made way for this run's
+        for key in (light, heavy):
+            kept = s.observations(key)
+            assert len(kept) == 3 and kept[-1].method != "seeded", [o.method for o in kept]
 
 
 def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cluster, big_survey, tmp_path):
@@ -249,15 +265,24 @@ def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cl
     np.testing.assert_array_equal(values2, values)
 
 
-def test_memory_error_inside_the_task_is_split_and_the_worker_survives(big_survey, tmp_path):
+def test_memory_error_inside_the_task_is_split_and_the_worker_survives(big_survey, survey, tmp_path):
     cluster = start_local_cluster(n_workers=2, memory_limit="8GiB")
     try:
         from distributed import Client
 
+        # A small map first, so each worker's thread pools (zarr's I/O, Dask's) and their stacks and malloc
+        # arenas exist before the limit is read from its address space: how many there are grows with the
+        # core count (a 16-core machine's pools used the whole slack and every chunk failed).
+        @flow(task_runner=MemoryAwareRunner(address=cluster.scheduler_address, store=str(tmp_path / "w.sqlite"),
+                                            output_dir=str(tmp_path / "warm")))
+        def warm(path: str):
+            memory_hog.map(chunked(path), multiple=1).wait()
+
+        warm(survey)
         with Client(cluster.scheduler_address) as client:
             workers_before = set(client.scheduler_info()["workers"])
             # Allocations past +1.5 GiB of address space raise MemoryError. The slack above the halves' ~1.2 GB
-            # leaves room for the thread stacks and malloc arenas a worker reserves as it runs.
+            # leaves room for what a worker still reserves as it runs.
             client.run(limit_address_space, 1536 * 2**20)
         # The hog needs 1000x its input (4000 B per element); the store claims 250x: a 4x under-prediction,
         # so the planned halves of the survey (~2.4 GB each) fail to allocate and their halves (~1.2 GB) fit.
@@ -314,10 +339,9 @@ class _ExternalCluster:
     """A ``dask scheduler`` process and ``dask worker`` processes (1 thread, 1 GiB each), started as a user would."""
 
     def __init__(self, tmp_path: Path):
-        self.dask = shutil.which("dask", path=os.path.dirname(sys.executable)) or shutil.which("dask")
         self.sched_file = tmp_path / "scheduler.json"
         self.env = dict(os.environ, DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES="0")
-        self.procs = [subprocess.Popen([self.dask, "scheduler", "--host", "127.0.0.1", "--port", "0",
+        self.procs = [subprocess.Popen([*dask_cli("scheduler"), "--host", "127.0.0.1", "--port", "0",
                                         "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(self.sched_file)],
                                        env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
         _wait_for_file(self.sched_file)
@@ -326,7 +350,7 @@ class _ExternalCluster:
         self.address = json.loads(self.sched_file.read_text())["address"]
 
     def add_worker(self) -> None:
-        self.procs.append(subprocess.Popen([self.dask, "worker", "--scheduler-file", str(self.sched_file),
+        self.procs.append(subprocess.Popen([*dask_cli("worker"), "--scheduler-file", str(self.sched_file),
                                             "--nthreads", "1", "--memory-limit", "1GiB", "--host", "127.0.0.1"],
                                            env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 

@@ -374,3 +374,45 @@ def test_an_interrupt_after_commit_is_not_replaced_by_a_failed_rollback(tmp_path
     con.execute("INSERT INTO t VALUES (2)")
     _rollback(con)  # an open transaction is rolled back
     assert con.execute("SELECT count(*) FROM t").fetchone()[0] == 1
+
+
+def test_compact_keeps_the_newest_rows_of_each_key_and_the_maps_they_belong_to(tmp_path):
+    from memchunk_prefect.records import MapRun, Reward
+
+    a, b = "envelope|float32|cpu", "gst3d|float32|cpu"
+
+    def a_map(key: str, ended_at: float) -> MapRun:
+        return MapRun("fr", "op", key, "/s.sgy", "/o.zarr", (4, 5, 6), (0, 0, 0), 4, 2, 1000, ended_at - 1, ended_at)
+
+    with Store(tmp_path / "s.sqlite") as s:
+        s.add_many([make_obs(i, key=a, created_at=100.0 + i) for i in range(10)])
+        s.add_many([make_obs(i, key=b, created_at=100.0 + i) for i in range(3)])
+        for i in range(6):
+            s.add_reward(Reward(a, "bold", ("bold",), 0.1 * i, 0.5, 1000, 1.0, 2))
+        s.add_map(a_map(a, 104.5))  # its chunks (created at 100..104) all go: so does it
+        s.add_map(a_map(a, 107.5))  # chunk 107 is kept
+        s.add_map(a_map(b, 100.5))  # b keeps every row
+        assert s.compact(4) == {"observations": 6, "rewards": 2, "maps": 1}
+        assert [o.peak_bytes for o in s.observations(a)] == [1006, 1007, 1008, 1009]
+        assert [o.peak_bytes for o in s.observations(b)] == [1000, 1001, 1002]
+        assert [round(r.reward, 1) for r in s.rewards(a)] == [0.2, 0.3, 0.4, 0.5]
+        assert sorted(m.ended_at for m in s.maps()) == [100.5, 107.5]
+        assert s.compact(4) == {"observations": 0, "rewards": 0, "maps": 0}
+        assert s.compact(1, key=b)["observations"] == 2 and s.count(a) == 4
+        with pytest.raises(StoreError, match=r"keep must be .* at least 1, got 0"):
+            s.compact(0)
+
+
+def test_a_store_compacted_after_every_run_stops_growing(tmp_path):
+    """SQLite reuses the pages compaction frees: after the first rounds the file's size is flat."""
+    path = tmp_path / "s.sqlite"
+    sizes = []
+    for night in range(12):  # a process a night, as a nightly flow run opens and closes it
+        with Store(path) as s:
+            s.add_many([make_obs(i % 50, key=k, chunk=f"n{night}-{i}") for k in ("a|f|cpu", "b|f|cpu")
+                        for i in range(300)])
+            s.compact(600)
+            assert s.count("a|f|cpu") == min(600, 300 * (night + 1))
+        sizes.append(sum(os.path.getsize(f"{path}{x}") for x in ("", "-wal", "-shm") if os.path.exists(f"{path}{x}")))
+    assert max(sizes[4:]) <= 1.05 * sizes[3], sizes
+    assert sizes[-1] < 0.5 * sizes[0] * 12, "without compaction the file would hold 12 nights"
