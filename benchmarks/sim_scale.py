@@ -53,9 +53,8 @@ def demo_store(workdir: Path) -> Path:
     """A store of two real ``memchunk demo`` runs (cold, then warm), made in ``workdir``."""
     store = workdir / "demo-store.sqlite"
     env = dict(os.environ, PREFECT_HOME=str(workdir / "prefect-home"), MEMCHUNK_STORE=str(store))
-    exe = Path(sys.executable).with_name("memchunk")
     for _ in range(2):
-        subprocess.run([str(exe) if exe.exists() else "memchunk", "demo", "--store", str(store)], cwd=workdir,
+        subprocess.run([sys.executable, "-m", "memchunk_prefect", "demo", "--store", str(store)], cwd=workdir,
                        env=env, check=True, stdout=subprocess.DEVNULL)
     return store
 
@@ -97,8 +96,7 @@ def row(kind: str, shape: tuple[int, int, int], workers: int, models: Any, steps
 
 def end_to_end(store: Path) -> dict[str, Any]:
     """The target as a user runs it: ``memchunk simulate`` in a new process, imports and store included."""
-    exe = Path(sys.executable).with_name("memchunk")
-    cmd = [str(exe) if exe.exists() else "memchunk", "simulate", "--store", str(store), "--shape",
+    cmd = [sys.executable, "-m", "memchunk_prefect", "simulate", "--store", str(store), "--shape",
            *map(str, TARGET_SHAPE), "--workers", str(TARGET_WORKERS), "--memory-limit", "8GiB", "--resting", "250MiB",
            "--strategies", "memchunk", "--runs", "1", "--json"]
     t0 = time.perf_counter()

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -53,6 +54,12 @@ def seed_store(store, key: str, bytes_per_element: float, *, sizes=(20_000, 50_0
                               bytes_in=traces * traces_of * ITEMSIZE,
                               peak_bytes=int(fixed_bytes + bytes_per_element * traces * traces_of),
                               seconds=0.01, outcome="ok", method="seeded"))
+
+
+def dask_cli(command: str) -> list[str]:
+    """``dask scheduler`` / ``dask worker`` as ``python -m distributed.cli.dask_<command>``: this interpreter's
+    Dask, wherever its console scripts were installed (``--user``, a system Python, a conda env)."""
+    return [sys.executable, "-m", f"distributed.cli.dask_{command}"]
 
 
 def limit_address_space(headroom_bytes: int) -> int:

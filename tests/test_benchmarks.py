@@ -152,3 +152,32 @@ def test_quick_allocation_benchmark_sets_the_model_beside_the_simulated_runs(tmp
     for r in result["rows"]:
         assert 0 <= r["p_model"] <= 1 and 0 <= r["p_simulated"] <= 1 and r["target"] > 0
     assert "model - simulated: mean |gap|" in proc.stdout
+
+
+def test_replay_benchmark_times_each_history_length(tmp_path):
+    out = tmp_path / "replay.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.replay", "--rows", "50", "200", "--repeat", "1",
+                           "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["rows"] for r in result["rows"]] == [50, 200]
+    assert all(r["learned"] == r["rows"] and r["seconds"] > 0 for r in result["rows"])
+    assert result["keep_per_key"] > 0 and "a replay is bounded by" in proc.stdout
+
+
+def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_plans_settled(tmp_path):
+    out = tmp_path / "nights.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.consecutive", "--runs", "2", "--keep", "4", "--json",
+                           str(out)], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert len(result["runs"]) == 2 and result["keep_per_key"] == 4
+    for r in result["runs"]:
+        night = r["night"]
+        assert night["fds"] > 0 and night["threads"] > 0 and night["store_bytes"] > 0
+        assert set(night["recent_mape"]) == {"envelope", "gaussian_smooth", "gst3d_dip"}
+    # The cap holds at each map's end: at most 4 rows per key (3 keys) whatever each night added.
+    assert all(n <= 3 * 4 for n in result["verdict"]["observations"]), result["verdict"]
+    assert "decisions:" in proc.stdout and "held by this process" in proc.stdout

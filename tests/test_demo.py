@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 
 def test_demo_runs_on_local_defaults_with_one_prefect_api_and_reports_decisions(tmp_path):
-    memchunk = shutil.which("memchunk", path=os.path.dirname(sys.executable))
+    memchunk = shutil.which("memchunk", path=os.path.dirname(sys.executable)) or shutil.which("memchunk")
     assert memchunk, "the memchunk console script is installed with the package"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), MEMCHUNK_STORE=str(tmp_path / "store.sqlite"),
@@ -57,7 +57,7 @@ def _demo_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("case", ["prefect home under a file", "unreachable api", "read-only store"])
 def test_demo_stops_in_seconds_naming_what_it_cannot_work_without(tmp_path, case):
-    memchunk = shutil.which("memchunk", path=os.path.dirname(sys.executable))
+    memchunk = shutil.which("memchunk", path=os.path.dirname(sys.executable)) or shutil.which("memchunk")
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     if case == "prefect home under a file":

@@ -31,7 +31,7 @@ from memchunk_prefect.chunks import Chunk, covers_exactly
 from memchunk_prefect.errors import ClusterLostError, OutputWriteError
 from memchunk_prefect.operators import operator_key
 from memchunk_prefect.store import Store
-from memchunk_prefect.testing import limit_file_size, memory_hog, seed_store, start_local_cluster
+from memchunk_prefect.testing import dask_cli, limit_file_size, memory_hog, seed_store, start_local_cluster
 from memchunk_prefect.volume import ZarrOutput, open_result, open_segy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
@@ -194,15 +194,14 @@ class ExternalCluster:
         from deployments.local_server import free_port
 
         logdir.mkdir(parents=True, exist_ok=True)
-        dask = str(Path(sys.executable).with_name("dask"))
         self.address = f"tcp://127.0.0.1:{free_port()}"
         env = {**os.environ, "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0"}
         port = self.address.rsplit(":", 1)[1]
         self.scheduler = subprocess.Popen(
-            [dask, "scheduler", "--host", "127.0.0.1", "--port", port, "--dashboard-address", "127.0.0.1:0"],
+            [*dask_cli("scheduler"), "--host", "127.0.0.1", "--port", port, "--dashboard-address", "127.0.0.1:0"],
             env=env, stdout=open(logdir / "scheduler.log", "wb"), stderr=subprocess.STDOUT)
         self.workers = [subprocess.Popen(
-            [dask, "worker", self.address, "--nthreads", "1", "--memory-limit", "1GiB", "--no-dashboard"],
+            [*dask_cli("worker"), self.address, "--nthreads", "1", "--memory-limit", "1GiB", "--no-dashboard"],
             env=env, stdout=open(logdir / f"worker-{i}.log", "wb"), stderr=subprocess.STDOUT)
             for i in range(n_workers)]
         from distributed import Client
