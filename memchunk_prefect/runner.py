@@ -400,6 +400,17 @@ class MemoryAwareRunner(DaskTaskRunner):
         self._exit_stack.enter_context(_one_api_for_workers())
         return self
 
+    def __exit__(self, *exc_info: Any) -> None:
+        """Close the store this flow run opened, whatever happened: a process that runs flow after flow (a
+        scheduler loop, a notebook, `python -m benchmarks.consecutive`) kept one SQLite connection (2 file
+        descriptors) per flow run open until it exited."""
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            bank, self._bank = self._bank, None
+            if bank is not None and bank.store is not None:
+                bank.store.close()
+
     def _check_paths(self) -> None:
         """The store can be written; else EnvironmentProblemError, at once. (The default output directory is not
         checked here: every map may name its own output; one that needs the default and cannot write there

@@ -187,6 +187,9 @@ def test_chunked_pipeline_equals_whole_volume_result_cold_then_warm(cluster, sur
 
     warm_env, warm_dip, warm = pipeline(survey)
     np.testing.assert_allclose(warm, reference, atol=1e-5 * np.abs(reference).max())
+    store = os.path.realpath(tmp_path / "store.sqlite")
+    held = [f for f in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{f}").startswith(store)]
+    assert not held, "a finished flow run left its store open (2 descriptors a run in a long-lived process)"
     for cold_s, warm_s in ((cold_env, warm_env), (cold_dip, warm_dip)):
         assert "retry-smaller" not in warm_s["decisions"] and "probe" not in warm_s["decisions"]
         assert warm_s["tasks"] <= cold_s["tasks"]
