@@ -611,15 +611,20 @@ class Store:
         return n
 
     def compact(self, keep: int, key: str | None = None) -> dict[str, int]:
-        """Keep the newest ``keep`` observations and ``keep`` policy rewards of each operator key (of ``key`` only,
-        if given); delete the rest, and the map records of each key older than its oldest observation kept.
+        """Trim each operator key's history (``key``'s only, if given); returns the rows deleted, per table.
+
+        Kept per key: the newest ``keep`` observations, and besides them the newest observation of each
+        (size, outcome) pair, for the newest ``keep`` pairs; the newest ``keep`` policy rewards of each arm;
+        the map records not older than the oldest observation kept. Everything else is deleted.
 
         Why a cap: a model is rebuilt by replaying its key's rows at each flow run's first map (about 0.5 ms
         a row), and a nightly map of thousands of chunks would otherwise make that replay grow without end.
-        What is kept is the latest history: the model then reflects the last ``keep`` chunks, which also lets
-        it follow an operator or a machine that changed. SQLite reuses the freed pages, so the file stops
-        growing once every key is at its cap (it does not shrink: ``VACUUM`` would need every other
-        connection closed). Returns how many rows were deleted, per table.
+        Why not just the newest rows: once warm, a nightly plan repeats one chunk size, and the newest rows
+        would all be of that size; the model needs two sizes to separate a fixed overhead from a per-element
+        cost, so it would go back to "not ready" and probe again (seen on the 21st night of
+        ``benchmarks.consecutive --keep 20``); an arm of the learned policy whose rewards all went would look
+        untried and be explored again. SQLite reuses the freed pages, so the file stops growing once every
+        key is at its cap (it does not shrink: ``VACUUM`` would need every other connection closed).
         """
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise StoreError(f"compact: keep must be a whole number of rows of at least 1, got {keep!r}")
@@ -631,11 +636,17 @@ class Store:
             con.execute("BEGIN IMMEDIATE")
             try:
                 for k in keys:
-                    for table in ("observations", "rewards"):
-                        # The (keep+1)-th newest row of this key and every older one go.
-                        deleted[table] += con.execute(
-                            f"DELETE FROM {table} WHERE operator_key = ? AND id <= (SELECT id FROM {table} "
-                            f"WHERE operator_key = ? ORDER BY id DESC LIMIT 1 OFFSET ?)", (k, k, keep)).rowcount
+                    # Older than the keep-th newest row, unless it is the newest of its (size, outcome).
+                    deleted["observations"] += con.execute(
+                        "DELETE FROM observations WHERE operator_key = ? AND id <= (SELECT id FROM observations "
+                        "WHERE operator_key = ? ORDER BY id DESC LIMIT 1 OFFSET ?) AND id NOT IN (SELECT MAX(id) "
+                        "FROM observations WHERE operator_key = ? GROUP BY elements, outcome ORDER BY MAX(id) DESC "
+                        "LIMIT ?)", (k, k, keep, k, keep)).rowcount
+                    # Per arm: older than the arm's keep-th newest reward.
+                    deleted["rewards"] += con.execute(
+                        "DELETE FROM rewards WHERE operator_key = ? AND id IN (SELECT id FROM (SELECT id, "
+                        "ROW_NUMBER() OVER (PARTITION BY arm ORDER BY id DESC) AS newer FROM rewards "
+                        "WHERE operator_key = ?) WHERE newer > ?)", (k, k, keep)).rowcount
                     oldest = con.execute("SELECT MIN(created_at) FROM observations WHERE operator_key = ?",
                                          (k,)).fetchone()[0]
                     if oldest is not None:

@@ -416,3 +416,31 @@ def test_a_store_compacted_after_every_run_stops_growing(tmp_path):
         sizes.append(sum(os.path.getsize(f"{path}{x}") for x in ("", "-wal", "-shm") if os.path.exists(f"{path}{x}")))
     assert max(sizes[4:]) <= 1.05 * sizes[3], sizes
     assert sizes[-1] < 0.5 * sizes[0] * 12, "without compaction the file would hold 12 nights"
+
+
+def test_compact_keeps_the_sizes_a_model_needs_and_every_arms_latest_rewards(tmp_path):
+    """Once warm, nights repeat one chunk size: the newest rows alone would leave the model one size (not ready)
+    and the arms played early no reward (untried again)."""
+    from memchunk_prefect.model import ModelBank
+    from memchunk_prefect.records import Reward
+    from memchunk_prefect.testing import seed_store
+
+    key = "envelope|float32|cpu"
+    with Store(tmp_path / "s.sqlite") as s:
+        seed_store(s, key, 16.0, fixed_bytes=3 * 2**20)  # the cold night's probes: 5 sizes
+        s.add(make_obs(0, key=key, outcome="memory_error", censored=True))
+        s.add_many([Observation(key, 400_000, (10, 100, 400), 1_600_000, 3 * 2**20 + 16 * 400_000, seconds=0.1)
+                    for _ in range(40)])  # 40 warm nights of one size
+        for arm, n in (("safe", 3), ("mid", 2), ("bold", 30)):
+            for i in range(n):
+                s.add_reward(Reward(key, arm, ("bold", "mid", "safe"), 0.5, 0.5, 1000, 1.0, 2))
+        assert ModelBank(s).predict(key, (10, 100, 400)).ready
+        deleted = s.compact(10)
+        kept = s.observations(key)
+        # The 10 newest (one size) + the newest of each other (size, outcome): 4 probe sizes and the kill.
+        assert deleted["observations"] == 46 - 15 and len(kept) == 15
+        assert {o.elements for o in kept} >= {20_000, 50_000, 100_000, 200_000, 400_000}
+        assert any(o.censored for o in kept)
+        assert ModelBank(s).predict(key, (10, 100, 400)).ready, "the compacted history must keep the model ready"
+        assert sorted(r.arm for r in s.rewards(key)).count("bold") == 10
+        assert {r.arm for r in s.rewards(key)} == {"bold", "mid", "safe"} and deleted["rewards"] == 20
