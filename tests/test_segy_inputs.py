@@ -110,6 +110,17 @@ def _gridded_file_with_a_missing_trace(path):
     return path
 
 
+def _headers_inconsistent_halfway(path):
+    """A 40 x 50 survey whose inline numbers go wrong for 3 traces halfway through the file (a bad merge)."""
+    from memchunk_prefect import synthetic_survey
+
+    synthetic_survey(path, (40, 50, 20), seed=2)
+    with segyio.open(str(path), "r+", ignore_geometry=True) as f:
+        for k in range(1000, 1003):
+            f.header[k] = {segyio.TraceField.INLINE_3D: 9999}
+    return path
+
+
 BAD_INPUTS = [
     # (file or builder, exception, words the message must contain)
     ("does-not-exist.sgy", SegyFileNotFoundError, ["does-not-exist.sgy", "no such file", "Expected a SEG-Y"]),
@@ -121,6 +132,8 @@ BAD_INPUTS = [
     ("long.sgy", SegyGeometryError, ["long.sgy", "60000 samples", "3 traces", "byte 189"]),
     (_gridded_file_with_a_missing_trace, SegyGeometryError,
      ["3 inlines x 3 crosslines = 9 positions", "8 traces", "inline 2, crossline 11"]),
+    (_headers_inconsistent_halfway, SegyGeometryError,
+     ["41 inlines x 50 crosslines = 2050 positions", "2000 traces", "50 positions have no trace", "byte 189"]),
 ]
 
 
