@@ -276,6 +276,9 @@ class ChunkedMap:
             r = ins.record
             logger.info("%s: %s — %s", self.name, r.decision, r.reason)
             _flow_logger().info("memchunk %s: %s — %s", self.name, r.decision, r.reason)
+            if r.warning:
+                logger.warning("%s: %s", self.name, r.warning)
+                _flow_logger().warning("memchunk %s: %s", self.name, r.warning)
             self.observers.emit("on_decision", r)
         elif isinstance(ins, ChunkEnded):
             self.observers.emit("on_chunk_end", ins)

@@ -284,6 +284,7 @@ class DecisionRecord:
     region: str | None = None  # Chunk.key() of the box planned
     chunk: str | None = None  # Chunk.key() of the chunk split
     arm: str | None = None  # the learned policy's arm the plan was fitted under
+    warning: str | None = None  # what the user should hear about this plan (logged as a warning)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -298,6 +299,8 @@ class DecisionRecord:
             d["arm"] = self.arm
         if self.chunk is not None:
             d["chunk"] = self.chunk
+        if self.warning is not None:
+            d["warning"] = self.warning
         return d
 
 
@@ -954,7 +957,27 @@ class MapMachine:
             decision=decision, reason=reason, operator=self.spec.operator, operator_key=self.spec.operator_key,
             n_chunks=plan.n_chunks if plan else None, chunk_shape=tuple(plan.chunk_shape) if plan else None,  # type: ignore[arg-type]
             predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
-            upper_bound_bytes=plan.upper_bound_bytes if plan else None, at=at, arm=arm, **where))
+            upper_bound_bytes=plan.upper_bound_bytes if plan else None, at=at, arm=arm,
+            warning=self._overhead_warning(plan) if plan is not None and not plan.probe else None, **where))
+
+    def _overhead_warning(self, plan: Plan) -> str | None:
+        """A plan of thousands of chunks whose task-run bookkeeping is most of its time: say what forces it.
+
+        Prefect + Dask cost ``per_task_overhead_seconds`` of slot time per task run whatever the chunk's size,
+        so where the budget forces tiny chunks the map spends its time on bookkeeping (and on the Prefect
+        API: one task run, several state changes each). The planner already weighs that cost; when the budget
+        leaves it no better choice, this says so, with the figures and what to change.
+        """
+        n, slots = plan.n_chunks, max(self.slots, 1)
+        overhead = n * self.settings.per_task_overhead_seconds / slots
+        if n < self.settings.many_chunks or not plan.estimated_seconds or overhead < 0.5 * plan.estimated_seconds:
+            return None
+        return (f"{n} chunks of {plan.chunk_shape}: at ~{self.settings.per_task_overhead_seconds:g} s of Prefect + "
+                f"Dask bookkeeping per task run that is ~{overhead / 60:.0f} min on {slots} slot(s), "
+                f"{overhead / plan.estimated_seconds:.0%} of this map's estimated {plan.estimated_seconds / 60:.0f} "
+                f"min: the budget of {format_bytes(self.budget_bytes)} per task forces chunks this small. Give each "
+                f"task more memory (a larger memory_budget or target_fraction, fewer threads per worker, or "
+                f"workers with more memory) for fewer, larger chunks")
 
     def _rewarded(self, pauses: tuple[Pause, ...] = ()) -> list[Instruction]:
         """What the arm's plan earned, once every chunk is written (nothing without an arm or a measured rate).

@@ -69,6 +69,11 @@ class PolicySettings:
       the map stops with ``MemoryNotChunkSizeError`` instead of splitting on
       (seen on a 16-core machine under an address-space limit: BLAS thread
       pools took the allowance and chunks failed down to 3 x 3 traces).
+    - ``many_chunks``: a plan of at least this many chunks whose estimated
+      per-task bookkeeping (``per_task_overhead_seconds`` each, over the slots)
+      is at least half its estimated time is logged as a warning naming the
+      budget that forces it and what to change (the planner already weighs the
+      overhead: this is for when the budget leaves it no better choice).
     - ``time_window``: seconds per element is the median over this many latest
       ``ok`` observations of the operator (a median: one slow run on a busy
       machine does not move it).
@@ -103,6 +108,7 @@ class PolicySettings:
     in_flight_per_slot: int = 2
     memory_kill_fraction: float = 0.5
     memory_error_splits: int = 4
+    many_chunks: int = 1000
     time_window: int = 20
     learned_policy: bool = True
     oom_penalty: float = 1.0

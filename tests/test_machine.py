@@ -134,6 +134,21 @@ def test_a_warm_start_decides_once_then_submits_up_to_the_in_flight_cap():
     assert all(s.upper_bytes <= 100 * 1024 for s in of(Submit, submitted))
 
 
+def test_a_budget_that_forces_thousands_of_tiny_chunks_is_a_warning_naming_the_budget_and_the_fix():
+    # 200 x 200 traces of 10 samples at 100 B/element (bound 120): a 12 KiB budget holds ~10 traces a chunk.
+    m = machine((200, 200, 10), max_counts=4096, many_chunks=1000)
+    first, _ = started(m, slots=2, budget=12 * 1024)
+    (d,) = of(Decided, first)
+    assert d.record.n_chunks >= 1000
+    w = d.record.warning
+    assert w and f"{d.record.n_chunks} chunks" in w and "12.0 KiB per task" in w and "more memory" in w, w
+    assert d.record.to_dict()["warning"] == w
+    # The same map with a budget for large chunks: no warning.
+    m = machine((200, 200, 10), max_counts=4096, many_chunks=1000)
+    first, _ = started(m, slots=2, budget=100 * MiB)
+    assert of(Decided, first)[0].record.warning is None
+
+
 @pytest.mark.parametrize("slots, per_slot, cap", [(1, 2, 2), (2, 2, 4), (4, 1, 5), (3, 3, 9)])
 def test_the_in_flight_cap_is_per_slot_and_at_least_one_more_than_the_slots(slots, per_slot, cap):
     assert PolicySettings(in_flight_per_slot=per_slot).in_flight_cap(slots) == cap
