@@ -615,7 +615,9 @@ class Store:
 
         Kept per key: the newest ``keep`` observations, and besides them the newest observation of each
         (size, outcome) pair, for the newest ``keep`` pairs; the newest ``keep`` policy rewards of each arm;
-        the map records not older than the oldest observation kept. Everything else is deleted.
+        the map records that still have an observation, or that ended within the newest ``keep``
+        observations' time (a map with none, resumed from its markers, is kept while it is recent). Everything
+        else is deleted.
 
         Why a cap: a model is rebuilt by replaying its key's rows at each flow run's first map (about 0.5 ms
         a row), and a nightly map of thousands of chunks would otherwise make that replay grow without end.
@@ -647,11 +649,16 @@ class Store:
                         "DELETE FROM rewards WHERE operator_key = ? AND id IN (SELECT id FROM (SELECT id, "
                         "ROW_NUMBER() OVER (PARTITION BY arm ORDER BY id DESC) AS newer FROM rewards "
                         "WHERE operator_key = ?) WHERE newer > ?)", (k, k, keep)).rowcount
-                    oldest = con.execute("SELECT MIN(created_at) FROM observations WHERE operator_key = ?",
-                                         (k,)).fetchone()[0]
-                    if oldest is not None:
-                        deleted["maps"] += con.execute("DELETE FROM maps WHERE operator_key = ? AND ended_at < ?",
-                                                       (k, oldest)).rowcount
+                    # The window of the newest keep observations starts at the keep-th newest one's time.
+                    row = con.execute("SELECT MIN(created_at) FROM (SELECT created_at FROM observations "
+                                      "WHERE operator_key = ? ORDER BY id DESC LIMIT ?)", (k, keep)).fetchone()
+                    if row[0] is not None:
+                        # Maps recorded before schema v5 have no map_id: what ended before any observation kept.
+                        deleted["maps"] += con.execute(
+                            "DELETE FROM maps WHERE operator_key = ? AND ended_at < ? AND (CASE WHEN map_id = '' "
+                            "THEN ended_at < (SELECT MIN(created_at) FROM observations WHERE operator_key = ?) "
+                            "ELSE map_id NOT IN (SELECT map_id FROM observations WHERE operator_key = ?) END)",
+                            (k, row[0], k, k)).rowcount
                 con.execute("COMMIT")
             except BaseException:
                 _rollback(con)

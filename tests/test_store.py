@@ -444,3 +444,25 @@ def test_compact_keeps_the_sizes_a_model_needs_and_every_arms_latest_rewards(tmp
         assert ModelBank(s).predict(key, (10, 100, 400)).ready, "the compacted history must keep the model ready"
         assert sorted(r.arm for r in s.rewards(key)).count("bold") == 10
         assert {r.arm for r in s.rewards(key)} == {"bold", "mid", "safe"} and deleted["rewards"] == 20
+
+
+def test_compact_deletes_the_map_records_whose_observations_all_went_and_keeps_recent_ones(tmp_path):
+    from memchunk_prefect.records import MapRun
+
+    key = "envelope|float32|cpu"
+
+    def a_map(map_id: str, ended_at: float) -> MapRun:
+        return MapRun("fr", "envelope", key, "/s.sgy", "/o.zarr", (4, 5, 6), (0, 0, 0), 4, 2, 1000, ended_at - 1,
+                      ended_at, map_id=map_id)
+
+    with Store(tmp_path / "s.sqlite") as s:
+        s.add(make_obs(1, key=key, map_id="probe", created_at=10.0))  # a size of its own: kept
+        for night in range(6):  # one size a night, two chunks each
+            s.add_many([make_obs(0, key=key, map_id=f"n{night}", created_at=100.0 + 10 * night + c)
+                        for c in range(2)])
+            s.add_map(a_map(f"n{night}", 101.5 + 10 * night))
+        s.add_map(a_map("probe", 10.5))
+        s.add_map(a_map("resumed", 155.0))  # recent, nothing to measure (every chunk was already written)
+        s.add_map(a_map("old-resumed", 50.0))  # old, nothing left
+        assert s.compact(4)["maps"] == 5  # n0..n3 (their chunks went) and old-resumed
+        assert sorted(m.map_id for m in s.maps()) == ["n4", "n5", "probe", "resumed"]
