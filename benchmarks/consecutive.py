@@ -7,9 +7,10 @@ The cluster and survey of ``python -m benchmarks`` (2 single-thread workers x
 issue's "thirty nights" is ``--runs 30``) on one fresh store, a fresh cluster
 each night; ``--heuristic`` switches the learned policy off. Prints, per run,
 the wall, out-of-memory events, each operator's chunks and the arm it played,
-each model's recent relative error, the store's size and rows, and what this
-process holds (open file descriptors, threads, entries in the temporary
-directory); then whether decisions settled (the run after which no operator's
+each model's recent relative error, the store's size (the database file, and
+its WAL beside it) and rows, and what this process holds (open file
+descriptors, threads, entries in the temporary directory: anything else
+writing there counts too); then whether decisions settled (the run after which no operator's
 plan changed), whether the store stopped growing, and whether anything leaked
 (descriptors, threads or temporary entries more after the last run than after
 the second), then what each operator's bandit and model learned.
@@ -101,22 +102,24 @@ def night_state(store: str, work: Path) -> dict[str, Any]:
     from memchunk_prefect.model import ModelBank
     from memchunk_prefect.store import Store
 
-    size = sum(os.path.getsize(store + x) for x in ("", "-wal", "-shm") if os.path.exists(store + x))
+    size = os.path.getsize(store)
+    wal = sum(os.path.getsize(store + x) for x in ("-wal", "-shm") if os.path.exists(store + x))
     with Store(store) as s:
         bank = ModelBank(s)
         errors = {k.split("|")[0].split("[")[0]: bank.model(k).summary()["recent_mape"] for k in s.keys()}
         rows = {"observations": s.count(), "rewards": len(s.rewards()), "maps": len(s.maps())}
     tmp = Path(tempfile.gettempdir())
     temp_entries = sum(1 for e in os.scandir(tmp) if Path(e.path) != work)
-    return {"store_bytes": size, "rows": rows, "recent_mape": errors, "fds": len(os.listdir("/proc/self/fd")),
-            "threads": threading.active_count(), "temp_entries": temp_entries}
+    return {"store_bytes": size, "wal_bytes": wal, "rows": rows, "recent_mape": errors,
+            "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(), "temp_entries": temp_entries}
 
 
 def print_night(k: int, r: dict[str, Any]) -> None:
     n = r["night"]
     mape = ", ".join(f"{op} {'-' if v is None else f'{v:.0f}%'}" for op, v in n["recent_mape"].items())
     print(f"  night {k}: {r['wall_seconds']:.1f} s, {r['oom_events']} out-of-memory; store "
-          f"{n['store_bytes'] / 1024:.0f} KiB, {n['rows']['observations']} observations, "
+          f"{n['store_bytes'] / 1024:.0f} KiB (+{n['wal_bytes'] / 1024:.0f} KiB WAL), "
+          f"{n['rows']['observations']} observations, "
           f"{n['rows']['rewards']} rewards, {n['rows']['maps']} maps; recent error {mape}; this process: "
           f"{n['fds']} fds, {n['threads']} threads; {n['temp_entries']} entries in {tempfile.gettempdir()}",
           flush=True)

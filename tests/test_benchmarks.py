@@ -181,3 +181,15 @@ def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_
     # The cap holds at each map's end: at most 4 rows per key (3 keys) whatever each night added.
     assert all(n <= 3 * 4 for n in result["verdict"]["observations"]), result["verdict"]
     assert "decisions:" in proc.stdout and "held by this process" in proc.stdout
+
+
+def test_many_chunks_benchmark_reports_every_task_run_final_and_the_memory_and_latency_figures(tmp_path):
+    out = tmp_path / "many.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.many_chunks", "--chunks", "24", "--json", str(out)],
+                          cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["completed"] and result["chunks"] >= 12, result
+    assert set(result["task_runs"]) == {"COMPLETED"} and sum(result["task_runs"].values()) == result["tasks"]
+    assert result["flow_process_peak_bytes"] > 0 and result["scheduler_peak_bytes"] > 0
+    assert result["server_health_seconds"]["samples"] >= 1

@@ -1,0 +1,201 @@
+"""Thousands of chunks through one real Prefect server: does the map finish, and what does it cost?
+
+    python -m benchmarks.many_chunks [--chunks 5000] [--budget 16MiB] [--json PATH]
+
+One chunked map of the ``memory_hog`` test operator (it holds 1000x its input,
+so a 16 MiB budget cuts a chunk to ~30 traces of 100 samples) over a synthetic
+survey sized for about ``--chunks`` chunks, on a local cluster of 2
+single-thread workers, through a local Prefect server (``prefect_test_harness``
+unless ``PREFECT_API_URL`` is set). The store is seeded with the operator's law
+so the first plan is the final one. Reports:
+
+- the chunks planned and run, wall seconds, wall per chunk against the ~75 ms
+  per task run Prefect + Dask cost on these 2 cores (200 no-op mapped task
+  runs took 15.5 s), and slot-seconds per chunk;
+- every task run of the flow run by state (all must be final);
+- peak memory of the flow process (this process: ``ru_maxrss``) and of the
+  Dask scheduler (sampled each second);
+- the Prefect server's response time during the map (``GET /health`` each
+  0.5 s: median, p95, max).
+
+The exit code is 0 when the map completed with every task run final, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+MiB = 2**20
+MULTIPLE = 1000.0
+SAMPLES = 100
+FIXED_BYTES = 4 * MiB  # what one small chunk of the hog measures above resting (reads, copies, the write)
+
+
+class Poller(threading.Thread):
+    """Call ``fn`` every ``period`` seconds until stopped; keep what it returns (None is skipped)."""
+
+    def __init__(self, fn, period: float):
+        super().__init__(daemon=True)
+        self.fn, self.period, self.values = fn, period, []
+        self._stop = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                v = self.fn()
+            except Exception:  # noqa: BLE001 - a missed sample is not a failure of the map
+                v = None
+            if v is not None:
+                self.values.append(v)
+            self._stop.wait(self.period)
+
+    def stop(self) -> list:
+        self._stop.set()
+        self.join(timeout=10)
+        return self.values
+
+
+def survey_shape(chunks: int, budget: int) -> tuple[int, int, int]:
+    """A square survey of SAMPLES-sample traces with about ``chunks`` chunks' worth of traces at ``budget``."""
+    per_trace = (MULTIPLE + 2) * 4 * SAMPLES  # bytes a trace costs the hog
+    traces_per_chunk = max(1, int((budget - FIXED_BYTES) / per_trace))
+    side = math.ceil(math.sqrt(chunks * traces_per_chunk))
+    return side, side, SAMPLES
+
+
+def task_run_states(flow_run_id: str) -> dict[str, int]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    counts: dict[str, int] = {}
+    with get_client(sync_client=True) as client:
+        offset = 0
+        while True:
+            page = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
+                                         limit=200, offset=offset)
+            for r in page:
+                name = r.state.type.value if r.state else "NONE"
+                counts[name] = counts.get(name, 0) + 1
+            if len(page) < 200:
+                return counts
+            offset += 200
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.many_chunks", description=__doc__.splitlines()[0])
+    p.add_argument("--chunks", type=int, default=5000, help="about how many chunks (default 5000)")
+    p.add_argument("--budget", default="16MiB", help="memory budget per task (default 16MiB)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import httpx
+    from distributed import Client
+    from prefect import flow
+    from prefect.settings import get_current_settings
+
+    from benchmarks.__main__ import _prefect_api
+    from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
+    from memchunk_prefect.operators import operator_key
+    from memchunk_prefect.runner import parse_bytes
+    from memchunk_prefect.store import Store
+    from memchunk_prefect.testing import memory_hog, seed_store, start_local_cluster
+
+    budget = parse_bytes(args.budget) or 16 * MiB
+    shape = survey_shape(args.chunks, budget)
+    work = Path(tempfile.mkdtemp(prefix="memchunk-many-"))
+    survey = synthetic_survey(work / "survey.sgy", shape, seed=1)
+    store = work / "store.sqlite"
+    with Store(store) as s:
+        seed_store(s, operator_key(memory_hog, {"multiple": MULTIPLE}), (MULTIPLE + 2) * 4, fixed_bytes=FIXED_BYTES)
+    print(f"survey {shape[0]} x {shape[1]} x {shape[2]} ({math.prod(shape) * 4 / MiB:.0f} MiB), budget "
+          f"{budget / MiB:.0f} MiB", flush=True)
+    result: dict[str, Any] = {"shape": list(shape), "budget_bytes": budget, "target_chunks": args.chunks}
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    try:
+        with _prefect_api(), Client(cluster.scheduler_address, set_as_default=False) as client:
+            api = str(get_current_settings().api.url).rstrip("/")
+
+            def health() -> float:
+                t = time.perf_counter()
+                httpx.get(f"{api}/health", timeout=30).raise_for_status()
+                return time.perf_counter() - t
+
+            def scheduler_rss() -> int:
+                return int(client.run_on_scheduler(_rss))
+
+            runner = MemoryAwareRunner(address=cluster.scheduler_address, store=str(store),
+                                       output_dir=str(work / "out"), memory_budget=budget, progress=False)
+
+            @flow(name="many-chunks", task_runner=runner)
+            def many(path: str) -> dict[str, Any]:
+                from prefect.runtime import flow_run
+
+                t = time.perf_counter()
+                res = memory_hog.map(chunked(path), multiple=MULTIPLE)
+                res.wait()
+                s = res.summary()
+                return {"flow_run_id": str(flow_run.id), "seconds": time.perf_counter() - t, "chunks": s["chunks"],
+                        "tasks": s["tasks"], "decisions": s["decisions"], "oom_events": s["oom_events"]}
+
+            pings, sched = Poller(health, 0.5), Poller(scheduler_rss, 1.0)
+            t0 = time.perf_counter()
+            try:
+                out = many(str(survey))
+                result.update(out, completed=True)
+            except Exception as exc:  # noqa: BLE001 - reported, and the exit code says so
+                result.update(completed=False, error=f"{type(exc).__name__}: {exc}"[:500])
+            result["outer_seconds"] = time.perf_counter() - t0
+            latencies, rss = pings.stop(), sched.stop()
+            if result.get("flow_run_id"):
+                result["task_runs"] = task_run_states(result["flow_run_id"])
+    finally:
+        cluster.close()
+    result["flow_process_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["scheduler_peak_bytes"] = max(rss, default=None)
+    if latencies:
+        q = statistics.quantiles(latencies, n=20) if len(latencies) >= 2 else latencies * 19
+        result["server_health_seconds"] = {"median": statistics.median(latencies), "p95": q[18],
+                                           "max": max(latencies), "samples": len(latencies)}
+    final = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+    runs = result.get("task_runs", {})
+    all_final = bool(runs) and all(k in final for k in runs)
+    if result.get("completed"):
+        n, wall = result["chunks"], result["seconds"]
+        print(f"{n} chunks ({result['tasks']} tasks) in {wall:.1f} s: {1000 * wall / n:.0f} ms "
+              f"of wall per chunk ({2000 * wall / n:.0f} slot-ms on 2 slots) against the ~75 ms per task "
+              f"run Prefect + Dask cost here; decisions {'/'.join(result['decisions'])}; out of memory "
+              f"{result['oom_events']}")
+    else:
+        print(f"the map did not complete: {result.get('error')}")
+    print(f"task runs by state: {runs}; every one final: {all_final}")
+    print(f"peak memory: flow process {result['flow_process_peak_bytes'] / MiB:.0f} MiB, scheduler "
+          f"{(result['scheduler_peak_bytes'] or 0) / MiB:.0f} MiB")
+    if latencies:
+        h = result["server_health_seconds"]
+        print(f"Prefect server /health during the map: median {1000 * h['median']:.0f} ms, "
+              f"p95 {1000 * h['p95']:.0f} ms, max {1000 * h['max']:.0f} ms ({h['samples']} samples)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if result.get("completed") and all_final else 1
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
