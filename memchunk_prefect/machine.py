@@ -535,6 +535,7 @@ class MapMachine:
     _check_replan: bool = False
     _summed: tuple[int, int] = (0, 0)  # (chunks of ``done`` summed, their elements): ``done`` only grows
     _slots_moved: tuple[int, int] | None = None  # (old, new) slots, until the next re-plan looks at them
+    _overhead_warned: bool = False  # the many-chunks warning is said once a map, not at every re-plan
 
     def __post_init__(self) -> None:
         self.queue = PlanQueue(self.spec)
@@ -970,8 +971,10 @@ class MapMachine:
         """
         n, slots = plan.n_chunks, max(self.slots, 1)
         overhead = n * self.settings.per_task_overhead_seconds / slots
-        if n < self.settings.many_chunks or not plan.estimated_seconds or overhead < 0.5 * plan.estimated_seconds:
+        if (self._overhead_warned or n < self.settings.many_chunks or not plan.estimated_seconds
+                or overhead < 0.5 * plan.estimated_seconds):
             return None
+        self._overhead_warned = True
         return (f"{n} chunks of {plan.chunk_shape}: at ~{self.settings.per_task_overhead_seconds:g} s of Prefect + "
                 f"Dask bookkeeping per task run that is ~{overhead / 60:.0f} min on {slots} slot(s), "
                 f"{overhead / plan.estimated_seconds:.0%} of this map's estimated {plan.estimated_seconds / 60:.0f} "

@@ -47,6 +47,7 @@ from memchunk_prefect.machine import (
     WorkerDied,
     is_memory_kill,
 )
+from memchunk_prefect.policy import Plan
 from memchunk_prefect.records import Observation, Pause, Prediction, Reward
 from memchunk_prefect.settings import PolicySettings
 from memchunk_prefect.taskruns import mark_runs
@@ -143,6 +144,9 @@ def test_a_budget_that_forces_thousands_of_tiny_chunks_is_a_warning_naming_the_b
     w = d.record.warning
     assert w and f"{d.record.n_chunks} chunks" in w and "12.0 KiB per task" in w and "more memory" in w, w
     assert d.record.to_dict()["warning"] == w
+    again = Plan(chunks=[Chunk((0, 0, 0), (1, 9, 10))] * 2000, chunk_shape=(1, 9, 10), predicted_peak_bytes=1.0,
+                 upper_bound_bytes=1.0, budget_bytes=12 * 1024, estimated_seconds=1.0)
+    assert m._overhead_warning(again) is None, "said once a map, not at every re-plan"
     # The same map with a budget for large chunks: no warning.
     m = machine((200, 200, 10), max_counts=4096, many_chunks=1000)
     first, _ = started(m, slots=2, budget=100 * MiB)
