@@ -20,15 +20,20 @@ measurements came in, and the map stopped with BudgetTooSmallError). Reports:
 - the Prefect server's response time during the map (``GET /health`` each
   0.5 s: median, p95, max).
 
-The exit code is 0 when the map completed with every task run final, 1 otherwise.
+``--timeout`` stops the map as Ctrl-C would and reports what it did (every
+task run must still end final). The exit code is 0 when the map completed
+with every task run final, 1 otherwise.
 """
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import json
 import math
+import os
 import resource
+import shutil
 import statistics
 import sys
 import tempfile
@@ -100,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", type=int, default=5000, help="about how many chunks (default 5000)")
     p.add_argument("--budget", default="48MiB", help="memory budget per task (default 48MiB; at 32MiB the bound of a "
                    "single trace, widened by the first real measurements, went over it: BudgetTooSmallError)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop the map after this long (as Ctrl-C would) and report what it did")
     p.add_argument("--seeded", action="store_true",
                    help="seed the store with the operator's law (default: a cold store; the runner probes first)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -147,10 +154,13 @@ def main(argv: list[str] | None = None) -> int:
             runner = MemoryAwareRunner(address=cluster.scheduler_address, store=str(store),
                                        output_dir=str(work / "out"), memory_budget=budget, progress=False)
 
+            started: dict[str, str] = {}  # the flow run's id, known even when the map stops early
+
             @flow(name="many-chunks", task_runner=runner)
             def many(path: str) -> dict[str, Any]:
                 from prefect.runtime import flow_run
 
+                started["flow_run_id"] = str(flow_run.id)
                 t = time.perf_counter()
                 res = memory_hog.map(chunked(path), multiple=MULTIPLE)
                 res.wait()
@@ -159,18 +169,31 @@ def main(argv: list[str] | None = None) -> int:
                         "tasks": s["tasks"], "decisions": s["decisions"], "oom_events": s["oom_events"]}
 
             pings, sched = Poller(health, 0.5), Poller(scheduler_rss, 1.0)
+            # Past --timeout the map is stopped as by Ctrl-C (the runner cancels what runs and settles every
+            # task run), and what it did until then is reported.
+            timer = threading.Timer(args.timeout, _thread.interrupt_main) if args.timeout else None
             t0 = time.perf_counter()
             try:
+                if timer is not None:
+                    timer.start()
                 out = many(str(survey))
                 result.update(out, completed=True)
+            except KeyboardInterrupt:
+                result.update(completed=False, error=f"stopped at the {args.timeout:g} s timeout")
             except Exception as exc:  # noqa: BLE001 - reported, and the exit code says so
                 result.update(completed=False, error=f"{type(exc).__name__}: {exc}"[:500])
+            finally:
+                if timer is not None:
+                    timer.cancel()
             result["outer_seconds"] = time.perf_counter() - t0
             latencies, rss = pings.stop(), sched.stop()
+            result["chunks_written"] = sum(len(os.listdir(d)) for d in (work / "out").glob("*/*.zarr/.memchunk/done"))
+            result.setdefault("flow_run_id", started.get("flow_run_id"))
             if result.get("flow_run_id"):
                 result["task_runs"] = task_run_states(result["flow_run_id"])
     finally:
         cluster.close()
+        shutil.rmtree(work, ignore_errors=True)
     result["flow_process_peak_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["scheduler_peak_bytes"] = max(rss, default=None)
     if latencies:
@@ -187,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
               f"run Prefect + Dask cost here; decisions {'/'.join(result['decisions'])}; out of memory "
               f"{result['oom_events']}")
     else:
-        print(f"the map did not complete: {result.get('error')}")
+        written, outer = result["chunks_written"], result["outer_seconds"]
+        print(f"the map did not complete: {result.get('error')}; {written} chunks written in {outer:.0f} s "
+              f"({1000 * outer / max(written, 1):.0f} ms of wall per chunk, flow-run start included)")
     print(f"task runs by state: {runs}; every one final: {all_final}")
     print(f"peak memory: flow process {result['flow_process_peak_bytes'] / MiB:.0f} MiB, scheduler "
           f"{(result['scheduler_peak_bytes'] or 0) / MiB:.0f} MiB")

@@ -185,7 +185,7 @@ def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_
 
 def test_many_chunks_benchmark_reports_every_task_run_final_and_the_memory_and_latency_figures(tmp_path):
     out = tmp_path / "many.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.many_chunks", "--chunks", "24", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.many_chunks", "--chunks", "24", "--seeded", "--json", str(out)],
                           cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
