@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     timer.cancel()
             result["outer_seconds"] = time.perf_counter() - t0
             latencies, rss = pings.stop(), sched.stop()
+            result["scheduler_in_this_process"] = client.run_on_scheduler(os.getpid) == os.getpid()
             result["chunks_written"] = sum(len(os.listdir(d)) for d in (work / "out").glob("*/*.zarr/.memchunk/done"))
             result.setdefault("flow_run_id", started.get("flow_run_id"))
             if result.get("flow_run_id"):
@@ -214,8 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the map did not complete: {result.get('error')}; {written} chunks written in {outer:.0f} s "
               f"({1000 * outer / max(written, 1):.0f} ms of wall per chunk, flow-run start included)")
     print(f"task runs by state: {runs}; every one final: {all_final}")
+    where = " (a LocalCluster's scheduler runs in the flow process)" if result["scheduler_in_this_process"] else ""
     print(f"peak memory: flow process {result['flow_process_peak_bytes'] / MiB:.0f} MiB, scheduler "
-          f"{(result['scheduler_peak_bytes'] or 0) / MiB:.0f} MiB")
+          f"{(result['scheduler_peak_bytes'] or 0) / MiB:.0f} MiB{where}")
     if latencies:
         h = result["server_health_seconds"]
         print(f"Prefect server /health during the map: median {1000 * h['median']:.0f} ms, "
