@@ -178,8 +178,11 @@ def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_
         night = r["night"]
         assert night["fds"] > 0 and night["threads"] > 0 and night["store_bytes"] > 0
         assert set(night["recent_mape"]) == {"envelope", "gaussian_smooth", "gst3d_dip"}
-    # The cap holds at each map's end: at most 4 rows per key (3 keys) whatever each night added.
-    assert all(n <= 3 * 4 for n in result["verdict"]["observations"]), result["verdict"]
+    # The cap holds at each map's end: per key the newest 4 rows and the newest of up to 4 other (size, outcome)
+    # pairs, 8 at most (3 keys), whatever each night added; and it deleted rows.
+    made = sum(r["tasks"] for r in result["runs"])
+    assert all(n <= 3 * 8 for n in result["verdict"]["observations"]), result["verdict"]
+    assert result["verdict"]["observations"][-1] < made, (made, result["verdict"])
     assert "decisions:" in proc.stdout and "held by this process" in proc.stdout
 
 

@@ -225,10 +225,14 @@ def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, t
     assert cos["decisions"] == ["continue"]
     assert dip["decisions"][0] == "rechunk" and "over the budget" in dip["reasons"][0]
     assert dip["oom_events"] == 0
-    with Store(tmp_path / "store.sqlite") as s:  # the 5 seeded rows of each key made way for this run's
+    with Store(tmp_path / "store.sqlite") as s:  # the seeded rows made way for this run's, but for other sizes'
         for key in (light, heavy):
             kept = s.observations(key)
-            assert len(kept) == 3 and kept[-1].method != "seeded", [o.method for o in kept]
+            older = kept[:-3]  # besides the newest 3, only the newest row of each (size, outcome) stays
+            assert kept[-1].method != "seeded" and len(kept) < 5 + env["tasks"] + dip["tasks"], [
+                (o.method, o.elements) for o in kept]
+            assert len({(o.elements, o.outcome) for o in older}) == len(older), [(o.method, o.elements) for o in kept]
+            assert not {(o.elements, o.outcome) for o in older} & {(o.elements, o.outcome) for o in kept[-3:]}
 
 
 def test_worker_killed_for_memory_is_split_recovered_crashed_and_not_repeated(cluster, big_survey, tmp_path):
