@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -120,12 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.simulated", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="run the quick benchmark (a smoke test, not the figures)")
     p.add_argument("--from", dest="source", metavar="RESULT.json", help="a benchmark's JSON instead of a new run")
-    p.add_argument("--workdir", metavar="DIR", help="the benchmark's work directory (its store is read from it)")
+    p.add_argument("--workdir", metavar="DIR", help="the benchmark's work directory (its store is read from it); "
+                   "kept, for a later --from (without it a temporary one is made and removed at the end)")
     p.add_argument("--runs", type=int, default=20, help="simulated runs per strategy (default 20)")
     p.add_argument("--json", metavar="PATH", help="write the comparison as JSON")
     p.add_argument("--markdown", action="store_true", help="print a markdown table")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    made_here: list[Path] = []  # a temporary work directory this run made: removed at the end (~250 MiB)
+    try:
+        return _main(p, args, made_here)
+    finally:
+        for d in made_here:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _main(p: argparse.ArgumentParser, args: argparse.Namespace, made_here: list[Path]) -> int:
     if args.source:
         if not args.workdir:
             p.error("--from needs --workdir: the benchmark's work directory, where its store is")
@@ -136,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
         workdir = Path(args.workdir or tempfile.mkdtemp(prefix="memchunk-simbench-")).absolute()
         workdir.mkdir(parents=True, exist_ok=True)
+        if not args.workdir:  # to keep it for a later --from, name one with --workdir
+            made_here.append(workdir)
         with _prefect_api():
             result = run(QUICK if args.quick else FULL, args.quick, workdir)
     store = workdir / "memchunk-store.sqlite"
