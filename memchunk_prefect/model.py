@@ -25,8 +25,12 @@ outside it a line would under-predict a curve that the noise hid.
 
 *River does the fitting.* Each form is a :class:`river.linear_model.BayesianLinearRegression`
 (``learn_one`` per observation). It has no intercept, so a constant feature is
-added; its prior is weak (prior variance 1e6 in MiB units, i.e. ``alpha=1e-6``,
-River's ``alpha`` being a precision), so the posterior mean is least squares.
+added. Each form fits in units of the largest block it has learned (sizes and
+peaks divided by that block's), so its coefficients are of order one for any
+operator; the prior is weak there (variance 1e6, i.e. ``alpha=1e-6``, River's
+``alpha`` being a precision) on the fixed and per-element parts, so their
+posterior mean is least squares, and weakly informative on a curved form's
+curvature (see :class:`_Form`).
 Coefficients and posterior covariance are read back through ``predict_one``
 (``with_dist=True``) and cached until the next ``learn``, so the planner's
 thousands of ``predict`` calls are cheap. Memory noise is *multiplicative*
@@ -115,6 +119,8 @@ when every refit went over all of them)."""
 LINEAR = "linear"
 SUPERLINEAR = "superlinear"
 QUADRATIC = "quadratic"
+REFIT_GROWTH = 1.25
+"""A form is refitted in new units when a block this many times its unit (the largest block learned) arrives."""
 _POWERS = {LINEAR: (0.0, 1.0), SUPERLINEAR: (0.0, 1.0, 1.5), QUADRATIC: (0.0, 1.0, 2.0)}
 CURVED = (SUPERLINEAR, QUADRATIC)
 _FEATURE_NAMES = {0.0: "const", 1.0: "u", 1.5: "u^1.5", 2.0: "u^2"}
@@ -133,14 +139,49 @@ class _Fit:
 
 
 class _Form:
-    """One candidate form (linear or superlinear) fitted by a River BayesianLinearRegression."""
+    """One candidate form (linear or curved) fitted by a River BayesianLinearRegression.
 
-    def __init__(self, name: str, prior_variance: float):
+    Fitted in units of the largest block learned (``u_ref`` Mi-elements, and ``y_ref``
+    MiB or seconds: that row's scale), so every coefficient is of order one whatever
+    the operator and the prior means the same for a light operator and a heavy one.
+    In MiB per Mi-element it did not: three clean probes of an operator needing
+    3.8 KiB per element on blocks of ~10,000 elements carry a data precision of
+    ~2e-7 for the slope, below a 1e6-variance prior's 1e-6, and the posterior
+    shrank the slope to 113 bytes per element with a 30 MiB fixed part (the cold
+    many-chunks run failed on it). When a block more than twice ``u_ref`` arrives
+    the form is refitted from its rows in the new units (so O(log size range)
+    refits over a key's life).
+
+    The prior: weak (variance ``prior_variance``) on the fixed and per-element
+    coefficients; on a curved form's curvature, a normal of standard deviation
+    ``curvature_sd`` in these units, i.e. in multiples of the peak at the largest
+    block measured (2.5: the default scale of a weakly informative prior on a
+    standardized coefficient, Gelman, Jakulin, Pittau and Su, Ann. Appl. Stat.
+    2008). The data decide wherever they can; the prior keeps a curvature the
+    noise hides from swinging the bound of a block 4x larger than any seen by
+    an order of magnitude. (The old prior, variance 1e6 in MiB per Mi-element
+    to the power, was strong for blocks of ~0.1 Mi-elements and absent for
+    blocks of 10: its strength depended on the unit.)
+    """
+
+    def __init__(self, name: str, prior_variance: float, curvature_sd: float):
         self.name = name
         self.powers = _POWERS[name]
         self.names = [_FEATURE_NAMES[p] for p in self.powers]
+        self.prior_variance = float(prior_variance)
+        # River's prior is one variance for every coefficient; the curvature's own variance (curvature_sd^2)
+        # comes from scaling its feature: a coefficient of a feature multiplied by k has k^2 times the variance.
+        self._feature_scale = np.array([1.0 if k <= 1.0 else curvature_sd / math.sqrt(self.prior_variance)
+                                        for k in self.powers])
+        self._rows: list[tuple[float, float, float]] = []  # (u, target, scale) of every row, to refit in new units
+        self.u_ref = 0.0
+        self.y_ref = 0.0
+        self.max_per_u = 0.0  # the largest target / u seen (MiB or seconds per Mi-element), for a not-ready guess
+        self._reset()
+
+    def _reset(self) -> None:
         # River's alpha is the prior *precision* (Bishop's notation): 1 / prior variance.
-        self.regressor = linear_model.BayesianLinearRegression(alpha=1.0 / prior_variance, beta=1.0)
+        self.regressor = linear_model.BayesianLinearRegression(alpha=1.0 / self.prior_variance, beta=1.0)
         self.n = 0  # rows learned
         # Sums over every row (scaled features x, scaled targets y): the residual sum of squares of any
         # coefficients follows from them in O(p^2), so a fit costs the same after 50,000 rows as after 5.
@@ -150,7 +191,6 @@ class _Form:
         # The latest PRESS_WINDOW rows (a ring), for leave-one-out residuals, which need each row's leverage.
         self._x = np.zeros((PRESS_WINDOW, self.p))
         self._y = np.zeros(PRESS_WINDOW)
-        self.max_per_u = 0.0  # the largest target / u seen: MiB per feature unit, for a not-ready guess
         self._fit: _Fit | None = None
 
     @property
@@ -158,11 +198,30 @@ class _Form:
         return len(self.powers)
 
     def raw(self, u: float) -> np.ndarray:
-        return np.array([u**k for k in self.powers])
+        """The form's features of a block of ``u`` Mi-elements, in the form's units."""
+        v = u / self.u_ref if self.u_ref > 0 else u
+        return np.array([v**k for k in self.powers]) * self._feature_scale
 
-    def learn(self, u: float, y_mib: float, scale_mib: float) -> None:
-        x = self.raw(u) / scale_mib
-        y = y_mib / scale_mib
+    def design(self, u: float, scale: float) -> np.ndarray:
+        """The row a block of ``u`` Mi-elements with target scale ``scale`` (MiB or seconds) makes in the fit."""
+        return self.raw(u) * (self.y_ref / scale)
+
+    def learn(self, u: float, y: float, scale: float) -> None:
+        self._rows.append((u, y, scale))
+        if u > 0:
+            self.max_per_u = max(self.max_per_u, y / u)
+        if self.n == 0 or u > REFIT_GROWTH * self.u_ref:
+            self.u_ref = u if u > 0 else 1.0
+            self.y_ref = scale if scale > 0 else 1.0
+            self._reset()
+            for row in self._rows:
+                self._learn_row(*row)
+        else:
+            self._learn_row(u, y, scale)
+
+    def _learn_row(self, u: float, y: float, scale: float) -> None:
+        x = self.design(u, scale)
+        y = y / scale
         self.regressor.learn_one(dict(zip(self.names, x)), y)
         self._xtx += np.outer(x, x)
         self._xty += x * y
@@ -170,9 +229,16 @@ class _Form:
         self._x[self.n % PRESS_WINDOW] = x
         self._y[self.n % PRESS_WINDOW] = y
         self.n += 1
-        if x[1] > 0:  # every form's second feature is u / scale
-            self.max_per_u = max(self.max_per_u, y / x[1])
         self._fit = None
+
+    def mean(self, u: float, fit: "_Fit") -> float:
+        """The fitted target (MiB or seconds) of a block of ``u`` Mi-elements."""
+        return float(self.raw(u) @ fit.coef) * self.y_ref
+
+    def coefficients(self, fit: "_Fit") -> np.ndarray:
+        """The fitted coefficients in MiB (or seconds) per Mi-element to each power (``powers``)."""
+        u_ref = self.u_ref if self.u_ref > 0 else 1.0
+        return np.array([c * f * self.y_ref / u_ref**k for c, f, k in zip(fit.coef, self._feature_scale, self.powers)])
 
     def fit(self, prior_s: float, prior_dof: float, min_s: float) -> _Fit:
         """Read coefficients and covariance back from River through ``predict_one``, then residuals."""
@@ -237,6 +303,8 @@ class OperatorModel:
     floored at this multiple of what that run had;
     ``noise_floor_bytes`` added in quadrature to each peak when scaling rows;
     ``prior_noise`` (relative) and ``min_noise`` (relative) for the noise scale;
+    ``curvature_sd``: prior standard deviation of a curved form's curvature, in
+    multiples of the peak at the largest block measured (see :class:`_Form`);
     ``superlinear_gain``: the superlinear form is chosen only when its
     leave-one-out error is below this fraction of the line's (its bound is
     blended in otherwise, see :meth:`_curved_weight`);
@@ -263,6 +331,7 @@ class OperatorModel:
     superlinear_gain: float = 0.9
     metric_window: int = 20
     prior_variance: float = 1e6
+    curvature_sd: float = 2.5
     conformal_window: int = 20
     tight_reach: float = 2.0
     time_floor_seconds: float = 0.01
@@ -295,8 +364,9 @@ class OperatorModel:
                              f"got {self.min_observations!r}")
         if self.outlier_ratio <= 1.0:
             raise ValueError(f"outlier_ratio must be above 1, got {self.outlier_ratio!r}")
-        self._forms = {name: _Form(name, self.prior_variance) for name in _POWERS}
-        self._time_forms = {name: _Form(name, self.prior_variance) for name in _POWERS}
+        self._forms = {name: _Form(name, self.prior_variance, self.curvature_sd) for name in _POWERS}
+        # Time has no bound to hedge, only a form chosen by held-out error: its curvature keeps the weak prior.
+        self._time_forms = {name: _Form(name, self.prior_variance, math.sqrt(self.prior_variance)) for name in _POWERS}
         self._time_sizes = set()
         self._censored = []
         self._quarantine = deque()
@@ -443,7 +513,7 @@ class OperatorModel:
             return None
         f = self._time_forms[form]
         fit = f.fit(self.prior_noise, 1.0, self.min_noise)
-        return max(0.0, float(f.raw(int(elements) / MIB) @ fit.coef))
+        return max(0.0, f.mean(int(elements) / MIB, fit))
 
     def _score(self, obs: Observation, pred: Prediction) -> None:
         need = obs.peak_bytes + obs.unseen_bytes
@@ -639,10 +709,9 @@ class OperatorModel:
         """(mean, upper) in MiB from one form's River posterior."""
         form = self._forms[name]
         fit = form.fit(self.prior_noise, 1.0, self.min_noise)
-        raw = form.raw(u)
-        mean = float(raw @ fit.coef)
+        mean = form.mean(u, fit)
         scale = math.hypot(max(mean, 0.0), self.noise_floor_bytes / MIB)
-        x = raw / scale
+        x = form.design(u, scale)
         lev = float(x @ fit.cov @ x)
         t = _t_quantile(self.confidence, fit.dof)
         upper = max(mean, 0.0) + t * fit.s * math.sqrt(1.0 + max(lev, 0.0)) * scale
@@ -719,10 +788,11 @@ class OperatorModel:
             out["energy_mape"] = self._energy_mape.get() / 100.0
         if fits and out["ready"]:
             fit = fits[form]
-            out["fixed_overhead_bytes"] = float(fit.coef[0] * MIB)
-            out["bytes_per_element"] = float(fit.coef[1])  # MiB per Mi-element == bytes per element
+            coef = self._forms[form].coefficients(fit)
+            out["fixed_overhead_bytes"] = float(coef[0] * MIB)
+            out["bytes_per_element"] = float(coef[1])  # MiB per Mi-element == bytes per element
             if form in CURVED:
-                out["superlinear_coefficient"] = float(fit.coef[2])
+                out["superlinear_coefficient"] = float(coef[2])
                 out["superlinear_power"] = _POWERS[form][2]
             out["noise"] = fit.s
         n_scored = _rolling_count(self._coverage)
