@@ -178,7 +178,10 @@ class ChunkedMap:
         self.wrapped.fn = BlockFunction(self.task.fn, self.param)
         self.ac = as_completed(loop=self.runner.client.loop)
         restarted = action.reason if action.action == RESTART else None
-        self.execute(self.machine.handle(Start(self.slots, self.budget, tuple(completed), restarted, at=time.time())))
+        self.execute(self.machine.handle(Start(
+            self.slots, self.budget, tuple(completed), restarted, at=time.time(),
+            headroom_bytes=min(self.headroom.values()) if self.headroom else None,
+            drift_bytes=int(bank.model(self.key).unseen_bytes()))))
         polled = time.monotonic()
         while not self.machine.finished:
             self.execute(self.machine.advance(time.time()))

@@ -149,6 +149,13 @@ def _read_extents(chunk: Chunk, halo: tuple[int, ...], shape: tuple[int, ...]) -
 class Start:
     """The map begins on a cluster of ``slots`` worker slots with ``budget_bytes`` per task.
 
+    ``budget_bytes``: what one task may use above its worker's resting memory as
+    read at the start (the kill line less that, per thread, or a user's cap below it);
+    ``headroom_bytes``: the kill line less the resting memory, per thread, on the
+    tightest worker (None: no line, or not known); ``drift_bytes``: how far above
+    that resting memory the workers are expected to sit when tasks start (from
+    this operator's recent runs). Plans fit ``min(budget_bytes, headroom_bytes -
+    drift)``, the drift followed as runs report where their workers stood.
     ``completed``: chunks a resumed output already holds (its completion markers);
     ``restarted``: why an existing output at the path is being replaced, if it is.
     """
@@ -158,6 +165,8 @@ class Start:
     completed: tuple[Chunk, ...] = ()
     restarted: str | None = None
     at: float = 0.0
+    headroom_bytes: int | None = None
+    drift_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -515,12 +524,17 @@ class MapMachine:
     knowledge: Knowledge
     phase: str = NEW
     slots: int = 0
-    budget_bytes: int = 0
+    budget_bytes: int = 0  # what a plan must fit now: the cap, or the kill headroom less the workers' drift
+    cap_bytes: int = 0  # Start.budget_bytes
+    headroom_bytes: int | None = None  # Start.headroom_bytes
+    drift_estimate: int = 0  # Start.drift_bytes, until runs report where their workers stood
+    drift: dict[str, int] = field(default_factory=dict)  # each worker's latest start above the resting memory read
     queue: PlanQueue = field(init=False)  # planned, not submitted (re-plannable)
     regions: list[Chunk] = field(default_factory=list)  # boxes still to plan (after probes, or a resume)
     in_flight: dict[int, Pending] = field(default_factory=dict)
     done: list[Chunk] = field(default_factory=list)
     planned_upper: float | None = None  # bound of the largest queued chunk when the queue was (re)planned
+    planned_budget: int = 0  # the budget the queue was (re)planned for
     probe_scale: float = 1.0
     region_reason: str = "after probing: "
     deaths: int = 0  # worker deaths seen (their task runs are settled at the end)
@@ -614,7 +628,10 @@ class MapMachine:
             raise MapStateError(f"Start in phase {self.phase}")
         self.phase = RUNNING
         self.started_at = ev.at
-        self.slots, self.budget_bytes = int(ev.slots), int(ev.budget_bytes)
+        self.slots, self.cap_bytes = int(ev.slots), int(ev.budget_bytes)
+        self.headroom_bytes = None if ev.headroom_bytes is None else int(ev.headroom_bytes)
+        self.drift_estimate = max(0, int(ev.drift_bytes))
+        self.budget_bytes = self.planned_budget = self._budget()
         out: list[Instruction] = []
         if ev.restarted:
             out.append(self._decided(RESTART, None, f"{self.spec.output_path} is replaced: {ev.restarted}", ev.at))
@@ -649,7 +666,29 @@ class MapMachine:
         item = self._take(ev.id)
         self.done.append(item.chunk)
         self._check_replan = True
+        self._follow_drift(ev.observation)
         return [Record(ev.observation), self._ended(ev.id, item, OK, ev.observation, ev.at)]
+
+    def _budget(self) -> int:
+        """What a plan must fit now (bytes): the cap, or the kill headroom less the workers' drift if smaller.
+
+        A worker's memory creeps up over a long map (Prefect's task-run engine keeps ~40-75 KB per task run
+        on a Dask worker: measured 309 -> 335 MiB over 700 task runs of a plain DaskTaskRunner) and the first
+        task of an operator imports its modules; what a worker holds above the resting memory read at the
+        start is not the operator's, so it is taken off the kill headroom, never added to the operator's
+        bound: a user's smaller cap on the task's own use is unaffected by it.
+        """
+        if self.headroom_bytes is None:
+            return self.cap_bytes
+        drift = max(self.drift.values()) if self.drift else self.drift_estimate
+        return max(1, min(self.cap_bytes, self.headroom_bytes - drift))
+
+    def _follow_drift(self, obs: Observation) -> None:
+        """Note where ``obs``'s worker stood when its run started; the budget follows."""
+        if obs.baseline_bytes is None or obs.resting_bytes is None or not obs.worker:
+            return
+        self.drift[obs.worker] = obs.unseen_bytes
+        self.budget_bytes = self._budget()
 
     def _on_out_of_memory(self, ev: ChunkOutOfMemory) -> list[Instruction]:
         item = self._get(ev.id)
@@ -817,6 +856,7 @@ class MapMachine:
             self.queue.extend(Pending(c, p.decision, armed=self.arm is not None) for c in p.chunks)
         if not self.regions:
             self.planned_upper = self.queue_bound()
+            self.planned_budget = self.budget_bytes
         return out
 
     def _maybe_replan(self, at: float) -> list[Instruction]:
@@ -839,6 +879,10 @@ class MapMachine:
             return []
         if policy.bound_moved(self.planned_upper, new_upper, self.settings):
             what = f"the upper bound moved from {format_bytes(self.planned_upper)} to {format_bytes(new_upper)}"
+        elif policy.bound_moved(self.planned_budget, self.budget_bytes, self.settings):
+            what = (f"the budget moved from {format_bytes(self.planned_budget)} to {format_bytes(self.budget_bytes)} "
+                    f"(the workers start tasks {format_bytes(max(self.drift.values(), default=0))} above the "
+                    "resting memory read at the map's start)")
         elif slots_moved is not None:
             what = f"the cluster's slots went from {slots_moved[0]} to {slots_moved[1]}"
         else:
@@ -859,6 +903,7 @@ class MapMachine:
             queue.extend(Pending(c, RECHUNK, armed=self.arm is not None) for c in p.chunks)
         self.queue = PlanQueue(self.spec, queue)
         self.planned_upper = self.queue_bound()
+        self.planned_budget = self.budget_bytes
         return out
 
     def _replan_pays(self, queued: list[Pending], new: Plan) -> str | None:

@@ -420,14 +420,15 @@ class OperatorModel:
             if obs.peak_bytes > self.outlier_ratio * pred.upper_bytes or ratio < 1.0 / self.outlier_ratio:
                 return self._quarantine_or_accept(obs, ratio)
             self._score(obs, pred)
-            # The margin is learned from what the budget had to hold (the peak and any memory the worker held
-            # above the resting level the budget assumed) against what the model predicted before it knew.
-            # A prediction below the block's own input bytes is no prediction of this operator at this size
-            # (early probes whose peaks fell as blocks grew fit a line sloping down, whose mean for a larger
-            # block is ~0): its ratio would be a margin of millions that poisons every plan for the next
-            # conformal_window runs. The fit learns that point; the margin does not.
+            # The margin is learned from the run's peak against what the model predicted before it knew (memory
+            # the worker held above the resting level read is the workers', not the operator's: the map's
+            # budget follows it, see machine.MapMachine._budget). A prediction below the block's own input
+            # bytes is no prediction of this operator at this size (early probes whose peaks fell as blocks
+            # grew fit a line sloping down, whose mean for a larger block is ~0): its ratio would be a margin
+            # of millions that poisons every plan for the next conformal_window runs. The fit learns that
+            # point; the margin does not.
             if pred.mean_bytes >= obs.bytes_in:
-                self._ratios.append((obs.peak_bytes + obs.unseen_bytes) / pred.mean_bytes)
+                self._ratios.append(obs.peak_bytes / pred.mean_bytes)
         self._unseen.append(obs.unseen_bytes / MIB)
         self._expire_quarantine()
         self._learn_point(obs)
@@ -516,16 +517,15 @@ class OperatorModel:
         return max(0.0, f.mean(int(elements) / MIB, fit))
 
     def _score(self, obs: Observation, pred: Prediction) -> None:
-        need = obs.peak_bytes + obs.unseen_bytes
         self._mape.update(obs.peak_bytes, pred.mean_bytes)
-        self._coverage.update(1.0 if need <= pred.upper_bytes else 0.0)
-        self._bound_ratio.update(pred.upper_bytes / need)
+        self._coverage.update(1.0 if obs.peak_bytes <= pred.upper_bytes else 0.0)
+        self._bound_ratio.update(pred.upper_bytes / obs.peak_bytes)
 
     def conformal_factor(self) -> float | None:
         """The learned margin: the split-conformal quantile of (needed / predicted mean) at ``confidence``.
 
-        Each ``ok`` run scored once the model was ready gives ``(peak + unseen) /
-        mean``, the mean predicted *before* the run was learned. With ``n`` of
+        Each ``ok`` run scored once the model was ready gives ``peak / mean``,
+        the mean predicted *before* the run was learned. With ``n`` of
         them the factor is their ``ceil((n + 1) * confidence)``-th smallest, so a
         new run needs more than ``mean x factor`` with probability at most
         ``1 - confidence`` (runs exchangeable). None until there are enough runs
@@ -544,7 +544,10 @@ class OperatorModel:
         """The most memory the latest ``metric_window`` runs started above the resting level the budget assumed.
 
         Bytes; 0 if none. Recent runs only: it is a property of the workers as
-        they are now (memory left behind by earlier tasks), not of the operator.
+        they are now (memory left behind by earlier tasks, this operator's
+        imports), not of the operator's block, so it is never in a bound: a map
+        takes it off its kill headroom until its own runs say where the workers
+        stand (``machine.Start.drift_bytes``).
         """
         return max(self._unseen, default=0.0) * MIB
 
@@ -668,15 +671,13 @@ class OperatorModel:
         else:
             mean, upper = self._upper_mib(u)
             reason = f"{self.form()} fit on {n} observations"
-            # What runs held that the budget did not see is added; the conformal margin, once learned, is a floor.
-            unseen = max(self._unseen, default=0.0)
-            upper += unseen
+            # The conformal margin, once learned, is a floor.
             q = self.conformal_factor()
             if q is not None and mean * q > upper:
                 upper = mean * q
                 reason += f"; bound {q:.3f} x the mean (learned from {len(self._ratios)} runs)"
             # Trusted up to tight_reach x the largest block measured: each plan at most doubles what is known.
-            tight = upper if u > self.tight_reach * self._largest_u() else min(upper, self._tight_mib(mean, unseen, q))
+            tight = upper if u > self.tight_reach * self._largest_u() else min(upper, self._tight_mib(mean, q))
         if apply_censored and self._censored:
             mean, upper, tight, note = self._apply_censored(u, mean, upper, tight)
             if note:
@@ -688,13 +689,12 @@ class OperatorModel:
         """The largest block (Mi-elements) with a usable ``ok`` observation."""
         return self._largest / MIB
 
-    def _tight_mib(self, mean: float, unseen: float, q: float | None) -> float:
+    def _tight_mib(self, mean: float, q: float | None) -> float:
         """The least bound (MiB) for a block of mean ``mean``: the learned margin with no extrapolation widening.
 
-        With a conformal factor (see :meth:`conformal_factor`) it is ``mean x q``
-        (the ratios it is learned from already count unseen memory); before that,
-        the prediction interval of a point inside the data (leverage 0, chosen form
-        only) plus the unseen memory. Valid inside the sizes seen; beyond them it is
+        With a conformal factor (see :meth:`conformal_factor`) it is ``mean x q``;
+        before that, the prediction interval of a point inside the data (leverage 0,
+        chosen form only). Valid inside the sizes seen; beyond them it is
         the bet the learned policy may take and is rewarded or penalised for, and
         only up to ``tight_reach`` x the largest block measured (beyond that the
         tight bound is the upper bound).
@@ -703,7 +703,7 @@ class OperatorModel:
             return mean * q
         fit = self._fits()[self.form()]
         scale = math.hypot(mean, self.noise_floor_bytes / MIB)
-        return mean + _t_quantile(self.confidence, fit.dof) * fit.s * scale + unseen
+        return mean + _t_quantile(self.confidence, fit.dof) * fit.s * scale
 
     def _bound(self, name: str, u: float) -> tuple[float, float]:
         """(mean, upper) in MiB from one form's River posterior."""

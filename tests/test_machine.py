@@ -740,3 +740,46 @@ def test_memory_errors_at_sizes_the_model_puts_near_the_budget_keep_splitting():
     assert m._upper_for(item.chunk) > 0.5 * m.budget_bytes
     out = m.handle(ChunkOutOfMemory(sid, obs(item.chunk, peak=1024, outcome="memory_error", censored=True)))
     assert not of(Fail, out) and of(Decided, out)[0].record.decision == "retry-smaller"
+
+
+# =========================================================================== the budget follows the workers
+
+
+def drifted(chunk: Chunk, worker: str, above_resting: int, peak=1000) -> Observation:
+    """A run on ``worker`` that began ``above_resting`` bytes above the resting memory the map's budget read."""
+    o = obs(chunk, peak)
+    o.worker, o.resting_bytes, o.baseline_bytes = worker, 200 * MiB, 200 * MiB + above_resting
+    return o
+
+
+def test_the_workers_drift_comes_off_the_kill_headroom_not_off_a_smaller_cap():
+    kill = machine((64, 8, 10), max_counts=64)
+    kill.handle(Start(2, 100 * 1024, headroom_bytes=100 * 1024, drift_bytes=30 * 1024))
+    assert kill.budget_bytes == 70 * 1024, "no cap: the headroom less the drift expected from recent runs"
+    capped = machine((64, 8, 10), max_counts=64)
+    capped.handle(Start(2, 50 * 1024, headroom_bytes=100 * 1024, drift_bytes=30 * 1024))
+    assert capped.budget_bytes == 50 * 1024, "a cap below headroom - drift: the task's own use is what is capped"
+    unknown = machine((64, 8, 10), max_counts=64)
+    unknown.handle(Start(2, 50 * 1024, drift_bytes=30 * 1024))
+    assert unknown.budget_bytes == 50 * 1024, "no kill line known: nothing to take the drift off"
+
+
+def test_a_map_whose_workers_creep_up_replans_what_no_longer_fits_and_runs_what_does():
+    m = machine((64, 8, 10), max_counts=64)
+    m.handle(Start(2, 100 * 1024, headroom_bytes=100 * 1024))
+    subs = of(Submit, m.advance(0.0))
+    planned = max(s.upper_bytes for s in subs)
+    assert planned > 60 * 1024, "planned for the whole headroom"
+    # Each worker now starts its tasks 40 KiB above the resting memory read at the start (Prefect's per-task-run
+    # memory on a Dask worker, or another flow's leftovers): the queued chunks no longer fit what is left.
+    out = m.handle(ChunkDone(subs[0].id, drifted(subs[0].chunk, "w1", 40 * 1024), at=1.0))
+    out += m.handle(ChunkDone(subs[1].id, drifted(subs[1].chunk, "w2", 40 * 1024), at=1.0))
+    assert m.budget_bytes == 60 * 1024
+    out = m.advance(1.0)
+    (d,) = of(Decided, out)
+    assert d.record.decision == "rechunk" and "the budget moved" in d.record.reason and "40.0 KiB" in d.record.reason
+    assert all(s.upper_bytes <= 60 * 1024 for s in of(Submit, out))
+    # The memory is given back (a worker restarted): nothing is re-planned back and forth for it.
+    sub = of(Submit, out)[0]
+    m.handle(ChunkDone(sub.id, drifted(sub.chunk, "w1", 0), at=2.0))
+    assert m.budget_bytes == 60 * 1024, "the worst worker still stands 40 KiB up"
