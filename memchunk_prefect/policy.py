@@ -48,6 +48,7 @@ whole traces are contiguous in SEG-Y and zarr, and pay no halo along time).
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -428,18 +429,24 @@ def probe_plan(
     scale: float = 1.0,
     reason: str = "too little history",
 ) -> Plan:
-    """A cold-start probe: a few small real chunks of different sizes from the start of ``region``.
+    """A cold-start probe: real chunks of two sizes, as large as an unknown operator allows, from ``region``'s start.
 
-    Probes are sized so an operator needing ``settings.probe_multiple`` times its
-    input still fits the budget (``scale`` grows them on later probe waves). They
-    lie side by side along the first iline of the region with widths 1, 2, 3 ...
-    units (different sizes separate a fixed overhead from a per-element cost), so
-    what is left (``remainder``) is at most three boxes the runner plans once the
-    probes are measured. Their results are kept: a probe is real work.
+    Sizes: 2 units for half the slots and 1 unit twice for the others (at least
+    ``settings.probe_chunks`` probes), so every slot holds 2 units of work when
+    the larger probes go first (they are listed first), and two sizes separate a
+    fixed overhead from a per-element cost. The 2-unit probe is as large as the
+    budget allows an operator needing ``settings.probe_multiple`` times its input
+    (``scale`` grows it on later probe waves): the probes lie side by side across
+    the region's xlines in a strip of as many ilines as that allows. Probes far
+    smaller than that (one iline of a narrow survey: 21-65 traces where 4,700
+    fitted) measured a light operator only at its memory floor, and the plan
+    after them was several times too cautious. What is left (``remainder``) is at
+    most three boxes, planned once the probes are measured. Their results are
+    kept: a probe is real work.
 
-    >>> p = probe_plan((10, 40, 100), budget_bytes=100 * 4 * 300, slots=2)
+    >>> p = probe_plan((10, 40, 100), budget_bytes=100 * 4 * 12_000, slots=2)
     >>> [c.shape for c in p.chunks], [c.shape for c in p.remainder]
-    ([(1, 1, 100), (1, 2, 100), (1, 3, 100)], [(1, 34, 100), (9, 40, 100)])
+    ([(6, 20, 100), (6, 10, 100), (6, 10, 100)], [(4, 40, 100)])
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
@@ -460,39 +467,43 @@ def probe_plan(
             f"the memory budget of {format_bytes(budget_bytes)} per task cannot hold even {smallest_name} column "
             f"with its halo (extents {smallest}: {format_bytes(floor_bytes)} for its input and output alone). "
             "Give workers more memory (memory_limit), fewer threads per worker, or a larger memory_budget")
-    # One probe per slot (at least probe_chunks), but never more probes than traces on the row.
-    n_probes = min(max(int(settings.probe_chunks), slots), r[1])
+    n = min(slots, r[1])  # (more probes than trace columns cannot be cut)
+    sizes = [2] * -(-n // 2) + [1] * (2 * (n // 2))
+    sizes += [1] * max(0, int(settings.probe_chunks) - len(sizes))
+    while sum(sizes) > r[1] and len(sizes) > 1:  # a narrow survey: fewer probes (each at least one trace wide)
+        sizes.pop()
     # Elements (halo included) the largest probe may hold if the operator needs probe_multiple x its input.
     max_elems = max(1.0, budget_bytes * scale / (settings.probe_multiple * itemsize))
     t_len = r[2]
     if not whole_traces:
         while t_len > 1 and math.prod(extents_with_halo((1, 1, t_len), h, vol)) > max_elems:
             t_len = -(-t_len // 2)
-    # Width unit: the largest probe (n_probes units wide) fits max_elems; the probes share one iline.
-    unit = 1
-    while (math.prod(extents_with_halo((1, (unit + 1) * n_probes, t_len), h, vol)) <= max_elems
-           and (unit + 1) * n_probes * (n_probes + 1) // 2 <= r[1]):
-        unit += 1
-    widths = [unit * k for k in range(1, n_probes + 1)]
-    while sum(widths) > r[1] and any(w > 1 for w in widths):  # a narrow survey: shrink widths to fit one iline
-        widths = [max(1, w - 1) for w in widths]
+
+    def fits(rows: int, width: int) -> bool:
+        return math.prod(extents_with_halo((rows, width, t_len), h, vol)) <= max_elems
+
+    total = sum(sizes)
+    cuts = [round(r[1] * k / total) for k in itertools.accumulate(sizes)]
+    widths = [b - a for a, b in zip([0] + cuts[:-1], cuts)]  # the probes across every xline, in proportion
+    rows = 1
+    if fits(1, max(widths)):  # a strip as thick as the largest probe allows
+        rows = _largest(1, r[0], lambda n: fits(n, max(widths)))
+    else:  # even one iline across every xline is too much: the probes take part of the first iline
+        unit = _largest(1, max(1, r[1] // total), lambda n: fits(1, n * sizes[0]))
+        if unit * total <= r[1]:  # (else fewer traces than size units: one trace each, as cut above)
+            widths = [unit * k for k in sizes]
     i0, x, t0 = region.start
     chunks: list[Chunk] = []
-    for k, w in enumerate(widths):
-        if x >= region.stop[1]:
-            break
-        x1 = min(region.stop[1], x + w)
-        if k == len(widths) - 1 and region.stop[1] - x1 <= widths[0]:
-            x1 = region.stop[1]  # a sliver left on the row would cost a task of its own: the last probe takes it
-        chunks.append(Chunk((i0, x, t0), (i0 + 1, x1, t0 + t_len)))
-        x = x1
+    for w in widths:
+        chunks.append(Chunk((i0, x, t0), (i0 + rows, x + w, t0 + t_len)))
+        x += w
     remainder: list[Chunk] = []
     if t0 + t_len < region.stop[2]:
-        remainder.append(Chunk((i0, region.start[1], t0 + t_len), (i0 + 1, x, region.stop[2])))
+        remainder.append(Chunk((i0, region.start[1], t0 + t_len), (i0 + rows, x, region.stop[2])))
     if x < region.stop[1]:
-        remainder.append(Chunk((i0, x, t0), (i0 + 1, region.stop[1], region.stop[2])))
-    if i0 + 1 < region.stop[0]:
-        remainder.append(Chunk((i0 + 1, region.start[1], t0), region.stop))
+        remainder.append(Chunk((i0, x, t0), (i0 + rows, region.stop[1], region.stop[2])))
+    if i0 + rows < region.stop[0]:
+        remainder.append(Chunk((i0 + rows, region.start[1], t0), region.stop))
     largest = max(chunks, key=lambda c: c.elements)
     return Plan(
         chunks=chunks,
@@ -503,8 +514,25 @@ def probe_plan(
         probe=True,
         remainder=remainder,
         decision=PROBE,
-        reason=f"{reason}: probing with {len(chunks)} small chunks (sized for {settings.probe_multiple:g}x the input)",
+        reason=(f"{reason}: probing with {len(chunks)} chunks of up to {largest.shape} "
+                f"(sized for {settings.probe_multiple:g}x the input)"),
     )
+
+
+def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
+    """The largest n in [lo, hi] with ``ok(n)``, for ``ok`` true up to some n and false beyond (``lo`` if none):
+    by bisection, so a survey of a million ilines costs twenty checks.
+
+    >>> _largest(1, 1000, lambda n: n * n <= 200)
+    14
+    """
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _check_region(region: object, vol: Shape) -> Chunk:

@@ -185,10 +185,13 @@ def test_a_restart_is_recorded_before_the_chunking_decision():
 def test_cold_start_probes_then_plans_every_box_left_once_the_probes_are_back():
     know = Linear(ready=False)
     m = machine((16, 40, 10), knowledge=know)
-    first, probes = started(m, slots=2, budget=10 * MiB)
+    # Probes sized for 100x their input: 600 elements at most, so 3 ilines of the 20-trace probe.
+    first, probes = started(m, slots=2, budget=100 * 4 * 600)
     assert of(Decided, first)[0].record.decision == "probe"
     probe_subs = of(Submit, probes)
-    assert len(probe_subs) == 3 and len({s.chunk.shape for s in probe_subs}) == 3, "three sizes"
+    assert len(probe_subs) == 3 and len({s.chunk.elements for s in probe_subs}) == 2, "two sizes"
+    assert [s.chunk.elements for s in probe_subs] == sorted((s.chunk.elements for s in probe_subs), reverse=True), \
+        "the larger first: 2 units on one slot while the other runs the two 1-unit probes"
     assert m.regions, "the rest waits for the probes"
     know.ready = True  # the probes taught the model
     out = []
