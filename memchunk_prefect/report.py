@@ -1,7 +1,9 @@
 """What the runner decided, shown where Prefect users look: artifacts on the flow run.
 
-Per chunked map (created from the flow's thread, which carries the run context;
-Dask callback threads do not):
+Per chunked map (written by the runner's :class:`ArtifactWriter`, one thread that
+makes the API calls in order in a copy of the flow's run context, so a map never
+waits for the Prefect server between its chunks; Dask callback threads carry no
+run context and are never used):
 
 - a **table** artifact ``memchunk-<operator>-chunks``: one row per task run of the map
   (a chunk split after running out of memory has its failed attempt and its pieces):
@@ -31,9 +33,11 @@ a run.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 import re
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -365,22 +369,105 @@ def _flow_context() -> tuple[str | None, str]:
     return None, "flow"
 
 
+class ArtifactWriter:
+    """The reports' Prefect API calls, made in order on one thread of their own, off the flow's thread.
+
+    Each artifact call is a round trip to the Prefect server (10-15 ms each on a
+    local server here, up to 0.8 s while thousands of task runs load it): made
+    from the flow's thread, a map waited for them between its chunks and before
+    the next map could start. Each call runs in a copy of the caller's context
+    (the flow run's, so the artifact is attached to it), in the order submitted.
+    :meth:`close` waits for what is left (the runner does at the end of its flow
+    run) and stops the thread. A call that raises is logged, never raised.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._jobs: list[tuple[contextvars.Context, Callable, tuple]] = []
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable, *args: Any) -> None:
+        """Run ``fn(*args)`` on the writer's thread, after everything submitted before it."""
+        ctx = contextvars.copy_context()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the artifact writer is closed")
+            self._jobs.append((ctx, fn, args))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="memchunk-artifacts", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                ctx, fn, args = self._jobs.pop(0)
+                self._busy = True
+            try:
+                ctx.run(fn, *args)
+            except Exception as exc:  # noqa: BLE001 - a report never stops a run
+                logger.warning("memchunk report: an artifact call failed (%r); the run goes on", exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    @property
+    def pending(self) -> int:
+        """Calls submitted and not finished."""
+        with self._cond:
+            return len(self._jobs) + int(self._busy)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until every call submitted so far has finished; False if ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Wait for what is left (at most ``timeout`` seconds), then stop the thread; False if calls were left."""
+        done = self.wait(timeout)
+        with self._cond:
+            self._closed = True
+            self._jobs.clear()
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=1.0)
+        return done
+
+
 class MapReporter(MapObserver):
     """The map observer that keeps a map's artifacts current: fills a :class:`MapRecord` and writes it.
 
     Told from the flow's thread (see :mod:`memchunk_prefect.observe`): the progress
     artifact is created at the first submission and updated as chunks end; the
-    table and the flow run's summary are written when the map ends.
+    table and the flow run's summary are written when the map ends. With a
+    ``writer`` (the runner's) those API calls are made on the writer's thread and
+    the flow goes on at once; without one, here and now.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, writer: ArtifactWriter | None = None) -> None:
+        self.writer = writer
         self.record: MapRecord | None = None
         self.flow_run_id, self.flow_name = _flow_context()
         self.key = "memchunk"
         self._predict: Callable[[Any], Any] | None = None
         self._halo: tuple[int, int, int] = (0, 0, 0)
         self._open: dict[int, Attempt] = {}
-        self._progress_id = None
+        self._progress_id: Any = None
+        self._progress_asked = False  # the progress artifact's creation was asked for (made now or by the writer)
         self._api_ok = True
         self._last_progress = -1.0
         self._last_progress_at = 0.0
@@ -404,8 +491,9 @@ class MapReporter(MapObserver):
         r = self.record
         if r is None:
             return
-        if self._progress_id is None and self._api_ok:
-            self._progress_id = self._call(self._create_progress)
+        if not self._progress_asked and self._api_ok:
+            self._progress_asked = True
+            self._call(self._create_progress)
         a = Attempt(chunk=event.label, chunk_key=event.chunk.key(), extents=tuple(event.read_extents),  # type: ignore[arg-type]
                     elements=math.prod(event.read_extents), decision=event.decision,
                     predicted_bytes=event.predicted_bytes, upper_bytes=event.upper_bytes,
@@ -436,7 +524,7 @@ class MapReporter(MapObserver):
         # PROGRESS_STEP_PERCENT or PROGRESS_EVERY_SECONDS passed (the end of the map always updates it).
         now = event.at or time.time()
         moved = pct - self._last_progress >= PROGRESS_STEP_PERCENT
-        if self._progress_id is not None and pct != self._last_progress and (
+        if self._progress_asked and pct != self._last_progress and (
                 moved or now - self._last_progress_at >= PROGRESS_EVERY_SECONDS):
             self._last_progress, self._last_progress_at = pct, now
             self._call(self._update_progress, pct)
@@ -453,28 +541,43 @@ class MapReporter(MapObserver):
             r.reward = event.reward.to_dict()
         r.pauses, r.paused_seconds = event.pauses, event.paused_seconds
         if r.budget_bytes and self._predict is not None:
-            try:
-                r.naive = naive_chunking(r.shape, self._halo, r.budget_bytes, self._predict)
-            except Exception as exc:  # noqa: BLE001  # pragma: no cover - a figure for the report only
-                logger.debug("no naive-chunking estimate: %r", exc)
-        if self._progress_id is not None and event.error is None:
+            self._call(self._naive, r)
+        if self._progress_asked and event.error is None:
             self._call(self._update_progress, 100.0)
         if r.attempts:
             self._call(self._create_table)
         self._call(self._publish_summary)
 
+    def _naive(self, r: MapRecord) -> None:
+        """What Dask's automatic chunking would have done here, for the summary (model predictions: cheap,
+        but a plan's worth of them, so on the writer's thread too)."""
+        predict = self._predict
+        if predict is None:  # pragma: no cover - asked for only with a predictor
+            return
+        try:
+            r.naive = naive_chunking(r.shape, self._halo, r.budget_bytes, predict)
+        except Exception as exc:  # noqa: BLE001  # pragma: no cover - a figure for the report only
+            logger.debug("no naive-chunking estimate: %r", exc)
+
     # ---- Prefect
 
-    def _call(self, fn: Callable, *args: Any) -> Any:
+    def _call(self, fn: Callable, *args: Any) -> None:
         if not self._api_ok:
-            return None
+            return
+        if self.writer is not None:
+            self.writer.submit(self._guarded, fn, *args)
+        else:
+            self._guarded(fn, *args)
+
+    def _guarded(self, fn: Callable, *args: Any) -> None:
+        if not self._api_ok:  # an earlier call failed: the API is not answering, stop asking
+            return
         try:
-            return fn(*args)
+            fn(*args)
         except Exception as exc:
             self._api_ok = False
             logger.warning("memchunk report: could not write artifacts for %s (%r); the run goes on",
                            self.record.operator if self.record else "a map", exc)
-            return None
 
     def _progress_description(self) -> str:
         r = self.record
@@ -484,14 +587,14 @@ class MapReporter(MapObserver):
 
     # ``_sync=True``: Prefect's artifact functions dispatch on whether an event loop is running; the flow's
     # thread may run one (an async flow), and these calls must complete before the map goes on.
-    def _create_progress(self) -> Any:
-        return create_progress_artifact(0.0, key=artifact_key(self.key, "progress"),  # type: ignore[call-arg]
-                                        description=self._progress_description(), _sync=True)
+    def _create_progress(self) -> None:
+        self._progress_id = create_progress_artifact(  # type: ignore[call-arg]
+            0.0, key=artifact_key(self.key, "progress"), description=self._progress_description(), _sync=True)
 
     def _update_progress(self, pct: float) -> None:
         if self._progress_id is None:
             return
-        update_progress_artifact(self._progress_id, pct, description=self._progress_description(),
+        update_progress_artifact(self._progress_id, pct, description=self._progress_description(),  # type: ignore[call-arg]
                                  _sync=True)
 
     def _create_table(self) -> None:

@@ -63,6 +63,7 @@ import os
 import re
 import stat
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,6 +353,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         self._cluster_checked = False
         self._kill_fractions: dict[str, object] = {}
         self._machines_recorded = False
+        self._writer: Any = None  # report.ArtifactWriter of the flow run this runner is entered for
 
     # ---------------------------------------------------------------- Prefect plumbing
 
@@ -401,15 +403,44 @@ class MemoryAwareRunner(DaskTaskRunner):
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        """Close the store this flow run opened, whatever happened: a process that runs flow after flow (a
-        scheduler loop, a notebook, `python -m benchmarks.consecutive`) kept one SQLite connection (2 file
-        descriptors) per flow run open until it exited."""
+        """Finish the reports' artifact calls, then close the store this flow run opened, whatever happened: a
+        process that runs flow after flow (a scheduler loop, a notebook, `python -m benchmarks.consecutive`) kept
+        one SQLite connection (2 file descriptors) per flow run open until it exited."""
         try:
+            self.wait_for_reports(close=True)
             super().__exit__(*exc_info)
         finally:
             bank, self._bank = self._bank, None
             if bank is not None and bank.store is not None:
                 bank.store.close()
+
+    def wait_for_reports(self, timeout: float | None = None, *, close: bool = False) -> float:
+        """Wait for the artifact calls the maps' reports left to the writer's thread; seconds waited.
+
+        At most ``timeout`` seconds (``RunnerSettings.report_wait_seconds`` by default): a Prefect API that
+        does not answer is logged and left behind, never waited for forever. ``close`` also stops the thread
+        (the runner does at the end of its flow run).
+        """
+        writer = self._writer
+        if writer is None:
+            return 0.0
+        if close:
+            self._writer = None
+        limit = RUNNER_SETTINGS.report_wait_seconds if timeout is None else float(timeout)
+        t = time.perf_counter()
+        done = writer.close(limit) if close else writer.wait(limit)
+        if not done:
+            logger.warning("memchunk: %d artifact call(s) to the Prefect API were still unfinished after %.0f s; "
+                           "left behind (the run's results are not affected)", writer.pending, limit)
+        return time.perf_counter() - t
+
+    def _report_writer(self) -> Any:
+        """The flow run's artifact writer (started at its first chunked map)."""
+        if self._writer is None:
+            from .report import ArtifactWriter  # flow process only: see the note at the top of the module
+
+            self._writer = ArtifactWriter()
+        return self._writer
 
     def _check_paths(self) -> None:
         """The store can be written; else EnvironmentProblemError, at once. (The default output directory is not
@@ -455,7 +486,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         cmap = ChunkedMap(self, task, param, source=upstream.output_path if upstream is not None else marker.source,
                           incoming=upstream.chunks if upstream is not None else None, halo=marker.halo,
                           output_path=marker.output, replace_any=marker.replace_any, static=static,
-                          wait_for=wait_for, observers=[log, report.MapReporter(), *self.observers,
+                          wait_for=wait_for, observers=[log, report.MapReporter(self._report_writer()), *self.observers,
                                                         *_progress_observers(self.progress)])
         cmap.run()
         return ChunkedResult.of(cmap, log)

@@ -166,6 +166,9 @@ class RunnerSettings:
       key's rows at a flow run's first map, about 0.5 ms a row on these machines:
       5,000 rows cost ~2.5 s, and a nightly map of thousands of chunks would
       otherwise grow that without end (``memchunk compact`` does the same by hand).
+    - ``report_wait_seconds``: at the end of a flow run, how long the runner waits for
+      the artifact calls its maps' reports left to their writer's thread (one round
+      trip to the Prefect API each) before leaving them behind with a warning.
     """
 
     workers_wait_seconds: float = 60.0
@@ -177,6 +180,7 @@ class RunnerSettings:
     allowed_failures: int = 0
     slots_poll_seconds: float = 2.0
     store_keep_per_key: int = 5000
+    report_wait_seconds: float = 30.0
 
 
 RUNNER_SETTINGS = RunnerSettings()
