@@ -93,7 +93,7 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
 from river import linear_model, metrics, stats, utils
@@ -309,6 +309,8 @@ class OperatorModel:
     leave-one-out error is below this fraction of the line's (its bound is
     blended in otherwise, see :meth:`_curved_weight`);
     ``metric_window``: observations in the rolling MAPE and coverage;
+    ``min_size_ratio``: ``ready`` needs usable runs at blocks at least this many
+    times apart in size (the largest over the smallest);
     ``tight_reach``: the tight bound (``Prediction.tight_bytes``) is given for
     blocks up to this multiple of the largest one measured, the upper bound beyond;
     ``time_floor_seconds`` added in quadrature to each run's seconds when fitting time.
@@ -335,12 +337,14 @@ class OperatorModel:
     conformal_window: int = 20
     tight_reach: float = 2.0
     time_floor_seconds: float = 0.01
+    min_size_ratio: float = 1.5
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
     _quarantine: deque = field(init=False, repr=False)
     _sizes: set = field(init=False, repr=False)
     _largest: int = field(init=False, repr=False, default=0)  # elements of the largest block in _sizes
+    _size_peaks: dict = field(init=False, repr=False)  # elements -> the largest peak (MiB) learned at that size
     _seen: int = field(init=False, repr=False, default=0)
     _n_censored: int = field(init=False, repr=False, default=0)
     _n_quarantined: int = field(init=False, repr=False, default=0)
@@ -371,6 +375,7 @@ class OperatorModel:
         self._censored = []
         self._quarantine = deque()
         self._sizes = set()
+        self._size_peaks = {}
         self._mape = utils.Rolling(metrics.MAPE, window_size=self.metric_window)
         self._coverage = utils.Rolling(stats.Mean, window_size=self.metric_window)
         self._bound_ratio = utils.Rolling(stats.Mean, window_size=self.metric_window)
@@ -427,7 +432,7 @@ class OperatorModel:
             # grew fit a line sloping down, whose mean for a larger block is ~0): its ratio would be a margin
             # of millions that poisons every plan for the next conformal_window runs. The fit learns that
             # point; the margin does not.
-            if pred.mean_bytes >= obs.bytes_in:
+            if self._upper_mib(u)[0] * MIB >= obs.bytes_in:  # the fit's own mean, before the floor at that
                 self._ratios.append(obs.peak_bytes / pred.mean_bytes)
         self._unseen.append(obs.unseen_bytes / MIB)
         self._expire_quarantine()
@@ -558,6 +563,7 @@ class OperatorModel:
         for form in self._forms.values():
             form.learn(u, y, scale)
         self._sizes.add(obs.elements)
+        self._size_peaks[obs.elements] = max(self._size_peaks.get(obs.elements, 0.0), y)
         self._largest = max(self._largest, obs.elements)
         # An ok run at least as large as a censored one that needed less contradicts it.
         self._censored = [c for c in self._censored if not (u >= c.u and y < c.peak_mib)]
@@ -640,6 +646,14 @@ class OperatorModel:
         if len(self._sizes) < 2:
             return (f"all {n} observations of {self.key!r} are at one block size; "
                     "a fixed overhead and a per-element cost need two sizes (probe another size)")
+        smallest = min(self._sizes)
+        if self._largest < self.min_size_ratio * smallest:
+            # Two sizes a few percent apart cannot separate a fixed overhead from a per-element cost: a line
+            # through 940,800 and 960,000 elements (peaks 686 and 723 MiB) read 0 bytes for a 3 x 3-trace block
+            # and an upper bound of 2.7 GiB for it.
+            return (f"the {n} observations of {self.key!r} span blocks of {smallest:,} to {self._largest:,} "
+                    f"elements, less than {self.min_size_ratio:g}x apart: a fixed overhead and a per-element cost "
+                    "need sizes further apart (probe another size)")
         return None
 
     def predict(self, extents: Sequence[int], itemsize: int = ITEMSIZE) -> Prediction:
@@ -670,6 +684,9 @@ class OperatorModel:
             tight = upper
         else:
             mean, upper = self._upper_mib(u)
+            # Whatever the fit says, an operator holds at least the block it was given.
+            own = u * itemsize
+            mean, upper = max(mean, own), max(upper, own)
             reason = f"{self.form()} fit on {n} observations"
             # The conformal margin, once learned, is a floor.
             q = self.conformal_factor()
@@ -678,12 +695,38 @@ class OperatorModel:
                 reason += f"; bound {q:.3f} x the mean (learned from {len(self._ratios)} runs)"
             # Trusted up to tight_reach x the largest block measured: each plan at most doubles what is known.
             tight = upper if u > self.tight_reach * self._largest_u() else min(upper, self._tight_mib(mean, q))
+            growth = self._growth_mib(u)
+            if growth is not None and growth[0] > tight:
+                upper, tight = max(upper, growth[0]), growth[0]
+                reason += f"; beyond the largest block measured, grows as size^{growth[1]:.2f} as the runs did"
         if apply_censored and self._censored:
             mean, upper, tight, note = self._apply_censored(u, mean, upper, tight)
             if note:
                 reason += f"; {note}"
         return Prediction(mean_bytes=mean * MIB, upper_bytes=upper * MIB, n_observations=n,
                           ready=self._ready_reason() is None, reason=reason, tight_bytes=tight * MIB)
+
+    def _growth_mib(self, u: float) -> tuple[float, float] | None:
+        """(bound in MiB, exponent) for a block of ``u`` Mi-elements beyond the largest measured, while the
+        curvature cannot be fitted yet (fewer than three sizes, or too few runs for the quadratic form), if the
+        two largest sizes at least ``min_size_ratio`` apart grew faster than linearly: the largest peak there
+        times ``(u / largest) ** exponent``. A line through two sizes of an operator quadratic in its size
+        under-predicts every larger block (the cold start's second probe wave is sized so such an operator
+        fits; its plan must not then jump past it on a line). None otherwise."""
+        largest = self._largest
+        if u * MIB <= largest or (len(self._sizes) >= 3 and self._forms[QUADRATIC].n >= len(_POWERS[QUADRATIC]) + 2):
+            return None
+        below = [e for e in self._size_peaks if e * self.min_size_ratio <= largest]
+        if not below:
+            return None
+        other = max(below)
+        p_large, p_other = self._size_peaks[largest], self._size_peaks[other]
+        if p_other <= 0 or p_large <= p_other:
+            return None
+        exponent = math.log(p_large / p_other) / math.log(largest / other)
+        if exponent <= 1.0:
+            return None
+        return p_large * (u * MIB / largest) ** exponent, exponent
 
     def _largest_u(self) -> float:
         """The largest block (Mi-elements) with a usable ``ok`` observation."""
@@ -802,6 +845,42 @@ class OperatorModel:
             out["coverage"] = self._coverage.get()
             out["bound_over_truth"] = self._bound_ratio.get()
         return out
+
+
+def replay_quality(rows: Iterable[Observation], key: str, *, after: int = 5, **options: Any) -> dict[str, Any]:
+    """How well ``key``'s model predicted its own history: each ``ok`` run scored before it is learned.
+
+    ``rows``: the key's observations in the order they were stored. A run is
+    scored once the model is ready and has learned ``after`` usable runs: the
+    absolute error of the predicted mean (``mape``, a fraction), whether the peak
+    was within the upper bound (``coverage``, a share) and the upper bound over
+    the peak (``bound_over_peak``, mean). The issue's goals for a real run:
+    coverage >= 0.95, mape <= 0.10 after 5 runs, bound_over_peak <= 1.25.
+
+    >>> rows = [Observation("k|float32|cpu", n, (1, 1, n), 4 * n, 2**20 + 100 * n)
+    ...         for n in range(10_000, 90_000, 5_000)]
+    >>> q = replay_quality(rows, "k|float32|cpu")
+    >>> q["scored"], q["coverage"], q["mape"] < 0.01
+    (11, 1.0, True)
+    """
+    m = OperatorModel(key, **options)
+    errors: list[float] = []
+    covered: list[bool] = []
+    ratios: list[float] = []
+    for o in rows:
+        if (o.operator_key == key and o.outcome == "ok" and o.usable and o.peak_bytes > 0 and o.elements > 0
+                and m.n_observations >= after):
+            p = m.predict(o.extents)
+            if p.ready:
+                errors.append(abs(p.mean_bytes / o.peak_bytes - 1))
+                covered.append(o.peak_bytes <= p.upper_bytes)
+                ratios.append(p.upper_bytes / o.peak_bytes)
+        if o.operator_key == key:
+            m.learn(o)
+    n = len(errors)
+    return {"key": key, "observations": m.n_observations, "scored": n,
+            "mape": sum(errors) / n if n else None, "coverage": sum(covered) / n if n else None,
+            "bound_over_peak": sum(ratios) / n if n else None}
 
 
 @dataclass(frozen=True)

@@ -425,3 +425,44 @@ def test_what_is_learned_does_not_depend_on_the_operators_scale(bytes_per_elemen
     p = m.predict((1, 1600, 100))
     truth = 2 * MIB * (bytes_per_element / 240) + bytes_per_element * 160_000
     assert truth <= p.upper_bytes <= 1.3 * truth
+
+
+def test_runs_at_sizes_a_few_percent_apart_do_not_make_the_model_ready():
+    """Regression (python -m benchmarks.heterogeneous, heuristic-warm, 2026-11-24): a cold probe of
+    trace_correlation was killed and split, so every run it learned sat within 2% of one size; two 'distinct'
+    sizes made the model ready, the line through them read 0 bytes for a 3 x 3-trace block with an upper bound of
+    2.7 GiB, and the next run stopped with BudgetTooSmallError before running anything. Too close to tell a
+    fixed part from a slope: not ready (the runner probes another size), and no mean below the block's bytes."""
+    key = "trace_correlation|float32|cpu"
+    m = OperatorModel(key)
+    m.learn(Observation(key, 1862400, (192, 97, 100), 4 * 1862400, 765_984_768, outcome="killed", censored=True))
+    for elements, extents, peak in [(960000, (192, 50, 100), 757_927_936), (940800, (192, 49, 100), 719_323_136),
+                                    (940900, (97, 97, 100), 719_630_336), (940900, (97, 97, 100), 719_630_336)]:
+        m.learn(Observation(key, elements, extents, 4 * elements, peak, seconds=1.0))
+    p = m.predict((3, 3, 100))
+    assert not p.ready and "less than 1.5x apart" in p.reason, p
+    m.learn(Observation(key, 470400, (96, 49, 100), 4 * 470400, 195_000_000, seconds=0.3))
+    small, half = m.predict((3, 3, 100)), m.predict((96, 48, 100))
+    assert small.ready and small.upper_bytes < 64 * MIB, small
+    assert half.mean_bytes >= 4 * 96 * 48 * 100 and half.tight_bytes >= half.mean_bytes, half
+
+
+def test_beyond_two_sizes_the_bound_grows_as_fast_as_the_runs_did_until_curvature_can_be_fitted():
+    """Two probe sizes of an operator quadratic in its block: a line through them under-predicts every larger
+    block. Until a third size and enough runs let the quadratic form be fitted, the bound beyond the largest
+    block follows the growth the two sizes showed; a linear operator's bound is not touched by it."""
+    quad, lin = OperatorModel(KEY), OperatorModel(KEY)
+    for n in (1000, 1000, 4000, 4000):
+        ext = (1, n // 100, 100)
+        quad.learn(obs(ext, 2 * MIB + 40.0 * n * n))  # 8 N^2-like: 40 bytes per element squared
+        lin.learn(obs(ext, 2 * MIB + 240 * n))
+    big = (1, 60, 100)  # 1.5x the largest block measured
+    truth = 2 * MIB + 40.0 * 6000 ** 2
+    p = quad.predict(big)
+    assert p.ready and p.upper_bytes >= 0.95 * truth and p.tight_bytes >= 0.95 * truth, (p, truth)
+    assert "grows as size^" in p.reason
+    assert "grows as" not in lin.predict(big).reason
+    # A third size and enough runs: the quadratic form is fitted, and the rule gives way to it.
+    for n in (2000, 6000):
+        quad.learn(obs((1, n // 100, 100), 2 * MIB + 40.0 * n * n))
+    assert "grows as" not in quad.predict(big).reason and quad.predict(big).upper_bytes >= 0.95 * truth
