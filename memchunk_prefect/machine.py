@@ -535,7 +535,8 @@ class MapMachine:
     done: list[Chunk] = field(default_factory=list)
     planned_upper: float | None = None  # bound of the largest queued chunk when the queue was (re)planned
     planned_budget: int = 0  # the budget the queue was (re)planned for
-    probe_scale: float = 1.0
+    probe_scale: float = 0.0  # the last probe wave's blocks, as a share of the largest probe (0: none yet)
+    probe_peak: int = 0  # the largest peak (bytes) a probe of the last wave measured
     region_reason: str = "after probing: "
     deaths: int = 0  # worker deaths seen (their task runs are settled at the end)
     next_id: int = 0
@@ -667,6 +668,8 @@ class MapMachine:
         self.done.append(item.chunk)
         self._check_replan = True
         self._follow_drift(ev.observation)
+        if item.decision == PROBE:
+            self.probe_peak = max(self.probe_peak, int(ev.observation.peak_bytes))
         return [Record(ev.observation), self._ended(ev.id, item, OK, ev.observation, ev.at)]
 
     def _budget(self) -> int:
@@ -830,27 +833,35 @@ class MapMachine:
             return out + self._fail(exc)
 
     def _plan_regions(self, at: float) -> list[Instruction]:
-        """The probes are back (nothing in flight): plan every box left at once, or probe again with larger chunks.
+        """The probes are back (nothing in flight): plan every box left at once, or probe again.
 
         Planning every box at once keeps slots busy (no slot waits for a small box).
-        While the history is too short, the next probe wave is twice the size.
+        While the history is too short, the next probe wave is sized by :meth:`_next_probe_scale`.
         """
         out: list[Instruction] = []
         pending, self.regions = self.regions, []
+        # The boxes run side by side: the largest is planned for every slot, each other one for a slot of its own
+        # (a sliver a probe wave left is one chunk, not one per slot).
+        largest = max(pending, key=lambda c: c.elements) if pending else None
+        slots = [self.slots if r is largest else 1 for r in pending]
         chosen: list[Plan] | None = None  # the first real plans, made under the arm chosen for them
-        if self.arm is None and pending and not _probes(lambda: self._plan(pending[0])):
-            chosen = self._choose_arm(lambda: [self._plan(r) for r in pending])
+        if self.arm is None and pending and not _probes(lambda: self._plan(pending[0], slots[0])):
+            chosen = self._choose_arm(lambda: [self._plan(r, n) for r, n in zip(pending, slots)])
         for index, region in enumerate(pending):
-            p = chosen[index] if chosen is not None else self._plan(region)
+            p = chosen[index] if chosen is not None else self._plan(region, slots[index])
             if p.probe:
-                self.probe_scale *= 2
+                # Probe again in the largest box left (the first may be a sliver the last wave left), sized by
+                # what the last wave measured.
+                region = max(pending[index:], key=lambda c: c.elements)
+                self.probe_scale = self._next_probe_scale()
+                self.probe_peak = 0
                 p = policy.probe_plan(self.spec.shape, budget_bytes=self.budget_bytes, halo=self.spec.halo,
                                       slots=self.slots, whole_traces=self.spec.whole_traces, region=region,
                                       itemsize=ITEMSIZE, settings=self.settings, scale=self.probe_scale,
-                                      reason=p.reason)
+                                      reason=p.probe_reason)
                 out.append(self._decided(PROBE, p, p.reason, at, region=region.key()))
                 self.queue.extend(Pending(c, p.decision) for c in p.chunks)
-                self.regions = list(p.remainder) + pending[index + 1:]
+                self.regions = list(p.remainder) + [r for r in pending[index:] if r is not region]
                 break
             out.append(self._decided(RECHUNK, p, self.region_reason + p.reason, at, region=region.key()))
             self.queue.extend(Pending(c, p.decision, armed=self.arm is not None) for c in p.chunks)
@@ -858,6 +869,19 @@ class MapMachine:
             self.planned_upper = self.queue_bound()
             self.planned_budget = self.budget_bytes
         return out
+
+    def _next_probe_scale(self) -> float:
+        """The next probe wave's blocks, as a share of the largest an operator needing ``probe_multiple`` x its
+        input fits: as far as the last wave's largest peak allows if memory grew with the square of the block
+        (within ``probe_growth_budget`` of the budget), up to that largest; 1.5x smaller where that is not 1.5x
+        larger (two sizes separate a fixed overhead from a slope); a quarter after a wave that measured nothing
+        (every probe ran out of memory)."""
+        s = self.settings
+        last = self.probe_scale or s.probe_first_share
+        if self.probe_peak <= 0:
+            return last / 4
+        up = min(1.0, last * math.sqrt(s.probe_growth_budget * self.budget_bytes / self.probe_peak))
+        return up if up >= 1.5 * last else last / 1.5
 
     def _maybe_replan(self, at: float) -> list[Instruction]:
         """Mid-map: when the bound for what is queued moved enough, or the cluster's slots changed
@@ -937,9 +961,10 @@ class MapMachine:
 
     # ---------------------------------------------------------------- helpers
 
-    def _plan(self, region: Chunk) -> Plan:
+    def _plan(self, region: Chunk, slots: int | None = None) -> Plan:
         return policy.plan(self.spec.shape, budget_bytes=self.budget_bytes, predict=self.predict, halo=self.spec.halo,
-                           slots=self.slots, whole_traces=self.spec.whole_traces, region=region, itemsize=ITEMSIZE,
+                           slots=self.slots if slots is None else slots, whole_traces=self.spec.whole_traces,
+                           region=region, itemsize=ITEMSIZE,
                            seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
                            seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for)
 

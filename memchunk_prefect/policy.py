@@ -109,6 +109,7 @@ class Plan:
     remainder: list[Chunk] = field(default_factory=list)
     decision: str = RECHUNK
     reason: str = ""
+    probe_reason: str = ""  # a probe's: why the model could not plan (the reason without the probe's own words)
 
     @property
     def n_chunks(self) -> int:
@@ -426,27 +427,28 @@ def probe_plan(
     region: Chunk | None = None,
     itemsize: int = ITEMSIZE,
     settings: PolicySettings = DEFAULT_SETTINGS,
-    scale: float = 1.0,
+    scale: float | None = None,
     reason: str = "too little history",
 ) -> Plan:
-    """A cold-start probe: real chunks of two sizes, as large as an unknown operator allows, from ``region``'s start.
+    """A cold-start probe wave: one chunk per slot (at least two), all of one size, from ``region``'s start.
 
-    Sizes: 2 units for half the slots and 1 unit twice for the others (at least
-    ``settings.probe_chunks`` probes), so every slot holds 2 units of work when
-    the larger probes go first (they are listed first), and two sizes separate a
-    fixed overhead from a per-element cost. The 2-unit probe is as large as the
-    budget allows an operator needing ``settings.probe_multiple`` times its input
-    (``scale`` grows it on later probe waves): the probes lie side by side across
-    the region's xlines in a strip of as many ilines as that allows. Probes far
-    smaller than that (one iline of a narrow survey: 21-65 traces where 4,700
-    fitted) measured a light operator only at its memory floor, and the plan
-    after them was several times too cautious. What is left (``remainder``) is at
-    most three boxes, planned once the probes are measured. Their results are
-    kept: a probe is real work.
+    The largest probe an unknown operator can be given is the block that fits the
+    budget if it needs ``settings.probe_multiple`` times its input; a wave's
+    probes are ``scale`` times that (``settings.probe_first_share`` by default:
+    the first wave). They lie side by side across the region's xlines in a strip
+    of as many ilines as that allows, so they are real work of one size (equal
+    probes keep every slot busy for the same time). The runner sizes its second
+    wave from what the first measured (:mod:`memchunk_prefect.machine`): small
+    first, because an operator whose memory grows faster than its size can
+    outgrow any multiple of its input (a 100x-sized first probe of one quadratic
+    in its traces was killed), then as large as that growth allows, because a
+    light operator measured only at its memory floor is planned several times
+    too cautiously. What is left (``remainder``) is at most three boxes. Probes
+    are real work: their results are kept.
 
-    >>> p = probe_plan((10, 40, 100), budget_bytes=100 * 4 * 12_000, slots=2)
+    >>> p = probe_plan((10, 40, 100), budget_bytes=100 * 4 * 12_000, slots=2, scale=1.0)
     >>> [c.shape for c in p.chunks], [c.shape for c in p.remainder]
-    ([(6, 20, 100), (6, 10, 100), (6, 10, 100)], [(4, 40, 100)])
+    ([(6, 20, 100), (6, 20, 100)], [(4, 40, 100)])
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
@@ -455,7 +457,7 @@ def probe_plan(
     budget_bytes = check_budget(budget_bytes)
     slots = int(_positive(slots, "slots"))
     itemsize = int(_positive(itemsize, "itemsize"))
-    scale = float(_positive(scale, "scale", integer=False))
+    scale = float(_positive(settings.probe_first_share if scale is None else scale, "scale", integer=False))
     # Without history nothing is known of the operator but this: it holds at least its input block and
     # writes an output block as large. If even the smallest block allowed cannot do that, refuse now,
     # before anything is submitted.
@@ -467,32 +469,42 @@ def probe_plan(
             f"the memory budget of {format_bytes(budget_bytes)} per task cannot hold even {smallest_name} column "
             f"with its halo (extents {smallest}: {format_bytes(floor_bytes)} for its input and output alone). "
             "Give workers more memory (memory_limit), fewer threads per worker, or a larger memory_budget")
-    n = min(slots, r[1])  # (more probes than trace columns cannot be cut)
-    sizes = [2] * -(-n // 2) + [1] * (2 * (n // 2))
-    sizes += [1] * max(0, int(settings.probe_chunks) - len(sizes))
-    while sum(sizes) > r[1] and len(sizes) > 1:  # a narrow survey: fewer probes (each at least one trace wide)
-        sizes.pop()
-    # Elements (halo included) the largest probe may hold if the operator needs probe_multiple x its input.
+    n = min(max(slots, 2), r[1])  # (more probes than trace columns cannot be cut)
+    # Elements (halo included) a probe may hold: scale x what an operator needing probe_multiple x its input fits.
     max_elems = max(1.0, budget_bytes * scale / (settings.probe_multiple * itemsize))
+    i0, x0, t0 = region.start
+
+    def read(rows: int, widths: Sequence[int], t_len: int) -> int:
+        """Elements of the largest block the probes read, placed at the region's start (halos clipped at the
+        volume's edges, as they are read: a probe in a corner holds half the halo an interior block would)."""
+        out, x = 0, x0
+        for w in widths:
+            box = Chunk((i0, x, t0), (i0 + rows, x + w, t0 + t_len))
+            out = max(out, with_halo(box, h, vol)[0].elements)
+            x += w
+        return out
+
     t_len = r[2]
     if not whole_traces:
-        while t_len > 1 and math.prod(extents_with_halo((1, 1, t_len), h, vol)) > max_elems:
+        while t_len > 1 and read(1, [1], t_len) > max_elems:
             t_len = -(-t_len // 2)
-
-    def fits(rows: int, width: int) -> bool:
-        return math.prod(extents_with_halo((rows, width, t_len), h, vol)) <= max_elems
-
-    total = sum(sizes)
-    cuts = [round(r[1] * k / total) for k in itertools.accumulate(sizes)]
-    widths = [b - a for a, b in zip([0] + cuts[:-1], cuts)]  # the probes across every xline, in proportion
+    cuts = [round(r[1] * k / n) for k in range(1, n + 1)]
+    widths = [b - a for a, b in zip([0] + cuts[:-1], cuts)]  # the probes across every xline, of one size
     rows = 1
-    if fits(1, max(widths)):  # a strip as thick as the largest probe allows
-        rows = _largest(1, r[0], lambda n: fits(n, max(widths)))
+    if read(1, widths, t_len) <= max_elems:  # a strip as thick as the probes allow
+        rows = _largest(1, r[0], lambda k: read(k, widths, t_len) <= max_elems)
     else:  # even one iline across every xline is too much: the probes take part of the first iline
-        unit = _largest(1, max(1, r[1] // total), lambda n: fits(1, n * sizes[0]))
-        if unit * total <= r[1]:  # (else fewer traces than size units: one trace each, as cut above)
-            widths = [unit * k for k in sizes]
-    i0, x, t0 = region.start
+        widths = [_largest(1, max(1, r[1] // n), lambda k: read(1, [k] * n, t_len) <= max_elems)] * n
+    if rows >= r[0] and t_len == r[2] and r[1] >= 3:
+        # The wave takes the whole region: nothing is left to plan, so it must teach two sizes itself (else the
+        # next run would probe one size again): 2 units on half the slots, 1 unit twice on the others, the
+        # larger first (every slot holds 2 units).
+        sizes = [2] * -(-n // 2) + [1] * (2 * (n // 2))
+        while sum(sizes) > r[1] and len(sizes) > 2:
+            sizes.pop()
+        cuts = [round(r[1] * k / sum(sizes)) for k in itertools.accumulate(sizes)]
+        widths = [b - a for a, b in zip([0] + cuts[:-1], cuts)]
+    x = x0
     chunks: list[Chunk] = []
     for w in widths:
         chunks.append(Chunk((i0, x, t0), (i0 + rows, x + w, t0 + t_len)))
@@ -514,8 +526,9 @@ def probe_plan(
         probe=True,
         remainder=remainder,
         decision=PROBE,
-        reason=(f"{reason}: probing with {len(chunks)} chunks of up to {largest.shape} "
-                f"(sized for {settings.probe_multiple:g}x the input)"),
+        reason=(f"{reason}: probing with {len(chunks)} chunks of {largest.shape} ({scale:.3g} of the largest block "
+                f"an operator needing {settings.probe_multiple:g}x its input fits)"),
+        probe_reason=reason,
     )
 
 

@@ -52,8 +52,14 @@ class PolicySettings:
     - ``probe_multiple``: the memory multiple (peak bytes / input bytes) assumed
       for an unknown operator when sizing probes; 100 covers the heaviest
       operator known (GST3D, about 60x), so probes fit on the first try.
-    - ``probe_chunks``: at least this many probe chunks (three observations of at
-      least two sizes separate a fixed overhead from a per-element cost).
+    - ``probe_first_share``: the first probe wave's blocks as a share of the largest
+      block an operator needing ``probe_multiple`` x its input fits (small: an
+      operator whose memory grows faster than its size can outgrow any multiple).
+    - ``probe_growth_budget``: the second probe wave grows its blocks as far as
+      would keep the first wave's largest peak within this share of the budget if
+      memory grew with the square of the block (the steepest form the model fits),
+      up to the largest block the multiple allows; where that is not 1.5x larger,
+      it probes 1.5x smaller instead (a fixed overhead and a slope need two sizes).
     - ``max_counts``: largest number of pieces per axis the planner considers.
     - ``in_flight_per_slot``: chunks submitted ahead per worker slot (at least one
       more than the slots, so a slot never waits for the flow); the rest of the
@@ -103,7 +109,8 @@ class PolicySettings:
     replan_threshold: float = 0.2
     replan_gain: float = 0.1
     probe_multiple: float = 100.0
-    probe_chunks: int = 3
+    probe_first_share: float = 0.125
+    probe_growth_budget: float = 0.8
     max_counts: int = 4096
     in_flight_per_slot: int = 2
     memory_kill_fraction: float = 0.5

@@ -182,41 +182,57 @@ def test_a_restart_is_recorded_before_the_chunking_decision():
 # =========================================================================== cold start
 
 
-def test_cold_start_probes_then_plans_every_box_left_once_the_probes_are_back():
+def test_cold_start_probes_twice_then_plans_every_box_left_once():
+    """Cold: a small first wave (one equal probe per slot), a second wave sized from what it measured, then every
+    box left planned once."""
     know = Linear(ready=False)
-    m = machine((16, 40, 10), knowledge=know)
-    # Probes sized for 100x their input: 600 elements at most, so 3 ilines of the 20-trace probe.
-    first, probes = started(m, slots=2, budget=100 * 4 * 600)
+    m = machine((64, 40, 10), knowledge=know)
+    budget = 100 * 4 * 4800  # the largest probe an operator needing 100x its input fits: 4,800 elements
+    first, probes = started(m, slots=2, budget=budget)
     assert of(Decided, first)[0].record.decision == "probe"
-    probe_subs = of(Submit, probes)
-    assert len(probe_subs) == 3 and len({s.chunk.elements for s in probe_subs}) == 2, "two sizes"
-    assert [s.chunk.elements for s in probe_subs] == sorted((s.chunk.elements for s in probe_subs), reverse=True), \
-        "the larger first: 2 units on one slot while the other runs the two 1-unit probes"
+    wave1 = of(Submit, probes)
+    assert len(wave1) == 2 and len({s.chunk.elements for s in wave1}) == 1, "one per slot, of one size"
+    assert all(s.chunk.elements <= 4800 * 0.125 for s in wave1), "the first wave: an eighth of the largest probe"
     assert m.regions, "the rest waits for the probes"
-    know.ready = True  # the probes taught the model
     out = []
-    for s in probe_subs:
-        out += m.handle(ChunkDone(s.id, obs(s.chunk)))
+    for s in wave1:  # 100 bytes per element, as the fake model says
+        out += m.handle(ChunkDone(s.id, obs(s.chunk, peak=100 * s.chunk.elements)))
+        out += m.advance()
+    (again,) = [d.record for d in of(Decided, out)]
+    wave2 = of(Submit, out)
+    assert again.decision == "probe" and len({s.chunk.elements for s in wave2}) == 1
+    # As far as would keep the first wave's peak within 0.8 of the budget if memory grew with the square of the
+    # block, up to the largest probe: here the largest.
+    assert max(s.chunk.elements for s in wave2) > 4 * max(s.chunk.elements for s in wave1)
+    know.ready = True  # the two waves taught the model
+    out = []
+    for s in wave2:
+        out += m.handle(ChunkDone(s.id, obs(s.chunk, peak=100 * s.chunk.elements)))
         out += m.advance()
     decided = [d.record for d in of(Decided, out)]
     assert decided and all(r.decision == "rechunk" and r.reason.startswith("after probing: ") for r in decided)
     assert len(decided) == len({r.region for r in decided}), "each box left planned once"
-    planned = [q.chunk for q in m.queue] + [i.chunk for i in m.in_flight.values()] + [s.chunk for s in probe_subs]
-    assert covers_exactly(planned, (16, 40, 10))
+    planned = ([q.chunk for q in m.queue] + [i.chunk for i in m.in_flight.values()]
+               + [s.chunk for s in wave1 + wave2])
+    assert covers_exactly(planned, (64, 40, 10))
 
 
-def test_probes_grow_twice_as_large_while_the_history_is_still_too_short():
-    m = machine((4, 2000, 10), knowledge=Linear(ready=False))  # a long row: room for both waves
-    first, probes = started(m, slots=2, budget=400 * 1024)  # probes sized by the budget, not the row
-    sizes1 = [s.chunk.elements for s in of(Submit, probes)]
-    out = []
-    for s in of(Submit, probes):
-        out += m.handle(ChunkDone(s.id, obs(s.chunk)))
-        out += m.advance()
-    again = [d.record for d in of(Decided, out)]
-    assert [r.decision for r in again] == ["probe"] and m.probe_scale == 2
-    sizes2 = [s.chunk.elements for s in of(Submit, out)]
-    assert max(sizes2) > max(sizes1)
+@pytest.mark.parametrize("first_peak_share, grows", [
+    (0.001, "to the largest probe"),   # a light operator: the second wave as large as any unknown one may be
+    (0.05, "by sqrt(0.8 / 0.05) = 4x"),  # memory quadratic in the block would still fit
+    (0.6, "1.5x smaller"),             # heavy already: a smaller second size, never a riskier one
+    (0.0, "a quarter"),                # every probe ran out of memory: nothing measured
+])
+def test_the_second_probe_wave_grows_as_far_as_memory_quadratic_in_the_block_would_still_fit(first_peak_share, grows):
+    m = machine((4, 4000, 10), knowledge=Linear(ready=False))  # a long row: room for both waves
+    budget = 100 * 4 * 16_000
+    m.handle(Start(2, budget))
+    m.advance()
+    m.probe_peak = int(first_peak_share * budget)
+    first = m.settings.probe_first_share
+    expected = {"to the largest probe": 1.0, "by sqrt(0.8 / 0.05) = 4x": first * 4,
+                "1.5x smaller": first / 1.5, "a quarter": first / 4}[grows]
+    assert m._next_probe_scale() == pytest.approx(expected)
 
 
 # =========================================================================== mid-map re-plan
@@ -786,3 +802,23 @@ def test_a_map_whose_workers_creep_up_replans_what_no_longer_fits_and_runs_what_
     sub = of(Submit, out)[0]
     m.handle(ChunkDone(sub.id, drifted(sub.chunk, "w1", 0), at=2.0))
     assert m.budget_bytes == 60 * 1024, "the worst worker still stands 40 KiB up"
+
+
+def test_the_map_log_keeps_how_close_the_model_was_at_the_chunks_it_ran():
+    """Per chunk the runner chose, the model's mean and bound when it was submitted against the measured peak:
+    the demo and the benchmarks report them (the bound over the peak at the chunk size chosen)."""
+    from memchunk_prefect.observe import MapLog
+
+    log = MapLog()
+    m = machine((64, 8, 10), max_counts=64)
+    m.handle(Start(2, 100 * 1024))
+    subs = of(Submit, m.advance())
+    for s in subs:
+        log.on_submit(s)
+    # Each peak is the fake model's mean (100 bytes per element); its bound is 1.2x that.
+    for s in subs[:2]:
+        for ended in of(ChunkEnded, m.handle(ChunkDone(s.id, obs(s.chunk, peak=100 * s.chunk.elements)))):
+            log.on_chunk_end(ended)
+    summary = log.summary(operator="op", operator_key=KEY, chunks=[], output="/out.zarr")
+    assert summary["bound_over_peak"] == pytest.approx(1.2) and summary["mean_error"] == pytest.approx(0.0)
+    assert len(log.predicted) == 2

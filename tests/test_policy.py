@@ -102,15 +102,17 @@ def test_non_positive_budget_is_refused(bad):
         plan((4, 4, 4), budget_bytes=bad, predict=linear(1), slots=1)
 
 
-def test_no_history_gives_a_probe_of_several_sizes_and_a_plannable_remainder():
+def test_no_history_gives_a_wave_of_equal_probes_one_per_slot_and_a_plannable_remainder():
     shape = (50, 40, 200)
-    p = plan(shape, budget_bytes=200 * MiB, predict=linear(5, ready=False), slots=2)
+    p = plan(shape, budget_bytes=200 * MiB, predict=linear(5, ready=False), slots=3)
     assert p.probe and p.decision == PROBE
-    assert len(p.chunks) >= 3
-    assert len({c.elements for c in p.chunks}) >= 2, "probes of different sizes separate overhead from slope"
+    widths = [c.shape[1] for c in p.chunks]
+    assert len(p.chunks) == 3 and max(widths) - min(widths) <= 1, "one per slot, of one size (to a trace)"
+    assert len({c.shape[0] for c in p.chunks}) == 1
     assert covers_exactly(p.chunks + p.remainder, shape)
-    # Sized for probe_multiple (100x) of the input: even a 60x operator fits the budget.
-    assert all(100 * 4 * c.elements <= 200 * MiB for c in p.chunks)
+    # The first wave: an eighth of the largest block an operator needing 100x its input fits.
+    assert all(100 * 4 * c.elements <= 200 * MiB * 0.125 for c in p.chunks)
+    assert all(100 * 4 * c.elements > 200 * MiB * 0.125 / 2 for c in p.chunks), "as large as that allows"
 
 
 @given(shape=st.tuples(st.integers(1, 30), st.integers(1, 30), st.integers(1, 50)),

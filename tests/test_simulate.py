@@ -317,7 +317,7 @@ def test_an_operator_never_run_is_simulated_cold_from_a_stated_prior_and_flagged
     models = store_models(str(tmp_path / "s.sqlite"), prior=PriorKnowledge(40.0, 1e-6))
     step = Step.of("gst3d_dip")
     cluster = ClusterShape(workers=2, memory_limit_bytes=2**30, resting_bytes=250 * MiB)
-    # A survey larger than the probes: sized for 100x their input, they take 74 of its 256 ilines here.
+    # A survey larger than the probe waves: nothing learned before, the runner probes twice, then plans the rest.
     r = run_strategy("memchunk", [step], (256, 256, 200), cluster, models.knowledge, np.random.default_rng(0),
                      truth_for=models.truth)
     assert r.completed and models.from_prior == {step.key}
