@@ -84,7 +84,9 @@ def run_survey(bench: Any, shape: tuple[int, int, int], statics: tuple[int, ...]
         for phase in ("cold", "warm"):
             results.append(bench.measure(f"{name}-{phase}", lambda p=phase, s=store, lp=learned, n=name: (
                 st.run_memchunk(bench, survey, steps, s, f"{n}-{p}-{tag}", learned_policy=lp))))
-    return {"shape": list(shape), "strategies": [r.to_dict() for r in results]}
+    warm = next(r for r in results if r.name == "memchunk-warm")
+    quality = st.learning_quality(str(workdir / f"memchunk-{tag}.sqlite"), warm.to_dict())
+    return {"shape": list(shape), "strategies": [r.to_dict() for r in results], "learning_quality": quality}
 
 
 def evaluate(surveys: list[dict]) -> dict[str, dict]:
@@ -117,6 +119,12 @@ def evaluate(surveys: list[dict]) -> dict[str, dict]:
             figures.append(f"{tuple(s['shape'])}: {r:.2f}x")
         out[f"learned policy no slower than the heuristic, {phase} (within 5%)"] = {
             "met": met, "figure": "; ".join(figures) or "not measured"}
+    missed = [f"{q['operator']} on {tuple(s['shape'])}" for s in surveys for q in s.get("learning_quality", [])
+              if not q["met"]]
+    out["learning quality per operator: >= 95% within the bound, MAPE <= 10% after 5 runs, bound <= 1.25x the "
+        "peak at the chunks chosen"] = {
+        "met": not missed and all(s.get("learning_quality") for s in surveys),
+        "figure": f"missed by {', '.join(missed)}" if missed else "every operator on every survey"}
     return out
 
 
@@ -153,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     for s in surveys:
         print(f"\nsurvey {tuple(s['shape'])}")
         print(table(s["strategies"]))
+        if s.get("learning_quality"):
+            print("what was learned (memchunk's store: cold then warm; bound/peak chosen: memchunk-warm's chunks):")
+            print(st.quality_table(s["learning_quality"]))
     print()
     for label, v in result["targets"].items():
         verdict = {True: "MET   ", False: "MISSED", None: "n/a   "}[v["met"]]

@@ -698,13 +698,63 @@ def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: 
         shutil.rmtree(out_dir, ignore_errors=True)
     per_op = {s["operator"]: {"decisions": s["decisions"], "tasks": s["tasks"], "chunks": s["chunks"],
                               "oom_events": s["oom_events"], "peak_bytes": s["peak_bytes"],
-                              "budget_bytes": s["budget_bytes"], "arms": s.get("arms", [])} for s in summaries}
+                              "budget_bytes": s["budget_bytes"], "arms": s.get("arms", []),
+                              "operator_key": s["operator_key"], "bound_over_peak": s.get("bound_over_peak"),
+                              "mean_error": s.get("mean_error")} for s in summaries}
     return {"completed": True, "tasks": sum(s["tasks"] for s in summaries), "seconds": result["seconds"],
             "memory_errors": sum(s["memory_errors"] for s in summaries),
             "notes": "; ".join(f"{s['operator']}: {'/'.join(s['decisions'])}, {s['chunks']} chunks"
                                for s in summaries),
             "extra": {"operators": per_op, "runner_oom_events": sum(s["oom_events"] for s in summaries),
                       "runner_killed_events": sum(s["killed"] for s in summaries)}}
+
+
+# =========================================================================== learning quality
+
+
+QUALITY_GOALS = {"coverage": 0.95, "mape": 0.10, "bound_over_peak": 1.25}
+"""The issue's goals for what was learned on real runs: share of next runs within the upper bound, mean absolute
+error of the predicted mean after 5 runs, upper bound over the measured peak at the chunk size chosen."""
+
+
+def learning_quality(store: str, chosen: dict | None = None) -> list[dict]:
+    """Per operator key in ``store``: its whole history replayed in order, each run scored before it is learned
+    (:func:`memchunk_prefect.model.replay_quality`: coverage, and MAPE after 5 runs), and the upper bound over
+    the measured peak at the chunks a run chose (``chosen``: a memchunk strategy's result, whose maps recorded
+    the model's figures when each chunk was submitted; else the replay's figure). ``met`` holds the goals."""
+    from memchunk_prefect.model import replay_quality
+    from memchunk_prefect.store import Store
+
+    by_key = {op["operator_key"]: (name, op) for name, op in ((chosen or {}).get("extra", {})
+                                                              .get("operators", {}).items())
+              if op.get("operator_key")}
+    rows = []
+    with Store(store) as s:
+        for key in s.keys():
+            q = replay_quality((o for _, o in s.rows(key)), key)
+            name, op = by_key.get(key, (key.split("|")[0], {}))
+            q["operator"] = name
+            q["bound_at_chosen"] = op.get("bound_over_peak") if op.get("bound_over_peak") is not None \
+                else q["bound_over_peak"]
+            q["met"] = (q["scored"] > 0 and q["coverage"] >= QUALITY_GOALS["coverage"]
+                        and q["mape"] <= QUALITY_GOALS["mape"]
+                        and q["bound_at_chosen"] <= QUALITY_GOALS["bound_over_peak"])
+            rows.append(q)
+    return rows
+
+
+def quality_table(rows: list[dict]) -> str:
+    """The learning-quality rows as a text table."""
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v * 100:.1f}%"
+
+    lines = [f"{'operator':34s} {'runs':>5s} {'scored':>6s} {'within bound':>12s} {'MAPE after 5':>12s} "
+             f"{'bound/peak chosen':>17s}  goals"]
+    for q in rows:
+        b = "-" if q["bound_at_chosen"] is None else f"{q['bound_at_chosen']:.2f}x"
+        lines.append(f"{q['operator'][:34]:34s} {q['observations']:5d} {q['scored']:6d} {pct(q['coverage']):>12s} "
+                     f"{pct(q['mape']):>12s} {b:>17s}  {'met' if q['met'] else 'MISSED'}")
+    return "\n".join(lines)
 
 
 # =========================================================================== the overhead pair

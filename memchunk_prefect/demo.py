@@ -64,21 +64,23 @@ def _no_telemetry() -> None:
 
 
 def summary_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
-    """One row per operator: its decisions, tasks, peak against budget, out-of-memory events recovered, energy.
+    """One row per operator: its decisions, tasks, peak against budget, the model's upper bound over the measured
+    peak at the chunks it planned (``-`` where every chunk was a probe), out-of-memory events recovered, energy.
 
     >>> print("\\n".join(summary_lines([{"operator": "envelope", "decisions": ["probe", "rechunk"], "tasks": 7,
-    ...     "peak_bytes": 68_000_000, "budget_bytes": 781_000_000, "oom_events": 0,
+    ...     "peak_bytes": 68_000_000, "budget_bytes": 781_000_000, "oom_events": 0, "bound_over_peak": 1.084,
     ...     "energy": {"estimate": 3.25}}])))
-      operator  decisions       tasks  peak / budget per task  out of memory  energy
-      envelope  probe, rechunk  7      64.8 MiB / 744.8 MiB    0 recovered    3.2 J (estimated)
+      operator  decisions       tasks  peak / budget per task  bound / peak  out of memory  energy
+      envelope  probe, rechunk  7      64.8 MiB / 744.8 MiB    1.08x         0 recovered    3.2 J (estimated)
     """
     from .cli import table
     from .energy import energy_text
     from .errors import format_bytes
 
-    header = ["operator", "decisions", "tasks", "peak / budget per task", "out of memory", "energy"]
+    header = ["operator", "decisions", "tasks", "peak / budget per task", "bound / peak", "out of memory", "energy"]
     rows = [[s["operator"], ", ".join(s["decisions"]), str(s["tasks"]),
              f"{format_bytes(s['peak_bytes']) if s['peak_bytes'] else 'n/a'} / {format_bytes(s['budget_bytes'])}",
+             "-" if s.get("bound_over_peak") is None else f"{s['bound_over_peak']:.2f}x",
              f"{s['oom_events']} recovered", energy_text(s.get("energy", {}))]
             for s in summaries]
     return table(header, rows, indent="  ").splitlines()

@@ -128,6 +128,10 @@ class MapLog(MapObserver):
     observations: list[Observation] = field(default_factory=list)
     budget_bytes: int = 0
     done: list[Chunk] = field(default_factory=list)
+    #: (predicted mean, upper bound, measured peak) in bytes of every chunk that finished with a ready prediction
+    #: made when it was submitted: how close the model was at the chunks the runner chose.
+    predicted: list[tuple[float, float, int]] = field(default_factory=list)
+    _submitted: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def on_map_start(self, event: MapStart) -> None:
         self.budget_bytes = event.budget_bytes
@@ -135,10 +139,18 @@ class MapLog(MapObserver):
     def on_decision(self, event: DecisionRecord) -> None:
         self.decisions.append(event.to_dict())
 
+    def on_submit(self, event: Submit) -> None:
+        if event.predicted_bytes is not None and event.upper_bytes is not None:
+            self._submitted[event.id] = (float(event.predicted_bytes), float(event.upper_bytes))
+
     def on_chunk_end(self, event: ChunkEnded) -> None:
         self.events.append(event.to_dict())
         if event.observation is not None:
             self.observations.append(event.observation)
+        figures = self._submitted.pop(event.id, None)
+        o = event.observation
+        if figures is not None and event.outcome == OK and o is not None and o.peak_bytes > 0:
+            self.predicted.append((*figures, int(o.peak_bytes)))
 
     @property
     def oom_events(self) -> int:
@@ -161,4 +173,10 @@ class MapLog(MapObserver):
             # Every task run's energy (failed attempts too), joules per source (a counter, or "estimate").
             "energy": energy_by_source((o.energy_joules, o.energy_source) for o in self.observations),
             "output": output,
+            # At the chunks run with a ready prediction: the mean of upper bound / measured peak, and the mean
+            # absolute error of the predicted mean (None where every chunk ran without one: probes).
+            "bound_over_peak": (sum(u / p for _, u, p in self.predicted) / len(self.predicted)
+                                if self.predicted else None),
+            "mean_error": (sum(abs(m / p - 1) for m, _, p in self.predicted) / len(self.predicted)
+                           if self.predicted else None),
         }

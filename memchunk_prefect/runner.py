@@ -160,14 +160,16 @@ class ChunkedResult(PrefectFutureList):
 
     def __init__(self, futures: Iterable[PrefectFuture], *, output_path: str, shape: Shape, chunks: list[Chunk],
                  operator: str, operator_key: str, decisions: list[dict], events: list[dict],
-                 observations: list[Observation], budget_bytes: int):
+                 observations: list[Observation], budget_bytes: int,
+                 predicted: Iterable[tuple[float, float, int]] = ()):
         super().__init__(futures)
         self.output_path = output_path
         self.shape = shape
         self.chunks = chunks
         self.operator = operator
         self.operator_key = operator_key
-        self.log = MapLog(decisions=decisions, events=events, observations=observations, budget_bytes=budget_bytes)
+        self.log = MapLog(decisions=decisions, events=events, observations=observations, budget_bytes=budget_bytes,
+                          predicted=list(predicted))
 
     @classmethod
     def of(cls, cmap: ChunkedMap, log: MapLog) -> "ChunkedResult":
@@ -175,7 +177,7 @@ class ChunkedResult(PrefectFutureList):
         done = cmap.machine.done if cmap.machine is not None else []
         return cls(cmap.futures, output_path=cmap.output_path, shape=cmap.shape, chunks=sorted(done),
                    operator=cmap.name, operator_key=cmap.key, decisions=log.decisions, events=log.events,
-                   observations=log.observations, budget_bytes=log.budget_bytes)
+                   observations=log.observations, budget_bytes=log.budget_bytes, predicted=log.predicted)
 
     @property
     def decisions(self) -> list[dict]:

@@ -63,6 +63,13 @@ def test_quick_benchmark_reports_every_strategy(tmp_path):
     arms = {op: v["arms"] for op, v in by["memchunk-warm"]["extra"]["operators"].items()}
     assert all(a and set(a) <= {"bold", "mid", "safe"} for a in arms.values()), arms
     assert all(v["arms"] == ["safe"] for v in by["heuristic-warm"]["extra"]["operators"].values())
+    # What was learned, from the runs themselves: every operator of the pipeline scored on its own history.
+    quality = {q["operator"]: q for q in result["learning_quality"]}
+    assert set(quality) == {"envelope", "gaussian_smooth", "gst3d_dip"}, quality
+    for q in quality.values():
+        assert q["scored"] > 0 and 0 <= q["coverage"] <= 1 and q["mape"] >= 0 and q["bound_at_chosen"] > 0, q
+        assert isinstance(q["met"], bool)
+    assert "MAPE after 5" in proc.stdout
 
     # The simulator against these runs, from the benchmark's own store (no timing assertions either).
     sim_json = tmp_path / "sim.json"
@@ -91,7 +98,10 @@ def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp
         for name in ("memchunk-cold", "memchunk-warm", "heuristic-cold", "heuristic-warm"):
             assert by[name]["completed"], (name, by[name]["notes"])
         assert "static-best" in by
+        assert {q["operator"] for q in survey["learning_quality"]} == {
+            "envelope", "trace_correlation", "gaussian_smooth", "gst3d_dip"}
     assert any("0.85x static-best" in label for label in result["targets"])
+    assert any(label.startswith("learning quality") for label in result["targets"])
 
 
 def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_sources(tmp_path):
