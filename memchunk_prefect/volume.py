@@ -78,6 +78,8 @@ DEFAULT_SAMPLE_INTERVAL_MS = 4.0
 TARGET_STORAGE_CHUNK_BYTES = 2 * 2**20
 #: Name of the data array inside a store written by ZarrOutput.
 DATA_NAME = "data"
+#: Storage chunks a region write processes at once (zarr's ``async.concurrency`` for the write; see ZarrOutput.write).
+WRITE_CONCURRENCY = 1
 #: Bookkeeping group inside a ZarrOutput store (completion markers and write locks).
 META_GROUP = ".memchunk"
 
@@ -730,6 +732,13 @@ class ZarrOutput:
         with ExitStack() as stack:
             for cell in sorted(partial):
                 stack.enter_context(self._lock(cell))
+            # One storage chunk at a time: zarr otherwise reads, decompresses, merges and compresses all of them
+            # at once (async.concurrency, 10), and how many were alive together moved a chunk's measured peak
+            # by tens of MiB from run to run (gaussian_smooth on 72 x 128 x 400: 49-60 MiB; one at a time
+            # 33 MiB every time, in the same time: python -m benchmarks.write_memory). The model learns from
+            # those peaks. The setting is the process's while it is set: with several threads per worker another
+            # thread's write may run at either concurrency (its memory, not its result, differs).
+            stack.enter_context(zarr.config.set({"async.concurrency": WRITE_CONCURRENCY}))
             arr[chunk.slices()] = data.astype(self.dtype, copy=False)
         if mark_done:
             self.mark_done(chunk)
