@@ -332,6 +332,19 @@ def test_before_a_margin_is_learned_the_tight_bound_is_the_in_data_prediction_in
     assert p.tight_bytes < 1.3 * p.mean_bytes
 
 
+def test_a_time_curve_that_falls_at_the_smallest_block_is_noise_and_the_line_is_kept():
+    # envelope's cold probes in a heterogeneous benchmark run (elements, seconds): the first wave carried
+    # first-call costs, so the smallest block took longer than one 3.3x larger; a quadratic through them is
+    # U-shaped, wins on leave-one-out error, and told the planner smaller chunks were faster.
+    m = OperatorModel(KEY)
+    runs = [(240_000, 0.0565), (240_000, 0.0872), (801_600, 0.0500), (1_603_200, 0.1843), (801_600, 0.0439)]
+    for e, secs in runs:
+        ext = (1, 1, e)
+        m.learn(Observation(KEY, e, ext, 4 * e, int(5 * MIB + 16 * e), seconds=secs))
+    assert m.time_form() == "linear"
+    assert m.seconds_for(1_843_200) is None
+
+
 def test_time_that_grows_with_the_square_of_the_block_is_learned_and_a_line_is_left_to_the_median():
     rng = random.Random(5)
     quad, lin = OperatorModel(KEY), OperatorModel(KEY)
