@@ -344,7 +344,8 @@ class OperatorModel:
     ``noise_floor_bytes`` added in quadrature to each peak when scaling rows;
     ``prior_noise`` (relative) and ``min_noise`` (relative) for the noise scale;
     ``curvature_sd``: prior standard deviation of a curved form's curvature, in
-    multiples of the peak at the largest block measured (see :class:`_Form`);
+    multiples of the peak at the largest block measured, at a relative noise of
+    ``min_noise`` (wider at more noise: the prior is conjugate, see :class:`_Form`);
     ``superlinear_gain``: the superlinear form is chosen only when its
     leave-one-out error is below this fraction of the line's (its bound is
     blended in otherwise, see :meth:`_curved_weight`);
