@@ -222,3 +222,24 @@ def test_many_chunks_benchmark_reports_every_task_run_final_and_the_memory_and_l
     assert set(result["task_runs"]) == {"COMPLETED"} and sum(result["task_runs"].values()) == result["tasks"]
     assert result["flow_process_peak_bytes"] > 0 and result["scheduler_peak_bytes"] > 0
     assert result["server_health_seconds"]["samples"] >= 1
+
+
+def test_compare_runs_reads_each_kept_run_and_sets_its_ratios_against_that_runs_fastest_static():
+    """The rows in BENCHMARKS.md come from the kept JSONs; each ratio is over that run's own fastest static-N."""
+    from benchmarks import compare_runs
+
+    paths = sorted((REPO / "benchmarks" / "runs").glob("side_by_side-*.json"))
+    assert len(paths) >= 2
+    for path in paths:
+        result = json.loads(path.read_text())
+        walls = {s["name"]: s["wall_seconds"] for s in result["strategies"]}
+        best = min(s["wall_seconds"] for s in result["strategies"]
+                   if s["name"].startswith("static-") and s["name"] != "static-best" and s["completed"])
+        line = compare_runs.row(result)
+        assert f"({walls['memchunk-warm'] / best:.2f}x)" in line and f"({walls['memchunk-cold'] / best:.2f}x)" in line
+        assert f"{result['overhead_ratio']:.3f}" in line
+    failed = json.loads(paths[0].read_text())
+    for s in failed["strategies"]:
+        s["completed"] = False
+    with pytest.raises(ValueError, match="no static-N completed"):
+        compare_runs.row(failed)
