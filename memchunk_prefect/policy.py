@@ -400,10 +400,19 @@ def plan(
         estimated_seconds=secs,
         estimated_joules=joules,
         decision=RECHUNK,
-        reason=(f"{len(chunks)} chunks of up to {cshape}: upper bound {format_bytes(pred.upper_bytes)} "
+        reason=(f"{_chunks_of(len(chunks), cshape)}: upper bound {format_bytes(pred.upper_bytes)} "
                 f"fits the budget {format_bytes(budget_bytes)} with {slots} slot(s)"
                 + _objective_words(secs, joules, settings)),
     )
+
+
+def _chunks_of(n: int, shape: Sequence[int]) -> str:
+    """``"3 chunks of up to (a, b, c)"``, or ``"1 chunk of (a, b, c)"`` (a reason names what the plan is).
+
+    >>> _chunks_of(1, (1, 28, 400)), _chunks_of(2, (70, 64, 400))
+    ('1 chunk of (1, 28, 400)', '2 chunks of up to (70, 64, 400)')
+    """
+    return f"1 chunk of {tuple(shape)}" if n == 1 else f"{n} chunks of up to {tuple(shape)}"
 
 
 def _objective_words(secs: float, joules: float, settings: PolicySettings) -> str:
@@ -622,7 +631,7 @@ def decide(
     kept = Plan(chunks=incoming, chunk_shape=largest.shape, predicted_peak_bytes=float(pred.mean_bytes),
                 upper_bound_bytes=float(pred.upper_bytes), budget_bytes=int(budget_bytes), estimated_seconds=secs,
                 estimated_joules=joules, decision=CONTINUE,
-                reason=(f"incoming {len(incoming)} chunks of up to {largest.shape} fit (upper bound "
+                reason=(f"incoming {_chunks_of(len(incoming), largest.shape)} fit (upper bound "
                         f"{format_bytes(pred.upper_bytes)} of {format_bytes(budget_bytes)}) and are near the best"))
     return Decision(CONTINUE, kept, kept.reason, incoming_n_chunks=len(incoming),
                     incoming_upper_bytes=float(pred.upper_bytes))

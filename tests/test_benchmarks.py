@@ -192,6 +192,25 @@ def test_write_memory_benchmark_measures_both_write_concurrencies_on_every_slab_
     assert "writes at once" in proc.stdout
 
 
+def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
+    out = tmp_path / "touch.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.first_touch", "--calls", "2", "--processes", "1",
+                           "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (calls,) = json.loads(out.read_text())
+    assert len(calls) == 2
+    for c in calls:
+        assert c["wall_seconds"] > 0 and c["user_seconds"] >= 0 and c["system_seconds"] >= 0 and c["minor_faults"] > 0
+    # The Gram matrix is ~545 MiB: the first call faults it in (~4,300 faults here; 2 MiB huge pages would need
+    # ~270, so the floor is set below that).
+    assert calls[0]["minor_faults"] > 100
+    assert "first call" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.first_touch", "--calls", "1"], cwd=REPO,
+                         env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--calls must be at least 2" in bad.stderr
+
+
 def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_plans_settled(tmp_path):
     out = tmp_path / "nights.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.consecutive", "--runs", "2", "--keep", "4", "--json",
