@@ -262,3 +262,26 @@ def test_compare_runs_reads_each_kept_run_and_sets_its_ratios_against_that_runs_
         s["completed"] = False
     with pytest.raises(ValueError, match="no static-N completed"):
         compare_runs.row(failed)
+
+
+def test_store_quality_replays_every_store_given_and_names_a_missing_one(tmp_path):
+    """Per operator over several stores: runs scored add up, and a linear operator is predicted closely."""
+    from benchmarks import store_quality
+    from memchunk_prefect.records import Observation
+    from memchunk_prefect.store import Store
+
+    paths = []
+    for s in range(2):
+        path = tmp_path / f"s{s}.sqlite"
+        with Store(str(path)) as store:
+            for k in range(12):
+                n = 10_000 * (1 + (k * 7 + s) % 9)
+                store.add(Observation("envelope|float32|cpu", n, (1, 1, n), 4 * n, 2**20 + 30 * n, seconds=0.1))
+        paths.append(str(path))
+    rows = store_quality.quality(paths, after=5)
+    one = store_quality.quality(paths[:1], after=5)
+    assert set(rows) == {"envelope"} and rows["envelope"]["stores"] == 2
+    assert rows["envelope"]["scored"] == 2 * one["envelope"]["scored"] > 0
+    assert rows["envelope"]["coverage"] == 1.0 and rows["envelope"]["mape"] < 0.02
+    with pytest.raises(FileNotFoundError, match="no observation store"):
+        store_quality.quality([str(tmp_path / "missing.sqlite")])

@@ -1,0 +1,71 @@
+"""How well the memory model predicted the runs in observation stores, replayed: per operator, over every store given.
+
+    python -m benchmarks.store_quality STORE [STORE ...] [--after 5] [--superlinear-gain G] [--json PATH]
+
+Each store's keys are replayed in the order their observations were stored
+(:func:`memchunk_prefect.model.replay_quality`): every ``ok`` run is predicted before
+it is learned, once the model is ready and has ``--after`` runs. Per operator (the
+key's name before its parameters), over all the stores: runs scored, the share
+within the upper bound (the worst store's share beside it), the mean absolute error
+of the predicted mean, and the mean bound over the measured peak. The stores of the
+benchmarks are kept with ``--workdir`` (``python -m benchmarks --workdir DIR``:
+``DIR/memchunk-store.sqlite``; ``python -m benchmarks.heterogeneous --workdir DIR``:
+one per survey). ``--superlinear-gain`` replays with another threshold for choosing a
+curved memory form (:class:`memchunk_prefect.model.OperatorModel`), to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+
+def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict[str, Any]]:
+    """Per operator name: ``scored``, ``coverage``, ``worst_coverage``, ``mape``, ``bound_over_peak``, ``stores``."""
+    from memchunk_prefect.model import replay_quality
+    from memchunk_prefect.store import Store
+
+    per_op: dict[str, list[dict]] = {}
+    for path in stores:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no observation store at {path!r}: give the .sqlite files a benchmark's "
+                                    "--workdir kept (or a Prefect home's memchunk/observations.sqlite)")
+        with Store(path) as store:
+            for key in store.keys():
+                q = replay_quality(store.observations(key), key, after=after, **options)
+                if q["scored"]:
+                    per_op.setdefault(key.split("|")[0].split("[")[0], []).append(q)
+    out = {}
+    for op, qs in sorted(per_op.items()):
+        n = sum(q["scored"] for q in qs)
+        out[op] = {"scored": n, "stores": len(qs),
+                   "coverage": sum(q["coverage"] * q["scored"] for q in qs) / n,
+                   "worst_coverage": min(q["coverage"] for q in qs),
+                   "mape": sum(q["mape"] * q["scored"] for q in qs) / n,
+                   "bound_over_peak": sum(q["bound_over_peak"] * q["scored"] for q in qs) / n}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.store_quality", description=__doc__.splitlines()[0])
+    p.add_argument("stores", nargs="+", metavar="STORE")
+    p.add_argument("--after", type=int, default=5, help="runs learned before one is scored (default 5)")
+    p.add_argument("--superlinear-gain", type=float, default=None)
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    options = {} if args.superlinear_gain is None else {"superlinear_gain": args.superlinear_gain}
+    rows = quality(args.stores, args.after, **options)
+    print(f"{'operator':20s} {'scored':>6s} {'stores':>6s} {'within bound':>12s} {'(worst store)':>13s} "
+          f"{'MAPE':>6s} {'bound/peak':>10s}")
+    for op, r in rows.items():
+        print(f"{op:20s} {r['scored']:6d} {r['stores']:6d} {r['coverage'] * 100:11.1f}% "
+              f"{r['worst_coverage'] * 100:12.0f}% {r['mape'] * 100:5.1f}% {r['bound_over_peak']:9.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
