@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
-import sys
 import time
+
+from benchmarks.children import run_child
 
 BLOCK = (86, 97, 100)
 
@@ -59,15 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args.calls)))
         return 0
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, MALLOC_TRIM_THRESHOLD_="65536", OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
-               MKL_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    runs = []
-    for _ in range(args.processes):
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.first_touch", "--child", "--calls", str(args.calls)],
-                              env=env, cwd=root, capture_output=True, text=True, check=True)
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    runs = [run_child("benchmarks.first_touch", ["--child", "--calls", str(args.calls)])
+            for _ in range(args.processes)]
     print(f"trace_correlation on one {' x '.join(map(str, BLOCK))} float32 block, {args.calls} calls in each of "
           f"{args.processes} fresh processes")
     print(f"{'process':>7s} {'call':>4s} {'wall s':>7s} {'user s':>7s} {'system s':>8s} {'minor faults':>12s}")

@@ -19,10 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
+
+from benchmarks.children import run_child
 
 SHAPE = (128, 128, 400)
 SLABS = {"72+56 ilines": (72, 56), "9+36 ilines": (9, 36)}
@@ -76,15 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:
         print(json.dumps(child(args.child, args.repeat)))
         return 0
-    env = dict(os.environ, MALLOC_TRIM_THRESHOLD_="65536")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
-    results = []
-    for concurrency in (1, 10):  # each in a fresh process: the allocator's state is part of what is measured
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.write_memory", "--child", str(concurrency),
-                               "--repeat", str(args.repeat)], env=env, cwd=root, capture_output=True, text=True,
-                              check=True)
-        results.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    # Each in a fresh process: the allocator's state is part of what is measured.
+    results = [run_child("benchmarks.write_memory", ["--child", str(concurrency), "--repeat", str(args.repeat)])
+               for concurrency in (1, 10)]
     print(f"gaussian_smooth on {SHAPE[0]} x {SHAPE[1]} x {SHAPE[2]} iline slabs, read + operator + write per chunk, "
           f"{args.repeat} repeats (zarr {results[0]['zarr']})")
     print(f"{'slabs':14s} {'writes at once':>14s} {'peak MiB per chunk (min / median / max)':>40s} {'seconds':>8s}")
