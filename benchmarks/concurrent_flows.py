@@ -14,8 +14,11 @@ per flow: wall, chunks, the budget it read, out-of-memory events (the runner's
 own count: a kill it recovered from, a MemoryError), and whether its output equals
 the lone run's; and the cluster's worker deaths (worker processes replaced).
 
-A measurement, not a test: it says whether concurrent flows stay within memory as
-things are, which is what a shared budget ledger (issue 18) would have to improve.
+A measurement, not a test: whether concurrent flows stay within memory, how often
+they re-plan and why (each decision's reason), and the largest drift any run
+recorded (memory its worker held above the resting level the budget read, other
+runs' memory left out): the figure that shrank every plan when another flow's chunk
+peaking on a worker was read as that worker's resting memory.
 """
 
 from __future__ import annotations
@@ -49,7 +52,9 @@ def one(path, out):
     s = res.summary()
     return {{"seconds": time.perf_counter() - t, "chunks": s["chunks"], "decisions": s["decisions"],
              "oom_events": s["oom_events"], "recovered": s["recovered"],
-             "budget_bytes": s["budget_bytes"], "peak_bytes": s["peak_bytes"]}}
+             "budget_bytes": s["budget_bytes"], "peak_bytes": s["peak_bytes"],
+             "reasons": [d.get("reason", "") for d in res.decisions],
+             "unseen_bytes": max((o.unseen_bytes for o in res.observations), default=0)}}
 
 runner = MemoryAwareRunner(address={address!r}, store={store!r}, output_dir={outdir!r}, progress=False)
 print("RESULT " + json.dumps(one.with_options(task_runner=runner)({survey!r}, sys.argv[1])))

@@ -101,14 +101,22 @@ def resting_after_imports(modules: Sequence[str]) -> int:
     The RSS is what the nanny compares with the kill line. A fresh worker rests
     ~100 MiB lower than after its first task run, which imports Prefect's task
     engine, the runner, the volume layer and the operator: a budget read from a
-    fresh worker's heartbeat would not see that memory. Runs between maps, when
-    the workers are idle.
+    fresh worker's heartbeat would not see that memory.
+
+    A worker may be busy when this runs: another flow's chunks (or this flow's,
+    on a worker another map is using) mid-peak on its other threads. Their memory
+    is theirs, budgeted in their own slots, not the worker's resting level: while
+    tracked runs are open the level read when none was is returned, plus what
+    these imports added (:func:`memchunk_prefect.monitor.process_resting_bytes`).
     """
     import ctypes
     import importlib
 
     import psutil
 
+    from .monitor import process_resting_bytes
+
+    before = int(psutil.Process().memory_info().rss)
     for name in modules:
         try:
             importlib.import_module(name)
@@ -122,7 +130,8 @@ def resting_after_imports(modules: Sequence[str]) -> int:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-    return int(psutil.Process().memory_info().rss)
+    after = int(psutil.Process().memory_info().rss)
+    return process_resting_bytes(after, grown_bytes=after - before)[0]
 
 
 def read_resting(client: Any, modules: Sequence[str] = WORKER_MODULES) -> dict[str, int]:

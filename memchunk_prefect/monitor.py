@@ -52,7 +52,11 @@ open run's window starts after the last reset and its ``process_peak_bytes`` is 
 upper bound of the process's true peak during that run (it errs on the safe side).
 A shared ``peak_bytes`` is *not* a per-task figure: others' allocations inflate it,
 and others freeing memory during the run can hide part of this task's use (its
-resting level included their memory). Learn from unshared figures.
+resting level included their memory). Learn from unshared figures. A run that starts
+while others are open records what they held above the process's resting level
+(``others_bytes``: the baseline less the RSS read when no run was last open), so its
+start is not mistaken for memory the worker gained; :func:`process_resting_bytes`
+gives the resting level itself while runs are open (what the budget reads).
 
 **Time**: ``seconds`` is wall time (``time.perf_counter``); ``cpu_seconds`` is the
 CPU time of the *calling thread* (``time.thread_time``), which other tasks in the
@@ -197,6 +201,9 @@ class Measurement:
     #: Threads that can run tasks in this process: the Dask worker's nthreads, else the most
     #: tracked runs open at once during this run (1 = alone).
     threads: int = 1
+    #: Memory other tracked runs in this process held when this run started, bytes: ``baseline_bytes`` less
+    #: the process's resting level then (see :func:`process_resting_bytes`); 0 when the run started alone.
+    others_bytes: int = 0
     #: ``repr`` of the exception the run raised, or None.
     error: str | None = None
     #: "ok", "memory_error" (MemoryError or a subclass: the run needed *more* than it reached) or "error".
@@ -230,6 +237,7 @@ class Measurement:
             "shared": self.shared,
             "method": self.method,
             "baseline_bytes": self.baseline_bytes,
+            "others_bytes": self.others_bytes,
         }
 
 
@@ -602,6 +610,30 @@ class _Active:
         self.runs: set[Tracker] = set()
         self.tracemalloc_users = 0
         self.tracemalloc_started_here = False
+        #: The process's RSS the last time it was read with no tracked run open (bytes; None: never).
+        self.resting: int | None = None
+
+
+def process_resting_bytes(rss_bytes: int, grown_bytes: int = 0) -> tuple[int, int]:
+    """This process's resting memory given its RSS now, and how many tracked runs are open (bytes, count).
+
+    With no tracked run open, the RSS *is* the resting level (and is remembered
+    as such). With runs open (a Dask worker's other threads mid-task, perhaps
+    another flow's), the RSS includes what they hold, which is not resting: the
+    level read the last time no run was open is returned instead, plus
+    ``grown_bytes`` (what the caller knows the process gained since, e.g. the
+    imports it just made). A budget read while other flows' tasks peak on the
+    worker is then the worker's, not the moment's.
+
+    >>> process_resting_bytes(500)
+    (500, 0)
+    """
+    with _ACTIVE.lock:
+        if not _ACTIVE.runs or _ACTIVE.resting is None:
+            if not _ACTIVE.runs:
+                _ACTIVE.resting = int(rss_bytes)
+            return int(rss_bytes), len(_ACTIVE.runs)
+        return min(int(rss_bytes), _ACTIVE.resting + max(0, int(grown_bytes))), len(_ACTIVE.runs)
 
 
 _ACTIVE = _Active()
@@ -641,7 +673,7 @@ def _warn_shared_once(threads: int) -> None:
 class Tracker:
     """Handle of one tracked run; ``measurement`` is set when the ``track()`` block exits."""
 
-    __slots__ = ("_monitor", "_probe", "measurement", "_overlap", "_baseline", "_t0", "_cpu0", "_pcpu0",
+    __slots__ = ("_monitor", "_probe", "measurement", "_overlap", "_baseline", "_others", "_t0", "_cpu0", "_pcpu0",
                  "_heap0", "_gpu", "_nvml_mj0", "_rapl0", "_tracemalloc", "__weakref__")
 
     # Set when the run starts (Monitor._start): the probe, its resting bytes, and the clocks (seconds).
@@ -656,6 +688,7 @@ class Tracker:
         self._monitor = monitor
         self.measurement: Measurement | None = None
         self._overlap = 1  # most tracked runs open at once during this run, this one included
+        self._others = 0  # bytes other tracked runs held above the process's resting level at this run's start
         self._gpu: _GpuWatch | None = None
         self._nvml_mj0: int | None = None
         self._rapl0: list[int] | None = None
@@ -779,6 +812,12 @@ class Monitor:
             else:
                 probe.reset_peak()
             run._baseline = probe.current_bytes()
+            if _ACTIVE.runs:
+                # What the others hold above the process's resting level is not this run's start: the budget
+                # knew a slot would be theirs (a drift read from it would shrink every plan while they run).
+                run._others = max(0, run._baseline - _ACTIVE.resting) if _ACTIVE.resting is not None else 0
+            else:
+                _ACTIVE.resting = run._baseline
             if self.tracemalloc:
                 run._tracemalloc = True
                 if _ACTIVE.tracemalloc_users == 0:
@@ -855,6 +894,7 @@ class Monitor:
             energy_source="+".join(sources) if sources else None,
             shared=shared,
             threads=threads,
+            others_bytes=int(run._others),
             error=None if exc is None else _safe_repr(exc),
             outcome=outcome,
         )

@@ -53,8 +53,11 @@ class Observation:
     #: Process memory of the worker when the run started (its resting level then), bytes; None if unknown.
     baseline_bytes: int | None = None
     #: The worker's resting memory the map's budget assumed (read from the cluster when the map started),
-    #: bytes; None if unknown. ``baseline_bytes - resting_bytes`` is memory the budget did not see.
+    #: bytes; None if unknown. ``baseline_bytes - others_bytes - resting_bytes`` is memory the budget did not see.
     resting_bytes: int | None = None
+    #: Of ``baseline_bytes``, what other task runs on the worker held when this one started (their own slots'
+    #: memory, not the worker's resting level), bytes; None if unknown (records older than schema v6).
+    others_bytes: int | None = None
     flow_run_id: str = ""
     created_at: float = field(default_factory=time.time)
     #: What ``energy_joules`` is: a counter ("nvml", "rapl", "nvml+rapl": measured over the whole device
@@ -79,10 +82,11 @@ class Observation:
 
     @property
     def unseen_bytes(self) -> int:
-        """Memory this run held that the budget did not see: its start above the resting level assumed (>= 0)."""
+        """Memory the worker held that the budget did not see: the run's start above the resting level assumed,
+        less what other runs on the worker held then (>= 0, bytes)."""
         if self.baseline_bytes is None or self.resting_bytes is None:
             return 0
-        return max(0, int(self.baseline_bytes) - int(self.resting_bytes))
+        return max(0, int(self.baseline_bytes) - int(self.others_bytes or 0) - int(self.resting_bytes))
 
     @property
     def usable(self) -> bool:

@@ -121,8 +121,18 @@ class SegyGeometry:
         return self.trace_map[np.ix_(ii, jj)].astype(np.int64)
 
 
+_IMPORT_LOCK = threading.Lock()
+
+
 def _segyio():
-    import segyio  # imported lazily: workers that never touch SEG-Y do not pay for it
+    """The segyio module, imported on first use (workers that never touch SEG-Y do not pay for it).
+
+    Under a lock: two threads of one fresh Dask worker reading their first chunks at once both import it,
+    and one got the module half-initialised (``AttributeError: cannot access submodule '_segyio' of module
+    'segyio' (most likely due to a circular import)``, seen in a 2-thread worker's first task).
+    """
+    with _IMPORT_LOCK:
+        import segyio
 
     return segyio
 

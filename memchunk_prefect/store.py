@@ -55,9 +55,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from .errors import StoreError, StoreSchemaTooNewError
 from .records import MapRun, Observation, Reward
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
-v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table)."""
+v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table). v5: what a
+trace needs (energy's source, start, task run, host; ``maps`` and ``machines`` tables). v6: what other runs on the
+worker held when a run started."""
 
 APPLICATION = "memchunk-prefect"
 BUSY_TIMEOUT_MS = 30_000
@@ -155,6 +157,7 @@ _COLUMNS: list[tuple[str, str]] = [
     ("task_run_id", "TEXT NOT NULL DEFAULT ''"),
     ("host", "TEXT NOT NULL DEFAULT ''"),
     ("map_id", "TEXT NOT NULL DEFAULT ''"),
+    ("others_bytes", "INTEGER"),
 ]
 COLUMN_NAMES = [c for c, _ in _COLUMNS]
 
@@ -162,6 +165,8 @@ COLUMN_NAMES = [c for c, _ in _COLUMNS]
 _ADDED_V3 = ("baseline_bytes", "resting_bytes")
 #: Columns added in schema version 5 (what a trace of a run needs: energy's source, start, task run, host).
 _ADDED_V5 = ("energy_source", "started_at", "task_run_id", "host", "map_id")
+#: Columns added in schema version 6 (what other runs on the worker held when a run started).
+_ADDED_V6 = ("others_bytes",)
 
 
 def _table_sql(table: str, columns: list[tuple[str, str]], index: str, index_column: str) -> str:
@@ -222,7 +227,7 @@ def _create_table(columns: list[tuple[str, str]]) -> str:
 
 _CREATE = _create_table(_COLUMNS) + _CREATE_REWARDS + _CREATE_V5
 # The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
-_CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5])
+_CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5 + _ADDED_V6])
 
 # The v1 layout, kept to document what migrate_1_to_2 reads (and for the migration test).
 CREATE_V1 = (
@@ -281,8 +286,16 @@ def _migrate_4_to_5(con: sqlite3.Connection) -> None:
     _execute_script(con, _CREATE_V5)
 
 
+def _migrate_5_to_6(con: sqlite3.Connection) -> None:
+    """v6 adds what other runs on the worker held when a run started (NULL for older rows: unknown)."""
+    for name, kind in _COLUMNS:
+        if name in _ADDED_V6:
+            con.execute(f"ALTER TABLE observations ADD COLUMN {name} {kind}")
+
+
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3,
-                                                              3: _migrate_3_to_4, 4: _migrate_4_to_5}
+                                                              3: _migrate_3_to_4, 4: _migrate_4_to_5,
+                                                              5: _migrate_5_to_6}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 
@@ -465,7 +478,7 @@ class Store:
                 obs.outcome, int(bool(obs.censored)), obs.cpu_seconds, obs.worker, obs.chunk, obs.budget_bytes,
                 obs.gpu_peak_bytes, obs.energy_joules, int(bool(obs.shared)), obs.method, obs.flow_run_id,
                 float(obs.created_at), obs.baseline_bytes, obs.resting_bytes, obs.energy_source, obs.started_at,
-                obs.task_run_id or "", obs.host or "", obs.map_id or "")
+                obs.task_run_id or "", obs.host or "", obs.map_id or "", obs.others_bytes)
 
     @staticmethod
     def _observation(row: Iterable[Any]) -> Observation:

@@ -157,3 +157,51 @@ def test_the_workers_a_cluster_was_asked_for_are_read_from_its_plan_and_its_adap
         assert requested_workers(cluster) == 5
     assert planned_slots({"a": 2}, 5) == 10 and planned_slots({"a": 2, "b": 2, "c": 2}, 2) == 6
     assert planned_slots({}, 4) == 0, "no worker yet: nothing to plan for (the runner waits for one first)"
+
+
+def _hold_tracked(nbytes: int, event_name: str) -> int:
+    """Run on a worker: hold ``nbytes`` inside a tracked run (as a chunk's task run does) until the event is set."""
+    import numpy as np
+    import psutil
+    from distributed import Event
+
+    from memchunk_prefect.monitor import Monitor
+
+    with Monitor(gpu=False, energy=False).track():
+        block = np.ones(nbytes // 8)
+        rss = psutil.Process().memory_info().rss
+        Event(event_name).wait(60)
+        del block
+    return rss
+
+
+@pytest.mark.cluster
+def test_the_resting_memory_read_while_another_flows_chunk_peaks_on_the_worker_is_the_workers_own():
+    """Another flow's chunk holds 400 MiB on one thread of a 2-thread worker when a map reads the budget.
+
+    The memory is the other chunk's, in its own slot; read as resting it would shrink this flow's budget by
+    400 MiB / 2 threads while that chunk runs (and every plan with it).
+    """
+    import time
+
+    from distributed import Client, Event, LocalCluster
+
+    from memchunk_prefect import cluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, memory_limit="2GiB",
+                      dashboard_address=None) as lc, Client(lc, set_as_default=False) as client:
+        idle = next(iter(cluster.read_resting(client, ()).values()))
+        gate = Event("release-the-chunk", client=client)
+        held = client.submit(_hold_tracked, 400 * 2**20, "release-the-chunk", pure=False)
+        rss = lambda: next(iter(client.run(lambda: __import__("psutil").Process().memory_info().rss).values()))  # noqa: E731
+        deadline = time.monotonic() + 30
+        while rss() < idle + 350 * 2**20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        busy_rss = rss()
+        busy = next(iter(cluster.read_resting(client, ()).values()))
+        gate.set()
+        held.result(timeout=60)
+    assert busy_rss >= idle + 350 * 2**20, f"the chunk never grew the worker ({busy_rss / 2**20:.0f} MiB)"
+    assert abs(busy - idle) < 50 * 2**20, (
+        f"read {busy / 2**20:.0f} MiB resting while the other chunk held the worker at {busy_rss / 2**20:.0f} MiB; "
+        f"idle it rested at {idle / 2**20:.0f} MiB")

@@ -218,6 +218,22 @@ def test_two_threads_tracking_at_once_are_both_marked_shared_and_neither_resets_
     assert out["a"].threads == 2 and out["b"].threads == 2
 
 
+def test_a_run_started_beside_another_records_what_the_other_held_and_the_resting_level_stays_the_idle_one(recwarn):
+    probe = FakeProbe(rss=100 * MiB)
+    monitor = quiet_monitor(probe)
+    with monitor.track() as a:
+        probe.allocate(300 * MiB)  # A mid-peak when B starts
+        assert mon.process_resting_bytes(probe.rss) == (100 * MiB, 1)  # the level before A, not A's memory
+        assert mon.process_resting_bytes(probe.rss, grown_bytes=5 * MiB) == (105 * MiB, 1)  # plus known growth
+        with monitor.track() as b:
+            probe.allocate(10 * MiB)
+        probe.free(310 * MiB)
+    assert a.measurement.others_bytes == 0 and a.measurement.baseline_bytes == 100 * MiB
+    assert b.measurement.others_bytes == 300 * MiB and b.measurement.baseline_bytes == 400 * MiB
+    assert b.measurement.observation_fields()["others_bytes"] == 300 * MiB
+    assert mon.process_resting_bytes(probe.rss) == (100 * MiB, 0)  # nothing open: the RSS is the level
+
+
 def test_shared_warning_is_said_once_per_process(recwarn):
     probe = FakeProbe()
     monitor = quiet_monitor(probe)

@@ -223,6 +223,17 @@ def test_a_v2_store_gains_the_v3_columns_and_keeps_its_rows(tmp_path):
     assert (new.baseline_bytes, new.resting_bytes, new.unseen_bytes) == (300, 200, 100)
 
 
+def test_the_v6_column_keeps_what_other_runs_held_and_the_unseen_memory_leaves_it_out(tmp_path):
+    path = v2_store(tmp_path)
+    with Store(path) as s:
+        (old,) = s.observations()
+        s.add(make_obs(baseline_bytes=700, resting_bytes=200, others_bytes=450))
+        new = s.observations()[-1]
+    assert old.others_bytes is None and old.unseen_bytes == 0
+    # 700 at the start: 450 of it another run's (its own slot), 50 the worker gained beyond the 200 assumed.
+    assert (new.others_bytes, new.unseen_bytes) == (450, 50)
+
+
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
     from memchunk_prefect.records import MapRun
 
