@@ -71,6 +71,7 @@ from .observe import MapEnd, MapObserver, MapStart, Observers
 from .operators import operator_key, operator_name, spec_of
 from .records import MapRun, Observation, Reward, paused_within, pauses_from
 from .settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS
+from .stragglers import SlowWorker, slow_workers
 from .volume import as_source
 from .worker import BlockFunction, BlockJob, chunk_task_run_name
 
@@ -138,6 +139,9 @@ class ChunkedMap:
         self.started_at: float | None = None  # when the map began (epoch seconds), for its MapRun record
         self.flow_run_id = _flow_run_id()
         self.map_id = uuid.uuid4().hex  # ties the map's observations to its MapRun record (traces)
+        self.finished_runs: list[Observation] = []  # the map's ok runs, to tell slow workers from the others
+        self.slow: dict[str, SlowWorker] = {}  # workers found slow during the map (each said once)
+        self.slow_checked = 0.0  # time.monotonic() of the last look for slow workers
 
     # ---------------------------------------------------------------- the loop
 
@@ -343,6 +347,33 @@ class ChunkedMap:
             self.runner.model_bank().learn(obs)
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not record an observation for %s: %r", self.key, exc)
+        if obs.outcome == "ok":
+            self.finished_runs.append(obs)
+            self.look_for_slow_workers()
+
+    def look_for_slow_workers(self) -> None:
+        """Find workers slow rather than dead (at most once a second) and say so, naming each once per map.
+
+        Only said, not acted on: steering the map's later chunks to the other workers (a loose Dask worker
+        restriction) was measured no better (``python -m benchmarks.straggler``): Dask's work stealing hands a
+        chunk queued behind a busy worker to the idle slow one, which a loose restriction allows, and a strict
+        one would leave chunks waiting for ever once the other workers leave.
+        """
+        s = self.runner.policy
+        if s.slow_worker_factor is None or time.monotonic() - self.slow_checked < 1.0:
+            return
+        self.slow_checked = time.monotonic()
+        found = [dataclasses.replace(w, at=time.time())
+                 for w in slow_workers(self.finished_runs, factor=s.slow_worker_factor,
+                                       min_runs=s.slow_worker_runs, min_seconds=s.slow_worker_seconds)
+                 if w.worker not in self.slow]
+        for w in found:
+            self.slow[w.worker] = w
+            self.observers.emit("on_slow_worker", w)
+            msg = (f"{w.describe()}: a node slow rather than dead (CPU throttled, swapping, a busy neighbour); "
+                   "the map waits on each chunk it holds. Look at that machine, or leave it out of the cluster")
+            logger.warning("%s: %s", self.name, msg)
+            _flow_logger().warning("memchunk %s: %s", self.name, msg)
 
     def rewarded(self, reward: Reward) -> None:
         """Persist and learn what the map's arm earned (a failing store is said loudly, never stops the run)."""

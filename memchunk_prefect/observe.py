@@ -37,6 +37,7 @@ from .chunks import Chunk, Shape
 from .energy import energy_by_source
 from .machine import OK, ChunkEnded, DecisionRecord, Submit
 from .records import Observation, Prediction, Reward
+from .stragglers import SlowWorker
 
 logger = logging.getLogger("memchunk_prefect.observe")
 
@@ -94,6 +95,9 @@ class MapObserver:
     def on_chunk_end(self, event: ChunkEnded) -> None:
         """A task run of the map ended (ok, out of memory, its worker killed or lost)."""
 
+    def on_slow_worker(self, event: SlowWorker) -> None:
+        """A worker was found slow rather than dead; the map's later chunks go to the others."""
+
     def on_map_end(self, event: MapEnd) -> None:
         """The map ended (finished or failed); called once."""
 
@@ -131,6 +135,8 @@ class MapLog(MapObserver):
     #: (predicted mean, upper bound, measured peak) in bytes of every chunk that finished with a ready prediction
     #: made when it was submitted: how close the model was at the chunks the runner chose.
     predicted: list[tuple[float, float, int]] = field(default_factory=list)
+    #: Workers found slow during the map (``SlowWorker.to_dict()`` of each), in the order they were found.
+    slow_workers: list[dict] = field(default_factory=list)
     _submitted: dict[int, tuple[float, float]] = field(default_factory=dict, repr=False)
 
     def on_map_start(self, event: MapStart) -> None:
@@ -151,6 +157,9 @@ class MapLog(MapObserver):
         o = event.observation
         if figures is not None and event.outcome == OK and o is not None and o.peak_bytes > 0:
             self.predicted.append((*figures, int(o.peak_bytes)))
+
+    def on_slow_worker(self, event: SlowWorker) -> None:
+        self.slow_workers.append(event.to_dict())
 
     @property
     def oom_events(self) -> int:
@@ -173,6 +182,7 @@ class MapLog(MapObserver):
             # Every task run's energy (failed attempts too), joules per source (a counter, or "estimate").
             "energy": energy_by_source((o.energy_joules, o.energy_source) for o in self.observations),
             "output": output,
+            "slow_workers": list(self.slow_workers),
             # At the chunks run with a ready prediction: the mean of upper bound / measured peak, and the mean
             # absolute error of the predicted mean (None where every chunk ran without one: probes).
             "bound_over_peak": (sum(u / p for _, u, p in self.predicted) / len(self.predicted)

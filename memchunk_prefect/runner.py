@@ -161,7 +161,7 @@ class ChunkedResult(PrefectFutureList):
     def __init__(self, futures: Iterable[PrefectFuture], *, output_path: str, shape: Shape, chunks: list[Chunk],
                  operator: str, operator_key: str, decisions: list[dict], events: list[dict],
                  observations: list[Observation], budget_bytes: int,
-                 predicted: Iterable[tuple[float, float, int]] = ()):
+                 predicted: Iterable[tuple[float, float, int]] = (), slow_workers: Iterable[dict] = ()):
         super().__init__(futures)
         self.output_path = output_path
         self.shape = shape
@@ -169,7 +169,7 @@ class ChunkedResult(PrefectFutureList):
         self.operator = operator
         self.operator_key = operator_key
         self.log = MapLog(decisions=decisions, events=events, observations=observations, budget_bytes=budget_bytes,
-                          predicted=list(predicted))
+                          predicted=list(predicted), slow_workers=list(slow_workers))
 
     @classmethod
     def of(cls, cmap: ChunkedMap, log: MapLog) -> "ChunkedResult":
@@ -177,7 +177,8 @@ class ChunkedResult(PrefectFutureList):
         done = cmap.machine.done if cmap.machine is not None else []
         return cls(cmap.futures, output_path=cmap.output_path, shape=cmap.shape, chunks=sorted(done),
                    operator=cmap.name, operator_key=cmap.key, decisions=log.decisions, events=log.events,
-                   observations=log.observations, budget_bytes=log.budget_bytes, predicted=log.predicted)
+                   observations=log.observations, budget_bytes=log.budget_bytes, predicted=log.predicted,
+                   slow_workers=log.slow_workers)
 
     @property
     def decisions(self) -> list[dict]:

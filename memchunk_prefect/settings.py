@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from .energy import DEFAULT_IDLE_WATTS_PER_CORE, DEFAULT_WATTS_PER_CORE, check_objective, check_watts
-from .errors import EnergyInputError
+from .errors import EnergyInputError, RunnerConfigError
 
 #: Every volume is processed as float32 (``DTYPE``); ``ITEMSIZE`` bytes per element.
 DTYPE = "float32"
@@ -101,6 +101,13 @@ class PolicySettings:
       allocated idle core, watts, where no counter measured it: energy estimates
       (``energy_source="estimate"``) and the energy objective use them
       (:mod:`memchunk_prefect.energy` states the defaults' reasoning).
+    - ``slow_worker_factor`` / ``slow_worker_runs`` / ``slow_worker_seconds``: a
+      worker whose median seconds per element over ``slow_worker_runs`` finished
+      chunks of a map is at least ``slow_worker_factor`` x the other workers', and
+      at least ``slow_worker_seconds`` a chunk slower, is named as slow rather than
+      dead in the flow's log and the map's summary (:mod:`memchunk_prefect.stragglers`).
+      4x lies above the first-touch cost a worker's first run pays (up to 4.7x on
+      one run, diluted by the median of two). ``slow_worker_factor=None`` never looks.
     """
 
     per_task_overhead_seconds: float = 0.15
@@ -123,9 +130,15 @@ class PolicySettings:
     deadline_seconds: float | None = None
     watts_per_core: float = DEFAULT_WATTS_PER_CORE
     idle_watts_per_core: float = DEFAULT_IDLE_WATTS_PER_CORE
+    slow_worker_factor: float | None = 4.0
+    slow_worker_runs: int = 2
+    slow_worker_seconds: float = 1.0
 
     def __post_init__(self) -> None:
         check_objective(self.objective)
+        if self.slow_worker_factor is not None and not float(self.slow_worker_factor) > 1:
+            raise RunnerConfigError(f"`slow_worker_factor` must be above 1 (a worker's seconds per element over the "
+                                    f"others') or None to never look for slow workers, got {self.slow_worker_factor!r}")
         check_watts(self.watts_per_core, "watts_per_core")
         check_watts(self.idle_watts_per_core, "idle_watts_per_core")
         if self.deadline_seconds is not None:

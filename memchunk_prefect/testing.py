@@ -7,7 +7,9 @@
 - :func:`limit_address_space`: cap a worker's virtual memory so large allocations
   raise a real ``MemoryError`` inside the task instead of getting the worker killed;
 - :func:`limit_file_size`: cap the size of files a worker writes, so output writes
-  fail with a real ``OSError`` as on a full disk.
+  fail with a real ``OSError`` as on a full disk;
+- :class:`Throttle`: stop and continue a worker process at a duty cycle, so it is
+  slow rather than dead (a straggler).
 """
 
 from __future__ import annotations
@@ -29,16 +31,22 @@ KILL_HOLD_S = 0.5
 
 
 @operator(halo=0, memory_params=("multiple",), whole_traces=True)
-def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0):
+def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds: float = 0.0):
     """Return a copy of ``block`` after holding ``multiple`` x its bytes of touched memory for ``seconds``.
 
     Memory: about (multiple + 2) x the block's bytes (the scratch buffer, the block, the copy).
     ``seconds`` (wall time the buffer is held) gives fault tests a window to kill a
-    worker mid-task; it is not a memory parameter, so it does not change the model's key.
+    worker mid-task; ``busy_seconds`` is CPU time spent computing (a loop on the
+    thread's CPU clock), so a worker the OS slows (stopped, throttled, sharing its
+    cores) takes proportionally longer in wall time, as a real operator would.
+    Neither is a memory parameter, so neither changes the model's key.
     """
     scratch = np.ones(int(block.nbytes * multiple) // 8 + 1, dtype=np.float64)  # np.ones touches every page
     if seconds > 0:
         time.sleep(seconds)
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < busy_seconds:
+        pass
     out = np.array(block, dtype=np.float32, copy=True)
     out += np.float32(scratch[0] - 1.0)  # use the buffer so it cannot be optimised away
     del scratch
@@ -90,6 +98,51 @@ def limit_file_size(max_bytes: int) -> int:
     _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (int(max_bytes), hard))
     return int(max_bytes)
+
+
+class Throttle:
+    """Slow a process down by stopping it most of the time: SIGSTOP / SIGCONT at a duty cycle (a real straggler).
+
+    ``duty``: the share of each ``period_seconds`` the process runs (0.1: about
+    10x slower in wall time at everything it does, heartbeats included, as a node
+    throttled or starved by a neighbour). Use as a context manager; leaving it
+    always continues the process.
+    """
+
+    def __init__(self, pid: int, duty: float = 0.1, period_seconds: float = 0.2):
+        import threading
+
+        if not 0 < duty < 1:
+            raise ValueError(f"duty must be in (0, 1), got {duty!r}")
+        self.pid, self.duty, self.period = int(pid), float(duty), float(period_seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"throttle-{pid}")
+
+    def _run(self) -> None:
+        import os
+        import signal
+
+        try:
+            while not self._stop.is_set():
+                os.kill(self.pid, signal.SIGSTOP)
+                self._stop.wait(self.period * (1 - self.duty))
+                os.kill(self.pid, signal.SIGCONT)
+                self._stop.wait(self.period * self.duty)
+        except ProcessLookupError:
+            return
+        finally:
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def __enter__(self) -> "Throttle":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
 
 
 def start_local_cluster(n_workers: int = 2, memory_limit: str | int = "1GiB", **kwargs):

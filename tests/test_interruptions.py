@@ -181,6 +181,54 @@ def test_an_output_write_that_fails_is_a_typed_error_nothing_is_marked_done_and_
     assert not unfinished_task_runs([run_id])
 
 
+# =========================================================================== a worker slow rather than dead
+
+
+def test_a_worker_ten_times_slower_is_named_in_the_summary_and_the_map_completes_with_nothing_lost(tmp_path):
+    """One of two workers stopped 90% of the time (SIGSTOP / SIGCONT, a real straggler); 0.2 s of CPU a chunk.
+
+    Nothing in Dask notices a slow worker; the runner names it once two of its chunks agree (its median
+    seconds per element 4x the other's or more), and the map still completes, exact, every chunk once.
+    """
+    from distributed import Client
+
+    from memchunk_prefect.testing import Throttle
+
+    shape = (360, 50, 500)
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    try:
+        with Client(cluster.scheduler_address) as c:
+            pids = c.run(os.getpid)
+        slow_address, slow_pid = sorted(pids.items())[0]
+        survey = str(synthetic_survey(tmp_path / "wide.sgy", shape, seed=5))
+        store, out = seeded_store(tmp_path / "obs.sqlite"), tmp_path / "out.zarr"
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, memory_budget="24MiB", store=store)
+
+        @flow(task_runner=runner)
+        def busy():
+            from prefect.runtime import flow_run
+
+            res = memory_hog.map(chunked(survey, output=out), multiple=40, busy_seconds=0.2)
+            return str(flow_run.id), res.summary()
+
+        with Throttle(slow_pid, duty=0.1):
+            run_id, summary = busy()
+    finally:
+        cluster.close()
+    np.testing.assert_array_equal(open_result(out).values, open_segy(survey).values)
+    done = ZarrOutput.open(out).completed_chunks()
+    assert covers_exactly(done, shape), done
+    runs = ok_observations(store)
+    counts = Counter(o.chunk for o in runs)
+    assert set(counts) == {c.key() for c in done} and max(counts.values()) == 1, counts
+    assert not unfinished_task_runs([run_id])
+    (slow,) = summary["slow_workers"]
+    assert slow["worker"] == slow_address and slow["ratio"] >= 4 and slow["runs"] >= 2, slow
+    assert f"{slow_address} ran " in slow["message"] and "slower per element" in slow["message"]
+    on_slow = [o for o in runs if o.worker == slow_address]
+    assert len(on_slow) < len(runs) / 4, "the throttle did not slow the worker down"
+
+
 # =========================================================================== an external cluster
 
 
