@@ -555,3 +555,44 @@ def test_workers_unpickling_the_runner_do_not_import_the_model_or_the_report():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# =========================================================================== what a submission costs the flow
+
+
+def test_the_settings_context_is_serialized_once_per_context_while_maps_run_and_restored_after():
+    """prefect-dask serializes the whole settings context for every task run it submits; while a map runs the
+    answer for one context object is computed once. A new context (settings changed) gets its own answer."""
+    import threading
+
+    from prefect.context import SettingsContext
+    from prefect.settings import PREFECT_LOGGING_LEVEL, temporary_settings
+
+    from memchunk_prefect.executor import settings_serialized_once
+
+    original = SettingsContext.__dict__["serialize"]
+    ctx = SettingsContext.get()
+    fresh = ctx.serialize()
+    with settings_serialized_once():
+        first = ctx.serialize()
+        assert ctx.serialize() is first, "serialized again for the same context"
+        assert first == fresh
+        with temporary_settings({PREFECT_LOGGING_LEVEL: "ERROR"}):
+            changed = SettingsContext.get().serialize()
+        assert changed is not first and changed != first, "a changed context must not get the cached answer"
+        # Overlapping maps in threads: the memo stays until the last one ends.
+        entered, leave = threading.Event(), threading.Event()
+
+        def other_map():
+            with settings_serialized_once():
+                entered.set()
+                leave.wait(10)
+
+        t = threading.Thread(target=other_map)
+        t.start()
+        entered.wait(10)
+    assert SettingsContext.__dict__["serialize"] is not original, "removed while another map still runs"
+    leave.set()
+    t.join(10)
+    assert SettingsContext.__dict__["serialize"] is original
+    assert ctx.serialize() is not first and ctx.serialize() == fresh
