@@ -21,7 +21,7 @@ worth acting on (``min_seconds`` a chunk).
 >>> obs = [Observation("k", 1000, (1, 1, 1000), 4000, 1, seconds=s, worker=w)
 ...        for w, s in [("a", 1.0), ("a", 1.1), ("b", 0.1), ("b", 0.12), ("b", 0.1)]]
 >>> [(s.worker, round(s.ratio, 1)) for s in slow_workers(obs, factor=4.0, min_runs=2, min_seconds=0.5)]
-[('a', 9.5)]
+[('a', 10.5)]
 """
 
 from __future__ import annotations
