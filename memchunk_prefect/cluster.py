@@ -131,7 +131,7 @@ def resting_after_imports(modules: Sequence[str]) -> int:
     except (OSError, AttributeError):  # not glibc
         pass
     after = int(psutil.Process().memory_info().rss)
-    return process_resting_bytes(after, grown_bytes=after - before)[0]
+    return process_resting_bytes(after, grown_bytes=after - before)
 
 
 def read_resting(client: Any, modules: Sequence[str] = WORKER_MODULES) -> dict[str, int]:

@@ -614,8 +614,8 @@ class _Active:
         self.resting: int | None = None
 
 
-def process_resting_bytes(rss_bytes: int, grown_bytes: int = 0) -> tuple[int, int]:
-    """This process's resting memory given its RSS now, and how many tracked runs are open (bytes, count).
+def process_resting_bytes(rss_bytes: int, grown_bytes: int = 0) -> int:
+    """This process's resting memory given its RSS now (bytes).
 
     With no tracked run open, the RSS *is* the resting level (and is remembered
     as such). With runs open (a Dask worker's other threads mid-task, perhaps
@@ -626,14 +626,14 @@ def process_resting_bytes(rss_bytes: int, grown_bytes: int = 0) -> tuple[int, in
     worker is then the worker's, not the moment's.
 
     >>> process_resting_bytes(500)
-    (500, 0)
+    500
     """
     with _ACTIVE.lock:
         if not _ACTIVE.runs or _ACTIVE.resting is None:
             if not _ACTIVE.runs:
                 _ACTIVE.resting = int(rss_bytes)
-            return int(rss_bytes), len(_ACTIVE.runs)
-        return min(int(rss_bytes), _ACTIVE.resting + max(0, int(grown_bytes))), len(_ACTIVE.runs)
+            return int(rss_bytes)
+        return min(int(rss_bytes), _ACTIVE.resting + max(0, int(grown_bytes)))
 
 
 _ACTIVE = _Active()

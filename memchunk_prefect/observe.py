@@ -96,7 +96,7 @@ class MapObserver:
         """A task run of the map ended (ok, out of memory, its worker killed or lost)."""
 
     def on_slow_worker(self, event: SlowWorker) -> None:
-        """A worker was found slow rather than dead; the map's later chunks go to the others."""
+        """A worker was found slow rather than dead (named once per map; the map goes on as before)."""
 
     def on_map_end(self, event: MapEnd) -> None:
         """The map ended (finished or failed); called once."""

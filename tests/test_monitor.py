@@ -223,15 +223,15 @@ def test_a_run_started_beside_another_records_what_the_other_held_and_the_restin
     monitor = quiet_monitor(probe)
     with monitor.track() as a:
         probe.allocate(300 * MiB)  # A mid-peak when B starts
-        assert mon.process_resting_bytes(probe.rss) == (100 * MiB, 1)  # the level before A, not A's memory
-        assert mon.process_resting_bytes(probe.rss, grown_bytes=5 * MiB) == (105 * MiB, 1)  # plus known growth
+        assert mon.process_resting_bytes(probe.rss) == 100 * MiB  # the level before A, not A's memory
+        assert mon.process_resting_bytes(probe.rss, grown_bytes=5 * MiB) == 105 * MiB  # plus known growth
         with monitor.track() as b:
             probe.allocate(10 * MiB)
         probe.free(310 * MiB)
     assert a.measurement.others_bytes == 0 and a.measurement.baseline_bytes == 100 * MiB
     assert b.measurement.others_bytes == 300 * MiB and b.measurement.baseline_bytes == 400 * MiB
     assert b.measurement.observation_fields()["others_bytes"] == 300 * MiB
-    assert mon.process_resting_bytes(probe.rss) == (100 * MiB, 0)  # nothing open: the RSS is the level
+    assert mon.process_resting_bytes(probe.rss) == 100 * MiB  # nothing open: the RSS is the level
 
 
 def test_shared_warning_is_said_once_per_process(recwarn):
