@@ -65,11 +65,16 @@ def attribute_pipeline(segy_path: str, steps: list[dict[str, Any]] | None = None
     steps = steps or DEFAULT_STEPS
     resolved = [resolve_step(s) for s in steps]  # check every step before running any
     current: Any = segy_path
-    summaries = []
+    maps = []
+    # Every step is submitted before any is waited for: each step's chunks start as soon as the chunks of the
+    # step before that they read are written (a chunked .map returns at once).
     for n, (op, params) in enumerate(resolved, start=1):
         out = os.path.join(output_dir, f"{n:02d}-{op.name}.zarr") if output_dir else None
         current = op.map(chunked(current, output=out), **params)
-        summary = current.summary()
+        maps.append((op, current))
+    summaries = []
+    for op, result in maps:
+        summary = result.summary()  # waits for the step; raises what stopped it
         summaries.append(summary)
         log.info("%s: %s; %d tasks, %d out-of-memory events recovered; output %s", op.name,
                  ", ".join(summary["decisions"]), summary["tasks"], summary["oom_events"], summary["output"])

@@ -246,14 +246,18 @@ def seismic_attributes(segy_path: str, attributes: list[AttributeSpec] | None = 
     (root / MANIFEST).unlink(missing_ok=True)  # from here on, nothing here is "done" until the new manifest
     results: dict[str, Any] = {}
     t0 = time.time()
+    # Every attribute's map is submitted before any is waited for: they read the same survey and share the
+    # cluster (a chunked .map returns at once); each is then collected, exported, and logged in order.
+    maps = []
     for a in attrs:
         op = tasks.OPERATORS[a.name]
         zpath, spath = paths[a.output]
         zpath.parent.mkdir(parents=True, exist_ok=True)
         # The attribute's file is this flow's: a memchunk output of other parameters there is replaced
         # (resumed when it is this same computation; anything memchunk did not write is refused).
-        res = op.map(chunked(source, output=zpath, replace_any=True), **a.params)
-        summary = res.summary()
+        maps.append((a, zpath, spath, op.map(chunked(source, output=zpath, replace_any=True), **a.params)))
+    for a, zpath, spath, res in maps:
+        summary = res.summary()  # raises the map's error: no manifest is written after a failed attribute
         if spath is not None:
             to_segy(res.output_path, spath, src_path, iline=iline, xline=xline)
         log.info("%s -> %s%s: %s", a.output, zpath, f" and {spath}" if spath else "",

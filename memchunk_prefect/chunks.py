@@ -401,3 +401,22 @@ def uncovered_boxes(shape: Sequence[int], chunks: Iterable[Chunk]) -> list[Chunk
         free[i:i1, j:j1, k:k1] = False
         out.append(Chunk((bounds[0][i], bounds[1][j], bounds[2][k]), (bounds[0][i1], bounds[1][j1], bounds[2][k1])))
     return out
+
+
+def covers(chunks: Iterable[Chunk], box: Chunk) -> bool:
+    """Whether ``chunks`` (overlaps allowed) cover every element of ``box``.
+
+    What a map reading an upstream map's output while it is still written asks
+    of each chunk's block: may it be read yet?
+
+    >>> covers([Chunk((0, 0, 0), (2, 4, 4)), Chunk((2, 0, 0), (5, 4, 4))], Chunk((1, 0, 0), (4, 4, 4)))
+    True
+    >>> covers([Chunk((0, 0, 0), (2, 4, 4))], Chunk((1, 0, 0), (4, 4, 4)))
+    False
+    """
+    pieces = [p for p in (c.intersect(box) for c in chunks) if p is not None]
+    if sum(p.elements for p in pieces) < box.elements:
+        return False  # cannot cover, overlaps or not
+    shifted = [Chunk(tuple(a - o for a, o in zip(p.start, box.start)),  # type: ignore[arg-type]
+                     tuple(b - o for b, o in zip(p.stop, box.start))) for p in pieces]  # type: ignore[arg-type]
+    return not uncovered_boxes(box.shape, shifted)

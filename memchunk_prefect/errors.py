@@ -186,6 +186,11 @@ class ClusterLostError(MemchunkError, ConnectionError):
     """
 
 
+class UpstreamMapError(MemchunkError):
+    """A chunked map read the output of another chunked map that stopped without finishing it (failed,
+    interrupted): the downstream map stops too, keeping the chunks it wrote (a rerun resumes both)."""
+
+
 class ChunkedSourceError(MemchunkError, TypeError):
     """``chunked(...)`` was given something that is not a volume it can read."""
 

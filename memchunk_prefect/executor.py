@@ -36,9 +36,9 @@ from prefect_dask.task_runners import PrefectDaskFuture
 
 from . import cluster as _cluster
 from . import taskruns
-from .chunks import Chunk, Shape
+from .chunks import Chunk, Shape, with_halo
 from .energy import ESTIMATE, estimate_joules
-from .errors import MemchunkError
+from .errors import MemchunkError, UpstreamMapError
 from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
 from .machine import (
     Cancel,
@@ -66,6 +66,7 @@ from .machine import (
     Stop,
     Stopped,
     Submit,
+    UpstreamWritten,
     WorkerDied,
 )
 from .observe import MapEnd, MapObserver, MapStart, Observers
@@ -80,6 +81,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from .runner import MemoryAwareRunner
 
 logger = logging.getLogger("memchunk_prefect.runner")
+
+#: Seconds a map's thread waits at most between looks at its stop flag and its upstream map (its own chunks'
+#: completions and the upstream's writes wake it at once).
+_WAIT_SECONDS = 0.1
+
+
+class MapInterrupted(BaseException):
+    """Raised in a map's thread when the flow run around it was interrupted or cancelled: not an ``Exception``,
+    so the map stops as an interrupted one (its task runs in flight are marked Cancelled)."""
 
 
 def is_memory_error(exc: Any) -> bool:
@@ -100,7 +110,8 @@ class ChunkedMap:
     def __init__(self, runner: "MemoryAwareRunner", task: Any, param: str, *, source: Any,
                  incoming: Iterable[Chunk] | None, halo: Shape | None, output_path: str | None,
                  replace_any: bool, static: dict[str, Any], wait_for: Iterable[PrefectFuture] | None,
-                 observers: Iterable[MapObserver] = ()):
+                 observers: Iterable[MapObserver] = (), upstream: "ChunkedMap | None" = None,
+                 source_identity: dict | None = None):
         self.runner = runner
         self.task = task
         self.param = param
@@ -122,7 +133,9 @@ class ChunkedMap:
         self.replace_any = replace_any
         # What an existing output must have been computed from to be resumed rather than recomputed: the
         # operator key holds only memory parameters, so every parameter and the halo are added here.
-        self.identity = OutputIdentity(self.key, self.source.identity(), code_digest(task.fn), params_digest(static),
+        self.upstream = upstream
+        self.identity = OutputIdentity(self.key, source_identity if source_identity is not None
+                                       else self.source.identity(), code_digest(task.fn), params_digest(static),
                                        self.halo)
         self.observers = Observers(observers)
         self.futures: list[PrefectDaskFuture] = []
@@ -143,19 +156,53 @@ class ChunkedMap:
         self.finished_runs: list[Observation] = []  # the map's ok runs, to tell slow workers from the others
         self.slow: dict[str, SlowWorker] = {}  # workers found slow during the map (each said once)
         self.slow_checked = 0.0  # time.monotonic() of the last look for slow workers
+        # What other threads read of a map that runs in the background (runner.MemoryAwareRunner.map): set once
+        # its first decision is made (a downstream map plans from this one's plan) and once it ended; the error
+        # it ended with; who wrote which chunk (the task run ids a downstream chunk's task run depends on).
+        self.planned = threading.Event()
+        self.ended = threading.Event()
+        self.error: BaseException | None = None
+        self.error_seen = False  # the error reached the user: .result(), a downstream map's error, the flow's end
+        self.lock = threading.RLock()  # held while the machine changes (plan_snapshot reads it from other threads)
+        self.writers: list[tuple[Chunk, Any]] = []  # (chunk, task run id) of every chunk this map's runs wrote
+        self.listeners: list[threading.Condition] = []  # told after every event (downstream maps wait on them)
+        self.upstream_seen = 0  # upstream chunks passed on as UpstreamWritten
+        self.upstream_complete = False
 
     # ---------------------------------------------------------------- the loop
 
     def run(self) -> None:
         """Run the map to its finished output; on any exception, settle what is in flight and re-raise."""
         try:
-            with settings_serialized_once():
-                self._run()
-        except BaseException as exc:  # Ctrl-C, a Prefect cancellation (TerminationSignal), a lost cluster, ...
-            self.abandon(exc)
-            self._end(exc)
-            raise
-        self._end(None)
+            try:
+                with settings_serialized_once():
+                    self._run()
+            except BaseException as exc:  # Ctrl-C, a Prefect cancellation (TerminationSignal), a lost cluster, ...
+                self.error = exc
+                with self.lock:
+                    self.abandon(exc)
+                self._end(exc)
+                raise
+            self._end(None)
+        finally:
+            self.planned.set()
+            self.ended.set()
+            self.tell_listeners()
+
+    def tell_listeners(self) -> None:
+        for cond in list(self.listeners):
+            with cond:
+                cond.notify_all()
+
+    def plan_snapshot(self) -> tuple[Chunk, ...]:
+        """The chunking this map has planned so far, for a downstream map's decision: chunks written, in flight and
+        queued, in submission order, then the boxes not planned yet (a cold start's probes leave the rest as
+        boxes). Read from another thread once :attr:`planned` is set."""
+        with self.lock:
+            m = self.machine
+            if m is None:
+                return ()
+            return (*m.done, *(p.chunk for p in m.in_flight.values()), *(p.chunk for p in m.queue), *m.regions)
 
     def _run(self) -> None:
         budget = self.runner.budget([getattr(self.task.fn, "__module__", "") or "tasks"])
@@ -170,10 +217,16 @@ class ChunkedMap:
 
         bank = self.runner.model_bank()
         knowledge = BankKnowledge(bank, self.key, self.runner.policy)
+        self.ac = as_completed(loop=self.runner.client.loop)
+        up = self.upstream
+        gated = up is not None and not (up.ended.is_set() and up.error is None)
+        self.upstream_complete = not gated
         self.machine = MapMachine(
             MapSpec(operator=self.name, operator_key=self.key, shape=self.shape, halo=self.halo,
                     whole_traces=self.spec.whole_traces, output_path=self.output_path, incoming=self.incoming,
-                    settings=self.runner.policy), knowledge)
+                    settings=self.runner.policy, gated=gated), knowledge)
+        if up is not None and gated:
+            up.listeners.append(self.ac.thread_condition)
         self.observers.emit("on_map_start", MapStart(
             operator=self.name, operator_key=self.key, shape=self.shape, halo=self.halo,
             output_path=self.output_path, budget_bytes=self.budget, slots=self.slots,
@@ -182,18 +235,23 @@ class ChunkedMap:
         # A chunk's effect is its write: never serve it from a cache.
         self.wrapped = self.task.with_options(task_run_name=chunk_task_run_name, cache_policy=NO_CACHE)
         self.wrapped.fn = BlockFunction(self.task.fn, self.param)
-        self.ac = as_completed(loop=self.runner.client.loop)
         restarted = action.reason if action.action == RESTART else None
-        self.execute(self.machine.handle(Start(
-            self.slots, self.budget, tuple(completed), restarted, at=time.time(),
-            headroom_bytes=min(self.headroom.values()) if self.headroom else None,
-            drift_bytes=int(bank.model(self.key).unseen_bytes()))))
+        with self.lock:
+            self.execute(self.machine.handle(Start(
+                self.slots, self.budget, tuple(completed), restarted, at=time.time(),
+                headroom_bytes=min(self.headroom.values()) if self.headroom else None,
+                drift_bytes=int(bank.model(self.key).unseen_bytes()))))
+        self.planned.set()
         polled = time.monotonic()
         while not self.machine.finished:
-            self.execute(self.machine.advance(time.time()))
+            with self.lock:
+                self.execute(self.machine.advance(time.time()))
             if self.machine.finished:
                 break
-            self.execute(self.machine.handle(self.next_event()))
+            event = self.next_event()
+            with self.lock:
+                self.execute(self.machine.handle(event))
+            self.tell_listeners()
             if time.monotonic() - polled >= RUNNER_SETTINGS.slots_poll_seconds:
                 polled = time.monotonic()
                 self.follow_slots()
@@ -209,7 +267,20 @@ class ChunkedMap:
             self.execute(self.machine.handle(SlotsChanged(slots, at=time.time())))
 
     def next_event(self) -> Event:
-        """Wait for the next finished submission and say what happened to it."""
+        """Wait for the next finished submission and say what happened to it; for a map over a map still running,
+        also what the upstream wrote since last asked (:class:`UpstreamWritten`). Raises what stops the map: the
+        runner's stop (the flow was interrupted or cancelled), the upstream map's failure."""
+        while not self.ac.has_ready():
+            upstream = self.upstream_event()
+            if upstream is not None:
+                return upstream
+            stop = self.runner.stop_requested()
+            if stop is not None:
+                raise type(stop)(*stop.args)  # one per map's thread: a raised exception's traceback is its own
+            if self.ac.is_empty() and not self.machine.waiting_upstream:  # type: ignore[union-attr]
+                raise MemchunkError(f"internal: {self.name} waits with nothing in flight and nothing to wait for")
+            with self.ac.thread_condition:  # notified by our futures' completions and by the upstream map
+                self.ac.thread_condition.wait(timeout=_WAIT_SECONDS)
         dask_future = next(self.ac)
         sid = self.ids[dask_future.key]
         fut = self.by_id[sid]
@@ -232,6 +303,7 @@ class ChunkedMap:
         if isinstance(state, State):
             fut._final_state = state
         if isinstance(state, State) and state.is_completed():
+            self.writers.append((self.machine.in_flight[sid].chunk, fut.task_run_id))  # type: ignore[union-attr]
             return ChunkDone(sid, self.observed(state.result().observation), at=time.time())
         raised = state.result(raise_on_failure=False) if isinstance(state, State) else state
         if is_memory_error(raised):
@@ -241,6 +313,27 @@ class ChunkedMap:
             return ChunkFailed(sid, raised, at=time.time())
         label = self.machine.in_flight[sid].chunk.label(self.shape)  # type: ignore[union-attr]
         return ChunkFailed(sid, MemchunkError(f"{self.name}[{label}] ended in state {state!r}"), at=time.time())
+
+    def upstream_event(self) -> UpstreamWritten | None:
+        """What the upstream map wrote since last asked (None: nothing new, or no upstream still running); raises
+        :class:`~memchunk_prefect.errors.UpstreamMapError` when it stopped without finishing its output."""
+        up = self.upstream
+        if up is None or self.upstream_complete:
+            return None
+        ended = up.ended.is_set()  # read first: what it wrote before ending is then all in ``done``
+        done = up.machine.done if up.machine is not None else []
+        new = tuple(done[self.upstream_seen:])
+        self.upstream_seen += len(new)
+        if ended and up.error is not None:
+            up.error_seen = True  # said in this map's error
+            raise UpstreamMapError(
+                f"{self.name} stopped: the map it reads, {up.name}, did not finish ({type(up.error).__name__}: "
+                f"{up.error}); the {len(self.out.completed_chunks()) if self.out is not None else 0} chunks of "
+                f"{self.name} written to {self.output_path} are kept, and a rerun of the flow resumes both maps")
+        complete = ended
+        if complete:
+            self.upstream_complete = True
+        return UpstreamWritten(new, complete, at=time.time()) if new or complete else None
 
     def headroom_of(self, exc: BaseException) -> int | None:
         """What a task killed with ``exc`` had before the kill line: its worker's, as the budget read it.
@@ -329,12 +422,25 @@ class ChunkedMap:
         params = dict(self.static)
         params[self.param] = job
         fut = DaskTaskRunner.submit(self.runner, self.wrapped, params,
-                                    wait_for=self.wait_for)  # type: ignore[arg-type]  # any PrefectFuture works
+                                    wait_for=self.wait_for,  # type: ignore[arg-type]  # any PrefectFuture works
+                                    dependencies=self.dependencies(ins.chunk))
         self.futures.append(fut)
         self.by_id[ins.id] = fut
         self.ids[fut.wrapped_future.key] = ins.id
         self.ac.add(fut.wrapped_future)
         self.observers.emit("on_submit", ins)
+
+    def dependencies(self, chunk: Chunk) -> dict[str, set] | None:
+        """The upstream task runs that wrote what ``chunk``'s block reads, as Prefect task inputs of its task run
+        (the UI's graph then shows which chunks fed which); None over a source that is not a map's result."""
+        up = self.upstream
+        if up is None:
+            return None
+        from prefect.client.schemas.objects import TaskRunResult
+
+        block = with_halo(chunk, self.halo, self.shape)[0]
+        ids = {tid for c, tid in list(up.writers) if tid is not None and c.intersect(block) is not None}
+        return {self.param: {TaskRunResult(id=tid) for tid in ids}} if ids else None
 
     def record(self, obs: Observation) -> None:
         """Persist the observation and teach the model (a failing store is said loudly, never stops the run).

@@ -67,7 +67,7 @@ from typing import Any, Iterable, Iterator, Protocol, Union
 
 from . import bandit, policy
 from .bandit import ArmChoice
-from .chunks import Chunk, Shape, uncovered_boxes, with_halo
+from .chunks import Chunk, Shape, covers, uncovered_boxes, with_halo
 from .errors import ChunkOutOfMemoryError, ClusterLostError, MemchunkError, MemoryNotChunkSizeError, format_bytes
 from .policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
 from .records import Observation, Pause, Prediction, Reward, paused_within
@@ -123,6 +123,7 @@ class MapSpec:
     output_path: str = ""  # for messages
     incoming: tuple[Chunk, ...] | None = None  # the upstream map's chunking, if the source is one
     settings: PolicySettings = DEFAULT_SETTINGS
+    gated: bool = False  # the source is an upstream map still being written: see :class:`Gate`
 
     def label(self, chunk: Chunk) -> str:
         return chunk.label(self.shape)
@@ -265,8 +266,18 @@ class SlotsChanged:
     at: float = 0.0
 
 
+@dataclass(frozen=True)
+class UpstreamWritten:
+    """The upstream map this one reads (a gated map's source, still being written) wrote ``chunks``: their
+    elements are final. ``complete``: it finalized its output (every element is written)."""
+
+    chunks: tuple[Chunk, ...] = ()
+    complete: bool = False
+    at: float = 0.0
+
+
 Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
-              PausesRead, SlotsChanged]
+              PausesRead, SlotsChanged, UpstreamWritten]
 
 
 # =========================================================================== instructions (what to do)
@@ -456,6 +467,52 @@ class Pending:
     armed: bool = False  # planned under the map's learned-policy arm (its outcome counts in the reward)
 
 
+class Gate:
+    """Which chunks of a gated map may run: those whose whole block (halo included) the upstream map has written.
+
+    A map over an upstream map's result is planned from the upstream's *plan* and starts while the upstream
+    runs; each of its chunks waits in the queue (not on a worker slot) until the upstream chunks its block
+    reads are written (:class:`UpstreamWritten`), whatever cut the upstream ends with (re-plans, split pieces,
+    a resume's old chunks: coverage is checked element by element, :func:`~memchunk_prefect.chunks.covers`).
+    Cost: a chunk is checked when first asked about and again only when an upstream write touches its block.
+    """
+
+    def __init__(self, spec: "MapSpec"):
+        self._spec = spec
+        self.open = not spec.gated  # the upstream is complete (or there is none): every chunk may run
+        self.written: list[Chunk] = []
+        self._waiting: dict[Chunk, list[Any]] = {}  # chunk -> [its block, upstream chunks in it, count last short]
+
+    def ready(self, chunk: Chunk) -> bool:
+        if self.open:
+            return True
+        entry = self._waiting.get(chunk)
+        if entry is None:
+            block = with_halo(chunk, self._spec.halo, self._spec.shape)[0]
+            entry = self._waiting[chunk] = [block, [w for w in self.written if w.intersect(block) is not None], -1]
+        block, pieces, checked = entry
+        if len(pieces) == checked:
+            return False  # no upstream write touched its block since it was last found short
+        if covers(pieces, block):
+            del self._waiting[chunk]  # ready for good: upstream writes are never undone
+            return True
+        entry[2] = len(pieces)
+        return False
+
+    def add(self, chunks: Iterable[Chunk], complete: bool) -> None:
+        if self.open:
+            return
+        if complete:
+            self.open = True
+            self._waiting.clear()
+            return
+        for w in chunks:
+            self.written.append(w)
+            for block, pieces, _ in self._waiting.values():
+                if w.intersect(block) is not None:
+                    pieces.append(w)
+
+
 class PlanQueue:
     """The planned chunks not yet submitted, in submission order, with what the re-plan check asks of them kept
     up to date: how many of each read-block shape are queued, and how many are split pieces.
@@ -494,6 +551,15 @@ class PlanQueue:
         self._count(item, -1)
         return item
 
+    def pop_first(self, ready: Any) -> Pending | None:
+        """The first queued item for which ``ready(chunk)`` holds, taken off the queue; None if there is none."""
+        for i, item in enumerate(self._items):
+            if ready(item.chunk):
+                del self._items[i]
+                self._count(item, -1)
+                return item
+        return None
+
     def largest_read(self) -> Shape | None:
         """The largest block (elements, halo included) a queued chunk reads; None when nothing is queued."""
         shapes = [s for s, n in self._shapes.items() if n > 0]
@@ -530,6 +596,7 @@ class MapMachine:
     drift_estimate: int = 0  # Start.drift_bytes, until runs report where their workers stood
     drift: dict[str, int] = field(default_factory=dict)  # each worker's latest start above the resting memory read
     queue: PlanQueue = field(init=False)  # planned, not submitted (re-plannable)
+    gate: Gate = field(init=False)  # which queued chunks the upstream has written enough of to run
     regions: list[Chunk] = field(default_factory=list)  # boxes still to plan (after probes, or a resume)
     in_flight: dict[int, Pending] = field(default_factory=dict)
     done: list[Chunk] = field(default_factory=list)
@@ -554,6 +621,7 @@ class MapMachine:
 
     def __post_init__(self) -> None:
         self.queue = PlanQueue(self.spec)
+        self.gate = Gate(self.spec)
 
     # ---------------------------------------------------------------- reading
 
@@ -565,6 +633,12 @@ class MapMachine:
     @property
     def settings(self) -> PolicySettings:
         return self.spec.settings
+
+    @property
+    def waiting_upstream(self) -> bool:
+        """Nothing in flight and chunks queued that the upstream has not written enough of yet: the executor's
+        next event can only be :class:`UpstreamWritten` (or a stop)."""
+        return self.phase == RUNNING and not self.in_flight and bool(self.queue)
 
     @property
     def done_elements(self) -> int:
@@ -771,6 +845,10 @@ class MapMachine:
         self.slots, self._slots_moved, self._check_replan = new, (old, new), True
         return []
 
+    def _on_upstream(self, ev: UpstreamWritten) -> list[Instruction]:
+        self.gate.add(ev.chunks, ev.complete)
+        return []
+
     def _on_markers(self, ev: MarkersRecovered) -> list[Instruction]:
         return [Record(o) for o in ev.observations if o.operator_key == self.spec.operator_key]
 
@@ -820,8 +898,11 @@ class MapMachine:
             while True:
                 cap = self.settings.in_flight_cap(self.slots)
                 while self.queue and len(self.in_flight) < cap:
-                    out.append(self._submit(self.queue.popleft(), at))
-                if self.in_flight:
+                    item = self.queue.popleft() if self.gate.open else self.queue.pop_first(self.gate.ready)
+                    if item is None:
+                        break  # the rest waits for the upstream map's writes
+                    out.append(self._submit(item, at))
+                if self.in_flight or self.queue:
                     return out
                 if not self.regions:
                     self.phase = FINISHED
@@ -1137,12 +1218,13 @@ _HANDLERS: dict[type, Any] = {
     Stop: MapMachine._on_stop,
     PausesRead: MapMachine._on_pauses,
     SlotsChanged: MapMachine._on_slots,
+    UpstreamWritten: MapMachine._on_upstream,
 }
 
 __all__ = [
     "MapMachine", "MapSpec", "Knowledge", "Pending", "MapStateError", "is_memory_kill",
     "Start", "ChunkDone", "ChunkOutOfMemory", "ChunkFailed", "WorkerDied", "ClusterLost", "MarkersRecovered", "Stop",
-    "PausesRead", "ReadPauses", "SlotsChanged",
+    "PausesRead", "ReadPauses", "SlotsChanged", "UpstreamWritten", "Gate",
     "Decided", "DecisionRecord", "Submit", "Record", "ChunkEnded", "MarkRuns", "Cancel", "RecoverMarkers", "Fail",
     "Rewarded", "Finalize", "Stopped", "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER",
     "RESUME", "RESTART", "OK", "MEMORY_ERROR", "KILLED", "LOST",

@@ -22,9 +22,10 @@ After::
         dip = gst3d_dip.map(chunked(env))        # continue or rechunk at this boundary
         return dip.result()                      # xarray.DataArray over a zarr store
 
-What happens at a chunked ``.map`` (all in the flow's thread; the map returns
-once every chunk of the output is written, because the next boundary's
-decision needs what this one measured):
+What happens at a chunked ``.map`` (in a thread of the flow's process: the
+``.map`` call returns a :class:`ChunkedResult` at once, as Prefect's does; a map
+over another map's result is decided from that map's plan and each of its chunks
+runs once the upstream chunks its block reads are written):
 
 1. the operator key and halo come from the task (``memchunk_prefect.operators``);
    the budget per task and the slots are read from the live cluster
@@ -56,6 +57,7 @@ Ordinary iterables map exactly as with ``DaskTaskRunner``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import getpass
 import logging
@@ -63,6 +65,7 @@ import os
 import re
 import stat
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -88,8 +91,9 @@ from .errors import (
     MemchunkError,
     OutputPathError,
     RunnerConfigError,
+    UpstreamMapError,
 )
-from .executor import ChunkedMap
+from .executor import ChunkedMap, MapInterrupted
 from .observe import MapLog, MapObserver
 from .records import Observation
 from .settings import RUNNER_SETTINGS, PolicySettings
@@ -152,10 +156,17 @@ def chunked(source: Any, halo: int | Sequence[int] | None = None, *, output: str
 class ChunkedResult(PrefectFutureList):
     """The result of a chunked map: its Prefect futures, and the whole output.
 
-    ``.result()`` returns the output as an ``xarray.DataArray`` over its zarr store
-    in the input's geometry. Pass it to ``chunked(...)`` (or straight to the next
-    ``.map``) to chain operators. ``decisions`` and ``events`` record what the
-    runner decided and why, and how each task run ended.
+    Returned at once, as any Prefect ``.map`` returns its futures: the map runs
+    in the background of the flow's process while the flow goes on (submits other
+    maps and tasks). ``.wait()`` waits for it; ``.result()`` waits, raises what
+    stopped it (as Prefect's ``.result()`` raises a failed task run's error), and
+    returns the output as an ``xarray.DataArray`` over its zarr store in the
+    input's geometry. Pass it to ``chunked(...)`` (or straight to the next
+    ``.map``) to chain operators: the next map is planned from this one's plan
+    at once and each of its chunks runs as soon as the chunks it reads are
+    written. ``decisions`` and ``events`` (what the runner decided and why, how
+    each task run ended), ``chunks``, iterating its futures and the other
+    accounts wait for the map to end first; ``output_path`` does not.
     """
 
     def __init__(self, futures: Iterable[PrefectFuture], *, output_path: str, shape: Shape, chunks: list[Chunk],
@@ -165,20 +176,91 @@ class ChunkedResult(PrefectFutureList):
         super().__init__(futures)
         self.output_path = output_path
         self.shape = shape
-        self.chunks = chunks
+        self._chunks = chunks
         self.operator = operator
         self.operator_key = operator_key
-        self.log = MapLog(decisions=decisions, events=events, observations=observations, budget_bytes=budget_bytes,
-                          predicted=list(predicted), slow_workers=list(slow_workers))
+        self._log = MapLog(decisions=decisions, events=events, observations=observations, budget_bytes=budget_bytes,
+                           predicted=list(predicted), slow_workers=list(slow_workers))
+        self.map: ChunkedMap | None = None  # the map behind it while it runs (None: built from a finished one)
+        self._ended = threading.Event()
+        self._ended.set()
 
     @classmethod
-    def of(cls, cmap: ChunkedMap, log: MapLog) -> "ChunkedResult":
-        """The result of a finished map, with what its :class:`~memchunk_prefect.observe.MapLog` saw."""
-        done = cmap.machine.done if cmap.machine is not None else []
-        return cls(cmap.futures, output_path=cmap.output_path, shape=cmap.shape, chunks=sorted(done),
-                   operator=cmap.name, operator_key=cmap.key, decisions=log.decisions, events=log.events,
-                   observations=log.observations, budget_bytes=log.budget_bytes, predicted=log.predicted,
-                   slow_workers=log.slow_workers)
+    def running(cls, cmap: ChunkedMap, log: MapLog) -> "ChunkedResult":
+        """The result of a map about to run in the background; :meth:`_finish` completes it when the map ends."""
+        r = cls([], output_path=cmap.output_path, shape=cmap.shape, chunks=[], operator=cmap.name,
+                operator_key=cmap.key, decisions=[], events=[], observations=[], budget_bytes=0)
+        r._log, r.map = log, cmap
+        r._ended.clear()
+        return r
+
+    def _finish(self) -> None:
+        """The map ended (in its thread): its chunks and futures become the result's."""
+        cmap = self.map
+        if cmap is not None:
+            self._chunks = sorted(cmap.machine.done) if cmap.machine is not None else []
+            list.extend(self, cmap.futures)
+        self._ended.set()
+
+    @property
+    def done(self) -> bool:
+        """Whether the map has ended (finished, failed or stopped)."""
+        return self._ended.is_set()
+
+    @property
+    def seen(self) -> bool:
+        """Whether what stopped the map reached the user (``.result()``, a downstream map's error, the flow's end)."""
+        return self.map is None or self.map.error_seen
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the map (None while it runs, or when it finished its output)."""
+        return self.map.error if self.map is not None and self.done else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the map to end, at most ``timeout`` seconds (Prefect's ``wait``: never raises the map's error)."""
+        _wait_event(self._ended, timeout)
+
+    def result(self, timeout: float | None = None, raise_on_failure: bool = True):
+        """The whole output as an ``xarray.DataArray``, once every chunk is written.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds, and what stopped the map
+        (with ``raise_on_failure=False``: returns it instead, as Prefect does).
+        """
+        self.wait(timeout)
+        if not self.done:
+            raise TimeoutError(f"the chunked map over {self.operator} did not end within {timeout} s")
+        err = self.error
+        if err is not None:
+            self.map.error_seen = True  # type: ignore[union-attr]
+            if raise_on_failure:
+                raise err
+            return err
+        return open_result(self.output_path)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """The chunks written (waits for the map to end)."""
+        self.wait()
+        return self._chunks
+
+    @property
+    def log(self) -> MapLog:
+        """What the map's observers saw (waits for the map to end)."""
+        self.wait()
+        return self._log
+
+    def __iter__(self):
+        self.wait()
+        return list.__iter__(self)
+
+    def __len__(self) -> int:
+        self.wait()
+        return list.__len__(self)
+
+    def __getitem__(self, i: Any) -> Any:
+        self.wait()
+        return list.__getitem__(self, i)
 
     @property
     def decisions(self) -> list[dict]:
@@ -196,20 +278,28 @@ class ChunkedResult(PrefectFutureList):
     def budget_bytes(self) -> int:
         return self.log.budget_bytes
 
-    def result(self, timeout: float | None = None, raise_on_failure: bool = True):
-        return open_result(self.output_path)
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None  # a chunked map returns when every chunk is written
-
     @property
     def oom_events(self) -> int:
         return self.log.oom_events
 
     def summary(self) -> dict:
-        """Plain-data account of this map, for logs, artifacts and the demo."""
+        """Plain-data account of this map, for logs, artifacts and the demo: waits for the map to end, and raises
+        what stopped it, as :meth:`result` does (a flow that writes "done" after its summaries never says so of a
+        map that failed)."""
+        self.result()
         return self.log.summary(operator=self.operator, operator_key=self.operator_key, chunks=self.chunks,
                                 output=self.output_path)
+
+
+def _wait_event(event: threading.Event, timeout: float | None = None) -> bool:
+    """``event.wait(timeout)`` in short steps, so Ctrl-C and Prefect's cancellation signal reach a waiting flow."""
+    deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+    while not event.is_set():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        event.wait(0.5 if left is None else min(0.5, left))
+    return True
 
 
 # =========================================================================== the runner
@@ -357,7 +447,9 @@ class MemoryAwareRunner(DaskTaskRunner):
         self._kill_fractions: dict[str, object] = {}
         self._machines_recorded = False
         self._writer: Any = None  # report.ArtifactWriter of the flow run this runner is entered for
-
+        self._lock = threading.RLock()  # what the maps' threads share: the bank, the writer, the list of maps
+        self._maps: list[ChunkedResult] = []  # the chunked maps of the flow run, running or ended
+        self._stop: BaseException | None = None  # set when the flow run stops around its maps
     # ---------------------------------------------------------------- Prefect plumbing
 
     def duplicate(self) -> "MemoryAwareRunner":
@@ -397,25 +489,40 @@ class MemoryAwareRunner(DaskTaskRunner):
         state = self.__dict__.copy()
         state["_bank"] = None
         state["observers"] = ()
+        state["_lock"], state["_maps"], state["_stop"], state["_writer"] = None, [], None, None  # the flow's only
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
 
     def __enter__(self):
         self._check_paths()  # before a cluster is started or anything submitted
+        self._maps, self._stop = [], None
         super().__enter__()
         self._exit_stack.enter_context(_one_api_for_workers())
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        """Finish the reports' artifact calls, then close the store this flow run opened, whatever happened: a
-        process that runs flow after flow (a scheduler loop, a notebook, `python -m benchmarks.consecutive`) kept
-        one SQLite connection (2 file descriptors) per flow run open until it exited."""
+        """Wait for the flow run's chunked maps (stopping them if the flow stopped), finish the reports' artifact
+        calls, then close the store this flow run opened, whatever happened: a process that runs flow after flow
+        (a scheduler loop, a notebook, `python -m benchmarks.consecutive`) kept one SQLite connection (2 file
+        descriptors) per flow run open until it exited. A map that failed unseen fails the flow run here."""
+        failed: BaseException | None = None
         try:
+            unseen = self.finish_maps(exc_info[1] if len(exc_info) > 1 else None)
+            if unseen is not None:
+                failed = unseen.error
+                assert failed is not None
+                _fail_flow_run(unseen.map.flow_run_id if unseen.map is not None else "", failed)
             self.wait_for_reports(close=True)
             super().__exit__(*exc_info)
         finally:
             bank, self._bank = self._bank, None
             if bank is not None and bank.store is not None:
                 bank.store.close()
+        if failed is not None:
+            raise failed
 
     def wait_for_reports(self, timeout: float | None = None, *, close: bool = False) -> float:
         """Wait for the artifact calls the maps' reports left to the writer's thread; seconds waited.
@@ -439,11 +546,12 @@ class MemoryAwareRunner(DaskTaskRunner):
 
     def _report_writer(self) -> Any:
         """The flow run's artifact writer (started at its first chunked map)."""
-        if self._writer is None:
-            from .report import ArtifactWriter  # flow process only: see the note at the top of the module
+        with self._lock:
+            if self._writer is None:
+                from .report import ArtifactWriter  # flow process only: see the note at the top of the module
 
-            self._writer = ArtifactWriter()
-        return self._writer
+                self._writer = ArtifactWriter()
+            return self._writer
 
     def _check_paths(self) -> None:
         """The store can be written; else EnvironmentProblemError, at once. (The default output directory is not
@@ -485,25 +593,110 @@ class MemoryAwareRunner(DaskTaskRunner):
         upstream = marker.source if isinstance(marker.source, ChunkedResult) else None
         from . import report  # flow process only: see the note at the top of the module
 
+        incoming, upstream_map, identity = None, None, None
+        if upstream is not None:
+            incoming, upstream_map, identity = self._upstream_plan(upstream, task)
         log = MapLog()
         cmap = ChunkedMap(self, task, param, source=upstream.output_path if upstream is not None else marker.source,
-                          incoming=upstream.chunks if upstream is not None else None, halo=marker.halo,
-                          output_path=marker.output, replace_any=marker.replace_any, static=static,
-                          wait_for=wait_for, observers=[log, report.MapReporter(self._report_writer()), *self.observers,
-                                                        *_progress_observers(self.progress)])
-        cmap.run()
-        return ChunkedResult.of(cmap, log)
+                          incoming=incoming, halo=marker.halo, output_path=marker.output,
+                          replace_any=marker.replace_any, static=static, wait_for=wait_for,
+                          observers=[log, report.MapReporter(self._report_writer()), *self.observers,
+                                     *_progress_observers(self.progress)],
+                          upstream=upstream_map, source_identity=identity)
+        result = ChunkedResult.running(cmap, log)
+        # The map runs in its own thread, in a copy of the flow's context (its flow run, settings and logger), so
+        # `.map` returns at once as Prefect's does; the runner waits for it at the flow's end (__exit__).
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run_map, result),
+                                  name=f"memchunk-map-{cmap.name}", daemon=True)
+        with self._lock:
+            self._maps.append(result)
+        thread.start()
+        return result
+
+    def _upstream_plan(self, upstream: ChunkedResult, task: Any) -> tuple[tuple[Chunk, ...], ChunkedMap | None,
+                                                                             dict | None]:
+        """What a map over ``upstream`` decides from: its chunking (its plan so far, while it runs), the map to
+        follow (None: built from a finished one), and the identity of its output (its ``write_id``: the same
+        whether it is finished or still written, so a rerun resumes a downstream output either way)."""
+        up = upstream.map
+        if up is None:
+            return tuple(upstream.chunks), None, None
+        _wait_event(up.planned)  # its first decision (milliseconds to a second after its .map)
+        if up.out is None:  # it stopped before its output existed: nothing to read
+            raise UpstreamMapError(
+                f"cannot map {getattr(task, 'name', task)!r} over the result of {up.name}: that map stopped before "
+                f"it began ({type(up.error).__name__}: {up.error}); fix that error and rerun the flow") from up.error
+        from .volume import ZarrSource
+
+        identity = ZarrSource(up.output_path).identity(complete=False)
+        if upstream.done and up.error is None:
+            return tuple(upstream.chunks), up, identity
+        return up.plan_snapshot(), up, identity
+
+    def _run_map(self, result: ChunkedResult) -> None:
+        """A map's thread: run it; what stops it is kept on the map (``.result()`` and the flow's end raise it)."""
+        try:
+            result.map.run()  # type: ignore[union-attr]
+        except BaseException:  # noqa: BLE001 - kept in ChunkedMap.error, raised where the user looks
+            pass
+        finally:
+            result._finish()
+
+    def stop_requested(self) -> BaseException | None:
+        """What the maps' threads raise to stop (the flow run stopped around them), or None."""
+        return self._stop
+
+    def finish_maps(self, flow_error: BaseException | None) -> ChunkedResult | None:
+        """Wait for every map this flow run started; the map whose error the flow run should end with, if any.
+
+        ``flow_error``: what stopped the flow (Ctrl-C, a cancellation, an error in the flow's own code): the maps
+        still running stop too, keeping what they wrote (their task runs in flight are marked Cancelled, or
+        Crashed after an error). Without one, a map that failed and whose error nobody has seen
+        (``.result()``) is what the flow run ends with: Prefect marks a flow run Completed when its function
+        returns, before it closes the task runner, so that map's error would otherwise be lost.
+        """
+        with self._lock:
+            maps = list(self._maps)
+        unseen = [r for r in maps if r.done and r.error is not None and not r.seen]
+        if flow_error is None and maps and (unseen or any(not r.done for r in maps)):
+            # An error in the flow's own code is handled by Prefect's engine before the task runner closes: the
+            # flow run's state says whether the flow failed around its maps.
+            state = _flow_run_state(maps[0].map.flow_run_id if maps[0].map is not None else "")
+            if state is not None and state.is_final() and not state.is_completed():
+                flow_error = MemchunkError(f"the flow run ended {state.name}: {state.message}")
+        if flow_error is not None and any(not r.done for r in maps):
+            self._stop = (MapInterrupted(f"the flow run stopped ({type(flow_error).__name__})")
+                          if not isinstance(flow_error, Exception)
+                          else MemchunkError(f"the flow run failed around it ({type(flow_error).__name__}: "
+                                             f"{flow_error})"))
+        for r in maps:
+            _wait_event(r._ended)
+        unseen = [r for r in maps if r.error is not None and not r.seen]
+        if flow_error is not None:
+            for r in unseen:
+                logger.info("%s: stopped (%s: %s) as the flow run ended", r.operator, type(r.error).__name__, r.error)
+            return None
+        for r in unseen[1:]:
+            _flow_logger().error("memchunk: the chunked map over %s failed and nothing waited for it: %r",
+                                 r.operator, r.error)
+        if not unseen:
+            return None
+        unseen[0].map.error_seen = True  # type: ignore[union-attr]
+        return unseen[0]
+
+    # ---------------------------------------------------------------- shared state for maps
 
     # ---------------------------------------------------------------- shared state for maps
 
     def model_bank(self) -> "ModelBank":
         """The model bank over this runner's store (opened once per flow run)."""
-        if self._bank is None:
-            from .model import ModelBank  # flow process only: see the note at the top of the module
-            from .store import Store
+        with self._lock:  # maps run in threads of their own
+            if self._bank is None:
+                from .model import ModelBank  # flow process only: see the note at the top of the module
+                from .store import Store
 
-            self._bank = ModelBank(Store(self.store))
-        return self._bank
+                self._bank = ModelBank(Store(self.store))
+            return self._bank
 
     def workers(self, modules: Sequence[str] = ()) -> list[WorkerMemory]:
         """The cluster's workers as the budget sees them: kill fraction (read once per worker), resting memory.
@@ -595,6 +788,35 @@ class MemoryAwareRunner(DaskTaskRunner):
         if not path.resolve().is_relative_to(base.resolve()):
             raise OutputPathError(f"{path}: the output for {operator!r} would leave the output directory {base}")
         return str(path)
+
+
+def _flow_run_state(flow_run_id: str) -> Any:
+    """The flow run's state as the Prefect API has it (None when it cannot be read)."""
+    if not flow_run_id:
+        return None
+    try:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(uuid.UUID(flow_run_id)).state
+    except Exception as exc:  # noqa: BLE001
+        logger.debug("could not read flow run %s: %r", flow_run_id, exc)
+        return None
+
+
+def _fail_flow_run(flow_run_id: str, error: BaseException) -> None:
+    """Mark the flow run Failed with ``error`` (it was marked Completed when its function returned)."""
+    if not flow_run_id:
+        return
+    try:
+        from prefect.client.orchestration import get_client
+        from prefect.states import Failed
+
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Failed(message=f"a chunked map failed and nothing waited for it: "
+                                                                 f"{type(error).__name__}: {error}"), force=True)
+    except Exception as exc:  # noqa: BLE001 - the error is raised all the same
+        logger.warning("could not mark flow run %s Failed: %r", flow_run_id, exc)
 
 
 def _deadline_seconds(deadline: float | str) -> float:

@@ -291,17 +291,30 @@ class ZarrSource(Source):
 
     def read(self, chunk: Chunk) -> np.ndarray:
         self._check_chunk(chunk)
+        if self.name == DATA_NAME and not zarr.open_group(self.path, mode="r").attrs.get("complete"):
+            # A memchunk output another map is still writing (chained maps run side by side): the region asked
+            # for is written, but a storage chunk it shares with a region being written now is rewritten in
+            # place (zarr reads, merges and rewrites it, under that chunk's lock): read it under the same lock.
+            return ZarrOutput(self.path, name=self.name).read_locked(chunk)
         return _as_f32(_zarr_array(self.path, self.name)[chunk.slices()])
 
     def memchunk_source(self) -> dict:
         return {"kind": "zarr", "path": self.path, "name": self.name}
 
-    def identity(self) -> dict | None:
-        """A memchunk store's ``write_id`` (new each time it is created) and ``completed_at``; None for others."""
+    def identity(self, complete: bool = True) -> dict | None:
+        """A memchunk store's ``write_id`` (new each time it is created) and ``completed_at``; None for others.
+
+        ``complete=False``: the identity of a store another map of the same flow is still writing (chained maps
+        run side by side): its ``write_id`` alone, the same before and after it completes.
+        """
         if self.name is None:
             return None
         attrs = dict(zarr.open_group(self.path, mode="r").attrs)
-        if not attrs.get("write_id") or not attrs.get("complete"):
+        if not attrs.get("write_id"):
+            return None
+        if not complete:
+            return {**self.memchunk_source(), "write_id": attrs["write_id"]}
+        if not attrs.get("complete"):
             return None
         return {**self.memchunk_source(), "write_id": attrs["write_id"], "completed_at": attrs.get("completed_at")}
 
@@ -743,8 +756,18 @@ class ZarrOutput:
         if mark_done:
             self.mark_done(chunk)
 
-    def _lock(self, cell: tuple[int, int, int]):
-        """An exclusive inter-process lock on one storage chunk (fcntl.flock on its lock node's zarr.json)."""
+    def read_locked(self, chunk: Chunk) -> np.ndarray:
+        """Read ``chunk``'s region while other processes write other regions: every storage chunk it touches
+        is read under a shared lock (taken in the writers' order), so no partial write is seen half done."""
+        full, partial = self._storage_chunks(chunk)
+        with ExitStack() as stack:
+            for cell in sorted(full + partial):
+                stack.enter_context(self._lock(cell, shared=True))
+            return _as_f32(_zarr_array(self.path, self.name)[chunk.slices()])
+
+    def _lock(self, cell: tuple[int, int, int], shared: bool = False):
+        """An inter-process lock on one storage chunk (fcntl.flock on its lock node's zarr.json): exclusive to
+        write part of it, ``shared`` to read it while it may be written."""
         lockdir = Path(self.path) / META_GROUP / "locks" / ".".join(map(str, cell))
         lockfile = lockdir / "zarr.json"
         if not lockfile.exists():
@@ -755,7 +778,7 @@ class ZarrOutput:
                     fh.write(_group_json({}))
             except FileExistsError:
                 pass
-        return _Flock(lockfile)
+        return _Flock(lockfile, shared)
 
     def mark_done(self, chunk: Chunk, record: Mapping[str, Any] | None = None) -> None:
         """Write ``chunk``'s completion marker (atomically), with an optional JSON-able ``record``.
@@ -843,15 +866,16 @@ class ZarrOutput:
 
 
 class _Flock:
-    """Context manager holding ``fcntl.flock(LOCK_EX)`` on a file for the duration of the block."""
+    """Context manager holding ``fcntl.flock`` (exclusive, or ``shared``) on a file for the duration of the block."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, shared: bool = False):
         self.path = path
+        self.shared = shared
         self.fd: int | None = None
 
     def __enter__(self) -> "_Flock":
-        self.fd = os.open(self.path, os.O_RDWR)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        self.fd = os.open(self.path, os.O_RDONLY if self.shared else os.O_RDWR)
+        fcntl.flock(self.fd, fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc: object) -> None:

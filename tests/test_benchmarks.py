@@ -298,3 +298,16 @@ def test_map_overhead_profiles_the_maps_submissions_and_the_runners_steps(tmp_pa
     assert steps["executor.py:*(submit)"]["calls_per_map"] == 2
     assert steps["executor.py:*(_run)"]["seconds_per_map"] >= steps["executor.py:*(submit)"]["seconds_per_map"] > 0
     assert "the runner's steps" in proc.stdout
+
+
+def test_overlap_benchmark_times_both_ways_and_compares_their_outputs(tmp_path):
+    """Smoke test of ``python -m benchmarks.overlap`` on its smallest row: both ways timed, outputs compared."""
+    out = tmp_path / "ov.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.overlap", "--rows", "independent-half", "--repeats", "1",
+                           "--hold", "0.5", "--json", str(out)],
+                          cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["row"] == "independent-half" and row["outputs_equal"] is True
+    assert row["blocking_seconds"] > 0 and row["overlapped_seconds"] > 0
+    assert [r["chunks"] for r in row["runs"]["blocking"]] == [r["chunks"] for r in row["runs"]["overlapped"]]

@@ -44,6 +44,7 @@ from memchunk_prefect.machine import (
     Stop,
     Stopped,
     Submit,
+    UpstreamWritten,
     WorkerDied,
     is_memory_kill,
 )
@@ -89,9 +90,10 @@ class Linear:
         return self.learner.choose(groups)
 
 
-def machine(shape=(8, 8, 10), *, knowledge=None, halo=(0, 0, 0), whole_traces=True, incoming=None, **settings):
+def machine(shape=(8, 8, 10), *, knowledge=None, halo=(0, 0, 0), whole_traces=True, incoming=None, gated=False,
+            **settings):
     spec = MapSpec(operator="op", operator_key=KEY, shape=shape, halo=halo, whole_traces=whole_traces,
-                   output_path="/out.zarr", incoming=incoming, settings=PolicySettings(**settings))
+                   output_path="/out.zarr", incoming=incoming, settings=PolicySettings(**settings), gated=gated)
     return MapMachine(spec, knowledge or Linear())
 
 
@@ -177,6 +179,50 @@ def test_a_restart_is_recorded_before_the_chunking_decision():
     first, _ = started(machine(), restarted="it was computed from other task code")
     assert [d.record.decision for d in of(Decided, first)] == ["restart", "rechunk"]
     assert "other task code" in of(Decided, first)[0].record.reason
+
+
+# =========================================================================== a map over a map still running
+
+
+def _slabs(n, step, shape=(8, 8, 10)):
+    return tuple(Chunk((i, 0, 0), (min(i + step, n), shape[1], shape[2])) for i in range(0, n, step))
+
+
+def test_a_gated_chunk_runs_once_the_upstream_wrote_every_element_its_block_reads():
+    """Planned at once from the upstream's plan; each chunk waits (not on a slot) for the upstream chunks its block
+    reads, halo included, and runs as soon as they are written, in whatever order they come."""
+    incoming = _slabs(8, 4)  # the upstream's plan: ilines 0:4 and 4:8
+    m = machine(incoming=incoming, halo=(1, 0, 0), gated=True)
+    first, submitted = started(m, slots=2, budget=10 * MiB)
+    assert of(Decided, first)[0].record.decision == "continue"
+    assert submitted == [] and m.waiting_upstream, "nothing written upstream: nothing runs, nothing is finished"
+    # 0:4 written: chunk 0:4 reads 0:5 (halo 1), not yet covered; 4:8 reads 3:8, not either.
+    assert m.handle(UpstreamWritten((incoming[0],))) == [] and m.advance() == []
+    # The upstream re-cut its second half (a re-plan, a split): iline 4:5 written -> 0:4 may run.
+    m.handle(UpstreamWritten((Chunk((4, 0, 0), (5, 8, 10)),)))
+    assert [s.chunk for s in of(Submit, m.advance())] == [incoming[0]]
+    m.handle(UpstreamWritten((Chunk((5, 0, 0), (8, 8, 10)),)))
+    assert [s.chunk for s in of(Submit, m.advance())] == [incoming[1]], "coverage is by element, any cut"
+
+
+def test_a_gated_map_finishes_only_after_its_own_chunks_and_opens_when_the_upstream_completes():
+    incoming = _slabs(8, 4)
+    m = machine(incoming=incoming, halo=(1, 0, 0), gated=True)
+    started(m, slots=2, budget=10 * MiB)
+    m.handle(UpstreamWritten((), complete=True))
+    subs = of(Submit, m.advance())
+    assert [s.chunk for s in subs] == list(incoming), "a finished upstream opens the gate for every chunk"
+    out = []
+    for s in subs:
+        out += m.handle(ChunkDone(s.id, obs(s.chunk)))
+    assert of(Finalize, m.advance()) and m.finished
+
+
+def test_an_ungated_map_is_unchanged_by_upstream_events():
+    m = machine(incoming=_slabs(8, 4))
+    _, submitted = started(m, slots=2, budget=10 * MiB)
+    assert len(of(Submit, submitted)) == 2 and not m.waiting_upstream
+    assert m.handle(UpstreamWritten((Chunk((0, 0, 0), (1, 8, 10)),))) == []
 
 
 # =========================================================================== cold start
