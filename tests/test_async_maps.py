@@ -4,7 +4,9 @@ A chunked ``.map`` returns its result object at once and runs in the background 
 the flow's process: independent maps share the cluster, a map over another map's
 result starts each chunk as soon as the upstream chunks its block reads are written,
 and errors surface on ``.result()`` or when the flow ends. Before this change every
-test here fails: the first ``.map`` returned only when its last chunk was written.
+test here but the one on a failed map nobody waited for fails (the first ``.map``
+returned only when its last chunk was written, and raised a failed map's error
+itself, which failed that flow too).
 """
 
 from __future__ import annotations
