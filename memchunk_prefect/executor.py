@@ -11,7 +11,9 @@ module only turns the world into its events and its instructions into actions:
   an observation, tell the observers, mark task runs (:mod:`memchunk_prefect.taskruns`),
   cancel, read completion markers, raise, finalize the output.
 
-Lives in the flow's thread. What runs on the workers is in :mod:`memchunk_prefect.worker`.
+Lives in a thread of the flow's process, one per map (the runner starts it; see
+:meth:`memchunk_prefect.runner.MemoryAwareRunner.map`). What runs on the workers is in
+:mod:`memchunk_prefect.worker`.
 """
 
 from __future__ import annotations
