@@ -567,9 +567,15 @@ class MemoryAwareRunner(DaskTaskRunner):
     @property
     def client(self):
         if self._client is None:
-            # Report a worker's death on the first death instead of retrying it on (and killing) others.
-            with dask.config.set({"distributed.scheduler.allowed-failures": RUNNER_SETTINGS.allowed_failures}):
-                return super().client
+            # Maps run in threads of their own and the first to ask creates the client: under the lock, so one
+            # client is made, and so two threads' ``dask.config.set`` (process-global, not thread-safe) cannot
+            # interleave and leave allowed-failures changed for the whole process after both exit.
+            with self._lock:
+                if self._client is None:
+                    # Report a worker's death on the first death instead of retrying it on (and killing) others.
+                    with dask.config.set({"distributed.scheduler.allowed-failures":
+                                          RUNNER_SETTINGS.allowed_failures}):
+                        return super().client
         return self._client
 
     # ---------------------------------------------------------------- map interception
@@ -766,9 +772,10 @@ class MemoryAwareRunner(DaskTaskRunner):
 
     def _check_cluster_once(self) -> None:
         """Warn once per flow run when the scheduler retries dead workers' tasks (policy.allowed_failures_warning)."""
-        if self._cluster_checked:
-            return
-        self._cluster_checked = True
+        with self._lock:  # two maps' threads read the budget at once
+            if self._cluster_checked:
+                return
+            self._cluster_checked = True
         message = policy.allowed_failures_warning(_cluster.read_allowed_failures(self.client),
                                                   self.client.scheduler.address)
         if message:

@@ -38,6 +38,51 @@ def running_in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
 
 
+_RANDOM_FUNCTIONS = ("random", "uniform", "getrandbits", "choice", "choices", "shuffle", "sample", "randint",
+                     "randrange")
+
+
+@pytest.fixture(autouse=True)
+def _background_threads_draw_from_their_own_random(monkeypatch):
+    """Threads other than the test's draw from a private ``random.Random``, the test's thread from the global one.
+
+    Hypothesis fails a test whose strategies change the global ``random`` state, and
+    it compares that state before and after each draw. Threads this process keeps
+    running change it too: once a flow has run against the session's Prefect server,
+    Prefect's events client pings over a websocket every 20 s from its own event-loop
+    thread (``websockets`` draws the ping payload with ``random.getrandbits``), and
+    Dask's comms draw connect back-off jitter. A ping landing inside a draw failed a
+    fuzz test as "Flaky" (seen in CI). The test's own thread keeps the global state,
+    so a strategy of ours that used ``random`` would still be caught.
+    """
+    import random
+    import threading
+
+    owner = threading.current_thread()
+    private = random.Random()
+    for name in _RANDOM_FUNCTIONS:
+        shared, own = getattr(random, name), getattr(private, name)
+        monkeypatch.setattr(random, name, lambda *a, _s=shared, _o=own, **k:
+                            (_s if threading.current_thread() is owner else _o)(*a, **k))
+
+
+@pytest.fixture(autouse=True)
+def _dask_config_left_as_found():
+    """Fail the test that leaves Dask's process-global allowed-failures changed, not a later one that reads it.
+
+    ``dask.config.set`` is global and not thread-safe; the runner sets allowed-failures
+    while it creates its client, and a leak once made a later test's scheduler start
+    with the runner's value instead of Dask's default.
+    """
+    import dask
+    import distributed  # noqa: F401 - loads distributed's defaults into dask.config, so `before` is Dask's
+
+    key = "distributed.scheduler.allowed-failures"
+    before = dask.config.get(key)
+    yield
+    assert dask.config.get(key) == before, f"this test left {key} = {dask.config.get(key)} (it was {before})"
+
+
 @pytest.fixture(scope="session")
 def segy_dir() -> Path:
     """The real SEG-Y files; the tests that need them skip when they are absent, except in CI, where they fail.

@@ -54,11 +54,15 @@ def test_an_existing_store_reports_its_schema_and_keys_and_a_read_only_one_fails
 
 
 def test_prefect_home_under_a_file_fails_for_the_home_and_the_temporary_servers_database(tmp_path):
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+    from prefect.settings import (PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_DATABASE_CONNECTION_URL,
+                                  temporary_settings)
 
     home = tmp_path / "a-file" / "prefect"
     (tmp_path / "a-file").write_text("")
-    with temporary_settings(updates={PREFECT_HOME: home}, restore_defaults={PREFECT_API_URL}):
+    # Both back to their defaults: the session's test server (prefect_test_harness) sets the API URL and a
+    # database in a temporary directory, and the default database is the one under PREFECT_HOME.
+    with temporary_settings(updates={PREFECT_HOME: home},
+                            restore_defaults={PREFECT_API_URL, PREFECT_SERVER_DATABASE_CONNECTION_URL}):
         checks = _by_name([doctor.check_prefect_home(), doctor.check_prefect_api()])
     assert checks["prefect home"].status == FAIL and str(home) in checks["prefect home"].detail
     assert checks["prefect api"].status == FAIL and "prefect.db" in checks["prefect api"].detail
