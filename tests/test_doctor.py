@@ -54,8 +54,12 @@ def test_an_existing_store_reports_its_schema_and_keys_and_a_read_only_one_fails
 
 
 def test_prefect_home_under_a_file_fails_for_the_home_and_the_temporary_servers_database(tmp_path):
-    from prefect.settings import (PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_DATABASE_CONNECTION_URL,
-                                  temporary_settings)
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_SERVER_DATABASE_CONNECTION_URL,
+        temporary_settings,
+    )
 
     home = tmp_path / "a-file" / "prefect"
     (tmp_path / "a-file").write_text("")
