@@ -23,6 +23,13 @@ Rows:
   2 threads, ``--hold`` seconds a chunk.
 - ``chain-real``: ``envelope`` -> ``gaussian_smooth`` -> ``gst3d_dip`` over one survey
   on 2 workers x 1 thread.
+- ``chain-straggler``: the three maps of ``chain-hold`` (same multiples and halos),
+  each chunk ``--hold`` seconds of CPU work (``busy_seconds``) instead of a sleep, on
+  2 workers x 1 thread, one of them a straggler: stopped half of every 0.2 s
+  (``memchunk_prefect.testing.Throttle``, SIGSTOP / SIGCONT, duty 0.5), so its chunks
+  take about twice as long, as on a node starved by a neighbour. A blocking chain
+  waits at every map's end for the straggler's last chunk; a pipelined one gives the
+  fast worker the next map's ready chunks meanwhile.
 
 Reports per row the median wall of each way, their ratio (overlapped / blocking),
 the chunk counts of each map, and whether the overlapped outputs equal the blocking
@@ -32,6 +39,7 @@ ones exactly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -68,7 +76,26 @@ def _steps(row: str, hold: float) -> list[tuple[Any, dict, Any]]:
         return [(memory_hog, {"multiple": 4, "seconds": hold}, None),
                 (memory_hog, {"multiple": 40, "seconds": hold}, (2, 0, 0)),
                 (memory_hog, {"multiple": 16, "seconds": hold}, (2, 0, 0))]
+    if row == "chain-straggler":
+        return [(memory_hog, {"multiple": 4, "busy_seconds": hold}, None),
+                (memory_hog, {"multiple": 40, "busy_seconds": hold}, (2, 0, 0)),
+                (memory_hog, {"multiple": 16, "busy_seconds": hold}, (2, 0, 0))]
     return [(tasks.envelope, {}, None), (tasks.gaussian_smooth, {}, None), (tasks.gst3d_dip, {}, None)]
+
+
+def _straggler(row: str, cluster):
+    """For ``chain-straggler``: one worker process throttled to half speed for the row's runs; else nothing."""
+    import os
+
+    from distributed import Client
+
+    from memchunk_prefect.testing import Throttle
+
+    if row != "chain-straggler":
+        return contextlib.nullcontext()
+    with Client(cluster.scheduler_address) as c:
+        pid = sorted(c.run(os.getpid).values())[0]
+    return Throttle(pid, duty=0.5, period_seconds=0.2)
 
 
 def run_row(row: str, survey: str, work: Path, *, threads: int, hold: float, budget: str | None, repeats: int) -> dict:
@@ -80,7 +107,9 @@ def run_row(row: str, survey: str, work: Path, *, threads: int, hold: float, bud
     chained = row.startswith("chain")
     steps = _steps(row, hold)
     cluster = _cluster(threads)
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(_straggler(row, cluster))
         runner = MemoryAwareRunner(address=cluster.scheduler_address, store=str(work / f"{row}.sqlite"),
                                    output_dir=str(work / "out"), memory_budget=budget, progress=False)
 
@@ -113,6 +142,7 @@ def run_row(row: str, survey: str, work: Path, *, threads: int, hold: float, bud
         equal = all(np.array_equal(open_result(a).values, open_result(b).values, equal_nan=True)
                     for a, b in zip(runs["blocking"][0]["outputs"], runs["overlapped"][0]["outputs"]))
     finally:
+        stack.close()
         cluster.close()
     blocking = statistics.median(r["wall_seconds"] for r in runs["blocking"])
     overlapped = statistics.median(r["wall_seconds"] for r in runs["overlapped"])
@@ -125,6 +155,7 @@ ROWS = {  # row: (survey shape, threads per worker, memory budget)
     "independent-real": ((128, 96, 400), 1, None),
     "chain-hold": ((24, 2, 2000), 2, "24MiB"),
     "chain-real": ((128, 96, 400), 1, None),
+    "chain-straggler": ((24, 2, 2000), 1, "24MiB"),
 }
 
 

@@ -41,6 +41,9 @@ HELPER = REPO / "tests" / "reprocess_hog.py"
 SHAPE = (48, 50, 500)  # 1.2 M samples; at 168 B/element and a 48 MiB budget: about 6 chunks of 8 ilines
 HOG = {"multiple": 40, "seconds": 1.0}
 KEY = operator_key(memory_hog, {"multiple": 40})
+# The second map of a chain: another memory multiple, so another key and its own observations.
+HOG2 = {"multiple": 30, "seconds": 1.0}
+KEY2 = operator_key(memory_hog, {"multiple": 30})
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +57,7 @@ def seeded_store(path: Path) -> str:
     """A store whose model already knows memory_hog at 40x (168 B/element), so the first plan is final."""
     store = Store(path)
     seed_store(store, KEY, 168)
+    seed_store(store, KEY2, 128)
     store.close()
     return str(path)
 
@@ -95,8 +99,23 @@ def markers(out: Path) -> list[str]:
     return [e.name for e in os.scandir(d) if (Path(e.path) / "zarr.json").exists()] if d.is_dir() else []
 
 
-def ok_observations(store: str) -> list:
-    return [o for o in Store(store).observations(KEY) if o.outcome == "ok" and o.method != "seeded"]
+def chain_flow(runner: MemoryAwareRunner, survey: str, up: Path, down: Path):
+    """Two memory_hog maps chained, the second submitted while the first runs (each returns a copy: the
+    clean result of both is the survey)."""
+    @flow(task_runner=runner)
+    def chain():
+        from prefect.runtime import flow_run
+
+        first = memory_hog.map(chunked(survey, output=up), **HOG)
+        second = memory_hog.map(chunked(first, output=down), **HOG2)
+        overlapped = not first.done  # the second was submitted while the first ran
+        return str(flow_run.id), first.summary(), second.summary(), first.events + second.events, overlapped
+
+    return chain
+
+
+def ok_observations(store: str, key: str = KEY) -> list:
+    return [o for o in Store(store).observations(key) if o.outcome == "ok" and o.method != "seeded"]
 
 
 def unfinished_task_runs(flow_run_ids) -> list:
@@ -118,13 +137,14 @@ def flow_runs_since(started: float) -> list:
         return [r.id for r in client.read_flow_runs(flow_run_filter=since)]
 
 
-def assert_equal_to_a_clean_run_and_each_chunk_written_once(out: Path, survey: str, store: str) -> None:
+def assert_equal_to_a_clean_run_and_each_chunk_written_once(out: Path, survey: str, store: str,
+                                                            key: str = KEY) -> None:
     """The result equals the input element for element; completed chunks tile the volume with no overlap,
     and each was measured by exactly one successful task run (none computed twice, none missing)."""
     np.testing.assert_array_equal(open_result(out).values, open_segy(survey).values)
     done = ZarrOutput.open(out).completed_chunks()
     assert covers_exactly(done, SHAPE), f"completed chunks overlap or leave gaps: {done}"
-    counts = Counter(o.chunk for o in ok_observations(store))
+    counts = Counter(o.chunk for o in ok_observations(store, key))
     assert set(counts) == {c.key() for c in done}, (sorted(counts), done)
     assert max(counts.values()) == 1, f"a chunk was computed twice: {counts}"
 
@@ -151,6 +171,30 @@ def test_a_worker_sigkilled_mid_map_on_a_local_cluster_loses_nothing(survey, tmp
     assert summary["oom_events"] == 0, "a SIGKILL far below the memory limit is not an out-of-memory event"
     assert_equal_to_a_clean_run_and_each_chunk_written_once(out, survey, store)
     assert not [o for o in Store(store).observations(KEY) if o.outcome == "killed"], "nothing learned from it"
+    assert not unfinished_task_runs([run_id])
+
+
+def test_a_worker_sigkilled_while_two_chained_maps_run_loses_nothing_in_either(survey, tmp_path):
+    """Both maps have chunks in flight when the worker dies: each retries what it lost, the second never
+    reads what the first has not written, and both outputs are exact with every chunk written once."""
+    from distributed import Client
+
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    try:
+        with Client(cluster.scheduler_address) as c:
+            pid = sorted(c.run(os.getpid).values())[0]
+        store, up, down = seeded_store(tmp_path / "obs.sqlite"), tmp_path / "up.zarr", tmp_path / "down.zarr"
+        killer = KillAfterMarkers(down, 1, pid)  # the second map has written: both are under way
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, memory_budget="48MiB", store=store)
+        run_id, first, second, events, overlapped = chain_flow(runner, survey, up, down)()
+    finally:
+        cluster.close()
+    assert overlapped, "the chained map was submitted after the first ended: nothing overlapped"
+    assert killer.killed_at is not None and killer.markers_then < second["chunks"], "the kill was not mid-map"
+    assert [e for e in events if e["event"] == "lost"], events
+    assert first["oom_events"] == second["oom_events"] == 0, "a SIGKILL is not an out-of-memory event"
+    assert_equal_to_a_clean_run_and_each_chunk_written_once(up, survey, store, KEY)
+    assert_equal_to_a_clean_run_and_each_chunk_written_once(down, survey, store, KEY2)
     assert not unfinished_task_runs([run_id])
 
 
@@ -318,6 +362,38 @@ def test_external_cluster_a_killed_worker_then_a_killed_scheduler_then_a_rerun(s
     assert not unfinished_task_runs([run_id])
 
 
+def test_external_cluster_a_killed_scheduler_under_two_chained_maps_then_a_rerun_resumes_both(survey, tmp_path):
+    def runner(address: str, store: str) -> MemoryAwareRunner:
+        return MemoryAwareRunner(address=address, memory_budget="48MiB", store=store,
+                                 client_kwargs={"timeout": "10s"})
+
+    store, up, down = seeded_store(tmp_path / "obs.sqlite"), tmp_path / "up.zarr", tmp_path / "down.zarr"
+    started = time.time()
+    with external_cluster(tmp_path / "c1") as ext:
+        killer = KillAfterMarkers(down, 1, ext.scheduler.pid)
+        # The first map's error is the flow's (its summary is read first); the second stops with it.
+        with pytest.raises(ClusterLostError, match="lost the Dask scheduler at .* rerun the flow"):
+            chain_flow(runner(ext.address, store), survey, up, down)()
+        wait_for(lambda: not unfinished_task_runs(flow_runs_since(started)), 60)
+    assert killer.killed_at is not None
+    written = {out: ZarrOutput.open(out).completed_chunks() for out in (up, down)}
+    assert written[down], "the second map had written nothing: the kill was not under both maps"
+    with pytest.raises(Exception, match="not marked complete"):
+        open_result(down)
+    for key in (KEY, KEY2):
+        assert not [o for o in Store(store).observations(key) if o.outcome != "ok"], "nothing censored"
+
+    rerun_started = time.time()
+    with external_cluster(tmp_path / "c2") as ext:
+        run_id, first, second, _, _ = chain_flow(runner(ext.address, store), survey, up, down)()
+    assert second["decisions"][0] == "resume", second["decisions"]
+    for out, key in ((up, KEY), (down, KEY2)):
+        new = [Chunk.from_key(o.chunk) for o in ok_observations(store, key) if o.created_at >= rerun_started]
+        assert not any(n.intersect(w) for n in new for w in written[out]), f"{out.name}: a written chunk was redone"
+        assert_equal_to_a_clean_run_and_each_chunk_written_once(out, survey, store, key)
+    assert not unfinished_task_runs([run_id])
+
+
 # =========================================================================== the flow run interrupted
 
 
@@ -357,19 +433,26 @@ def check_interrupted(out: Path, store: str) -> list[Chunk]:
     return written
 
 
-def check_resumed(out: Path, store: str, survey: str, written: list[Chunk], rerun_started: float) -> None:
+def envelope_written(out: Path) -> list[Chunk]:
+    """The envelope chunks written so far (none when its store was not created yet)."""
+    env = out / "line" / "envelope.zarr"
+    return ZarrOutput.open(env).completed_chunks() if (env / "zarr.json").exists() else []
+
+
+def check_resumed(out: Path, store: str, survey: str, written: list[Chunk], env_written: list[Chunk],
+                  rerun_started: float) -> None:
     hog = out / "line" / "memory_hog.zarr"
     manifest = json.loads((out / "line" / "memchunk-manifest.json").read_text())
     assert manifest["outputs"]["memory_hog"]["zarr"] == "memory_hog.zarr"
     new = [Chunk.from_key(o.chunk) for o in ok_observations(store) if o.created_at >= rerun_started]
     assert new and not any(n.intersect(w) for n in new for w in written), "a completed chunk was recomputed"
     # The flow submits both attributes' maps before waiting for either (they share the cluster), so the
-    # envelope may have been interrupted too: what it wrote before is reused, never recomputed.
+    # envelope may have been interrupted too, anywhere from none of its chunks written to all: what it wrote
+    # before (read from its store when the run stopped) is reused, never recomputed.
     env_key = next(o.operator_key for o in Store(store).observations() if o.operator_key.startswith("envelope"))
-    env_obs = [o for o in Store(store).observations(env_key) if o.outcome == "ok"]
-    before = [Chunk.from_key(o.chunk) for o in env_obs if o.created_at < rerun_started]
-    again = [Chunk.from_key(o.chunk) for o in env_obs if o.created_at >= rerun_started]
-    assert before and not any(a.intersect(b) for a in again for b in before), \
+    again = [Chunk.from_key(o.chunk) for o in Store(store).observations(env_key)
+             if o.outcome == "ok" and o.created_at >= rerun_started]
+    assert not any(a.intersect(b) for a in again for b in env_written), \
         "an envelope chunk written before the interruption was recomputed"
     np.testing.assert_array_equal(open_result(hog).values, open_segy(survey).values)
     done = ZarrOutput.open(hog).completed_chunks()
@@ -394,14 +477,14 @@ def test_ctrl_c_during_reprocess_survey_keeps_what_finished_and_a_rerun_resumes(
                      f"when Ctrl-C was sent):\n" + text[-3000:])
     # Usually "(KeyboardInterrupt)"; an interrupt landing inside a library may arrive wrapped in its error type.
     assert "memory_hog: stopped early (" in text, text[-3000:]
-    written = check_interrupted(out, store)
+    written, env_written = check_interrupted(out, store), envelope_written(out)
 
     rerun_started = time.time()
     done = subprocess.run(cmd, env=helper_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     (row,) = json.loads(done.stdout.strip().splitlines()[-1])
     assert row["status"] == "processed", row
-    check_resumed(out, store, survey, written, rerun_started)
+    check_resumed(out, store, survey, written, env_written, rerun_started)
 
 
 def test_a_run_cancelled_from_prefect_keeps_what_finished_and_the_next_run_resumes(survey, tmp_path):
@@ -427,7 +510,7 @@ def test_a_run_cancelled_from_prefect_keeps_what_finished_and_the_next_run_resum
             client.set_flow_run_state(run.id, Cancelling(), force=True)
             final = wait_for(lambda: (s := client.read_flow_run(run.id).state) and s.is_final() and s, 120)
             assert final.type.value == "CANCELLED", final
-            written = check_interrupted(out, store)
+            written, env_written = check_interrupted(out, store), envelope_written(out)
             runs = flow_runs_since(started)  # the run and its subflows
             assert not unfinished_task_runs(runs), "a cancelled run left task runs RUNNING or PENDING"
 
@@ -439,7 +522,7 @@ def test_a_run_cancelled_from_prefect_keeps_what_finished_and_the_next_run_resum
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
         log.close()
-    check_resumed(out, store, survey, written, rerun_started)
+    check_resumed(out, store, survey, written, env_written, rerun_started)
 
 
 def wait_for(fn, timeout: float, poll: float = 0.5):
