@@ -129,6 +129,9 @@ def run_row(row: str, survey: str, work: Path, *, threads: int, hold: float, bud
             wall = time.perf_counter() - t
             return {"wall_seconds": wall, "chunks": [len(r.chunks) for r in results],
                     "decisions": [r.summary()["decisions"] for r in results],
+                    # per map, each chunk's (worker, compute seconds): where the wall went, beside the wall
+                    "chunk_seconds": [[(e["worker"], round(e["seconds"], 3)) for e in r.events if e["event"] == "ok"]
+                                      for r in results],
                     "oom_events": sum(r.oom_events for r in results), "outputs": [r.output_path for r in results]}
 
         the_flow(True, "warm")  # the store learns every operator: no timed map probes
