@@ -32,8 +32,10 @@ planner is the only thing that cuts chunks).
 Reward: the plan's *slot efficiency*, the compute its chunks needed (output
 elements x the operator's measured seconds per element) over the slot time they
 held (``slots x`` wall seconds from first submission to last end, retries and
-splits included), minus ``penalty`` (1.0: a whole map's worth) per chunk that
-ran out of memory, minus the share of that slot time its workers spent paused
+splits included; for a chained map, less the time it had nothing running
+because the upstream map had not yet written what its next chunk reads), minus
+``penalty`` (1.0: a whole map's worth) per chunk that ran out of memory, minus
+the share of that slot time its workers spent paused
 (a worker above Dask's pause line, 0.8 of its limit, takes no new task; the
 scheduler's log of status changes says when: ``records.pauses_from``). Paused
 time is counted as lost whether or not a task was waiting for that worker (an

@@ -611,6 +611,11 @@ class MapMachine:
     arm_started: float | None = None  # first submission of a chunk planned under the arm
     arm_ended: float = 0.0  # last end of one
     arm_elements: int = 0  # output elements written under the arm
+    # Seconds within the arm's time the map had nothing in flight and every queued chunk waited for the upstream
+    # map's writes (a chained map): not the plan's doing, so not charged to its reward. upstream_wait_since: when
+    # the current such wait began (None: not waiting).
+    arm_upstream_wait: float = 0.0
+    upstream_wait_since: float | None = None
     arm_chunks: int = 0
     arm_out_of_memory: int = 0
     started_at: float = 0.0  # when the map started (Start.at)
@@ -903,6 +908,8 @@ class MapMachine:
                         break  # the rest waits for the upstream map's writes
                     out.append(self._submit(item, at))
                 if self.in_flight or self.queue:
+                    if self.waiting_upstream and self.arm_started is not None and self.upstream_wait_since is None:
+                        self.upstream_wait_since = at
                     return out
                 if not self.regions:
                     self.phase = FINISHED
@@ -1060,6 +1067,9 @@ class MapMachine:
         self.in_flight[sid] = item
         if item.armed and self.arm_started is None:
             self.arm_started = at
+        if self.upstream_wait_since is not None:  # the upstream wrote what this chunk reads: the wait is over
+            self.arm_upstream_wait += max(0.0, at - self.upstream_wait_since)
+            self.upstream_wait_since = None
         extents = self.spec.read_extents(item.chunk)
         pred = self.predict(extents)
         mean, upper = (float(pred.mean_bytes), float(pred.upper_bytes)) if pred.ready else (None, None)
@@ -1139,14 +1149,15 @@ class MapMachine:
         ``pauses``: the workers' pauses over the map; those within the plan's time count against it.
         """
         spe = self.knowledge.seconds_per_element()
-        if (self.arm is None or self.arm_started is None or not self.arm_elements or spe is None
-                or self.arm_ended <= self.arm_started):
+        # The plan's time: from its first submission to its last end, less the waits for an upstream map's writes.
+        wall = self.arm_ended - self.arm_started - self.arm_upstream_wait if self.arm_started is not None else 0.0
+        if self.arm is None or self.arm_started is None or not self.arm_elements or spe is None or wall <= 0:
             return []  # no arm, nothing written under it, no measured rate or no time measured
         n_paused, paused = paused_within(pauses, self.arm_started, self.arm_ended)
-        value, efficiency = bandit.reward_of(self.arm_elements, spe, self.slots, self.arm_ended - self.arm_started,
+        value, efficiency = bandit.reward_of(self.arm_elements, spe, self.slots, wall,
                                              self.arm_out_of_memory, self.settings.oom_penalty, paused)
         return [Rewarded(Reward(self.spec.operator_key, self.arm.arm, self.arm.arms, value, efficiency,
-                                self.arm_elements, self.arm_ended - self.arm_started, self.slots,
+                                self.arm_elements, wall, self.slots,
                                 out_of_memory=self.arm_out_of_memory, n_chunks=self.arm_chunks, pauses=n_paused,
                                 paused_seconds=paused, created_at=self.arm_ended))]
 

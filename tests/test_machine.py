@@ -218,6 +218,25 @@ def test_a_gated_map_finishes_only_after_its_own_chunks_and_opens_when_the_upstr
     assert of(Finalize, m.advance()) and m.finished
 
 
+def test_a_chained_maps_reward_does_not_count_the_time_it_waited_for_the_upstreams_writes():
+    """Seconds with nothing in flight and every queued chunk waiting for the upstream are the upstream's, not the
+    plan's: the arm's wall leaves them out, so a plan is not taught it was slow because its input came late."""
+    incoming = _slabs(8, 4)
+    m = machine(incoming=incoming, gated=True, knowledge=Linear(spe=1e-3))
+    m.handle(Start(2, 10 * MiB, at=0.0))
+    assert m.advance(0.0) == [] and m.arm is not None
+    m.handle(UpstreamWritten((incoming[0],), at=0.0))
+    (first,) = of(Submit, m.advance(0.0))
+    m.handle(ChunkDone(first.id, obs(first.chunk), at=1.0))
+    assert m.advance(1.0) == [] and m.waiting_upstream  # 1 s .. 11 s: the second chunk's input is not written
+    m.handle(UpstreamWritten((incoming[1],), complete=True, at=11.0))
+    (second,) = of(Submit, m.advance(11.0))
+    m.handle(ChunkDone(second.id, obs(second.chunk), at=12.0))
+    (r,) = of(Rewarded, answered(m, m.advance(12.0)))
+    assert r.reward.wall_seconds == pytest.approx(2.0), "12 s from first submission to last end, 10 s waiting"
+    assert r.reward.efficiency == pytest.approx(min(1.0, 640 * 1e-3 / (2 * 2.0)))
+
+
 def test_an_ungated_map_is_unchanged_by_upstream_events():
     m = machine(incoming=_slabs(8, 4))
     _, submitted = started(m, slots=2, budget=10 * MiB)
