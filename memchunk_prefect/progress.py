@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from typing import Any, Callable
 
@@ -236,25 +237,9 @@ class TerminalProgress(MapObserver):
     # ---- the live bar
 
     def _start_live(self, event: MapStart) -> None:
-        from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
-        from rich.text import Text
-
-        class Elapsed(ProgressColumn):
-            def render(self, task: Any) -> Text:
-                return Text(format_seconds(task.elapsed or 0.0))
-
-        # Styles named here, not by theme: Prefect's console (shared, see terminal_console) has a theme without
-        # rich's defaults ("bar.back" and the like).
-        self._progress = Progress(TextColumn("{task.description}"),
-                                  BarColumn(style="grey30", complete_style="cyan", finished_style="green",
-                                            pulse_style="cyan"),
-                                  TextColumn("{task.percentage:>3.0f}%"), Elapsed(),
-                                  TextColumn("{task.fields[status]}"),
-                                  console=self.console, transient=True,
-                                  refresh_per_second=self.refresh_per_second)
+        self._progress = _LIVE.acquire(self.console, self.refresh_per_second)
         self._task = self._progress.add_task(event.operator, total=max(1, self.total_elements),
                                              status=self.status(event.at or time.time()))
-        self._progress.start()
 
     def _refresh(self) -> None:
         if self._progress is not None:
@@ -264,7 +249,62 @@ class TerminalProgress(MapObserver):
         if self._progress is None:
             return
         try:
-            self._progress.stop()
+            _LIVE.release(self.console, self._progress, self._task)
         finally:
             self._progress = None
+
+
+class _SharedDisplays:
+    """One live display per console, a row per running map.
+
+    Chunked maps run side by side (``.map`` returns at once), and two live displays
+    on one terminal draw over each other's line. Maps run in threads of their own,
+    so taking and leaving a display is under a lock; rich's ``Progress`` locks its
+    own updates.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._displays: dict[int, tuple[Any, int]] = {}  # id(console) -> (Progress, maps showing on it)
+
+    def acquire(self, console: Any, refresh_per_second: float) -> Any:
+        with self._lock:
+            progress, users = self._displays.get(id(console), (None, 0))
+            if progress is None:
+                progress = _new_display(console, refresh_per_second)
+                progress.start()
+            self._displays[id(console)] = (progress, users + 1)
+            return progress
+
+    def release(self, console: Any, progress: Any, task: Any) -> None:
+        with self._lock:
+            try:
+                progress.remove_task(task)
+                progress.refresh()  # else the next print above the display redraws the removed row
+            finally:
+                _, users = self._displays.get(id(console), (progress, 1))
+                if users <= 1:
+                    self._displays.pop(id(console), None)
+                    progress.stop()
+                else:
+                    self._displays[id(console)] = (progress, users - 1)
+
+
+def _new_display(console: Any, refresh_per_second: float) -> Any:
+    from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn
+    from rich.text import Text
+
+    class Elapsed(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            return Text(format_seconds(task.elapsed or 0.0))
+
+    # Styles named here, not by theme: Prefect's console (shared, see terminal_console) has a theme without
+    # rich's defaults ("bar.back" and the like).
+    return Progress(TextColumn("{task.description}"),
+                    BarColumn(style="grey30", complete_style="cyan", finished_style="green", pulse_style="cyan"),
+                    TextColumn("{task.percentage:>3.0f}%"), Elapsed(), TextColumn("{task.fields[status]}"),
+                    console=console, transient=True, refresh_per_second=refresh_per_second)
+
+
+_LIVE = _SharedDisplays()
 

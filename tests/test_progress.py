@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 
 from rich.console import Console
 
@@ -82,6 +83,30 @@ def test_on_a_terminal_a_live_bar_shows_chunks_time_left_and_peak_then_gives_way
     assert "2/4 chunks, ~2.0 s left (learned), peak 101.0 MiB / 700.0 MiB, 0 out-of-memory recovered" in text, text
     assert text.rstrip().endswith("out of memory: - avoided, 0 recovered")
     assert p._progress is None, "the live display is stopped when the map ends"
+
+
+def test_two_maps_running_at_once_share_one_live_display_a_row_each():
+    """Chunked maps run side by side (``.map`` returns at once): each gets its own row of one live display on the
+    console (rich allows one live display per console), the display stops when the last of them ends, and each
+    map's line is printed when it ends."""
+    console, out = _console(terminal=True)
+    a, b = TerminalProgress(console=console), TerminalProgress(console=console)
+    a.on_map_start(_start())
+    b.on_map_start(MapStart(operator="envelope", operator_key="envelope|float32|cpu", shape=SHAPE, halo=(0, 0, 0),
+                            output_path="/tmp/y.zarr", budget_bytes=700 * MiB, slots=2, at=1000.0))
+    assert a._progress is not None and a._progress is b._progress, "one display, not two"
+    assert [t.description for t in a._progress.tasks] == ["gst3d_dip", "envelope"]
+    display = a._progress
+    a.on_map_end(MapEnd(None, 0, 0, at=1005.0))
+    assert display.live.is_started and [t.description for t in display.tasks] == ["envelope"], \
+        "the other map's row stays while it runs"
+    b.on_map_end(MapEnd(None, 0, 0, at=1006.0))
+    assert not display.live.is_started, "the display stops with the last map"
+    ended = re.findall(r"(gst3d_dip|envelope)  0 chunks, 64 x 64 x 100 in", out.getvalue())
+    assert ended == ["gst3d_dip", "envelope"], out.getvalue()
+    after_a = out.getvalue().split("gst3d_dip  0 chunks")[1]
+    assert "envelope " in after_a and "gst3d_dip " not in after_a, "the ended map's row is not drawn again"
+    _run_map(TerminalProgress(console=console))  # a later map starts a display again
 
 
 def test_without_a_learned_time_the_time_left_is_the_rate_so_far():
