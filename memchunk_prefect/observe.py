@@ -3,7 +3,14 @@
 Everything that watches a map — the Prefect artifacts (:mod:`memchunk_prefect.report`),
 ``ChunkedResult.decisions`` / ``.events`` / ``.summary()``, the demo's summary,
 a user's own progress bar — implements :class:`MapObserver` and receives the
-same typed events, in order, from the flow's thread:
+same typed events. One map's events arrive in order, from that map's own thread
+in the flow's process (a chunked ``.map`` returns at once and runs in the
+background). Maps run side by side, so an observer given to the runner
+(``MemoryAwareRunner(observers=...)``) is one object called for every map, from
+several threads at once: keep state per map (a map's events all come from the
+thread its ``on_map_start`` came from; ``MapStart.output_path`` names the map),
+and guard what the maps share with a lock. The runner's own observers are made per map.
+The events, in order:
 
 1. :meth:`~MapObserver.on_map_start` with a :class:`MapStart` (what the map
    computes, the budget and slots read from the cluster, and a read-only

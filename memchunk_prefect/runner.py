@@ -350,7 +350,8 @@ class MemoryAwareRunner(DaskTaskRunner):
       given (default ``$MEMCHUNK_OUTPUT_DIR`` or a per-user temporary directory);
     - ``policy``: a :class:`~memchunk_prefect.settings.PolicySettings` (or a dict of its fields);
     - ``observers``: :class:`~memchunk_prefect.observe.MapObserver` objects told about
-      every chunked map (in the flow's process; not sent to workers);
+      every chunked map (in the flow's process, from each map's own thread, maps side by
+      side at once: see :mod:`memchunk_prefect.observe`; not sent to workers);
     - ``progress``: each chunked map's progress on standard error
       (:mod:`memchunk_prefect.progress`): a live bar on a terminal and one line
       when the map ends (only that line when the output is not a terminal);
