@@ -18,7 +18,10 @@ measurements came in, and the map stopped with BudgetTooSmallError). Reports:
 - peak memory of the flow process (this process: ``ru_maxrss``) and of the
   Dask scheduler (sampled each second);
 - the Prefect server's response time during the map (``GET /health`` each
-  0.5 s: median, p95, max).
+  0.5 s: median, p95, max);
+- a timeline (each 10 s: chunks written, flow-process RSS, the server's
+  latest ``/health`` time) and the wall per chunk in each successive block of
+  1,000 chunks, so a map that slows down as task runs pile up shows where.
 
 ``--timeout`` stops the map as Ctrl-C would and reports what it did (every
 task run must still end final). The exit code is 0 when the map completed
@@ -168,11 +171,19 @@ def main(argv: list[str] | None = None) -> int:
                 return {"flow_run_id": str(flow_run.id), "seconds": time.perf_counter() - t, "chunks": s["chunks"],
                         "tasks": s["tasks"], "decisions": s["decisions"], "oom_events": s["oom_events"]}
 
+            done_dirs = work / "out"
+
+            def progress_sample() -> dict[str, float]:
+                written = sum(len(os.listdir(d)) for d in done_dirs.glob("*/*.zarr/.memchunk/done"))
+                return {"t": time.perf_counter() - t0, "chunks_written": written, "flow_rss_bytes": _rss(),
+                        "health_seconds": pings.values[-1] if pings.values else None}
+
+            t0 = time.perf_counter()
             pings, sched = Poller(health, 0.5), Poller(scheduler_rss, 1.0)
+            timeline = Poller(progress_sample, 10.0)
             # Past --timeout the map is stopped as by Ctrl-C (the runner cancels what runs and settles every
             # task run), and what it did until then is reported.
             timer = threading.Timer(args.timeout, _thread.interrupt_main) if args.timeout else None
-            t0 = time.perf_counter()
             try:
                 if timer is not None:
                     timer.start()
@@ -186,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                 if timer is not None:
                     timer.cancel()
             result["outer_seconds"] = time.perf_counter() - t0
-            latencies, rss = pings.stop(), sched.stop()
+            latencies, rss, result["timeline"] = pings.stop(), sched.stop(), timeline.stop()
+            result["ms_per_chunk_by_thousand"] = per_thousand(result["timeline"])
             result["scheduler_in_this_process"] = client.run_on_scheduler(os.getpid) == os.getpid()
             result["chunks_written"] = sum(len(os.listdir(d)) for d in (work / "out").glob("*/*.zarr/.memchunk/done"))
             result.setdefault("flow_run_id", started.get("flow_run_id"))
@@ -215,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the map did not complete: {result.get('error')}; {written} chunks written in {outer:.0f} s "
               f"({1000 * outer / max(written, 1):.0f} ms of wall per chunk, flow-run start included)")
     print(f"task runs by state: {runs}; every one final: {all_final}")
+    if result.get("ms_per_chunk_by_thousand"):
+        print("wall per chunk in each block of 1,000 chunks (ms): "
+              + ", ".join(f"{v:.0f}" for v in result["ms_per_chunk_by_thousand"]))
     where = " (a LocalCluster's scheduler runs in the flow process)" if result["scheduler_in_this_process"] else ""
     print(f"peak memory: flow process {result['flow_process_peak_bytes'] / MiB:.0f} MiB, scheduler "
           f"{(result['scheduler_peak_bytes'] or 0) / MiB:.0f} MiB{where}")
@@ -226,6 +241,34 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 0 if result.get("completed") and all_final else 1
+
+
+def per_thousand(timeline: list[dict[str, float]]) -> list[float]:
+    """Milliseconds of wall per chunk in each successive block of 1,000 chunks written, from 10 s samples.
+
+    The time a block took is interpolated between the samples either side of its edges (each sample holds
+    the seconds since the map began and the chunks written by then); a block not finished is left out.
+
+    >>> per_thousand([{"t": 0, "chunks_written": 0}, {"t": 100, "chunks_written": 1000},
+    ...               {"t": 300, "chunks_written": 2000}, {"t": 310, "chunks_written": 2040}])
+    [100.0, 200.0]
+    """
+    pts = [(s["t"], s["chunks_written"]) for s in timeline]
+
+    def when(n: int) -> float | None:
+        for (t1, c1), (t2, c2) in zip(pts, pts[1:]):
+            if c1 <= n <= c2 and c2 > c1:
+                return t1 + (t2 - t1) * (n - c1) / (c2 - c1)
+        return None
+
+    out, edge = [], 1000
+    while pts and edge <= pts[-1][1]:
+        a, b = when(edge - 1000), when(edge)
+        if a is None or b is None:
+            break
+        out.append(1000 * (b - a) / 1000)
+        edge += 1000
+    return out
 
 
 def _rss() -> int:
