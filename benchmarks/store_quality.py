@@ -7,7 +7,9 @@ Each store's keys are replayed in the order their observations were stored
 it is learned, once the model is ready and has ``--after`` runs. Per operator (the
 key's name before its parameters), over all the stores: runs scored, the share
 within the upper bound (the worst store's share beside it), the mean absolute error
-of the predicted mean, and the mean bound over the measured peak. The stores of the
+of the predicted mean, and the mean bound over the measured peak; beside them the
+floor of blocks of one shape run again (:func:`memchunk_prefect.model.repeatability`:
+what no model predicting from the block's shape beats on these runs). The stores of the
 benchmarks are kept with ``--workdir`` (``python -m benchmarks --workdir DIR``:
 ``DIR/memchunk-store.sqlite``; ``python -m benchmarks.heterogeneous --workdir DIR``:
 one per survey). ``--superlinear-gain`` replays with another threshold for choosing a
@@ -23,8 +25,9 @@ from typing import Any
 
 
 def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict[str, Any]]:
-    """Per operator name: ``scored``, ``coverage``, ``worst_coverage``, ``mape``, ``bound_over_peak``, ``stores``."""
-    from memchunk_prefect.model import replay_quality
+    """Per operator name: ``scored``, ``coverage``, ``worst_coverage``, ``mape``, ``bound_over_peak``, ``stores``,
+    and the repeated blocks' ``floor_mape`` / ``floor_bound_over_peak`` over ``repeated_runs`` (None if none)."""
+    from memchunk_prefect.model import repeatability, replay_quality
     from memchunk_prefect.store import Store
 
     per_op: dict[str, list[dict]] = {}
@@ -34,7 +37,9 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
                                     "--workdir kept (or a Prefect home's memchunk/observations.sqlite)")
         with Store(path) as store:
             for key in store.keys():
-                q = replay_quality(store.observations(key), key, after=after, **options)
+                history = list(store.observations(key))
+                q = replay_quality(history, key, after=after, **options)
+                q["floor"] = repeatability(history, key)
                 if q["scored"]:
                     per_op.setdefault(key.split("|")[0].split("[")[0], []).append(q)
     out = {}
@@ -45,6 +50,12 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
                    "worst_coverage": min(q["coverage"] for q in qs),
                    "mape": sum(q["mape"] * q["scored"] for q in qs) / n,
                    "bound_over_peak": sum(q["bound_over_peak"] * q["scored"] for q in qs) / n}
+        floors = [q["floor"] for q in qs if q["floor"]["runs"]]
+        runs = sum(f["runs"] for f in floors)
+        out[op].update(repeated_runs=runs,
+                       floor_mape=sum(f["floor_mape"] * f["runs"] for f in floors) / runs if runs else None,
+                       floor_bound_over_peak=(sum(f["floor_bound_over_peak"] * f["runs"] for f in floors) / runs
+                                              if runs else None))
     return out
 
 
@@ -58,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     options = {} if args.superlinear_gain is None else {"superlinear_gain": args.superlinear_gain}
     rows = quality(args.stores, args.after, **options)
     print(f"{'operator':20s} {'scored':>6s} {'stores':>6s} {'within bound':>12s} {'(worst store)':>13s} "
-          f"{'MAPE':>6s} {'bound/peak':>10s}")
+          f"{'MAPE':>6s} {'bound/peak':>10s}  floor of repeated blocks (MAPE, bound/peak, runs)")
     for op, r in rows.items():
+        floor = (f"{r['floor_mape'] * 100:.1f}%, {r['floor_bound_over_peak']:.2f}x, {r['repeated_runs']}"
+                 if r["repeated_runs"] else "-")
         print(f"{op:20s} {r['scored']:6d} {r['stores']:6d} {r['coverage'] * 100:11.1f}% "
-              f"{r['worst_coverage'] * 100:12.0f}% {r['mape'] * 100:5.1f}% {r['bound_over_peak']:9.2f}x")
+              f"{r['worst_coverage'] * 100:12.0f}% {r['mape'] * 100:5.1f}% {r['bound_over_peak']:9.2f}x  {floor}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -721,8 +721,11 @@ def learning_quality(store: str, chosen: dict | None = None) -> list[dict]:
     """Per operator key in ``store``: its whole history replayed in order, each run scored before it is learned
     (:func:`memchunk_prefect.model.replay_quality`: coverage, and MAPE after 5 runs), and the upper bound over
     the measured peak at the chunks a run chose (``chosen``: a memchunk strategy's result, whose maps recorded
-    the model's figures when each chunk was submitted; else the replay's figure). ``met`` holds the goals."""
-    from memchunk_prefect.model import replay_quality
+    the model's figures when each chunk was submitted; else the replay's figure). ``met`` holds the goals.
+    ``floor_mape`` and ``floor_bound_over_peak``: the same figures for blocks of one shape run again
+    (:func:`memchunk_prefect.model.repeatability`), which no model that predicts from the block's shape can
+    beat: a goal under its floor is out of reach on these measurements, whatever the model."""
+    from memchunk_prefect.model import repeatability, replay_quality
     from memchunk_prefect.store import Store
 
     by_key = {op["operator_key"]: (name, op) for name, op in ((chosen or {}).get("extra", {})
@@ -731,7 +734,11 @@ def learning_quality(store: str, chosen: dict | None = None) -> list[dict]:
     rows = []
     with Store(store) as s:
         for key in s.keys():
-            q = replay_quality((o for _, o in s.rows(key)), key)
+            history = [o for _, o in s.rows(key)]
+            q = replay_quality(history, key)
+            floor = repeatability(history, key)
+            q["floor_mape"], q["floor_bound_over_peak"] = floor["floor_mape"], floor["floor_bound_over_peak"]
+            q["repeated_runs"] = floor["runs"]
             name, op = by_key.get(key, (key.split("|")[0], {}))
             q["operator"] = name
             q["bound_at_chosen"] = op.get("bound_over_peak") if op.get("bound_over_peak") is not None \
@@ -749,11 +756,14 @@ def quality_table(rows: list[dict]) -> str:
         return "-" if v is None else f"{v * 100:.1f}%"
 
     lines = [f"{'operator':34s} {'runs':>5s} {'scored':>6s} {'within bound':>12s} {'MAPE after 5':>12s} "
-             f"{'bound/peak chosen':>17s}  goals"]
+             f"{'bound/peak chosen':>17s}  goals   floor (repeated blocks: MAPE, bound/peak)"]
     for q in rows:
         b = "-" if q["bound_at_chosen"] is None else f"{q['bound_at_chosen']:.2f}x"
+        fb = q.get("floor_bound_over_peak")
+        floor = (f"{pct(q.get('floor_mape'))}, {fb:.2f}x over {q.get('repeated_runs')} runs" if fb is not None
+                 else "- (no block shape ran twice)")
         lines.append(f"{q['operator'][:34]:34s} {q['observations']:5d} {q['scored']:6d} {pct(q['coverage']):>12s} "
-                     f"{pct(q['mape']):>12s} {b:>17s}  {'met' if q['met'] else 'MISSED'}")
+                     f"{pct(q['mape']):>12s} {b:>17s}  {'met   ' if q['met'] else 'MISSED'}  {floor}")
     return "\n".join(lines)
 
 

@@ -937,6 +937,64 @@ def replay_quality(rows: Iterable[Observation], key: str, *, after: int = 5, **o
             "bound_over_peak": sum(ratios) / n if n else None}
 
 
+def repeatability(rows: Iterable[Observation], key: str, *, coverage: float = 0.95,
+                  min_repeats: int = 2) -> dict[str, Any]:
+    """What no memory model that sees only the block's shape can beat on ``key``'s runs: the spread of blocks run again.
+
+    A model predicts a chunk's peak from the extents of the block it reads, so
+    two runs of the same extents get the same prediction, whatever each really
+    peaked at. Their spread is measurement noise to the model (the allocator
+    reusing memory a previous task freed, a storage library decompressing
+    several chunks at once, other threads of the worker allocating during the
+    run): it sets a floor under the learning-quality figures of
+    :func:`replay_quality`, in the same units.
+
+    Runs are grouped by extents; groups of at least ``min_repeats`` usable
+    ``ok`` runs count. Per group, in sample (the lowest any predictor of the
+    group's runs reaches, knowing them all in advance):
+
+    - the best constant's mean absolute percentage error: the constant is the
+      median weighted by 1 / peak, which minimises ``sum |c - y| / y``;
+    - the tightest constant bound that covers ``coverage`` of the group's
+      peaks, over each peak (mean of bound / peak, as ``bound_over_peak``).
+
+    Returned run-weighted over the groups: ``floor_mape`` (a fraction),
+    ``floor_bound_over_peak``, ``runs`` and ``groups`` counted; the floors are
+    None when no extents repeat ``min_repeats`` times.
+
+    >>> MiB = 2**20
+    >>> rows = [Observation("k|float32|cpu", 1000, (1, 10, 100), 4000, p * MiB) for p in (15, 15, 15, 20)]
+    >>> r = repeatability(rows, "k|float32|cpu")
+    >>> r["groups"], r["runs"], round(r["floor_mape"], 4), round(r["floor_bound_over_peak"], 4)
+    (1, 4, 0.0625, 1.25)
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for o in rows:
+        if o.operator_key == key and o.outcome == "ok" and o.usable and o.peak_bytes > 0:
+            groups.setdefault(tuple(o.extents), []).append(int(o.peak_bytes))
+    mape_sum = bound_sum = 0.0
+    runs = n_groups = 0
+    for peaks in groups.values():
+        if len(peaks) < min_repeats:
+            continue
+        ys = sorted(peaks)
+        weights = [1.0 / y for y in ys]
+        half, acc = 0.5 * sum(weights), 0.0
+        for y, w in zip(ys, weights):  # the weighted median minimises sum(w * |c - y|) with w = 1 / y
+            acc += w
+            if acc >= half:
+                best = y
+                break
+        bound = ys[max(0, math.ceil(coverage * len(ys) - 1e-9) - 1)]
+        mape_sum += sum(abs(best - y) / y for y in ys)
+        bound_sum += sum(bound / y for y in ys)
+        runs += len(ys)
+        n_groups += 1
+    return {"key": key, "runs": runs, "groups": n_groups,
+            "floor_mape": mape_sum / runs if runs else None,
+            "floor_bound_over_peak": bound_sum / runs if runs else None}
+
+
 @dataclass(frozen=True)
 class _EnergyRun:
     """One ok run's energy, as the energy model keeps it (joules, elements, when and where it ran)."""

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from memchunk_prefect.model import MIB, ModelBank, OperatorModel, Prediction, _Form
+from memchunk_prefect.model import MIB, ModelBank, OperatorModel, Prediction, _Form, repeatability
 from memchunk_prefect.records import Observation
 from memchunk_prefect.store import Store
 
@@ -526,3 +526,43 @@ def test_a_curved_fit_held_at_zero_slope_is_the_same_update_river_makes_on_the_f
     var_c = river.predict_one({"const": 0.0, "u^2": 1.0}, with_dist=True).sigma ** 2 - 1.0
     assert cov[2, 2] == pytest.approx(var_c, rel=1e-4)
 
+
+
+def _run(key: str, extents: tuple[int, int, int], peak_mib: float, outcome: str = "ok") -> Observation:
+    n = extents[0] * extents[1] * extents[2]
+    return Observation(key, n, extents, 4 * n, int(peak_mib * MIB), outcome=outcome)
+
+
+def test_the_floor_of_repeated_blocks_is_the_best_any_shape_only_predictor_reaches():
+    """The floor is what the best constant per block shape scores, found here by brute force over a fine grid;
+    shapes run once, other keys and runs that are not ``ok`` are left out."""
+    rng = random.Random(7)
+    key = "op|float32|cpu"
+    # Skewed on purpose: the plain median (20) is not the best constant here (10 is), and the 95% bound of 40
+    # runs leaves the two highest out (32 MiB, not the 50 MiB outlier).
+    groups = {(4, 10, 100): [10.0, 10.0, 20.0, 20.0, 20.0],
+              (8, 10, 100): [30.0] * 36 + [31.0, 32.0, 33.0, 50.0]}
+    rows = [_run(key, e, p) for e, ps in groups.items() for p in ps]
+    rows += [_run(key, (2, 10, 100), 99.0),  # one run: no spread to learn from
+             _run("other|float32|cpu", (4, 10, 100), 500.0),
+             _run(key, (4, 10, 100), 400.0, outcome="memory_error")]
+    rng.shuffle(rows)
+    r = repeatability(rows, key)
+    assert (r["groups"], r["runs"]) == (2, 45)
+    best_total = bound_total = 0.0
+    for peaks in groups.values():
+        ys = [int(p * MIB) for p in peaks]
+        grid = [min(ys) + (max(ys) - min(ys)) * i / 20_000 for i in range(20_001)]
+        best_total += min(sum(abs(c - y) / y for y in ys) for c in grid)
+        covering = sorted(ys)[math.ceil(0.95 * len(ys)) - 1]  # the least constant under which 95% of the peaks lie
+        assert sum(y <= covering for y in ys) >= 0.95 * len(ys)
+        bound_total += sum(covering / y for y in ys)
+    assert r["floor_mape"] == pytest.approx(best_total / 45, rel=1e-4)
+    assert r["floor_bound_over_peak"] == pytest.approx(bound_total / 45)
+
+
+def test_no_repeated_block_gives_no_floor():
+    key = "op|float32|cpu"
+    r = repeatability([_run(key, (i, 10, 100), 10.0 * i) for i in range(1, 6)], key)
+    assert r == {"key": key, "runs": 0, "groups": 0, "floor_mape": None, "floor_bound_over_peak": None}
+    assert repeatability([_run(key, (1, 10, 100), 10.0)] * 3, key, min_repeats=4)["floor_mape"] is None
