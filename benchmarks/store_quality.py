@@ -26,6 +26,7 @@ from typing import Any
 
 def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict[str, Any]]:
     """Per operator name: ``scored``, ``coverage``, ``worst_coverage``, ``mape``, ``bound_over_peak``, ``stores``,
+    ``mape_within`` / ``mape_beyond`` (runs inside the sizes learned / beyond them, ``scored_beyond`` of them),
     and the repeated blocks' ``floor_mape`` / ``floor_bound_over_peak`` over ``repeated_runs`` (None if none)."""
     from memchunk_prefect.model import repeatability, replay_quality
     from memchunk_prefect.store import Store
@@ -50,6 +51,12 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
                    "worst_coverage": min(q["coverage"] for q in qs),
                    "mape": sum(q["mape"] * q["scored"] for q in qs) / n,
                    "bound_over_peak": sum(q["bound_over_peak"] * q["scored"] for q in qs) / n}
+        far = sum(q["scored_beyond"] for q in qs)
+        near = n - far
+        out[op].update(scored_beyond=far,
+                       mape_beyond=sum((q["mape_beyond"] or 0) * q["scored_beyond"] for q in qs) / far if far else None,
+                       mape_within=(sum((q["mape_within"] or 0) * (q["scored"] - q["scored_beyond"]) for q in qs) / near
+                                    if near else None))
         floors = [q["floor"] for q in qs if q["floor"]["runs"]]
         runs = sum(f["runs"] for f in floors)
         out[op].update(repeated_runs=runs,
@@ -69,12 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     options = {} if args.superlinear_gain is None else {"superlinear_gain": args.superlinear_gain}
     rows = quality(args.stores, args.after, **options)
     print(f"{'operator':20s} {'scored':>6s} {'stores':>6s} {'within bound':>12s} {'(worst store)':>13s} "
-          f"{'MAPE':>6s} {'bound/peak':>10s}  floor of repeated blocks (MAPE, bound/peak, runs)")
+          f"{'MAPE':>6s} {'bound/peak':>10s} {'MAPE within / beyond (runs)':>28s}  "
+          "floor of repeated blocks (MAPE, bound/peak, runs)")
     for op, r in rows.items():
         floor = (f"{r['floor_mape'] * 100:.1f}%, {r['floor_bound_over_peak']:.2f}x, {r['repeated_runs']}"
                  if r["repeated_runs"] else "-")
+        def pct(v: float | None) -> str:
+            return "-" if v is None else f"{v * 100:.1f}%"
+
+        split = f"{pct(r['mape_within'])} / {pct(r['mape_beyond'])} ({r['scored_beyond']})"
         print(f"{op:20s} {r['scored']:6d} {r['stores']:6d} {r['coverage'] * 100:11.1f}% "
-              f"{r['worst_coverage'] * 100:12.0f}% {r['mape'] * 100:5.1f}% {r['bound_over_peak']:9.2f}x  {floor}")
+              f"{r['worst_coverage'] * 100:12.0f}% {r['mape'] * 100:5.1f}% {r['bound_over_peak']:9.2f}x "
+              f"{split:>28s}  {floor}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -901,6 +901,11 @@ class OperatorModel:
         return out
 
 
+#: A scored run whose block has more than this many times the elements of every block learned before it was
+#: predicted by extrapolation (:func:`replay_quality` reports its error apart).
+BEYOND_RATIO = 1.05
+
+
 def replay_quality(rows: Iterable[Observation], key: str, *, after: int = 5, **options: Any) -> dict[str, Any]:
     """How well ``key``'s model predicted its own history: each ``ok`` run scored before it is learned.
 
@@ -910,6 +915,9 @@ def replay_quality(rows: Iterable[Observation], key: str, *, after: int = 5, **o
     was within the upper bound (``coverage``, a share) and the upper bound over
     the peak (``bound_over_peak``, mean). The issue's goals for a real run:
     coverage >= 0.95, mape <= 0.10 after 5 runs, bound_over_peak <= 1.25.
+    The error is also split by where the run lay: ``mape_beyond`` over the
+    ``scored_beyond`` runs whose block was larger than ``BEYOND_RATIO`` x every
+    block learned before it (the model extrapolated), ``mape_within`` over the rest.
 
     >>> rows = [Observation("k|float32|cpu", n, (1, 1, n), 4 * n, 2**20 + 100 * n)
     ...         for n in range(10_000, 90_000, 5_000)]
@@ -921,6 +929,8 @@ def replay_quality(rows: Iterable[Observation], key: str, *, after: int = 5, **o
     errors: list[float] = []
     covered: list[bool] = []
     ratios: list[float] = []
+    beyond: list[bool] = []
+    largest = 0  # elements of the largest ok block learned so far
     for o in rows:
         if (o.operator_key == key and o.outcome == "ok" and o.usable and o.peak_bytes > 0 and o.elements > 0
                 and m.n_observations >= after):
@@ -929,12 +939,19 @@ def replay_quality(rows: Iterable[Observation], key: str, *, after: int = 5, **o
                 errors.append(abs(p.mean_bytes / o.peak_bytes - 1))
                 covered.append(o.peak_bytes <= p.upper_bytes)
                 ratios.append(p.upper_bytes / o.peak_bytes)
+                beyond.append(o.elements > BEYOND_RATIO * largest)
         if o.operator_key == key:
             m.learn(o)
+            if o.outcome == "ok" and o.usable:
+                largest = max(largest, int(o.elements))
     n = len(errors)
+    far = [e for e, b in zip(errors, beyond) if b]
+    near = [e for e, b in zip(errors, beyond) if not b]
     return {"key": key, "observations": m.n_observations, "scored": n,
             "mape": sum(errors) / n if n else None, "coverage": sum(covered) / n if n else None,
-            "bound_over_peak": sum(ratios) / n if n else None}
+            "bound_over_peak": sum(ratios) / n if n else None,
+            "scored_beyond": len(far), "mape_beyond": sum(far) / len(far) if far else None,
+            "mape_within": sum(near) / len(near) if near else None}
 
 
 def repeatability(rows: Iterable[Observation], key: str, *, coverage: float = 0.95,

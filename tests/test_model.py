@@ -566,3 +566,17 @@ def test_no_repeated_block_gives_no_floor():
     r = repeatability([_run(key, (i, 10, 100), 10.0 * i) for i in range(1, 6)], key)
     assert r == {"key": key, "runs": 0, "groups": 0, "floor_mape": None, "floor_bound_over_peak": None}
     assert repeatability([_run(key, (1, 10, 100), 10.0)] * 3, key, min_repeats=4)["floor_mape"] is None
+
+
+def test_replay_quality_tells_extrapolated_runs_from_runs_inside_the_sizes_learned():
+    """Runs are counted beyond when their block is larger than every block learned before them (by 5%)."""
+    from memchunk_prefect.model import replay_quality
+
+    key = "op|float32|cpu"
+    sizes = [10, 20, 30, 40, 50, 60, 30, 40, 120, 50, 240]  # 60, 120 and 240 are beyond; 30, 40, 50 inside
+    rows = [_run(key, (n, 10, 100), 2.0 + 0.01 * n * 1000 / MIB * 100) for n in sizes]
+    q = replay_quality(rows, key)
+    assert q["scored"] == 6
+    assert q["scored_beyond"] == 3
+    assert q["mape_within"] is not None and q["mape_beyond"] is not None
+    assert q["mape"] == pytest.approx((q["mape_within"] * 3 + q["mape_beyond"] * 3) / 6)
