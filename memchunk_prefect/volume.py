@@ -80,6 +80,8 @@ TARGET_STORAGE_CHUNK_BYTES = 2 * 2**20
 DATA_NAME = "data"
 #: Storage chunks a region write processes at once (zarr's ``async.concurrency`` for the write; see ZarrOutput.write).
 WRITE_CONCURRENCY = 1
+#: Storage chunks a region read decompresses at once (zarr's ``async.concurrency`` for the read; see _read_region).
+READ_CONCURRENCY = 2
 #: Bookkeeping group inside a ZarrOutput store (completion markers and write locks).
 META_GROUP = ".memchunk"
 
@@ -225,6 +227,23 @@ def _zarr_array(path: str, name: str | None, mode: str = "r"):
     return arr
 
 
+def _read_region(arr: Any, chunk: Chunk) -> np.ndarray:
+    """``arr[chunk]`` as float32, at most :data:`READ_CONCURRENCY` storage chunks decompressed at once.
+
+    zarr otherwise decompresses up to ``async.concurrency`` (10) of the region's
+    storage chunks at once, and how many were alive together moved the read's
+    peak from run to run, which the model learns from: 16 x 128 x 400 slabs of a
+    store in 36 x 36 x 400 storage chunks, each read 5 times (three runs), peaked at 8-28 MiB
+    above resting memory at 10, 6-11 MiB at 2 in the same time, 3-8 MiB at 1 but
+    ~40% slower (``python -m benchmarks.write_memory``, its reads-only rows). As
+    for writes, the setting is the process's while it is set: with several
+    threads per worker another thread's read may run at either concurrency (its
+    memory, not its result, differs).
+    """
+    with zarr.config.set({"async.concurrency": READ_CONCURRENCY}):
+        return _as_f32(arr[chunk.slices()])
+
+
 def _find_zarr_array(path: str) -> str | None:
     """The name of the volume inside a zarr store: ``None`` for a root array, else the group member to use."""
     try:
@@ -290,13 +309,14 @@ class ZarrSource(Source):
         return c
 
     def read(self, chunk: Chunk) -> np.ndarray:
+        """The region's values as float32, decompressed one storage chunk at a time (:func:`_read_region`)."""
         self._check_chunk(chunk)
         if self.name == DATA_NAME and not zarr.open_group(self.path, mode="r").attrs.get("complete"):
             # A memchunk output another map is still writing (chained maps run side by side): the region asked
             # for is written, but a storage chunk it shares with a region being written now is rewritten in
             # place (zarr reads, merges and rewrites it, under that chunk's lock): read it under the same lock.
             return ZarrOutput(self.path, name=self.name).read_locked(chunk)
-        return _as_f32(_zarr_array(self.path, self.name)[chunk.slices()])
+        return _read_region(_zarr_array(self.path, self.name), chunk)
 
     def memchunk_source(self) -> dict:
         return {"kind": "zarr", "path": self.path, "name": self.name}
@@ -763,7 +783,7 @@ class ZarrOutput:
         with ExitStack() as stack:
             for cell in sorted(full + partial):
                 stack.enter_context(self._lock(cell, shared=True))
-            return _as_f32(_zarr_array(self.path, self.name)[chunk.slices()])
+            return _read_region(_zarr_array(self.path, self.name), chunk)
 
     def _lock(self, cell: tuple[int, int, int], shared: bool = False):
         """An inter-process lock on one storage chunk (fcntl.flock on its lock node's zarr.json): exclusive to

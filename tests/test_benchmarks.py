@@ -176,20 +176,22 @@ def test_replay_benchmark_times_each_history_length(tmp_path):
     assert result["keep_per_key"] > 0 and "a replay is bounded by" in proc.stdout
 
 
-def test_write_memory_benchmark_measures_both_write_concurrencies_on_every_slab_shape(tmp_path):
+def test_write_memory_benchmark_measures_each_read_and_write_concurrency_on_every_slab_shape(tmp_path):
     out = tmp_path / "write.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.write_memory", "--repeat", "1", "--json", str(out)],
                           cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert [r["concurrency"] for r in result] == [1, 10]
+    assert [(r["read_concurrency"], r["concurrency"]) for r in result] == [(10, 10), (10, 1), (2, 1), (1, 1)]
     for r in result:
+        # The reads-only rows: each of the 8 slabs of 16 ilines read 5 times, each read's peak measured.
+        assert len(r["reads"]["peaks_mib"]) == 40 and r["reads"]["seconds"] > 0
         assert set(r["slabs"]) == {"72+56 ilines", "9+36 ilines"}
         for s in r["slabs"].values():
             # One peak per chunk (two chunks per repeat), each above the chunk's own float32 input.
             assert len(s["peaks_mib"]) == 2 and all(p > 9 * 128 * 400 * 4 / 2**20 for p in s["peaks_mib"])
             assert s["seconds"] > 0
-    assert "writes at once" in proc.stdout
+    assert "reads, writes at once" in proc.stdout and "reads alone" in proc.stdout
 
 
 def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
