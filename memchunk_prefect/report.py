@@ -160,15 +160,64 @@ class MapRecord:
         return self.shape[0] * self.shape[1] * self.shape[2]
 
 
-def chunk_rows(record: MapRecord) -> list[dict[str, Any]]:
-    """The table artifact's rows: one per task run, in submission order.
+#: Most rows a map's table artifact holds. The Prefect server refuses to publish an event over 1.5 MB
+#: (``PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES``), and an artifact's creation event carries its data: a map of
+#: 16,641 chunks made a 5.5 MB table, and the server logged "Refusing to publish event of size 5473722"
+#: (``python -m benchmarks.many_chunks --chunks 20000 --seeded``). A row is ~330 bytes.
+TABLE_ROWS = 1000
+
+
+def shown_attempts(attempts: Sequence[Attempt], limit: int = TABLE_ROWS) -> list[Attempt]:
+    """The task runs a table of at most ``limit`` rows shows, in submission order.
+
+    All of them when they fit. Else, in this order until ``limit``: every run that
+    did not end ``ok`` (out of memory, killed, lost, still running), the first run
+    of each decision, the run with the highest measured peak, then ``ok`` runs
+    evenly spaced over the map. Nothing is lost by it: every run's figures are in
+    the observation store (``memchunk models``, the map's summary).
+
+    >>> a = [Attempt(f"c{i}", f"k{i}", (1, 1, 1), 1, "rechunk", outcome="ok", measured_bytes=i) for i in range(10)]
+    >>> a[7].outcome = "killed"
+    >>> [x.chunk for x in shown_attempts(a, limit=4)]
+    ['c0', 'c4', 'c7', 'c9']
+    """
+    if len(attempts) <= limit:
+        return list(attempts)
+    keep: dict[int, None] = {}  # indices, insertion-ordered by priority
+
+    def add(i: int) -> None:
+        if len(keep) < limit:
+            keep.setdefault(i, None)
+
+    for i, a in enumerate(attempts):
+        if a.outcome != "ok":
+            add(i)
+    seen: set[str] = set()
+    for i, a in enumerate(attempts):
+        if a.decision not in seen:
+            seen.add(a.decision)
+            add(i)
+    measured = [i for i, a in enumerate(attempts) if a.measured_bytes is not None]
+    if measured:
+        add(max(measured, key=lambda i: attempts[i].measured_bytes or 0))
+    room = limit - len(keep)
+    if room > 0:
+        rest = [i for i in range(len(attempts)) if i not in keep]
+        step = len(rest) / room
+        for j in range(min(room, len(rest))):
+            add(rest[int((j + 0.5) * step)])  # the middle of each stretch
+    return [attempts[i] for i in sorted(keep)]
+
+
+def chunk_rows(record: MapRecord, limit: int = TABLE_ROWS) -> list[dict[str, Any]]:
+    """The table artifact's rows: one per task run shown (:func:`shown_attempts`), in submission order.
 
     A censored figure (the run died of memory: it needed *more* than this) is
     written as ``"over 950.0"`` (not ``"> 950.0"``: the UI renders text cells as
     markdown, where ``>`` starts a quote).
     """
     rows = []
-    for a in record.attempts:
+    for a in shown_attempts(record.attempts, limit):
         measured: Any = mib(a.measured_bytes)
         if a.censored and measured is not None:
             measured = f"over {measured}"
@@ -601,9 +650,13 @@ class MapReporter(MapObserver):
         r = self.record
         assert r is not None
         s = map_summary(r)
+        rows = chunk_rows(r)
+        shown = "" if len(rows) == len(r.attempts) else (
+            f" ({len(rows)} of {len(r.attempts)} task runs shown: every one not ok, the first of each decision, "
+            "the highest peak, and ok runs evenly spaced; all are in the observation store)")
         create_table_artifact(
-            chunk_rows(r), key=artifact_key(self.key, "chunks"),
-            description=(f"**{r.operator}** (`{r.operator_key}`): {s['chunking']}, "
+            rows, key=artifact_key(self.key, "chunks"),
+            description=(f"**{r.operator}** (`{r.operator_key}`){shown}: {s['chunking']}, "
                          f"{s['tasks']} task runs, decisions {' → '.join(dict.fromkeys(s['decisions']))}; "
                          f"peak {format_bytes(s['peak_bytes'])} of a {format_bytes(s['budget_bytes'])} budget; "
                          f"{s['oom_recovered']} out-of-memory events recovered"),

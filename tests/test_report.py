@@ -163,3 +163,32 @@ def test_a_real_run_leaves_table_progress_and_summary_artifacts_with_a_recovered
     assert float(progress.data) == 100.0
     md = summary.data
     assert "| memory_hog |" in md and "out-of-memory recovered" in md and "retry-smaller" in md
+
+
+def test_a_map_of_many_chunks_makes_a_table_the_server_publishes_and_keeps_what_matters():
+    """16,641 task runs (the 20k many_chunks map) made a 5.5 MB table whose creation event the server refused
+    (its limit, PREFECT_SERVER_EVENTS_MAXIMUM_SIZE_BYTES, is 1.5 MB): the table shows at most TABLE_ROWS runs,
+    every one not ok among them, the first of each decision and the highest peak."""
+    import json
+
+    from memchunk_prefect.report import TABLE_ROWS, Attempt
+
+    r = record_with_a_kill()
+    r.attempts = [Attempt(f"iline {i}:{i + 1}", f"k{i}", (1, 11, 100), 1100, "rechunk", 40 * MiB, 47 * MiB,
+                          outcome="ok", measured_bytes=(40 + (i % 7)) * MiB, seconds=0.1, worker="tcp://w1")
+                  for i in range(16_641)]
+    r.attempts[5000].outcome, r.attempts[5000].censored = "killed", True
+    r.attempts[9000].decision = "retry-smaller"
+    r.attempts[12_345].measured_bytes = 47 * MiB
+    assert len(json.dumps(chunk_rows(r, limit=len(r.attempts)))) > 1_500_000  # all of them: over the limit
+    rows = chunk_rows(r)
+    assert len(rows) == TABLE_ROWS and len(json.dumps(rows)) < 1_500_000 / 3
+    chunks = [row["chunk"] for row in rows]
+    assert chunks == sorted(chunks, key=lambda c: int(c.split()[1].split(":")[0]))  # submission order
+    for must in ("iline 0:1", "iline 5000:5001", "iline 9000:9001", "iline 12345:12346"):
+        assert must in chunks
+    # The rest spread over the map: no stretch of it left without a row.
+    starts = sorted(int(c.split()[1].split(":")[0]) for c in chunks)
+    assert max(b - a for a, b in zip(starts, starts[1:])) <= 2 * 16_641 / TABLE_ROWS
+    small = record_with_a_kill()
+    assert len(chunk_rows(small)) == len(small.attempts)  # a map that fits shows every run
