@@ -309,7 +309,7 @@ class ZarrSource(Source):
         return c
 
     def read(self, chunk: Chunk) -> np.ndarray:
-        """The region's values as float32, decompressed one storage chunk at a time (:func:`_read_region`)."""
+        """The region's values as float32, a few storage chunks decompressed at a time (:func:`_read_region`)."""
         self._check_chunk(chunk)
         if self.name == DATA_NAME and not zarr.open_group(self.path, mode="r").attrs.get("complete"):
             # A memchunk output another map is still writing (chained maps run side by side): the region asked
