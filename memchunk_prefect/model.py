@@ -354,7 +354,12 @@ class OperatorModel:
     times apart in size (the largest over the smallest);
     ``tight_reach``: the tight bound (``Prediction.tight_bytes``) is given for
     blocks up to this multiple of the largest one measured, the upper bound beyond;
-    ``time_floor_seconds`` added in quadrature to each run's seconds when fitting time.
+    ``time_floor_seconds`` added in quadrature to each run's seconds when fitting time;
+    ``first_touch_bytes`` / ``first_touch_share``: a run that took its worker more
+    than both above the most it had held (``Observation.grew_bytes``) paid the
+    kernel to fault in and zero that memory, once per worker and growth, not per
+    element (0.8-1.4 s against 0.3 s for the same call again, ``benchmarks.first_touch``):
+    its seconds teach time only while no run without that cost has been learned.
 
     Not thread-safe on its own; :class:`ModelBank` serializes ``learn`` and ``predict``.
     ``shared`` observations (other tasks ran in the same process) are learned as
@@ -379,6 +384,8 @@ class OperatorModel:
     tight_reach: float = 2.0
     time_floor_seconds: float = 0.01
     min_size_ratio: float = 1.5
+    first_touch_bytes: float = 16 * MIB
+    first_touch_share: float = 0.25
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
@@ -394,6 +401,7 @@ class OperatorModel:
     _bound_ratio: Any = field(init=False, repr=False)
     _cache: dict = field(init=False, repr=False)
     _rates: deque = field(init=False, repr=False)
+    _first_touch_rates: deque = field(init=False, repr=False)  # seconds per element of runs that grew the worker
     _time_forms: dict[str, _Form] = field(init=False, repr=False)
     _time_sizes: set = field(init=False, repr=False)
     _ratios: deque = field(init=False, repr=False)
@@ -425,6 +433,7 @@ class OperatorModel:
         self._bound_ratio = utils.Rolling(stats.Mean, window_size=self.metric_window)
         self._cache = {}
         self._rates = deque(maxlen=RATE_HISTORY)
+        self._first_touch_rates = deque(maxlen=RATE_HISTORY)
         self._ratios = deque(maxlen=self.conformal_window)
         self._unseen = deque(maxlen=self.metric_window)
         self._energy = deque(maxlen=RATE_HISTORY)  # _EnergyRun of recent ok runs with an energy figure
@@ -444,7 +453,9 @@ class OperatorModel:
             raise ValueError(f"observation for {obs.operator_key!r} given to the model of {self.key!r}")
         if obs.outcome == "ok" and obs.elements > 0 and obs.energy_joules is not None:
             self._learn_energy(obs)
-        if obs.outcome == "ok" and obs.elements > 0:
+        if obs.outcome == "ok" and obs.elements > 0 and self.first_touch(obs):
+            self._first_touch_rates.append(obs.seconds / obs.elements)
+        elif obs.outcome == "ok" and obs.elements > 0:
             self._rates.append(obs.seconds / obs.elements)
             if obs.seconds > 0:
                 u = obs.elements / MIB
@@ -519,15 +530,25 @@ class OperatorModel:
         jpe = self.joules_per_element(window)
         return None if jpe is None else jpe[0] * int(elements)
 
+    def first_touch(self, obs: Observation) -> bool:
+        """Whether ``obs`` took its worker well above the most it had held (``first_touch_bytes`` and
+        ``first_touch_share`` of its peak): its wall time then includes faulting that memory in.
+        False when unknown (records older than schema v7)."""
+        grew = obs.grew_bytes
+        return grew is not None and grew > max(self.first_touch_bytes, self.first_touch_share * obs.peak_bytes)
+
     def seconds_per_element(self, window: int = 20) -> float | None:
         """Compute seconds per element (halo included): the median of the latest ``window`` ``ok`` runs.
 
-        None before any ``ok`` run. A median, so one run slowed by a busy machine
-        does not move it (the upper one of the two middle values for an even count).
+        Runs that paid a first touch (:meth:`first_touch`) count only while no
+        other run has been learned. None before any ``ok`` run. A median, so one
+        run slowed by a busy machine does not move it (the upper one of the two
+        middle values for an even count).
         """
-        if not self._rates:
+        source = self._rates or self._first_touch_rates
+        if not source:
             return None
-        rates = sorted(list(self._rates)[-max(1, int(window)):])
+        rates = sorted(list(source)[-max(1, int(window)):])
         return rates[len(rates) // 2]
 
     def time_form(self) -> str:
@@ -545,6 +566,9 @@ class OperatorModel:
         0.184 s for 1,603,200 (benchmarks.heterogeneous); the U-shaped
         quadratic through them won on leave-one-out error, and the warm plan cut
         envelope into 4 chunks where the same store's memory plan gave 2.
+        Runs that paid a first touch (:meth:`first_touch`) are not fitted: the
+        same trace_correlation block took 1.63-1.75 s on a worker's first call
+        and 0.40-0.45 s later, and the line through both hid its quadratic.
         """
         if len(self._time_sizes) < max(3, self.min_observations):
             return LINEAR

@@ -204,6 +204,9 @@ class Measurement:
     #: Memory other tracked runs in this process held when this run started, bytes: ``baseline_bytes`` less
     #: the process's resting level then (see :func:`process_resting_bytes`); 0 when the run started alone.
     others_bytes: int = 0
+    #: How far the process's peak during the run rose above the most the process had held before it (its
+    #: high-water mark over earlier runs and between them), bytes (>= 0): memory faulted in for the first time.
+    grew_bytes: int = 0
     #: ``repr`` of the exception the run raised, or None.
     error: str | None = None
     #: "ok", "memory_error" (MemoryError or a subclass: the run needed *more* than it reached) or "error".
@@ -238,6 +241,7 @@ class Measurement:
             "method": self.method,
             "baseline_bytes": self.baseline_bytes,
             "others_bytes": self.others_bytes,
+            "grew_bytes": self.grew_bytes,
         }
 
 
@@ -612,6 +616,8 @@ class _Active:
         self.tracemalloc_started_here = False
         #: The process's RSS the last time it was read with no tracked run open (bytes; None: never).
         self.resting: int | None = None
+        #: The most memory the process has held, as far as the runs saw it (bytes; None: no run yet).
+        self.high_water: int | None = None
 
 
 def process_resting_bytes(rss_bytes: int, grown_bytes: int = 0) -> int:
@@ -673,8 +679,8 @@ def _warn_shared_once(threads: int) -> None:
 class Tracker:
     """Handle of one tracked run; ``measurement`` is set when the ``track()`` block exits."""
 
-    __slots__ = ("_monitor", "_probe", "measurement", "_overlap", "_baseline", "_others", "_t0", "_cpu0", "_pcpu0",
-                 "_heap0", "_gpu", "_nvml_mj0", "_rapl0", "_tracemalloc", "__weakref__")
+    __slots__ = ("_monitor", "_probe", "measurement", "_overlap", "_baseline", "_others", "_high_water", "_t0",
+                 "_cpu0", "_pcpu0", "_heap0", "_gpu", "_nvml_mj0", "_rapl0", "_tracemalloc", "__weakref__")
 
     # Set when the run starts (Monitor._start): the probe, its resting bytes, and the clocks (seconds).
     _probe: "MemoryProbe"
@@ -689,6 +695,7 @@ class Tracker:
         self.measurement: Measurement | None = None
         self._overlap = 1  # most tracked runs open at once during this run, this one included
         self._others = 0  # bytes other tracked runs held above the process's resting level at this run's start
+        self._high_water = 0  # bytes: the most the process had held when this run started
         self._gpu: _GpuWatch | None = None
         self._nvml_mj0: int | None = None
         self._rapl0: list[int] | None = None
@@ -810,8 +817,12 @@ class Monitor:
                 for other in _ACTIVE.runs:
                     other._overlap = max(other._overlap, n)
             else:
+                # The peak since the last reset (the previous run and what came after it) joins the process's
+                # high-water mark before this reset forgets it (a sampling probe saw only its samples of it).
+                _ACTIVE.high_water = max(_ACTIVE.high_water or 0, int(probe.peak_bytes()))
                 probe.reset_peak()
             run._baseline = probe.current_bytes()
+            run._high_water = max(_ACTIVE.high_water or 0, run._baseline)
             if _ACTIVE.runs:
                 # What the others hold above the process's resting level is not this run's start: the budget
                 # knew a slot would be theirs (a drift read from it would shrink every plan while they run).
@@ -846,6 +857,8 @@ class Monitor:
                     process_peak = int(probe.peak_bytes())
                 finally:
                     _ACTIVE.runs.discard(run)
+                grew = max(0, process_peak - run._high_water)
+                _ACTIVE.high_water = max(_ACTIVE.high_water or 0, process_peak)
                 if run._tracemalloc:
                     heap_peak = max(0, _tracemalloc.get_traced_memory()[1] - (run._heap0 or 0))
                     _ACTIVE.tracemalloc_users -= 1
@@ -895,6 +908,7 @@ class Monitor:
             shared=shared,
             threads=threads,
             others_bytes=int(run._others),
+            grew_bytes=int(grew),
             error=None if exc is None else _safe_repr(exc),
             outcome=outcome,
         )

@@ -58,6 +58,11 @@ class Observation:
     #: Of ``baseline_bytes``, what other task runs on the worker held when this one started (their own slots'
     #: memory, not the worker's resting level), bytes; None if unknown (records older than schema v6).
     others_bytes: int | None = None
+    #: How far the run took the worker process's memory above the most it had held before (its high-water
+    #: mark), bytes; None if unknown (records older than schema v7). Memory a process holds for the first time
+    #: is faulted in and zeroed by the kernel during the run: a first large call took 0.8-1.4 s where later
+    #: ones took 0.3 s (``python -m benchmarks.first_touch``), a cost paid once per growth, not per element.
+    grew_bytes: int | None = None
     flow_run_id: str = ""
     created_at: float = field(default_factory=time.time)
     #: What ``energy_joules`` is: a counter ("nvml", "rapl", "nvml+rapl": measured over the whole device

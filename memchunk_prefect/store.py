@@ -55,11 +55,11 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from .errors import StoreError, StoreSchemaTooNewError
 from .records import MapRun, Observation, Reward
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
 v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table). v5: what a
 trace needs (energy's source, start, task run, host; ``maps`` and ``machines`` tables). v6: what other runs on the
-worker held when a run started."""
+worker held when a run started. v7: how far a run took the worker above the most it had held (``grew_bytes``)."""
 
 APPLICATION = "memchunk-prefect"
 BUSY_TIMEOUT_MS = 30_000
@@ -158,6 +158,7 @@ _COLUMNS: list[tuple[str, str]] = [
     ("host", "TEXT NOT NULL DEFAULT ''"),
     ("map_id", "TEXT NOT NULL DEFAULT ''"),
     ("others_bytes", "INTEGER"),
+    ("grew_bytes", "INTEGER"),
 ]
 COLUMN_NAMES = [c for c, _ in _COLUMNS]
 
@@ -167,6 +168,8 @@ _ADDED_V3 = ("baseline_bytes", "resting_bytes")
 _ADDED_V5 = ("energy_source", "started_at", "task_run_id", "host", "map_id")
 #: Columns added in schema version 6 (what other runs on the worker held when a run started).
 _ADDED_V6 = ("others_bytes",)
+#: Columns added in schema version 7 (how far a run took the worker above the most it had held before).
+_ADDED_V7 = ("grew_bytes",)
 
 
 def _table_sql(table: str, columns: list[tuple[str, str]], index: str, index_column: str) -> str:
@@ -227,7 +230,7 @@ def _create_table(columns: list[tuple[str, str]]) -> str:
 
 _CREATE = _create_table(_COLUMNS) + _CREATE_REWARDS + _CREATE_V5
 # The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
-_CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5 + _ADDED_V6])
+_CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5 + _ADDED_V6 + _ADDED_V7])
 
 # The v1 layout, kept to document what migrate_1_to_2 reads (and for the migration test).
 CREATE_V1 = (
@@ -288,14 +291,23 @@ def _migrate_4_to_5(con: sqlite3.Connection) -> None:
 
 def _migrate_5_to_6(con: sqlite3.Connection) -> None:
     """v6 adds what other runs on the worker held when a run started (NULL for older rows: unknown)."""
+    _add_columns(con, _ADDED_V6)
+
+
+def _migrate_6_to_7(con: sqlite3.Connection) -> None:
+    """v7 adds how far a run took the worker above the most it had held (NULL for older rows: unknown)."""
+    _add_columns(con, _ADDED_V7)
+
+
+def _add_columns(con: sqlite3.Connection, names: tuple[str, ...]) -> None:
     for name, kind in _COLUMNS:
-        if name in _ADDED_V6:
+        if name in names:
             con.execute(f"ALTER TABLE observations ADD COLUMN {name} {kind}")
 
 
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3,
                                                               3: _migrate_3_to_4, 4: _migrate_4_to_5,
-                                                              5: _migrate_5_to_6}
+                                                              5: _migrate_5_to_6, 6: _migrate_6_to_7}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 
@@ -478,7 +490,7 @@ class Store:
                 obs.outcome, int(bool(obs.censored)), obs.cpu_seconds, obs.worker, obs.chunk, obs.budget_bytes,
                 obs.gpu_peak_bytes, obs.energy_joules, int(bool(obs.shared)), obs.method, obs.flow_run_id,
                 float(obs.created_at), obs.baseline_bytes, obs.resting_bytes, obs.energy_source, obs.started_at,
-                obs.task_run_id or "", obs.host or "", obs.map_id or "", obs.others_bytes)
+                obs.task_run_id or "", obs.host or "", obs.map_id or "", obs.others_bytes, obs.grew_bytes)
 
     @staticmethod
     def _observation(row: Iterable[Any]) -> Observation:

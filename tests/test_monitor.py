@@ -77,6 +77,7 @@ def fresh_process_state(monkeypatch):
     monkeypatch.setattr(mon, "_NVML", {})
     monkeypatch.setattr(mon, "_RAPL", {})
     monkeypatch.setattr(mon, "_dask_nthreads", lambda: None)
+    monkeypatch.setattr(mon._ACTIVE, "high_water", None)  # each test's probe is its own process's memory
 
 
 def quiet_monitor(probe: MemoryProbe, **kw) -> Monitor:
@@ -106,6 +107,26 @@ def test_peak_counts_from_the_reset_not_from_an_earlier_higher_peak():
     with quiet_monitor(probe).track() as run:
         probe.allocate(10 * MiB)
     assert run.measurement.peak_bytes == 10 * MiB
+
+
+def test_a_run_that_takes_the_process_above_the_most_it_held_says_by_how_much():
+    """Growth is counted from the process's high-water mark (earlier runs, and what it held between them),
+    not from the run's start: memory held before and freed costs no first touch when held again."""
+    probe = FakeProbe(rss=100 * MiB)
+    monitor = quiet_monitor(probe)
+    grew = []
+    for hold in (300, 300, 200, 500):
+        with monitor.track() as run:
+            probe.allocate(hold * MiB)
+            probe.free(hold * MiB)
+        grew.append(run.measurement.grew_bytes // MiB)
+        assert run.measurement.observation_fields()["grew_bytes"] == run.measurement.grew_bytes
+    probe.allocate(700 * MiB)  # between runs (an untracked task, a large import): the process held 800 MiB
+    probe.free(700 * MiB)
+    with monitor.track() as run:
+        probe.allocate(650 * MiB)
+        probe.free(650 * MiB)
+    assert grew == [300, 0, 0, 200] and run.measurement.grew_bytes == 0
 
 
 def test_a_run_that_frees_below_its_start_has_zero_peak_not_a_negative_one():
@@ -325,6 +346,23 @@ def test_vmhwm_sees_a_64_mib_numpy_spike_already_freed_and_tracemalloc_agrees():
     assert m.method == "vmhwm"
     assert abs(m.peak_bytes - n) / n < 0.05, m
     assert abs(m.python_heap_peak_bytes - n) / n < 0.05, m
+
+
+def test_vmhwm_counts_a_real_numpy_block_held_for_the_first_time_as_growth_and_again_as_none():
+    n = 256 * MiB
+
+    def spike(size):
+        a = np.ones(size // 8)
+        return float(a[-1])
+
+    monitor = Monitor(method="vmhwm", gpu=False, energy=False)
+    _, first = monitor.measure(spike, n)
+    _, again = monitor.measure(spike, n)
+    _, larger = monitor.measure(spike, 2 * n)
+    # The first 256 MiB block may reuse some of what earlier tests in this process freed; it cannot be all new.
+    assert first.grew_bytes <= first.peak_bytes
+    assert again.grew_bytes < 0.05 * n, again
+    assert abs(larger.grew_bytes - n) < 0.1 * n, larger
 
 
 def test_the_sampling_thread_ends_with_the_run():

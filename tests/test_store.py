@@ -234,6 +234,18 @@ def test_the_v6_column_keeps_what_other_runs_held_and_the_unseen_memory_leaves_i
     assert (new.others_bytes, new.unseen_bytes) == (450, 50)
 
 
+def test_the_v7_column_keeps_how_far_a_run_grew_the_worker_and_old_rows_say_unknown(tmp_path):
+    path = v2_store(tmp_path)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION == 7
+        (old,) = s.observations()
+        s.add(make_obs(grew_bytes=300 * 2**20))
+        s.add(make_obs(grew_bytes=0))
+        grew, same = s.observations()[-2:]
+    assert old.grew_bytes is None
+    assert (grew.grew_bytes, same.grew_bytes) == (300 * 2**20, 0)
+
+
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
     from memchunk_prefect.records import MapRun
 
