@@ -127,13 +127,20 @@ def table(header: list[str], body: list[list[str]], indent: str = "") -> str:
 
 def _models_table(rows: list[dict[str, Any]]) -> str:
     header = ["operator key", "obs", "censored", "form", "bytes/element", "fixed overhead", "recent error",
-              "coverage", "ready", "energy/element", "policy"]
+              "coverage", "ready", "time", "energy/element", "policy"]
     body = [[r["key"], str(r["n_observations"]), str(r["n_censored"]), r["form"],
              "-" if r["bytes_per_element"] is None else f"{r['bytes_per_element']:.1f}",
              format_bytes(r["fixed_overhead_bytes"]) if r["fixed_overhead_bytes"] is not None else "-",
-             _pct(r["recent_mape"]), _pct(r["coverage"]), "yes" if r["ready"] else "no", _energy_cell(r),
-             _policy_cell(r.get("policy", []))] for r in rows]
+             _pct(r["recent_mape"]), _pct(r["coverage"]), "yes" if r["ready"] else "no", _time_cell(r),
+             _energy_cell(r), _policy_cell(r.get("policy", []))] for r in rows]
     return table(header, body)
+
+
+def _time_cell(r: dict[str, Any]) -> str:
+    """The time model: its form and the runs it learned from, and those set aside for a first touch of memory
+    (``linear 12`` or ``quadratic 8 +2 first``)."""
+    cell = f"{r.get('time_form', '-')} {r.get('time_runs', 0)}"
+    return cell + (f" +{r['first_touch_runs']} first" if r.get("first_touch_runs") else "")
 
 
 def _energy_cell(r: dict[str, Any]) -> str:

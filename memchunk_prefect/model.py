@@ -897,6 +897,8 @@ class OperatorModel:
             "unseen_bytes": self.unseen_bytes(),
             "seconds_per_element": self.seconds_per_element(),
             "time_form": self.time_form(),
+            "time_runs": len(self._rates),  # ok runs time is learned from (the latest RATE_HISTORY)
+            "first_touch_runs": len(self._first_touch_rates),  # ok runs set aside: they grew their worker
             "joules_per_element": None,
             "energy_source": None,
             "energy_runs": len(self._energy),
