@@ -1,6 +1,7 @@
 """How well the memory model predicted the runs in observation stores, replayed: per operator, over every store given.
 
-    python -m benchmarks.store_quality STORE [STORE ...] [--after 5] [--superlinear-gain G] [--json PATH]
+    python -m benchmarks.store_quality STORE [STORE ...] [--after 5] [--superlinear-gain G] [--noise-floor-mib M]
+                                      [--json PATH]
 
 Each store's keys are replayed in the order their observations were stored
 (:func:`memchunk_prefect.model.replay_quality`): every ``ok`` run is predicted before
@@ -13,7 +14,8 @@ what no model predicting from the block's shape beats on these runs). The stores
 benchmarks are kept with ``--workdir`` (``python -m benchmarks --workdir DIR``:
 ``DIR/memchunk-store.sqlite``; ``python -m benchmarks.heterogeneous --workdir DIR``:
 one per survey). ``--superlinear-gain`` replays with another threshold for choosing a
-curved memory form (:class:`memchunk_prefect.model.OperatorModel`), to compare.
+curved memory form, ``--noise-floor-mib`` with another noise floor added to each peak
+when scaling rows (:class:`memchunk_prefect.model.OperatorModel`), to compare.
 """
 
 from __future__ import annotations
@@ -71,9 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("stores", nargs="+", metavar="STORE")
     p.add_argument("--after", type=int, default=5, help="runs learned before one is scored (default 5)")
     p.add_argument("--superlinear-gain", type=float, default=None)
+    p.add_argument("--noise-floor-mib", type=float, default=None,
+                   help="the model's noise floor in MiB (default: the model's, 4)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
-    options = {} if args.superlinear_gain is None else {"superlinear_gain": args.superlinear_gain}
+    options: dict[str, float] = {}
+    if args.superlinear_gain is not None:
+        options["superlinear_gain"] = args.superlinear_gain
+    if args.noise_floor_mib is not None:
+        options["noise_floor_bytes"] = args.noise_floor_mib * 2**20
     rows = quality(args.stores, args.after, **options)
     print(f"{'operator':20s} {'scored':>6s} {'stores':>6s} {'within bound':>12s} {'(worst store)':>13s} "
           f"{'MAPE':>6s} {'bound/peak':>10s} {'MAPE within / beyond (runs)':>28s}  "

@@ -287,6 +287,10 @@ def test_store_quality_replays_every_store_given_and_names_a_missing_one(tmp_pat
     assert rows["envelope"]["coverage"] == 1.0 and rows["envelope"]["mape"] < 0.02
     with pytest.raises(FileNotFoundError, match="no observation store"):
         store_quality.quality([str(tmp_path / "missing.sqlite")])
+    # The command line passes the model's options through: the figures BENCHMARKS.md quotes for other settings.
+    json_path = tmp_path / "q.json"
+    assert store_quality.main([*paths, "--noise-floor-mib", "16", "--json", str(json_path)]) == 0
+    assert json.loads(json_path.read_text())["envelope"]["scored"] == rows["envelope"]["scored"]
 
 
 def test_map_overhead_profiles_the_maps_submissions_and_the_runners_steps(tmp_path):
