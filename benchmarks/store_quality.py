@@ -1,7 +1,7 @@
 """How well the memory model predicted the runs in observation stores, replayed: per operator, over every store given.
 
     python -m benchmarks.store_quality STORE [STORE ...] [--after 5] [--superlinear-gain G] [--noise-floor-mib M]
-                                      [--json PATH]
+                                      [--size-weight W] [--json PATH]
 
 Each store's keys are replayed in the order their observations were stored
 (:func:`memchunk_prefect.model.replay_quality`): every ``ok`` run is predicted before
@@ -15,7 +15,8 @@ benchmarks are kept with ``--workdir`` (``python -m benchmarks --workdir DIR``:
 ``DIR/memchunk-store.sqlite``; ``python -m benchmarks.heterogeneous --workdir DIR``:
 one per survey). ``--superlinear-gain`` replays with another threshold for choosing a
 curved memory form, ``--noise-floor-mib`` with another noise floor added to each peak
-when scaling rows (:class:`memchunk_prefect.model.OperatorModel`), to compare.
+when scaling rows, ``--size-weight`` with another weight of small blocks against the
+largest (:class:`memchunk_prefect.model.OperatorModel`), to compare.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("stores", nargs="+", metavar="STORE")
     p.add_argument("--after", type=int, default=5, help="runs learned before one is scored (default 5)")
     p.add_argument("--superlinear-gain", type=float, default=None)
+    p.add_argument("--size-weight", type=float, default=None,
+                   help="the model's size weight (a block counts (size / largest) ** this in the fit; default: "
+                        "the model's)")
     p.add_argument("--noise-floor-mib", type=float, default=None,
                    help="the model's noise floor in MiB (default: the model's, 4)")
     p.add_argument("--json", metavar="PATH")
@@ -80,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     options: dict[str, float] = {}
     if args.superlinear_gain is not None:
         options["superlinear_gain"] = args.superlinear_gain
+    if args.size_weight is not None:
+        options["size_weight"] = args.size_weight
     if args.noise_floor_mib is not None:
         options["noise_floor_bytes"] = args.noise_floor_mib * 2**20
     rows = quality(args.stores, args.after, **options)

@@ -39,6 +39,23 @@ thousands of ``predict`` calls are cheap. Memory noise is *multiplicative*
 relative residuals (the floor, 4 MiB, keeps tiny blocks whose peaks are
 mostly allocator noise from dominating).
 
+*Weighted towards the blocks that matter.* The forms are approximations over
+two decades of block size, and a cold start's probes sit at the small end,
+where an operator's "fixed" part is not yet fixed: gaussian_smooth held 7 MiB
+for a 0.2 Mi-element probe and ~14 MiB plus 7.5 bytes per element from 2
+Mi-elements on (memory concave in the block, then a line). A line fitted with
+every block counting alike bent its slope to pass the probes and read the
+blocks the planner then chose 10-20% high (and 40% for the first block beyond
+them). So each row also counts ``(u / u_largest) ** size_weight`` (0.5; at
+least ``MIN_WEIGHT_RATIO`` of the largest's size): its noise scale is its
+scale over that weight, in the fit and in the bound alike. Near the largest
+blocks the fit follows them; a small block's bound is wider, as its runs were
+further from the form. Replayed over 89 stores of benchmark runs
+(``python -m benchmarks.store_quality --size-weight W``), 0.5 took
+gaussian_smooth from 21.1% to 13.1% MAPE and its bound from 1.43x to 1.28x
+its peak (within the bound 90.5% -> 93.5%), memory_hog from 4.0% to 2.9%,
+envelope 12.3% -> 11.8%, gst3d_dip and trace_correlation unchanged.
+
 *Upper bound.* River's BLR keeps ``beta`` (noise precision) fixed, so with
 ``beta = 1`` its predictive variance is ``1 + h`` where ``h`` is the query's
 leverage (how far it extrapolates). The noise scale is learned here from the
@@ -123,6 +140,10 @@ REFIT_GROWTH = 1.25
 """A form is refitted in new units when a block this many times its unit (the largest block learned) arrives."""
 _POWERS = {LINEAR: (0.0, 1.0), SUPERLINEAR: (0.0, 1.0, 1.5), QUADRATIC: (0.0, 1.0, 2.0)}
 CURVED = (SUPERLINEAR, QUADRATIC)
+MIN_WEIGHT_RATIO = 0.01
+"""Blocks under this fraction of the largest learned all count as one of this size in the fit (``_Form.weight``):
+the noise a bound reads for a tiny block stays within ``MIN_WEIGHT_RATIO ** -size_weight`` (10x at 0.5) of the
+largest's."""
 _FEATURE_NAMES = {0.0: "const", 1.0: "u", 1.5: "u^1.5", 2.0: "u^2"}
 
 
@@ -177,8 +198,9 @@ class _Form:
     peak measured there.
     """
 
-    def __init__(self, name: str, prior_variance: float, curvature_sd: float):
+    def __init__(self, name: str, prior_variance: float, curvature_sd: float, size_weight: float = 0.0):
         self.name = name
+        self.size_weight = float(size_weight)
         self.powers = _POWERS[name]
         self.names = [_FEATURE_NAMES[p] for p in self.powers]
         self.prior_variance = float(prior_variance)
@@ -219,6 +241,13 @@ class _Form:
         """The row a block of ``u`` Mi-elements with target scale ``scale`` (MiB or seconds) makes in the fit."""
         return self.raw(u) * (self.y_ref / scale)
 
+    def weight(self, u: float) -> float:
+        """How much a block of ``u`` Mi-elements counts in the fit, relative to the largest: ``min(1, u / u_ref)
+        ** size_weight`` (1 with ``size_weight`` 0). Its noise scale is the row's scale over this weight."""
+        if self.size_weight <= 0.0 or self.u_ref <= 0.0 or u >= self.u_ref:
+            return 1.0
+        return max(u / self.u_ref, MIN_WEIGHT_RATIO) ** self.size_weight
+
     def learn(self, u: float, y: float, scale: float) -> None:
         self._rows.append((u, y, scale))
         if u > 0:
@@ -233,6 +262,7 @@ class _Form:
             self._learn_row(u, y, scale)
 
     def _learn_row(self, u: float, y: float, scale: float) -> None:
+        scale = scale / self.weight(u)
         x = self.design(u, scale)
         y = y / scale
         self.regressor.learn_one(dict(zip(self.names, x)), y)
@@ -359,7 +389,9 @@ class OperatorModel:
     than both above the most it had held (``Observation.grew_bytes``) paid the
     kernel to fault in and zero that memory, once per worker and growth, not per
     element (0.8-1.4 s against 0.3 s for the same call again, ``benchmarks.first_touch``):
-    its seconds teach time only while no run without that cost has been learned.
+    its seconds teach time only while no run without that cost has been learned;
+    ``size_weight``: a memory row counts ``(its size / the largest's) ** size_weight``
+    in the fit (see the module docstring; 0: every block alike).
 
     Not thread-safe on its own; :class:`ModelBank` serializes ``learn`` and ``predict``.
     ``shared`` observations (other tasks ran in the same process) are learned as
@@ -386,6 +418,7 @@ class OperatorModel:
     min_size_ratio: float = 1.5
     first_touch_bytes: float = 16 * MIB
     first_touch_share: float = 0.25
+    size_weight: float = 0.5
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
@@ -420,7 +453,8 @@ class OperatorModel:
         # River's regression is conjugate in the noise: beta = 1 on relative targets makes every prior variance
         # a multiple of the noise variance (see _Form). The curvature's prior is stated at the least noise the
         # fit admits (min_noise), so it is at least curvature_sd peaks wide whatever the measured noise.
-        self._forms = {name: _Form(name, self.prior_variance, self.curvature_sd / self.min_noise) for name in _POWERS}
+        self._forms = {name: _Form(name, self.prior_variance, self.curvature_sd / self.min_noise, self.size_weight)
+                       for name in _POWERS}
         # Time has no bound to hedge, only a form chosen by held-out error: its curvature keeps the weak prior.
         self._time_forms = {name: _Form(name, self.prior_variance, math.sqrt(self.prior_variance)) for name in _POWERS}
         self._time_sizes = set()
@@ -772,7 +806,7 @@ class OperatorModel:
                 upper = mean * q
                 reason += f"; bound {q:.3f} x the mean (learned from {len(self._ratios)} runs)"
             # Trusted up to tight_reach x the largest block measured: each plan at most doubles what is known.
-            tight = upper if u > self.tight_reach * self._largest_u() else min(upper, self._tight_mib(mean, q))
+            tight = upper if u > self.tight_reach * self._largest_u() else min(upper, self._tight_mib(u, mean, q))
             growth = self._growth_mib(u)
             if growth is not None and growth[0] > tight:
                 upper, tight = max(upper, growth[0]), growth[0]
@@ -810,8 +844,9 @@ class OperatorModel:
         """The largest block (Mi-elements) with a usable ``ok`` observation."""
         return self._largest / MIB
 
-    def _tight_mib(self, mean: float, q: float | None) -> float:
-        """The least bound (MiB) for a block of mean ``mean``: the learned margin with no extrapolation widening.
+    def _tight_mib(self, u: float, mean: float, q: float | None) -> float:
+        """The least bound (MiB) for a block of ``u`` Mi-elements and mean ``mean``: the learned margin with no
+        extrapolation widening.
 
         With a conformal factor (see :meth:`conformal_factor`) it is ``mean x q``;
         before that, the prediction interval of a point inside the data (leverage 0,
@@ -822,8 +857,9 @@ class OperatorModel:
         """
         if q is not None:
             return mean * q
-        fit = self._fits()[self.form()]
-        scale = math.hypot(mean, self.noise_floor_bytes / MIB)
+        form = self._forms[self.form()]
+        fit = self._fits()[form.name]
+        scale = math.hypot(mean, self.noise_floor_bytes / MIB) / form.weight(u)
         return mean + _t_quantile(self.confidence, fit.dof) * fit.s * scale
 
     def _bound(self, name: str, u: float) -> tuple[float, float]:
@@ -831,7 +867,7 @@ class OperatorModel:
         form = self._forms[name]
         fit = form.fit(self.prior_noise, 1.0, self.min_noise)
         mean = form.mean(u, fit)
-        scale = math.hypot(max(mean, 0.0), self.noise_floor_bytes / MIB)
+        scale = math.hypot(max(mean, 0.0), self.noise_floor_bytes / MIB) / form.weight(u)
         x = form.design(u, scale)
         lev = float(x @ fit.cov @ x)
         t = _t_quantile(self.confidence, fit.dof)

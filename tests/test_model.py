@@ -465,7 +465,8 @@ def test_a_heavy_operator_on_small_blocks_is_learned_as_measured_not_shrunk_by_t
 @pytest.mark.parametrize("bytes_per_element", [8, 240, 4000, 2e5])
 def test_what_is_learned_does_not_depend_on_the_operators_scale(bytes_per_element):
     """The same stream scaled by 25,000x in cost per element is learned the same, relative to its scale (peaks of
-    kilobytes are another matter: below the model's 4 MiB noise floor the bound is set by the floor)."""
+    kilobytes are another matter: below the model's 4 MiB noise floor the bound is set by the floor, so at 8 bytes
+    per element, peaks of 0.07-1.3 MiB, its excess over the truth is held in bytes, under a quarter of the floor)."""
     sizes = [(1, n, 100) for n in (50, 100, 150, 400, 800)]
     m = OperatorModel(KEY)
     for k, ext in enumerate(sizes * 2):
@@ -475,7 +476,11 @@ def test_what_is_learned_does_not_depend_on_the_operators_scale(bytes_per_elemen
     assert s["bytes_per_element"] == pytest.approx(bytes_per_element, rel=0.05)
     p = m.predict((1, 1600, 100))
     truth = 2 * MIB * (bytes_per_element / 240) + bytes_per_element * 160_000
-    assert truth <= p.upper_bytes <= 1.3 * truth
+    assert truth <= p.upper_bytes
+    if truth > 4 * MIB:
+        assert p.upper_bytes <= 1.3 * truth
+    else:
+        assert p.upper_bytes - truth <= MIB
 
 
 def test_runs_at_sizes_a_few_percent_apart_do_not_make_the_model_ready():
@@ -618,3 +623,30 @@ def test_replay_quality_tells_extrapolated_runs_from_runs_inside_the_sizes_learn
     assert q["scored_beyond"] == 3
     assert q["mape_within"] is not None and q["mape_beyond"] is not None
     assert q["mape"] == pytest.approx((q["mape_within"] * 3 + q["mape_beyond"] * 3) / 6)
+
+
+# gaussian_smooth sigma 2 in the full benchmark (2026-11-25, `python -m benchmarks --workdir D`, D/memchunk-store.sqlite
+# through `memchunk export`): (extents read, halo included; peak bytes) in the order they ran. Memory per element
+# falls from 37 to 8.6 bytes as the block grows: a fixed part that is not fixed over the probes, then a line.
+GAUSSIAN_RUNS = [((9, 58, 400), 7774208), ((9, 66, 400), 8044544), ((66, 72, 400), 27983872),
+                 ((66, 72, 400), 29462528), ((78, 72, 400), 33103872), ((78, 72, 400), 35221504),
+                 ((9, 36, 400), 10158080), ((72, 128, 400), 35885056), ((72, 128, 400), 38342656),
+                 ((136, 128, 400), 63934464), ((136, 128, 400), 64765952), ((264, 128, 400), 116375552),
+                 ((264, 128, 400), 116137984)]
+
+
+@pytest.mark.parametrize("size_weight, within", [(0.5, True), (0.0, False)])
+def test_a_concave_start_does_not_bend_the_line_the_large_blocks_follow(size_weight, within):
+    """The real runs above, each predicted before it is learned: the blocks at 1.9x and 3.7x the probes' largest
+    (the sizes the planner chose) are read within 10% of their peaks and under the upper bound once small blocks
+    count less than large ones; with every block counting alike (size_weight 0) the slope bent to the probes
+    read them 10-18% high."""
+    m = OperatorModel("gaussian_smooth[sigma=2,2,2]|float32|cpu", size_weight=size_weight)
+    errors = []
+    for k, (ext, peak) in enumerate(GAUSSIAN_RUNS):
+        if k >= 9:
+            p = m.predict(ext)
+            assert p.ready and peak <= p.upper_bytes, (ext, peak, p)
+            errors.append(abs(p.mean_bytes / peak - 1))
+        m.learn(obs(ext, peak, key="gaussian_smooth[sigma=2,2,2]|float32|cpu"))
+    assert (max(errors) <= 0.10) == within, errors
