@@ -41,12 +41,14 @@ mostly allocator noise from dominating).
 
 *Weighted towards the blocks that matter.* The forms are approximations over
 two decades of block size, and a cold start's probes sit at the small end,
-where an operator's "fixed" part is not yet fixed: gaussian_smooth held 7 MiB
-for a 0.2 Mi-element probe and ~14 MiB plus 7.5 bytes per element from 2
-Mi-elements on (memory concave in the block, then a line). A line fitted with
-every block counting alike bent its slope to pass the probes and read the
-blocks the planner then chose 10-20% high (and 40% for the first block beyond
-them). So each row also counts ``(u / u_largest) ** size_weight`` (0.5; at
+where an operator's "fixed" part is not yet fixed: gaussian_smooth's peaks
+were 37, 15 and 8.6 bytes per element at 0.2, 1.9 and 13.5 Mi-elements
+(memory concave in the block over the probes). A line fitted with every block
+counting alike bent its slope to pass the probes and read the blocks the
+planner then chose more than 10% high (the test
+``test_a_concave_start_does_not_bend_the_line_the_large_blocks_follow``). So
+each row also counts ``(u / u_ref) ** size_weight`` (0.5; ``u_ref`` the form's
+unit, the largest block learned, refitted when one 1.25x larger arrives; at
 least ``MIN_WEIGHT_RATIO`` of the largest's size): its noise scale is its
 scale over that weight, in the fit and in the bound alike. Near the largest
 blocks the fit follows them; a small block's bound is wider, as its runs were
