@@ -148,12 +148,13 @@ class ChunkMemoryError(MemchunkError, MemoryError):
     with it (it travels from the worker to the flow).
     """
 
-    def __init__(self, message: str, observation: dict):
+    def __init__(self, message: str, observation: dict, gpu: bool = False):
         super().__init__(message)
         self.observation = observation
+        self.gpu = bool(gpu)  # the GPU's memory ran out (CuPy's OutOfMemoryError), not the host's
 
     def __reduce__(self):
-        return (ChunkMemoryError, (self.args[0], self.observation))
+        return (ChunkMemoryError, (self.args[0], self.observation, self.gpu))
 
 
 class RunnerConfigError(MemchunkError, ValueError):
@@ -189,6 +190,12 @@ class ClusterLostError(MemchunkError, ConnectionError):
 class UpstreamMapError(MemchunkError):
     """A chunked map read the output of another chunked map that stopped without finishing it (failed,
     interrupted): the downstream map stops too, keeping the chunks it wrote (a rerun resumes both)."""
+
+
+class DeviceError(MemchunkError, ValueError):
+    """A device that cannot run an operator: an unknown name, ``device="cuda"`` where this process has no usable
+    GPU (no CuPy, no driver, no device), or workers of one map that do not all have one. ``device="auto"``
+    never raises it for want of a GPU (it falls back to the CPU)."""
 
 
 class ChunkedSourceError(MemchunkError, TypeError):

@@ -130,7 +130,14 @@ class ChunkedMap:
             if interval:
                 static["sample_interval_ms"] = float(interval)
         self.halo: Shape = halo if halo is not None else self.spec.halo_for(static)
-        self.key = operator_key(task, static, dtype=DTYPE)
+        self.device = self.spec.device
+        if "device" in inspect.signature(task.fn).parameters:
+            # One map runs on one device, resolved here from what the workers have ("auto": the GPU where every
+            # worker has one); the chunks get the resolved name, and the key carries it (CPU and GPU memory are
+            # learned apart).
+            requested = static.get("device", runner.device) or self.spec.defaults.get("device") or self.spec.device
+            self.device = static["device"] = runner.map_device(requested)
+        self.key = operator_key(task, static, dtype=DTYPE, device=self.device)
         self.output_path = output_path or runner.next_output_path(self.name)
         self.replace_any = replace_any
         # What an existing output must have been computed from to be resumed rather than recomputed: the
@@ -310,7 +317,8 @@ class ChunkedMap:
         raised = state.result(raise_on_failure=False) if isinstance(state, State) else state
         if is_memory_error(raised):
             obs = getattr(raised, "observation", None)
-            return ChunkOutOfMemory(sid, self.observed(obs) if obs else None, at=time.time())
+            return ChunkOutOfMemory(sid, self.observed(obs) if obs else None, at=time.time(),
+                                    gpu=bool(getattr(raised, "gpu", False)))
         if isinstance(raised, BaseException):  # any other failure is the operator's own: stop and say which chunk
             return ChunkFailed(sid, raised, at=time.time())
         label = self.machine.in_flight[sid].chunk.label(self.shape)  # type: ignore[union-attr]
@@ -420,7 +428,7 @@ class ChunkedMap:
     def submit(self, ins: Submit) -> None:
         job = BlockJob(source=self.source, chunk=ins.chunk, halo=self.halo, volume_shape=self.shape,
                        output_path=self.output_path, operator=self.name, operator_key=self.key,
-                       budget_bytes=self.budget, label=ins.label)
+                       budget_bytes=self.budget, label=ins.label, device=self.device)
         params = dict(self.static)
         params[self.param] = job
         fut = DaskTaskRunner.submit(self.runner, self.wrapped, params,

@@ -186,6 +186,7 @@ class ChunkOutOfMemory:
     id: int
     observation: Observation | None = None
     at: float = 0.0
+    gpu: bool = False  # the GPU's memory ran out, not the host's
 
 
 @dataclass(frozen=True)
@@ -778,6 +779,11 @@ class MapMachine:
         obs = ev.observation or self._flow_observation(item, "memory_error", self.budget_bytes, ev.at)
         self._check_replan = True
         out: list[Instruction] = [Record(obs), self._ended(ev.id, item, MEMORY_ERROR, obs, ev.at)]
+        if ev.gpu:
+            # The host model says nothing of GPU memory, so "the model puts it far under the budget" cannot tell a
+            # chunk-size failure from another here: a GPU chunk is split until it fits or cannot be split.
+            needed = obs.gpu_peak_bytes if obs.gpu_peak_bytes else obs.peak_bytes
+            return out + self._retry_smaller(ev.id, item, needed, "GPU out of memory", ev.at)
         upper = self._upper_for(item.chunk)
         if (item.attempt >= self.settings.memory_error_splits and upper is not None
                 and upper <= self.settings.memory_kill_fraction * self.budget_bytes):
@@ -1097,8 +1103,12 @@ class MapMachine:
             return self._fail(ChunkOutOfMemoryError(
                 f"{self.spec.name(item.chunk)} ran out of memory ({cause}) and cannot be split further "
                 f"(shape {item.chunk.shape}{', whole traces' if self.spec.whole_traces else ''}): it needed more "
-                f"than {format_bytes(needed_bytes)} with a budget of {format_bytes(self.budget_bytes)} per task. "
-                "Give workers more memory (memory_limit), fewer threads per worker, or a smaller operator parameter",
+                + (f"than {format_bytes(needed_bytes)} of GPU memory. Run one worker per GPU (and one thread per "
+                   "worker), use a GPU with more memory, or run this operator with device='cpu'"
+                   if cause.startswith("GPU") else
+                   f"than {format_bytes(needed_bytes)} with a budget of {format_bytes(self.budget_bytes)} per task. "
+                   "Give workers more memory (memory_limit), fewer threads per worker, or a smaller operator "
+                   "parameter"),
                 operator=self.spec.operator_key, chunk=item.chunk, budget_bytes=self.budget_bytes,
                 needed_bytes=needed_bytes))
         del self.in_flight[sid]

@@ -84,6 +84,7 @@ from . import cluster as _cluster
 from . import policy
 from .chunks import Chunk, Shape, normalize_halo
 from .cluster import WorkerMemory
+from .device import GpuStatus, check_device, gpu_status, resolve_for_workers
 from .errors import (
     BudgetError,
     EnergyInputError,
@@ -367,6 +368,13 @@ class MemoryAwareRunner(DaskTaskRunner):
 
     These four set the same fields of ``policy``.
 
+    - ``device``: where operators that take a ``device`` parameter (every one in
+      :mod:`tasks`) run when a map does not give it: ``"cpu"``, ``"cuda"`` (every
+      worker must have a usable GPU through CuPy, one worker per GPU) or ``"auto"``
+      (the GPU when every worker has one, else the CPU); default None: each
+      operator's own default, the CPU. The operator key carries the device a map
+      ran on, so CPU and GPU memory are learned apart (:mod:`memchunk_prefect.device`).
+
     Zero arguments work: a local cluster of one single-thread worker process per
     core, memory split among them, budget derived from their limit.
     """
@@ -392,6 +400,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         deadline: float | str | None = None,
         watts_per_core: float | None = None,
         idle_watts_per_core: float | None = None,
+        device: str | None = None,
     ):
         if cluster is not None:
             raise RunnerConfigError(
@@ -437,6 +446,10 @@ class MemoryAwareRunner(DaskTaskRunner):
         if energy:
             policy = dataclasses.replace(policy, **energy)  # validated by PolicySettings (EnergyInputError)
         self.policy = policy
+        # The device of operators that take one (a `device` parameter) and were not given it: None leaves each
+        # operator's own default (the CPU); "auto" runs them on the GPU where every worker has one.
+        self.device = None if device is None else check_device(device)
+        self._worker_gpus: dict[str, GpuStatus] | None = None
         self.observers = tuple(observers)
         self.progress = bool(progress)
         for o in self.observers:
@@ -468,6 +481,7 @@ class MemoryAwareRunner(DaskTaskRunner):
             policy=self.policy,
             observers=self.observers,
             progress=self.progress,
+            device=self.device,
         )
 
     def __eq__(self, other: object) -> bool:
@@ -480,6 +494,7 @@ class MemoryAwareRunner(DaskTaskRunner):
             and self.output_dir == other.output_dir
             and self.policy == other.policy
             and self.progress == other.progress
+            and self.device == other.device
         )
 
     __hash__ = None  # type: ignore[assignment]  # mutable, compared by settings
@@ -757,6 +772,18 @@ class MemoryAwareRunner(DaskTaskRunner):
     def kill_headroom_bytes(self) -> int | None:
         """What a task may use above its worker's resting memory before the nanny kills it (smallest over workers)."""
         return _cluster.kill_headroom_bytes(self.workers())
+
+    def map_device(self, requested: str) -> str:
+        """The device (``"cpu"`` or ``"cuda"``) a map asking for ``requested`` runs on, from what the cluster's
+        workers report (:func:`memchunk_prefect.device.resolve_for_workers`; read once per set of workers)."""
+        requested = check_device(requested)
+        if requested == "cpu":
+            return "cpu"
+        with self._lock:
+            addresses = set(_cluster.wait_for_workers(self.client)["workers"])
+            if self._worker_gpus is None or set(self._worker_gpus) != addresses:
+                self._worker_gpus = {str(k): v for k, v in self.client.run(gpu_status).items()}
+            return resolve_for_workers(requested, self._worker_gpus)
 
     def record_machines(self) -> None:
         """Store what the cluster's hosts are (CPU, memory, system) once per runner, for traces."""

@@ -28,6 +28,7 @@ import numpy as np
 from distributed import get_worker
 
 from .chunks import Chunk, Shape, with_halo
+from .device import CUDA, GpuUse, backend, is_gpu_out_of_memory
 from .errors import ChunkMemoryError, OutputWriteError, RunnerConfigError, VolumeError, format_bytes
 from .monitor import default_monitor
 from .records import Observation
@@ -48,6 +49,7 @@ class BlockJob:
     operator_key: str
     budget_bytes: int
     label: str
+    device: str = "cpu"  # where the operator computes ("cpu" or "cuda", resolved by the flow)
 
     def __repr__(self) -> str:  # shown in Prefect logs and the UI's parameters: keep it short
         return f"BlockJob({self.operator}[{self.label}])"
@@ -116,7 +118,11 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     """Read the block, run ``fn`` on it, trim the halo, write the region; measure all of it.
 
     The measurement covers read + compute + write, because the worker's memory
-    limit applies to all of it. Runs on the worker.
+    limit applies to all of it. On a GPU (``job.device == "cuda"``) the operator's
+    call is also measured on the device (:meth:`memchunk_prefect.device.Backend.track`:
+    ``gpu_peak_bytes`` is then its peak above what the device held before, not
+    NVML's absolute figure), and a GPU out-of-memory is a censored observation as a
+    host one is. Runs on the worker.
     """
     read_chunk, trim = with_halo(job.chunk, job.halo, job.volume_shape)
     base: dict[str, Any] = dict(
@@ -124,11 +130,16 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
         bytes_in=read_chunk.elements * ITEMSIZE, worker=_worker_name(), chunk=job.chunk.key(),
         budget_bytes=job.budget_bytes, started_at=time.time(), task_run_id=_task_run_id(),
         host=socket.gethostname())
+    gpu = GpuUse()
     try:
         with default_monitor().track() as run:
             block = job.source.read(read_chunk)
             bound.arguments[job_param_name(bound, job)] = block
-            out = np.asarray(fn(*bound.args, **bound.kwargs))
+            if job.device == CUDA:
+                with backend(CUDA).track() as gpu:
+                    out = np.asarray(fn(*bound.args, **bound.kwargs))
+            else:
+                out = np.asarray(fn(*bound.args, **bound.kwargs))
             if out.shape != block.shape:
                 raise VolumeError(
                     f"operator {job.operator} returned a block of shape {out.shape} for an input block of shape "
@@ -145,13 +156,23 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
         fields = m.observation_fields() if m is not None else {"peak_bytes": 0, "outcome": "memory_error",
                                                                 "censored": True}
         fields.update(outcome="memory_error", censored=True)
+        if gpu.peak_bytes is not None:
+            fields["gpu_peak_bytes"] = gpu.peak_bytes
         obs = Observation(**base, **fields)
-        reached = f"after reaching {format_bytes(obs.peak_bytes)}" if obs.peak_bytes else "(peak not measured)"
+        if is_gpu_out_of_memory(exc):
+            reached = (f"on the GPU after reaching {format_bytes(gpu.peak_bytes)} there" if gpu.peak_bytes
+                       else "on the GPU (peak not measured)")
+        else:
+            reached = f"after reaching {format_bytes(obs.peak_bytes)}" if obs.peak_bytes else "(peak not measured)"
         raise ChunkMemoryError(
             f"{job.operator}[{job.label}] ran out of memory {reached} "
-            f"(budget {format_bytes(job.budget_bytes)}): {exc!r}", obs.to_dict()) from exc
+            f"(budget {format_bytes(job.budget_bytes)}): {exc!r}", obs.to_dict(),
+            gpu=is_gpu_out_of_memory(exc)) from exc
     assert run.measurement is not None  # set when the track() block exits
-    obs = Observation(**base, **run.measurement.observation_fields())
+    fields = run.measurement.observation_fields()
+    if gpu.peak_bytes is not None:
+        fields["gpu_peak_bytes"] = gpu.peak_bytes
+    obs = Observation(**base, **fields)
     # The marker carries the observation: a flow stopped before collecting this receipt loses no measurement.
     try:
         output.mark_done(job.chunk, record=obs.to_dict())

@@ -6,6 +6,11 @@ never leaks into numerical kernels (``eigh``, FFTs) — it is replaced by zero f
 the computation, and the outputs it could have influenced come back as NaN.
 For windowed operators that is every output whose support (its halo box)
 holds a non-finite sample, which keeps the rule exact under chunking.
+
+Devices: every operator takes ``device`` (``"cpu"``, ``"cuda"``, ``"auto"``; see
+:mod:`memchunk_prefect.device`). Blocks come in and go out as numpy arrays in
+host memory; in between the arithmetic runs on the device's array library (a
+:class:`~memchunk_prefect.device.Backend`), with the same code for both.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
-from scipy import ndimage
 
 from memchunk_prefect.chunks import AXES
+from memchunk_prefect.device import Backend, backend
 from memchunk_prefect.errors import VolumeError
 
 Triple = tuple[float, float, float]
@@ -70,25 +75,38 @@ def gaussian_radius(sigma: float, truncate: float) -> int:
     return int(float(truncate) * float(sigma) + 0.5)
 
 
-def split_finite(block: np.ndarray, dtype: Any) -> tuple[np.ndarray, np.ndarray | None]:
+def on_device(device: str, block: Any, operator: str, dtype: Any) -> tuple[Backend, Any, Any]:
+    """``(backend, data, bad)``: the checked host block on ``device`` as ``dtype``, non-finite samples set to 0,
+    and their mask (see :func:`split_finite`), both on the device."""
+    be = backend(device)
+    arr = check_block(block, operator)
+    data, bad = split_finite(be.asarray(arr), dtype, be)
+    return be, data, bad
+
+
+def split_finite(block: Any, dtype: Any, be: Backend | None = None) -> tuple[Any, Any]:
     """``(data, bad)``: the block as ``dtype`` with non-finite samples set to 0, and their mask.
 
     ``bad`` is None when every sample is finite (the common case costs no mask).
+    ``be``: the backend whose arrays these are (the CPU's by default).
     """
-    finite = np.isfinite(block)
-    if finite.all():
-        return np.asarray(block, dtype=dtype), None
-    return np.where(finite, block, 0).astype(dtype, copy=False), ~finite
+    xp = (be or backend("cpu")).xp
+    finite = xp.isfinite(block)
+    if bool(finite.all()):
+        return block.astype(dtype, copy=False), None
+    return xp.where(finite, block, 0).astype(dtype, copy=False), ~finite
 
 
-def reach(bad: np.ndarray, radius: Sequence[int]) -> np.ndarray:
+def reach(bad: Any, radius: Sequence[int], be: Backend | None = None) -> Any:
     """Outputs whose box of half-widths ``radius`` (per axis) holds at least one ``bad`` sample.
 
     A box dilation, clipped at the block's edges like the halos are, so it is
-    exact under chunking whenever the halo is at least ``radius``.
+    exact under chunking whenever the halo is at least ``radius``. ``be``: the
+    backend whose arrays these are (the CPU's by default).
     """
-    out = bad.view(np.uint8) if bad.dtype == np.bool_ else bad.astype(np.uint8)
+    be = be or backend("cpu")
+    out = bad.view(be.xp.uint8) if bad.dtype == be.xp.bool_ else bad.astype(be.xp.uint8)
     for axis, r in enumerate(radius):
         if r > 0:
-            out = ndimage.maximum_filter1d(out, size=2 * int(r) + 1, axis=axis, mode="constant", cval=0)
+            out = be.ndimage.maximum_filter1d(out, size=2 * int(r) + 1, axis=axis, mode="constant", cval=0)
     return out.astype(bool)

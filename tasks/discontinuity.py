@@ -1,13 +1,16 @@
-"""Lateral continuity attributes: windowed semblance, and a deliberately dense trace correlation."""
+"""Lateral continuity attributes: windowed semblance, and a deliberately dense trace correlation.
+
+``device``: ``"cpu"``, ``"cuda"`` (CuPy) or ``"auto"``; see :mod:`memchunk_prefect.device`.
+"""
 
 from __future__ import annotations
 
 import numpy as np
-from scipy import ndimage
 
+from memchunk_prefect.device import Backend
 from memchunk_prefect.operators import operator
 
-from ._common import check_block, per_axis_int, reach, split_finite
+from ._common import on_device, per_axis_int, reach
 from .instantaneous import TASK_OPTIONS
 
 
@@ -20,22 +23,23 @@ def semblance_halo(params) -> tuple[int, int, int]:
     return per_axis_int(params["window"], "window")  # type: ignore[return-value]
 
 
-def _box_sum(values: np.ndarray, half_widths) -> np.ndarray:
+def _box_sum(be: Backend, values, half_widths):
     """Sum over a centred box, zero outside the block (direct sums, so bitwise equal on any sub-block)."""
     for axis, w in enumerate(half_widths):
         if w > 0:
-            values = ndimage.correlate1d(values, np.ones(2 * w + 1), axis=axis, mode="constant", cval=0.0)
+            values = be.ndimage.correlate1d(values, be.xp.ones(2 * w + 1), axis=axis, mode="constant", cval=0.0)
     return values
 
 
-def _window_counts(n: int, w: int) -> np.ndarray:
+def _window_counts(be: Backend, n: int, w: int):
     """How many positions of ``range(n)`` a window of half-width ``w`` centred on each one covers."""
-    i = np.arange(n)
-    return (np.minimum(i + w, n - 1) - np.maximum(i - w, 0) + 1).astype(np.float64)
+    xp = be.xp
+    i = xp.arange(n)
+    return (xp.minimum(i + w, n - 1) - xp.maximum(i - w, 0) + 1).astype(xp.float64)
 
 
 @operator(halo=semblance_halo, memory_params=("window",), whole_traces=False, **TASK_OPTIONS)
-def semblance(block, window=(1, 1, 4)):
+def semblance(block, window=(1, 1, 4), device="cpu"):
     """Marfurt-style semblance (coherence), dimensionless in [0, 1]: 1 = laterally continuous.
 
     Over the ``(2 w_il + 1) x (2 w_xl + 1)`` traces and ``2 w_t + 1`` samples
@@ -54,25 +58,26 @@ def semblance(block, window=(1, 1, 4)):
     NaN where the window holds no energy (all zero: semblance is 0/0) and
     wherever a NaN/Inf sample lies within the window.
     """
-    arr = check_block(block, "semblance")
     w = per_axis_int(window, "window")
-    u, bad = split_finite(arr, np.float64)
+    be, u, bad = on_device(device, block, "semblance", np.float64)
+    xp, shape = be.xp, u.shape
 
-    lateral_sum = _box_sum(u, (w[0], w[1], 0))
-    numerator = _box_sum(lateral_sum * lateral_sum, (0, 0, w[2]))
+    lateral_sum = _box_sum(be, u, (w[0], w[1], 0))
+    numerator = _box_sum(be, lateral_sum * lateral_sum, (0, 0, w[2]))
     del lateral_sum
-    energy = _box_sum(u * u, w)
+    energy = _box_sum(be, u * u, w)
     del u
-    traces = _window_counts(arr.shape[0], w[0])[:, None, None] * _window_counts(arr.shape[1], w[1])[None, :, None]
+    traces = (_window_counts(be, shape[0], w[0])[:, None, None]
+              * _window_counts(be, shape[1], w[1])[None, :, None])
     denominator = traces * energy
     del energy
     undefined = ~(denominator > 0)
     denominator[undefined] = 1.0
-    out = np.clip(numerator / denominator, 0.0, 1.0).astype(np.float32)
-    out[undefined] = np.nan
+    out = xp.clip(numerator / denominator, 0.0, 1.0).astype(xp.float32)
+    out[undefined] = xp.nan
     if bad is not None:
-        out[reach(bad, w)] = np.nan
-    return out
+        out[reach(bad, w, be)] = xp.nan
+    return be.to_host(out)
 
 
 def trace_correlation_halo(params) -> tuple[int, int, int]:
@@ -86,7 +91,7 @@ def trace_correlation_halo(params) -> tuple[int, int, int]:
 
 
 @operator(halo=trace_correlation_halo, memory_params=(), whole_traces=True, **TASK_OPTIONS)
-def trace_correlation(block, radius=(1, 1)):
+def trace_correlation(block, radius=(1, 1), device="cpu"):
     """Mean correlation coefficient of each whole trace with its lateral neighbours, in [-1, 1].
 
     For each trace, the zero-lag Pearson correlation (over the whole trace) with
@@ -107,22 +112,23 @@ def trace_correlation(block, radius=(1, 1)):
     NaN/Inf sample come out NaN and are left out of their neighbours' means;
     a trace with no usable neighbour is NaN.
     """
-    arr = check_block(block, "trace_correlation")
     r_il, r_xl = per_axis_int(radius, "radius", n=2)
-    n_il, n_xl, n_t = arr.shape
-    traces, bad = split_finite(arr.reshape(n_il * n_xl, n_t), np.float64)
-    usable = np.ones(n_il * n_xl, bool) if bad is None else ~bad.any(axis=1)
+    be, traces, bad = on_device(device, block, "trace_correlation", np.float64)
+    xp = be.xp
+    n_il, n_xl, n_t = traces.shape
+    traces = traces.reshape(n_il * n_xl, n_t)
+    usable = xp.ones(n_il * n_xl, bool) if bad is None else ~bad.reshape(n_il * n_xl, n_t).any(axis=1)
 
     traces = traces - traces.mean(axis=1, keepdims=True)
-    norms = np.linalg.norm(traces, axis=1)
+    norms = xp.linalg.norm(traces, axis=1)
     norms[norms == 0] = 1.0
     traces /= norms[:, None]
     gram = traces @ traces.T  # (N, N): the dense, quadratic part
     del traces
 
-    index = np.arange(n_il * n_xl).reshape(n_il, n_xl)
-    total = np.zeros((n_il, n_xl))
-    count = np.zeros((n_il, n_xl))
+    index = xp.arange(n_il * n_xl).reshape(n_il, n_xl)
+    total = xp.zeros((n_il, n_xl))
+    count = xp.zeros((n_il, n_xl))
     for di in range(-r_il, r_il + 1):
         for dx in range(-r_xl, r_xl + 1):
             if (di, dx) == (0, 0) or abs(di) >= n_il or abs(dx) >= n_xl:
@@ -131,10 +137,10 @@ def trace_correlation(block, radius=(1, 1)):
             there = (slice(max(0, di), n_il - max(0, -di)), slice(max(0, dx), n_xl - max(0, -dx)))
             a, b = index[here], index[there]
             weight = usable[b]
-            total[here] += np.where(weight, gram[a, b], 0.0)
+            total[here] += xp.where(weight, gram[a, b], 0.0)
             count[here] += weight
     del gram
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = total / count
-    mean[(count == 0) | ~usable.reshape(n_il, n_xl)] = np.nan
-    return np.repeat(mean.astype(np.float32)[:, :, None], n_t, axis=2)
+    mean[(count == 0) | ~usable.reshape(n_il, n_xl)] = xp.nan
+    return be.to_host(xp.repeat(mean.astype(xp.float32)[:, :, None], n_t, axis=2))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy import ndimage
 
 from memchunk_prefect.operators import operator
 
-from ._common import check_block, gaussian_radius, per_axis, reach, split_finite
+from ._common import gaussian_radius, on_device, per_axis, reach
 from .instantaneous import TASK_OPTIONS
 
 
@@ -22,8 +21,9 @@ def gaussian_halo(params) -> tuple[int, int, int]:
 
 
 @operator(halo=gaussian_halo, memory_params=("sigma",), whole_traces=False, **TASK_OPTIONS)
-def gaussian_smooth(block, sigma=(1.0, 1.0, 1.0), truncate=4.0):
-    """Gaussian low-pass filter, :func:`scipy.ndimage.gaussian_filter` in float32.
+def gaussian_smooth(block, sigma=(1.0, 1.0, 1.0), truncate=4.0, device="cpu"):
+    """Gaussian low-pass filter, :func:`scipy.ndimage.gaussian_filter` in float32 (``cupyx.scipy.ndimage``'s
+    on ``device="cuda"``; see :mod:`memchunk_prefect.device`).
 
     ``sigma`` is one number or three (iline, xline, twt), in samples (not metres
     or ms); 0 leaves that axis unsmoothed. The kernel is cut at ``truncate``
@@ -35,10 +35,10 @@ def gaussian_smooth(block, sigma=(1.0, 1.0, 1.0), truncate=4.0):
     Output in the input's amplitude units. NaN/Inf samples: every output within
     the kernel's box (the halo) of a non-finite sample is NaN.
     """
-    arr = check_block(block, "gaussian_smooth")
     sigmas = per_axis(sigma, "sigma")
-    data, bad = split_finite(arr, np.float32)
-    out = ndimage.gaussian_filter(data, sigmas, truncate=float(truncate), mode="reflect", output=np.float32)
+    be, data, bad = on_device(device, block, "gaussian_smooth", np.float32)
+    out = be.ndimage.gaussian_filter(data, sigmas, truncate=float(truncate), mode="reflect", output=be.xp.float32)
+    del data
     if bad is not None:
-        out[reach(bad, gaussian_halo({"sigma": sigmas, "truncate": truncate}))] = np.nan
-    return out
+        out[reach(bad, gaussian_halo({"sigma": sigmas, "truncate": truncate}), be)] = be.xp.nan
+    return be.to_host(out)

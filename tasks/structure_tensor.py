@@ -34,16 +34,22 @@ Undefined outputs are NaN: where the tensor is zero (constant or dead data,
 no gradient at all), and where a NaN/Inf sample lies within the halo box of the
 output (non-finite samples are set to zero before filtering, so ``eigh`` never
 sees them).
+
+``device``: ``"cpu"`` (scipy, numpy), ``"cuda"`` (cupyx.scipy.ndimage, and
+``cupy.linalg.eigh`` in batches of at most 2^20 matrices, see
+:mod:`memchunk_prefect.device`) or ``"auto"``. The GPU path is the same
+algorithm; its peak GPU memory on an H100 was ~8.6 GiB fixed (cusolver's batched
+eigh workspace and the CUDA context) plus ~40x the float32 input.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from scipy import ndimage
 
+from memchunk_prefect.device import Backend, backend
 from memchunk_prefect.operators import operator
 
-from ._common import check_block, gaussian_radius, per_axis, reach, split_finite
+from ._common import gaussian_radius, on_device, per_axis, reach
 from .instantaneous import TASK_OPTIONS
 
 _DERIVATIVE_ORDERS = ((1, 0, 0), (0, 1, 0), (0, 0, 1))
@@ -61,28 +67,32 @@ def gst_halo(params) -> tuple[int, int, int]:
     return tuple(gaussian_radius(a, t) + gaussian_radius(b, t) for a, b in zip(sg, st))  # type: ignore[return-value]
 
 
-def structure_tensor_normals(block, sigma_gradient, sigma_tensor, truncate, operator_name="gst3d"):
-    """Unit normals (..., 3) in (iline, xline, twt) sample axes, twt component <= 0; NaN where undefined."""
-    arr = check_block(block, operator_name)
+def structure_tensor_normals(block, sigma_gradient, sigma_tensor, truncate, operator_name="gst3d",
+                             be: Backend | None = None):
+    """Unit normals (..., 3) in (iline, xline, twt) sample axes, twt component <= 0; NaN where undefined.
+
+    ``be``: the backend to compute on (the CPU's by default); the normals are its arrays.
+    """
     sg = per_axis(sigma_gradient, "sigma_gradient", allow_zero=False)
     st = per_axis(sigma_tensor, "sigma_tensor")
-    data, bad = split_finite(arr, np.float64)
+    be, data, bad = on_device((be or backend("cpu")).name, block, operator_name, np.float64)
+    xp, shape = be.xp, data.shape
 
-    gradients = [ndimage.gaussian_filter(data, sg, order=order, truncate=truncate, mode="reflect")
+    gradients = [be.ndimage.gaussian_filter(data, sg, order=order, truncate=truncate, mode="reflect")
                  for order in _DERIVATIVE_ORDERS]
     del data
-    tensor = np.empty(arr.shape + (3, 3), dtype=np.float64)
+    tensor = xp.empty(shape + (3, 3), dtype=xp.float64)
     for a in range(3):
         for b in range(a, 3):
-            smoothed = ndimage.gaussian_filter(gradients[a] * gradients[b], st, truncate=truncate, mode="reflect")
+            smoothed = be.ndimage.gaussian_filter(gradients[a] * gradients[b], st, truncate=truncate, mode="reflect")
             tensor[..., a, b] = smoothed
             tensor[..., b, a] = smoothed
     del gradients, smoothed
 
-    eigenvalues, eigenvectors = np.linalg.eigh(tensor.reshape(-1, 3, 3))  # ascending eigenvalues
+    eigenvalues, eigenvectors = be.eigh(tensor.reshape(-1, 3, 3))  # ascending eigenvalues
     del tensor
-    normals = eigenvectors[:, :, 2].reshape(arr.shape + (3,))
-    largest = eigenvalues[:, 2].reshape(arr.shape)
+    normals = eigenvectors[:, :, 2].reshape(shape + (3,))
+    largest = eigenvalues[:, 2].reshape(shape)
     del eigenvalues, eigenvectors
 
     # An eigenvector's sign is arbitrary: make it point up (twt component <= 0); for an exactly
@@ -94,13 +104,13 @@ def structure_tensor_normals(block, sigma_gradient, sigma_tensor, truncate, oper
 
     undefined = ~(largest > 0)
     if bad is not None:
-        undefined |= reach(bad, gst_halo({"sigma_gradient": sg, "sigma_tensor": st, "truncate": truncate}))
-    normals[undefined] = np.nan
+        undefined |= reach(bad, gst_halo({"sigma_gradient": sg, "sigma_tensor": st, "truncate": truncate}), be)
+    normals[undefined] = xp.nan
     return normals
 
 
 @operator(halo=gst_halo, memory_params=("sigma_gradient", "sigma_tensor"), whole_traces=False, **TASK_OPTIONS)
-def gst3d_dip(block, sigma_gradient=1.0, sigma_tensor=2.0, truncate=4.0):
+def gst3d_dip(block, sigma_gradient=1.0, sigma_tensor=2.0, truncate=4.0, device="cpu"):
     """Reflector dip from the gradient structure tensor: degrees in [0, 90] from horizontal, in sample axes.
 
     0 for flat reflectors, 90 for vertical ones. ``sigma_gradient`` and
@@ -108,13 +118,15 @@ def gst3d_dip(block, sigma_gradient=1.0, sigma_tensor=2.0, truncate=4.0):
     NaN where undefined (zero tensor, or a NaN/Inf sample within the halo).
     See the module docstring for conventions and the halo.
     """
-    n = structure_tensor_normals(block, sigma_gradient, sigma_tensor, float(truncate), "gst3d_dip")
-    dip = np.degrees(np.arctan2(np.hypot(n[..., 0], n[..., 1]), np.abs(n[..., 2])))
-    return dip.astype(np.float32)
+    be = backend(device)
+    xp = be.xp
+    n = structure_tensor_normals(block, sigma_gradient, sigma_tensor, float(truncate), "gst3d_dip", be)
+    dip = xp.degrees(xp.arctan2(xp.hypot(n[..., 0], n[..., 1]), xp.abs(n[..., 2])))
+    return be.to_host(dip.astype(xp.float32))
 
 
 @operator(halo=gst_halo, memory_params=("sigma_gradient", "sigma_tensor"), whole_traces=False, **TASK_OPTIONS)
-def gst3d_azimuth(block, sigma_gradient=1.0, sigma_tensor=2.0, truncate=4.0):
+def gst3d_azimuth(block, sigma_gradient=1.0, sigma_tensor=2.0, truncate=4.0, device="cpu"):
     """Reflector dip azimuth (down-dip direction) from the gradient structure tensor: degrees in [0, 360).
 
     Measured from the +iline axis toward the +xline axis, in sample axes: 0 when
@@ -122,7 +134,9 @@ def gst3d_azimuth(block, sigma_gradient=1.0, sigma_tensor=2.0, truncate=4.0):
     crossline. NaN where undefined (zero tensor, or a NaN/Inf sample within the
     halo). See the module docstring for conventions and the halo.
     """
-    n = structure_tensor_normals(block, sigma_gradient, sigma_tensor, float(truncate), "gst3d_azimuth")
-    azimuth = np.mod(np.degrees(np.arctan2(n[..., 1], n[..., 0])), 360.0).astype(np.float32)
+    be = backend(device)
+    xp = be.xp
+    n = structure_tensor_normals(block, sigma_gradient, sigma_tensor, float(truncate), "gst3d_azimuth", be)
+    azimuth = xp.mod(xp.degrees(xp.arctan2(n[..., 1], n[..., 0])), 360.0).astype(xp.float32)
     azimuth[azimuth >= np.float32(360.0)] = 0.0  # a tiny negative angle rounds to 360 in float32
-    return azimuth
+    return be.to_host(azimuth)

@@ -1,0 +1,325 @@
+"""Where an operator's arithmetic runs (the CPU, or an NVIDIA GPU through CuPy), and what a task used there.
+
+Devices: ``"cpu"`` (numpy and scipy), ``"cuda"`` (CuPy and ``cupyx.scipy``: the
+current CUDA device of the process), ``"auto"`` (``"cuda"`` where the process
+sees a usable GPU, else ``"cpu"``: it never fails for want of a GPU). Operators
+take host (numpy) blocks in and give host blocks back whatever the device:
+``device=`` says where the arithmetic runs, and the copies to and from the GPU
+are the operator's (they are part of what a GPU chunk holds).
+
+A :class:`Backend` gives an operator the array module (``xp``), the
+``ndimage`` functions, the Hilbert transform and a batched ``eigh``. The same
+operator code runs on both: the scipy and ``cupyx.scipy`` functions used here
+have the same signatures and, for the operators of :mod:`tasks`, results equal
+to float32 tolerance (measured on an NVIDIA H100 with CuPy 14.2: gst3d_dip's
+dip differed by 0.0 degrees on 64 x 64 x 400 and 128 x 128 x 400 blocks).
+``cupy.linalg.eigh`` on millions of 3 x 3 matrices in one call fails in
+cusolver (``CUSOLVER_STATUS_INVALID_VALUE`` on 6.5 M matrices, syevjBatched):
+:meth:`Backend.eigh` calls it on at most :data:`EIGH_BATCH` matrices at a time
+(2^20 worked).
+
+What a GPU task used (:meth:`Backend.track`): CuPy allocates device memory
+through its memory pool, which keeps freed blocks for reuse; what the pool
+holds at the end of a task is the most the task held at once (the pool only
+grows while a task runs), plus whatever fragmentation cost, which is real
+memory too. So before a task the pool's free blocks are returned to the driver,
+and after it ``pool.total_bytes()`` less what live arrays held before is the
+task's GPU peak above the worker's resting GPU memory (the CUDA context, ~0.5
+GiB, and cached FFT plans stay outside it); then the blocks are freed again.
+NVML's per-process figure (:mod:`memchunk_prefect.monitor`) is absolute,
+includes the context and sees the pool's high-water until it is freed, so it is
+kept beside this one, not instead. Neither has been checked against known
+allocations here: no GPU was available where this was written (see the test
+marked ``gpu``).
+
+A fake device, for machines without a GPU (tests, CI): with the environment
+variable ``MEMCHUNK_FAKE_GPU_BYTES`` set to a capacity in bytes, ``"cuda"``
+is a numpy-backed device of that capacity. Its arrays are numpy arrays, its
+"transfers" are copies, and its memory is what the task allocated through
+numpy while it ran (``tracemalloc``, which numpy reports its buffers to): a
+real measurement of a pretend device. A task whose peak went over the capacity
+raises :class:`FakeGpuOutOfMemoryError` (a ``MemoryError``, as CuPy's
+``OutOfMemoryError`` is) when it ends. Set it before a cluster starts, so its
+workers inherit it. It exists to run the GPU paths where no GPU is; it says
+nothing about a real GPU's speed or memory.
+
+>>> resolve_device("cpu"), check_device("auto")
+('cpu', 'auto')
+>>> backend("cpu").xp.__name__
+'numpy'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tracemalloc
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import numpy as np
+
+from .errors import DeviceError, format_bytes
+
+__all__ = ["CPU", "CUDA", "AUTO", "DEVICES", "FAKE_GPU_ENV", "EIGH_BATCH", "Backend", "GpuUse", "GpuStatus",
+           "FakeGpuOutOfMemoryError", "check_device", "gpu_status", "resolve_device", "resolve_for_workers",
+           "backend", "is_gpu_out_of_memory"]
+
+CPU, CUDA, AUTO = "cpu", "cuda", "auto"
+DEVICES = (CPU, CUDA, AUTO)
+FAKE_GPU_ENV = "MEMCHUNK_FAKE_GPU_BYTES"
+#: Matrices per ``eigh`` call on the GPU (cusolver's batched solver refused 6.5 M in one call; 2^20 worked).
+EIGH_BATCH = 1 << 20
+#: The extra that installs CuPy (a wheel built for CUDA 13; ``cupy-cuda12x`` for CUDA 12 drivers).
+INSTALL_HINT = "pip install 'memchunk-prefect[gpu]' (CuPy for CUDA 13; cupy-cuda12x for CUDA 12 drivers)"
+
+
+def check_device(device: object) -> str:
+    """``device`` if it is one of :data:`DEVICES`; else a :class:`DeviceError` naming them.
+
+    >>> check_device("gpu")
+    Traceback (most recent call last):
+    ...
+    memchunk_prefect.errors.DeviceError: device must be one of 'cpu', 'cuda', 'auto', got 'gpu': ...
+    """
+    if not isinstance(device, str) or device not in DEVICES:
+        raise DeviceError(f"device must be one of 'cpu', 'cuda', 'auto', got {device!r}: use 'cuda' for an NVIDIA "
+                          "GPU through CuPy, 'auto' for the GPU where the worker has one (else the CPU)")
+    return device
+
+
+@dataclass(frozen=True)
+class GpuStatus:
+    """Whether this process can run operators on a GPU, and in words why (not)."""
+
+    usable: bool
+    why: str
+    fake: bool = False
+    total_bytes: int | None = None  # the device's memory, bytes (None when unusable)
+
+
+def _fake_capacity() -> int | None:
+    raw = os.environ.get(FAKE_GPU_ENV)
+    if not raw:
+        return None
+    try:
+        value = int(float(raw))
+    except ValueError:
+        raise DeviceError(f"{FAKE_GPU_ENV} must be a capacity in bytes, got {raw!r}: unset it, or set it to e.g. "
+                          "268435456 (256 MiB) to run the GPU paths on the numpy-backed fake device") from None
+    if value <= 0:
+        raise DeviceError(f"{FAKE_GPU_ENV} must be a positive number of bytes, got {raw!r}")
+    return value
+
+
+def gpu_status() -> GpuStatus:
+    """This process's GPU: the fake one when :data:`FAKE_GPU_ENV` is set, else CuPy's current device.
+
+    Never raises for want of a GPU (that is an answer: ``usable=False`` and why).
+    """
+    capacity = _fake_capacity()
+    if capacity is not None:
+        return GpuStatus(True, f"fake GPU of {format_bytes(capacity)} ({FAKE_GPU_ENV}; numpy-backed, for tests)",
+                         fake=True, total_bytes=capacity)
+    try:
+        import cupy
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a CuPy built for another CUDA failing at import
+        return GpuStatus(False, f"CuPy does not import ({type(exc).__name__}: {exc}); {INSTALL_HINT}")
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+        if count < 1:
+            return GpuStatus(False, "CuPy sees no CUDA device (CUDA_VISIBLE_DEVICES empty?)")
+        _free, total = cupy.cuda.Device().mem_info
+    except Exception as exc:  # noqa: BLE001 - no driver, driver too old, device busy/prohibited
+        return GpuStatus(False, f"CuPy cannot use a CUDA device ({type(exc).__name__}: {exc})")
+    return GpuStatus(True, f"CUDA device {cupy.cuda.Device().id} of {count}, {format_bytes(total)}",
+                     total_bytes=int(total))
+
+
+def resolve_device(device: str) -> str:
+    """``"cpu"`` or ``"cuda"`` for this process: ``"auto"`` picks the GPU when :func:`gpu_status` finds one;
+    ``"cuda"`` without one is a :class:`DeviceError` saying why and what to do."""
+    device = check_device(device)
+    if device == CPU:
+        return CPU
+    status = gpu_status()
+    if device == AUTO:
+        return CUDA if status.usable else CPU
+    if not status.usable:
+        raise DeviceError(f"device='cuda' but this process has no usable GPU: {status.why}. Use device='auto' "
+                          "to run on the GPU where there is one and on the CPU elsewhere, or device='cpu'")
+    return CUDA
+
+
+def resolve_for_workers(device: str, statuses: Mapping[str, GpuStatus]) -> str:
+    """The one device a map's chunks run on, given each worker's :class:`GpuStatus` (pure).
+
+    ``"auto"``: the GPU when every worker has one (a map is learned and planned for
+    one device: chunks of one map on two kinds of device would teach one model two
+    laws), else the CPU. ``"cuda"``: every worker must have one, else a
+    :class:`DeviceError` naming those without and why.
+
+    >>> ok, no = GpuStatus(True, "H100"), GpuStatus(False, "CuPy does not import")
+    >>> resolve_for_workers("auto", {"w1": ok, "w2": ok}), resolve_for_workers("auto", {"w1": ok, "w2": no})
+    ('cuda', 'cpu')
+    """
+    device = check_device(device)
+    if device == CPU:
+        return CPU
+    without = {w: s.why for w, s in statuses.items() if not s.usable}
+    if device == AUTO:
+        return CUDA if statuses and not without else CPU
+    if not statuses:
+        raise DeviceError("device='cuda' but the cluster has no workers to run it on: start workers with a GPU")
+    if without:
+        listed = "; ".join(f"{w}: {why}" for w, why in sorted(without.items()))
+        raise DeviceError(f"device='cuda' but {len(without)} of {len(statuses)} worker(s) have no usable GPU "
+                          f"({listed}). One map runs on one kind of device: run GPU workers only (one worker per "
+                          "GPU), or use device='auto' (the CPU unless every worker has a GPU) or device='cpu'")
+    return CUDA
+
+
+# ----------------------------------------------------------------------------- what a task used
+
+
+@dataclass
+class GpuUse:
+    """A task's GPU memory: ``peak_bytes`` above what the device held when it started (None on the CPU)."""
+
+    peak_bytes: int | None = None
+    method: str = ""  # "cupy-pool" or "fake-tracemalloc"
+
+
+class FakeGpuOutOfMemoryError(MemoryError):
+    """The fake device's out-of-memory (see the module docstring), worded as CuPy's ``OutOfMemoryError``."""
+
+
+def is_gpu_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a GPU's out-of-memory (CuPy's ``OutOfMemoryError`` or the fake's), not the host's."""
+    return isinstance(exc, MemoryError) and type(exc).__name__ in ("OutOfMemoryError", "FakeGpuOutOfMemoryError")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The array library an operator computes with on one device (see the module docstring)."""
+
+    name: str  # "cpu" or "cuda"
+    xp: Any  # numpy or cupy
+    ndimage: Any  # scipy.ndimage or cupyx.scipy.ndimage
+    hilbert: Callable[..., Any]  # scipy.signal.hilbert or cupyx.scipy.signal.hilbert
+    fake_capacity: int | None = None  # bytes, for the fake device
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.name == CUDA
+
+    def asarray(self, host: Any, dtype: Any = None) -> Any:
+        """``host`` on this device (a copy on a GPU, fake or real; as is on the CPU)."""
+        if self.name == CPU:
+            return np.asarray(host, dtype=dtype)
+        if self.fake_capacity is not None:
+            return np.array(host, dtype=dtype, copy=True)
+        return self.xp.asarray(host, dtype=dtype)
+
+    def to_host(self, array: Any) -> np.ndarray:
+        """``array`` as a numpy array in host memory."""
+        if self.name == CPU:
+            return np.asarray(array)
+        if self.fake_capacity is not None:
+            return np.array(array, copy=True)
+        return self.xp.asnumpy(array)
+
+    def eigh(self, stack: Any) -> tuple[Any, Any]:
+        """Eigenvalues (ascending) and eigenvectors of a (N, k, k) stack of symmetric matrices.
+
+        On a GPU, in batches of at most :data:`EIGH_BATCH` matrices (see the module docstring).
+        """
+        xp = self.xp
+        if self.name == CPU or len(stack) <= EIGH_BATCH:
+            return xp.linalg.eigh(stack)
+        n, k = stack.shape[0], stack.shape[-1]
+        values = xp.empty((n, k), dtype=stack.dtype)
+        vectors = xp.empty(stack.shape, dtype=stack.dtype)
+        for start in range(0, n, EIGH_BATCH):
+            stop = min(n, start + EIGH_BATCH)
+            values[start:stop], vectors[start:stop] = xp.linalg.eigh(stack[start:stop])
+        return values, vectors
+
+    @contextlib.contextmanager
+    def track(self) -> Iterator[GpuUse]:
+        """Measure the GPU memory the block inside uses (see the module docstring); a no-op on the CPU."""
+        use = GpuUse()
+        if self.name == CPU:
+            yield use
+        elif self.fake_capacity is not None:
+            with _track_fake(use, self.fake_capacity):
+                yield use
+        else:
+            with _track_cupy(use, self.xp):
+                yield use
+
+
+@contextlib.contextmanager
+def _track_cupy(use: GpuUse, cupy: Any) -> Iterator[None]:
+    pool = cupy.get_default_memory_pool()
+    cupy.cuda.Device().synchronize()
+    pool.free_all_blocks()
+    before = int(pool.total_bytes())  # live arrays the task did not make
+    use.method = "cupy-pool"
+    try:
+        yield
+    finally:
+        try:
+            cupy.cuda.Device().synchronize()
+        except Exception:  # noqa: BLE001 - a broken context: the task's own error says so
+            pass
+        use.peak_bytes = max(0, int(pool.total_bytes()) - before)
+        pool.free_all_blocks()
+        cupy.get_default_pinned_memory_pool().free_all_blocks()
+
+
+@contextlib.contextmanager
+def _track_fake(use: GpuUse, capacity: int) -> Iterator[None]:
+    started = not tracemalloc.is_tracing()
+    if started:
+        tracemalloc.start()
+    tracemalloc.reset_peak()
+    before = tracemalloc.get_traced_memory()[0]
+    use.method = "fake-tracemalloc"
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        use.peak_bytes = max(0, tracemalloc.get_traced_memory()[1] - before)
+        if started:
+            tracemalloc.stop()
+    if not failed and use.peak_bytes > capacity:
+        raise FakeGpuOutOfMemoryError(
+            f"Out of memory on the fake GPU: the task held {use.peak_bytes:,} bytes at its peak, over the device's "
+            f"{capacity:,} bytes ({FAKE_GPU_ENV})")
+
+
+_BACKENDS: dict[tuple[str, int | None], Backend] = {}
+
+
+def backend(device: str) -> Backend:
+    """The :class:`Backend` of ``device`` in this process (``"auto"`` resolved; cached)."""
+    name = resolve_device(device)
+    fake = _fake_capacity() if name == CUDA else None
+    key = (name, fake)
+    if key not in _BACKENDS:
+        if name == CPU or fake is not None:
+            from scipy import ndimage
+            from scipy.signal import hilbert
+
+            _BACKENDS[key] = Backend(name, np, ndimage, hilbert, fake_capacity=fake)
+        else:
+            import cupy
+            from cupyx.scipy import ndimage as cundimage
+            from cupyx.scipy.signal import hilbert as cuhilbert
+
+            _BACKENDS[key] = Backend(name, cupy, cundimage, cuhilbert)
+    return _BACKENDS[key]

@@ -1,0 +1,224 @@
+"""Operators on a GPU (memchunk_prefect.device): device names, the numpy-backed fake device, and real GPUs.
+
+No GPU is present where CI runs: the GPU paths (transfers, batched eigh, device
+memory measured per task, a GPU's out-of-memory split like the host's) run there
+on the fake device (``MEMCHUNK_FAKE_GPU_BYTES``), which is numpy underneath. The
+tests marked ``gpu`` compare CuPy with the CPU on a real NVIDIA GPU and skip
+without one, saying so.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from prefect import flow
+
+import tasks
+from memchunk_prefect import MemoryAwareRunner, chunked, open_segy
+from memchunk_prefect import device as dev
+from memchunk_prefect.errors import ChunkMemoryError, DeviceError
+from memchunk_prefect.store import Store
+from memchunk_prefect.testing import start_local_cluster
+
+#: Every operator with the parameters the comparisons use (small windows: the blocks are small).
+CASES = [
+    ("envelope", {}), ("instantaneous_phase", {}), ("instantaneous_frequency", {"sample_interval_ms": 4.0}),
+    ("cosine_phase", {}), ("gaussian_smooth", {"sigma": (1.0, 1.5, 2.0)}), ("gst3d_dip", {}),
+    ("gst3d_azimuth", {}), ("semblance", {"window": (1, 1, 3)}), ("trace_correlation", {"radius": (1, 2)}),
+]
+
+
+@pytest.fixture()
+def no_fake(monkeypatch):
+    monkeypatch.delenv(dev.FAKE_GPU_ENV, raising=False)
+
+
+@pytest.fixture()
+def fake_gpu(monkeypatch):
+    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(1 << 30))
+
+
+def _block(seed: int = 3, shape=(9, 11, 40)) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    block = rng.standard_normal(shape).astype(np.float32)
+    block[4, 5, 17] = np.nan  # the non-finite rule must hold on every device
+    return block
+
+
+# ----------------------------------------------------------------------------- device names
+
+
+def test_device_names_are_checked_and_auto_never_fails_for_want_of_a_gpu(no_fake):
+    with pytest.raises(DeviceError, match=r"device must be one of 'cpu', 'cuda', 'auto', got 'gpu'"):
+        dev.check_device("gpu")
+    if dev.gpu_status().usable:
+        pytest.skip("this machine has a usable GPU: the no-GPU answers cannot be checked here")
+    assert dev.resolve_device("auto") == "cpu"
+    with pytest.raises(DeviceError, match=r"device='cuda' but this process has no usable GPU: .*device='auto'"):
+        dev.resolve_device("cuda")
+    with pytest.raises(DeviceError, match="no usable GPU"):
+        tasks.envelope.fn(_block(), device="cuda")
+
+
+def test_one_map_runs_on_one_kind_of_device():
+    ok, none = dev.GpuStatus(True, "H100, 79.2 GiB"), dev.GpuStatus(False, "CuPy does not import")
+    assert dev.resolve_for_workers("auto", {"a": ok, "b": ok}) == "cuda"
+    assert dev.resolve_for_workers("auto", {"a": ok, "b": none}) == "cpu"
+    assert dev.resolve_for_workers("auto", {}) == "cpu"
+    assert dev.resolve_for_workers("cpu", {"a": none}) == "cpu"
+    with pytest.raises(DeviceError, match=r"1 of 2 worker\(s\) have no usable GPU \(b: CuPy does not import\)"):
+        dev.resolve_for_workers("cuda", {"a": ok, "b": none})
+    with pytest.raises(DeviceError, match="no workers"):
+        dev.resolve_for_workers("cuda", {})
+
+
+@pytest.mark.parametrize("raw", ["lots", "-5", "0"])
+def test_a_fake_gpu_capacity_that_is_not_bytes_is_refused(monkeypatch, raw):
+    monkeypatch.setenv(dev.FAKE_GPU_ENV, raw)
+    with pytest.raises(DeviceError, match=dev.FAKE_GPU_ENV):
+        dev.gpu_status()
+
+
+# ----------------------------------------------------------------------------- the fake device
+
+
+@pytest.mark.parametrize("name,params", CASES, ids=[c[0] for c in CASES])
+def test_every_operator_gives_the_cpu_result_through_the_device_path(fake_gpu, name, params):
+    """The device path (copies to and from the device, the backend's functions) changes no value."""
+    block = _block()
+    on_cpu = tasks.OPERATORS[name].fn(block, device="cpu", **params)
+    on_gpu = tasks.OPERATORS[name].fn(block, device="cuda", **params)
+    assert isinstance(on_gpu, np.ndarray) and on_gpu.dtype == np.float32 and on_gpu.shape == block.shape
+    np.testing.assert_array_equal(on_gpu, on_cpu)
+    assert np.isnan(on_gpu).any(), "the NaN sample's outputs are NaN on the device too"
+
+
+def test_eigh_runs_in_batches_on_the_gpu_and_agrees_with_one_call(fake_gpu, monkeypatch):
+    block = _block(shape=(6, 7, 30))  # 1260 tensors
+    whole = tasks.gst3d_dip.fn(block, device="cpu")
+    calls = []
+    real = np.linalg.eigh
+    monkeypatch.setattr(np.linalg, "eigh", lambda a: calls.append(len(a)) or real(a))
+    monkeypatch.setattr(dev, "EIGH_BATCH", 500)
+    batched = tasks.gst3d_dip.fn(block, device="cuda")
+    assert calls == [500, 500, 260]
+    np.testing.assert_array_equal(batched, whole)
+
+
+def test_the_fake_device_measures_what_a_task_held_and_runs_out_past_its_capacity(monkeypatch):
+    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(64 << 20))
+    be = dev.backend("cuda")
+    with be.track() as use:
+        a = be.asarray(np.ones((256, 256, 64), np.float32))  # 16 MiB copied to the device
+        b = a * 2  # and 16 MiB more
+        del a, b
+    assert use.method == "fake-tracemalloc"
+    assert 32 << 20 <= use.peak_bytes < 34 << 20
+    with pytest.raises(MemoryError) as info:
+        with be.track() as use:
+            big = be.asarray(np.ones((512, 256, 160), np.float32))  # 80 MiB
+            del big
+    assert dev.is_gpu_out_of_memory(info.value) and not dev.is_gpu_out_of_memory(MemoryError("host"))
+    assert use.peak_bytes >= 80 << 20
+
+
+def test_a_gpu_out_of_memory_pickles_with_its_kind():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ChunkMemoryError("x ran out", {"peak_bytes": 5}, gpu=True)))
+    assert err.gpu is True and err.observation == {"peak_bytes": 5}
+    assert pickle.loads(pickle.dumps(ChunkMemoryError("y", {}))).gpu is False
+
+
+# ----------------------------------------------------------------------------- a real cluster, a fake GPU
+
+
+@pytest.mark.cluster
+@pytest.mark.server
+@pytest.mark.usefixtures("prefect_server")
+def test_a_map_on_the_gpu_splits_what_the_gpu_cannot_hold_and_learns_its_memory_apart(segy_dir, tmp_path,
+                                                                                     monkeypatch):
+    """envelope of a real SEG-Y file on 2 workers whose (fake) GPUs hold 256 KiB: the runner plans by host
+    memory, so its first chunks run out of GPU memory; they are split (never lost) until they fit, the result
+    equals the CPU's, and every run is stored under the ``|cuda`` key with its GPU peak."""
+    capacity = 256 << 10
+    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(capacity))  # before the cluster starts: its workers inherit it
+    source = segy_dir / "f3.sgy"
+    store = tmp_path / "store.sqlite"
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    try:
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, store=store, output_dir=tmp_path / "out",
+                                   device="cuda", progress=False)
+
+        @flow(task_runner=runner)
+        def envelope_on_gpu(path: str):
+            return tasks.envelope.map(chunked(path)).result()
+
+        result = envelope_on_gpu(str(source))
+    finally:
+        cluster.close()
+    np.testing.assert_array_equal(result.values, tasks.envelope.fn(open_segy(source).values))
+    with Store(store) as s:
+        rows = s.observations()
+    assert {r.operator_key for r in rows} == {"envelope|float32|cuda"}
+    ok = [r for r in rows if r.outcome == "ok"]
+    ran_out = [r for r in rows if r.outcome == "memory_error"]
+    assert ran_out and all(r.censored and r.gpu_peak_bytes > capacity for r in ran_out)
+    assert ok and all(r.gpu_peak_bytes is not None and 0 < r.gpu_peak_bytes <= capacity for r in ok)
+    assert sum(int(np.prod(dev_chunk_shape(r.chunk))) for r in ok) == int(np.prod(result.shape)), \
+        "the chunks that finished cover the volume once"
+
+
+def dev_chunk_shape(key: str) -> tuple[int, int, int]:
+    """The shape of a chunk from its key, e.g. ``i0-9_x0-64_t0-400`` -> (9, 64, 400)."""
+    spans = [part[1:].split("-") for part in key.split("_")]
+    return tuple(int(b) - int(a) for a, b in spans)  # type: ignore[return-value]
+
+
+@pytest.mark.cluster
+def test_the_runner_asks_the_workers_which_device_a_map_runs_on(no_fake, tmp_path):
+    cluster = start_local_cluster(n_workers=1, memory_limit="1GiB")
+    try:
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, store=tmp_path / "s.sqlite", progress=False)
+        with runner:
+            if all(s.usable for s in runner.client.run(dev.gpu_status).values()):
+                pytest.skip("the workers have a usable GPU: the no-GPU answers cannot be checked here")
+            assert runner.map_device("auto") == "cpu" and runner.map_device("cpu") == "cpu"
+            with pytest.raises(DeviceError, match=r"1 of 1 worker\(s\) have no usable GPU"):
+                runner.map_device("cuda")
+    finally:
+        cluster.close()
+
+
+# ----------------------------------------------------------------------------- a real GPU
+
+
+def _real_gpu() -> dev.GpuStatus:
+    status = dev.gpu_status()
+    return status if status.usable and not status.fake else dev.GpuStatus(False, status.why)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,params", CASES, ids=[c[0] for c in CASES])
+def test_on_a_real_gpu_every_operator_equals_the_cpu_to_float32_tolerance(no_fake, name, params):
+    status = _real_gpu()
+    if not status.usable:
+        pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
+    block = _block(shape=(24, 20, 120))
+    on_cpu = tasks.OPERATORS[name].fn(block, device="cpu", **params)
+    on_gpu = tasks.OPERATORS[name].fn(block, device="cuda", **params)
+    np.testing.assert_array_equal(np.isnan(on_gpu), np.isnan(on_cpu))
+    atol = 1e-3 if name in ("gst3d_dip", "gst3d_azimuth") else 1e-5  # degrees vs unit amplitudes
+    np.testing.assert_allclose(on_gpu, on_cpu, rtol=1e-4, atol=atol, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_on_a_real_gpu_a_task_measures_its_own_allocations_above_the_resting_pool(no_fake):
+    status = _real_gpu()
+    if not status.usable:
+        pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
+    be = dev.backend("cuda")
+    with be.track() as use:
+        a = be.xp.ones(256 << 20, dtype=be.xp.uint8)  # 256 MiB
+        del a
+    assert use.method == "cupy-pool" and 256 << 20 <= use.peak_bytes < 260 << 20
