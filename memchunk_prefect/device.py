@@ -61,9 +61,9 @@ import numpy as np
 
 from .errors import DeviceError, format_bytes
 
-__all__ = ["CPU", "CUDA", "AUTO", "DEVICES", "FAKE_GPU_ENV", "EIGH_BATCH", "Backend", "GpuUse", "GpuStatus",
-           "FakeGpuOutOfMemoryError", "check_device", "gpu_status", "resolve_device", "resolve_for_workers",
-           "backend", "is_gpu_out_of_memory"]
+__all__ = ["CPU", "CUDA", "AUTO", "DEVICES", "FAKE_GPU_ENV", "EIGH_BATCH", "INSTALL_HINT", "Backend", "GpuUse",
+           "GpuStatus", "FakeGpuOutOfMemoryError", "check_device", "gpu_status", "resolve_device",
+           "resolve_for_workers", "backend", "is_gpu_out_of_memory"]
 
 CPU, CUDA, AUTO = "cpu", "cuda", "auto"
 DEVICES = (CPU, CUDA, AUTO)

@@ -15,7 +15,6 @@ minutes.
 
 from __future__ import annotations
 
-import importlib
 import os
 import platform
 import sys
@@ -24,7 +23,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .errors import EnvironmentProblemError, format_bytes
+from .device import INSTALL_HINT, gpu_status
+from .errors import EnvironmentProblemError, MemchunkError, format_bytes
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 DISTRIBUTION = "memchunk-prefect"
@@ -391,11 +391,16 @@ def check_gpu() -> list[Check]:
         checks.append(Check("gpu (nvml)", WARN, f"NVML not available ({type(exc).__name__}: {exc}): no GPU memory "
                             "or GPU energy is measured", "only needed on GPU workers: install the NVIDIA driver"))
     try:
-        cupy = importlib.import_module("cupy")
-        checks.append(Check("gpu (cupy)", OK, f"cupy {cupy.__version__}"))
-    except Exception as exc:  # noqa: BLE001
-        checks.append(Check("gpu (cupy)", WARN, f"CuPy not importable ({type(exc).__name__}): operators run on CPU",
-                            "only needed for GPU operators: pip install cupy-cuda12x"))
+        status = gpu_status()  # what device="auto" / "cuda" will find in this process (memchunk_prefect.device)
+    except MemchunkError as exc:  # a malformed MEMCHUNK_FAKE_GPU_BYTES
+        checks.append(Check("gpu (cupy)", FAIL, str(exc)))
+        return checks
+    if status.usable:
+        checks.append(Check("gpu (cupy)", OK, f"operators can run with device='cuda': {status.why}"))
+    else:
+        why = status.why.replace(f"; {INSTALL_HINT}", "")
+        checks.append(Check("gpu (cupy)", WARN, f"no usable GPU for operators: {why}; device='auto' runs "
+                            "them on the CPU", "only needed for GPU operators: " + INSTALL_HINT))
     return checks
 
 
