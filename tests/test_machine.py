@@ -816,6 +816,28 @@ def test_memory_errors_that_splitting_does_not_cure_stop_the_map_saying_it_is_no
     assert "not the chunk's size" in str(fail.error) and "OMP_NUM_THREADS=1" in str(fail.error)
 
 
+def test_gpu_memory_errors_split_until_the_chunk_fits_or_cannot_be_split_saying_it_was_the_gpu():
+    # The host model says nothing of GPU memory: the "not the chunk's size" stop above must not fire for a GPU
+    # out-of-memory, and a chunk that cannot be split further says what to do on a GPU.
+    from memchunk_prefect.errors import ChunkOutOfMemoryError, MemoryNotChunkSizeError
+
+    m = _running_with_queue(Linear())
+    sid = next(iter(m.in_flight))
+    for _ in range(40):
+        item = m.in_flight[sid]
+        o = obs(item.chunk, peak=1024, outcome="memory_error", censored=True)
+        o.gpu_peak_bytes = 7 * MiB
+        out = m.handle(ChunkOutOfMemory(sid, o, gpu=True))
+        if of(Fail, out):
+            break
+        assert "GPU out of memory, needed more than 7.0 MiB" in of(Decided, out)[0].record.reason
+        sid = of(Submit, m.advance())[0].id
+    (fail,) = of(Fail, out)
+    assert type(fail.error) is ChunkOutOfMemoryError and not isinstance(fail.error, MemoryNotChunkSizeError)
+    assert item.attempt > 4 and item.chunk.shape[:2] == (1, 1), "split past memory_error_splits, to one trace"
+    assert "7.0 MiB of GPU memory" in str(fail.error) and "device='cpu'" in str(fail.error)
+
+
 def test_memory_errors_at_sizes_the_model_puts_near_the_budget_keep_splitting():
     # The model puts the pieces above half the budget: a MemoryError there may well be the chunk's size.
     m = machine((64, 8, 10), max_counts=64, memory_error_splits=0)
