@@ -21,11 +21,13 @@ cusolver (``CUSOLVER_STATUS_INVALID_VALUE`` on 6.5 M matrices, syevjBatched):
 What a GPU task used (:meth:`Backend.track`): CuPy allocates device memory
 through its memory pool, which keeps freed blocks for reuse; what the pool
 holds at the end of a task is the most the task held at once (the pool only
-grows while a task runs), plus whatever fragmentation cost, which is real
-memory too. So before a task the pool's free blocks are returned to the driver,
-and after it ``pool.total_bytes()`` less what live arrays held before is the
-task's GPU peak above the worker's resting GPU memory (the CUDA context, ~0.5
-GiB, and cached FFT plans stay outside it); then the blocks are freed again.
+grows while a task runs, unless an allocation fails and CuPy frees the cached
+blocks to retry it), plus whatever fragmentation cost, which is real memory
+too. So before a task the pool's free blocks are returned to the driver, and
+after it ``pool.total_bytes()`` less what the pool held before (live arrays, and
+memory that outlives a task such as a cached FFT plan's work area) is the task's
+GPU peak above the worker's resting GPU memory (the CUDA context, ~0.5 GiB, is
+outside the pool); then the blocks are freed again.
 NVML's per-process figure (:mod:`memchunk_prefect.monitor`) is absolute,
 includes the context and sees the pool's high-water until it is freed, so it is
 kept beside this one, not instead. Neither has been checked against known
