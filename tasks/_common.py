@@ -23,6 +23,12 @@ from memchunk_prefect.chunks import AXES
 from memchunk_prefect.device import Backend, backend
 from memchunk_prefect.errors import VolumeError
 
+# Load the CPU backend's libraries (scipy.ndimage, scipy.signal: about 77 MiB resident) when an operator module is
+# imported, which on a worker happens when the task is unpickled, before run_block starts measuring. Loaded lazily
+# inside the first chunk instead, they were charged to that chunk's peak and taught the model a multiple several
+# times too high (a 48 MiB budget then refused every chunk of envelope as too large).
+backend("cpu")
+
 Triple = tuple[float, float, float]
 
 

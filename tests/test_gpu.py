@@ -93,6 +93,46 @@ def test_every_operator_gives_the_cpu_result_through_the_device_path(fake_gpu, n
     assert np.isnan(on_gpu).any(), "the NaN sample's outputs are NaN on the device too"
 
 
+_FIRST_CALL = """
+import json, sys
+import numpy as np
+import tasks
+block = np.random.default_rng(0).standard_normal((6, 7, 40)).astype(np.float32)
+loaded = {}
+for name, params in json.loads(sys.argv[1]):
+    before = set(sys.modules)
+    tasks.OPERATORS[name].fn(block, device=sys.argv[2], **params)
+    loaded[name] = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("scipy", "cupy", "cupyx"))
+print(json.dumps(loaded))
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_operators_first_call_in_a_fresh_process_loads_no_array_library(device, monkeypatch):
+    """A worker measures a chunk's peak from the process's memory: a library loaded lazily inside the first chunk
+    (scipy.signal alone is about 77 MiB resident) is charged to that chunk and teaches the model a multiple several
+    times too high. Operator modules load their device's libraries when imported (on a worker, when the task is
+    unpickled, before measuring starts); on a GPU run_block loads CuPy's before measuring."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if device == "cuda":
+        monkeypatch.setenv(dev.FAKE_GPU_ENV, str(1 << 30))
+        script = _FIRST_CALL.replace("loaded = {}", "from memchunk_prefect.device import backend\n"
+                                     "backend('cuda')  # what run_block does before measuring\nloaded = {}")
+    else:
+        script = _FIRST_CALL
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(CASES), device], cwd=repo, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(loaded) == {c[0] for c in CASES}
+    assert not any(loaded.values()), f"loaded inside a first call: {loaded}"
+
+
 def test_eigh_runs_in_batches_on_the_gpu_and_agrees_with_one_call(fake_gpu, monkeypatch):
     block = _block(shape=(6, 7, 30))  # 1260 tensors
     whole = tasks.gst3d_dip.fn(block, device="cpu")
