@@ -76,6 +76,12 @@ class Observation:
     host: str = ""
     #: The chunked map it belongs to (``MapRun.map_id``; "" when unknown: older records, markers recovered).
     map_id: str = ""
+    #: The GPU memory one task of the map might use (above the worker's resting GPU memory), bytes; None on
+    #: the CPU and for records older than schema v8. ``gpu_peak_bytes`` is measured against it.
+    gpu_budget_bytes: int | None = None
+    #: True when the run ran out of the GPU's memory (``outcome`` is then "memory_error" and ``gpu_peak_bytes``
+    #: a lower bound of what it needed there); False for a host out-of-memory and every other outcome.
+    gpu_out_of_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from .errors import StoreError, StoreSchemaTooNewError
 from .records import MapRun, Observation, Reward
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
 v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table). v5: what a
 trace needs (energy's source, start, task run, host; ``maps`` and ``machines`` tables). v6: what other runs on the
@@ -159,6 +159,8 @@ _COLUMNS: list[tuple[str, str]] = [
     ("map_id", "TEXT NOT NULL DEFAULT ''"),
     ("others_bytes", "INTEGER"),
     ("grew_bytes", "INTEGER"),
+    ("gpu_budget_bytes", "INTEGER"),
+    ("gpu_out_of_memory", "INTEGER NOT NULL DEFAULT 0"),
 ]
 COLUMN_NAMES = [c for c, _ in _COLUMNS]
 
@@ -170,6 +172,8 @@ _ADDED_V5 = ("energy_source", "started_at", "task_run_id", "host", "map_id")
 _ADDED_V6 = ("others_bytes",)
 #: Columns added in schema version 7 (how far a run took the worker above the most it had held before).
 _ADDED_V7 = ("grew_bytes",)
+#: Columns added in schema version 8 (a GPU map's budget on the device, and whether the device's memory ran out).
+_ADDED_V8 = ("gpu_budget_bytes", "gpu_out_of_memory")
 
 
 def _table_sql(table: str, columns: list[tuple[str, str]], index: str, index_column: str) -> str:
@@ -230,7 +234,8 @@ def _create_table(columns: list[tuple[str, str]]) -> str:
 
 _CREATE = _create_table(_COLUMNS) + _CREATE_REWARDS + _CREATE_V5
 # The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
-_CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5 + _ADDED_V6 + _ADDED_V7])
+_CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5 + _ADDED_V6 + _ADDED_V7
+                                                                 + _ADDED_V8])
 
 # The v1 layout, kept to document what migrate_1_to_2 reads (and for the migration test).
 CREATE_V1 = (
@@ -299,6 +304,12 @@ def _migrate_6_to_7(con: sqlite3.Connection) -> None:
     _add_columns(con, _ADDED_V7)
 
 
+def _migrate_7_to_8(con: sqlite3.Connection) -> None:
+    """v8 adds a GPU map's device budget (NULL for older rows) and whether the GPU ran out (0 for older rows:
+    before v8 no run was told apart as a GPU out-of-memory)."""
+    _add_columns(con, _ADDED_V8)
+
+
 def _add_columns(con: sqlite3.Connection, names: tuple[str, ...]) -> None:
     for name, kind in _COLUMNS:
         if name in names:
@@ -307,7 +318,8 @@ def _add_columns(con: sqlite3.Connection, names: tuple[str, ...]) -> None:
 
 MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_2, 2: _migrate_2_to_3,
                                                               3: _migrate_3_to_4, 4: _migrate_4_to_5,
-                                                              5: _migrate_5_to_6, 6: _migrate_6_to_7}
+                                                              5: _migrate_5_to_6, 6: _migrate_6_to_7,
+                                                              7: _migrate_7_to_8}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 
@@ -490,7 +502,8 @@ class Store:
                 obs.outcome, int(bool(obs.censored)), obs.cpu_seconds, obs.worker, obs.chunk, obs.budget_bytes,
                 obs.gpu_peak_bytes, obs.energy_joules, int(bool(obs.shared)), obs.method, obs.flow_run_id,
                 float(obs.created_at), obs.baseline_bytes, obs.resting_bytes, obs.energy_source, obs.started_at,
-                obs.task_run_id or "", obs.host or "", obs.map_id or "", obs.others_bytes, obs.grew_bytes)
+                obs.task_run_id or "", obs.host or "", obs.map_id or "", obs.others_bytes, obs.grew_bytes,
+                obs.gpu_budget_bytes, int(bool(obs.gpu_out_of_memory)))
 
     @staticmethod
     def _observation(row: Iterable[Any]) -> Observation:
@@ -498,6 +511,7 @@ class Store:
         d["extents"] = (d.pop("extent_iline"), d.pop("extent_xline"), d.pop("extent_twt"))
         d["censored"] = bool(d["censored"])
         d["shared"] = bool(d["shared"])
+        d["gpu_out_of_memory"] = bool(d["gpu_out_of_memory"])
         return Observation.from_dict(d)
 
     def add(self, obs: Observation) -> int:

@@ -237,13 +237,28 @@ def test_the_v6_column_keeps_what_other_runs_held_and_the_unseen_memory_leaves_i
 def test_the_v7_column_keeps_how_far_a_run_grew_the_worker_and_old_rows_say_unknown(tmp_path):
     path = v2_store(tmp_path)
     with Store(path) as s:
-        assert s.schema_version() == SCHEMA_VERSION == 7
+        assert s.schema_version() == SCHEMA_VERSION
         (old,) = s.observations()
         s.add(make_obs(grew_bytes=300 * 2**20))
         s.add(make_obs(grew_bytes=0))
         grew, same = s.observations()[-2:]
     assert old.grew_bytes is None
     assert (grew.grew_bytes, same.grew_bytes) == (300 * 2**20, 0)
+
+
+def test_the_v8_columns_keep_a_gpu_maps_budget_and_its_out_of_memory_and_old_rows_have_neither(tmp_path):
+    path = v2_store(tmp_path)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION == 8
+        (old,) = s.observations()
+        s.add(make_obs(gpu_peak_bytes=5 * 2**30, gpu_budget_bytes=4 * 2**30, gpu_out_of_memory=True,
+                       outcome="memory_error", censored=True))
+        s.add(make_obs(gpu_peak_bytes=2**30, gpu_budget_bytes=4 * 2**30))
+        ran_out, fine = s.observations()[-2:]
+    assert (old.gpu_budget_bytes, old.gpu_out_of_memory) == (None, False)
+    assert (ran_out.gpu_budget_bytes, ran_out.gpu_out_of_memory, ran_out.gpu_peak_bytes) == (4 * 2**30, True,
+                                                                                              5 * 2**30)
+    assert (fine.gpu_budget_bytes, fine.gpu_out_of_memory) == (4 * 2**30, False)
 
 
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
