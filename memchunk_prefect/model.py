@@ -111,7 +111,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
@@ -965,6 +965,30 @@ class OperatorModel:
         return out
 
 
+def gpu_view(obs: Observation) -> Observation | None:
+    """``obs`` as the GPU model of its key learns it: the GPU peak in place of the host's; None when it says
+    nothing about GPU memory.
+
+    A GPU map's key learns two models from the same runs (host bytes and GPU bytes; a GPU chunk must fit both
+    budgets). The GPU's view: a finished run's ``gpu_peak_bytes`` above the worker's resting GPU memory; a GPU
+    out-of-memory censored at what the device held when it failed; nothing from a run without a GPU
+    measurement, a host out-of-memory or a killed worker (the device's figure then is wherever the run
+    stopped, neither a peak nor a bound), or an error. The host's fields the GPU does not have (what the
+    worker held before, energy) are cleared.
+    """
+    if obs.gpu_peak_bytes is None or not obs.usable:
+        return None
+    if obs.gpu_out_of_memory:
+        outcome, censored = "memory_error", True
+    elif obs.outcome == "ok":
+        outcome, censored = "ok", False
+    else:
+        return None
+    return replace(obs, peak_bytes=int(obs.gpu_peak_bytes), outcome=outcome, censored=censored,
+                   budget_bytes=obs.gpu_budget_bytes, baseline_bytes=None, resting_bytes=None, others_bytes=None,
+                   grew_bytes=None, energy_joules=None, energy_source=None, shared=False)
+
+
 #: A scored run whose block has more than this many times the elements of every block learned before it was
 #: predicted by extrapolation (:func:`replay_quality` reports its error apart).
 BEYOND_RATIO = 1.05
@@ -1140,6 +1164,8 @@ class ModelBank:
         self.model_options = model_options
         self._models: dict[str, OperatorModel] = {}
         self._last_id: dict[str, int] = {}
+        self._gpu_models: dict[str, OperatorModel] = {}
+        self._gpu_last_id: dict[str, int] = {}
         self._learners: dict[str, ArmLearner] = {}
         self._last_reward: dict[str, int] = {}
         self._lock = threading.RLock()
@@ -1155,6 +1181,23 @@ class ModelBank:
                 self._replay(key)
             return m
 
+    def gpu_model(self, key: str) -> OperatorModel:
+        """The GPU-memory model of ``key``: learned from the same rows through :func:`gpu_view` (an empty one
+        where no run of ``key`` measured the GPU)."""
+        with self._lock:
+            m = self._gpu_models.get(key)
+            if m is None:
+                m = self._gpu_models[key] = OperatorModel(key, **self.model_options)
+                self._gpu_last_id[key] = 0
+                self._replay_gpu(key)
+            return m
+
+    @staticmethod
+    def _learn_gpu(m: OperatorModel, obs: Observation) -> None:
+        view = gpu_view(obs)
+        if view is not None:
+            m.learn(view)
+
     def _replay(self, key: str) -> None:
         if self.store is None:
             return
@@ -1163,22 +1206,40 @@ class ModelBank:
             m.learn(obs)
             self._last_id[key] = row_id
 
+    def _replay_gpu(self, key: str) -> None:
+        if self.store is None:
+            return
+        m = self._gpu_models[key]
+        for row_id, obs in self.store.rows(key, after=self._gpu_last_id.get(key, 0)):
+            self._learn_gpu(m, obs)
+            self._gpu_last_id[key] = row_id
+
     def refresh(self, key: str | None = None) -> None:
         """Learn rows added to the store by others since this bank last looked."""
         with self._lock:
             for k in ([key] if key else list(self._models)):
                 if k in self._models:
                     self._replay(k)
+                if k in self._gpu_models:
+                    self._replay_gpu(k)
 
     def learn(self, obs: Observation) -> str:
-        """Persist ``obs`` to the store, then learn it; returns what the model did with it."""
+        """Persist ``obs`` to the store, then learn it (and its GPU view, see :func:`gpu_view`); returns what the
+        host model did with it."""
         with self._lock:
-            m = self.model(obs.operator_key)
+            key = obs.operator_key
+            m = self.model(key)
+            gpu = key in self._gpu_models or gpu_view(obs) is not None
             if self.store is None:
+                if gpu:
+                    self._learn_gpu(self.gpu_model(key), obs)
                 return m.learn(obs)
-            self._replay(obs.operator_key)  # rows others wrote before ours, in order
+            self._replay(key)  # rows others wrote before ours, in order
             row_id = self.store.add(obs)
-            self._last_id[obs.operator_key] = row_id
+            self._last_id[key] = row_id
+            if gpu:
+                self.gpu_model(key)  # created from the rows (ours included), or brought up to them
+                self._replay_gpu(key)
             return m.learn(obs)
 
     def learner(self, key: str) -> ArmLearner:
@@ -1210,6 +1271,11 @@ class ModelBank:
         """The prediction of ``key``'s model for a block of ``extents`` (halo included)."""
         with self._lock:
             return self.model(key).predict(extents, itemsize)
+
+    def predict_gpu(self, key: str, extents: Sequence[int], itemsize: int = ITEMSIZE) -> Prediction:
+        """The GPU-memory prediction of ``key``'s model for a block of ``extents`` (halo included)."""
+        with self._lock:
+            return self.gpu_model(key).predict(extents, itemsize)
 
     def seconds_per_element(self, key: str, window: int = 20) -> float | None:
         """``key``'s recent compute seconds per element (see :meth:`OperatorModel.seconds_per_element`)."""
@@ -1247,6 +1313,9 @@ class BankKnowledge:
 
     def predict(self, extents: Shape) -> Prediction:
         return self.bank.predict(self.key, extents, ITEMSIZE)
+
+    def predict_gpu(self, extents: Shape) -> Prediction:
+        return self.bank.predict_gpu(self.key, extents, ITEMSIZE)
 
     def seconds_per_element(self) -> float | None:
         return self.bank.seconds_per_element(self.key, self.settings.time_window)
