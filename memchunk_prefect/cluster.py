@@ -257,6 +257,59 @@ class Budget:
     headroom_bytes: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class GpuBudget:
+    """What one task of a map on the GPU may use of its worker's device memory, and how that was decided.
+
+    ``budget_bytes``: the smallest over the workers; ``free_bytes``: what each worker could allocate on its
+    device when read (by worker address); ``reason``: the derivation in words.
+    """
+
+    budget_bytes: int
+    free_bytes: dict[str, int]
+    reason: str
+
+
+def gpu_budget(statuses: Mapping[str, Any], nthreads: Mapping[str, int], *,
+               target_fraction: float | None = None) -> GpuBudget:
+    """The GPU budget per task: ``target_fraction`` of what each worker could allocate on its device now
+    (:func:`memchunk_prefect.policy.gpu_task_budget_bytes`), per thread; the smallest over the workers.
+
+    ``statuses``: each worker's :class:`memchunk_prefect.device.GpuStatus` (by address), read at the map's start
+    (between maps the workers' pools are emptied, so what is not free is their CUDA contexts, their live arrays
+    and other processes'). A worker without a usable GPU is a :class:`BudgetError` (the map's device was
+    resolved from the same statuses, so this is a GPU lost in between).
+
+    >>> from memchunk_prefect.device import GpuStatus
+    >>> g = gpu_budget({"tcp://w:1": GpuStatus(True, "H100", total_bytes=80 * 2**30, free_bytes=79 * 2**30)},
+    ...                {"tcp://w:1": 1})
+    >>> round(g.budget_bytes / 2**30, 3)
+    71.1
+    >>> print(g.reason)  # doctest: +NORMALIZE_WHITESPACE
+    GPU budget 71.1 GiB per task: 0.9 x 79.0 GiB free of the device's 80.0 GiB (1.0 GiB held: CUDA context,
+    live arrays, other processes), 1 thread(s) on tcp://w:1
+    """
+    if not statuses:
+        raise BudgetError("no workers to derive a GPU budget from")
+    fraction = policy.GPU_TARGET_FRACTION if target_fraction is None else target_fraction
+    per_worker: list[tuple[int, str]] = []
+    free: dict[str, int] = {}
+    for address, st in sorted(statuses.items()):
+        if not getattr(st, "usable", False) or st.free_bytes is None:
+            raise BudgetError(f"the worker {address} has no usable GPU any more ({getattr(st, 'why', st)!r}), "
+                              "though the map was to run on the GPU: rerun with device='auto' to use the CPU where "
+                              "a worker has no GPU, or restore the worker's GPU")
+        threads = max(1, int(nthreads.get(address, 1)))
+        free[address] = int(st.free_bytes)
+        b = policy.gpu_task_budget_bytes(st.free_bytes, threads, target_fraction=target_fraction)
+        held = max(0, int(st.total_bytes or st.free_bytes) - int(st.free_bytes))
+        per_worker.append((b, f"GPU budget {format_bytes(b)} per task: {fraction:g} x {format_bytes(st.free_bytes)} "
+                              f"free of the device's {format_bytes(st.total_bytes)} ({format_bytes(held)} held: CUDA "
+                              f"context, live arrays, other processes), {threads} thread(s) on {address}"))
+    b, reason = min(per_worker)
+    return GpuBudget(budget_bytes=b, free_bytes=free, reason=reason)
+
+
 def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
            memory_budget: int | None = None) -> Budget:
     """The budget per task: the kill line minus the resting memory, per thread; a user's figure caps it.

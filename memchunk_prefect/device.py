@@ -98,6 +98,10 @@ class GpuStatus:
     why: str
     fake: bool = False
     total_bytes: int | None = None  # the device's memory, bytes (None when unusable)
+    #: What a task of this process could allocate on the device now, bytes: the driver's free memory plus the
+    #: blocks CuPy's pool caches for reuse. The rest of ``total_bytes`` is held: this process's CUDA context and
+    #: live arrays, and any other process's use of the device. None when unusable.
+    free_bytes: int | None = None
 
 
 def _fake_capacity() -> int | None:
@@ -122,7 +126,7 @@ def gpu_status() -> GpuStatus:
     capacity = _fake_capacity()
     if capacity is not None:
         return GpuStatus(True, f"fake GPU of {format_bytes(capacity)} ({FAKE_GPU_ENV}; numpy-backed, for tests)",
-                         fake=True, total_bytes=capacity)
+                         fake=True, total_bytes=capacity, free_bytes=capacity)
     try:
         import cupy
     except Exception as exc:  # noqa: BLE001 - ImportError, or a CuPy built for another CUDA failing at import
@@ -131,11 +135,12 @@ def gpu_status() -> GpuStatus:
         count = int(cupy.cuda.runtime.getDeviceCount())
         if count < 1:
             return GpuStatus(False, "CuPy sees no CUDA device (CUDA_VISIBLE_DEVICES empty?)")
-        _free, total = cupy.cuda.Device().mem_info
+        free, total = cupy.cuda.Device().mem_info
+        cached = int(cupy.get_default_memory_pool().free_bytes())
     except Exception as exc:  # noqa: BLE001 - no driver, driver too old, device busy/prohibited
         return GpuStatus(False, f"CuPy cannot use a CUDA device ({type(exc).__name__}: {exc})")
     return GpuStatus(True, f"CUDA device {cupy.cuda.Device().id} of {count}, {format_bytes(total)}",
-                     total_bytes=int(total))
+                     total_bytes=int(total), free_bytes=min(int(total), int(free) + cached))
 
 
 def resolve_device(device: str) -> str:

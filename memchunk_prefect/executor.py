@@ -39,6 +39,7 @@ from prefect_dask.task_runners import PrefectDaskFuture
 from . import cluster as _cluster
 from . import taskruns
 from .chunks import Chunk, Shape, with_halo
+from .device import CUDA
 from .energy import ESTIMATE, estimate_joules
 from .errors import MemchunkError, UpstreamMapError
 from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
@@ -154,6 +155,7 @@ class ChunkedMap:
         self.machine: MapMachine | None = None
         self.out: Any = None
         self.budget = 0
+        self.gpu_budget: int | None = None  # on the GPU: what one task may use of the device's memory, bytes
         self.slots = 0
         self.resting: dict[str, int] = {}  # each worker's resting memory the budget assumed
         self.headroom: dict[str, int] = {}  # each worker's kill line less that, per thread
@@ -219,6 +221,10 @@ class ChunkedMap:
         self.headroom = budget.headroom_bytes
         self.started_at = time.time()
         logger.info("%s: %s", self.name, budget.reason)
+        if self.device == CUDA:
+            gpu = self.runner.gpu_budget()
+            self.gpu_budget = gpu.budget_bytes
+            logger.info("%s: %s", self.name, gpu.reason)
         self.runner.record_machines()
         self.out, completed, action = open_output(self.output_path, self.identity, self.shape, self.source.coords(),
                                                   operator=self.name, replace_any=self.replace_any)
@@ -249,7 +255,7 @@ class ChunkedMap:
             self.execute(self.machine.handle(Start(
                 self.slots, self.budget, tuple(completed), restarted, at=time.time(),
                 headroom_bytes=min(self.headroom.values()) if self.headroom else None,
-                drift_bytes=int(bank.model(self.key).unseen_bytes()))))
+                drift_bytes=int(bank.model(self.key).unseen_bytes()), gpu_budget_bytes=self.gpu_budget)))
         self.planned.set()
         polled = time.monotonic()
         while not self.machine.finished:
@@ -428,7 +434,8 @@ class ChunkedMap:
     def submit(self, ins: Submit) -> None:
         job = BlockJob(source=self.source, chunk=ins.chunk, halo=self.halo, volume_shape=self.shape,
                        output_path=self.output_path, operator=self.name, operator_key=self.key,
-                       budget_bytes=self.budget, label=ins.label, device=self.device)
+                       budget_bytes=self.budget, label=ins.label, device=self.device,
+                       gpu_budget_bytes=self.gpu_budget)
         params = dict(self.static)
         params[self.param] = job
         fut = DaskTaskRunner.submit(self.runner, self.wrapped, params,

@@ -62,7 +62,7 @@ import dataclasses
 import functools
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator, Protocol, Union
 
 from . import bandit, policy
@@ -97,10 +97,13 @@ class Knowledge(Protocol):
     compute seconds where time grows faster than size (None where proportional); ``joules_for(elements)`` a
     block's learned energy in joules (None where none was learned: the planner then counts compute seconds at
     ``PolicySettings.watts_per_core``); ``choose_arm(groups)`` the learned policy's arm among ``groups``
-    (arms grouped by identical plans).
+    (arms grouped by identical plans); ``predict_gpu(extents)`` the GPU-memory figures of a block (read only
+    for maps on a GPU).
     """
 
     def predict(self, extents: Shape) -> Prediction: ...
+
+    def predict_gpu(self, extents: Shape) -> Prediction: ...
 
     def seconds_per_element(self) -> float | None: ...
 
@@ -159,6 +162,9 @@ class Start:
     drift)``, the drift followed as runs report where their workers stood.
     ``completed``: chunks a resumed output already holds (its completion markers);
     ``restarted``: why an existing output at the path is being replaced, if it is.
+    ``gpu_budget_bytes``: on a GPU, what one task may use of the device's memory above
+    the worker's resting GPU memory; every plan fits it as well (the GPU model of the
+    key, :meth:`Knowledge.predict_gpu`). None on the CPU.
     """
 
     slots: int
@@ -168,6 +174,7 @@ class Start:
     at: float = 0.0
     headroom_bytes: int | None = None
     drift_bytes: int = 0
+    gpu_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -594,6 +601,7 @@ class MapMachine:
     budget_bytes: int = 0  # what a plan must fit now: the cap, or the kill headroom less the workers' drift
     cap_bytes: int = 0  # Start.budget_bytes
     headroom_bytes: int | None = None  # Start.headroom_bytes
+    gpu_budget_bytes: int | None = None  # Start.gpu_budget_bytes: on a GPU, the device's budget per task
     drift_estimate: int = 0  # Start.drift_bytes, until runs report where their workers stood
     drift: dict[str, int] = field(default_factory=dict)  # each worker's latest start above the resting memory read
     queue: PlanQueue = field(init=False)  # planned, not submitted (re-plannable)
@@ -664,6 +672,26 @@ class MapMachine:
         pred = self.knowledge.predict(extents)
         return bandit.arm_view(pred, self.arm.arm) if self.arm is not None else pred
 
+    def predict_gpu(self, extents: Shape) -> Prediction:
+        """The GPU model's prediction as the map's arm sees it (the arm's risk applies to both budgets)."""
+        pred = self.knowledge.predict_gpu(extents)
+        return bandit.arm_view(pred, self.arm.arm) if self.arm is not None else pred
+
+    @property
+    def gpu_limit(self) -> policy.GpuLimit | None:
+        """The GPU budget plans fit besides the host's (None on the CPU)."""
+        if self.gpu_budget_bytes is None:
+            return None
+        return policy.GpuLimit(self.predict_gpu, self.gpu_budget_bytes)
+
+    def _gpu_over(self, extents: Shape) -> str | None:
+        """Why a block of ``extents`` does not fit the GPU budget, in words; None when it does (or on the CPU)."""
+        limit = self.gpu_limit
+        over = limit.over(extents) if limit is not None else None
+        if limit is None or over is None:
+            return None
+        return f"{format_bytes(over.upper_bytes)} of GPU memory over the GPU budget {format_bytes(limit.budget_bytes)}"
+
     def _choose_arm(self, make: Any) -> Any:
         """Make the first real plan under every arm (``make()`` plans with :meth:`predict`), choose one, keep it.
 
@@ -713,6 +741,7 @@ class MapMachine:
         self.headroom_bytes = None if ev.headroom_bytes is None else int(ev.headroom_bytes)
         self.drift_estimate = max(0, int(ev.drift_bytes))
         self.budget_bytes = self.planned_budget = self._budget()
+        self.gpu_budget_bytes = None if ev.gpu_budget_bytes is None else int(ev.gpu_budget_bytes)
         out: list[Instruction] = []
         if ev.restarted:
             out.append(self._decided(RESTART, None, f"{self.spec.output_path} is replaced: {ev.restarted}", ev.at))
@@ -731,7 +760,8 @@ class MapMachine:
                                  predict=self.predict, halo=self.spec.halo, slots=self.slots,
                                  whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
                                  seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
-                                 seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for)
+                                 seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
+                                 gpu=self.gpu_limit)
 
         try:
             d = self._choose_arm(decide) if not _probes(decide) else decide()
@@ -777,11 +807,14 @@ class MapMachine:
         item = self._get(ev.id)
         # A worker that could not send its record: all the flow knows is that it needed more than the budget.
         obs = ev.observation or self._flow_observation(item, "memory_error", self.budget_bytes, ev.at)
+        if ev.gpu and not obs.gpu_out_of_memory:
+            obs = replace(obs, gpu_out_of_memory=True)
         self._check_replan = True
         out: list[Instruction] = [Record(obs), self._ended(ev.id, item, MEMORY_ERROR, obs, ev.at)]
         if ev.gpu:
-            # The host model says nothing of GPU memory, so "the model puts it far under the budget" cannot tell a
-            # chunk-size failure from another here: a GPU chunk is split until it fits or cannot be split.
+            # Learned (the GPU model of the key, model.gpu_view) and split like the host's, but never judged "not
+            # the chunk's size": the device is shared (other processes, the pool's fragmentation), so a GPU chunk
+            # is split until it fits or cannot be split.
             needed = obs.gpu_peak_bytes if obs.gpu_peak_bytes else obs.peak_bytes
             return out + self._retry_smaller(ev.id, item, needed, "GPU out of memory", ev.at)
         upper = self._upper_for(item.chunk)
@@ -949,7 +982,9 @@ class MapMachine:
                 region = max(pending[index:], key=lambda c: c.elements)
                 self.probe_scale = self._next_probe_scale()
                 self.probe_peak = 0
-                p = policy.probe_plan(self.spec.shape, budget_bytes=self.budget_bytes, halo=self.spec.halo,
+                p = policy.probe_plan(self.spec.shape, budget_bytes=policy.probe_budget(self.budget_bytes,
+                                                                                        self.gpu_limit),
+                                      halo=self.spec.halo,
                                       slots=self.slots, whole_traces=self.spec.whole_traces, region=region,
                                       itemsize=ITEMSIZE, settings=self.settings, scale=self.probe_scale,
                                       reason=p.probe_reason)
@@ -1003,6 +1038,8 @@ class MapMachine:
                     "resting memory read at the map's start)")
         elif slots_moved is not None:
             what = f"the cluster's slots went from {slots_moved[0]} to {slots_moved[1]}"
+        elif (largest := self.queue.largest_read()) is not None and (gpu_over := self._gpu_over(largest)):
+            what = f"the GPU model now puts the largest queued chunk at {gpu_over}"
         else:
             return []
         boxes, kept = remaining_boxes([q.chunk for q in self.queue])
@@ -1032,6 +1069,9 @@ class MapMachine:
         if pred.upper_bytes > self.budget_bytes:
             return (f"the queued chunks of up to {largest.shape} no longer fit "
                     f"({format_bytes(pred.upper_bytes)} over {format_bytes(self.budget_bytes)})")
+        gpu_over = self._gpu_over(ext)
+        if gpu_over:
+            return f"the queued chunks of up to {largest.shape} no longer fit ({gpu_over})"
         k = self.knowledge
         old_secs = policy.estimate_seconds(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
                                            k.seconds_for)
@@ -1060,7 +1100,8 @@ class MapMachine:
                            slots=self.slots if slots is None else slots, whole_traces=self.spec.whole_traces,
                            region=region, itemsize=ITEMSIZE,
                            seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
-                           seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for)
+                           seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
+                           gpu=self.gpu_limit)
 
     def _upper_for(self, chunk: Chunk) -> float | None:
         """Upper bound for the block this chunk reads (its halo clipped at the volume's edges); None while not ready."""
@@ -1189,7 +1230,8 @@ class MapMachine:
         return Observation(operator_key=self.spec.operator_key, elements=read.elements, extents=read.shape,
                            bytes_in=read.elements * ITEMSIZE, peak_bytes=int(peak_bytes or 0), outcome=outcome,
                            censored=outcome in (MEMORY_ERROR, KILLED) and bool(peak_bytes),
-                           chunk=item.chunk.key(), budget_bytes=self.budget_bytes, method="flow", created_at=at)
+                           chunk=item.chunk.key(), budget_bytes=self.budget_bytes, method="flow", created_at=at,
+                           gpu_budget_bytes=self.gpu_budget_bytes)
 
 
 def _probes(make: Any) -> bool:

@@ -74,7 +74,7 @@ __all__ = [
     "CONTINUE", "RECHUNK", "RETRY_SMALLER", "PROBE", "DECISIONS", "Prediction", "PolicySettings", "Plan", "Decision",
     "Predictor", "plan", "probe_plan", "decide", "split_chunk", "bound_moved", "remaining_boxes", "task_budget_bytes",
     "allowed_failures_warning", "estimate_seconds", "estimate_joules", "objective_value", "check_budget", "SecondsFor",
-    "JoulesFor",
+    "JoulesFor", "GpuLimit", "gpu_task_budget_bytes", "GPU_TARGET_FRACTION", "probe_budget",
 ]
 
 CONTINUE = "continue"
@@ -85,6 +85,25 @@ DECISIONS = (CONTINUE, RECHUNK, RETRY_SMALLER, PROBE)
 
 
 Predictor = Callable[[Shape], Prediction]
+
+
+@dataclass(frozen=True)
+class GpuLimit:
+    """The second budget of a map that computes on a GPU: every chunk must fit the host's budget *and* this.
+
+    ``predict(extents)`` gives the GPU-memory figures of a block of ``extents`` (halo included: the operator
+    holds the whole block on the device), learned apart from the host's (``model.gpu_view``);
+    ``budget_bytes`` is what one task may use of the device's memory above the worker's resting GPU memory
+    (its CUDA context and CuPy's pool), bytes.
+    """
+
+    predict: Predictor
+    budget_bytes: int
+
+    def over(self, extents: Shape) -> Prediction | None:
+        """The GPU prediction of a block of ``extents`` when its upper bound exceeds the GPU budget, else None."""
+        pred = self.predict(extents)
+        return pred if pred.upper_bytes > self.budget_bytes else None
 
 
 @dataclass
@@ -110,6 +129,10 @@ class Plan:
     decision: str = RECHUNK
     reason: str = ""
     probe_reason: str = ""  # a probe's: why the model could not plan (the reason without the probe's own words)
+    #: On a GPU (a :class:`GpuLimit` given): the GPU model's upper bound for the largest chunk and the GPU
+    #: budget, bytes; None on the CPU.
+    gpu_upper_bound_bytes: float | None = None
+    gpu_budget_bytes: int | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -129,6 +152,8 @@ class Plan:
             "too_little_history": self.probe,
             "remainder": [[list(c.start), list(c.stop)] for c in self.remainder],
             "reason": self.reason,
+            "gpu_upper_bound_bytes": self.gpu_upper_bound_bytes,
+            "gpu_budget_bytes": self.gpu_budget_bytes,
         }
 
 
@@ -188,6 +213,28 @@ def task_budget_bytes(memory_limit_bytes: int, threads: int = 1, *, target_fract
             "more memory or fewer threads"
         )
     return budget
+
+
+#: The share of a GPU's free memory one worker's tasks may plan for when no ``target_fraction`` is set: the rest
+#: is left for what the model does not see (cuFFT plans and cuSOLVER workspaces made inside a call, the pool's
+#: fragmentation). A GPU has no nanny killing at a line, so the fraction is the only margin besides the model's.
+GPU_TARGET_FRACTION = 0.9
+
+
+def gpu_task_budget_bytes(free_bytes: int, threads: int = 1, *, target_fraction: float | None = None) -> int:
+    """What one task may use of a GPU's memory, bytes: ``target_fraction`` (default :data:`GPU_TARGET_FRACTION`)
+    of what the worker could allocate there now (``free_bytes``: free memory plus its pool's cached blocks, so
+    its CUDA context, live arrays and other processes' use are left out), shared by the worker's ``threads``.
+
+    >>> gpu_task_budget_bytes(80 * 2**30) / 2**30
+    72.0
+    >>> gpu_task_budget_bytes(80 * 2**30, 2, target_fraction=0.5) / 2**30
+    20.0
+    """
+    fraction = GPU_TARGET_FRACTION if target_fraction is None else target_fraction
+    if (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1):
+        raise BudgetError(f"target_fraction must be a number in (0, 1], got {target_fraction!r}")
+    return int(fraction * max(0, int(free_bytes)) / max(1, int(threads)))
 
 
 def allowed_failures_warning(allowed_failures: int | None, address: str) -> str | None:
@@ -313,6 +360,7 @@ def plan(
     settings: PolicySettings = DEFAULT_SETTINGS,
     seconds_for: SecondsFor | None = None,
     joules_for: JoulesFor | None = None,
+    gpu: GpuLimit | None = None,
 ) -> Plan:
     """The best chunking of ``region`` (default: the whole volume of ``shape``) for one operator.
 
@@ -320,6 +368,7 @@ def plan(
     ``extents`` (halo included). When it is not ``ready`` this returns a probe
     plan (:func:`probe_plan`). Raises :class:`BudgetTooSmallError` when even the
     smallest chunk allowed (one trace for whole-trace operators) does not fit.
+    ``gpu``: on a GPU, the device's budget, which every chunk must fit as well.
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
@@ -332,7 +381,8 @@ def plan(
     smallest = extents_with_halo((1, 1, rshape[2] if whole_traces else 1), h, vol)
     probe_pred = predict(smallest)
     if not probe_pred.ready:
-        return probe_plan(vol, budget_bytes=budget_bytes, halo=h, slots=slots, whole_traces=whole_traces,
+        return probe_plan(vol, budget_bytes=probe_budget(budget_bytes, gpu), halo=h, slots=slots,
+                          whole_traces=whole_traces,
                           region=region, itemsize=itemsize, settings=settings,
                           reason=getattr(probe_pred, "reason", "") or "too little history")
 
@@ -353,6 +403,7 @@ def plan(
     t_counts = [1] if whole_traces else _count_candidates(rshape[2], min(settings.max_counts, 64))
     best: tuple | None = None
     best_fit_smallest = None
+    gpu_refused = False  # some candidate fitted the host's budget but not the GPU's
     for ct in t_counts:
         if best is not None and ct > 1:
             break  # whole traces fit: keep them (contiguous reads, no halo along time)
@@ -364,6 +415,10 @@ def plan(
                 if pred.upper_bytes > budget_bytes:
                     if best_fit_smallest is None or pred.upper_bytes < best_fit_smallest[0]:
                         best_fit_smallest = (pred.upper_bytes, cshape)
+                    continue
+                gpu_over = gpu.over(ext) if gpu is not None else None
+                if gpu_over is not None:
+                    gpu_refused = True
                     continue
                 n = ci * cx * ct
                 secs = estimate_seconds(n, ext, slots, settings, seconds_per_element, seconds_for)
@@ -379,6 +434,24 @@ def plan(
                 # unless they fill slots; keep scanning a little for balance but stop at many waves.
                 if n >= 4 * slots and pred.upper_bytes <= budget_bytes:
                     break
+    if best is None and gpu is not None and gpu_refused and best_fit_smallest is None:
+        unit = "one trace" if whole_traces else "one element"
+        least = gpu.predict(smallest)
+        if least.mean_bytes <= gpu.budget_bytes:
+            # The host's model is ready but the GPU's bound, from few or scattered GPU runs, is too wide for even
+            # the smallest chunk while its mean fits: that is too little known, not too little memory. Probe
+            # (chunks sized for the GPU budget, kept), which is how the bound narrows; fail only on the mean.
+            return probe_plan(vol, budget_bytes=probe_budget(budget_bytes, gpu), halo=h, slots=slots,
+                              whole_traces=whole_traces, region=region, itemsize=itemsize, settings=settings,
+                              reason=(f"the GPU model's bound for {unit} ({format_bytes(least.upper_bytes)}) is over "
+                                      f"the GPU budget {format_bytes(gpu.budget_bytes)} though its mean "
+                                      f"({format_bytes(least.mean_bytes)}) fits: too few GPU runs to plan with"))
+        raise BudgetTooSmallError(
+            f"even the smallest chunk allowed ({unit} column with halo {h}, extents {smallest}) is predicted to "
+            f"need {format_bytes(least.mean_bytes)} of GPU memory, more than the GPU budget of "
+            f"{format_bytes(gpu.budget_bytes)} per task. Run it on a GPU with more free memory (fewer processes "
+            "sharing it), or on the CPU (device='cpu')"
+            + ("" if not whole_traces else "; this operator needs whole traces, so traces cannot be cut"))
     if best is None:
         worst_case = best_fit_smallest[0] if best_fit_smallest else probe_pred.upper_bytes
         unit = "one trace" if whole_traces else "one element"
@@ -391,6 +464,7 @@ def plan(
         )
     (_, counts, cshape, pred, secs, joules) = best
     chunks = _offset(balanced_grid(rshape, counts), region.start)
+    gpu_words, gpu_fields = _gpu_fit(gpu, read_extents(counts))
     return Plan(
         chunks=chunks,
         chunk_shape=cshape,
@@ -401,9 +475,25 @@ def plan(
         estimated_joules=joules,
         decision=RECHUNK,
         reason=(f"{_chunks_of(len(chunks), cshape)}: upper bound {format_bytes(pred.upper_bytes)} "
-                f"fits the budget {format_bytes(budget_bytes)} with {slots} slot(s)"
+                f"fits the budget {format_bytes(budget_bytes)}{gpu_words} with {slots} slot(s)"
                 + _objective_words(secs, joules, settings)),
+        **gpu_fields,
     )
+
+
+def probe_budget(budget_bytes: int, gpu: GpuLimit | None) -> int:
+    """The budget cold-start probes are sized for: the host's, or the GPU's where that is smaller (nothing is
+    known of the operator's GPU memory either, and a probe that runs out of it is one more censored chunk)."""
+    return budget_bytes if gpu is None else min(int(budget_bytes), int(gpu.budget_bytes))
+
+
+def _gpu_fit(gpu: GpuLimit | None, extents: Shape) -> tuple[str, dict]:
+    """The words and :class:`Plan` fields of a chunk of ``extents`` against the GPU budget (none on the CPU)."""
+    if gpu is None:
+        return "", {}
+    upper = float(gpu.predict(extents).upper_bytes)
+    return (f" ({format_bytes(upper)} of the GPU's {format_bytes(gpu.budget_bytes)})",
+            {"gpu_upper_bound_bytes": upper, "gpu_budget_bytes": int(gpu.budget_bytes)})
 
 
 def _chunks_of(n: int, shape: Sequence[int]) -> str:
@@ -594,17 +684,19 @@ def decide(
     settings: PolicySettings = DEFAULT_SETTINGS,
     seconds_for: SecondsFor | None = None,
     joules_for: JoulesFor | None = None,
+    gpu: GpuLimit | None = None,
 ) -> Decision:
     """Continue with the incoming chunking, rechunk, or probe (no history).
 
     ``incoming`` is the chunking of the upstream result (None for a source read
-    from disk, which has no chunking worth keeping).
+    from disk, which has no chunking worth keeping). ``gpu``: on a GPU, the
+    device's budget, which the incoming chunks must fit as well to be kept.
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
     best = plan(vol, budget_bytes=budget_bytes, predict=predict, halo=h, slots=slots, whole_traces=whole_traces,
                 itemsize=itemsize, seconds_per_element=seconds_per_element, settings=settings, seconds_for=seconds_for,
-                joules_for=joules_for)
+                joules_for=joules_for, gpu=gpu)
     if best.probe:
         return Decision(PROBE, best, best.reason, incoming_n_chunks=len(incoming) if incoming else None)
     if not incoming:
@@ -622,6 +714,13 @@ def decide(
             f"incoming chunks of up to {largest.shape} need up to {format_bytes(pred.upper_bytes)} with this "
             f"operator, over the budget {format_bytes(budget_bytes)}: " + best.reason,
             incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
+    gpu_over = gpu.over(ext) if gpu is not None else None
+    if gpu is not None and gpu_over is not None:
+        return Decision(
+            RECHUNK, best,
+            f"incoming chunks of up to {largest.shape} need up to {format_bytes(gpu_over.upper_bytes)} of GPU "
+            f"memory with this operator, over the GPU budget {format_bytes(gpu.budget_bytes)}: " + best.reason,
+            incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
     secs = estimate_seconds(len(incoming), ext, slots, settings, seconds_per_element, seconds_for)
     joules = estimate_joules(len(incoming), ext, slots, settings, seconds_per_element, seconds_for, joules_for)
     worse = _worse_than(secs, joules, best, settings)
@@ -630,9 +729,10 @@ def decide(
                         incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
     kept = Plan(chunks=incoming, chunk_shape=largest.shape, predicted_peak_bytes=float(pred.mean_bytes),
                 upper_bound_bytes=float(pred.upper_bytes), budget_bytes=int(budget_bytes), estimated_seconds=secs,
-                estimated_joules=joules, decision=CONTINUE,
+                estimated_joules=joules, decision=CONTINUE, **_gpu_fit(gpu, ext)[1],
                 reason=(f"incoming {_chunks_of(len(incoming), largest.shape)} fit (upper bound "
-                        f"{format_bytes(pred.upper_bytes)} of {format_bytes(budget_bytes)}) and are near the best"))
+                        f"{format_bytes(pred.upper_bytes)} of {format_bytes(budget_bytes)}{_gpu_fit(gpu, ext)[0]}) "
+                        "and are near the best"))
     return Decision(CONTINUE, kept, kept.reason, incoming_n_chunks=len(incoming),
                     incoming_upper_bytes=float(pred.upper_bytes))
 

@@ -785,6 +785,13 @@ class MemoryAwareRunner(DaskTaskRunner):
                 self._worker_gpus = {str(k): v for k, v in self.client.run(gpu_status).items()}
             return resolve_for_workers(requested, self._worker_gpus)
 
+    def gpu_budget(self) -> _cluster.GpuBudget:
+        """The GPU memory one task may use, read from the workers' devices now (at every map on the GPU, as the
+        host budget is): see :func:`memchunk_prefect.cluster.gpu_budget`."""
+        statuses = {str(k): v for k, v in self.client.run(gpu_status).items()}
+        nthreads = _cluster.read_nthreads(self.client) or {}
+        return _cluster.gpu_budget(statuses, nthreads, target_fraction=self.target_fraction)
+
     def record_machines(self) -> None:
         """Store what the cluster's hosts are (CPU, memory, system) once per runner, for traces."""
         if self._machines_recorded:

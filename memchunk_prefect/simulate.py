@@ -273,6 +273,10 @@ class PriorKnowledge:
         return Prediction(mean, mean * DEFAULT_MARGIN, 0, True, f"prior: {self.multiple:g}x the input",
                           tight_bytes=mean * DEFAULT_MARGIN)
 
+    def predict_gpu(self, extents: Shape) -> Prediction:
+        raise SimulationInputError("a prior multiple is of host memory; the simulator plans host memory only "
+                                   "(a map on the GPU is simulated without its GPU budget)")
+
     def seconds_per_element(self) -> float | None:
         return self.spe
 

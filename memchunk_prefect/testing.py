@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from .device import backend
 from .operators import operator
 from .records import Observation
 from .settings import ITEMSIZE
@@ -31,24 +32,26 @@ KILL_HOLD_S = 0.5
 
 
 @operator(halo=0, memory_params=("multiple",), whole_traces=True)
-def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds: float = 0.0):
+def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds: float = 0.0, device: str = "cpu"):
     """Return a copy of ``block`` after holding ``multiple`` x its bytes of touched memory for ``seconds``.
 
-    Memory: about (multiple + 2) x the block's bytes (the scratch buffer, the block, the copy).
+    Memory: about (multiple + 2) x the block's bytes (the scratch buffer, the block, the copy); the scratch
+    buffer is held on ``device`` (see :mod:`memchunk_prefect.device`), the rest in host memory.
     ``seconds`` (wall time the buffer is held) gives fault tests a window to kill a
     worker mid-task; ``busy_seconds`` is CPU time spent computing (a loop on the
     thread's CPU clock), so a worker the OS slows (stopped, throttled, sharing its
     cores) takes proportionally longer in wall time, as a real operator would.
     Neither is a memory parameter, so neither changes the model's key.
     """
-    scratch = np.ones(int(block.nbytes * multiple) // 8 + 1, dtype=np.float64)  # np.ones touches every page
+    xp = backend(device).xp
+    scratch = xp.ones(int(block.nbytes * multiple) // 8 + 1, dtype=xp.float64)  # ones() touches every page
     if seconds > 0:
         time.sleep(seconds)
     t0 = time.thread_time()
     while time.thread_time() - t0 < busy_seconds:
         pass
     out = np.array(block, dtype=np.float32, copy=True)
-    out += np.float32(scratch[0] - 1.0)  # use the buffer so it cannot be optimised away
+    out += np.float32(float(scratch[0]) - 1.0)  # use the buffer so it cannot be optimised away
     del scratch
     return out
 

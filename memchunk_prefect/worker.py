@@ -50,6 +50,7 @@ class BlockJob:
     budget_bytes: int
     label: str
     device: str = "cpu"  # where the operator computes ("cpu" or "cuda", resolved by the flow)
+    gpu_budget_bytes: int | None = None  # on the GPU: what one task may use of the device's memory, bytes
 
     def __repr__(self) -> str:  # shown in Prefect logs and the UI's parameters: keep it short
         return f"BlockJob({self.operator}[{self.label}])"
@@ -129,7 +130,7 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
         operator_key=job.operator_key, elements=read_chunk.elements, extents=read_chunk.shape,
         bytes_in=read_chunk.elements * ITEMSIZE, worker=_worker_name(), chunk=job.chunk.key(),
         budget_bytes=job.budget_bytes, started_at=time.time(), task_run_id=_task_run_id(),
-        host=socket.gethostname())
+        host=socket.gethostname(), gpu_budget_bytes=job.gpu_budget_bytes)
     gpu = GpuUse()
     if job.device == CUDA:
         # CuPy and its kernels stay loaded in the worker for every later chunk: load them before the measurement so
@@ -159,7 +160,7 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
         m = getattr(exc, "memchunk_measurement", None)
         fields = m.observation_fields() if m is not None else {"peak_bytes": 0, "outcome": "memory_error",
                                                                 "censored": True}
-        fields.update(outcome="memory_error", censored=True)
+        fields.update(outcome="memory_error", censored=True, gpu_out_of_memory=is_gpu_out_of_memory(exc))
         if gpu.peak_bytes is not None:
             fields["gpu_peak_bytes"] = gpu.peak_bytes
         obs = Observation(**base, **fields)
@@ -168,9 +169,10 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
                        else "on the GPU (peak not measured)")
         else:
             reached = f"after reaching {format_bytes(obs.peak_bytes)}" if obs.peak_bytes else "(peak not measured)"
+        budget = (f"GPU budget {format_bytes(job.gpu_budget_bytes)}" if is_gpu_out_of_memory(exc)
+                  and job.gpu_budget_bytes is not None else f"budget {format_bytes(job.budget_bytes)}")
         raise ChunkMemoryError(
-            f"{job.operator}[{job.label}] ran out of memory {reached} "
-            f"(budget {format_bytes(job.budget_bytes)}): {exc!r}", obs.to_dict(),
+            f"{job.operator}[{job.label}] ran out of memory {reached} ({budget}): {exc!r}", obs.to_dict(),
             gpu=is_gpu_out_of_memory(exc)) from exc
     assert run.measurement is not None  # set when the track() block exits
     fields = run.measurement.observation_fields()

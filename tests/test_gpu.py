@@ -9,6 +9,8 @@ without one, saying so.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from prefect import flow
@@ -17,6 +19,7 @@ import tasks
 from memchunk_prefect import MemoryAwareRunner, chunked, open_segy
 from memchunk_prefect import device as dev
 from memchunk_prefect.errors import ChunkMemoryError, DeviceError
+from memchunk_prefect.records import Observation
 from memchunk_prefect.store import Store
 from memchunk_prefect.testing import start_local_cluster
 
@@ -170,43 +173,208 @@ def test_a_gpu_out_of_memory_pickles_with_its_kind():
     assert pickle.loads(pickle.dumps(ChunkMemoryError("y", {}))).gpu is False
 
 
+# ----------------------------------------------------------------------------- the GPU budget and model
+
+GKEY = "envelope|float32|cuda"
+
+
+def _run(elements: int, host: int, gpu: int | None, outcome: str = "ok", gpu_oom: bool = False) -> Observation:
+    side = round(elements ** (1 / 3))
+    return Observation(GKEY, side**3, (side, side, side), 4 * side**3, host, seconds=0.1, outcome=outcome,
+                       censored=outcome != "ok", gpu_peak_bytes=gpu, gpu_budget_bytes=64 << 20,
+                       gpu_out_of_memory=gpu_oom, baseline_bytes=300 << 20, resting_bytes=250 << 20)
+
+
+@pytest.mark.parametrize("run, learned", [
+    (_run(8000, 5 << 20, 2 << 20), ("ok", False, 2 << 20)),
+    (_run(8000, 5 << 20, 70 << 20, "memory_error", gpu_oom=True), ("memory_error", True, 70 << 20)),
+    (_run(8000, 900 << 20, 1 << 20, "memory_error"), None),  # the host ran out: the GPU figure is no bound
+    (_run(8000, 900 << 20, 1 << 20, "killed"), None),
+    (_run(8000, 5 << 20, None), None),  # no GPU measured
+], ids=["ok", "gpu-out-of-memory", "host-out-of-memory", "killed", "unmeasured"])
+def test_the_gpu_model_learns_the_gpu_peak_of_finished_runs_and_the_gpus_own_out_of_memory(run, learned):
+    from memchunk_prefect.model import gpu_view
+
+    view = gpu_view(run)
+    if learned is None:
+        assert view is None
+        return
+    assert (view.outcome, view.censored, view.peak_bytes) == learned
+    assert view.budget_bytes == 64 << 20 and view.unseen_bytes == 0, "the host's resting memory is not the GPU's"
+
+
+def test_a_bank_learns_host_and_gpu_memory_apart_and_rebuilds_both_from_the_store(tmp_path):
+    from memchunk_prefect.model import ModelBank
+
+    # GPU memory 40x the input, host memory 5x: after the same runs each model predicts its own.
+    runs = [_run(e, 5 * 4 * e, 40 * 4 * e) for e in (8000, 27000, 64000, 125000, 216000, 343000, 512000)]
+    bank = ModelBank(Store(tmp_path / "s.sqlite"))
+    for r in runs:
+        bank.learn(r)
+    ext = (100, 100, 100)
+    host, gpu = bank.predict(GKEY, ext), bank.predict_gpu(GKEY, ext)
+    assert host.ready and gpu.ready
+    assert 4 < host.mean_bytes / 4e6 < 6 and 36 < gpu.mean_bytes / 4e6 < 44, (host, gpu)
+    again = ModelBank(Store(tmp_path / "s.sqlite"))  # another process: the same store, replayed
+    assert again.predict_gpu(GKEY, ext).mean_bytes == pytest.approx(gpu.mean_bytes)
+    assert again.predict(GKEY, ext).mean_bytes == pytest.approx(host.mean_bytes)
+    # A store-less bank learns the GPU view as it goes, too.
+    alone = ModelBank(None)
+    for r in runs:
+        alone.learn(r)
+    assert alone.predict_gpu(GKEY, ext).mean_bytes == pytest.approx(gpu.mean_bytes)
+
+
+def test_the_gpu_budget_is_a_share_of_what_each_worker_could_allocate_and_the_least_of_the_workers():
+    from memchunk_prefect.cluster import gpu_budget
+    from memchunk_prefect.errors import BudgetError
+    from memchunk_prefect.policy import gpu_task_budget_bytes
+
+    gib = 2**30
+    statuses = {"tcp://a:1": dev.GpuStatus(True, "H100", total_bytes=80 * gib, free_bytes=79 * gib),
+                "tcp://b:1": dev.GpuStatus(True, "H100", total_bytes=80 * gib, free_bytes=30 * gib)}  # shared
+    b = gpu_budget(statuses, {"tcp://a:1": 1, "tcp://b:1": 2})
+    assert b.budget_bytes == int(0.9 * 30 * gib / 2) and "tcp://b:1" in b.reason and "2 thread(s)" in b.reason
+    assert b.free_bytes == {"tcp://a:1": 79 * gib, "tcp://b:1": 30 * gib}
+    assert gpu_budget(statuses, {}, target_fraction=0.5).budget_bytes == 15 * gib
+    with pytest.raises(BudgetError, match=r"tcp://c:1 has no usable GPU.*device='auto'"):
+        gpu_budget({**statuses, "tcp://c:1": dev.GpuStatus(False, "CuPy does not import")}, {})
+    for bad in (0, 1.5, True, "0.9"):
+        with pytest.raises(BudgetError, match="target_fraction must be a number in"):
+            gpu_task_budget_bytes(gib, target_fraction=bad)
+
+
+def test_incoming_chunks_that_overflow_the_gpu_are_rechunked_and_cold_probes_are_sized_for_the_gpu():
+    from memchunk_prefect.chunks import Chunk
+    from memchunk_prefect.policy import GpuLimit, decide, plan
+    from memchunk_prefect.records import Prediction
+
+    def host(ext):  # 10 B per element
+        n = float(np.prod(ext))
+        return Prediction(10 * n, 12 * n, 10, True)
+
+    def gpu(ext):  # 100 B per element
+        n = float(np.prod(ext))
+        return Prediction(100 * n, 120 * n, 10, True)
+
+    vol = (16, 16, 50)
+    incoming = [Chunk((0, 0, 0), (8, 16, 50)), Chunk((8, 0, 0), (16, 16, 50))]  # 6400 elements each
+    limit = GpuLimit(gpu, 200_000)  # 120 B x 6400 = 768 KB: over; the host's 77 KB fits 1 MB
+    d = decide(vol, incoming, budget_bytes=10**6, predict=host, slots=2, gpu=limit)
+    assert d.decision == "rechunk" and "GPU budget" in d.reason, d.reason
+    assert d.plan.gpu_upper_bound_bytes <= 200_000 and d.plan.gpu_budget_bytes == 200_000
+    kept = decide(vol, incoming, budget_bytes=10**6, predict=host, slots=2, gpu=GpuLimit(gpu, 10**6))
+    assert kept.decision == "continue" and kept.plan.gpu_upper_bound_bytes == 120 * 6400
+
+    def cold(ext):
+        return Prediction(4.0 * np.prod(ext), 4.0 * np.prod(ext), 0, False, "no history")
+
+    on_cpu = plan(vol, budget_bytes=10**6, predict=cold, slots=2)
+    on_gpu = plan(vol, budget_bytes=10**6, predict=cold, slots=2, gpu=GpuLimit(cold, 100_000))
+    assert on_cpu.probe and on_gpu.probe
+    assert max(c.elements for c in on_gpu.chunks) < max(c.elements for c in on_cpu.chunks)
+
+
 # ----------------------------------------------------------------------------- a real cluster, a fake GPU
 
 
 @pytest.mark.cluster
 @pytest.mark.server
 @pytest.mark.usefixtures("prefect_server")
-def test_a_map_on_the_gpu_splits_what_the_gpu_cannot_hold_and_learns_its_memory_apart(segy_dir, tmp_path,
-                                                                                     monkeypatch):
-    """envelope of a real SEG-Y file on 2 workers whose (fake) GPUs hold 256 KiB: the runner plans by host
-    memory, so its first chunks run out of GPU memory; they are split (never lost) until they fit, the result
-    equals the CPU's, and every run is stored under the ``|cuda`` key with its GPU peak."""
-    capacity = 256 << 10
+def test_a_map_on_the_gpu_learns_its_gpu_memory_cold_and_runs_warm_within_the_gpu_budget(segy_dir, tmp_path,
+                                                                                         monkeypatch):
+    """envelope of a real SEG-Y file on 2 workers whose (fake) GPUs hold 1 MiB, twice on one store.
+
+    Cold, nothing is known of its GPU memory: it probes with chunks sized for the smaller of the two budgets,
+    and every run is stored under the ``|cuda`` key with its GPU peak and the GPU budget read from the workers
+    (0.9 of the free device memory). Warm, the GPU model learned from those runs plans chunks that fit the GPU
+    budget as well as the host's: no out-of-memory at all. Both results equal the CPU's."""
+    # The fake device's figure is everything the worker process allocated while the task ran (tracemalloc is
+    # process-wide: Prefect's and Dask's threads too), up to ~300 KiB beside envelope's own ~20 KiB here.
+    capacity = 1 << 20
     monkeypatch.setenv(dev.FAKE_GPU_ENV, str(capacity))  # before the cluster starts: its workers inherit it
     source = segy_dir / "f3.sgy"
     store = tmp_path / "store.sqlite"
     cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    results = []
     try:
-        runner = MemoryAwareRunner(address=cluster.scheduler_address, store=store, output_dir=tmp_path / "out",
-                                   device="cuda", progress=False)
+        for run in ("cold", "warm"):
+            runner = MemoryAwareRunner(address=cluster.scheduler_address, store=store,
+                                       output_dir=tmp_path / run, device="cuda", progress=False)
 
-        @flow(task_runner=runner)
-        def envelope_on_gpu(path: str):
-            return tasks.envelope.map(chunked(path)).result()
+            @flow(task_runner=runner)
+            def envelope_on_gpu(path: str):
+                return tasks.envelope.map(chunked(path)).result()
 
-        result = envelope_on_gpu(str(source))
+            started = time.time()
+            results.append((envelope_on_gpu(str(source)), started))
     finally:
         cluster.close()
-    np.testing.assert_array_equal(result.values, tasks.envelope.fn(open_segy(source).values))
+    expected = tasks.envelope.fn(open_segy(source).values)
     with Store(store) as s:
         rows = s.observations()
     assert {r.operator_key for r in rows} == {"envelope|float32|cuda"}
-    ok = [r for r in rows if r.outcome == "ok"]
-    ran_out = [r for r in rows if r.outcome == "memory_error"]
-    assert ran_out and all(r.censored and r.gpu_peak_bytes > capacity for r in ran_out)
-    assert ok and all(r.gpu_peak_bytes is not None and 0 < r.gpu_peak_bytes <= capacity for r in ok)
-    assert sum(int(np.prod(dev_chunk_shape(r.chunk))) for r in ok) == int(np.prod(result.shape)), \
-        "the chunks that finished cover the volume once"
+    budget = int(0.9 * capacity)  # one thread per worker, nothing held on a fake device
+    assert {r.gpu_budget_bytes for r in rows} == {budget}
+    (cold, _), (warm, warm_started) = results
+    for result in (cold, warm):
+        np.testing.assert_array_equal(result.values, expected)
+    first = [r for r in rows if r.created_at < warm_started]
+    second = [r for r in rows if r.created_at >= warm_started]
+    for runs in (first, second):
+        ok = [r for r in runs if r.outcome == "ok"]
+        assert ok and all(r.gpu_peak_bytes is not None and 0 < r.gpu_peak_bytes <= capacity for r in ok)
+        assert sum(int(np.prod(dev_chunk_shape(r.chunk))) for r in ok) == int(np.prod(expected.shape)), \
+            "the chunks that finished cover the volume once"
+    assert [r.outcome for r in second if r.outcome != "ok"] == [], "warm, the GPU budget is planned for"
+
+
+@pytest.mark.cluster
+def test_chunks_that_run_out_of_gpu_memory_are_split_never_lost_and_the_next_run_plans_around_them(segy_dir, tmp_path,
+                                                                                                monkeypatch):
+    """memory_hog holding 300x its input on the (fake) GPU of 2 workers, twice on one store: 300x is beyond the
+    100x cold probes assume, so the first run's probes run out of GPU memory; they are split until they fit,
+    their censored GPU peaks are stored as GPU out-of-memory, and the output is complete and exact. The second
+    run plans from the GPU model and runs out of nothing."""
+    from memchunk_prefect.testing import memory_hog
+
+    capacity = 2 << 20
+    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(capacity))
+    source = segy_dir / "f3.sgy"
+    store = tmp_path / "store.sqlite"
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    results = []
+    try:
+        for run in ("cold", "warm"):
+            runner = MemoryAwareRunner(address=cluster.scheduler_address, store=store,
+                                       output_dir=tmp_path / run, device="cuda", progress=False)
+
+            @flow(task_runner=runner)
+            def hog_on_gpu(path: str):
+                return memory_hog.map(chunked(path), multiple=300.0).result()
+
+            started = time.time()
+            results.append((hog_on_gpu(str(source)), started))
+    finally:
+        cluster.close()
+    expected = open_segy(source).values
+    for result, _ in results:
+        np.testing.assert_array_equal(result.values, expected)
+    with Store(store) as s:
+        rows = s.observations()
+    warm_started = results[1][1]
+    first = [r for r in rows if r.created_at < warm_started]
+    second = [r for r in rows if r.created_at >= warm_started]
+    ran_out = [r for r in first if r.outcome == "memory_error"]
+    assert ran_out, "300x the input is beyond what cold probes assume: some must have run out"
+    assert all(r.censored and r.gpu_out_of_memory and r.gpu_peak_bytes > capacity for r in ran_out)
+    # Warm, plans fit the GPU budget (0.9 of the device) by the model's bound; the learned policy may plan
+    # near that bound, so a run may pass the budget by a little, never the device.
+    assert [r.outcome for r in second if r.outcome != "ok"] == []
+    assert max(r.gpu_peak_bytes for r in second) <= capacity
+    for runs in (first, second):
+        ok = [r for r in runs if r.outcome == "ok"]
+        assert sum(int(np.prod(dev_chunk_shape(r.chunk))) for r in ok) == int(np.prod(expected.shape))
 
 
 def dev_chunk_shape(key: str) -> tuple[int, int, int]:

@@ -909,3 +909,52 @@ def test_the_map_log_keeps_how_close_the_model_was_at_the_chunks_it_ran():
     summary = log.summary(operator="op", operator_key=KEY, chunks=[], output="/out.zarr")
     assert summary["bound_over_peak"] == pytest.approx(1.2) and summary["mean_error"] == pytest.approx(0.0)
     assert len(log.predicted) == 2
+
+
+# =========================================================================== a map on the GPU: two budgets
+
+
+@dataclass
+class OnGpu(Linear):
+    """A fake model of a map on the GPU: host memory as :class:`Linear`, GPU memory ``gpu_per_element`` per
+    element held (bound 20% above), ready like the host's."""
+
+    gpu_per_element: float = 400.0
+
+    def predict_gpu(self, extents):
+        mean = self.gpu_per_element * math.prod(extents)
+        return Prediction(mean, 1.2 * mean, 10, self.ready, "gpu")
+
+
+def test_a_map_on_the_gpu_plans_chunks_that_fit_the_gpu_budget_as_well_as_the_hosts():
+    # 64 x 8 x 10: the host (120 B bound per element) fits one chunk of the whole in 1 MiB; the GPU (480 B per
+    # element) in 200 KiB fits at most 426 elements, so the GPU budget is what cuts.
+    m = machine((64, 8, 10), knowledge=OnGpu(), max_counts=64)
+    first, submitted = started(m, slots=2, budget=MiB, gpu_budget_bytes=200 * 1024)
+    (d,) = of(Decided, first)
+    assert d.record.decision == "rechunk"
+    gpu_bounds = [480 * math.prod(s.read_extents) for s in of(Submit, submitted)]
+    assert gpu_bounds and max(gpu_bounds) <= 200 * 1024
+    # The same map on the CPU (no GPU budget): the host's budget alone, fewer chunks.
+    cpu = machine((64, 8, 10), knowledge=OnGpu(), max_counts=64)
+    (c,) = of(Decided, started(cpu, slots=2, budget=MiB)[0])
+    assert c.record.n_chunks < d.record.n_chunks
+
+
+def test_a_gpu_too_small_for_one_trace_fails_the_map_saying_so_and_what_to_do():
+    m = machine((4, 4, 10), knowledge=OnGpu(gpu_per_element=1e6))  # one trace: 12 MB bound of GPU memory
+    first, _ = started(m, slots=1, budget=10 * MiB, gpu_budget_bytes=MiB)
+    (fail,) = of(Fail, first)
+    assert isinstance(fail.error, BudgetTooSmallError)
+    text = str(fail.error)
+    assert "of GPU memory" in text and "GPU budget of 1.0 MiB" in text and "device='cpu'" in text, text
+
+
+def test_a_gpu_out_of_memory_is_recorded_as_one_of_the_gpu_even_when_its_worker_sent_no_record():
+    m = machine((4, 4, 10), knowledge=OnGpu(gpu_per_element=1.0))
+    _, submitted = started(m, slots=1, budget=10 * MiB, gpu_budget_bytes=MiB)
+    sid = of(Submit, submitted)[0].id
+    out = m.handle(ChunkOutOfMemory(sid, None, gpu=True))
+    (rec,) = of(Record, out)
+    assert rec.observation.gpu_out_of_memory and rec.observation.outcome == MEMORY_ERROR
+    assert rec.observation.gpu_budget_bytes == MiB
