@@ -84,7 +84,7 @@ from . import cluster as _cluster
 from . import policy
 from .chunks import Chunk, Shape, normalize_halo
 from .cluster import WorkerMemory
-from .device import GpuStatus, check_device, gpu_status, resolve_for_workers
+from .device import AUTO, CUDA, GpuStatus, check_device, gpu_status, resolve_for_workers
 from .errors import (
     BudgetError,
     EnergyInputError,
@@ -96,6 +96,7 @@ from .errors import (
 )
 from .executor import ChunkedMap, MapInterrupted
 from .observe import MapLog, MapObserver
+from .pinning import local_gpu_cluster, visible_devices
 from .records import Observation
 from .settings import RUNNER_SETTINGS, PolicySettings
 from .units import parse_bytes as _parse_bytes
@@ -408,8 +409,11 @@ class MemoryAwareRunner(DaskTaskRunner):
                 "submissions (prefect-dask #17754). Pass `address=cluster.scheduler_address` instead, or "
                 "`cluster_class` and `cluster_kwargs`"
             )
+        device = None if device is None else check_device(device)
         if address is None and cluster_class is None and not cluster_kwargs:
-            cluster_kwargs = _default_cluster_kwargs()
+            # On the GPU, one single-thread worker per GPU (each plans for its own GPU's memory); else one per core.
+            gpus = visible_devices() if device in (CUDA, AUTO) else []
+            cluster_class, cluster_kwargs = local_gpu_cluster(gpus) if gpus else (None, _default_cluster_kwargs())
         allow_slow_first_start()
         _fail_fast_without_a_database()
         super().__init__(address=address, cluster_class=cluster_class, cluster_kwargs=cluster_kwargs,
@@ -448,7 +452,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         self.policy = policy
         # The device of operators that take one (a `device` parameter) and were not given it: None leaves each
         # operator's own default (the CPU); "auto" runs them on the GPU where every worker has one.
-        self.device = None if device is None else check_device(device)
+        self.device = device
         self._worker_gpus: dict[str, GpuStatus] | None = None
         self.observers = tuple(observers)
         self.progress = bool(progress)

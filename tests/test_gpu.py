@@ -398,6 +398,71 @@ def test_the_runner_asks_the_workers_which_device_a_map_runs_on(no_fake, tmp_pat
         cluster.close()
 
 
+# ----------------------------------------------------------------------------- one worker per GPU
+
+
+@pytest.mark.parametrize("env, nvml, expected", [
+    ({"CUDA_VISIBLE_DEVICES": "2,3"}, 8, ["2", "3"]),  # what the process was given, not all NVML sees
+    ({"CUDA_VISIBLE_DEVICES": "GPU-8d1f,GPU-77aa"}, 2, ["GPU-8d1f", "GPU-77aa"]),  # UUIDs pass through
+    ({"CUDA_VISIBLE_DEVICES": ""}, 8, []),
+    ({"CUDA_VISIBLE_DEVICES": "-1"}, 8, []),
+    ({}, 4, ["0", "1", "2", "3"]),
+    ({}, 0, []),
+    ({dev.FAKE_GPU_ENV: "1048576"}, 0, ["0"]),
+], ids=["given", "uuids", "hidden", "minus-one", "nvml", "none", "fake"])
+def test_the_gpus_a_local_cluster_is_laid_out_on(env, nvml, expected):
+    from memchunk_prefect.pinning import visible_devices
+
+    assert visible_devices(env, nvml_count=lambda: nvml) == expected
+
+
+def test_each_local_worker_is_pinned_to_one_gpu_by_its_name():
+    from memchunk_prefect.pinning import device_for
+
+    assert [device_for(n, ["5", "7"]) for n in (0, "1", 2)] == ["5", "7", "5"]
+    assert device_for("tcp://10.0.0.3:4000", ["5"]) is None and device_for(0, []) is None
+
+
+def test_without_dask_cuda_the_runner_starts_one_single_thread_worker_per_gpu(monkeypatch):
+    import builtins
+
+    from memchunk_prefect.pinning import PRELOAD
+
+    real_import = builtins.__import__
+
+    def no_dask_cuda(name, *args, **kwargs):
+        if name == "dask_cuda":
+            raise ImportError("No module named 'dask_cuda'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_dask_cuda)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    on_gpu = MemoryAwareRunner(device="cuda")
+    assert on_gpu.cluster_class is None or "LocalCluster" in str(on_gpu.cluster_class)
+    assert on_gpu.cluster_kwargs["n_workers"] == 2 and on_gpu.cluster_kwargs["threads_per_worker"] == 1
+    assert on_gpu.cluster_kwargs["preload"] == [PRELOAD]
+    assert MemoryAwareRunner(device="cpu").cluster_kwargs.get("preload") is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert MemoryAwareRunner(device="auto").cluster_kwargs.get("preload") is None, "no GPU: one worker per core"
+
+
+@pytest.mark.cluster
+def test_the_preload_pins_each_real_worker_to_its_own_gpu(monkeypatch):
+    """Real worker processes started with the runner's GPU layout: each sees only its own GPU."""
+    import os
+
+    from distributed import Client, LocalCluster
+
+    from memchunk_prefect.pinning import PRELOAD
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")  # inherited by the workers, as the flow's own would be
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, preload=[PRELOAD], memory_limit="512MiB",
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        seen = client.run(lambda: os.environ.get("CUDA_VISIBLE_DEVICES"))
+        names = client.run(lambda dask_worker: str(dask_worker.name))
+    assert {names[a]: v for a, v in seen.items()} == {"0": "5", "1": "7"}
+
+
 # ----------------------------------------------------------------------------- a real GPU
 
 
