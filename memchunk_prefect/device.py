@@ -65,7 +65,8 @@ from .errors import DeviceError, format_bytes
 
 __all__ = ["CPU", "CUDA", "AUTO", "DEVICES", "FAKE_GPU_ENV", "EIGH_BATCH", "INSTALL_HINT", "Backend", "GpuUse",
            "GpuStatus", "FakeGpuOutOfMemoryError", "check_device", "gpu_status", "resolve_device",
-           "resolve_for_workers", "backend", "is_gpu_out_of_memory"]
+           "resolve_for_workers", "backend", "is_gpu_out_of_memory", "is_gpu_context_error", "STICKY_CUDA_ERRORS",
+           "FakeGpuContextError"]
 
 CPU, CUDA, AUTO = "cpu", "cuda", "auto"
 DEVICES = (CPU, CUDA, AUTO)
@@ -199,6 +200,34 @@ class GpuUse:
 
 class FakeGpuOutOfMemoryError(MemoryError):
     """The fake device's out-of-memory (see the module docstring), worded as CuPy's ``OutOfMemoryError``."""
+
+
+#: CUDA error codes (the runtime's ``cudaError_t`` and the driver's ``CUresult`` agree on these) after which the
+#: process's CUDA context is unusable: every later call fails the same way until the process exits (CUDA
+#: Runtime API, "Error Handling": "sticky" errors). 214 ECC uncorrectable, 700 illegal address, 702 launch
+#: timeout, 709 context destroyed, 710 device-side assert, 714-718 hardware stack / illegal instruction /
+#: misaligned address / invalid address space / invalid PC, 719 launch failure.
+STICKY_CUDA_ERRORS = frozenset({214, 700, 702, 709, 710, 714, 715, 716, 717, 718, 719})
+
+
+class FakeGpuContextError(RuntimeError):
+    """The fake device's stand-in for a CUDA error that breaks the context (CuPy raises ``CUDARuntimeError`` /
+    ``CUDADriverError`` with a ``status`` code), for the tests of what follows one."""
+
+    def __init__(self, message: str, status: int = 700):
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self):
+        return (FakeGpuContextError, (self.args[0], self.status))
+
+
+def is_gpu_context_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is a CUDA error that leaves this process's CUDA context unusable (a code in
+    :data:`STICKY_CUDA_ERRORS`, from CuPy's runtime or driver API, or the fake's): only a new process recovers.
+    Told by name, so CuPy is not imported to ask."""
+    return (type(exc).__name__ in ("CUDARuntimeError", "CUDADriverError", "FakeGpuContextError")
+            and getattr(exc, "status", None) in STICKY_CUDA_ERRORS)
 
 
 def is_gpu_out_of_memory(exc: BaseException) -> bool:

@@ -157,6 +157,20 @@ class ChunkMemoryError(MemchunkError, MemoryError):
         return (ChunkMemoryError, (self.args[0], self.observation, self.gpu))
 
 
+class GpuContextError(MemchunkError, RuntimeError):
+    """A chunk's task hit a CUDA error that leaves its worker's CUDA context unusable (an illegal address, a
+    device-side assert, a launch failure...): only a new worker process recovers. Raised on the worker, naming
+    it (``worker``, its address); the runner restarts that worker and runs the chunk once more, and fails the map
+    with this error when the same chunk does it again or restarts pass their limit. Pickles with ``worker``."""
+
+    def __init__(self, message: str, worker: str = ""):
+        super().__init__(message)
+        self.worker = worker
+
+    def __reduce__(self):
+        return (GpuContextError, (self.args[0], self.worker))
+
+
 class RunnerConfigError(MemchunkError, ValueError):
     """MemoryAwareRunner was given arguments that conflict or make no sense."""
 

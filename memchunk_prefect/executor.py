@@ -41,7 +41,7 @@ from . import taskruns
 from .chunks import Chunk, Shape, with_halo
 from .device import CUDA
 from .energy import ESTIMATE, estimate_joules
-from .errors import MemchunkError, UpstreamMapError
+from .errors import GpuContextError, MemchunkError, UpstreamMapError
 from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
 from .machine import (
     Cancel,
@@ -54,6 +54,7 @@ from .machine import (
     Event,
     Fail,
     Finalize,
+    GpuContextLost,
     Instruction,
     MapMachine,
     MapSpec,
@@ -63,6 +64,7 @@ from .machine import (
     ReadPauses,
     Record,
     RecoverMarkers,
+    RestartWorker,
     Rewarded,
     SlotsChanged,
     Start,
@@ -325,6 +327,8 @@ class ChunkedMap:
             obs = getattr(raised, "observation", None)
             return ChunkOutOfMemory(sid, self.observed(obs) if obs else None, at=time.time(),
                                     gpu=bool(getattr(raised, "gpu", False)))
+        if isinstance(raised, GpuContextError):
+            return GpuContextLost(sid, raised.worker, raised, at=time.time())
         if isinstance(raised, BaseException):  # any other failure is the operator's own: stop and say which chunk
             return ChunkFailed(sid, raised, at=time.time())
         label = self.machine.in_flight[sid].chunk.label(self.shape)  # type: ignore[union-attr]
@@ -421,6 +425,8 @@ class ChunkedMap:
             self.rewarded(ins.reward)
         elif isinstance(ins, ReadPauses):
             return self.read_pauses(ins.since, ins.until)
+        elif isinstance(ins, RestartWorker):
+            self.restart_worker(ins)
         elif isinstance(ins, Stopped):
             with contextlib.suppress(BaseException):
                 logger.warning("%s: stopped early (%s); %d chunks are marked written in %s (kept: a rerun resumes "
@@ -430,6 +436,19 @@ class ChunkedMap:
         else:  # pragma: no cover - a new instruction type without an executor
             raise MemchunkError(f"internal: no executor for {ins!r}")
         return None
+
+    def restart_worker(self, ins: RestartWorker) -> None:
+        """Restart a worker whose GPU context is unusable (its nanny starts a new process), and say so."""
+        msg = f"restarting worker {ins.address}: {ins.reason}"
+        logger.warning("%s: %s", self.name, msg)
+        _flow_logger().warning("memchunk %s: %s", self.name, msg)
+        try:
+            self.runner.client.restart_workers([ins.address], timeout=RUNNER_SETTINGS.worker_restart_seconds)
+        except Exception as exc:  # noqa: BLE001 - gone already (its chunk is requeued), or no nanny to restart it
+            raise GpuContextError(
+                f"{self.name}: worker {ins.address} has an unusable GPU context and could not be restarted "
+                f"({type(exc).__name__}: {exc}). Restart it (or its cluster) and rerun: the chunks written are kept",
+                ins.address) from exc
 
     def submit(self, ins: Submit) -> None:
         job = BlockJob(source=self.source, chunk=ins.chunk, halo=self.halo, volume_shape=self.shape,

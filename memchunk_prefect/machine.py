@@ -68,7 +68,14 @@ from typing import Any, Iterable, Iterator, Protocol, Union
 from . import bandit, policy
 from .bandit import ArmChoice
 from .chunks import Chunk, Shape, covers, uncovered_boxes, with_halo
-from .errors import ChunkOutOfMemoryError, ClusterLostError, MemchunkError, MemoryNotChunkSizeError, format_bytes
+from .errors import (
+    ChunkOutOfMemoryError,
+    ClusterLostError,
+    GpuContextError,
+    MemchunkError,
+    MemoryNotChunkSizeError,
+    format_bytes,
+)
 from .policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
 from .records import Observation, Pause, Prediction, Reward, paused_within
 from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
@@ -206,6 +213,17 @@ class ChunkFailed:
 
 
 @dataclass(frozen=True)
+class GpuContextLost:
+    """Submission ``id`` hit a CUDA error that left its worker's GPU context unusable (``error``, a
+    :class:`~memchunk_prefect.errors.GpuContextError`); ``worker``: that worker's address."""
+
+    id: int
+    worker: str
+    error: BaseException
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
 class WorkerDied:
     """The worker running submission ``id`` died (``KilledWorker``).
 
@@ -285,7 +303,7 @@ class UpstreamWritten:
 
 
 Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
-              PausesRead, SlotsChanged, UpstreamWritten]
+              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost]
 
 
 # =========================================================================== instructions (what to do)
@@ -408,6 +426,14 @@ class MarkRuns:
 
 
 @dataclass(frozen=True)
+class RestartWorker:
+    """Restart the worker at ``address`` (a new process: a new CUDA context); ``reason`` in words, for the log."""
+
+    address: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Cancel:
     """Cancel these submissions on the cluster."""
 
@@ -459,7 +485,7 @@ class Rewarded:
 
 
 Instruction = Union[Decided, Submit, Record, ChunkEnded, MarkRuns, Cancel, RecoverMarkers, Fail, Rewarded, Finalize,
-                    ReadPauses, Stopped]
+                    ReadPauses, Stopped, RestartWorker]
 
 
 # =========================================================================== the machine
@@ -473,6 +499,7 @@ class Pending:
     decision: str
     attempt: int = 0
     armed: bool = False  # planned under the map's learned-policy arm (its outcome counts in the reward)
+    restarted: int = 0  # times it broke its worker's GPU context, each followed by a restart of that worker
 
 
 class Gate:
@@ -615,6 +642,7 @@ class MapMachine:
     probe_peak: int = 0  # the largest peak (bytes) a probe of the last wave measured
     region_reason: str = "after probing: "
     deaths: int = 0  # worker deaths seen (their task runs are settled at the end)
+    gpu_restarts: int = 0  # workers restarted for a broken GPU context (GpuContextLost)
     next_id: int = 0
     arm: ArmChoice | None = None  # the learned policy's arm, once the first real plan is made
     arm_started: float | None = None  # first submission of a chunk planned under the arm
@@ -863,6 +891,24 @@ class MapMachine:
         obs = self._flow_observation(item, "error", 0, ev.at)
         self.queue.push_front([Pending(item.chunk, item.decision, item.attempt + 1, item.armed)])
         return out + [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at)]
+
+    def _on_gpu_context_lost(self, ev: GpuContextLost) -> list[Instruction]:
+        """Restart the worker and run the chunk once more; a chunk that breaks a context twice, or a map whose
+        restarts reach ``settings.gpu_context_restarts``, fails with the error (never retried without end)."""
+        item = self._get(ev.id)  # stays in flight when failing: Stop settles its task run
+        if item.restarted >= 1 or self.gpu_restarts >= self.settings.gpu_context_restarts:
+            why = ("it did so again after its worker was restarted" if item.restarted
+                   else f"this map has restarted {self.gpu_restarts} worker(s) for it already "
+                        f"(gpu_context_restarts={self.settings.gpu_context_restarts})")
+            err = GpuContextError(f"{ev.error} — not retried: {why}", getattr(ev.error, "worker", ev.worker))
+            err.__cause__ = ev.error
+            return self._fail(err)
+        del self.in_flight[ev.id]
+        self.gpu_restarts += 1
+        obs = self._flow_observation(item, "error", 0, ev.at)
+        self.queue.push_front([dataclasses.replace(item, attempt=item.attempt + 1, restarted=item.restarted + 1)])
+        return [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at),
+                RestartWorker(ev.worker, f"{self.spec.name(item.chunk)} broke its GPU context: {ev.error}")]
 
     def _on_cluster_lost(self, ev: ClusterLost) -> list[Instruction]:
         item = self._get(ev.id)  # stays in flight: Stop marks its task run
@@ -1276,6 +1322,7 @@ _HANDLERS: dict[type, Any] = {
     ChunkOutOfMemory: MapMachine._on_out_of_memory,
     ChunkFailed: MapMachine._on_failed,
     WorkerDied: MapMachine._on_worker_died,
+    GpuContextLost: MapMachine._on_gpu_context_lost,
     ClusterLost: MapMachine._on_cluster_lost,
     MarkersRecovered: MapMachine._on_markers,
     Stop: MapMachine._on_stop,
@@ -1289,6 +1336,7 @@ __all__ = [
     "Start", "ChunkDone", "ChunkOutOfMemory", "ChunkFailed", "WorkerDied", "ClusterLost", "MarkersRecovered", "Stop",
     "PausesRead", "ReadPauses", "SlotsChanged", "UpstreamWritten", "Gate",
     "Decided", "DecisionRecord", "Submit", "Record", "ChunkEnded", "MarkRuns", "Cancel", "RecoverMarkers", "Fail",
-    "Rewarded", "Finalize", "Stopped", "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER",
+    "Rewarded", "Finalize", "Stopped", "GpuContextLost", "RestartWorker",
+    "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER",
     "RESUME", "RESTART", "OK", "MEMORY_ERROR", "KILLED", "LOST",
 ]

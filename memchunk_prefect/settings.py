@@ -75,6 +75,10 @@ class PolicySettings:
       the map stops with ``MemoryNotChunkSizeError`` instead of splitting on
       (seen on a 16-core machine under an address-space limit: BLAS thread
       pools took the allowance and chunks failed down to 3 x 3 traces).
+    - ``gpu_context_restarts``: workers one map may restart after a CUDA error
+      left their GPU context unusable (each such chunk runs once more on the
+      restarted worker; a chunk that breaks a context twice fails the map at once):
+      past it the map stops with ``GpuContextError``, never retrying without end.
     - ``many_chunks``: a plan of at least this many chunks whose estimated
       per-task bookkeeping (``per_task_overhead_seconds`` each, over the slots)
       is at least half its estimated time is logged as a warning naming the
@@ -122,6 +126,7 @@ class PolicySettings:
     in_flight_per_slot: int = 2
     memory_kill_fraction: float = 0.5
     memory_error_splits: int = 4
+    gpu_context_restarts: int = 2
     many_chunks: int = 1000
     time_window: int = 20
     learned_policy: bool = True
@@ -189,6 +194,8 @@ class RunnerSettings:
     - ``report_wait_seconds``: at the end of a flow run, how long the runner waits for
       the artifact calls its maps' reports left to their writer's thread (one round
       trip to the Prefect API each) before leaving them behind with a warning.
+    - ``worker_restart_seconds``: how long a map waits for a worker it restarts (its GPU
+      context broken by a CUDA error) to come back.
     """
 
     workers_wait_seconds: float = 60.0
@@ -201,6 +208,7 @@ class RunnerSettings:
     slots_poll_seconds: float = 2.0
     store_keep_per_key: int = 5000
     report_wait_seconds: float = 30.0
+    worker_restart_seconds: float = 120.0
 
 
 RUNNER_SETTINGS = RunnerSettings()

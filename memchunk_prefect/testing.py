@@ -56,6 +56,30 @@ def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds
     return out
 
 
+@operator(halo=0, whole_traces=True)
+def breaks_gpu_context(block, marker: str = "", always: bool = False, device: str = "cpu"):
+    """Return a copy of ``block``, raising the fake device's context-breaking CUDA error
+    (:class:`~memchunk_prefect.device.FakeGpuContextError`) instead in the first chunk to run (the one that
+    creates the file ``marker``), or in every chunk with ``always``. For the tests of the runner's worker
+    restart; it breaks nothing (the fake device has no context)."""
+    import os
+
+    from .device import FakeGpuContextError
+
+    backend(device)
+    first = False
+    if not always:
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # atomic: one chunk wins
+            first = True
+        except FileExistsError:
+            pass
+    if always or first:
+        raise FakeGpuContextError("CUDARuntimeError: cudaErrorIllegalAddress: an illegal memory access was "
+                                  "encountered (fake)", 700)
+    return np.array(block, dtype=np.float32, copy=True)
+
+
 def seed_store(store, key: str, bytes_per_element: float, *, sizes=(20_000, 50_000, 100_000, 200_000, 400_000),
                fixed_bytes: int = 0, traces_of: int = 100) -> None:
     """Add one observation per size claiming ``fixed_bytes + bytes_per_element x elements``."""

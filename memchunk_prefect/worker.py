@@ -28,8 +28,8 @@ import numpy as np
 from distributed import get_worker
 
 from .chunks import Chunk, Shape, with_halo
-from .device import CUDA, GpuUse, backend, is_gpu_out_of_memory
-from .errors import ChunkMemoryError, OutputWriteError, RunnerConfigError, VolumeError, format_bytes
+from .device import CUDA, GpuUse, backend, is_gpu_context_error, is_gpu_out_of_memory
+from .errors import ChunkMemoryError, GpuContextError, OutputWriteError, RunnerConfigError, VolumeError, format_bytes
 from .monitor import default_monitor
 from .records import Observation
 from .settings import DTYPE, ITEMSIZE
@@ -174,6 +174,15 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
         raise ChunkMemoryError(
             f"{job.operator}[{job.label}] ran out of memory {reached} ({budget}): {exc!r}", obs.to_dict(),
             gpu=is_gpu_out_of_memory(exc)) from exc
+    except Exception as exc:
+        if not is_gpu_context_error(exc):
+            raise
+        raise GpuContextError(
+            f"{job.operator}[{job.label}] hit a CUDA error that leaves the GPU context of worker {base['worker']} "
+            f"unusable ({exc!r}): that worker is restarted and the chunk run once more. If it happens again, "
+            "the operator or its input makes the GPU fault (run it with device='cpu' to see its own error), or "
+            "the GPU is failing (nvidia-smi -q: ECC errors, Xid messages in the system log)",
+            worker=base["worker"]) from exc
     assert run.measurement is not None  # set when the track() block exits
     fields = run.measurement.observation_fields()
     if gpu.peak_bytes is not None:

@@ -9,6 +9,8 @@ without one, saying so.
 
 from __future__ import annotations
 
+import os
+import pickle
 import time
 
 import numpy as np
@@ -394,6 +396,58 @@ def test_the_runner_asks_the_workers_which_device_a_map_runs_on(no_fake, tmp_pat
             assert runner.map_device("auto") == "cpu" and runner.map_device("cpu") == "cpu"
             with pytest.raises(DeviceError, match=r"1 of 1 worker\(s\) have no usable GPU"):
                 runner.map_device("cuda")
+    finally:
+        cluster.close()
+
+
+def test_only_cuda_errors_that_leave_the_context_unusable_are_told_apart():
+    class CUDARuntimeError(RuntimeError):  # CuPy's class, by name (CuPy is not imported to ask)
+        def __init__(self, status):
+            super().__init__(f"status {status}")
+            self.status = status
+
+    assert dev.is_gpu_context_error(CUDARuntimeError(700)) and dev.is_gpu_context_error(CUDARuntimeError(719))
+    assert not dev.is_gpu_context_error(CUDARuntimeError(2)), "cudaErrorMemoryAllocation: the context survives"
+    assert not dev.is_gpu_context_error(RuntimeError("illegal address")), "another library's error is its own"
+    fake = dev.FakeGpuContextError("boom")
+    assert dev.is_gpu_context_error(fake) and dev.is_gpu_context_error(pickle.loads(pickle.dumps(fake)))
+    from memchunk_prefect.errors import GpuContextError
+
+    err = pickle.loads(pickle.dumps(GpuContextError("op[x] hit it", "tcp://w:1")))
+    assert (str(err), err.worker) == ("op[x] hit it", "tcp://w:1")
+
+
+@pytest.mark.cluster
+def test_a_cuda_error_that_breaks_a_workers_context_restarts_that_worker_and_loses_nothing(segy_dir, tmp_path,
+                                                                                          monkeypatch):
+    """The first chunk raises a context-breaking CUDA error (the fake's, status 700) on a real cluster: the
+    worker that ran it is restarted (a new process), the chunk runs once more, the output is complete and
+    exact. An operator that does it in every chunk fails the map with GpuContextError, not a loop."""
+    from distributed import Client
+
+    from memchunk_prefect.errors import GpuContextError
+    from memchunk_prefect.testing import breaks_gpu_context
+
+    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(64 << 20))
+    source = segy_dir / "f3.sgy"
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    try:
+        with Client(cluster.scheduler_address) as client:
+            pids_before = set(client.run(os.getpid).values())
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, store=tmp_path / "s.sqlite",
+                                   output_dir=tmp_path / "out", device="cuda", progress=False)
+
+        @flow(task_runner=runner)
+        def breaking(path: str, marker: str, always: bool):
+            return breaks_gpu_context.map(chunked(path), marker=marker, always=always).result()
+
+        result = breaking(str(source), str(tmp_path / "broken-once"), False)
+        with Client(cluster.scheduler_address) as client:
+            pids_after = set(client.run(os.getpid).values())
+        assert len(pids_after - pids_before) == 1, "exactly the worker that ran the chunk is a new process"
+        np.testing.assert_array_equal(result.values, open_segy(source).values)
+        with pytest.raises(GpuContextError, match="not retried"):
+            breaking(str(source), str(tmp_path / "unused"), True)
     finally:
         cluster.close()
 

@@ -958,3 +958,42 @@ def test_a_gpu_out_of_memory_is_recorded_as_one_of_the_gpu_even_when_its_worker_
     (rec,) = of(Record, out)
     assert rec.observation.gpu_out_of_memory and rec.observation.outcome == MEMORY_ERROR
     assert rec.observation.gpu_budget_bytes == MiB
+
+
+# =========================================================================== a GPU context broken by a CUDA error
+
+
+def test_a_chunk_that_breaks_its_workers_gpu_context_restarts_that_worker_and_runs_once_more():
+    from memchunk_prefect.errors import GpuContextError
+    from memchunk_prefect.machine import GpuContextLost, RestartWorker
+
+    m = machine((4, 4, 10), knowledge=OnGpu(gpu_per_element=1.0))
+    _, submitted = started(m, slots=1, budget=10 * MiB, gpu_budget_bytes=MiB)
+    first = of(Submit, submitted)[0]
+    err = GpuContextError("op[...] hit a CUDA error", "tcp://w:1")
+    out = m.handle(GpuContextLost(first.id, "tcp://w:1", err))
+    (restart,) = of(RestartWorker, out)
+    assert restart.address == "tcp://w:1" and "broke its GPU context" in restart.reason
+    (ended,) = of(ChunkEnded, out)
+    assert ended.outcome == LOST and of(Record, out)[0].observation.outcome == "error", "nothing learned of memory"
+    again = [s for s in of(Submit, m.advance()) if s.chunk == first.chunk]
+    assert again, "the same chunk runs again, first"
+    # The same chunk breaking a context again fails the map with the error, saying why it is not retried.
+    (fail,) = of(Fail, m.handle(GpuContextLost(again[0].id, "tcp://w:2", GpuContextError("again", "tcp://w:2"))))
+    assert isinstance(fail.error, GpuContextError) and "again after its worker was restarted" in str(fail.error)
+
+
+def test_a_map_restarts_at_most_gpu_context_restarts_workers_then_fails():
+    from memchunk_prefect.errors import GpuContextError
+    from memchunk_prefect.machine import GpuContextLost, RestartWorker
+
+    m = machine((8, 8, 10), knowledge=OnGpu(gpu_per_element=1.0), gpu_context_restarts=2, max_counts=64)
+    _, submitted = started(m, slots=2, budget=4 * 1024, gpu_budget_bytes=MiB)
+    subs = of(Submit, submitted)
+    assert len(subs) >= 3
+    restarts = []
+    for s in subs[:2]:
+        restarts += of(RestartWorker, m.handle(GpuContextLost(s.id, "tcp://w:1", GpuContextError("x", "tcp://w:1"))))
+    assert len(restarts) == 2
+    (fail,) = of(Fail, m.handle(GpuContextLost(subs[2].id, "tcp://w:1", GpuContextError("x", "tcp://w:1"))))
+    assert "gpu_context_restarts=2" in str(fail.error)
