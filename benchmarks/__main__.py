@@ -197,6 +197,30 @@ def plot(result: dict, path: str) -> None:
     print(f"plot written to {path}")
 
 
+#: The block of the GPU section's per-operator comparison: (quick, full).
+GPU_SHAPES = ((32, 32, 200), (128, 128, 400))
+
+
+def gpu_section(quick: bool) -> dict:
+    """Every operator on the CPU and on the GPU side by side (``benchmarks.operator_memory --device both``: each
+    in a fresh process, seconds and memory multiples, the GPU's own peak beside the host's) where this machine
+    has a GPU work can run on (:func:`memchunk_prefect.pinning.usable_gpus`); ``{"skipped": why}`` elsewhere.
+    The strategies above run on the CPU either way."""
+    from benchmarks import operator_memory
+    from memchunk_prefect.pinning import usable_gpus
+
+    devices, found = usable_gpus()
+    print(f"GPU section: {found}" + ("" if devices else ": skipped, the operators run on the CPU only"), flush=True)
+    if not devices:
+        return {"skipped": found}
+    shape = GPU_SHAPES[0] if quick else GPU_SHAPES[1]
+    import tasks
+
+    rows = [operator_memory.run_in_subprocess(name, shape, device=device)
+            for name in tasks.OPERATORS for device in ("cpu", "cuda")]
+    return {"found": found, "shape": list(shape), "rows": rows}
+
+
 def run(cfg: Config, quick: bool, workdir: Path) -> dict:
     from benchmarks import strategies as st
     from flows.pipeline import DEFAULT_STEPS
@@ -253,10 +277,12 @@ def run(cfg: Config, quick: bool, workdir: Path) -> dict:
         quality = st.learning_quality(store, warm.to_dict())
     finally:
         bench.close()
+    gpu = gpu_section(quick)
     machine["loadavg_end"] = list(os.getloadavg())
     machine["memory_limit_bytes"] = bench.memory_limit
     strategies = [r.to_dict() for r in results]
     out = {
+        "gpu": gpu,
         "strategies": strategies,
         "overhead_ratio": round(overhead["overhead_ratio"], 4) if overhead else None,
         "overhead": overhead,
@@ -329,6 +355,15 @@ def main(argv: list[str] | None = None) -> int:
     for label, v in result["targets"].items():
         verdict = {True: "MET   ", False: "MISSED", None: "n/a   "}[v["met"]]
         print(f"  {verdict} {label}: {v['figure']}")
+    gpu = result["gpu"]
+    if gpu.get("rows"):
+        from benchmarks.operator_memory import format_table
+
+        print(f"\nevery operator on the CPU and on the GPU ({gpu['found']}), one {' x '.join(map(str, gpu['shape']))} "
+              "float32 block each, in a fresh process:")
+        print(format_table(gpu["rows"], markdown=False))
+    else:
+        print(f"\nGPU section skipped: {gpu['skipped']}")
     m = result["machine"]
     print(f"\n{m['cpus']} cpus, {m['memory_bytes'] / 2**30:.1f} GiB, load average at start "
           f"{m['loadavg_start'][0]:.2f}, at end {m['loadavg_end'][0]:.2f}; total {result['total_seconds']:.0f} s")

@@ -47,23 +47,40 @@ def _release_free_heap() -> None:
         pass
 
 
-def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED) -> dict[str, Any]:
-    """Measure one operator on a synthetic block in *this* process (call it in a fresh one)."""
+def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, device: str = "cpu") -> dict[str, Any]:
+    """Measure one operator on a synthetic block in *this* process (call it in a fresh one).
+
+    ``device="cuda"``: the operator computes on the GPU (or the fake device, :mod:`memchunk_prefect.device`);
+    its GPU peak above what the device held before (``Backend.track``) is measured beside the host's, and the
+    warm-up runs there too (CuPy's kernels compile and cuFFT plans are made on first use).
+    """
     import tasks
+    from memchunk_prefect.device import GpuUse, backend, resolve_device
     from memchunk_prefect.monitor import measure
     from memchunk_prefect.operators import operator_key
     from memchunk_prefect.segy import synthetic_volume
 
+    device = resolve_device(device)  # "cuda" without a usable GPU: DeviceError saying why
     op = tasks.OPERATORS[name]
     block = synthetic_volume(tuple(shape), seed)
-    op.fn(synthetic_volume((2, 2, min(int(shape[2]), 32)), seed))  # warm-up: one-time costs out of the peak
+    op.fn(synthetic_volume((2, 2, min(int(shape[2]), 32)), seed), device=device)  # warm-up: one-time costs out
     _release_free_heap()
-    result, m = measure(op.fn, block)
+    gpu = GpuUse()
+    if device == "cuda":
+        def call(b):
+            nonlocal gpu
+            with backend(device).track() as gpu:
+                return op.fn(b, device=device)
+    else:
+        def call(b):
+            return op.fn(b, device=device)
+    result, m = measure(call, block)
     if m.error is not None:
-        raise RuntimeError(f"{name} failed on a {tuple(shape)} block: {m.error}")
-    return {
+        raise RuntimeError(f"{name} failed on a {tuple(shape)} block on {device}: {m.error}")
+    row = {
         "operator": name,
-        "key": operator_key(op, {}, dtype=str(block.dtype)),
+        "device": device,
+        "key": operator_key(op, {}, dtype=str(block.dtype), device=device),
         "shape": list(block.shape),
         "input_bytes": int(block.nbytes),
         "output_bytes": int(result.nbytes),
@@ -72,34 +89,46 @@ def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED) 
         "seconds": m.seconds,
         "method": m.method,
     }
+    if gpu.peak_bytes is not None:
+        row.update(gpu_peak_bytes=int(gpu.peak_bytes), gpu_multiple=gpu.peak_bytes / block.nbytes,
+                   gpu_method=gpu.method)
+    return row
 
 
-def run_in_subprocess(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED) -> dict[str, Any]:
+def run_in_subprocess(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, device: str = "cpu") -> dict[str, Any]:
     """Measure one operator in a fresh interpreter; ``{"operator", "error"}`` if it failed."""
     cmd = [sys.executable, "-m", "benchmarks.operator_memory", "--child", name,
-           "--shape", *map(str, shape), "--seed", str(seed)]
+           "--shape", *map(str, shape), "--seed", str(seed), "--device", device]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS)
     except subprocess.TimeoutExpired:
-        return {"operator": name, "error": f"no result within {CHILD_TIMEOUT_SECONDS} s"}
+        return {"operator": name, "device": device, "error": f"no result within {CHILD_TIMEOUT_SECONDS} s"}
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"operator": name, "error": f"exit status {done.returncode}: {tail}"}
+        return {"operator": name, "device": device, "error": f"exit status {done.returncode}: {tail}"}
     return json.loads(lines[-1])
 
 
 def format_table(rows: list[dict[str, Any]], markdown: bool) -> str:
-    header = ["operator", "input MiB", "peak MiB", "multiple", "seconds"]
+    """One row per operator and device; GPU columns (the device's peak and multiple) when a row ran on one."""
+    on_gpu = any(r.get("device") == "cuda" for r in rows)
+    header = ["operator", *(["device"] if on_gpu else []), "input MiB", "peak MiB", "multiple", "seconds",
+              *(["GPU peak MiB", "GPU multiple"] if on_gpu else [])]
     body = []
     for r in rows:
+        dev = [r.get("device", "cpu")] if on_gpu else []
         if "error" in r:
-            body.append([r["operator"], "-", "-", "failed", r["error"]])
-        else:
-            body.append([r["operator"], f"{r['input_bytes'] / MIB:.1f}", f"{r['peak_bytes'] / MIB:.1f}",
-                         f"{r['multiple']:.1f}x", f"{r['seconds']:.2f}"])
+            body.append([r["operator"], *dev, "-", "-", "failed", r["error"], *(["-", "-"] if on_gpu else [])])
+            continue
+        gpu = ([f"{r['gpu_peak_bytes'] / MIB:.1f}", f"{r['gpu_multiple']:.1f}x"] if "gpu_peak_bytes" in r
+               else ["-", "-"]) if on_gpu else []
+        body.append([r["operator"], *dev, f"{r['input_bytes'] / MIB:.1f}", f"{r['peak_bytes'] / MIB:.1f}",
+                     f"{r['multiple']:.1f}x", f"{r['seconds']:.2f}", *gpu])
     if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] + ["---:"] * 4) + "|"]
+        left = 2 if on_gpu else 1  # the operator (and device) columns read left-aligned
+        rule = "|" + "|".join(["---"] * left + ["---:"] * (len(header) - left)) + "|"
+        lines = ["| " + " | ".join(header) + " |", rule]
         lines += ["| " + " | ".join(row) + " |" for row in body]
         return "\n".join(lines)
     widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
@@ -116,13 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--operators", default="", help="comma-separated names (default: every operator)")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table (for the README)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
+    parser.add_argument("--device", choices=("cpu", "cuda", "both"), default="cpu",
+                        help="where the operators compute: the CPU, the GPU (CuPy), or both side by side")
     parser.add_argument("--child", metavar="NAME", help=argparse.SUPPRESS)  # internal: measure one, print JSON
     args = parser.parse_args(argv)
     if any(n <= 0 for n in args.shape):
         parser.error(f"--shape needs three positive sizes, got {args.shape}")
 
     if args.child:
-        print(json.dumps(measure_operator(args.child, args.shape, args.seed)))
+        print(json.dumps(measure_operator(args.child, args.shape, args.seed, args.device)))
         return 0
 
     import tasks
@@ -131,10 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(names) - set(tasks.OPERATORS))
     if unknown:
         parser.error(f"unknown operator(s) {unknown}; choose from {sorted(tasks.OPERATORS)}")
+    devices = ["cpu", "cuda"] if args.device == "both" else [args.device]
     rows = []
     for name in names:
-        rows.append(run_in_subprocess(name, args.shape, args.seed))
-        print(f"measured {name}", file=sys.stderr, flush=True)
+        for device in devices:
+            rows.append(run_in_subprocess(name, args.shape, args.seed, device))
+            print(f"measured {name} on {device}", file=sys.stderr, flush=True)
     shape = " x ".join(map(str, args.shape))
     print(f"Peak memory per operator on one {shape} float32 block (default parameters; "
           "each in a fresh process; `python -m benchmarks.operator_memory"

@@ -17,7 +17,7 @@ import argparse
 import os
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from .settings import ITEMSIZE
 
@@ -86,6 +86,24 @@ def summary_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
     return table(header, rows, indent="  ").splitlines()
 
 
+def demo_layout(workers: int, limit: int | None, env: Mapping[str, str] | None = None) -> tuple[dict, str, str]:
+    """``(cluster_kwargs, device, words)``: the demo's cluster and device, and what they are in words.
+
+    On the GPU where this machine has one and CuPy is installed (or the fake device is set): one single-thread
+    worker per GPU, each pinned to its own (:mod:`memchunk_prefect.pinning`), operators on ``device="auto"``
+    (the GPU where every worker has a usable one, else the CPU). Otherwise ``workers`` CPU workers.
+    """
+    from .pinning import PRELOAD, usable_gpus
+
+    devices, found = usable_gpus(env)
+    common = {"threads_per_worker": 1, "processes": True, "memory_limit": limit, "dashboard_address": "127.0.0.1:0"}
+    if devices:
+        return ({**common, "n_workers": len(devices), "preload": [PRELOAD]}, "auto",
+                f"on the GPU: {found}, one single-thread worker each; operators run there where every worker can "
+                "use its GPU, else on the CPU (the models' keys say which)")
+    return {**common, "n_workers": workers}, "cpu", f"on the CPU ({found}): {workers} worker(s)"
+
+
 def run(args: argparse.Namespace) -> int:
     from .doctor import preflight
     from .errors import format_bytes
@@ -105,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
 
     limit = parse_bytes(args.memory_limit, what="--memory-limit")
     survey = ensure_survey(directory, args.shape)
-    runner = MemoryAwareRunner(
-        cluster_kwargs={"n_workers": args.workers, "threads_per_worker": 1, "processes": True,
-                        "memory_limit": limit, "dashboard_address": "127.0.0.1:0"},
-        store=args.store, output_dir=str(directory / "runs"))
+    cluster_kwargs, device, device_words = demo_layout(args.workers, limit)
+    print(f"memchunk demo: {device_words}")
+    runner = MemoryAwareRunner(cluster_kwargs=cluster_kwargs, store=args.store, output_dir=str(directory / "runs"),
+                               device=device)
     pipeline = attribute_pipeline.with_options(task_runner=runner)  # type: ignore[arg-type]  # a DaskTaskRunner
     t = time.perf_counter()
     state = pipeline(str(survey), DEFAULT_STEPS, None, return_state=True)

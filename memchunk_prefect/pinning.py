@@ -65,6 +65,23 @@ def visible_devices(env: Mapping[str, str] | None = None, nvml_count: Callable[[
     return ["0"] if env.get(FAKE_GPU_ENV) else []
 
 
+def usable_gpus(env: Mapping[str, str] | None = None) -> tuple[list[str], str]:
+    """``(devices, why)``: the GPUs work can be laid out on here (:func:`visible_devices`, when CuPy is installed
+    or the fake device set), and in words what was found; no devices, and why, otherwise. Asks NVML and whether
+    CuPy is installed, nothing that creates a CUDA context."""
+    import importlib.util
+
+    env = os.environ if env is None else env
+    devices = visible_devices(env)
+    if not devices:
+        return [], "no GPU found"
+    if env.get(FAKE_GPU_ENV):
+        return devices, f"{len(devices)} fake GPU(s) ({FAKE_GPU_ENV})"
+    if importlib.util.find_spec("cupy") is None:
+        return [], f"{len(devices)} GPU(s) but CuPy is not installed (pip install 'memchunk-prefect[gpu]')"
+    return devices, f"{len(devices)} GPU(s) ({', '.join(devices)})"
+
+
 def device_for(worker_name: Any, devices: list[str]) -> str | None:
     """The GPU (a ``CUDA_VISIBLE_DEVICES`` entry) of the local worker named ``worker_name`` (LocalCluster names
     its workers 0, 1, ...): the name's place among ``devices``, wrapping round; None for a name that is not a

@@ -96,7 +96,7 @@ from .errors import (
 )
 from .executor import ChunkedMap, MapInterrupted
 from .observe import MapLog, MapObserver
-from .pinning import local_gpu_cluster, visible_devices
+from .pinning import local_gpu_cluster, usable_gpus
 from .records import Observation
 from .settings import RUNNER_SETTINGS, PolicySettings
 from .units import parse_bytes as _parse_bytes
@@ -412,7 +412,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         device = None if device is None else check_device(device)
         if address is None and cluster_class is None and not cluster_kwargs:
             # On the GPU, one single-thread worker per GPU (each plans for its own GPU's memory); else one per core.
-            gpus = visible_devices() if device in (CUDA, AUTO) else []
+            gpus = usable_gpus()[0] if device in (CUDA, AUTO) else []
             cluster_class, cluster_kwargs = local_gpu_cluster(gpus) if gpus else (None, _default_cluster_kwargs())
         allow_slow_first_start()
         _fail_fast_without_a_database()

@@ -54,6 +54,15 @@ def test_quick_benchmark_reports_every_strategy(tmp_path):
     assert [s["factor"] for s in result["scaling"]][0] == 1
     assert all({"factor", "elements", "wall_seconds", "seconds_per_element"} <= set(s) for s in result["scaling"])
     assert {"cpus", "memory_bytes"} <= set(result["machine"])
+    # Without a GPU (CI) the GPU section says so and why, and the run goes on on the CPU; with one, every
+    # operator has a CPU row and a GPU row.
+    from memchunk_prefect.pinning import usable_gpus
+
+    devices, found = usable_gpus(env)
+    if not devices:
+        assert result["gpu"] == {"skipped": found} and f"GPU section skipped: {found}" in proc.stdout
+    else:
+        assert sorted({r["device"] for r in result["gpu"]["rows"]}) == ["cpu", "cuda"], result["gpu"]
     # The memory-aware runner finishes the work the benchmark is sized to break in one piece.
     by = {s["name"]: s for s in result["strategies"]}
     assert by["memchunk-cold"]["completed"] and by["memchunk-warm"]["completed"]

@@ -83,3 +83,21 @@ def test_demo_stops_in_seconds_naming_what_it_cannot_work_without(tmp_path, case
     assert len(out.splitlines()) <= 4 and "Traceback" not in out, out  # one line per problem
     assert not list(tmp_path.glob("demo/*.sgy")), "no survey is generated before the checks pass"
     assert elapsed < 60, f"took {elapsed:.0f} s"  # seconds, not Prefect's minutes of retries
+
+
+def test_the_demo_runs_on_the_gpu_where_there_is_one_and_says_which_device_it_used():
+    from memchunk_prefect.demo import demo_layout
+    from memchunk_prefect.device import FAKE_GPU_ENV
+    from memchunk_prefect.pinning import PRELOAD
+
+    kwargs, device, words = demo_layout(2, 2**30, {"CUDA_VISIBLE_DEVICES": ""})
+    assert (kwargs["n_workers"], device, "preload" in kwargs) == (2, "cpu", False)
+    assert words.startswith("on the CPU (no GPU found)")
+    kwargs, device, words = demo_layout(2, 2**30, {"CUDA_VISIBLE_DEVICES": "0,1,2", FAKE_GPU_ENV: str(2**30)})
+    assert (kwargs["n_workers"], kwargs["threads_per_worker"], kwargs["preload"], device) == (3, 1, [PRELOAD], "auto")
+    assert words.startswith("on the GPU: 3 fake GPU(s)")
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is None:  # CI: a GPU listed but nothing to drive it with
+        _, device, words = demo_layout(2, 2**30, {"CUDA_VISIBLE_DEVICES": "0"})
+        assert device == "cpu" and "CuPy is not installed" in words

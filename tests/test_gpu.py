@@ -491,6 +491,7 @@ def test_without_dask_cuda_the_runner_starts_one_single_thread_worker_per_gpu(mo
 
     monkeypatch.setattr(builtins, "__import__", no_dask_cuda)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
+    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(1 << 30))  # no CuPy here: the fake device drives them
     on_gpu = MemoryAwareRunner(device="cuda")
     assert on_gpu.cluster_class is None or "LocalCluster" in str(on_gpu.cluster_class)
     assert on_gpu.cluster_kwargs["n_workers"] == 2 and on_gpu.cluster_kwargs["threads_per_worker"] == 1

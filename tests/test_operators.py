@@ -314,3 +314,19 @@ def test_operator_memory_table_measures_each_operator_in_a_fresh_process(tmp_pat
     table = operator_memory.format_table(rows, markdown=True)
     assert table.splitlines()[0] == "| operator | input MiB | peak MiB | multiple | seconds |"
     assert len(table.splitlines()) == 4
+
+
+def test_operator_memory_puts_each_operator_on_the_cpu_and_the_gpu_side_by_side(tmp_path, monkeypatch):
+    """On the (fake) GPU each row has the device's own peak beside the host's; the CPU row has none."""
+    from benchmarks import operator_memory
+
+    monkeypatch.setenv("MEMCHUNK_FAKE_GPU_BYTES", str(1 << 30))  # the children inherit it
+    out = tmp_path / "rows.json"
+    assert operator_memory.main(["--shape", "8", "8", "60", "--operators", "gst3d_dip", "--device", "both",
+                                 "--json", str(out)]) == 0
+    cpu, gpu = __import__("json").loads(out.read_text())
+    assert (cpu["device"], gpu["device"]) == ("cpu", "cuda") and gpu["key"].endswith("|cuda")
+    assert "gpu_peak_bytes" not in cpu and gpu["gpu_peak_bytes"] > gpu["input_bytes"]
+    assert gpu["gpu_multiple"] == gpu["gpu_peak_bytes"] / gpu["input_bytes"]
+    table = operator_memory.format_table([cpu, gpu], markdown=True)
+    assert table.splitlines()[0].endswith("| GPU peak MiB | GPU multiple |") and "| cuda |" in table
