@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -280,9 +281,34 @@ def test_incoming_chunks_that_overflow_the_gpu_are_rechunked_and_cold_probes_are
 # ----------------------------------------------------------------------------- a real cluster, a fake GPU
 
 
+def _cold_then_warm(mapped, path: Path, tmp_path: Path, monkeypatch, capacity: int):
+    """Run ``mapped(path)`` (a map's results, inside a flow) twice on one store, on 2 real workers whose fake
+    GPUs hold ``capacity`` bytes; ``(cold result, warm result, cold runs, warm runs)`` (the stored rows)."""
+    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(capacity))  # before the cluster starts: its workers inherit it
+    store = tmp_path / "store.sqlite"
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    results = []
+    try:
+        for run in ("cold", "warm"):
+            runner = MemoryAwareRunner(address=cluster.scheduler_address, store=store,
+                                       output_dir=tmp_path / run, device="cuda", progress=False)
+            started = time.time()
+            results.append((flow(task_runner=runner, name=f"on-the-gpu-{run}")(mapped)(str(path)), started))
+    finally:
+        cluster.close()
+    with Store(store) as s:
+        rows = s.observations()
+    warm_started = results[1][1]
+    return (results[0][0], results[1][0], [r for r in rows if r.created_at < warm_started],
+            [r for r in rows if r.created_at >= warm_started])
+
+
+def _covers_once(runs, shape) -> bool:
+    """Whether the chunks that finished among ``runs`` cover a volume of ``shape`` once."""
+    return sum(int(np.prod(dev_chunk_shape(r.chunk))) for r in runs if r.outcome == "ok") == int(np.prod(shape))
+
+
 @pytest.mark.cluster
-@pytest.mark.server
-@pytest.mark.usefixtures("prefect_server")
 def test_a_map_on_the_gpu_learns_its_gpu_memory_cold_and_runs_warm_within_the_gpu_budget(segy_dir, tmp_path,
                                                                                          monkeypatch):
     """envelope of a real SEG-Y file on 2 workers whose (fake) GPUs hold 1 MiB, twice on one store.
@@ -294,40 +320,22 @@ def test_a_map_on_the_gpu_learns_its_gpu_memory_cold_and_runs_warm_within_the_gp
     # The fake device's figure is everything the worker process allocated while the task ran (tracemalloc is
     # process-wide: Prefect's and Dask's threads too), up to ~300 KiB beside envelope's own ~20 KiB here.
     capacity = 1 << 20
-    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(capacity))  # before the cluster starts: its workers inherit it
     source = segy_dir / "f3.sgy"
-    store = tmp_path / "store.sqlite"
-    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
-    results = []
-    try:
-        for run in ("cold", "warm"):
-            runner = MemoryAwareRunner(address=cluster.scheduler_address, store=store,
-                                       output_dir=tmp_path / run, device="cuda", progress=False)
 
-            @flow(task_runner=runner)
-            def envelope_on_gpu(path: str):
-                return tasks.envelope.map(chunked(path)).result()
+    def envelope_on_gpu(path: str):
+        return tasks.envelope.map(chunked(path)).result()
 
-            started = time.time()
-            results.append((envelope_on_gpu(str(source)), started))
-    finally:
-        cluster.close()
+    cold, warm, first, second = _cold_then_warm(envelope_on_gpu, source, tmp_path, monkeypatch, capacity)
     expected = tasks.envelope.fn(open_segy(source).values)
-    with Store(store) as s:
-        rows = s.observations()
-    assert {r.operator_key for r in rows} == {"envelope|float32|cuda"}
-    budget = int(0.9 * capacity)  # one thread per worker, nothing held on a fake device
-    assert {r.gpu_budget_bytes for r in rows} == {budget}
-    (cold, _), (warm, warm_started) = results
     for result in (cold, warm):
         np.testing.assert_array_equal(result.values, expected)
-    first = [r for r in rows if r.created_at < warm_started]
-    second = [r for r in rows if r.created_at >= warm_started]
+    rows = first + second
+    assert {r.operator_key for r in rows} == {"envelope|float32|cuda"}
+    assert {r.gpu_budget_bytes for r in rows} == {int(0.9 * capacity)}  # one thread per worker, nothing held
     for runs in (first, second):
         ok = [r for r in runs if r.outcome == "ok"]
         assert ok and all(r.gpu_peak_bytes is not None and 0 < r.gpu_peak_bytes <= capacity for r in ok)
-        assert sum(int(np.prod(dev_chunk_shape(r.chunk))) for r in ok) == int(np.prod(expected.shape)), \
-            "the chunks that finished cover the volume once"
+        assert _covers_once(runs, expected.shape), "the chunks that finished cover the volume once"
     assert [r.outcome for r in second if r.outcome != "ok"] == [], "warm, the GPU budget is planned for"
 
 
@@ -341,32 +349,15 @@ def test_chunks_that_run_out_of_gpu_memory_are_split_never_lost_and_the_next_run
     from memchunk_prefect.testing import memory_hog
 
     capacity = 2 << 20
-    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(capacity))
     source = segy_dir / "f3.sgy"
-    store = tmp_path / "store.sqlite"
-    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
-    results = []
-    try:
-        for run in ("cold", "warm"):
-            runner = MemoryAwareRunner(address=cluster.scheduler_address, store=store,
-                                       output_dir=tmp_path / run, device="cuda", progress=False)
 
-            @flow(task_runner=runner)
-            def hog_on_gpu(path: str):
-                return memory_hog.map(chunked(path), multiple=300.0).result()
+    def hog_on_gpu(path: str):
+        return memory_hog.map(chunked(path), multiple=300.0).result()
 
-            started = time.time()
-            results.append((hog_on_gpu(str(source)), started))
-    finally:
-        cluster.close()
+    cold, warm, first, second = _cold_then_warm(hog_on_gpu, source, tmp_path, monkeypatch, capacity)
     expected = open_segy(source).values
-    for result, _ in results:
+    for result in (cold, warm):
         np.testing.assert_array_equal(result.values, expected)
-    with Store(store) as s:
-        rows = s.observations()
-    warm_started = results[1][1]
-    first = [r for r in rows if r.created_at < warm_started]
-    second = [r for r in rows if r.created_at >= warm_started]
     ran_out = [r for r in first if r.outcome == "memory_error"]
     assert ran_out, "300x the input is beyond what cold probes assume: some must have run out"
     assert all(r.censored and r.gpu_out_of_memory and r.gpu_peak_bytes > capacity for r in ran_out)
@@ -374,9 +365,7 @@ def test_chunks_that_run_out_of_gpu_memory_are_split_never_lost_and_the_next_run
     # near that bound, so a run may pass the budget by a little, never the device.
     assert [r.outcome for r in second if r.outcome != "ok"] == []
     assert max(r.gpu_peak_bytes for r in second) <= capacity
-    for runs in (first, second):
-        ok = [r for r in runs if r.outcome == "ok"]
-        assert sum(int(np.prod(dev_chunk_shape(r.chunk))) for r in ok) == int(np.prod(expected.shape))
+    assert _covers_once(first, expected.shape) and _covers_once(second, expected.shape)
 
 
 def dev_chunk_shape(key: str) -> tuple[int, int, int]:
