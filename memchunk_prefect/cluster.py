@@ -276,9 +276,9 @@ def gpu_budget(statuses: Mapping[str, Any], nthreads: Mapping[str, int], *,
     (:func:`memchunk_prefect.policy.gpu_task_budget_bytes`), per thread; the smallest over the workers.
 
     ``statuses``: each worker's :class:`memchunk_prefect.device.GpuStatus` (by address), read at the map's start
-    (between maps the workers' pools are emptied, so what is not free is their CUDA contexts, their live arrays
-    and other processes'). A worker without a usable GPU is a :class:`BudgetError` (the map's device was
-    resolved from the same statuses, so this is a GPU lost in between).
+    (what is not free to it is its CUDA context and other processes' use; its own pool counts as free). A
+    worker without a usable GPU is a :class:`BudgetError` (the map's device was resolved from the same
+    statuses, so this is a GPU lost in between).
 
     >>> from memchunk_prefect.device import GpuStatus
     >>> g = gpu_budget({"tcp://w:1": GpuStatus(True, "H100", total_bytes=80 * 2**30, free_bytes=79 * 2**30)},
@@ -287,7 +287,7 @@ def gpu_budget(statuses: Mapping[str, Any], nthreads: Mapping[str, int], *,
     71.1
     >>> print(g.reason)  # doctest: +NORMALIZE_WHITESPACE
     GPU budget 71.1 GiB per task: 0.9 x 79.0 GiB free of the device's 80.0 GiB (1.0 GiB held: CUDA context,
-    live arrays, other processes), 1 thread(s) on tcp://w:1
+    other processes), 1 thread(s) on tcp://w:1
     """
     if not statuses:
         raise BudgetError("no workers to derive a GPU budget from")
@@ -305,7 +305,7 @@ def gpu_budget(statuses: Mapping[str, Any], nthreads: Mapping[str, int], *,
         held = max(0, int(st.total_bytes or st.free_bytes) - int(st.free_bytes))
         per_worker.append((b, f"GPU budget {format_bytes(b)} per task: {fraction:g} x {format_bytes(st.free_bytes)} "
                               f"free of the device's {format_bytes(st.total_bytes)} ({format_bytes(held)} held: CUDA "
-                              f"context, live arrays, other processes), {threads} thread(s) on {address}"))
+                              f"context, other processes), {threads} thread(s) on {address}"))
     b, reason = min(per_worker)
     return GpuBudget(budget_bytes=b, free_bytes=free, reason=reason)
 

@@ -99,9 +99,9 @@ class GpuStatus:
     why: str
     fake: bool = False
     total_bytes: int | None = None  # the device's memory, bytes (None when unusable)
-    #: What a task of this process could allocate on the device now, bytes: the driver's free memory plus the
-    #: blocks CuPy's pool caches for reuse. The rest of ``total_bytes`` is held: this process's CUDA context and
-    #: live arrays, and any other process's use of the device. None when unusable.
+    #: What a task of this process could allocate on the device, bytes: the driver's free memory plus all of
+    #: CuPy's pool in this process (a running task's arrays are its own, freed when it ends). The rest of
+    #: ``total_bytes`` is held: this process's CUDA context and any other process's use. None when unusable.
     free_bytes: int | None = None
 
 
@@ -137,11 +137,13 @@ def gpu_status() -> GpuStatus:
         if count < 1:
             return GpuStatus(False, "CuPy sees no CUDA device (CUDA_VISIBLE_DEVICES empty?)")
         free, total = cupy.cuda.Device().mem_info
-        cached = int(cupy.get_default_memory_pool().free_bytes())
+        # The whole of this worker's pool, the arrays of a task running now included: maps of a pipeline start
+        # while the upstream's last task runs, and one single-thread worker per GPU never runs two at once.
+        pooled = int(cupy.get_default_memory_pool().total_bytes())
     except Exception as exc:  # noqa: BLE001 - no driver, driver too old, device busy/prohibited
         return GpuStatus(False, f"CuPy cannot use a CUDA device ({type(exc).__name__}: {exc})")
     return GpuStatus(True, f"CUDA device {cupy.cuda.Device().id} of {count}, {format_bytes(total)}",
-                     total_bytes=int(total), free_bytes=min(int(total), int(free) + cached))
+                     total_bytes=int(total), free_bytes=min(int(total), int(free) + pooled))
 
 
 def resolve_device(device: str) -> str:

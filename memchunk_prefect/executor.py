@@ -442,9 +442,14 @@ class ChunkedMap:
         msg = f"restarting worker {ins.address}: {ins.reason}"
         logger.warning("%s: %s", self.name, msg)
         _flow_logger().warning("memchunk %s: %s", self.name, msg)
+        client = self.runner.client
+        if ins.address not in client.scheduler_info().get("workers", {}):
+            logger.warning("%s: worker %s is gone already (its nanny restarted it, or it left)", self.name,
+                           ins.address)
+            return
         try:
-            self.runner.client.restart_workers([ins.address], timeout=RUNNER_SETTINGS.worker_restart_seconds)
-        except Exception as exc:  # noqa: BLE001 - gone already (its chunk is requeued), or no nanny to restart it
+            client.restart_workers([ins.address], timeout=RUNNER_SETTINGS.worker_restart_seconds)
+        except Exception as exc:  # noqa: BLE001 - no nanny to restart it, or it did not come back in time
             raise GpuContextError(
                 f"{self.name}: worker {ins.address} has an unusable GPU context and could not be restarted "
                 f"({type(exc).__name__}: {exc}). Restart it (or its cluster) and rerun: the chunks written are kept",

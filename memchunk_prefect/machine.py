@@ -640,9 +640,11 @@ class MapMachine:
     planned_budget: int = 0  # the budget the queue was (re)planned for
     probe_scale: float = 0.0  # the last probe wave's blocks, as a share of the largest probe (0: none yet)
     probe_peak: int = 0  # the largest peak (bytes) a probe of the last wave measured
+    probe_gpu_peak: int = 0  # on the GPU: the largest GPU peak (bytes) a probe of the last wave measured
     region_reason: str = "after probing: "
     deaths: int = 0  # worker deaths seen (their task runs are settled at the end)
     gpu_restarts: int = 0  # workers restarted for a broken GPU context (GpuContextLost)
+    restarted_workers: set[str] = field(default_factory=set)  # their addresses (a restarted one gets a new one)
     next_id: int = 0
     arm: ArmChoice | None = None  # the learned policy's arm, once the first real plan is made
     arm_started: float | None = None  # first submission of a chunk planned under the arm
@@ -808,6 +810,7 @@ class MapMachine:
         self._follow_drift(ev.observation)
         if item.decision == PROBE:
             self.probe_peak = max(self.probe_peak, int(ev.observation.peak_bytes))
+            self.probe_gpu_peak = max(self.probe_gpu_peak, int(ev.observation.gpu_peak_bytes or 0))
         return [Record(ev.observation), self._ended(ev.id, item, OK, ev.observation, ev.at)]
 
     def _budget(self) -> int:
@@ -843,7 +846,7 @@ class MapMachine:
             # Learned (the GPU model of the key, model.gpu_view) and split like the host's, but never judged "not
             # the chunk's size": the device is shared (other processes, the pool's fragmentation), so a GPU chunk
             # is split until it fits or cannot be split.
-            needed = obs.gpu_peak_bytes if obs.gpu_peak_bytes else obs.peak_bytes
+            needed = obs.gpu_peak_bytes or self.gpu_budget_bytes or 0  # unmeasured: more than the GPU budget
             return out + self._retry_smaller(ev.id, item, needed, "GPU out of memory", ev.at)
         upper = self._upper_for(item.chunk)
         if (item.attempt >= self.settings.memory_error_splits and upper is not None
@@ -896,19 +899,32 @@ class MapMachine:
         """Restart the worker and run the chunk once more; a chunk that breaks a context twice, or a map whose
         restarts reach ``settings.gpu_context_restarts``, fails with the error (never retried without end)."""
         item = self._get(ev.id)  # stays in flight when failing: Stop settles its task run
+        name = self.spec.name(item.chunk)
+        if ev.worker in self.restarted_workers:
+            # It ran on a worker whose context another chunk had broken (queued there before the restart): not
+            # its doing; run it again elsewhere, restarting nothing more and counting nothing.
+            del self.in_flight[ev.id]
+            obs = self._flow_observation(item, "error", 0, ev.at)
+            self.queue.push_front([dataclasses.replace(item, attempt=item.attempt + 1)])
+            return [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at)]
         if item.restarted >= 1 or self.gpu_restarts >= self.settings.gpu_context_restarts:
-            why = ("it did so again after its worker was restarted" if item.restarted
-                   else f"this map has restarted {self.gpu_restarts} worker(s) for it already "
+            why = ("it did so again after a restart" if item.restarted
+                   else f"this map has restarted {self.gpu_restarts} worker(s) already "
                         f"(gpu_context_restarts={self.settings.gpu_context_restarts})")
-            err = GpuContextError(f"{ev.error} — not retried: {why}", getattr(ev.error, "worker", ev.worker))
+            err = GpuContextError(
+                f"{ev.error}; not retried: {why}. The operator or its input makes the GPU fault (run it with "
+                "device='cpu' to see its own error), or the GPU is failing (nvidia-smi -q: ECC errors; Xid lines "
+                "in the system log). The chunks written are kept: a rerun resumes", ev.worker)
             err.__cause__ = ev.error
             return self._fail(err)
         del self.in_flight[ev.id]
         self.gpu_restarts += 1
+        self.restarted_workers.add(ev.worker)
         obs = self._flow_observation(item, "error", 0, ev.at)
         self.queue.push_front([dataclasses.replace(item, attempt=item.attempt + 1, restarted=item.restarted + 1)])
         return [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at),
-                RestartWorker(ev.worker, f"{self.spec.name(item.chunk)} broke its GPU context: {ev.error}")]
+                RestartWorker(ev.worker, f"{name} left its GPU context unusable ({ev.error}); the chunk runs once "
+                                         "more")]
 
     def _on_cluster_lost(self, ev: ClusterLost) -> list[Instruction]:
         item = self._get(ev.id)  # stays in flight: Stop marks its task run
@@ -1027,7 +1043,7 @@ class MapMachine:
                 # what the last wave measured.
                 region = max(pending[index:], key=lambda c: c.elements)
                 self.probe_scale = self._next_probe_scale()
-                self.probe_peak = 0
+                self.probe_peak = self.probe_gpu_peak = 0
                 p = policy.probe_plan(self.spec.shape, budget_bytes=policy.probe_budget(self.budget_bytes,
                                                                                         self.gpu_limit),
                                       halo=self.spec.halo,
@@ -1050,12 +1066,17 @@ class MapMachine:
         input fits: as far as the last wave's largest peak allows if memory grew with the square of the block
         (within ``probe_growth_budget`` of the budget), up to that largest; 1.5x smaller where that is not 1.5x
         larger (two sizes separate a fixed overhead from a slope); a quarter after a wave that measured nothing
-        (every probe ran out of memory)."""
+        (every probe ran out of memory). On the GPU the tighter of the two budgets against its own peak."""
         s = self.settings
         last = self.probe_scale or s.probe_first_share
         if self.probe_peak <= 0:
             return last / 4
-        up = min(1.0, last * math.sqrt(s.probe_growth_budget * self.budget_bytes / self.probe_peak))
+        room = self.budget_bytes / self.probe_peak
+        if self.gpu_budget_bytes is not None:
+            if self.probe_gpu_peak <= 0:  # the GPU measured nothing (every probe ran out of it)
+                return last / 4
+            room = min(room, self.gpu_budget_bytes / self.probe_gpu_peak)
+        up = min(1.0, last * math.sqrt(s.probe_growth_budget * room))
         return up if up >= 1.5 * last else last / 1.5
 
     def _maybe_replan(self, at: float) -> list[Instruction]:

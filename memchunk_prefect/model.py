@@ -487,6 +487,8 @@ class OperatorModel:
         ``quarantined``, ``accepted`` (a repeated outlier) or ``ignored`` (not about memory)."""
         if obs.operator_key != self.key:
             raise ValueError(f"observation for {obs.operator_key!r} given to the model of {self.key!r}")
+        if obs.gpu_out_of_memory:
+            return "ignored"  # the GPU's memory ran out: it says nothing of the host's (model.gpu_view learns it)
         if obs.outcome == "ok" and obs.elements > 0 and obs.energy_joules is not None:
             self._learn_energy(obs)
         if obs.outcome == "ok" and obs.elements > 0 and self.first_touch(obs):
@@ -970,21 +972,24 @@ def gpu_view(obs: Observation) -> Observation | None:
     nothing about GPU memory.
 
     A GPU map's key learns two models from the same runs (host bytes and GPU bytes; a GPU chunk must fit both
-    budgets). The GPU's view: a finished run's ``gpu_peak_bytes`` above the worker's resting GPU memory; a GPU
-    out-of-memory censored at what the device held when it failed; nothing from a run without a GPU
-    measurement, a host out-of-memory or a killed worker (the device's figure then is wherever the run
-    stopped, neither a peak nor a bound), or an error. The host's fields the GPU does not have (what the
-    worker held before, energy) are cleared.
+    budgets). The GPU's view of a run of a map on the GPU (``gpu_budget_bytes`` set): a finished run's
+    ``gpu_peak_bytes`` above the worker's resting GPU memory; a GPU out-of-memory censored at what the device
+    held when it failed, or the GPU budget where that is more; nothing from a host out-of-memory or a killed
+    worker (the device's figure then is wherever the run stopped, neither a peak nor a bound), or an error.
+    The host's fields the GPU does not have (what the worker held before, energy) are cleared. The host's
+    model ignores a GPU out-of-memory (:meth:`OperatorModel.learn`).
     """
-    if obs.gpu_peak_bytes is None or not obs.usable:
-        return None
+    if obs.gpu_budget_bytes is None or not obs.usable:
+        return None  # not a map on the GPU (a CPU run's NVML figure is another process's business)
     if obs.gpu_out_of_memory:
-        outcome, censored = "memory_error", True
-    elif obs.outcome == "ok":
-        outcome, censored = "ok", False
+        # It needed more than it held when it failed, and more than the budget it was planned within (a first
+        # large allocation that fails leaves the pool where it was: 0 measured).
+        peak, outcome, censored = max(int(obs.gpu_peak_bytes or 0), int(obs.gpu_budget_bytes)), "memory_error", True
+    elif obs.outcome == "ok" and obs.gpu_peak_bytes is not None:
+        peak, outcome, censored = int(obs.gpu_peak_bytes), "ok", False
     else:
         return None
-    return replace(obs, peak_bytes=int(obs.gpu_peak_bytes), outcome=outcome, censored=censored,
+    return replace(obs, peak_bytes=peak, outcome=outcome, censored=censored, gpu_out_of_memory=False,
                    budget_bytes=obs.gpu_budget_bytes, baseline_bytes=None, resting_bytes=None, others_bytes=None,
                    grew_bytes=None, energy_joules=None, energy_source=None, shared=False)
 

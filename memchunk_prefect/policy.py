@@ -223,8 +223,8 @@ GPU_TARGET_FRACTION = 0.9
 
 def gpu_task_budget_bytes(free_bytes: int, threads: int = 1, *, target_fraction: float | None = None) -> int:
     """What one task may use of a GPU's memory, bytes: ``target_fraction`` (default :data:`GPU_TARGET_FRACTION`)
-    of what the worker could allocate there now (``free_bytes``: free memory plus its pool's cached blocks, so
-    its CUDA context, live arrays and other processes' use are left out), shared by the worker's ``threads``.
+    of what the worker could allocate there (``free_bytes``: free memory plus its own pool, so its CUDA context
+    and other processes' use are left out), shared by the worker's ``threads``.
 
     >>> gpu_task_budget_bytes(80 * 2**30) / 2**30
     72.0
@@ -403,7 +403,6 @@ def plan(
     t_counts = [1] if whole_traces else _count_candidates(rshape[2], min(settings.max_counts, 64))
     best: tuple | None = None
     best_fit_smallest = None
-    gpu_refused = False  # some candidate fitted the host's budget but not the GPU's
     for ct in t_counts:
         if best is not None and ct > 1:
             break  # whole traces fit: keep them (contiguous reads, no halo along time)
@@ -416,9 +415,7 @@ def plan(
                     if best_fit_smallest is None or pred.upper_bytes < best_fit_smallest[0]:
                         best_fit_smallest = (pred.upper_bytes, cshape)
                     continue
-                gpu_over = gpu.over(ext) if gpu is not None else None
-                if gpu_over is not None:
-                    gpu_refused = True
+                if gpu is not None and gpu.over(ext) is not None:
                     continue
                 n = ci * cx * ct
                 secs = estimate_seconds(n, ext, slots, settings, seconds_per_element, seconds_for)
@@ -434,9 +431,10 @@ def plan(
                 # unless they fill slots; keep scanning a little for balance but stop at many waves.
                 if n >= 4 * slots and pred.upper_bytes <= budget_bytes:
                     break
-    if best is None and gpu is not None and gpu_refused and best_fit_smallest is None:
+    least = gpu.over(smallest) if best is None and gpu is not None else None
+    if gpu is not None and least is not None and predict(smallest).upper_bytes <= budget_bytes:
+        # The host fits the smallest chunk and the GPU does not: the GPU is what stops every plan.
         unit = "one trace" if whole_traces else "one element"
-        least = gpu.predict(smallest)
         if least.mean_bytes <= gpu.budget_bytes:
             # The host's model is ready but the GPU's bound, from few or scattered GPU runs, is too wide for even
             # the smallest chunk while its mean fits: that is too little known, not too little memory. Probe

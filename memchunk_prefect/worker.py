@@ -179,10 +179,7 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
             raise
         raise GpuContextError(
             f"{job.operator}[{job.label}] hit a CUDA error that leaves the GPU context of worker {base['worker']} "
-            f"unusable ({exc!r}): that worker is restarted and the chunk run once more. If it happens again, "
-            "the operator or its input makes the GPU fault (run it with device='cpu' to see its own error), or "
-            "the GPU is failing (nvidia-smi -q: ECC errors, Xid messages in the system log)",
-            worker=base["worker"]) from exc
+            f"unusable ({exc!r})", worker=base["worker"]) from exc
     assert run.measurement is not None  # set when the track() block exits
     fields = run.measurement.observation_fields()
     if gpu.peak_bytes is not None:

@@ -973,14 +973,30 @@ def test_a_chunk_that_breaks_its_workers_gpu_context_restarts_that_worker_and_ru
     err = GpuContextError("op[...] hit a CUDA error", "tcp://w:1")
     out = m.handle(GpuContextLost(first.id, "tcp://w:1", err))
     (restart,) = of(RestartWorker, out)
-    assert restart.address == "tcp://w:1" and "broke its GPU context" in restart.reason
+    assert restart.address == "tcp://w:1" and "left its GPU context unusable" in restart.reason
     (ended,) = of(ChunkEnded, out)
     assert ended.outcome == LOST and of(Record, out)[0].observation.outcome == "error", "nothing learned of memory"
     again = [s for s in of(Submit, m.advance()) if s.chunk == first.chunk]
     assert again, "the same chunk runs again, first"
     # The same chunk breaking a context again fails the map with the error, saying why it is not retried.
     (fail,) = of(Fail, m.handle(GpuContextLost(again[0].id, "tcp://w:2", GpuContextError("again", "tcp://w:2"))))
-    assert isinstance(fail.error, GpuContextError) and "again after its worker was restarted" in str(fail.error)
+    assert isinstance(fail.error, GpuContextError) and "not retried: it did so again after a restart" in str(fail.error)
+    assert "device='cpu'" in str(fail.error) and "a rerun resumes" in str(fail.error)
+
+
+def test_a_chunk_that_failed_on_a_worker_another_chunk_broke_runs_again_restarting_and_counting_nothing():
+    from memchunk_prefect.errors import GpuContextError
+    from memchunk_prefect.machine import GpuContextLost, RestartWorker
+
+    m = machine((8, 8, 10), knowledge=OnGpu(gpu_per_element=1.0), gpu_context_restarts=1, max_counts=64)
+    _, submitted = started(m, slots=2, budget=4 * 1024, gpu_budget_bytes=MiB)
+    a, b = of(Submit, submitted)[:2]
+    assert of(RestartWorker, m.handle(GpuContextLost(a.id, "tcp://w:1", GpuContextError("a", "tcp://w:1"))))
+    # b was queued on the same worker and ran there before the restart: the context it met was already broken.
+    out = m.handle(GpuContextLost(b.id, "tcp://w:1", GpuContextError("b", "tcp://w:1")))
+    assert not of(RestartWorker, out) and not of(Fail, out), "one restart, and within gpu_context_restarts=1"
+    assert of(ChunkEnded, out)[0].outcome == LOST
+    assert {s.chunk for s in of(Submit, m.advance())} >= {a.chunk, b.chunk}, "both run again"
 
 
 def test_a_map_restarts_at_most_gpu_context_restarts_workers_then_fails():
@@ -992,8 +1008,9 @@ def test_a_map_restarts_at_most_gpu_context_restarts_workers_then_fails():
     subs = of(Submit, submitted)
     assert len(subs) >= 3
     restarts = []
-    for s in subs[:2]:
-        restarts += of(RestartWorker, m.handle(GpuContextLost(s.id, "tcp://w:1", GpuContextError("x", "tcp://w:1"))))
+    for i, s in enumerate(subs[:2]):  # each on a worker of its own (a restarted worker comes back at a new address)
+        w = f"tcp://w:{i}"
+        restarts += of(RestartWorker, m.handle(GpuContextLost(s.id, w, GpuContextError("x", w))))
     assert len(restarts) == 2
-    (fail,) = of(Fail, m.handle(GpuContextLost(subs[2].id, "tcp://w:1", GpuContextError("x", "tcp://w:1"))))
+    (fail,) = of(Fail, m.handle(GpuContextLost(subs[2].id, "tcp://w:9", GpuContextError("x", "tcp://w:9"))))
     assert "gpu_context_restarts=2" in str(fail.error)
