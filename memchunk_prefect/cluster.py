@@ -307,6 +307,9 @@ def gpu_budget(statuses: Mapping[str, Any], nthreads: Mapping[str, int], *,
                               f"free of the device's {format_bytes(st.total_bytes)} ({format_bytes(held)} held: CUDA "
                               f"context, other processes), {threads} thread(s) on {address}"))
     b, reason = min(per_worker)
+    if b <= 0:
+        raise BudgetError(f"no GPU memory to plan for: {reason}. Free the GPU (other processes hold it: "
+                          "nvidia-smi lists them) or run this map with device='cpu'")
     return GpuBudget(budget_bytes=b, free_bytes=free, reason=reason)
 
 

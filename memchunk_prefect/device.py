@@ -225,11 +225,19 @@ class FakeGpuContextError(RuntimeError):
 
 
 def is_gpu_context_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is a CUDA error that leaves this process's CUDA context unusable (a code in
+    """Whether ``exc``, or an error it was raised from (``__cause__`` / ``__context__``: an operator that wraps
+    CuPy's error in its own), is a CUDA error that leaves this process's CUDA context unusable (a code in
     :data:`STICKY_CUDA_ERRORS`, from CuPy's runtime or driver API, or the fake's): only a new process recovers.
     Told by name, so CuPy is not imported to ask."""
-    return (type(exc).__name__ in ("CUDARuntimeError", "CUDADriverError", "FakeGpuContextError")
-            and getattr(exc, "status", None) in STICKY_CUDA_ERRORS)
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        if (type(e).__name__ in ("CUDARuntimeError", "CUDADriverError", "FakeGpuContextError")
+                and getattr(e, "status", None) in STICKY_CUDA_ERRORS):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def is_gpu_out_of_memory(exc: BaseException) -> bool:

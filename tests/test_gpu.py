@@ -258,6 +258,9 @@ def test_the_gpu_budget_is_a_share_of_what_each_worker_could_allocate_and_the_le
     assert gpu_budget(statuses, {}, target_fraction=0.5).budget_bytes == 15 * gib
     with pytest.raises(BudgetError, match=r"tcp://c:1 has no usable GPU.*device='auto'"):
         gpu_budget({**statuses, "tcp://c:1": dev.GpuStatus(False, "CuPy does not import")}, {})
+    full = {"tcp://a:1": dev.GpuStatus(True, "H100", total_bytes=80 * gib, free_bytes=0)}
+    with pytest.raises(BudgetError, match=r"no GPU memory to plan for: GPU budget 0 B.*device='cpu'"):
+        gpu_budget(full, {})
     for bad in (0, 1.5, True, "0.9"):
         with pytest.raises(BudgetError, match="target_fraction must be a number in"):
             gpu_task_budget_bytes(gib, target_fraction=bad)
@@ -420,6 +423,13 @@ def test_only_cuda_errors_that_leave_the_context_unusable_are_told_apart():
     assert dev.is_gpu_context_error(CUDARuntimeError(700)) and dev.is_gpu_context_error(CUDARuntimeError(719))
     assert not dev.is_gpu_context_error(CUDARuntimeError(2)), "cudaErrorMemoryAllocation: the context survives"
     assert not dev.is_gpu_context_error(RuntimeError("illegal address")), "another library's error is its own"
+    try:  # an operator that wraps CuPy's error in its own
+        try:
+            raise CUDARuntimeError(700)
+        except CUDARuntimeError as inner:
+            raise ValueError("dip failed") from inner
+    except ValueError as wrapped:
+        assert dev.is_gpu_context_error(wrapped)
     fake = dev.FakeGpuContextError("boom")
     assert dev.is_gpu_context_error(fake) and dev.is_gpu_context_error(pickle.loads(pickle.dumps(fake)))
     from memchunk_prefect.errors import GpuContextError
