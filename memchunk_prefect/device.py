@@ -54,6 +54,7 @@ nothing about a real GPU's speed or memory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tracemalloc
 from dataclasses import dataclass
@@ -251,13 +252,46 @@ class Backend:
 
     name: str  # "cpu" or "cuda"
     xp: Any  # numpy or cupy
-    ndimage: Any  # scipy.ndimage or cupyx.scipy.ndimage
-    hilbert: Callable[..., Any]  # scipy.signal.hilbert or cupyx.scipy.signal.hilbert
     fake_capacity: int | None = None  # bytes, for the fake device
 
     @property
     def on_gpu(self) -> bool:
         return self.name == CUDA
+
+    @property
+    def _scipy(self) -> bool:
+        return self.name == CPU or self.fake_capacity is not None
+
+    # scipy's (cupyx.scipy's) functions are loaded on first use, not with the backend: scipy.ndimage and
+    # scipy.signal hold ~77 MiB, which an operator that needs only the array module (memory_hog) should not
+    # pay. Where a first use would fall inside a task's measurement, :meth:`load` them before.
+    @functools.cached_property
+    def ndimage(self) -> Any:
+        """``scipy.ndimage`` or ``cupyx.scipy.ndimage``."""
+        if self._scipy:
+            from scipy import ndimage
+
+            return ndimage
+        from cupyx.scipy import ndimage as cundimage
+
+        return cundimage
+
+    @functools.cached_property
+    def hilbert(self) -> Callable[..., Any]:
+        """``scipy.signal.hilbert`` or ``cupyx.scipy.signal.hilbert``."""
+        if self._scipy:
+            from scipy.signal import hilbert
+
+            return hilbert
+        from cupyx.scipy.signal import hilbert as cuhilbert
+
+        return cuhilbert
+
+    def load(self) -> "Backend":
+        """Load every library this backend's functions use now (they stay loaded in the process), so that no
+        task's measurement is charged for loading them; returns the backend."""
+        _ = self.ndimage, self.hilbert
+        return self
 
     def asarray(self, host: Any, dtype: Any = None) -> Any:
         """``host`` on this device (a copy on a GPU, fake or real; as is on the CPU)."""
@@ -358,14 +392,9 @@ def backend(device: str) -> Backend:
     key = (name, fake)
     if key not in _BACKENDS:
         if name == CPU or fake is not None:
-            from scipy import ndimage
-            from scipy.signal import hilbert
-
-            _BACKENDS[key] = Backend(name, np, ndimage, hilbert, fake_capacity=fake)
+            _BACKENDS[key] = Backend(name, np, fake_capacity=fake)
         else:
             import cupy
-            from cupyx.scipy import ndimage as cundimage
-            from cupyx.scipy.signal import hilbert as cuhilbert
 
-            _BACKENDS[key] = Backend(name, cupy, cundimage, cuhilbert)
+            _BACKENDS[key] = Backend(name, cupy)
     return _BACKENDS[key]

@@ -43,9 +43,7 @@ def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds
     cores) takes proportionally longer in wall time, as a real operator would.
     Neither is a memory parameter, so neither changes the model's key.
     """
-    # numpy itself on the CPU: the CPU backend loads scipy (~77 MiB), which this operator does not use and which
-    # would be charged to its first chunk on a worker that had not loaded it.
-    xp = np if device == "cpu" else backend(device).xp
+    xp = backend(device).xp
     scratch = xp.ones(int(block.nbytes * multiple) // 8 + 1, dtype=xp.float64)  # ones() touches every page
     if seconds > 0:
         time.sleep(seconds)
@@ -68,8 +66,7 @@ def breaks_gpu_context(block, marker: str = "", always: bool = False, device: st
 
     from .device import FakeGpuContextError
 
-    if device != "cpu":
-        backend(device)
+    backend(device)
     first = False
     if not always:
         try:

@@ -135,7 +135,7 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     if job.device == CUDA:
         # CuPy and its kernels stay loaded in the worker for every later chunk: load them before the measurement so
         # they are not charged to this chunk as working memory (the CPU's libraries load with the operator modules).
-        backend(CUDA)
+        backend(CUDA).load()
     try:
         with default_monitor().track() as run:
             block = job.source.read(read_chunk)

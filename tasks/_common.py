@@ -27,7 +27,7 @@ from memchunk_prefect.errors import VolumeError
 # imported, which on a worker happens when the task is unpickled, before run_block starts measuring. Loaded lazily
 # inside the first chunk instead, they were charged to that chunk's peak and taught the model a multiple several
 # times too high (a 48 MiB budget then refused every chunk of envelope as too large).
-backend("cpu")
+backend("cpu").load()
 
 Triple = tuple[float, float, float]
 
