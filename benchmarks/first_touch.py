@@ -11,7 +11,9 @@ Why it matters: the time model learns seconds per chunk from real runs. In the h
 the same 834,200-element block took 1.63-1.75 s on one pair of runs and 0.40-0.45 s on the next, with
 the same peak memory: a run that grows the process's memory beyond what it held before pays the
 kernel's page faults and zeroing, once per process, not per element. A time model fitted through those
-runs cannot see how the operator's compute grows with its block.
+runs cannot see how the operator's compute grows with its block. The extra cost is kernel time: wall
+seconds less system CPU seconds (the last column) is the same on the first call as on later ones, which
+is what the time model learns from a run that grew its worker (``OperatorModel.compute_seconds``).
 """
 
 from __future__ import annotations
@@ -62,15 +64,20 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.processes)]
     print(f"trace_correlation on one {' x '.join(map(str, BLOCK))} float32 block, {args.calls} calls in each of "
           f"{args.processes} fresh processes")
-    print(f"{'process':>7s} {'call':>4s} {'wall s':>7s} {'user s':>7s} {'system s':>8s} {'minor faults':>12s}")
+    print(f"{'process':>7s} {'call':>4s} {'wall s':>7s} {'user s':>7s} {'system s':>8s} {'minor faults':>12s} "
+          f"{'wall-system s':>13s}")
     for i, calls in enumerate(runs, 1):
         for j, c in enumerate(calls, 1):
             print(f"{i:>7d} {j:>4d} {c['wall_seconds']:>7.2f} {c['user_seconds']:>7.2f} {c['system_seconds']:>8.2f} "
-                  f"{c['minor_faults']:>12d}")
+                  f"{c['minor_faults']:>12d} {c['wall_seconds'] - c['system_seconds']:>13.2f}")
     first = [calls[0]["wall_seconds"] for calls in runs]
     later = [c["wall_seconds"] for calls in runs for c in calls[1:]]
     print(f"first call {min(first):.2f}-{max(first):.2f} s, later calls {min(later):.2f}-{max(later):.2f} s: "
           f"the first costs {sum(first) / len(first) / (sum(later) / len(later)):.1f}x a later one")
+    first_less = [calls[0]["wall_seconds"] - calls[0]["system_seconds"] for calls in runs]
+    later_less = [c["wall_seconds"] - c["system_seconds"] for calls in runs for c in calls[1:]]
+    print(f"less system time: first call {min(first_less):.2f}-{max(first_less):.2f} s, later calls "
+          f"{min(later_less):.2f}-{max(later_less):.2f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=2)

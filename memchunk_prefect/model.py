@@ -391,7 +391,8 @@ class OperatorModel:
     than both above the most it had held (``Observation.grew_bytes``) paid the
     kernel to fault in and zero that memory, once per worker and growth, not per
     element (0.8-1.4 s against 0.3 s for the same call again, ``benchmarks.first_touch``):
-    its seconds teach time only while no run without that cost has been learned;
+    its seconds less its kernel CPU time teach time (:meth:`compute_seconds`); where that is unknown, its
+    seconds teach time only while no run without that cost has been learned;
     ``size_weight``: a memory row counts ``(its size / the largest's) ** size_weight``
     in the fit (see the module docstring; 0: every block alike).
 
@@ -491,15 +492,17 @@ class OperatorModel:
             return "ignored"  # the GPU's memory ran out: it says nothing of the host's (model.gpu_view learns it)
         if obs.outcome == "ok" and obs.elements > 0 and obs.energy_joules is not None:
             self._learn_energy(obs)
-        if obs.outcome == "ok" and obs.elements > 0 and self.first_touch(obs):
-            self._first_touch_rates.append(obs.seconds / obs.elements)
-        elif obs.outcome == "ok" and obs.elements > 0:
-            self._rates.append(obs.seconds / obs.elements)
-            if obs.seconds > 0:
-                u = obs.elements / MIB
-                for form in self._time_forms.values():
-                    form.learn(u, obs.seconds, math.hypot(obs.seconds, self.time_floor_seconds))
-                self._time_sizes.add(obs.elements)
+        if obs.outcome == "ok" and obs.elements > 0:
+            seconds = self.compute_seconds(obs)
+            if seconds is None:
+                self._first_touch_rates.append(obs.seconds / obs.elements)
+            else:
+                self._rates.append(seconds / obs.elements)
+                if seconds > 0:
+                    u = obs.elements / MIB
+                    for form in self._time_forms.values():
+                        form.learn(u, seconds, math.hypot(seconds, self.time_floor_seconds))
+                    self._time_sizes.add(obs.elements)
         if not obs.usable or obs.elements <= 0 or obs.peak_bytes <= 0:
             return "ignored"
         self._cache.clear()
@@ -575,6 +578,23 @@ class OperatorModel:
         grew = obs.grew_bytes
         return grew is not None and grew > max(self.first_touch_bytes, self.first_touch_share * obs.peak_bytes)
 
+    def compute_seconds(self, obs: Observation) -> float | None:
+        """The seconds an ``ok`` run teaches time: its wall seconds; for a first touch (:meth:`first_touch`), its
+        wall seconds less its kernel CPU time (``sys_seconds``), or None where that is unknown.
+
+        A first touch's extra cost is the kernel's: ``python -m benchmarks.first_touch`` (one trace_correlation
+        block, fresh processes) measured first calls of 0.60-1.24 s wall with 0.36-0.99 s of system CPU, later
+        calls of 0.30-0.31 s with 0.05-0.06 s; wall less system time was 0.24-0.25 s first and 0.25-0.26 s
+        later. So the first call less its system time teaches what the next costs to within the next's own
+        system time (the zeroing every large allocation pays), and a cold start's probes, each larger than any
+        before on its worker, teach how time grows with the block instead of being set aside.
+        """
+        if not self.first_touch(obs):
+            return float(obs.seconds)
+        if obs.sys_seconds is None:
+            return None
+        return max(0.0, float(obs.seconds) - float(obs.sys_seconds))
+
     def seconds_per_element(self, window: int = 20) -> float | None:
         """Compute seconds per element (halo included): the median of the latest ``window`` ``ok`` runs.
 
@@ -604,9 +624,10 @@ class OperatorModel:
         0.184 s for 1,603,200 (benchmarks.heterogeneous); the U-shaped
         quadratic through them won on leave-one-out error, and the warm plan cut
         envelope into 4 chunks where the same store's memory plan gave 2.
-        Runs that paid a first touch (:meth:`first_touch`) are not fitted: the
-        same trace_correlation block took 1.63-1.75 s on a worker's first call
-        and 0.40-0.45 s later, and the line through both hid its quadratic.
+        Runs that paid a first touch (:meth:`first_touch`) are fitted without
+        their kernel time (:meth:`compute_seconds`), or not at all where it is
+        unknown: the same trace_correlation block took 1.63-1.75 s on a worker's
+        first call and 0.40-0.45 s later, and the line through both hid its quadratic.
         """
         if len(self._time_sizes) < max(3, self.min_observations):
             return LINEAR

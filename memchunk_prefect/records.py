@@ -82,6 +82,10 @@ class Observation:
     #: True when the run ran out of the GPU's memory (``outcome`` is then "memory_error" and ``gpu_peak_bytes``
     #: a lower bound of what it needed there); False for a host out-of-memory and every other outcome.
     gpu_out_of_memory: bool = False
+    #: Kernel CPU time of the run's thread (page faults and zeroing of the memory it touched), seconds; None if
+    #: unknown (records older than schema v9, platforms without a per-thread figure). Of ``seconds``, the part
+    #: a first touch inflates: see :meth:`memchunk_prefect.model.OperatorModel.first_touch`.
+    sys_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

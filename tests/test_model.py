@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -397,6 +398,39 @@ def test_a_worker_s_first_touch_of_memory_does_not_teach_time_and_a_quadratic_un
     cold.learn(run(200_000, first=True))
     assert cold.seconds_per_element() is not None and cold.seconds_per_element() > 0
     assert not cold.first_touch(Observation(KEY, 10, (1, 1, 10), 40, 100 * MIB, grew_bytes=16 * MIB))
+
+
+def test_first_touches_teach_time_less_their_kernel_time_so_a_cold_start_finds_the_quadratic():
+    """A cold start on fresh workers: every probe wave is larger than any block before it, so every run but the
+    repeats grows its worker (a first touch). Set aside, they left trace_correlation's time a line (two clean
+    sizes in the heterogeneous benchmark's store) and the planner cut it in 4 where 8 halves of a quarter the
+    time each were faster. Less their kernel CPU time (``sys_seconds``, where the faulting lands:
+    benchmarks.first_touch), they teach the quadratic."""
+    rng = random.Random(5)
+
+    def run(e: int, first: bool) -> Observation:
+        steady = (0.02 + 5e-13 * e * e) * (1 + rng.gauss(0, 0.03))
+        peak = int(8 * e + 20 * MIB)
+        zeroing = 0.05 * steady  # the kernel time every large allocation pays, first touch or not
+        touch = 1.2 * peak / (545 * MIB) if first else 0.0  # ~1.2 s per 545 MiB faulted in for the first time
+        return Observation(KEY, e, (1, 1, e), 4 * e, peak, seconds=steady + touch, sys_seconds=zeroing + touch,
+                           grew_bytes=peak if first else 0)
+
+    rows = [run(e, first=True) for e in (200_000, 400_000, 600_000, 834_200, 1_000_000) for _ in range(2)]
+    rows += [run(1_000_000, first=False) for _ in range(2)]
+    m, unaware = OperatorModel(KEY), OperatorModel(KEY)
+    for obs in rows:
+        m.learn(obs)
+        unaware.learn(dataclasses.replace(obs, sys_seconds=None))
+    assert m.compute_seconds(rows[0]) == pytest.approx(rows[0].seconds - rows[0].sys_seconds)
+    assert m.compute_seconds(rows[-1]) == rows[-1].seconds, "a run that did not grow its worker keeps its wall time"
+    assert unaware.compute_seconds(dataclasses.replace(rows[0], sys_seconds=None)) is None
+    assert m.time_form() == "quadratic" and unaware.time_form() == "linear"
+    for e in (400_000, 600_000):  # half and two thirds of the largest: where a plan of more chunks would cut
+        assert m.seconds_for(e) == pytest.approx(0.02 + 5e-13 * e * e, rel=0.15)
+    # The line from the one clean size reads half the largest block at half its time: twice what it costs.
+    line = unaware.seconds_per_element() * 500_000
+    assert line > 1.5 * (0.02 + 5e-13 * 500_000**2)
 
 
 def test_a_prediction_below_the_blocks_own_bytes_does_not_teach_the_margin():

@@ -150,6 +150,25 @@ def test_wall_and_thread_cpu_seconds():
     assert busy.measurement.process_cpu_seconds >= busy.measurement.cpu_seconds * 0.9
 
 
+@pytest.mark.skipif(not hasattr(__import__("resource"), "RUSAGE_THREAD"), reason="no per-thread rusage (Linux only)")
+def test_kernel_time_is_where_faulting_in_fresh_memory_lands_and_a_busy_loop_has_little():
+    """The time model learns a run that grew its worker less its ``sys_seconds``: that must be the run's own
+    thread's kernel time, large for memory touched for the first time and small for pure computation."""
+    probe = FakeProbe()
+    with quiet_monitor(probe).track() as touching:
+        a = np.ones(256 * MiB, np.uint8)  # a fresh mapping: every page faulted in and zeroed by the kernel
+        del a
+    with quiet_monitor(probe).track() as busy:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.1:
+            pass
+    t, b = touching.measurement, busy.measurement
+    assert t.sys_seconds is not None and b.sys_seconds is not None
+    assert t.sys_seconds > 0.005 and t.sys_seconds <= t.cpu_seconds + 0.01
+    assert b.sys_seconds < 0.5 * b.cpu_seconds
+    assert t.observation_fields()["sys_seconds"] == t.sys_seconds
+
+
 # ----------------------------------------------------------------------------- failures keep their figures
 
 

@@ -249,7 +249,7 @@ def test_the_v7_column_keeps_how_far_a_run_grew_the_worker_and_old_rows_say_unkn
 def test_the_v8_columns_keep_a_gpu_maps_budget_and_its_out_of_memory_and_old_rows_have_neither(tmp_path):
     path = v2_store(tmp_path)
     with Store(path) as s:
-        assert s.schema_version() == SCHEMA_VERSION == 8
+        assert s.schema_version() == SCHEMA_VERSION
         (old,) = s.observations()
         s.add(make_obs(gpu_peak_bytes=5 * 2**30, gpu_budget_bytes=4 * 2**30, gpu_out_of_memory=True,
                        outcome="memory_error", censored=True))
@@ -259,6 +259,16 @@ def test_the_v8_columns_keep_a_gpu_maps_budget_and_its_out_of_memory_and_old_row
     assert (ran_out.gpu_budget_bytes, ran_out.gpu_out_of_memory, ran_out.gpu_peak_bytes) == (4 * 2**30, True,
                                                                                               5 * 2**30)
     assert (fine.gpu_budget_bytes, fine.gpu_out_of_memory) == (4 * 2**30, False)
+
+
+def test_the_v9_column_keeps_a_runs_kernel_time_and_old_rows_do_not_know_it(tmp_path):
+    path = v2_store(tmp_path)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION == 9
+        (old,) = s.observations()
+        s.add(make_obs(sys_seconds=0.3, grew_bytes=500 * 2**20))
+        (new,) = s.observations()[-1:]
+    assert old.sys_seconds is None and new.sys_seconds == 0.3
 
 
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
