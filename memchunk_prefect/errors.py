@@ -113,20 +113,23 @@ class ChunkOutOfMemoryError(MemchunkError, MemoryError):
     """A chunk ran out of memory and cannot be split any further.
 
     Carries ``operator``, ``chunk``, ``budget_bytes`` and ``needed_bytes`` (the
-    measured lower bound of what it needs), so a caller can act on them.
+    measured lower bound of what it needs), so a caller can act on them, and
+    ``device``: whose memory ran out, ``"host"`` or ``"gpu"`` (both figures are
+    then of that memory: a GPU chunk's against the map's GPU budget per task).
     """
 
     def __init__(self, message: str, *, operator: str = "", chunk: object = None,
-                 budget_bytes: int | None = None, needed_bytes: int | None = None):
+                 budget_bytes: int | None = None, needed_bytes: int | None = None, device: str = "host"):
         super().__init__(message)
         self.operator = operator
         self.chunk = chunk
         self.budget_bytes = budget_bytes
         self.needed_bytes = needed_bytes
+        self.device = device
 
     def __reduce__(self):
         return (_rebuild_chunk_oom, (self.args[0], self.operator, self.chunk,
-                                     self.budget_bytes, self.needed_bytes, type(self)))
+                                     self.budget_bytes, self.needed_bytes, type(self), self.device))
 
 
 class MemoryNotChunkSizeError(ChunkOutOfMemoryError):
@@ -135,8 +138,10 @@ class MemoryNotChunkSizeError(ChunkOutOfMemoryError):
     process), so the map stops instead of splitting on. Same fields as :class:`ChunkOutOfMemoryError`."""
 
 
-def _rebuild_chunk_oom(message, operator, chunk, budget_bytes, needed_bytes, cls=ChunkOutOfMemoryError):
-    return cls(message, operator=operator, chunk=chunk, budget_bytes=budget_bytes, needed_bytes=needed_bytes)
+def _rebuild_chunk_oom(message, operator, chunk, budget_bytes, needed_bytes, cls=ChunkOutOfMemoryError,
+                       device="host"):
+    return cls(message, operator=operator, chunk=chunk, budget_bytes=budget_bytes, needed_bytes=needed_bytes,
+               device=device)
 
 
 class ChunkMemoryError(MemchunkError, MemoryError):

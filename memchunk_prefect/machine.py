@@ -1207,18 +1207,20 @@ class MapMachine:
         """Split a chunk that ran out of memory; its pieces go to the front of the queue. Unsplittable: fail."""
         pieces = split_chunk(item.chunk, whole_traces=self.spec.whole_traces)
         label = self.spec.label(item.chunk)
+        on_gpu = cause.startswith("GPU")
         if not pieces:
             return self._fail(ChunkOutOfMemoryError(
                 f"{self.spec.name(item.chunk)} ran out of memory ({cause}) and cannot be split further "
                 f"(shape {item.chunk.shape}{', whole traces' if self.spec.whole_traces else ''}): it needed more "
                 + (f"than {format_bytes(needed_bytes)} of GPU memory. Run one worker per GPU (and one thread per "
                    "worker), use a GPU with more memory, or run this operator with device='cpu'"
-                   if cause.startswith("GPU") else
+                   if on_gpu else
                    f"than {format_bytes(needed_bytes)} with a budget of {format_bytes(self.budget_bytes)} per task. "
                    "Give workers more memory (memory_limit), fewer threads per worker, or a smaller operator "
                    "parameter"),
-                operator=self.spec.operator_key, chunk=item.chunk, budget_bytes=self.budget_bytes,
-                needed_bytes=needed_bytes))
+                operator=self.spec.operator_key, chunk=item.chunk,
+                budget_bytes=self.gpu_budget_bytes if on_gpu else self.budget_bytes, needed_bytes=needed_bytes,
+                device="gpu" if on_gpu else "host"))
         del self.in_flight[sid]
         self.queue.push_front(Pending(p, RETRY_SMALLER, item.attempt + 1, item.armed) for p in pieces)
         return [self._decided(RETRY_SMALLER, None,

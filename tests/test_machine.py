@@ -9,6 +9,7 @@ interleavings those cluster tests found.
 from __future__ import annotations
 
 import math
+import pickle
 from dataclasses import dataclass, field
 
 import pytest
@@ -453,6 +454,7 @@ def test_a_chunk_that_cannot_be_split_fails_the_map_and_stays_in_flight_to_be_se
     (fail,) = of(Fail, out)
     assert isinstance(fail.error, ChunkOutOfMemoryError) and "cannot be split" in str(fail.error)
     assert fail.error.chunk == Chunk((0, 0, 0), (1, 1, 10))
+    assert (fail.error.device, fail.error.budget_bytes) == ("host", 10 * MiB)
     assert sid in m.in_flight
     stop = m.handle(Stop("ChunkOutOfMemoryError", interrupted=False))
     assert of(MarkRuns, stop)[0].marks[0][0] == sid
@@ -821,7 +823,8 @@ def test_gpu_memory_errors_split_until_the_chunk_fits_or_cannot_be_split_saying_
     # out-of-memory, and a chunk that cannot be split further says what to do on a GPU.
     from memchunk_prefect.errors import ChunkOutOfMemoryError, MemoryNotChunkSizeError
 
-    m = _running_with_queue(Linear())
+    m = machine((64, 8, 10), knowledge=OnGpu(gpu_per_element=1.0), max_counts=64)
+    started(m, slots=1, budget=100 * 1024, gpu_budget_bytes=6 * MiB)
     sid = next(iter(m.in_flight))
     for _ in range(40):
         item = m.in_flight[sid]
@@ -836,6 +839,10 @@ def test_gpu_memory_errors_split_until_the_chunk_fits_or_cannot_be_split_saying_
     assert type(fail.error) is ChunkOutOfMemoryError and not isinstance(fail.error, MemoryNotChunkSizeError)
     assert item.attempt > 4 and item.chunk.shape[:2] == (1, 1), "split past memory_error_splits, to one trace"
     assert "7.0 MiB of GPU memory" in str(fail.error) and "device='cpu'" in str(fail.error)
+    # Its figures are the GPU's: what the chunk needed there against the GPU budget, not the host's 100 KiB.
+    assert (fail.error.device, fail.error.budget_bytes, fail.error.needed_bytes) == ("gpu", 6 * MiB, 7 * MiB)
+    again = pickle.loads(pickle.dumps(fail.error))  # as it crosses from the flow to a caller's process
+    assert (again.device, again.budget_bytes, again.needed_bytes) == ("gpu", 6 * MiB, 7 * MiB)
 
 
 def test_memory_errors_at_sizes_the_model_puts_near_the_budget_keep_splitting():
