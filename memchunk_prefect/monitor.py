@@ -66,7 +66,8 @@ starts (BLAS/FFT pools); ``process_cpu_seconds`` is the whole process's CPU time
 process did. ``sys_seconds`` is the part of the calling thread's CPU time spent in the
 kernel (``getrusage(RUSAGE_THREAD)``, Linux; None elsewhere): page faults and zeroing of
 memory the run touched. Memory a process holds for the first time costs far more there
-than memory it held before (on a Firecracker VM: 1.3 ms per MiB against 0.13 ms,
+than memory it held before (one trace_correlation block: 0.36-0.99 s of system CPU on a
+fresh process's first call, 0.05-0.06 s on later ones, the same user time;
 ``python -m benchmarks.first_touch``), and that cost lands in this figure, not in user time.
 
 **GPU** (``gpu=True``, the default): when ``pynvml`` (package ``nvidia-ml-py``)

@@ -84,7 +84,7 @@ class Observation:
     gpu_out_of_memory: bool = False
     #: Kernel CPU time of the run's thread (page faults and zeroing of the memory it touched), seconds; None if
     #: unknown (records older than schema v9, platforms without a per-thread figure). Of ``seconds``, the part
-    #: a first touch inflates: see :meth:`memchunk_prefect.model.OperatorModel.first_touch`.
+    #: a first touch inflates: see :meth:`memchunk_prefect.model.OperatorModel.compute_seconds`.
     sys_seconds: float | None = None
 
     def __post_init__(self) -> None:
