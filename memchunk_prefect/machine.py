@@ -87,6 +87,10 @@ RESTART = "restart"
 #: How a chunk's task run ended, as the report and ``ChunkedResult.events`` call it.
 OK, MEMORY_ERROR, KILLED, LOST = "ok", "memory_error", "killed", "lost"
 
+#: A probe wave's blocks differ from the last wave's by at least this factor (smaller or larger): two sizes
+#: this far apart separate a fixed overhead from a slope.
+PROBE_SIZE_STEP = 1.5
+
 #: The machine's phases. ``failed``: a :class:`Fail` was issued and the executor is stopping.
 NEW, RUNNING, FINISHED, FAILED, STOPPED = "new", "running", "finished", "failed", "stopped"
 
@@ -641,6 +645,7 @@ class MapMachine:
     probe_scale: float = 0.0  # the last probe wave's blocks, as a share of the largest probe (0: none yet)
     probe_peak: int = 0  # the largest peak (bytes) a probe of the last wave measured
     probe_gpu_peak: int = 0  # on the GPU: the largest GPU peak (bytes) a probe of the last wave measured
+    probe_smallest_read: int = 0  # elements (halo included) of the smallest block a probe of this map read
     region_reason: str = "after probing: "
     deaths: int = 0  # worker deaths seen (their task runs are settled at the end)
     gpu_restarts: int = 0  # workers restarted for a broken GPU context (GpuContextLost)
@@ -800,6 +805,8 @@ class MapMachine:
         out.append(self._decided(d.decision, d.plan, d.reason, ev.at))
         self.queue.extend(Pending(c, d.decision, armed=self.arm is not None) for c in d.plan.chunks)
         self.regions.extend(d.plan.remainder)
+        if d.plan.probe:
+            self.probe_smallest_read = self._smallest_read(d.plan.chunks)
         self.planned_upper = d.plan.upper_bound_bytes
         return out
 
@@ -1039,17 +1046,11 @@ class MapMachine:
         for index, region in enumerate(pending):
             p = chosen[index] if chosen is not None else self._plan(region, slots[index])
             if p.probe:
-                # Probe again in the largest box left (the first may be a sliver the last wave left), sized by
-                # what the last wave measured.
-                region = max(pending[index:], key=lambda c: c.elements)
                 self.probe_scale = self._next_probe_scale()
+                region, p = self._next_probe_wave(pending[index:], p.probe_reason)
                 self.probe_peak = self.probe_gpu_peak = 0
-                p = policy.probe_plan(self.spec.shape, budget_bytes=policy.probe_budget(self.budget_bytes,
-                                                                                        self.gpu_limit),
-                                      halo=self.spec.halo,
-                                      slots=self.slots, whole_traces=self.spec.whole_traces, region=region,
-                                      itemsize=ITEMSIZE, settings=self.settings, scale=self.probe_scale,
-                                      reason=p.probe_reason)
+                reads = [r for r in (self.probe_smallest_read, self._smallest_read(p.chunks)) if r]
+                self.probe_smallest_read = min(reads, default=0)
                 out.append(self._decided(PROBE, p, p.reason, at, region=region.key()))
                 self.queue.extend(Pending(c, p.decision) for c in p.chunks)
                 self.regions = list(p.remainder) + [r for r in pending[index:] if r is not region]
@@ -1060,6 +1061,45 @@ class MapMachine:
             self.planned_upper = self.queue_bound()
             self.planned_budget = self.budget_bytes
         return out
+
+    def _next_probe_wave(self, boxes: list[Chunk], reason: str) -> tuple[Chunk, Plan]:
+        """Where the next probe wave goes, and the wave: a box left that it takes whole, else the largest box.
+
+        A box a wave takes whole is a sliver the last wave left (the rest of the first iline, where one iline
+        across every xline was more than a probe may read). Taken now, it is work that had to be done anyway, in
+        pieces a sliver is cut into anyway; left for after the probes, it is one more thin chunk whose halo is
+        most of what it reads, and the largest box gives up a strip to a wave of small, halo-heavy probes (on a
+        128 x 128 x 400 survey, gst3d_dip's halo of 12 traces each side made a 1-iline sliver read 13x its
+        output and the second wave's 13-iline probes 2.4x). Taken only where its largest probe reads at least
+        ``PROBE_SIZE_STEP`` x the smallest any probe of the map read (what a second wave is for: sizes that far
+        apart separate a slope from a fixed overhead); else the wave goes into the largest box, sized by what
+        the last wave measured (and so is a map's first wave here, after a resume).
+        """
+
+        def wave(box: Chunk) -> Plan:
+            return policy.probe_plan(self.spec.shape, budget_bytes=policy.probe_budget(self.budget_bytes,
+                                                                                       self.gpu_limit),
+                                     halo=self.spec.halo, slots=self.slots, whole_traces=self.spec.whole_traces,
+                                     region=box, itemsize=ITEMSIZE, settings=self.settings, scale=self.probe_scale,
+                                     reason=reason, others_left=len(boxes) > 1)
+
+        largest = max(boxes, key=lambda c: c.elements)
+        for box in boxes:
+            if box is largest:
+                continue
+            p = wave(box)
+            if (self.probe_smallest_read and not p.remainder
+                    and self._largest_read(p.chunks) >= PROBE_SIZE_STEP * self.probe_smallest_read):
+                return box, p
+        return largest, wave(largest)
+
+    def _largest_read(self, chunks: Iterable[Chunk]) -> int:
+        """Elements (halo included) of the largest block these chunks read."""
+        return max((math.prod(self.spec.read_extents(c)) for c in chunks), default=0)
+
+    def _smallest_read(self, chunks: Iterable[Chunk]) -> int:
+        """Elements (halo included) of the smallest block these chunks read."""
+        return min((math.prod(self.spec.read_extents(c)) for c in chunks), default=0)
 
     def _next_probe_scale(self) -> float:
         """The next probe wave's blocks, as a share of the largest an operator needing ``probe_multiple`` x its
@@ -1077,7 +1117,7 @@ class MapMachine:
                 return last / 4
             room = min(room, self.gpu_budget_bytes / self.probe_gpu_peak)
         up = min(1.0, last * math.sqrt(s.probe_growth_budget * room))
-        return up if up >= 1.5 * last else last / 1.5
+        return up if up >= PROBE_SIZE_STEP * last else last / PROBE_SIZE_STEP
 
     def _maybe_replan(self, at: float) -> list[Instruction]:
         """Mid-map: when the bound for what is queued moved enough, or the cluster's slots changed

@@ -526,6 +526,7 @@ def probe_plan(
     settings: PolicySettings = DEFAULT_SETTINGS,
     scale: float | None = None,
     reason: str = "too little history",
+    others_left: bool = False,
 ) -> Plan:
     """A cold-start probe wave: one chunk per slot (at least two), all of one size, from ``region``'s start.
 
@@ -541,7 +542,10 @@ def probe_plan(
     in its traces was killed), then as large as that growth allows, because a
     light operator measured only at its memory floor is planned several times
     too cautiously. What is left (``remainder``) is at most three boxes. Probes
-    are real work: their results are kept.
+    are real work: their results are kept. A wave that takes all of ``region``
+    when nothing else is left to plan teaches two sizes itself (else the next
+    run would probe one size again); ``others_left``: boxes outside ``region``
+    remain to be planned after it, so its probes may all be of one size.
 
     >>> p = probe_plan((10, 40, 100), budget_bytes=100 * 4 * 12_000, slots=2, scale=1.0)
     >>> [c.shape for c in p.chunks], [c.shape for c in p.remainder]
@@ -592,10 +596,9 @@ def probe_plan(
         rows = _largest(1, r[0], lambda k: read(k, widths, t_len) <= max_elems)
     else:  # even one iline across every xline is too much: the probes take part of the first iline
         widths = [_largest(1, max(1, r[1] // n), lambda k: read(1, [k] * n, t_len) <= max_elems)] * n
-    if rows >= r[0] and t_len == r[2] and r[1] >= 3:
-        # The wave takes the whole region: nothing is left to plan, so it must teach two sizes itself (else the
-        # next run would probe one size again): 2 units on half the slots, 1 unit twice on the others, the
-        # larger first (every slot holds 2 units).
+    if rows >= r[0] and t_len == r[2] and r[1] >= 3 and not others_left:
+        # The wave takes the whole region and nothing else is left to plan, so it must teach two sizes itself:
+        # 2 units on half the slots, 1 unit twice on the others, the larger first (every slot holds 2 units).
         sizes = [2] * -(-n // 2) + [1] * (2 * (n // 2))
         while sum(sizes) > r[1] and len(sizes) > 2:
             sizes.pop()

@@ -283,6 +283,42 @@ def test_cold_start_probes_twice_then_plans_every_box_left_once():
     assert covers_exactly(planned, (64, 40, 10))
 
 
+@pytest.mark.parametrize("xlines, second_in", [(40, "the sliver"), (15, "the largest box")])
+def test_the_second_probe_wave_takes_the_sliver_the_first_left_when_that_teaches_a_second_size(xlines, second_in):
+    """A halo too wide for one iline across every xline: the first wave takes part of the first iline. The second
+    takes the rest of that iline (work a thin chunk would do after the probes anyway, reading mostly halo) where
+    its largest probe reads at least 1.5x the smallest the first wave read (4 x 7 x 10 elements); a sliver too
+    small for that is left, and the wave goes into the largest box."""
+    know = Linear(ready=False)
+    m = machine((32, xlines, 10), knowledge=know, halo=(3, 3, 0))
+    # 400 elements per first-wave probe: one iline across every xline reads 4 x 23 x 10 = 920.
+    budget = int(100 * 4 * 400 / m.settings.probe_first_share)
+    _, probes = started(m, slots=2, budget=budget)
+    wave1 = of(Submit, probes)
+    assert [s.chunk for s in wave1] == [Chunk((0, 0, 0), (1, 4, 10)), Chunk((0, 4, 0), (1, 8, 10))]
+    sliver = Chunk((0, 8, 0), (1, xlines, 10))
+    assert sliver in m.regions
+    out = []
+    for s in wave1:
+        out += m.handle(ChunkDone(s.id, obs(s.chunk, peak=100 * s.chunk.elements)))
+        out += m.advance()
+    wave2 = [s.chunk for s in of(Submit, out)]
+    if second_in == "the sliver":
+        assert wave2 == [Chunk((0, 8, 0), (1, 24, 10)), Chunk((0, 24, 0), (1, 40, 10))]
+        assert m.regions == [Chunk((1, 0, 0), (32, 40, 10))], "one box left: nothing thin to run after the probes"
+    else:
+        assert all(c.start[0] >= 1 for c in wave2) and sliver in m.regions
+    know.ready = True
+    out = []
+    for c in list(m.in_flight):
+        out += m.handle(ChunkDone(c, obs(m.in_flight[c].chunk)))
+        out += m.advance()
+    planned = [q.chunk for q in m.queue] + [i.chunk for i in m.in_flight.values()] + [s.chunk for s in wave1] + wave2
+    assert covers_exactly(planned, (32, xlines, 10))
+    if second_in == "the sliver":
+        assert [d.record.region for d in of(Decided, out)] == [Chunk((1, 0, 0), (32, 40, 10)).key()]
+
+
 @pytest.mark.parametrize("first_peak_share, grows", [
     (0.001, "to the largest probe"),   # a light operator: the second wave as large as any unknown one may be
     (0.05, "by sqrt(0.8 / 0.05) = 4x"),  # memory quadratic in the block would still fit
