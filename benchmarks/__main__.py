@@ -1,6 +1,6 @@
 """Side by side: Dask auto-chunking, hand-tuned static chunks, split-on-failure and MemoryAwareRunner.
 
-    python -m benchmarks [--quick] [--json PATH] [--plot PATH]
+    python -m benchmarks [--quick] [--json PATH] [--plot PATH] [--workdir DIR] [--repeats N]
 
 On one local Dask cluster of single-thread worker processes with a real,
 nanny-enforced ``memory_limit`` (``allowed-failures`` 0), every strategy runs
@@ -10,6 +10,8 @@ it in one piece under the limit — and the benchmark prints a table, writes the
 JSON (``--json``) and a PNG plot (``--plot``, needs matplotlib). See
 ``benchmarks/strategies.py`` for what each strategy does and how each figure is
 measured, and BENCHMARKS.md for the targets and the figures of a full run.
+The static sweep and the memchunk/heuristic rows run in ``--repeats`` rounds
+(default 3, ``--quick`` 1), each row the median run (``strategies.in_rounds``).
 
 Also measured: the warm runner at 1x, 2x and 4x the volume (seconds per
 element), and the runner's overhead over a plain ``DaskTaskRunner`` on identical
@@ -22,6 +24,7 @@ for the whole benchmark (``prefect_test_harness``), telemetry off.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -49,16 +52,17 @@ class Config:
     overhead_chunks: int
     overhead_pairs: int
     scaling: tuple[int, ...]
+    repeats: int  # rounds of the static sweep and the memchunk/heuristic rows (each row: the median run)
 
 
 #: 128 x 128 x 400 float32 = 25 MiB: gst3d_dip in one piece needs ~1.05 GiB, over a 1 GiB worker.
 FULL = Config(shape=(128, 128, 400), memory_limit="1GiB", n_workers=2, static_counts=(1, 2, 4, 8, 16),
-              overhead_chunks=8, overhead_pairs=5, scaling=(1, 2, 4))
+              overhead_chunks=8, overhead_pairs=5, scaling=(1, 2, 4), repeats=3)
 #: 64 x 96 x 400 = 9.4 MiB: ~400 MiB for gst3d_dip in one piece, over a 640 MiB worker's kill line (608 MiB)
 #: with its ~200 MiB resting memory. A smoke test (one scaling point, one sweep point, one overhead pair): its
 #: figures are not the benchmark's.
 QUICK = Config(shape=(64, 96, 400), memory_limit="640MiB", n_workers=2, static_counts=(8,),
-               overhead_chunks=8, overhead_pairs=1, scaling=(1,))
+               overhead_chunks=8, overhead_pairs=1, scaling=(1,), repeats=1)
 
 TARGETS = [
     ("memchunk-warm: 0 out-of-memory events", "warm_oom"),
@@ -239,23 +243,23 @@ def run(cfg: Config, quick: bool, workdir: Path) -> dict:
     quality: list[dict] = []
     try:
         results.append(bench.measure("dask-auto", lambda: st.run_dask_auto(bench, survey, steps)))
-        statics = []
-        for n in cfg.static_counts:
-            r = bench.measure(f"static-{n}", lambda n=n: st.run_static(bench, survey, steps, n, f"static-{n}"))
-            results.append(r)
-            statics.append(r)
-        results.append(st.static_best(statics))
         results.append(bench.measure("split-on-failure", lambda: st.run_split(bench, survey, steps)))
-        store = str(workdir / "memchunk-store.sqlite")
-        results.append(bench.measure("memchunk-cold", lambda: st.run_memchunk(bench, survey, steps, store, "cold")))
-        warm = bench.measure("memchunk-warm", lambda: st.run_memchunk(bench, survey, steps, store, "warm"))
-        results.append(warm)
-        # The ablation: the same runner with the learned policy off, on a store of its own.
-        h_store = str(workdir / "heuristic-store.sqlite")
-        results.append(bench.measure("heuristic-cold", lambda: st.run_memchunk(
-            bench, survey, steps, h_store, "h-cold", learned_policy=False)))
-        results.append(bench.measure("heuristic-warm", lambda: st.run_memchunk(
-            bench, survey, steps, h_store, "h-warm", learned_policy=False)))
+        store = str(workdir / "memchunk-store.sqlite")  # the first round's: scaling, overhead and quality use it
+
+        def store_of(kind: str, r: int) -> str:
+            """Each round's cold run starts from an empty store of its own."""
+            return store if kind == "memchunk" and r == 0 else str(workdir / f"{kind}-store-{r}.sqlite")
+
+        # The ablation (heuristic-*): the same runner with the learned policy off, on a store of its own.
+        rows = st.in_rounds(bench, [(f"static-{n}", lambda n=n: st.run_static(bench, survey, steps, n, f"static-{n}"))
+                                    for n in cfg.static_counts],
+                            [(f"{kind}-{phase}", lambda r, k=kind, ph=phase: st.run_memchunk(
+                                bench, survey, steps, store_of(k, r), f"{k}-{ph}-{r}", learned_policy=k == "memchunk"))
+                             for kind in ("memchunk", "heuristic") for phase in ("cold", "warm")], cfg.repeats)
+        statics = rows[:len(cfg.static_counts)]
+        results[1:1] = [*statics, st.static_best(statics)]
+        results += rows[len(cfg.static_counts):]
+        warm = next(r for r in results if r.name == "memchunk-warm")
 
         elements = st.volume_elements(cfg.shape)
         for k in cfg.scaling:
@@ -292,7 +296,7 @@ def run(cfg: Config, quick: bool, workdir: Path) -> dict:
         "config": {"quick": quick, "shape": list(cfg.shape), "memory_limit": cfg.memory_limit,
                    "n_workers": cfg.n_workers, "threads_per_worker": 1, "allowed_failures": 0,
                    "static_counts": list(cfg.static_counts), "overhead_chunks": cfg.overhead_chunks,
-                   "overhead_pairs": cfg.overhead_pairs, "steps": steps},
+                   "overhead_pairs": cfg.overhead_pairs, "repeats": cfg.repeats, "steps": steps},
         "total_seconds": round(time.perf_counter() - t_start, 1),
     }
     targets = evaluate(strategies, overhead, scaling, len(steps))
@@ -321,8 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG plot (needs matplotlib)")
     p.add_argument("--workdir", metavar="DIR", help="where surveys and outputs go (default: a temporary directory)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="rounds of the static sweep and the memchunk/heuristic rows, each row the median run "
+                        "(default 3; --quick 1)")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
+    if args.repeats is not None:
+        if args.repeats < 1:
+            p.error(f"--repeats must be at least 1, got {args.repeats}")
+        cfg = dataclasses.replace(cfg, repeats=args.repeats)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="memchunk-bench-")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package

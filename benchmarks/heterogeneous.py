@@ -1,6 +1,6 @@
 """A workload where no single static chunking is right: four operators of very different memory growth, two surveys.
 
-    python -m benchmarks.heterogeneous [--quick] [--json PATH]
+    python -m benchmarks.heterogeneous [--quick] [--json PATH] [--workdir DIR] [--repeats N]
 
 The chain, over each survey (the same local cluster as ``python -m benchmarks``:
 single-thread worker processes with a nanny-enforced ``memory_limit``,
@@ -23,7 +23,9 @@ complete (a static N too coarse for trace_correlation or gst3d_dip) are listed.
 Rows per survey: ``static-N`` for each N, ``static-best``, ``memchunk-cold``
 (an empty store), ``memchunk-warm`` (the same store again), and the ablation
 ``heuristic-cold`` / ``heuristic-warm`` (the learned policy off, a store of its
-own). Each survey gets fresh stores: what is learned on one survey is not
+own). Every row is the median of ``--repeats`` rounds (default 3; statics far
+behind the fastest run once: ``benchmarks.strategies.in_rounds``), each round's
+cold runs on empty stores of their own. Each survey gets fresh stores: what is learned on one survey is not
 carried to the next (that is ``python -m benchmarks``'s scaling rows).
 
 Targets (issue: "a learned decision policy that beats hand tuning"):
@@ -67,7 +69,8 @@ TARGETS = [
 ]
 
 
-def run_survey(bench: Any, shape: tuple[int, int, int], statics: tuple[int, ...], workdir: Path) -> dict:
+def run_survey(bench: Any, shape: tuple[int, int, int], statics: tuple[int, ...], workdir: Path,
+               repeats: int = 1) -> dict:
     from benchmarks import strategies as st
 
     steps = [dict(s) for s in HETERO_STEPS]
@@ -75,15 +78,19 @@ def run_survey(bench: Any, shape: tuple[int, int, int], statics: tuple[int, ...]
     tag = f"{il}x{xl}x{nt}"
     survey = st.make_survey(workdir / f"survey-{tag}.sgy", shape)
     print(f"survey {shape} ({il * xl * nt * 4 / 2**20:.1f} MiB float32)", flush=True)
-    results: list[st.StrategyResult] = [
-        bench.measure(f"static-{n}", lambda n=n: st.run_static(bench, survey, steps, n, f"static-{n}-{tag}"))
-        for n in statics]
-    results.append(st.static_best(results))
-    for name, learned in (("memchunk", True), ("heuristic", False)):
-        store = str(workdir / f"{name}-{tag}.sqlite")
-        for phase in ("cold", "warm"):
-            results.append(bench.measure(f"{name}-{phase}", lambda p=phase, s=store, lp=learned, n=name: (
-                st.run_memchunk(bench, survey, steps, s, f"{n}-{p}-{tag}", learned_policy=lp))))
+
+    def store_of(name: str, r: int) -> str:
+        """Each round's cold run starts from an empty store of its own (the first round's is the one reported)."""
+        return str(workdir / (f"{name}-{tag}.sqlite" if r == 0 else f"{name}-{tag}-{r}.sqlite"))
+
+    rows = st.in_rounds(bench, [(f"static-{n}", lambda n=n: st.run_static(bench, survey, steps, n,
+                                                                          f"static-{n}-{tag}")) for n in statics],
+                        [(f"{name}-{phase}", lambda r, p=phase, lp=learned, n=name: (
+                            st.run_memchunk(bench, survey, steps, store_of(n, r), f"{n}-{p}-{tag}-{r}",
+                                            learned_policy=lp)))
+                         for name, learned in (("memchunk", True), ("heuristic", False))
+                         for phase in ("cold", "warm")], repeats)
+    results = [*rows[:len(statics)], st.static_best(rows[:len(statics)]), *rows[len(statics):]]
     warm = next(r for r in results if r.name == "memchunk-warm")
     quality = st.learning_quality(str(workdir / f"memchunk-{tag}.sqlite"), warm.to_dict())
     return {"shape": list(shape), "strategies": [r.to_dict() for r in results], "learning_quality": quality}
@@ -141,7 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one small survey, two static counts (a smoke test)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--workdir", metavar="DIR", help="where surveys and outputs go (default: a temporary directory)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="rounds of the static sweep and the memchunk/heuristic rows per survey, each row the median "
+                        "run (default 3; --quick 1)")
     args = p.parse_args(argv)
+    repeats = args.repeats if args.repeats is not None else (1 if args.quick else 3)
+    if repeats < 1:
+        p.error(f"--repeats must be at least 1, got {repeats}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="memchunk-hetero-")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
@@ -157,14 +170,14 @@ def main(argv: list[str] | None = None) -> int:
             bench = st.Bench(N_WORKERS, MEMORY_LIMIT, workdir)
             try:
                 for shape in surveys_cfg:
-                    surveys.append(run_survey(bench, shape, statics, workdir))
+                    surveys.append(run_survey(bench, shape, statics, workdir, repeats))
             finally:
                 bench.close()
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     result = {"steps": HETERO_STEPS, "surveys": surveys, "machine": machine, "quick": args.quick,
-              "memory_limit": MEMORY_LIMIT, "n_workers": N_WORKERS, "static_counts": list(statics),
+              "memory_limit": MEMORY_LIMIT, "n_workers": N_WORKERS, "static_counts": list(statics), "repeats": repeats,
               "targets": evaluate(surveys), "total_seconds": round(time.perf_counter() - t0, 1)}
     for s in surveys:
         print(f"\nsurvey {tuple(s['shape'])}")

@@ -617,6 +617,62 @@ def static_best(statics: Sequence[StrategyResult]) -> StrategyResult:
                           peak_memory_fraction=b.peak_memory_fraction, notes=f"= {b.name}", extra={"of": b.name})
 
 
+#: A static N whose first wall is over this many times the fastest first wall is not run again: it cannot be
+#: the best (run-to-run spread on the 2-core machine was at most ~25%), and the sweep's slow end is most of
+#: its time.
+REPEAT_WITHIN = 1.5
+
+
+def in_rounds(bench: Bench, statics: Sequence[tuple[str, Callable[[], dict]]],
+              others: Sequence[tuple[str, Callable[[int], dict]]], repeats: int) -> list[StrategyResult]:
+    """Each strategy ``repeats`` times, round by round (every strategy once per round, in order), each row the
+    median of its runs (:func:`median_of`).
+
+    One run of each on a 2-core machine that also hosts the Prefect server moved by 10-20% from run to run
+    with identical plans (memchunk-warm 8.3-10.9 s, static-2 8.3-10.1 s on the same survey), as much as the
+    targets' margins; rounds spread slow spells over every strategy instead of one. ``others`` get the round's
+    index (a cold run needs a store of its own each round). Statics that did not complete, or whose first wall
+    is over ``REPEAT_WITHIN`` x the fastest, run once.
+    """
+    repeats = max(1, int(repeats))
+    runs: dict[str, list[StrategyResult]] = {}
+
+    def label(name: str, r: int) -> str:
+        return name if repeats == 1 else f"{name} #{r + 1}"
+
+    for r in range(repeats):
+        fastest = min((x[0].wall_seconds for x in runs.values() if x[0].completed), default=math.inf)
+        for name, fn in statics:
+            first = runs.get(name)
+            if first and (not first[0].completed or first[0].wall_seconds > REPEAT_WITHIN * fastest):
+                continue
+            runs.setdefault(name, []).append(bench.measure(label(name, r), fn))
+        for name, fn_r in others:
+            runs.setdefault(name, []).append(bench.measure(label(name, r), lambda fn_r=fn_r, r=r: fn_r(r)))
+    return [median_of(name, runs[name]) for name, _ in [*statics, *others]]
+
+
+def median_of(name: str, runs: Sequence[StrategyResult]) -> StrategyResult:
+    """One row for repeated runs of a strategy: the run with the median wall (the lower middle of an even
+    count), with every run's wall in ``extra["walls"]`` and out-of-memory events summed over the runs (a
+    target of none holds only if no run had one). A strategy that failed in any run is the first failed run."""
+    walls = [round(r.wall_seconds, 3) for r in runs]
+    failed = [r for r in runs if not r.completed]
+    if failed:
+        row = failed[0]
+    else:
+        ordered = sorted(runs, key=lambda r: r.wall_seconds)
+        row = ordered[(len(ordered) - 1) // 2]
+    extra = dict(row.extra, walls=walls) if len(runs) > 1 else dict(row.extra)
+    return StrategyResult(name=name, wall_seconds=row.wall_seconds, completed=row.completed,
+                          oom_events=sum(r.oom_events for r in runs), tasks=row.tasks,
+                          lost_worker_seconds=row.lost_worker_seconds, peak_memory_fraction=max(
+                              (r.peak_memory_fraction for r in runs if r.peak_memory_fraction is not None),
+                              default=None),
+                          notes=row.notes + (f" (median of {len(runs)}: {', '.join(f'{w:.1f}' for w in walls)} s)"
+                                             if len(runs) > 1 else ""), extra=extra)
+
+
 def iline_slabs(shape: Sequence[int], n: int) -> list[Any]:
     from memchunk_prefect.chunks import balanced_grid
 

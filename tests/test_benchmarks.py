@@ -331,3 +331,44 @@ def test_overlap_benchmark_times_both_ways_and_compares_their_outputs(tmp_path):
         assert [r["chunks"] for r in row["runs"]["blocking"]] == [r["chunks"] for r in row["runs"]["overlapped"]]
         for run in row["runs"]["blocking"] + row["runs"]["overlapped"]:
             assert [len(m) for m in run["chunk_seconds"]] == run["chunks"]
+
+
+def test_rounds_repeat_every_strategy_in_turn_and_report_each_ones_median_run():
+    """The static sweep and the memchunk rows run round by round; a row is its median run, with every wall kept
+    and out-of-memory events summed; statics that failed or were far behind the fastest are not run again."""
+    from benchmarks import strategies as st
+
+    class Bench:
+        def __init__(self):
+            self.order = []
+
+        def measure(self, name, fn):
+            self.order.append(name)
+            out = fn()
+            return st.StrategyResult(name=name, wall_seconds=out["seconds"], completed=out["completed"],
+                                     oom_events=out.get("oom", 0), tasks=1, lost_worker_seconds=0.0,
+                                     peak_memory_fraction=0.5)
+
+    walls = {"static-2": iter([10.0, 12.0, 8.0]), "static-8": iter([16.0])}
+
+    def static(name, completed=True):
+        return lambda: {"seconds": next(walls[name]) if completed else 3.0, "completed": completed}
+
+    cold = iter([(13.0, 0), (11.0, 1), (12.0, 0)])
+
+    def memchunk(r):
+        seconds, oom = next(cold)
+        return {"seconds": seconds, "completed": True, "oom": oom, "round": r}
+
+    bench = Bench()
+    rows = st.in_rounds(bench, [("static-1", static("static-1", completed=False)), ("static-2", static("static-2")),
+                                ("static-8", static("static-8"))], [("memchunk-cold", memchunk)], repeats=3)
+    assert bench.order == ["static-1 #1", "static-2 #1", "static-8 #1", "memchunk-cold #1",
+                           "static-2 #2", "memchunk-cold #2", "static-2 #3", "memchunk-cold #3"]
+    by = {r.name: r for r in rows}
+    assert [r.name for r in rows] == ["static-1", "static-2", "static-8", "memchunk-cold"]
+    assert not by["static-1"].completed
+    assert by["static-2"].wall_seconds == 10.0 and by["static-2"].extra["walls"] == [10.0, 12.0, 8.0]
+    assert by["static-8"].wall_seconds == 16.0, "16 s is over 1.5x the fastest first run (10 s): run once"
+    assert by["memchunk-cold"].wall_seconds == 12.0 and by["memchunk-cold"].oom_events == 1
+    assert "median of 3: 13.0, 11.0, 12.0 s" in by["memchunk-cold"].notes
