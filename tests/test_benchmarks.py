@@ -372,3 +372,25 @@ def test_rounds_repeat_every_strategy_in_turn_and_report_each_ones_median_run():
     assert by["static-8"].wall_seconds == 16.0, "16 s is over 1.5x the fastest first run (10 s): run once"
     assert by["memchunk-cold"].wall_seconds == 12.0 and by["memchunk-cold"].oom_events == 1
     assert "median of 3: 13.0, 11.0, 12.0 s" in by["memchunk-cold"].notes
+
+
+def test_cold_start_reads_each_operators_map_from_the_store(tmp_path):
+    """benchmarks/cold_start.py: a map's seconds run from its first chunk's start to its last chunk's end; chunks
+    and traces read (halo included) are summed; failed runs are not the map's work."""
+    from benchmarks import cold_start
+    from memchunk_prefect.records import Observation
+    from memchunk_prefect.store import Store
+
+    store = Store(str(tmp_path / "s.sqlite"))
+    key = "gst3d_dip[sigma_gradient=1;sigma_tensor=2]|float32|cpu"
+    for start, seconds, extents, outcome in [(100.0, 0.5, (13, 34, 400), "ok"), (100.1, 0.6, (13, 46, 400), "ok"),
+                                             (100.8, 7.0, (128, 76, 400), "ok"),
+                                             (100.8, 2.0, (128, 76, 400), "memory_error")]:
+        store.add(Observation(key, extents[0] * extents[1] * extents[2], extents, 4, 10, seconds=seconds,
+                              outcome=outcome, censored=outcome != "ok", started_at=start))
+    store.add(Observation("envelope|float32|cpu", 10, (1, 1, 10), 4, 10, seconds=0.2, started_at=99.0))
+    store.close()
+    ops = cold_start.per_operator(str(tmp_path / "s.sqlite"))
+    assert ops["gst3d_dip"] == {"map_seconds": 7.8, "starts_at": 1.0, "chunks": 3,
+                                "traces_read": 13 * 34 + 13 * 46 + 128 * 76}
+    assert ops["envelope"]["starts_at"] == 0.0 and ops["envelope"]["chunks"] == 1
