@@ -632,7 +632,7 @@ def in_rounds(bench: Bench, statics: Sequence[tuple[str, Callable[[], dict]]],
     with identical plans (memchunk-warm 8.3-10.9 s, static-2 8.3-10.1 s on the same survey), as much as the
     targets' margins; rounds spread slow spells over every strategy instead of one. ``others`` get the round's
     index (a cold run needs a store of its own each round). Statics that did not complete, or whose first wall
-    is over ``REPEAT_WITHIN`` x the fastest, run once.
+    is over ``REPEAT_WITHIN`` x the fastest static's, run once.
     """
     repeats = max(1, int(repeats))
     runs: dict[str, list[StrategyResult]] = {}
@@ -641,7 +641,8 @@ def in_rounds(bench: Bench, statics: Sequence[tuple[str, Callable[[], dict]]],
         return name if repeats == 1 else f"{name} #{r + 1}"
 
     for r in range(repeats):
-        fastest = min((x[0].wall_seconds for x in runs.values() if x[0].completed), default=math.inf)
+        fastest = min((runs[name][0].wall_seconds for name, _ in statics
+                       if name in runs and runs[name][0].completed), default=math.inf)
         for name, fn in statics:
             first = runs.get(name)
             if first and (not first[0].completed or first[0].wall_seconds > REPEAT_WITHIN * fastest):
