@@ -1069,11 +1069,11 @@ class MapMachine:
         across every xline was more than a probe may read). Taken now, it is work that had to be done anyway, in
         pieces a sliver is cut into anyway; left for after the probes, it is one more thin chunk whose halo is
         most of what it reads, and the largest box gives up a strip to a wave of small, halo-heavy probes (on a
-        128 x 128 x 400 survey, gst3d_dip's halo of 12 traces each side made a 1-iline sliver read 13x its
-        output and the second wave's 13-iline probes 2.4x). Taken only where its largest probe reads at least
-        ``PROBE_SIZE_STEP`` x the smallest any probe of the map read (what a second wave is for: sizes that far
-        apart separate a slope from a fixed overhead); else the wave goes into the largest box, sized by what
-        the last wave measured (and so is a map's first wave here, after a resume).
+        128 x 128 x 400 survey, gst3d_dip's halo of 12 traces each side made a 1 x 84-trace sliver read 13 x 96
+        traces, 15x its output, and the second wave's 16 x 64-trace probes 2.2x). Taken only where its largest
+        probe reads at least ``PROBE_SIZE_STEP`` x the smallest any probe of the map read (what a second wave is
+        for: sizes that far apart separate a slope from a fixed overhead); else the wave goes into the largest
+        box, sized by what the last wave measured (and so is a map's first wave here, after a resume).
         """
 
         def wave(box: Chunk) -> Plan:
