@@ -109,6 +109,7 @@ Units: bytes (``*_bytes``), elements (counts), MiB / Mi-elements inside only.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -394,7 +395,11 @@ class OperatorModel:
     its seconds less its kernel CPU time teach time (:meth:`compute_seconds`); where that is unknown, its
     seconds teach time only while no run without that cost has been learned;
     ``size_weight``: a memory row counts ``(its size / the largest's) ** size_weight``
-    in the fit (see the module docstring; 0: every block alike).
+    in the fit (see the module docstring; 0: every block alike);
+    ``time_curve_margin`` and ``time_gap_ratio``: a curved time form is used only
+    where the runs measured support it: no two consecutive sizes more than
+    ``time_gap_ratio`` apart, or seconds per element at the largest blocks above the
+    smallest blocks' by more than ``time_curve_margin`` (:meth:`curve_supported`).
 
     Not thread-safe on its own; :class:`ModelBank` serializes ``learn`` and ``predict``.
     ``shared`` observations (other tasks ran in the same process) are learned as
@@ -422,6 +427,8 @@ class OperatorModel:
     first_touch_bytes: float = 16 * MIB
     first_touch_share: float = 0.25
     size_weight: float = 0.5
+    time_curve_margin: float = 0.1
+    time_gap_ratio: float = 4.0
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
@@ -440,6 +447,7 @@ class OperatorModel:
     _first_touch_rates: deque = field(init=False, repr=False)  # seconds per element of runs that grew the worker
     _time_forms: dict[str, _Form] = field(init=False, repr=False)
     _time_sizes: set = field(init=False, repr=False)
+    _time_runs: deque = field(init=False, repr=False)  # (elements, compute seconds) of the runs time learned
     _ratios: deque = field(init=False, repr=False)
     _unseen: deque = field(init=False, repr=False)
     _energy: deque = field(init=False, repr=False)
@@ -453,6 +461,10 @@ class OperatorModel:
                              f"got {self.min_observations!r}")
         if self.outlier_ratio <= 1.0:
             raise ValueError(f"outlier_ratio must be above 1, got {self.outlier_ratio!r}")
+        if not self.time_curve_margin >= 0.0:
+            raise ValueError(f"time_curve_margin must be a fraction of at least 0, got {self.time_curve_margin!r}")
+        if not self.time_gap_ratio > 1.0:
+            raise ValueError(f"time_gap_ratio must be above 1, got {self.time_gap_ratio!r}")
         # River's regression is conjugate in the noise: beta = 1 on relative targets makes every prior variance
         # a multiple of the noise variance (see _Form). The curvature's prior is stated at the least noise the
         # fit admits (min_noise), so it is at least curvature_sd peaks wide whatever the measured noise.
@@ -461,6 +473,7 @@ class OperatorModel:
         # Time has no bound to hedge, only a form chosen by held-out error: its curvature keeps the weak prior.
         self._time_forms = {name: _Form(name, self.prior_variance, math.sqrt(self.prior_variance)) for name in _POWERS}
         self._time_sizes = set()
+        self._time_runs = deque(maxlen=RATE_HISTORY)
         self._censored = []
         self._quarantine = deque()
         self._sizes = set()
@@ -503,6 +516,7 @@ class OperatorModel:
                     for form in self._time_forms.values():
                         form.learn(u, seconds, math.hypot(seconds, self.time_floor_seconds))
                     self._time_sizes.add(obs.elements)
+                    self._time_runs.append((int(obs.elements), seconds))
         if not obs.usable or obs.elements <= 0 or obs.peak_bytes <= 0:
             return "ignored"
         self._cache.clear()
@@ -628,6 +642,8 @@ class OperatorModel:
         their kernel time (:meth:`compute_seconds`), or not at all where it is
         unknown: the same trace_correlation block took 1.63-1.75 s on a worker's
         first call and 0.40-0.45 s later, and the line through both hid its quadratic.
+        And supported by the runs where the planner will use it (:meth:`curve_supported`): sizes measured
+        without a wide gap, or rates that rise with size.
         """
         if len(self._time_sizes) < max(3, self.min_observations):
             return LINEAR
@@ -638,9 +654,45 @@ class OperatorModel:
               if fits[name].n >= len(_POWERS[name]) + 2 and math.isfinite(fits[name].press) and fits[name].coef[-1] > 0
               and self._time_forms[name].mean(1.01 * u0, fits[name]) > self._time_forms[name].mean(u0, fits[name])]
         best = min(ok, key=lambda name: fits[name].press) if ok else None
-        if best is not None and fits[best].press < self.superlinear_gain * fits[LINEAR].press:
+        if (best is not None and fits[best].press < self.superlinear_gain * fits[LINEAR].press
+                and self.curve_supported()):
             return best
         return LINEAR
+
+    def curve_supported(self) -> bool:
+        """Whether the runs measured support a curved time form: they leave no gap in size wider than
+        ``time_gap_ratio`` (so leave-one-out tested the curve where the planner will use it), or their seconds
+        per element rise with size by more than ``time_curve_margin`` (:meth:`rates_rise`).
+
+        A curved time form is what makes the planner cut smaller for speed, and a curve through two clusters of
+        sizes is free in the gap between them, where the next plan cuts. A cold start measures exactly that: its
+        probes (small, one spell) and the rest of the map (large, another). One benchmark round's gst3d_dip probes
+        (176,800-343,200 elements) took 0.53-0.68 s, most of it per task, and its two 3,891,200-element chunks
+        ran in a slow spell (9.5-10.4 s wall, 8.0-8.8 s of CPU, against 7.0-7.3 s and 6.1-6.4 s the round before);
+        the quadratic through them won on leave-one-out error and read 3.0 s for 2,252,800 elements against
+        7.9 s for 3,891,200 (1.3 us per element against 2.0), and the warm plan cut gst3d_dip in 4 chunks where 2
+        ran as fast per element. Over that day's benchmark stores, after each flow run, the measured ratio of
+        the largest blocks' rate to the smallest's was 0.14-0.45 for envelope, 0.14-0.60 for gaussian_smooth and
+        0.65-1.07 for gst3d_dip (per-task costs weigh most on small blocks), whose curves were noise, and
+        0.95-2.24 for trace_correlation, whose time grows with the square of the traces per chunk.
+        An operator with a fixed cost per call and a quadratic part has rates that fall, then rise: measured
+        densely, its curve stands on leave-one-out alone.
+        """
+        sizes = sorted({e for e, _ in self._time_runs})
+        if len(sizes) >= 2 and all(b <= self.time_gap_ratio * a for a, b in zip(sizes, sizes[1:])):
+            return True
+        return self.rates_rise()
+
+    def rates_rise(self) -> bool:
+        """True when the median seconds per element of the largest blocks (within ``min_size_ratio`` of the
+        largest size) is above the smallest blocks' by more than ``time_curve_margin``."""
+        if not self._time_runs:
+            return False
+        smallest = min(e for e, _ in self._time_runs)
+        largest = max(e for e, _ in self._time_runs)
+        small = [s / e for e, s in self._time_runs if e <= smallest * self.min_size_ratio]
+        large = [s / e for e, s in self._time_runs if e >= largest / self.min_size_ratio]
+        return statistics.median(large) > (1.0 + self.time_curve_margin) * statistics.median(small)
 
     def seconds_for(self, elements: int) -> float | None:
         """Compute seconds for a block of ``elements`` (halo included) when time grows faster than its size.

@@ -346,6 +346,35 @@ def test_a_time_curve_that_falls_at_the_smallest_block_is_noise_and_the_line_is_
     assert m.seconds_for(1_843_200) is None
 
 
+def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
+    """gst3d_dip's cold map in one round of the full benchmark (its store's rows: elements, extents, wall and
+    kernel seconds, bytes the run grew its worker, peak): the probes' time was mostly per task and the two large
+    chunks ran in a slow spell. A quadratic through the two clusters won on leave-one-out error, read 3.0 s for
+    2,252,800 elements against 7.9 s for 3,891,200, and the warm plan cut 4 chunks where 2 ran as fast per
+    element. The rates measured fall with size (2.5 us per element at the probes, 2.0 at the chunks): no curve."""
+    rows = [(176_800, (13, 34, 400), 0.531, 0.048, 0, 31_469_568),
+            (239_200, (13, 46, 400), 0.584, 0.068, 9_203_712, 42_278_912),
+            (343_200, (13, 66, 400), 0.596, 0.067, 27_455_488, 58_875_904),
+            (280_800, (13, 54, 400), 0.684, 0.131, 7_454_720, 48_132_096),
+            (3_891_200, (128, 76, 400), 9.548, 1.985, 621_813_760, 669_335_552),
+            (3_891_200, (128, 76, 400), 10.387, 2.140, 611_237_888, 669_450_240)]
+    m = OperatorModel(KEY)
+    for e, ext, secs, sys_secs, grew, peak in rows:
+        m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+    assert not m.rates_rise() and not m.curve_supported()  # 343,200 -> 3,891,200: an 11x gap
+    assert m.time_form() == "linear" and m.seconds_for(2_252_800) is None
+    curved = dataclasses.replace(m)  # the same rows, the rates left unchecked: what the planner was told
+    for e, ext, secs, sys_secs, grew, peak in rows:
+        curved.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+    curved.curve_supported = lambda: True  # type: ignore[method-assign]
+    assert curved.time_form() == "quadratic"
+    assert curved.seconds_for(2_252_800) < 0.7 * 2_252_800 / 3_891_200 * curved.seconds_for(3_891_200)
+    with pytest.raises(ValueError, match="time_curve_margin"):
+        OperatorModel(KEY, time_curve_margin=-0.1)
+    with pytest.raises(ValueError, match="time_gap_ratio"):
+        OperatorModel(KEY, time_gap_ratio=1.0)
+
+
 def test_time_that_grows_with_the_square_of_the_block_is_learned_and_a_line_is_left_to_the_median():
     rng = random.Random(5)
     quad, lin = OperatorModel(KEY), OperatorModel(KEY)
