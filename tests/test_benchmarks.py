@@ -7,6 +7,7 @@ JSON's structure (the names the issue fixes) and that every strategy appears.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -394,3 +395,36 @@ def test_cold_start_reads_each_operators_map_from_the_store(tmp_path):
     assert ops["gst3d_dip"] == {"map_seconds": 7.8, "starts_at": 1.0, "chunks": 3,
                                 "traces_read": 13 * 34 + 13 * 46 + 128 * 76}
     assert ops["envelope"]["starts_at"] == 0.0 and ops["envelope"]["chunks"] == 1
+
+
+def test_time_forms_replays_each_flow_run_and_the_support_test_can_be_turned_off(tmp_path, capsys):
+    """benchmarks.time_forms: the form after each flow run, cold (first in its store) and later; with
+    ``--time-gap-ratio inf`` every curve counts as supported, as before the support test. The rows are one
+    benchmark round's gst3d_dip cold map (tests/test_model.py) and a warm run of 2 chunks after it."""
+    from benchmarks import time_forms
+    from memchunk_prefect.records import Observation
+    from memchunk_prefect.store import Store
+
+    key = "gst3d_dip[sigma_gradient=1;sigma_tensor=2]|float32|cpu"
+    cold = [(176_800, (13, 34, 400), 0.531, 0.048, 0, 31_469_568),
+            (239_200, (13, 46, 400), 0.584, 0.068, 9_203_712, 42_278_912),
+            (343_200, (13, 66, 400), 0.596, 0.067, 27_455_488, 58_875_904),
+            (280_800, (13, 54, 400), 0.684, 0.131, 7_454_720, 48_132_096),
+            (3_891_200, (128, 76, 400), 9.548, 1.985, 621_813_760, 669_335_552),
+            (3_891_200, (128, 76, 400), 10.387, 2.140, 611_237_888, 669_450_240)]
+    warm = [(3_891_200, (128, 76, 400), 7.3, 0.6, 0, 669_000_000)] * 2
+    path = str(tmp_path / "s.sqlite")
+    with Store(path) as store:
+        for run, rows in (("cold", cold), ("warm", warm)):
+            for e, ext, secs, sys_secs, grew, peak in rows:
+                store.add(Observation(key, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
+                                      flow_run_id=run))
+    now = time_forms.forms([path])["gst3d_dip"]
+    before = time_forms.forms([path], time_gap_ratio=math.inf)["gst3d_dip"]
+    assert (now["cold"], now["later"]) == (before["cold"], before["later"]) == (1, 1)
+    assert now["cold_curved"] == 0 and before["cold_curved"] == 1
+    assert now["ratios"][0] < 1.0, "the probes cost more per element than the large chunks"
+    assert time_forms.main([path, "--time-gap-ratio", "inf"]) == 0
+    assert "gst3d_dip" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        time_forms.main([str(tmp_path / "missing.sqlite")])

@@ -1,0 +1,105 @@
+"""The time form each operator's model read after each flow run, replayed from observation stores.
+
+    python -m benchmarks.time_forms STORE [STORE ...] [--time-gap-ratio R] [--time-curve-margin M] [--json PATH]
+
+A curved time form (``superlinear``, ``quadratic``) makes the planner cut smaller
+chunks for speed; a line leaves it to the median seconds per element
+(:meth:`memchunk_prefect.model.OperatorModel.time_form`). Each store's keys are
+replayed in the order their observations were stored, and after each flow run's
+rows the form is read, with the measured ratio of the largest blocks' seconds per
+element to the smallest blocks' (:meth:`~memchunk_prefect.model.OperatorModel.rates_rise`
+compares it with ``1 + time_curve_margin``). Per operator (the key's name before its
+parameters), over all the stores: how many flow runs left a curve, after the first
+flow run (a cold start) and after later ones. ``--time-gap-ratio inf`` replays as if
+every curve were supported by the sizes measured (the model before the support test).
+
+The benchmarks keep their stores with ``--workdir`` (``python -m benchmarks --workdir DIR``:
+``DIR/memchunk-store*.sqlite`` and ``DIR/heuristic-store*.sqlite``;
+``python -m benchmarks.heterogeneous --workdir DIR``: one per survey and round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def forms(stores: list[str], **options: Any) -> dict[str, dict[str, Any]]:
+    """Per operator name: ``cold`` / ``later`` (flow runs replayed, first in their store / after it),
+    ``cold_curved`` / ``later_curved`` (of those, runs after which the form was curved) and ``ratios`` (the
+    largest blocks' rate over the smallest's after each flow run, in store order)."""
+    from memchunk_prefect.model import OperatorModel
+    from memchunk_prefect.store import Store
+
+    out: dict[str, dict[str, Any]] = {}
+    for path in stores:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no observation store at {path!r}: give the .sqlite files a benchmark's "
+                                    "--workdir kept (or a Prefect home's memchunk/observations.sqlite)")
+        with Store(path) as store:
+            for key in store.keys():
+                row = out.setdefault(key.split("|")[0].split("[")[0],
+                                     {"cold": 0, "cold_curved": 0, "later": 0, "later_curved": 0, "ratios": []})
+                model = OperatorModel(key, **options)
+                runs: list[str] = []
+                for obs in store.observations(key):
+                    if runs and obs.flow_run_id != runs[-1]:
+                        _read(model, row, first=len(runs) == 1)
+                    if not runs or obs.flow_run_id != runs[-1]:
+                        runs.append(obs.flow_run_id)
+                    model.learn(obs)
+                if runs:
+                    _read(model, row, first=len(runs) == 1)
+    return out
+
+
+def _read(model: Any, row: dict[str, Any], first: bool) -> None:
+    kind = "cold" if first else "later"
+    row[kind] += 1
+    row[f"{kind}_curved"] += model.time_form() != "linear"
+    ratio = _rate_ratio(model)
+    if ratio is not None:
+        row["ratios"].append(round(ratio, 3))
+
+
+def _rate_ratio(model: Any) -> float | None:
+    runs = list(model._time_runs)
+    if not runs:
+        return None
+    lo, hi = min(e for e, _ in runs), max(e for e, _ in runs)
+    small = [s / e for e, s in runs if e <= lo * model.min_size_ratio]
+    large = [s / e for e, s in runs if e >= hi / model.min_size_ratio]
+    return statistics.median(large) / statistics.median(small)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.time_forms", description=__doc__.split("\n\n")[0])
+    p.add_argument("stores", nargs="+", metavar="STORE")
+    p.add_argument("--time-gap-ratio", type=float, default=None,
+                   help="widest gap between consecutive sizes for a curve to stand on leave-one-out alone "
+                        "(default the model's; inf: every curve supported)")
+    p.add_argument("--time-curve-margin", type=float, default=None,
+                   help="rise in seconds per element, largest blocks over smallest, that supports a curve otherwise")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    options = {k: v for k, v in (("time_gap_ratio", args.time_gap_ratio),
+                                 ("time_curve_margin", args.time_curve_margin)) if v is not None}
+    try:
+        result = forms(args.stores, **options)
+    except (FileNotFoundError, ValueError) as exc:
+        p.error(str(exc))
+    print(f"{'operator':<20} {'curved after a cold run':>24} {'curved after a later run':>25}  rate ratio (largest/smallest)")
+    for op, r in sorted(result.items()):
+        ratios = r["ratios"]
+        span = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
+        print(f"{op:<20} {r['cold_curved']:>15} of {r['cold']:<6} {r['later_curved']:>16} of {r['later']:<6}  {span}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"options": options, "operators": result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
