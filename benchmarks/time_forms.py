@@ -7,8 +7,8 @@ chunks for speed; a line leaves it to the median seconds per element
 (:meth:`memchunk_prefect.model.OperatorModel.time_form`). Each store's keys are
 replayed in the order their observations were stored, and after each flow run's
 rows the form is read, with the measured ratio of the largest blocks' seconds per
-element to the smallest blocks' (:meth:`~memchunk_prefect.model.OperatorModel.rates_rise`
-compares it with ``1 + time_curve_margin``). Per operator (the key's name before its
+element to the smallest blocks' (:meth:`~memchunk_prefect.model.OperatorModel.rate_ratio`; above
+``1 + time_curve_margin`` it supports a curve). Per operator (the key's name before its
 parameters), over all the stores: how many flow runs left a curve, after the first
 flow run (a cold start) and after later ones. ``--time-gap-ratio inf`` replays as if
 every curve were supported by the sizes measured (the model before the support test).
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 from typing import Any
 
@@ -60,19 +59,9 @@ def _read(model: Any, row: dict[str, Any], first: bool) -> None:
     kind = "cold" if first else "later"
     row[kind] += 1
     row[f"{kind}_curved"] += model.time_form() != "linear"
-    ratio = _rate_ratio(model)
+    ratio = model.rate_ratio()
     if ratio is not None:
         row["ratios"].append(round(ratio, 3))
-
-
-def _rate_ratio(model: Any) -> float | None:
-    runs = list(model._time_runs)
-    if not runs:
-        return None
-    lo, hi = min(e for e, _ in runs), max(e for e, _ in runs)
-    small = [s / e for e, s in runs if e <= lo * model.min_size_ratio]
-    large = [s / e for e, s in runs if e >= hi / model.min_size_ratio]
-    return statistics.median(large) / statistics.median(small)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         result = forms(args.stores, **options)
     except (FileNotFoundError, ValueError) as exc:
         p.error(str(exc))
-    print(f"{'operator':<20} {'curved after a cold run':>24} {'curved after a later run':>25}  rate ratio (largest/smallest)")
+    print(f"{'operator':<20} {'curved after a cold run':>24} {'curved after a later run':>25}  "
+          "rate ratio (largest/smallest)")
     for op, r in sorted(result.items()):
         ratios = r["ratios"]
         span = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"

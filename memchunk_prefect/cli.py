@@ -137,10 +137,12 @@ def _models_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _time_cell(r: dict[str, Any]) -> str:
-    """The time model: its form and the runs it learned from, and those set aside for a first touch of memory
-    (``linear 12`` or ``quadratic 8 +2 first``)."""
+    """The time model: its form and the runs it learned from, those set aside for a first touch of memory, and
+    the measured seconds per element of its largest blocks over its smallest (``linear 12 0.8x`` or
+    ``quadratic 8 +2 first 1.6x``: a curve is taken only where the runs support it)."""
     cell = f"{r.get('time_form', '-')} {r.get('time_runs', 0)}"
-    return cell + (f" +{r['first_touch_runs']} first" if r.get("first_touch_runs") else "")
+    cell += f" +{r['first_touch_runs']} first" if r.get("first_touch_runs") else ""
+    return cell + (f" {r['time_rate_ratio']:.1f}x" if r.get("time_rate_ratio") is not None else "")
 
 
 def _energy_cell(r: dict[str, Any]) -> str:
@@ -170,7 +172,9 @@ def _models(args: argparse.Namespace) -> int:
         _emit("recent error: mean absolute % error of the mean prediction on each next observation; "
               "coverage: share of next observations within the upper bound; policy: the learned policy's arms "
               "(risk levels of the bound: bold, mid, safe) with their mean reward (slot efficiency less 1 per "
-              "out-of-memory chunk) x plans taught, !n out-of-memory events; energy/element: learned joules per "
+              "out-of-memory chunk) x plans taught, !n out-of-memory events; time: the form of compute seconds "
+              "against block size, runs learned (+ set aside for a first touch of memory), and seconds per "
+              "element of the largest blocks over the smallest; energy/element: learned joules per "
               "element (halo included), measured by a counter (rapl, nvml) or est(imated: CPU seconds x "
               "watts_per_core where no counter can be read)")
     return EXIT_OK

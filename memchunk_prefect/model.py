@@ -428,7 +428,7 @@ class OperatorModel:
     first_touch_share: float = 0.25
     size_weight: float = 0.5
     time_curve_margin: float = 0.1
-    time_gap_ratio: float = 4.0
+    time_gap_ratio: float = 3.0
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
@@ -671,12 +671,16 @@ class OperatorModel:
         ran in a slow spell (9.5-10.4 s wall, 8.0-8.8 s of CPU, against 7.0-7.3 s and 6.1-6.4 s the round before);
         the quadratic through them won on leave-one-out error and read 3.0 s for 2,252,800 elements against
         7.9 s for 3,891,200 (1.3 us per element against 2.0), and the warm plan cut gst3d_dip in 4 chunks where 2
-        ran as fast per element. Over that day's benchmark stores, after each flow run, the measured ratio of
-        the largest blocks' rate to the smallest's was 0.14-0.45 for envelope, 0.14-0.60 for gaussian_smooth and
-        0.65-1.07 for gst3d_dip (per-task costs weigh most on small blocks), whose curves were noise, and
-        0.95-2.24 for trace_correlation, whose time grows with the square of the traces per chunk.
-        An operator with a fixed cost per call and a quadratic part has rates that fall, then rise: measured
-        densely, its curve stands on leave-one-out alone.
+        ran as fast per element. Leave-one-out does not see such a gap: each wave runs one chunk per slot at one
+        size, and the twin of a chunk left out stays in the fit. Cold starts' waves step 3.3-3.9x in size
+        (256 x 128 x 200 in the heterogeneous benchmark: 228,000, 896,800, then 2,969,600 elements), so a cold
+        start alone never stands a curve on leave-one-out at the default 3x. Over that day's kept benchmark
+        stores (``python -m benchmarks.time_forms``), after each flow run, the measured ratio of the largest
+        blocks' rate to the smallest's was 0.13-0.34 for envelope, 0.14-0.69 for gaussian_smooth and 0.60-1.12
+        for gst3d_dip (per-task costs weigh most on small blocks), whose curves were noise, and 1.06-2.46 for
+        trace_correlation, whose time grows with the square of the traces per chunk. An operator with a fixed
+        cost per call and a quadratic part has rates that fall, then rise: measured densely, its curve stands on
+        leave-one-out alone.
         """
         sizes = sorted({e for e, _ in self._time_runs})
         if len(sizes) >= 2 and all(b <= self.time_gap_ratio * a for a, b in zip(sizes, sizes[1:])):
@@ -684,15 +688,24 @@ class OperatorModel:
         return self.rates_rise()
 
     def rates_rise(self) -> bool:
-        """True when the median seconds per element of the largest blocks (within ``min_size_ratio`` of the
-        largest size) is above the smallest blocks' by more than ``time_curve_margin``."""
+        """True when :meth:`rate_ratio` is above ``1 + time_curve_margin``."""
+        ratio = self.rate_ratio()
+        return ratio is not None and ratio > 1.0 + self.time_curve_margin
+
+    def rate_ratio(self) -> float | None:
+        """The median measured seconds per element of the largest blocks (within ``min_size_ratio`` of the
+        largest size) over the smallest blocks'; None before two sizes that far apart were timed. Above 1:
+        larger blocks cost more per element; below: per-task costs weigh on small blocks."""
         if not self._time_runs:
-            return False
+            return None
         smallest = min(e for e, _ in self._time_runs)
         largest = max(e for e, _ in self._time_runs)
+        if largest < smallest * self.min_size_ratio:
+            return None
         small = [s / e for e, s in self._time_runs if e <= smallest * self.min_size_ratio]
         large = [s / e for e, s in self._time_runs if e >= largest / self.min_size_ratio]
-        return statistics.median(large) > (1.0 + self.time_curve_margin) * statistics.median(small)
+        low = statistics.median(small)
+        return statistics.median(large) / low if low > 0 else None
 
     def seconds_for(self, elements: int) -> float | None:
         """Compute seconds for a block of ``elements`` (halo included) when time grows faster than its size.
@@ -1010,6 +1023,7 @@ class OperatorModel:
             "unseen_bytes": self.unseen_bytes(),
             "seconds_per_element": self.seconds_per_element(),
             "time_form": self.time_form(),
+            "time_rate_ratio": self.rate_ratio(),  # seconds per element, largest blocks over smallest
             "time_runs": len(self._rates),  # ok runs time is learned from (the latest RATE_HISTORY)
             "first_touch_runs": len(self._first_touch_rates),  # ok runs set aside: they grew their worker
             "joules_per_element": None,
