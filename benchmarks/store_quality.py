@@ -17,14 +17,40 @@ one per survey). ``--superlinear-gain`` replays with another threshold for choos
 curved memory form, ``--noise-floor-mib`` with another noise floor added to each peak
 when scaling rows, ``--size-weight`` with another weight of small blocks against the
 largest (:class:`memchunk_prefect.model.OperatorModel`), to compare.
+
+Below that table, per operator: how much more a worker's first run of a key needed than its later
+runs of a block of the same size (:func:`first_run_excess`), over the sizes where both kinds ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
+
+MIB = 2**20
+
+
+def first_run_excess(rows: Iterable[Any]) -> list[float]:
+    """Per block size (elements) where a worker's first run of the key and later runs of it were both
+    measured (``ok``, usable, worker known): the median peak of the first runs less the median peak of the
+    later ones, MiB. ``rows``: one key's observations in the order they were stored.
+
+    A worker's first run of an operator needs memory once that its later runs find already held (the pages
+    of the libraries and caches it loads stay in the worker's resting memory); the memory model cannot tell
+    it from the fixed overhead, and a cold start's probes are all first runs.
+    """
+    seen: set[str] = set()
+    first: dict[int, list[float]] = {}
+    later: dict[int, list[float]] = {}
+    for o in rows:
+        if o.outcome != "ok" or not o.usable or not o.worker or o.peak_bytes <= 0:
+            continue
+        (later if o.worker in seen else first).setdefault(int(o.elements), []).append(o.peak_bytes / MIB)
+        seen.add(o.worker)
+    return [statistics.median(first[e]) - statistics.median(later[e]) for e in sorted(first) if e in later]
 
 
 def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict[str, Any]]:
@@ -35,6 +61,7 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
     from memchunk_prefect.store import Store
 
     per_op: dict[str, list[dict]] = {}
+    excess: dict[str, list[float]] = {}
     for path in stores:
         if not Path(path).is_file():
             raise FileNotFoundError(f"no observation store at {path!r}: give the .sqlite files a benchmark's "
@@ -44,6 +71,7 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
                 history = list(store.observations(key))
                 q = replay_quality(history, key, after=after, **options)
                 q["floor"] = repeatability(history, key)
+                excess.setdefault(key.split("|")[0].split("[")[0], []).extend(first_run_excess(history))
                 if q["scored"]:
                     per_op.setdefault(key.split("|")[0].split("[")[0], []).append(q)
     out = {}
@@ -66,6 +94,9 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
                        floor_mape=sum(f["floor_mape"] * f["runs"] for f in floors) / runs if runs else None,
                        floor_bound_over_peak=(sum(f["floor_bound_over_peak"] * f["runs"] for f in floors) / runs
                                               if runs else None))
+        ex = sorted(excess.get(op, []))
+        out[op].update(first_run_sizes=len(ex), first_run_excess_mib=statistics.median(ex) if ex else None,
+                       first_run_excess_range_mib=(ex[0], ex[-1]) if ex else None)
     return out
 
 
@@ -102,6 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{op:20s} {r['scored']:6d} {r['stores']:6d} {r['coverage'] * 100:11.1f}% "
               f"{r['worst_coverage'] * 100:12.0f}% {r['mape'] * 100:5.1f}% {r['bound_over_peak']:9.2f}x "
               f"{split:>28s}  {floor}")
+    print("\na worker's first run of a key above its later runs of a block of the same size (MiB; over the sizes, "
+          "in every store, where both ran):")
+    for op, r in rows.items():
+        if r["first_run_sizes"]:
+            lo, hi = r["first_run_excess_range_mib"]
+            print(f"{op:20s} median {r['first_run_excess_mib']:5.1f}  range {lo:5.1f} to {hi:5.1f}  "
+                  f"over {r['first_run_sizes']} sizes")
+        else:
+            print(f"{op:20s} -")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -303,6 +303,22 @@ def test_store_quality_replays_every_store_given_and_names_a_missing_one(tmp_pat
     assert json.loads(json_path.read_text())["envelope"]["scored"] == rows["envelope"]["scored"]
 
 
+def test_first_run_excess_compares_a_worker_s_first_run_with_its_later_runs_of_the_same_size():
+    """Only sizes where both kinds ran count; a worker is new once per key, and an unknown worker never is."""
+    from benchmarks.store_quality import first_run_excess
+    from memchunk_prefect.records import Observation
+
+    def run(worker: str, n: int, extra_mib: float = 0.0) -> Observation:
+        return Observation("envelope|float32|cpu", n, (1, 1, n), 4 * n, int(20 * n + extra_mib * 2**20),
+                           worker=worker)
+
+    rows = [run("a", 100_000, 4.0), run("b", 200_000, 6.0), run("a", 100_000), run("b", 100_000),
+            run("c", 300_000, 5.0), run("", 300_000, 9.0), run("a", 200_000)]
+    # 100,000: first a (+4), later a and b; 200,000: first b (+6), later a; 300,000: only c's first run.
+    assert first_run_excess(rows) == pytest.approx([4.0, 6.0], abs=1e-5)
+    assert first_run_excess([]) == []
+
+
 def test_map_overhead_profiles_the_maps_submissions_and_the_runners_steps(tmp_path):
     """Smoke test of ``python -m benchmarks.map_overhead``: the steps it reports are the map's own."""
     out = tmp_path / "mo.json"
