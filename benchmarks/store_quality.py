@@ -71,9 +71,10 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
                 history = list(store.observations(key))
                 q = replay_quality(history, key, after=after, **options)
                 q["floor"] = repeatability(history, key)
-                excess.setdefault(key.split("|")[0].split("[")[0], []).extend(first_run_excess(history))
+                op = key.split("|")[0].split("[")[0]
+                excess.setdefault(op, []).extend(first_run_excess(history))
                 if q["scored"]:
-                    per_op.setdefault(key.split("|")[0].split("[")[0], []).append(q)
+                    per_op.setdefault(op, []).append(q)
     out = {}
     for op, qs in sorted(per_op.items()):
         n = sum(q["scored"] for q in qs)
