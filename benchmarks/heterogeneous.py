@@ -128,7 +128,7 @@ def evaluate(surveys: list[dict]) -> dict[str, dict]:
             "met": met, "figure": "; ".join(figures) or "not measured"}
     missed = [f"{q['operator']} on {tuple(s['shape'])}{_floor_note(q)}" for s in surveys
               for q in s.get("learning_quality", []) if not q["met"]]
-    out["learning quality per operator: >= 95% within the bound, MAPE <= 10% after 5 runs, bound <= 1.25x the "
+    out["learning quality per operator: >= 95% within the bound, MAPE <= 10% after 5 runs, bound 1-1.25x the "
         "peak at the chunks chosen"] = {
         "met": not missed and all(s.get("learning_quality") for s in surveys),
         "figure": f"missed by {', '.join(missed)}" if missed else "every operator on every survey"}

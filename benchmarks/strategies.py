@@ -771,7 +771,9 @@ def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: 
 
 QUALITY_GOALS = {"coverage": 0.95, "mape": 0.10, "bound_over_peak": 1.25}
 """The issue's goals for what was learned on real runs: share of next runs within the upper bound, mean absolute
-error of the predicted mean after 5 runs, upper bound over the measured peak at the chunk size chosen."""
+error of the predicted mean after 5 runs, upper bound over the measured peak at the chunk size chosen (at most
+this, and at least 1: a bound under the peak at the chunks chosen did not hold what they needed, however few
+of the replayed runs fell outside it)."""
 
 
 def learning_quality(store: str, chosen: dict | None = None) -> list[dict]:
@@ -802,7 +804,7 @@ def learning_quality(store: str, chosen: dict | None = None) -> list[dict]:
                 else q["bound_over_peak"]
             q["met"] = (q["scored"] > 0 and q["coverage"] >= QUALITY_GOALS["coverage"]
                         and q["mape"] <= QUALITY_GOALS["mape"]
-                        and q["bound_at_chosen"] <= QUALITY_GOALS["bound_over_peak"])
+                        and 1.0 <= q["bound_at_chosen"] <= QUALITY_GOALS["bound_over_peak"])
             rows.append(q)
     return rows
 

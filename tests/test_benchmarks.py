@@ -303,6 +303,30 @@ def test_store_quality_replays_every_store_given_and_names_a_missing_one(tmp_pat
     assert json.loads(json_path.read_text())["envelope"]["scored"] == rows["envelope"]["scored"]
 
 
+def test_a_bound_under_the_peak_at_the_chunks_chosen_misses_the_learning_goal(tmp_path):
+    """The bound at the chunks a run chose must hold their peak (>= 1x) and be at most 1.25x it: the 17:12
+    heterogeneous run's envelope read 0.90x on 256 x 128 x 200 and was reported as met."""
+    from benchmarks.strategies import learning_quality
+    from memchunk_prefect.records import Observation
+    from memchunk_prefect.store import Store
+
+    key = "envelope|float32|cpu"
+    path = str(tmp_path / "s.sqlite")
+    with Store(path) as store:
+        for k in range(12):
+            n = 10_000 * (1 + (k * 7) % 9)
+            store.add(Observation(key, n, (1, 1, n), 4 * n, 2**20 + 30 * n, seconds=0.1))
+
+    def met(bound_over_peak: float) -> bool:
+        chosen = {"extra": {"operators": {"envelope": {"operator_key": key, "bound_over_peak": bound_over_peak}}}}
+        (q,) = learning_quality(path, chosen)
+        assert q["coverage"] == 1.0 and q["mape"] < 0.02 and q["bound_at_chosen"] == bound_over_peak
+        return q["met"]
+
+    assert met(1.10) and met(1.0) and met(1.25)
+    assert not met(0.90) and not met(1.30)
+
+
 def test_first_run_excess_compares_a_worker_s_first_run_with_its_later_runs_of_the_same_size():
     """Only sizes where both kinds ran count; a worker is new once per key, and an unknown worker never is."""
     from benchmarks.store_quality import first_run_excess
