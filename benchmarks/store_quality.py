@@ -20,6 +20,9 @@ largest (:class:`memchunk_prefect.model.OperatorModel`), to compare.
 
 Below that table, per operator: how much more a worker's first run of a key needed than its later
 runs of a block of the same size (:func:`first_run_excess`), over the sizes where both kinds ran.
+
+``--explain OPERATOR`` prints instead, for each of that operator's runs in each store, what its upper
+bound was made of before the run was learned (:func:`explain_runs`): why a bound was what it was.
 """
 
 from __future__ import annotations
@@ -51,6 +54,45 @@ def first_run_excess(rows: Iterable[Any]) -> list[float]:
         (later if o.worker in seen else first).setdefault(int(o.elements), []).append(o.peak_bytes / MIB)
         seen.add(o.worker)
     return [statistics.median(first[e]) - statistics.median(later[e]) for e in sorted(first) if e in later]
+
+
+def explain_runs(rows: Iterable[Any], key: str, **options: Any) -> list[dict[str, Any]]:
+    """Per ``ok`` run of ``key`` in ``rows`` (stored order), once the model is ready: the run's block and
+    peak (bytes) beside :meth:`memchunk_prefect.model.OperatorModel.explain` of its block, read before the
+    run is learned."""
+    from memchunk_prefect.model import OperatorModel
+
+    m = OperatorModel(key, **options)
+    out = []
+    for o in rows:
+        if o.operator_key != key:
+            continue
+        if o.outcome == "ok" and o.usable and o.peak_bytes > 0 and m.predict(o.extents).ready:
+            out.append({"extents": tuple(o.extents), "peak_bytes": o.peak_bytes, **m.explain(o.extents)})
+        m.learn(o)
+    return out
+
+
+def _explain(stores: list[str], operator: str, **options: Any) -> None:
+    from memchunk_prefect.store import Store
+
+    def mib(v: float | None) -> str:
+        return "-" if v is None else f"{v / MIB:.1f}"
+
+    for path in stores:
+        with Store(path) as store:
+            for key in store.keys():
+                if key.split("|")[0].split("[")[0] != operator:
+                    continue
+                print(f"{path}: {key}")
+                print(f"  {'block':>16s} {'x largest':>9s} {'peak':>7s} {'mean':>7s} {'upper':>7s} {'tight':>7s} "
+                      f"{'form':>11s} {'its bound':>9s}  curved form blended in (bound, weight)")
+                for r in explain_runs(list(store.observations(key)), key, **options):
+                    curved = (f"{r['curved_form']} {mib(r['curved_upper_bytes'])}, {r['curved_weight']:.2f}"
+                              if r["curved_form"] else "-")
+                    print(f"  {str(r['extents']):>16s} {r['times_largest']:9.2f} {mib(r['peak_bytes']):>7s} "
+                          f"{mib(r['mean_bytes']):>7s} {mib(r['upper_bytes']):>7s} {mib(r['tight_bytes']):>7s} "
+                          f"{r['form']:>11s} {mib(r['form_upper_bytes']):>9s}  {curved}")
 
 
 def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict[str, Any]]:
@@ -111,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                         "the model's)")
     p.add_argument("--noise-floor-mib", type=float, default=None,
                    help="the model's noise floor in MiB (default: the model's, 4)")
+    p.add_argument("--explain", metavar="OPERATOR",
+                   help="for each of OPERATOR's runs (e.g. envelope), what its bound was made of before it ran")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     options: dict[str, float] = {}
@@ -120,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         options["size_weight"] = args.size_weight
     if args.noise_floor_mib is not None:
         options["noise_floor_bytes"] = args.noise_floor_mib * 2**20
+    if args.explain:
+        _explain(args.stores, args.explain, **options)
+        return 0
     rows = quality(args.stores, args.after, **options)
     print(f"{'operator':20s} {'scored':>6s} {'stores':>6s} {'within bound':>12s} {'(worst store)':>13s} "
           f"{'MAPE':>6s} {'bound/peak':>10s} {'MAPE within / beyond (runs)':>28s}  "

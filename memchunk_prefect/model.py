@@ -998,6 +998,33 @@ class OperatorModel:
 
     # ------------------------------------------------------------------ reporting
 
+    def explain(self, extents: Sequence[int]) -> dict[str, Any]:
+        """What a block's upper bound is made of, for a person asking why it is what it is (bytes).
+
+        ``form`` and ``mean_bytes`` / ``upper_bytes`` / ``tight_bytes`` as :meth:`predict` gives them;
+        ``form_upper_bytes``: the chosen form's own bound, before the best curved form's is blended in;
+        ``curved_form``, ``curved_upper_bytes`` and ``curved_weight``: that form, its bound and the share of
+        the gap it adds (:meth:`_curved_weight`; None and 0 when none is blended); ``times_largest``: the
+        block over the largest one measured (past ``tight_reach`` the tight bound is the upper bound).
+        Empty of fit figures (None) while the model is not ready.
+        """
+        elements = 1
+        for e in extents:
+            elements *= int(e)
+        p = self.predict(extents)
+        out: dict[str, Any] = {"elements": elements, "ready": p.ready, "form": self.form(),
+                               "mean_bytes": p.mean_bytes, "upper_bytes": p.upper_bytes, "tight_bytes": p.tight_bytes,
+                               "form_upper_bytes": None, "curved_form": None, "curved_upper_bytes": None,
+                               "curved_weight": 0.0,
+                               "times_largest": elements / self._largest if self._largest else None}
+        if p.ready:
+            u = elements / MIB
+            out["form_upper_bytes"] = self._bound(self.form(), u)[1] * MIB
+            w, other = self._curved_weight()
+            if other is not None:
+                out.update(curved_form=other, curved_upper_bytes=self._bound(other, u)[1] * MIB, curved_weight=w)
+        return out
+
     def summary(self) -> dict[str, Any]:
         """Plain figures for the CLI and reports (bytes, bytes per element, fractions)."""
         fits = self._fits() if self.n_observations else {}

@@ -303,6 +303,35 @@ def test_store_quality_replays_every_store_given_and_names_a_missing_one(tmp_pat
     assert json.loads(json_path.read_text())["envelope"]["scored"] == rows["envelope"]["scored"]
 
 
+def test_explain_takes_each_runs_bound_apart_as_the_model_read_it_before_the_run(tmp_path, capsys):
+    """Per run once the model is ready: the block, its peak and what the bound was made of; the blended bound
+    is never under the chosen form's own, and the command prints one line per run."""
+    from benchmarks import store_quality
+    from memchunk_prefect.records import Observation
+    from memchunk_prefect.store import Store
+
+    key = "envelope|float32|cpu"
+    rows = [Observation(key, n, (1, 1, n), 4 * n, 2**20 + 30 * n) for n in
+            (10_000, 20_000, 40_000, 40_000, 80_000, 160_000, 160_000)]
+    from memchunk_prefect.model import OperatorModel
+
+    cold = OperatorModel(key).explain((1, 1, 100))
+    assert not cold["ready"] and cold["form_upper_bytes"] is None and cold["times_largest"] is None
+    got = store_quality.explain_runs(rows, key)
+    assert [r["elements"] for r in got] == [40_000, 80_000, 160_000, 160_000]  # ready after 3 runs at 2 sizes
+    assert [round(r["times_largest"], 2) for r in got] == [1.0, 2.0, 2.0, 1.0]
+    for r in got:
+        assert r["ready"] and r["form_upper_bytes"] <= r["upper_bytes"] and 0.0 <= r["curved_weight"] <= 1.0
+        assert abs(r["mean_bytes"] / r["peak_bytes"] - 1) < 0.02
+    path = str(tmp_path / "s.sqlite")
+    with Store(path) as store:
+        for o in rows:
+            store.add(o)
+    assert store_quality.main([path, "--explain", "envelope"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(key) and len(lines) == 2 + len(got)
+
+
 def test_a_bound_under_the_peak_at_the_chunks_chosen_misses_the_learning_goal(tmp_path):
     """The bound at the chunks a run chose must hold their peak (>= 1x) and be at most 1.25x it: the 17:12
     heterogeneous run's envelope read 0.90x on 256 x 128 x 200 and was reported as met."""
