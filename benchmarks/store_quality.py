@@ -31,9 +31,30 @@ import argparse
 import json
 import statistics
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 MIB = 2**20
+
+
+def operator_name(key: str) -> str:
+    """The operator of a key, before its parameters: ``gaussian_smooth[sigma=2,2,2]|float32|cpu`` ->
+    ``gaussian_smooth``."""
+    return key.split("|")[0].split("[")[0]
+
+
+def stored_keys(stores: Iterable[str]) -> Iterator[tuple[str, str, list[Any]]]:
+    """``(store path, key, the key's observations in stored order)`` for every key of every store; a path
+    that is not a file raises :class:`FileNotFoundError` before anything is read from it (opening a missing
+    path would create an empty store)."""
+    from memchunk_prefect.store import Store
+
+    for path in stores:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no observation store at {path!r}: give the .sqlite files a benchmark's "
+                                    "--workdir kept (or a Prefect home's memchunk/observations.sqlite)")
+        with Store(path) as store:
+            for key in store.keys():
+                yield path, key, list(store.observations(key))
 
 
 def first_run_excess(rows: Iterable[Any]) -> list[float]:
@@ -74,25 +95,21 @@ def explain_runs(rows: Iterable[Any], key: str, **options: Any) -> list[dict[str
 
 
 def _explain(stores: list[str], operator: str, **options: Any) -> None:
-    from memchunk_prefect.store import Store
-
     def mib(v: float | None) -> str:
         return "-" if v is None else f"{v / MIB:.1f}"
 
-    for path in stores:
-        with Store(path) as store:
-            for key in store.keys():
-                if key.split("|")[0].split("[")[0] != operator:
-                    continue
-                print(f"{path}: {key}")
-                print(f"  {'block':>16s} {'x largest':>9s} {'peak':>7s} {'mean':>7s} {'upper':>7s} {'tight':>7s} "
-                      f"{'form':>11s} {'its bound':>9s}  curved form blended in (bound, weight)")
-                for r in explain_runs(list(store.observations(key)), key, **options):
-                    curved = (f"{r['curved_form']} {mib(r['curved_upper_bytes'])}, {r['curved_weight']:.2f}"
-                              if r["curved_form"] else "-")
-                    print(f"  {str(r['extents']):>16s} {r['times_largest']:9.2f} {mib(r['peak_bytes']):>7s} "
-                          f"{mib(r['mean_bytes']):>7s} {mib(r['upper_bytes']):>7s} {mib(r['tight_bytes']):>7s} "
-                          f"{r['form']:>11s} {mib(r['form_upper_bytes']):>9s}  {curved}")
+    for path, key, history in stored_keys(stores):
+        if operator_name(key) != operator:
+            continue
+        print(f"{path}: {key}")
+        print(f"  {'block':>16s} {'x largest':>9s} {'peak':>7s} {'mean':>7s} {'upper':>7s} {'tight':>7s} "
+              f"{'form':>11s} {'its bound':>9s}  curved form blended in (bound, weight)")
+        for r in explain_runs(history, key, **options):
+            curved = (f"{r['curved_form']} {mib(r['curved_upper_bytes'])}, {r['curved_weight']:.2f}"
+                      if r["curved_form"] else "-")
+            print(f"  {str(r['extents']):>16s} {r['times_largest']:9.2f} {mib(r['peak_bytes']):>7s} "
+                  f"{mib(r['mean_bytes']):>7s} {mib(r['upper_bytes']):>7s} {mib(r['tight_bytes']):>7s} "
+                  f"{r['form']:>11s} {mib(r['form_upper_bytes']):>9s}  {curved}")
 
 
 def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict[str, Any]]:
@@ -100,23 +117,16 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
     ``mape_within`` / ``mape_beyond`` (runs inside the sizes learned / beyond them, ``scored_beyond`` of them),
     and the repeated blocks' ``floor_mape`` / ``floor_bound_over_peak`` over ``repeated_runs`` (None if none)."""
     from memchunk_prefect.model import repeatability, replay_quality
-    from memchunk_prefect.store import Store
 
     per_op: dict[str, list[dict]] = {}
     excess: dict[str, list[float]] = {}
-    for path in stores:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"no observation store at {path!r}: give the .sqlite files a benchmark's "
-                                    "--workdir kept (or a Prefect home's memchunk/observations.sqlite)")
-        with Store(path) as store:
-            for key in store.keys():
-                history = list(store.observations(key))
-                q = replay_quality(history, key, after=after, **options)
-                q["floor"] = repeatability(history, key)
-                op = key.split("|")[0].split("[")[0]
-                excess.setdefault(op, []).extend(first_run_excess(history))
-                if q["scored"]:
-                    per_op.setdefault(op, []).append(q)
+    for _, key, history in stored_keys(stores):
+        q = replay_quality(history, key, after=after, **options)
+        q["floor"] = repeatability(history, key)
+        op = operator_name(key)
+        excess.setdefault(op, []).extend(first_run_excess(history))
+        if q["scored"]:
+            per_op.setdefault(op, []).append(q)
     out = {}
     for op, qs in sorted(per_op.items()):
         n = sum(q["scored"] for q in qs)

@@ -25,33 +25,29 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks.store_quality import operator_name, stored_keys
+
 
 def forms(stores: list[str], **options: Any) -> dict[str, dict[str, Any]]:
     """Per operator name: ``cold`` / ``later`` (flow runs replayed, first in their store / after it),
     ``cold_curved`` / ``later_curved`` (of those, runs after which the form was curved) and ``ratios`` (the
     largest blocks' rate over the smallest's after each flow run, in store order)."""
     from memchunk_prefect.model import OperatorModel
-    from memchunk_prefect.store import Store
 
     out: dict[str, dict[str, Any]] = {}
-    for path in stores:
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"no observation store at {path!r}: give the .sqlite files a benchmark's "
-                                    "--workdir kept (or a Prefect home's memchunk/observations.sqlite)")
-        with Store(path) as store:
-            for key in store.keys():
-                row = out.setdefault(key.split("|")[0].split("[")[0],
-                                     {"cold": 0, "cold_curved": 0, "later": 0, "later_curved": 0, "ratios": []})
-                model = OperatorModel(key, **options)
-                runs: list[str] = []
-                for obs in store.observations(key):
-                    if runs and obs.flow_run_id != runs[-1]:
-                        _read(model, row, first=len(runs) == 1)
-                    if not runs or obs.flow_run_id != runs[-1]:
-                        runs.append(obs.flow_run_id)
-                    model.learn(obs)
-                if runs:
-                    _read(model, row, first=len(runs) == 1)
+    for _, key, history in stored_keys(stores):
+        row = out.setdefault(operator_name(key),
+                             {"cold": 0, "cold_curved": 0, "later": 0, "later_curved": 0, "ratios": []})
+        model = OperatorModel(key, **options)
+        runs: list[str] = []
+        for obs in history:
+            if runs and obs.flow_run_id != runs[-1]:
+                _read(model, row, first=len(runs) == 1)
+            if not runs or obs.flow_run_id != runs[-1]:
+                runs.append(obs.flow_run_id)
+            model.learn(obs)
+        if runs:
+            _read(model, row, first=len(runs) == 1)
     return out
 
 
