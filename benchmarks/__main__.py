@@ -309,13 +309,15 @@ def run(cfg: Config, quick: bool, workdir: Path) -> dict:
 
 
 def _prefect_api():
-    """A local Prefect server for the whole benchmark unless PREFECT_API_URL is set."""
+    """A local Prefect server for the whole benchmark unless PREFECT_API_URL is set; says which it uses."""
     import contextlib
 
     if os.environ.get("PREFECT_API_URL"):
+        print(f"using the Prefect API at {os.environ['PREFECT_API_URL']}", flush=True)
         return contextlib.nullcontext()
     from prefect.testing.utilities import prefect_test_harness
 
+    print("starting a local Prefect server", flush=True)
     return prefect_test_harness(server_startup_timeout=120)
 
 
@@ -338,8 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
     try:
-        print("starting a local Prefect server" if not os.environ.get("PREFECT_API_URL") else
-              f"using the Prefect API at {os.environ['PREFECT_API_URL']}", flush=True)
         with _prefect_api():
             result = run(cfg, args.quick, workdir)
     finally:

@@ -1,9 +1,10 @@
 """Consecutive runs of the pipeline on one store: plans, arms, walls and the store, night after night.
 
-    python -m benchmarks.consecutive [--runs N] [--heuristic] [--keep ROWS] [--json PATH]
+    python -m benchmarks.consecutive [--runs N] [--heuristic] [--keep ROWS] [--quick] [--json PATH]
 
 The cluster and survey of ``python -m benchmarks`` (2 single-thread workers x
-1 GiB, 128 x 128 x 400), the pipeline run ``--runs`` times (default 5; the
+1 GiB, 128 x 128 x 400; ``--quick``: its quick form, 640 MiB workers and 64 x
+96 x 400, a smoke test), the pipeline run ``--runs`` times (default 5; the
 issue's "thirty nights" is ``--runs 30``) on one fresh store, a fresh cluster
 each night; ``--heuristic`` switches the learned policy off. Prints, per run,
 the wall, out-of-memory events, each operator's chunks and the arm it played,
@@ -33,7 +34,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from benchmarks.__main__ import FULL, _prefect_api
+from benchmarks.__main__ import FULL, QUICK, _prefect_api
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,8 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heuristic", action="store_true", help="the learned policy off (the fixed heuristic)")
     p.add_argument("--keep", type=int, metavar="ROWS",
                    help="rows per operator key the store is trimmed to at each map's end (default: the runner's)")
+    p.add_argument("--quick", action="store_true", help="the quick benchmark's smaller survey and workers")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
     from benchmarks import strategies as st
     from flows.pipeline import DEFAULT_STEPS
@@ -58,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     try:
         with _prefect_api():
-            bench = st.Bench(FULL.n_workers, FULL.memory_limit, work)
-            survey = st.make_survey(work / "survey.sgy", FULL.shape)
+            bench = st.Bench(cfg.n_workers, cfg.memory_limit, work)
+            survey = st.make_survey(work / "survey.sgy", cfg.shape)
             store = str(work / "store.sqlite")
             try:
                 for k in range(args.runs):
@@ -92,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{key}: policy {played or '-'}; margin {margin}; form {v['form']}, time {v['time_form']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": runs, "learned": learned, "heuristic": args.heuristic, "keep_per_key": keep,
-                       "verdict": {k: v for k, v in verdict.items() if k != "lines"}}, f, indent=2, default=str)
+            json.dump({"runs": runs, "learned": learned, "heuristic": args.heuristic, "quick": args.quick,
+                       "keep_per_key": keep, "verdict": {k: v for k, v in verdict.items() if k != "lines"}},
+                      f, indent=2, default=str)
     return 0
 
 

@@ -23,23 +23,40 @@ STRATEGY_FIELDS = {"name", "wall_seconds", "completed", "oom_events", "tasks", "
                    "peak_memory_fraction"}
 
 
-def benchmark_env(tmp_path):
-    """The environment a benchmark subprocess runs in: no Prefect API (it starts its own server), a Prefect home
-    of its own, no telemetry."""
+@pytest.fixture(scope="module")
+def api_url(prefect_server) -> str:
+    """The session's Prefect server, for benchmarks run against a server that is already up (PREFECT_API_URL)."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    assert url, "the session's Prefect server set no API URL"
+    return str(url)
+
+
+def benchmark_env(tmp_path, api_url: str | None = None):
+    """The environment a benchmark subprocess runs in: a Prefect home of its own, no telemetry, and either the
+    session's Prefect server (``api_url``) or none, in which case the benchmark starts its own.
+
+    Starting a server takes ~20 s on a 2-core CI machine; every benchmark here but the main one (which keeps the
+    path a user takes with no server) is pointed at the session's, so the suite starts one instead of eight.
+    """
     env = dict(os.environ)
     env.pop("PREFECT_API_URL", None)
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     return env
 
 
-def test_quick_benchmark_reports_every_strategy(tmp_path):
+def test_quick_benchmark_reports_every_strategy(tmp_path, api_url):
     out = tmp_path / "bench.json"
-    env = benchmark_env(tmp_path)
+    env = benchmark_env(tmp_path)  # no API: the benchmark starts its own server, as it does for a user
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--json", str(out),
                            "--plot", str(tmp_path / "bench.png"), "--workdir", str(tmp_path / "work")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "starting a local Prefect server" in proc.stdout
     result = json.loads(out.read_text())
 
     names = [s["name"] for s in result["strategies"]]
@@ -83,6 +100,7 @@ def test_quick_benchmark_reports_every_strategy(tmp_path):
 
     # The simulator against these runs, from the benchmark's own store (no timing assertions either).
     sim_json = tmp_path / "sim.json"
+    env = benchmark_env(tmp_path, api_url)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.simulated", "--from", str(out), "--workdir",
                            str(tmp_path / "work"), "--runs", "3", "--json", str(sim_json)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -94,13 +112,14 @@ def test_quick_benchmark_reports_every_strategy(tmp_path):
     assert "| memchunk-warm |" in proc.stdout
 
 
-def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp_path):
+def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp_path, api_url):
     out = tmp_path / "hetero.json"
-    env = benchmark_env(tmp_path)
+    env = benchmark_env(tmp_path, api_url)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.heterogeneous", "--quick", "--json", str(out),
                            "--workdir", str(tmp_path / "work")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"using the Prefect API at {api_url}" in proc.stdout
     result = json.loads(out.read_text())
     assert [s["name"] for s in result["steps"]] == ["envelope", "trace_correlation", "gaussian_smooth", "gst3d_dip"]
     for survey in result["surveys"]:
@@ -114,9 +133,9 @@ def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp
     assert any(label.startswith("learning quality") for label in result["targets"])
 
 
-def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_sources(tmp_path):
+def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_sources(tmp_path, api_url):
     out = tmp_path / "energy.json"
-    env = benchmark_env(tmp_path)
+    env = benchmark_env(tmp_path, api_url)
     proc = subprocess.run([sys.executable, "-m", "benchmarks.energy", "--quick", "--pairs", "1", "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -223,14 +242,14 @@ def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
     assert bad.returncode == 2 and "--calls must be at least 2" in bad.stderr
 
 
-def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_plans_settled(tmp_path):
+def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_plans_settled(tmp_path, api_url):
     out = tmp_path / "nights.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.consecutive", "--runs", "2", "--keep", "4", "--json",
-                           str(out)], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.consecutive", "--runs", "2", "--keep", "4", "--quick",
+                           "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert len(result["runs"]) == 2 and result["keep_per_key"] == 4
+    assert len(result["runs"]) == 2 and result["keep_per_key"] == 4 and result["quick"] is True
     for r in result["runs"]:
         night = r["night"]
         assert night["fds"] > 0 and night["threads"] > 0 and night["store_bytes"] > 0
@@ -243,10 +262,10 @@ def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_
     assert "decisions:" in proc.stdout and "held by this process" in proc.stdout
 
 
-def test_many_chunks_benchmark_reports_every_task_run_final_and_the_memory_and_latency_figures(tmp_path):
+def test_many_chunks_benchmark_reports_every_task_run_final_and_the_memory_and_latency_figures(tmp_path, api_url):
     out = tmp_path / "many.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.many_chunks", "--chunks", "24", "--seeded", "--json", str(out)],
-                          cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["completed"] and result["chunks"] >= 12, result
@@ -372,12 +391,12 @@ def test_first_run_excess_compares_a_worker_s_first_run_with_its_later_runs_of_t
     assert first_run_excess([]) == []
 
 
-def test_map_overhead_profiles_the_maps_submissions_and_the_runners_steps(tmp_path):
+def test_map_overhead_profiles_the_maps_submissions_and_the_runners_steps(tmp_path, api_url):
     """Smoke test of ``python -m benchmarks.map_overhead``: the steps it reports are the map's own."""
     out = tmp_path / "mo.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.map_overhead", "--runs", "1", "--chunks", "2",
                            "--shape", "8", "8", "40", "--top", "3", "--json", str(out)],
-                          cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = json.loads(out.read_text())["steps"]
     assert steps["executor.py:*(submit)"]["calls_per_map"] == 2
@@ -385,13 +404,13 @@ def test_map_overhead_profiles_the_maps_submissions_and_the_runners_steps(tmp_pa
     assert "the runner's steps" in proc.stdout
 
 
-def test_overlap_benchmark_times_both_ways_and_compares_their_outputs(tmp_path):
+def test_overlap_benchmark_times_both_ways_and_compares_their_outputs(tmp_path, api_url):
     """Smoke test of ``python -m benchmarks.overlap`` on its smallest row and its straggler chain (a worker
     throttled by SIGSTOP / SIGCONT): both ways timed, outputs compared, each chunk's seconds reported."""
     out = tmp_path / "ov.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.overlap", "--rows", "independent-half",
                            "chain-straggler", "--repeats", "1", "--hold", "0.5", "--json", str(out)],
-                          cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["row"] for r in rows] == ["independent-half", "chain-straggler"]
