@@ -271,6 +271,7 @@ class Bench:
         self.n_workers = n_workers
         self.memory_limit_setting = memory_limit
         self.attempts_dir = str(workdir / "attempts")
+        self.fresh_seconds: dict[str, float] = {}  # the last fresh(): seconds per phase
         self._start_cluster()
         info = self.client.scheduler_info(n_workers=-1)
         self.memory_limit = min(int(w["memory_limit"]) for w in info["workers"].values())
@@ -289,12 +290,19 @@ class Bench:
         self.client.register_plugin(AttemptLog(self.attempts_dir))
 
     def _replace_cluster(self) -> None:
-        """A worker that does not come back after a restart (seen under heavy load): start a new cluster."""
+        """A worker that does not come back after a restart (seen under heavy load): start a new cluster.
+
+        Records the seconds to close the old cluster and to start the new one in ``fresh_seconds``.
+        """
+        t = time.perf_counter()
         with contextlib.suppress(Exception):
             self.client.close()
         with contextlib.suppress(Exception):
             self.cluster.close()
+        self.fresh_seconds["close"] = time.perf_counter() - t
+        t = time.perf_counter()
         self._start_cluster()
+        self.fresh_seconds["start"] = time.perf_counter() - t
 
     def close(self) -> None:
         self.sampler.stop()
@@ -310,7 +318,10 @@ class Bench:
         server running beside it, the restarted worker processes never came back
         (a 120 s timeout), or came back and vanished before the next strategy's
         first task, which then waited forever; starting a new cluster never did.
+        Its phases' seconds (close, start, warm imports, heartbeat wait) are left in ``fresh_seconds``
+        (``python -m benchmarks.setup_costs`` prints them).
         """
+        self.fresh_seconds = {}
         for attempt in range(3):
             try:
                 self._replace_cluster()
@@ -320,8 +331,12 @@ class Bench:
                 if attempt == 2:
                     raise
                 print(f"  (the new cluster did not get its workers: another one, try {attempt + 2} of 3)", flush=True)
+        t = time.perf_counter()
         self.client.run(warm_worker)
+        self.fresh_seconds["warm"] = time.perf_counter() - t
+        t = time.perf_counter()
         time.sleep(1.0)  # let heartbeats report the resting memory the runner budgets from
+        self.fresh_seconds["heartbeats"] = time.perf_counter() - t
 
     def measure(self, name: str, fn: Callable[[], dict], *, fresh: bool = True) -> StrategyResult:
         """Run ``fn`` (returns completed, tasks, memory_errors, notes, extra) and measure it."""
