@@ -58,15 +58,17 @@ def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds
 
 @operator(halo=0, whole_traces=True)
 def breaks_gpu_context(block, marker: str = "", always: bool = False, device: str = "cpu"):
-    """Return a copy of ``block``, raising the fake device's context-breaking CUDA error
-    (:class:`~memchunk_prefect.device.FakeGpuContextError`) instead in the first chunk to run (the one that
-    creates the file ``marker``), or in every chunk with ``always``. For the tests of the runner's worker
-    restart; it breaks nothing (the fake device has no context)."""
+    """Return a copy of ``block``, breaking the worker's CUDA context instead in the first chunk to run (the one
+    that creates the file ``marker``), or in every chunk with ``always``. For the tests of the runner's worker
+    restart. On a real GPU a kernel writes to an illegal address, and CuPy raises ``CUDARuntimeError``
+    (cudaErrorIllegalAddress, 700) at the next synchronisation: every later CUDA call of this process fails.
+    On the fake device it raises the fake's error of that status
+    (:class:`~memchunk_prefect.device.FakeGpuContextError`), which breaks nothing."""
     import os
 
     from .device import FakeGpuContextError
 
-    backend(device)
+    be = backend(device)
     first = False
     if not always:
         try:
@@ -74,6 +76,10 @@ def breaks_gpu_context(block, marker: str = "", always: bool = False, device: st
             first = True
         except FileExistsError:
             pass
+    if (always or first) and be.on_gpu and be.fake_capacity is None:
+        poke = be.xp.RawKernel(r'''extern "C" __global__ void poke(int* unused) { *((int*)8) = 1; }''', "poke")
+        poke((1,), (1,), (be.xp.zeros(1, dtype=be.xp.int32),))
+        be.xp.cuda.Device().synchronize()  # raises the illegal address here
     if always or first:
         raise FakeGpuContextError("CUDARuntimeError: cudaErrorIllegalAddress: an illegal memory access was "
                                   "encountered (fake)", 700)

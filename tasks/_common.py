@@ -32,9 +32,15 @@ backend("cpu").load()
 Triple = tuple[float, float, float]
 
 
-def check_block(block: Any, operator: str) -> np.ndarray:
-    """The block as an ndarray; refuse anything that is not a non-empty 3D (iline, xline, twt) block."""
-    arr = np.asarray(block)
+def is_device_array(block: Any) -> bool:
+    """Whether ``block`` lives in GPU memory (a CuPy array, or any array exposing ``__cuda_array_interface__``)."""
+    return hasattr(block, "__cuda_array_interface__")
+
+
+def check_block(block: Any, operator: str) -> Any:
+    """The block as an ndarray (a GPU array stays one); refuse anything that is not a non-empty 3D (iline, xline,
+    twt) block."""
+    arr = block if is_device_array(block) else np.asarray(block)
     if arr.ndim != 3:
         raise VolumeError(
             f"{operator} needs a 3D block (iline, xline, twt), got an array of shape {arr.shape}; "
@@ -86,6 +92,10 @@ def on_device(device: str, block: Any, operator: str, dtype: Any) -> tuple[Backe
     and their mask (see :func:`split_finite`), both on the device."""
     be = backend(device)
     arr = check_block(block, operator)
+    if is_device_array(arr) and not be.on_gpu:
+        raise VolumeError(f"{operator} got a block in GPU memory ({type(arr).__module__}.{type(arr).__name__}) to run "
+                          f"on the CPU (device={device!r}): pass device='cuda' (or 'auto') to compute it on the GPU, "
+                          "or move it to host memory first (cupy.asnumpy)")
     data, bad = split_finite(be.asarray(arr), dtype, be)
     return be, data, bad
 

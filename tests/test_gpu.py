@@ -22,7 +22,7 @@ from prefect import flow
 import tasks
 from memchunk_prefect import MemoryAwareRunner, chunked, open_segy
 from memchunk_prefect import device as dev
-from memchunk_prefect.errors import BudgetTooSmallError, ChunkMemoryError, DeviceError
+from memchunk_prefect.errors import BudgetTooSmallError, ChunkMemoryError, DeviceError, VolumeError
 from memchunk_prefect.records import Observation
 from memchunk_prefect.store import Store
 from memchunk_prefect.testing import start_local_cluster
@@ -98,6 +98,18 @@ def test_every_operator_gives_the_cpu_result_through_the_device_path(fake_gpu, n
     assert isinstance(on_gpu, np.ndarray) and on_gpu.dtype == np.float32 and on_gpu.shape == block.shape
     np.testing.assert_array_equal(on_gpu, on_cpu)
     assert np.isnan(on_gpu).any(), "the NaN sample's outputs are NaN on the device too"
+
+
+class _DeviceResident(np.ndarray):
+    """A host array that says it lives in GPU memory (``__cuda_array_interface__``), as a CuPy array does."""
+
+    __cuda_array_interface__: dict = {}
+
+
+def test_a_block_in_gpu_memory_is_refused_on_the_cpu_with_what_to_do():
+    block = _block().view(_DeviceResident)
+    with pytest.raises(VolumeError, match=r"envelope got a block in GPU memory .*device='cpu'.*device='cuda'"):
+        tasks.envelope.fn(block, device="cpu")
 
 
 _FIRST_CALL = """
@@ -322,12 +334,16 @@ def test_incoming_chunks_that_overflow_the_gpu_are_rechunked_and_cold_probes_are
 # ----------------------------------------------------------------------------- a real cluster, a fake GPU
 
 
-def _cold_then_warm(mapped, path: Path, tmp_path: Path, monkeypatch, capacity: int):
-    """Run ``mapped(path)`` (a map's results, inside a flow) twice on one store, on 2 real workers whose fake
-    GPUs hold ``capacity`` bytes; ``(cold result, warm result, cold runs, warm runs)`` (the stored rows)."""
-    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(capacity))  # before the cluster starts: its workers inherit it
+def _cold_then_warm(mapped, path: Path, tmp_path: Path, monkeypatch, capacity: int | None, n_workers: int = 2):
+    """Run ``mapped(path)`` (a map's results, inside a flow) twice on one store, on ``n_workers`` real workers whose
+    fake GPUs hold ``capacity`` bytes (None: the real GPU, no fake); ``(cold result, warm result, cold runs, warm
+    runs)`` (the stored rows)."""
+    if capacity is None:
+        monkeypatch.delenv(dev.FAKE_GPU_ENV, raising=False)
+    else:
+        monkeypatch.setenv(dev.FAKE_GPU_ENV, str(capacity))  # before the cluster starts: its workers inherit it
     store = tmp_path / "store.sqlite"
-    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    cluster = start_local_cluster(n_workers=n_workers, memory_limit="1GiB")
     results = []
     try:
         for run in ("cold", "warm"):
@@ -453,9 +469,11 @@ def test_only_cuda_errors_that_leave_the_context_unusable_are_told_apart():
 
 
 @pytest.mark.cluster
+@pytest.mark.parametrize("gpu", ["fake", pytest.param("real", marks=pytest.mark.gpu)])
 def test_a_cuda_error_that_breaks_a_workers_context_restarts_that_worker_and_loses_nothing(segy_dir, tmp_path,
-                                                                                          monkeypatch):
-    """The first chunk raises a context-breaking CUDA error (the fake's, status 700) on a real cluster: the
+                                                                                          monkeypatch, gpu):
+    """The first chunk breaks its worker's CUDA context (on a real GPU: a kernel writes to an illegal address,
+    cudaErrorIllegalAddress, 700; on the fake device: the fake's error of that status) on a real cluster: the
     worker that ran it is restarted (a new process), the chunk runs once more, the output is complete and
     exact. An operator that does it in every chunk fails the map with GpuContextError, not a loop."""
     from distributed import Client
@@ -463,7 +481,13 @@ def test_a_cuda_error_that_breaks_a_workers_context_restarts_that_worker_and_los
     from memchunk_prefect.errors import GpuContextError
     from memchunk_prefect.testing import breaks_gpu_context
 
-    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(64 << 20))
+    if gpu == "real":
+        monkeypatch.delenv(dev.FAKE_GPU_ENV, raising=False)
+        status = _real_gpu()
+        if not status.usable:
+            pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
+    else:
+        monkeypatch.setenv(dev.FAKE_GPU_ENV, str(64 << 20))
     source = segy_dir / "f3.sgy"
     cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
     try:
@@ -576,6 +600,23 @@ def test_on_a_real_gpu_every_operator_equals_the_cpu_to_float32_tolerance(no_fak
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name,params", CASES, ids=[c[0] for c in CASES])
+def test_on_a_real_gpu_every_operator_takes_a_block_already_in_gpu_memory(no_fake, name, params):
+    """A CuPy block (a CuPy-backed Dask array's chunk) gives what the same block from host memory gives."""
+    status = _real_gpu()
+    if not status.usable:
+        pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
+    import cupy
+
+    block = _block(shape=(24, 20, 120))
+    from_host = tasks.OPERATORS[name].fn(block, device="cuda", **params)
+    from_device = tasks.OPERATORS[name].fn(cupy.asarray(block), device="cuda", **params)
+    np.testing.assert_allclose(from_device, from_host, rtol=1e-5, atol=1e-6, equal_nan=True)
+    with pytest.raises(VolumeError, match="block in GPU memory"):
+        tasks.OPERATORS[name].fn(cupy.asarray(block), device="cpu", **params)
+
+
+@pytest.mark.gpu
 def test_on_a_real_gpu_a_task_measures_its_own_allocations_above_the_resting_pool(no_fake):
     status = _real_gpu()
     if not status.usable:
@@ -585,3 +626,66 @@ def test_on_a_real_gpu_a_task_measures_its_own_allocations_above_the_resting_poo
         a = be.xp.ones(256 << 20, dtype=be.xp.uint8)  # 256 MiB
         del a
     assert use.method == "cupy-pool" and 256 << 20 <= use.peak_bytes < 260 << 20
+
+
+def _needs_real_gpu(monkeypatch) -> dev.GpuStatus:
+    monkeypatch.delenv(dev.FAKE_GPU_ENV, raising=False)
+    status = _real_gpu()
+    if not status.usable:
+        pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
+    return status
+
+
+@pytest.mark.gpu
+@pytest.mark.cluster
+def test_on_a_real_gpu_a_map_learns_its_gpu_memory_cold_and_runs_warm_within_the_budget(segy_dir, tmp_path,
+                                                                                       monkeypatch):
+    """envelope of f3.sgy on one worker of the real GPU, twice on one store: every run is stored under the
+    ``|cuda`` key with a GPU peak measured on the device (above nothing: more than the block) and the GPU budget
+    read from the worker (0.9 of what it could allocate, under the device's memory); both results equal the
+    CPU's to float32 tolerance; warm, nothing runs out."""
+    status = _needs_real_gpu(monkeypatch)
+    source = segy_dir / "f3.sgy"
+
+    def envelope_on_gpu(path: str):
+        return tasks.envelope.map(chunked(path)).result()
+
+    cold, warm, first, second = _cold_then_warm(envelope_on_gpu, source, tmp_path, monkeypatch, None, n_workers=1)
+    expected = tasks.envelope.fn(open_segy(source).values)
+    for result in (cold, warm):
+        np.testing.assert_allclose(result.values, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
+    rows = first + second
+    assert {r.operator_key for r in rows} == {"envelope|float32|cuda"}
+    assert all(0 < r.gpu_budget_bytes <= 0.9 * status.total_bytes for r in rows)
+    for runs in (first, second):
+        ok = [r for r in runs if r.outcome == "ok"]
+        assert ok and all(r.gpu_peak_bytes is not None and r.gpu_peak_bytes >= 4 * r.elements for r in ok)
+        assert _covers_once(runs, expected.shape)
+    assert [r.outcome for r in second if r.outcome != "ok"] == []
+
+
+@pytest.mark.gpu
+@pytest.mark.cluster
+def test_on_a_real_gpu_chunks_that_run_out_of_its_memory_are_split_never_lost(segy_dir, tmp_path, monkeypatch):
+    """memory_hog holding 1.5 million x its input on the real GPU (f3.sgy whole: ~186 GB, over any GPU made), on
+    one worker: the cold run's chunks run out of the device's memory for real (CuPy's OutOfMemoryError), are
+    stored as GPU out-of-memory and split until they fit; the output is complete and exact. Warm, the GPU
+    model plans chunks that fit: nothing runs out."""
+    from memchunk_prefect.testing import memory_hog
+
+    status = _needs_real_gpu(monkeypatch)
+    source = segy_dir / "f3.sgy"
+    multiple = 1.5e6
+    assert open_segy(source).values.nbytes * multiple > status.total_bytes, "the whole survey must not fit"
+
+    def hog_on_gpu(path: str):
+        return memory_hog.map(chunked(path), multiple=multiple).result()
+
+    cold, warm, first, second = _cold_then_warm(hog_on_gpu, source, tmp_path, monkeypatch, None, n_workers=1)
+    expected = open_segy(source).values
+    for result in (cold, warm):
+        np.testing.assert_array_equal(result.values, expected)
+    ran_out = [r for r in first if r.outcome == "memory_error"]
+    assert ran_out and all(r.censored and r.gpu_out_of_memory for r in ran_out), [r.outcome for r in first]
+    assert [r.outcome for r in second if r.outcome != "ok"] == []
+    assert _covers_once(first, expected.shape) and _covers_once(second, expected.shape)

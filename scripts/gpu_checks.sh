@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The GPU checks in one go, on a machine with an NVIDIA GPU and CuPy (the project installed or importable):
+#
+#   bash scripts/gpu_checks.sh OUTDIR [STAGE ...]
+#
+# Stages (default: all, in this order, each under its own time limit so one that hangs leaves the rest):
+#   info       nvidia-smi and CuPy's configuration
+#   tests      the tests marked gpu (pytest -m gpu tests/test_gpu.py): CuPy against the CPU, real GPU
+#              out-of-memory split, a real broken CUDA context restarted, memory measured on the device
+#   memory     python -m benchmarks.gpu_memory: CuPy's pool and NVML against known allocations, per operator
+#   bench      python -m benchmarks.gpu: gst3d_dip over a survey too large for the GPU in one piece
+#   operators  python -m benchmarks.operator_memory --device both: every operator on the CPU and the GPU
+#   demo       memchunk demo (on the GPU where there is one)
+#
+# Everything goes to OUTDIR/checks.log (one file: the device tool returns at most 8) and the benchmarks' JSON
+# beside it. Real SEG-Y test files are looked for in $MEMCHUNK_SEGY_TEST_DATA (else ../shared/data/segy).
+set -u
+out=${1:?usage: scripts/gpu_checks.sh OUTDIR [STAGE ...]}
+shift
+mkdir -p "$out"
+stages=${*:-info tests memory bench operators demo}
+export PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false DO_NOT_TRACK=1
+log="$out/checks.log"
+
+run() {
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  echo "=== $name (limit ${limit} s): $*" | tee -a "$log"
+  timeout -k 10 "$limit" "$@" >> "$log" 2>&1
+  rc=$?
+  echo "=== $name: rc $rc in $(( $(date +%s) - start )) s" | tee -a "$log"
+}
+
+for stage in $stages; do
+  case $stage in
+    info) run info 60 bash -c 'nvidia-smi; python3 -c "import cupy; cupy.show_config()"' ;;
+    tests) run tests 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs ;;
+    memory) run memory 120 python3 -m benchmarks.gpu_memory --json "$out/gpu_memory.json" ;;
+    bench) run bench "${BENCH_LIMIT:-330}" python3 -m benchmarks.gpu --json "$out/gpu_bench.json" ;;
+    operators) run operators 180 python3 -m benchmarks.operator_memory --device both --shape 128 128 400 \
+                 --json "$out/operators.json" ;;
+    demo) run demo 180 python3 -m memchunk_prefect.cli demo ;;
+    *) echo "unknown stage $stage (info tests memory bench operators demo)" | tee -a "$log" ;;
+  esac
+done
