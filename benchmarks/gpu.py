@@ -178,7 +178,13 @@ def warm_gpu_worker() -> dict:
         tasks.OPERATORS[OPERATOR].fn(block, device=CUDA)
     reset_worker()
     st = gpu_status()
-    return {"why": st.why, "total_bytes": st.total_bytes, "free_bytes": st.free_bytes, "fake": st.fake}
+    limit = None
+    with contextlib.suppress(Exception):  # no CuPy on the fake device
+        import cupy
+
+        limit = int(cupy.get_default_memory_pool().get_limit()) or None
+    return {"why": st.why, "total_bytes": st.total_bytes, "free_bytes": st.free_bytes, "fake": st.fake,
+            "pool_limit_bytes": limit}
 
 
 def on_gpu(block: np.ndarray, op_name: str = OPERATOR, **params: Any) -> np.ndarray:
@@ -471,7 +477,8 @@ def run(cfg: GpuConfig, workdir: Path, quick: bool) -> dict:
         rows: list[st.StrategyResult] = []
         try:
             gpus = bench.client.run(warm_gpu_worker)
-            total = min(int(g["total_bytes"] or 0) for g in gpus.values()) or None
+            # The memory a task could have: the device's, or CuPy's pool limit where one is set (--gpu-memory-limit).
+            total = min(int(g["pool_limit_bytes"] or g["total_bytes"] or 0) for g in gpus.values()) or None
             print("workers: " + "; ".join(f"{w}: {g['why']}" for w, g in gpus.items()), flush=True)
 
             def measure(name: str, fn) -> st.StrategyResult:
@@ -497,7 +504,8 @@ def run(cfg: GpuConfig, workdir: Path, quick: bool) -> dict:
             bench.close()
     result = [r.to_dict() for r in rows]
     return {"found": found, "config": {"shape": list(cfg.shape), "statics": list(cfg.statics),
-                                       "memory_limit": cfg.memory_limit, "quick": quick, "workers": len(devices)},
+                                       "memory_limit": cfg.memory_limit, "quick": quick, "workers": len(devices),
+                                       "gpu_memory_limit": os.environ.get("CUPY_GPU_MEMORY_LIMIT")},
             "workers": gpus, "survey_seconds": round(made, 1), "strategies": result, "one_piece": piece,
             "targets": evaluate(result, piece)}
 
@@ -505,7 +513,10 @@ def run(cfg: GpuConfig, workdir: Path, quick: bool) -> dict:
 def format_report(result: dict) -> str:
     if "skipped" in result:
         return f"GPU benchmark skipped: {result['skipped']}"
-    lines = [f"gst3d_dip on the GPU ({result['found']}), survey {' x '.join(map(str, result['config']['shape']))}",
+    cap = result["config"].get("gpu_memory_limit")
+    lines = [f"gst3d_dip on the GPU ({result['found']}"
+             + (f", CuPy's pool capped at {format_bytes(int(cap))}" if cap else "")
+             + f"), survey {' x '.join(map(str, result['config']['shape']))}",
              "", f"{'strategy':<16} {'ok':<4} {'wall s':>8} {'OOM':>4} {'tasks':>6}  notes"]
     for r in result["strategies"]:
         lines.append(f"{r['name']:<16} {'yes' if r['completed'] else 'NO':<4} {r['wall_seconds']:8.1f} "
@@ -522,6 +533,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--shape", type=int, nargs=3, metavar=("IL", "XL", "NT"), help="survey shape")
     parser.add_argument("--statics", type=int, nargs="+", help="slab counts of the static sweep")
     parser.add_argument("--memory-limit", help="host memory of each worker (e.g. 48GiB)")
+    parser.add_argument("--gpu-memory-limit", metavar="BYTES",
+                        help="cap each worker's CuPy pool (CUPY_GPU_MEMORY_LIMIT, e.g. 17179869184 for 16 GiB): a "
+                             "smaller GPU on a large one, so a smaller survey does not fit it in one piece")
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--workdir", type=Path, help="where the survey and outputs go (default: a temporary dir)")
     args = parser.parse_args(argv)
@@ -532,6 +546,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not usable_gpus()[0]:
             os.environ["MEMCHUNK_FAKE_GPU_BYTES"] = str(QUICK_FAKE_BYTES)
             print(f"--quick without a GPU: the fake device of {QUICK_FAKE_BYTES // MIB} MiB", flush=True)
+    if args.gpu_memory_limit:
+        os.environ["CUPY_GPU_MEMORY_LIMIT"] = str(int(float(args.gpu_memory_limit)))  # workers inherit it
     from dataclasses import replace
 
     cfg = replace(cfg, **{k: v for k, v in (("shape", tuple(args.shape) if args.shape else None),

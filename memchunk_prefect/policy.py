@@ -380,11 +380,16 @@ def plan(
 
     smallest = extents_with_halo((1, 1, rshape[2] if whole_traces else 1), h, vol)
     probe_pred = predict(smallest)
+
+    def probe_fits(extents: Shape) -> bool:
+        """Whether the model's bounds (raised where blocks as large ran out of memory) fit both budgets."""
+        return predict(extents).upper_bytes <= budget_bytes and (gpu is None or gpu.over(extents) is None)
+
     if not probe_pred.ready:
         return probe_plan(vol, budget_bytes=probe_budget(budget_bytes, gpu), halo=h, slots=slots,
                           whole_traces=whole_traces,
                           region=region, itemsize=itemsize, settings=settings,
-                          reason=getattr(probe_pred, "reason", "") or "too little history")
+                          reason=getattr(probe_pred, "reason", "") or "too little history", fits=probe_fits)
 
     axis_extent: dict[tuple[int, int], int] = {}
 
@@ -527,6 +532,7 @@ def probe_plan(
     scale: float | None = None,
     reason: str = "too little history",
     others_left: bool = False,
+    fits: Callable[[Shape], bool] | None = None,
 ) -> Plan:
     """A cold-start probe wave: one chunk per slot (at least two), all of one size, from ``region``'s start.
 
@@ -545,7 +551,9 @@ def probe_plan(
     are real work: their results are kept. A wave that takes all of ``region``
     when nothing else is left to plan teaches two sizes itself (else the next
     run would probe one size again); ``others_left``: boxes outside ``region``
-    remain to be planned after it, so its probes may all be of one size.
+    remain to be planned after it, so its probes may all be of one size. ``fits(extents)``: whether a probe
+    may read a block of ``extents`` (halo included) at all; :func:`plan` passes the model's bounds, which a block
+    at least as large as one that ran out of memory exceeds, so a probe is never a size known to fail.
 
     >>> p = probe_plan((10, 40, 100), budget_bytes=100 * 4 * 12_000, slots=2, scale=1.0)
     >>> [c.shape for c in p.chunks], [c.shape for c in p.remainder]
@@ -575,13 +583,16 @@ def probe_plan(
     max_elems = max(1.0, budget_bytes * scale / (settings.probe_multiple * itemsize))
     i0, x0, t0 = region.start
 
-    def read(rows: int, widths: Sequence[int], t_len: int) -> int:
+    def read(rows: int, widths: Sequence[int], t_len: int) -> float:
         """Elements of the largest block the probes read, placed at the region's start (halos clipped at the
-        volume's edges, as they are read: a probe in a corner holds half the halo an interior block would)."""
+        volume's edges, as they are read: a probe in a corner holds half the halo an interior block would);
+        infinite where one of them does not ``fits``."""
         out, x = 0, x0
         for w in widths:
-            box = Chunk((i0, x, t0), (i0 + rows, x + w, t0 + t_len))
-            out = max(out, with_halo(box, h, vol)[0].elements)
+            block = with_halo(Chunk((i0, x, t0), (i0 + rows, x + w, t0 + t_len)), h, vol)[0]
+            if fits is not None and not fits(block.shape):
+                return math.inf
+            out = max(out, block.elements)
             x += w
         return out
 

@@ -28,7 +28,7 @@ import numpy as np
 from distributed import get_worker
 
 from .chunks import Chunk, Shape, with_halo
-from .device import CUDA, GpuUse, backend, is_gpu_context_error, is_gpu_out_of_memory
+from .device import CUDA, GpuUse, backend, is_gpu_context_error, is_gpu_out_of_memory, release_frames
 from .errors import ChunkMemoryError, GpuContextError, OutputWriteError, RunnerConfigError, VolumeError, format_bytes
 from .monitor import default_monitor
 from .records import Observation
@@ -94,7 +94,15 @@ class BlockFunction:
         job = bound.arguments[self.param]
         if not isinstance(job, BlockJob):  # called outside the runner: behave as the plain function
             return self.fn(*args, **kwargs)
-        return run_block(self.fn, job, bound)
+        try:
+            return run_block(self.fn, job, bound)
+        except BaseException as exc:
+            # Dask and Prefect keep a failed task's exception, whose traceback keeps the block and the operator's
+            # arrays (host and GPU) alive in this worker: drop them, so a chunk that ran out of memory leaves
+            # none of it held for the next one (memchunk_prefect.device.release_frames).
+            del bound
+            release_frames(exc)
+            raise
 
 
 def _worker_name() -> str:

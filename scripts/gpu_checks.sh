@@ -12,6 +12,8 @@
 #   operators  python -m benchmarks.operator_memory --device both: every operator on the CPU and the GPU
 #   demo       memchunk demo (on the GPU where there is one)
 #
+# Environment: TESTS_K (a pytest -k expression), BENCH_ARGS (e.g. "--shape 512 512 400 --gpu-memory-limit 17179869184"),
+# TESTS_LIMIT, BENCH_LIMIT, DEMO_LIMIT (seconds).
 # Everything goes to OUTDIR/checks.log (one file: the device tool returns at most 8) and the benchmarks' JSON
 # beside it. Real SEG-Y test files are looked for in $MEMCHUNK_SEGY_TEST_DATA (else ../shared/data/segy).
 set -u
@@ -35,12 +37,13 @@ run() {
 for stage in $stages; do
   case $stage in
     info) run info 60 bash -c 'nvidia-smi; python3 -c "import cupy; cupy.show_config()"' ;;
-    tests) run tests 240 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs ;;
+    tests) run tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs \
+             ${TESTS_K:+-k "$TESTS_K"} ;;
     memory) run memory 120 python3 -m benchmarks.gpu_memory --json "$out/gpu_memory.json" ;;
-    bench) run bench "${BENCH_LIMIT:-330}" python3 -m benchmarks.gpu --json "$out/gpu_bench.json" ;;
+    bench) run bench "${BENCH_LIMIT:-330}" python3 -m benchmarks.gpu ${BENCH_ARGS:-} --json "$out/gpu_bench.json" ;;
     operators) run operators 180 python3 -m benchmarks.operator_memory --device both --shape 128 128 400 \
                  --json "$out/operators.json" ;;
-    demo) run demo 180 python3 -m memchunk_prefect.cli demo ;;
+    demo) run demo "${DEMO_LIMIT:-180}" python3 -m memchunk_prefect.cli demo ;;
     *) echo "unknown stage $stage (info tests memory bench operators demo)" | tee -a "$log" ;;
   esac
 done

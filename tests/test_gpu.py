@@ -35,6 +35,10 @@ CASES = [
 ]
 
 
+#: Operators computed from the phase of each trace's analytic signal (ill-conditioned where its amplitude is ~0).
+PHASE_OPERATORS = ("instantaneous_phase", "cosine_phase", "instantaneous_frequency")
+
+
 @pytest.fixture()
 def no_fake(monkeypatch):
     monkeypatch.delenv(dev.FAKE_GPU_ENV, raising=False)
@@ -193,6 +197,54 @@ def test_the_fake_device_measures_what_a_task_held_and_runs_out_past_its_capacit
             del big
     assert dev.is_gpu_out_of_memory(info.value) and not dev.is_gpu_out_of_memory(MemoryError("host"))
     assert use.peak_bytes >= 80 << 20
+
+
+def test_a_task_that_fails_on_the_gpu_keeps_none_of_its_arrays_alive_through_its_exception(fake_gpu):
+    """Dask and Prefect keep a failed task's exception; its traceback must not keep the task's arrays (on an H100
+    the GPU arrays of one slab that ran out of memory made every later slab of that worker run out too)."""
+    import weakref
+
+    refs = []
+
+    def operator():
+        scratch = np.ones(1 << 20)
+        refs.append(weakref.ref(scratch))
+        raise MemoryError("ran out")
+
+    with pytest.raises(MemoryError) as kept:  # pytest keeps the exception, as Dask does
+        with dev.backend("cuda").track():
+            operator()
+    assert kept.value.__traceback__ is not None, "the traceback itself is kept, for the logs"
+    assert refs[0]() is None, "the failed operator's array was released"
+
+
+def test_a_chunk_that_runs_out_of_memory_keeps_neither_its_block_nor_its_arrays_alive(tmp_path):
+    """The host path (a chunk run by the runner's task function): after a MemoryError the exception the worker keeps
+    holds neither the block read for the chunk nor the operator's arrays."""
+    import weakref
+
+    from memchunk_prefect.chunks import Chunk
+    from memchunk_prefect.volume import ZarrOutput, as_source
+    from memchunk_prefect.worker import BlockFunction, BlockJob
+
+    refs = []
+
+    def hog(block):
+        refs.append(weakref.ref(block))
+        scratch = np.ones(1 << 20)
+        refs.append(weakref.ref(scratch))
+        raise MemoryError("ran out")
+
+    volume = np.zeros((4, 5, 16), np.float32)
+    out = ZarrOutput.create(tmp_path / "out.zarr", volume.shape)
+    chunk = Chunk((0, 0, 0), volume.shape)
+    job = BlockJob(source=as_source(volume), chunk=chunk, halo=(0, 0, 0), volume_shape=volume.shape,
+                   output_path=out.path, operator="hog", operator_key="hog|float32", budget_bytes=1 << 30,
+                   label="all")
+    with pytest.raises(ChunkMemoryError) as kept:
+        BlockFunction(hog, "block")(job)
+    assert kept.value.__cause__ is not None
+    assert len(refs) == 2 and all(r() is None for r in refs), "the block and the operator's array were released"
 
 
 def test_a_gpu_out_of_memory_pickles_with_its_kind():
@@ -595,8 +647,17 @@ def test_on_a_real_gpu_every_operator_equals_the_cpu_to_float32_tolerance(no_fak
     on_cpu = tasks.OPERATORS[name].fn(block, device="cpu", **params)
     on_gpu = tasks.OPERATORS[name].fn(block, device="cuda", **params)
     np.testing.assert_array_equal(np.isnan(on_gpu), np.isnan(on_cpu))
-    atol = 1e-3 if name in ("gst3d_dip", "gst3d_azimuth") else 1e-5  # degrees vs unit amplitudes
-    np.testing.assert_allclose(on_gpu, on_cpu, rtol=1e-4, atol=atol, equal_nan=True)
+    # float32 tolerance relative to the output's own scale (dips in degrees, frequencies in Hz up to Nyquist): two
+    # FFT libraries round differently, and measured on an H100 instantaneous_frequency's largest difference was
+    # 1.2e-4 Hz on values of ~100 Hz.
+    atol = 1e-5 * float(np.nanmax(np.abs(on_cpu)))
+    compared = np.ones(block.shape, bool)
+    if name in PHASE_OPERATORS:
+        # A phase is set by rounding where the trace's amplitude is nearly zero: cosine_phase differed by 4.5e-5
+        # at a sample of 0.09% of the largest envelope. Compared where the envelope is at least 1% of it.
+        envelope = tasks.envelope.fn(block)
+        compared = ~(envelope < 0.01 * np.nanmax(envelope))
+    np.testing.assert_allclose(on_gpu[compared], on_cpu[compared], rtol=1e-4, atol=atol, equal_nan=True)
 
 
 @pytest.mark.gpu

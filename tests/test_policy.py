@@ -115,6 +115,30 @@ def test_no_history_gives_a_wave_of_equal_probes_one_per_slot_and_a_plannable_re
     assert all(100 * 4 * c.elements > 200 * MiB * 0.125 / 2 for c in p.chunks), "as large as that allows"
 
 
+@pytest.mark.parametrize("on_gpu", [False, True], ids=["host", "gpu"])
+def test_a_probe_is_never_a_size_the_model_already_bounds_over_the_budget(on_gpu):
+    """Found on an H100: a run after one whose chunks ran out of the GPU's memory, still short of history,
+    probed again with chunks of the size that had run out. A block at least as large as one that ran out is
+    bounded above the budget (the model's out-of-memory floor); the probes stay below that size."""
+    from memchunk_prefect.policy import GpuLimit
+
+    shape, budget, failed_at = (50, 40, 200), 200 * MiB, 2000  # blocks of >= 2000 elements ran out
+
+    def with_floor(ext):
+        n = math.prod(ext)
+        upper = 3 * budget if n >= failed_at else 4.0 * n
+        return Prediction(mean_bytes=upper, upper_bytes=upper, n_observations=2, ready=False)
+
+    unknown = linear(5, ready=False)
+    free = plan(shape, budget_bytes=budget, predict=unknown, slots=2)
+    assert max(c.elements for c in free.chunks) >= failed_at, "without the floor the probes are larger"
+    p = (plan(shape, budget_bytes=budget, predict=unknown, slots=2, gpu=GpuLimit(with_floor, budget)) if on_gpu
+         else plan(shape, budget_bytes=budget, predict=with_floor, slots=2))
+    assert p.probe and len(p.chunks) >= 2
+    assert max(c.elements for c in p.chunks) < failed_at
+    assert covers_exactly(p.chunks + p.remainder, shape)
+
+
 @given(shape=st.tuples(st.integers(1, 30), st.integers(1, 30), st.integers(1, 50)),
        budget=st.integers(10_000, 10_000_000), slots=st.integers(1, 8), whole=st.booleans(),
        halo=st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3)))
