@@ -516,3 +516,42 @@ def test_time_forms_replays_each_flow_run_and_the_support_test_can_be_turned_off
     assert "gst3d_dip" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         time_forms.main([str(tmp_path / "missing.sqlite")])
+
+
+def test_quick_gpu_benchmark_runs_every_strategy_on_the_fake_device_and_checks_against_the_cpu(tmp_path, api_url):
+    """``python -m benchmarks.gpu --quick`` where there is no GPU: the fake device of 32 MiB (numpy, memory by
+    tracemalloc), on which gst3d_dip does not fit in one piece. Every strategy reports, static-1 runs out of the
+    device's memory, memchunk plans around it cold and warm, and its output equals the CPU path."""
+    env = benchmark_env(tmp_path, api_url)
+    env.pop("MEMCHUNK_FAKE_GPU_BYTES", None)
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--quick", "--workdir", str(tmp_path / "w"),
+                           "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--quick without a GPU: the fake device of 32 MiB" in proc.stdout
+    result = json.loads(out.read_text())
+    rows = {r["name"]: r for r in result["strategies"]}
+    assert set(rows) == {"dask-auto", "static-1", "static-6", "static-best", "memchunk-cold", "memchunk-warm"}
+    assert STRATEGY_FIELDS <= set(rows["memchunk-warm"])
+    assert not rows["static-1"]["completed"] and rows["static-1"]["oom_events"] == 1, "one piece does not fit"
+    for name in ("memchunk-cold", "memchunk-warm"):
+        assert rows[name]["completed"] and rows[name]["extra"]["operator_key"].endswith("|cuda")
+        assert rows[name]["extra"]["gpu_peak_bytes"] <= rows[name]["extra"]["gpu_budget_bytes"]
+    t = result["targets"]
+    assert t["one_piece"]["met"] and t["warm_oom"]["met"] and t["exact"]["met"], t
+    assert "targets:" in proc.stdout and "memchunk-warm" in proc.stdout
+
+
+def test_gpu_memory_benchmark_measures_known_allocations_exactly_on_the_fake_device(tmp_path):
+    """``python -m benchmarks.gpu_memory --quick`` on the fake device: its figure for each allocation of known size
+    is the size (NVML columns empty: no GPU); each operator is measured twice."""
+    env = benchmark_env(tmp_path)
+    env["MEMCHUNK_FAKE_GPU_BYTES"] = str(4 << 30)
+    out = tmp_path / "m.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_memory", "--quick", "--json", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    known = [r for r in rows if "truth_bytes" in r]
+    assert len(known) == 4 and all(abs(r["pool_error"]) < 0.01 and r["nvml_end_bytes"] is None for r in known)
+    assert sorted(r["call"] for r in rows if r.get("operator") == "gst3d_dip") == ["first", "second"]
