@@ -205,11 +205,14 @@ def plot(result: dict, path: str) -> None:
 GPU_SHAPES = ((32, 32, 200), (128, 128, 400))
 
 
-def gpu_section(quick: bool) -> dict:
+def gpu_section(quick: bool, workdir: Path) -> dict:
     """Every operator on the CPU and on the GPU side by side (``benchmarks.operator_memory --device both``: each
-    in a fresh process, seconds and memory multiples, the GPU's own peak beside the host's) where this machine
-    has a GPU work can run on (:func:`memchunk_prefect.pinning.usable_gpus`); ``{"skipped": why}`` elsewhere.
-    The strategies above run on the CPU either way."""
+    in a fresh process, seconds and memory multiples, the GPU's own peak beside the host's), then gst3d_dip over a
+    survey too large for the GPU in one piece (``benchmarks.gpu``: dask-auto, a static sweep, memchunk cold and
+    warm, checked against the CPU; in ``survey``), where this machine has a GPU work can run on
+    (:func:`memchunk_prefect.pinning.usable_gpus`); ``{"skipped": why}`` elsewhere. The strategies above run on
+    the CPU either way."""
+    from benchmarks import gpu as gpu_survey
     from benchmarks import operator_memory
     from memchunk_prefect.pinning import usable_gpus
 
@@ -222,7 +225,8 @@ def gpu_section(quick: bool) -> dict:
 
     rows = [operator_memory.run_in_subprocess(name, shape, device=device)
             for name in tasks.OPERATORS for device in ("cpu", "cuda")]
-    return {"found": found, "shape": list(shape), "rows": rows}
+    survey = gpu_survey.run(gpu_survey.QUICK if quick else gpu_survey.FULL, workdir / "gpu", quick, prefect_api=False)
+    return {"found": found, "shape": list(shape), "rows": rows, "survey": survey}
 
 
 def run(cfg: Config, quick: bool, workdir: Path) -> dict:
@@ -281,7 +285,7 @@ def run(cfg: Config, quick: bool, workdir: Path) -> dict:
         quality = st.learning_quality(store, warm.to_dict())
     finally:
         bench.close()
-    gpu = gpu_section(quick)
+    gpu = gpu_section(quick, workdir)
     machine["loadavg_end"] = list(os.getloadavg())
     machine["memory_limit_bytes"] = bench.memory_limit
     strategies = [r.to_dict() for r in results]
@@ -373,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nevery operator on the CPU and on the GPU ({gpu['found']}), one {' x '.join(map(str, gpu['shape']))} "
               "float32 block each, in a fresh process:")
         print(format_table(gpu["rows"], markdown=False))
+        from benchmarks.gpu import format_report
+
+        print("\n" + format_report(gpu["survey"]))
     else:
         print(f"\nGPU section skipped: {gpu['skipped']}")
     m = result["machine"]

@@ -82,8 +82,9 @@ class GpuConfig:
     region_shape: tuple[int, int]  # (ilines, xlines) of each, whole traces
 
 
-#: 1024 x 1024 x 600 float32 = 2.34 GiB: gst3d_dip needs ~8.6 GiB + ~40x its input on an H100 (measured with
-#: CuPy 14.2), ~102 GiB in one piece, over the 80 GB card (static-1 shows it), ~56 GiB in two slabs.
+#: 1024 x 1024 x 600 float32 = 2.34 GiB: gst3d_dip holds ~8.6 GiB + ~40-50x its block on the GPU (CuPy 14.2 on an
+#: H100); the GPU model learned on it predicted 148 GiB in one piece, over the 79.2 GiB card (static-1 ran out
+#: after 60 GB, asking for 45 GB more). 2026-11-26: the full benchmark took ~290 s of an H100 machine.
 FULL = GpuConfig(shape=(1024, 1024, 600), statics=(1, 2, 4, 8, 16), memory_limit="48GiB", regions=2,
                  region_shape=(24, 24))
 #: The fake device (CI): a 96 x 24 x 128 survey (1.1 MiB); gst3d_dip holds ~43x its block at once on it, and its
@@ -441,7 +442,9 @@ def evaluate(rows: list[dict], piece: dict) -> dict[str, dict]:
     return out
 
 
-def run(cfg: GpuConfig, workdir: Path, quick: bool) -> dict:
+def run(cfg: GpuConfig, workdir: Path, quick: bool, prefect_api: bool = True) -> dict:
+    """The benchmark (see the module docstring); ``prefect_api=False`` where a Prefect API is already set up
+    (``python -m benchmarks``' GPU section), else a local server is started unless PREFECT_API_URL is set."""
     from benchmarks import strategies as st
     from benchmarks.__main__ import _prefect_api
     from memchunk_prefect.pinning import PRELOAD, usable_gpus
@@ -472,7 +475,7 @@ def run(cfg: GpuConfig, workdir: Path, quick: bool) -> dict:
             self.client.wait_for_workers(self.n_workers, timeout=120)
             self.client.register_plugin(st.AttemptLog(self.attempts_dir))
 
-    with _prefect_api():
+    with _prefect_api() if prefect_api else contextlib.nullcontext():
         bench = GpuBench(len(devices), cfg.memory_limit, workdir)
         rows: list[st.StrategyResult] = []
         try:
