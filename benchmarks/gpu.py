@@ -279,20 +279,10 @@ def dask_auto_graph(source_path: str, out_path: str):
 
 @flow(name="benchmark-gpu-dask-auto")
 def gpu_dask_auto_flow(source_path: str, out_path: str, address: str) -> dict:
-    import dask
-    from distributed import Client
+    from benchmarks.strategies import compute_on
 
     t0 = time.perf_counter()
-    store, chunks = dask_auto_graph(source_path, out_path)
-    n_tasks = len(store.__dask_graph__())
-    client = Client(address, set_as_default=False)
-    try:
-        with dask.config.set(scheduler=client):
-            client.compute(store).result()
-    finally:
-        client.close()
-    return {"completed": True, "tasks": n_tasks, "memory_errors": 0, "seconds": time.perf_counter() - t0,
-            "notes": f"chunks {tuple(len(c) for c in chunks)} of up to {tuple(max(c) for c in chunks)}"}
+    return compute_on(address, *dask_auto_graph(source_path, out_path), t0)
 
 
 def run_dask_auto(bench: Any, survey: str) -> dict:

@@ -534,10 +534,7 @@ def test_a_cuda_error_that_breaks_a_workers_context_restarts_that_worker_and_los
     from memchunk_prefect.testing import breaks_gpu_context
 
     if gpu == "real":
-        monkeypatch.delenv(dev.FAKE_GPU_ENV, raising=False)
-        status = _real_gpu()
-        if not status.usable:
-            pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
+        _needs_real_gpu(monkeypatch)
     else:
         monkeypatch.setenv(dev.FAKE_GPU_ENV, str(64 << 20))
     source = segy_dir / "f3.sgy"
@@ -637,12 +634,18 @@ def _real_gpu() -> dev.GpuStatus:
     return status if status.usable and not status.fake else dev.GpuStatus(False, status.why)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,params", CASES, ids=[c[0] for c in CASES])
-def test_on_a_real_gpu_every_operator_equals_the_cpu_to_float32_tolerance(no_fake, name, params):
+def _real_gpu_or_skip() -> dev.GpuStatus:
+    """This process's real GPU, or skip the test saying why there is none."""
     status = _real_gpu()
     if not status.usable:
         pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
+    return status
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,params", CASES, ids=[c[0] for c in CASES])
+def test_on_a_real_gpu_every_operator_equals_the_cpu_to_float32_tolerance(no_fake, name, params):
+    _real_gpu_or_skip()
     block = _block(shape=(24, 20, 120))
     on_cpu = tasks.OPERATORS[name].fn(block, device="cpu", **params)
     on_gpu = tasks.OPERATORS[name].fn(block, device="cuda", **params)
@@ -664,9 +667,7 @@ def test_on_a_real_gpu_every_operator_equals_the_cpu_to_float32_tolerance(no_fak
 @pytest.mark.parametrize("name,params", CASES, ids=[c[0] for c in CASES])
 def test_on_a_real_gpu_every_operator_takes_a_block_already_in_gpu_memory(no_fake, name, params):
     """A CuPy block (a CuPy-backed Dask array's chunk) gives what the same block from host memory gives."""
-    status = _real_gpu()
-    if not status.usable:
-        pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
+    _real_gpu_or_skip()
     import cupy
 
     block = _block(shape=(24, 20, 120))
@@ -679,9 +680,7 @@ def test_on_a_real_gpu_every_operator_takes_a_block_already_in_gpu_memory(no_fak
 
 @pytest.mark.gpu
 def test_on_a_real_gpu_a_task_measures_its_own_allocations_above_the_resting_pool(no_fake):
-    status = _real_gpu()
-    if not status.usable:
-        pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
+    _real_gpu_or_skip()
     be = dev.backend("cuda")
     with be.track() as use:
         a = be.xp.ones(256 << 20, dtype=be.xp.uint8)  # 256 MiB
@@ -691,10 +690,7 @@ def test_on_a_real_gpu_a_task_measures_its_own_allocations_above_the_resting_poo
 
 def _needs_real_gpu(monkeypatch) -> dev.GpuStatus:
     monkeypatch.delenv(dev.FAKE_GPU_ENV, raising=False)
-    status = _real_gpu()
-    if not status.usable:
-        pytest.skip(f"no NVIDIA GPU usable through CuPy here ({status.why}): the GPU path is verified on a GPU")
-    return status
+    return _real_gpu_or_skip()
 
 
 @pytest.mark.gpu
