@@ -82,7 +82,7 @@ class GpuConfig:
     region_shape: tuple[int, int]  # (ilines, xlines) of each, whole traces
 
 
-#: 1024 x 1024 x 600 float32 = 2.34 GiB: gst3d_dip holds ~8.6 GiB + ~40-50x its block on the GPU (CuPy 14.2 on an
+#: 1024 x 1024 x 600 float32 = 2.34 GiB: gst3d_dip holds ~8.6 GiB + ~56x its block on the GPU (CuPy 14.2 on an
 #: H100); the GPU model learned on it predicted 148 GiB in one piece, over the 79.2 GiB card (static-1 ran out
 #: after 60 GB, asking for 45 GB more). 2026-11-26: the full benchmark took ~290 s of an H100 machine.
 FULL = GpuConfig(shape=(1024, 1024, 600), statics=(1, 2, 4, 8, 16), memory_limit="48GiB", regions=2,

@@ -36,7 +36,7 @@ figure was exact (1 GiB at once, 256 + 768 MiB together, 1 GiB freed then
 512 MiB, 64 x 16 MiB: error 0.00%); NVML's read 0-2 MiB over (its 2 MiB steps).
 Around the operators NVML read more than the pool only on a process's first call
 (gst3d_dip: 114 MiB more, the cuSOLVER / cuBLAS handles; envelope: 15 MiB, cuFFT)
-and at most 7 MiB after, and polled every 2 ms it missed a 7 ms peak entirely.
+and at most 16 MiB after, and polled every 2 ms it missed a 7 ms peak entirely.
 So the pool's figure is the task's: exact for what CuPy allocates, short by the
 libraries' first-use memory (at most ~115 MiB measured, which stays resident and
 is then part of the worker's resting GPU memory).
