@@ -23,6 +23,21 @@ warm. The arms are three risk levels of that bound:
   most double what is known, so a warm operator climbs to the size that fits
   over runs instead of jumping to it from small probes.
 
+Two more arms are *granularity* levels: the chunk count the time model picked
+may be wrong even where memory is not the question (a worker's first touch of
+memory, an operator whose time grows with the square of its traces read as
+linear from noisy runs: measured 0.77x against 0.90x of the best static chunking
+between two counts the model saw as equal). Both fit the ``safe`` bound:
+
+- ``finer``: the planner's best plan among those whose largest block read is at
+  most the ``safe`` plan's / ``SIZE_STEP``;
+- ``coarser``: the same among those reading at least ``SIZE_STEP`` x it (absent
+  where none fits the budget: the bound already chose the size).
+
+A granularity arm is offered only where the planner's estimate of its plan is
+within ``ALTERNATIVE_TOLERANCE`` of the ``safe`` plan's: a neighbour worth a
+night to measure, not a plan expected to lose.
+
 Hard limit: every arm's bound, the boldest included, must fit the budget, so no
 arm ever plans a chunk whose mean times its learned margin crosses the kill line
 (the reference design's agent chooses continue / rechunk / reset; here the
@@ -46,14 +61,18 @@ Efficiency is dimensionless, so surveys of different sizes teach the same arms
 (no context is needed to compare them; the plans themselves are re-made for
 each survey, slots and budget).
 
-The bandit is River's :class:`river.bandit.EpsilonGreedy`: the arm with the
-best mean reward, or a random one with probability ``epsilon`` (decaying with
-plans taught). An arm never played ranks at 0 (River's empty mean): below any
-plan that finished, above one that ran out of memory. Equal arms go to the
-first of bold, mid, safe, so a new operator plays bold (its plan is never
-smaller than safe's, see ``tight_reach``); when bold runs out of memory its
-mean drops below 0 and mid, then safe, are tried. No burn-in: pulling the safe
-arm once per operator for the sake of it would cost every user a slow night.
+The bandit is River's :class:`river.bandit.EpsilonGreedy` with a burn-in of
+one plan per arm: every arm whose plan differs from those already measured is
+played once, in the order of ``ARMS``, then the arm with the best mean reward,
+or a random one with probability ``epsilon`` (decaying with plans taught). A new
+operator plays bold first (its plan is never smaller than safe's, see
+``tight_reach``); when bold runs out of memory its mean drops below 0. Without
+the burn-in an arm never played ranked at 0, below any plan that finished, so a
+plan that differed from the first one played was tried by epsilon alone (about
+once in ten nights, fewer as epsilon decays): the policy could not find out that
+a neighbour was faster. The burn-in costs at most one night per differing arm at
+that arm's speed, each a plan within the hard limit above and, for the
+granularity arms, within ``ALTERNATIVE_TOLERANCE`` of the heuristic's estimate.
 An arm whose plan is the same chunking as the chosen one is taught the same
 reward (its outcome would have been this one), so arms that agree cost no
 exploration. The choice is reproducible: the policy is rebuilt from the rewards
@@ -73,21 +92,43 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from .records import Prediction, Reward
 
-__all__ = ["ARMS", "BOLD", "MID", "SAFE", "HEURISTIC_ARM", "WIDENING", "arm_view", "reward_of", "ArmChoice",
-           "ArmLearner"]
+__all__ = ["ARMS", "BOLD", "MID", "SAFE", "FINER", "COARSER", "GRANULARITY_ARMS", "HEURISTIC_ARM", "WIDENING",
+           "SIZE_STEP", "ALTERNATIVE_TOLERANCE", "read_range", "arm_view", "reward_of", "ArmChoice", "ArmLearner"]
 
-BOLD, MID, SAFE = "bold", "mid", "safe"
-ARMS: tuple[str, ...] = (BOLD, MID, SAFE)
-"""The risk levels, in the order burn-in tries them."""
+BOLD, MID, SAFE, FINER, COARSER = "bold", "mid", "safe", "finer", "coarser"
+ARMS: tuple[str, ...] = (BOLD, MID, SAFE, FINER, COARSER)
+"""Every arm, in the order burn-in tries them (the granularity arms after ``safe``: they are planned from it)."""
+GRANULARITY_ARMS: tuple[str, ...] = (FINER, COARSER)
 HEURISTIC_ARM = SAFE
 """The arm the fixed heuristic always plays (the policy switched off)."""
-WIDENING = {BOLD: 0.0, MID: 0.5, SAFE: 1.0}
+WIDENING = {BOLD: 0.0, MID: 0.5, SAFE: 1.0, FINER: 1.0, COARSER: 1.0}
 """Share of the model's widening (upper bound - tight bound) each arm keeps."""
+SIZE_STEP = 1.5
+"""How much smaller (``finer``) or larger (``coarser``) than the ``safe`` plan's a granularity arm's largest block
+read must be: a neighbour of the planner's choice (on 2 slots, 2 chunks -> 4, 4 -> 6 or 2, 6 -> 10 or 4)."""
+ALTERNATIVE_TOLERANCE = 0.25
+"""A granularity arm is offered only while the planner estimates its plan at most this much slower than the
+``safe`` plan: it is for what the time model may have wrong (measured: a chunk count that ran 0.77x where the
+model, reading time as linear, saw no difference), not for plans the model expects to lose by far."""
+
+
+def read_range(arm: str, safe_read_elements: float) -> tuple[float, float] | None:
+    """``(least, most)`` elements a plan under ``arm`` may read in its largest block (None: any).
+
+    >>> read_range("finer", 3000.0), read_range("coarser", 3000.0), read_range("mid", 3000.0)
+    ((0.0, 2000.0), (4500.0, inf), None)
+    """
+    if arm == FINER:
+        return 0.0, float(safe_read_elements) / SIZE_STEP
+    if arm == COARSER:
+        return float(safe_read_elements) * SIZE_STEP, math.inf
+    return None
 
 
 def arm_view(pred: Prediction, arm: str) -> Prediction:
@@ -102,7 +143,7 @@ def arm_view(pred: Prediction, arm: str) -> Prediction:
     """
     if arm not in WIDENING:
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
-    if not pred.ready or pred.tight_bytes is None or arm == SAFE:
+    if not pred.ready or pred.tight_bytes is None or WIDENING[arm] == 1.0:
         return pred
     tight = min(float(pred.tight_bytes), float(pred.upper_bytes))
     upper = tight + WIDENING[arm] * (float(pred.upper_bytes) - tight)
@@ -156,10 +197,10 @@ class ArmLearner:
     """The bandit of one operator key: taught :class:`Reward` rows, asked which arm to play.
 
     ``epsilon`` (probability of a random arm) decays as ``epsilon x exp(-decay x
-    pulls)``; ``burn_in``: pulls per arm before exploiting (0, see the module docstring).
+    pulls)``; ``burn_in``: pulls per arm before exploiting (1, see the module docstring).
     """
 
-    def __init__(self, key: str, *, epsilon: float = 0.1, decay: float = 0.05, burn_in: int = 0):
+    def __init__(self, key: str, *, epsilon: float = 0.1, decay: float = 0.05, burn_in: int = 1):
         if not 0.0 <= epsilon <= 1.0:
             raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
         self.key = key

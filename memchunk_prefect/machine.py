@@ -652,6 +652,9 @@ class MapMachine:
     restarted_workers: set[str] = field(default_factory=set)  # their addresses (a restarted one gets a new one)
     next_id: int = 0
     arm: ArmChoice | None = None  # the learned policy's arm, once the first real plan is made
+    # Elements (halo included) of the largest block the safe arm's first plan reads: what the granularity arms'
+    # plans are finer or coarser than, for every plan of the map (bandit.read_range).
+    safe_read_elements: int | None = None
     arm_started: float | None = None  # first submission of a chunk planned under the arm
     arm_ended: float = 0.0  # last end of one
     arm_elements: int = 0  # output elements written under the arm
@@ -739,11 +742,19 @@ class MapMachine:
         errors: dict[str, MemchunkError] = {}
         arms = bandit.ARMS if self.settings.learned_policy else (bandit.HEURISTIC_ARM,)
         for arm in arms:
+            if arm in bandit.GRANULARITY_ARMS:
+                safe = results.get(bandit.SAFE)
+                if safe is None:
+                    continue  # finer or coarser than nothing
+                self.safe_read_elements = self._largest_read(_chunks_of(safe))
             self.arm = ArmChoice(arm, (arm,), None, 0, "")
             try:
                 results[arm] = make()
             except MemchunkError as exc:
                 errors[arm] = exc
+                continue
+            if arm in bandit.GRANULARITY_ARMS and not _near(results[arm], results[bandit.SAFE]):
+                del results[arm]
         self.arm = None
         if not results:
             raise errors[bandit.HEURISTIC_ARM]
@@ -757,6 +768,12 @@ class MapMachine:
             choice = ArmChoice(bandit.HEURISTIC_ARM, (bandit.HEURISTIC_ARM,), None, 0, "heuristic")
         self.arm = choice
         return results[choice.arm]
+
+    def _read_range(self) -> policy.ReadRange | None:
+        """The block sizes the map's arm plans within (None: any)."""
+        if self.arm is None or self.safe_read_elements is None:
+            return None
+        return bandit.read_range(self.arm.arm, self.safe_read_elements)
 
     # ---------------------------------------------------------------- events
 
@@ -796,7 +813,7 @@ class MapMachine:
                                  whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
                                  seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
                                  seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
-                                 gpu=self.gpu_limit)
+                                 gpu=self.gpu_limit, read_range=self._read_range())
 
         try:
             d = self._choose_arm(decide) if not _probes(decide) else decide()
@@ -1208,7 +1225,7 @@ class MapMachine:
                            region=region, itemsize=ITEMSIZE,
                            seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
                            seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
-                           gpu=self.gpu_limit)
+                           gpu=self.gpu_limit, read_range=self._read_range())
 
     def _upper_for(self, chunk: Chunk) -> float | None:
         """Upper bound for the block this chunk reads (its halo clipped at the volume's edges); None while not ready."""
@@ -1350,6 +1367,29 @@ def _probes(make: Any) -> bool:
     except MemchunkError:
         return False
     return bool(result.decision == PROBE if isinstance(result, policy.Decision) else result.probe)
+
+
+def _chunks_of(result: Any) -> list[Chunk]:
+    """The chunks of a decision, a plan, or plans."""
+    plans = result if isinstance(result, list) else [result.plan if isinstance(result, policy.Decision) else result]
+    return [c for p in plans for c in p.chunks]
+
+
+def _estimated_seconds(result: Any) -> float | None:
+    """The planner's makespan estimate of a decision, a plan, or plans run side by side (their longest); None
+    where one has none."""
+    if isinstance(result, list):
+        secs = [_estimated_seconds(r) for r in result]
+        return None if not secs or any(x is None for x in secs) else max(x for x in secs if x is not None)
+    plan = result.plan if isinstance(result, policy.Decision) else result
+    return plan.estimated_seconds
+
+
+def _near(alternative: Any, safe: Any) -> bool:
+    """Whether a granularity arm's plan is estimated within ``bandit.ALTERNATIVE_TOLERANCE`` of the safe plan's
+    (True where either has no estimate: nothing says it loses)."""
+    alt, base = _estimated_seconds(alternative), _estimated_seconds(safe)
+    return alt is None or base is None or alt <= base * (1.0 + bandit.ALTERNATIVE_TOLERANCE)
 
 
 def _signature(result: Any) -> Any:

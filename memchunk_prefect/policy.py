@@ -74,7 +74,8 @@ __all__ = [
     "CONTINUE", "RECHUNK", "RETRY_SMALLER", "PROBE", "DECISIONS", "Prediction", "PolicySettings", "Plan", "Decision",
     "Predictor", "plan", "probe_plan", "decide", "split_chunk", "bound_moved", "remaining_boxes", "task_budget_bytes",
     "allowed_failures_warning", "estimate_seconds", "estimate_joules", "objective_value", "check_budget", "SecondsFor",
-    "JoulesFor", "GpuLimit", "gpu_task_budget_bytes", "GPU_TARGET_FRACTION", "probe_budget",
+    "JoulesFor", "GpuLimit", "gpu_task_budget_bytes", "GPU_TARGET_FRACTION", "probe_budget", "ReadRange",
+    "NoPlanInRangeError",
 ]
 
 CONTINUE = "continue"
@@ -85,6 +86,13 @@ DECISIONS = (CONTINUE, RECHUNK, RETRY_SMALLER, PROBE)
 
 
 Predictor = Callable[[Shape], Prediction]
+
+ReadRange = tuple[float, float]
+"""``(least, most)`` elements of the largest block a plan's chunks read (halo included)."""
+
+
+class NoPlanInRangeError(BudgetError):
+    """Chunkings fit the budget but none reads a block of the size asked (a granularity arm has no plan here)."""
 
 
 @dataclass(frozen=True)
@@ -361,6 +369,7 @@ def plan(
     seconds_for: SecondsFor | None = None,
     joules_for: JoulesFor | None = None,
     gpu: GpuLimit | None = None,
+    read_range: ReadRange | None = None,
 ) -> Plan:
     """The best chunking of ``region`` (default: the whole volume of ``shape``) for one operator.
 
@@ -369,6 +378,10 @@ def plan(
     plan (:func:`probe_plan`). Raises :class:`BudgetTooSmallError` when even the
     smallest chunk allowed (one trace for whole-trace operators) does not fit.
     ``gpu``: on a GPU, the device's budget, which every chunk must fit as well.
+    ``read_range``: ``(least, most)`` elements the largest block a plan reads may
+    hold (halo included); the learned policy's granularity arms plan within one
+    (:mod:`memchunk_prefect.bandit`). Raises :class:`NoPlanInRangeError` when
+    chunkings fit the budget but none reads a block in that range.
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
@@ -408,6 +421,7 @@ def plan(
     t_counts = [1] if whole_traces else _count_candidates(rshape[2], min(settings.max_counts, 64))
     best: tuple | None = None
     best_fit_smallest = None
+    out_of_range = 0  # chunkings that fit but read a block outside ``read_range``
     for ct in t_counts:
         if best is not None and ct > 1:
             break  # whole traces fit: keep them (contiguous reads, no halo along time)
@@ -421,6 +435,9 @@ def plan(
                         best_fit_smallest = (pred.upper_bytes, cshape)
                     continue
                 if gpu is not None and gpu.over(ext) is not None:
+                    continue
+                if read_range is not None and not read_range[0] <= math.prod(ext) <= read_range[1]:
+                    out_of_range += 1
                     continue
                 n = ci * cx * ct
                 secs = estimate_seconds(n, ext, slots, settings, seconds_per_element, seconds_for)
@@ -455,6 +472,10 @@ def plan(
             f"{format_bytes(gpu.budget_bytes)} per task. Run it on a GPU with more free memory (fewer processes "
             "sharing it), or on the CPU (device='cpu')"
             + ("" if not whole_traces else "; this operator needs whole traces, so traces cannot be cut"))
+    if best is None and out_of_range:
+        raise NoPlanInRangeError(
+            f"{out_of_range} chunking(s) of {rshape} fit the budget of {format_bytes(budget_bytes)} but none reads a "
+            f"block of {read_range[0]:,.0f} to {read_range[1]:,.0f} elements")  # type: ignore[index]
     if best is None:
         worst_case = best_fit_smallest[0] if best_fit_smallest else probe_pred.upper_bytes
         unit = "one trace" if whole_traces else "one element"
@@ -697,18 +718,21 @@ def decide(
     seconds_for: SecondsFor | None = None,
     joules_for: JoulesFor | None = None,
     gpu: GpuLimit | None = None,
+    read_range: ReadRange | None = None,
 ) -> Decision:
     """Continue with the incoming chunking, rechunk, or probe (no history).
 
     ``incoming`` is the chunking of the upstream result (None for a source read
     from disk, which has no chunking worth keeping). ``gpu``: on a GPU, the
     device's budget, which the incoming chunks must fit as well to be kept.
+    ``read_range``: as for :func:`plan`; incoming chunks whose largest block
+    read is outside it are not kept.
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
     best = plan(vol, budget_bytes=budget_bytes, predict=predict, halo=h, slots=slots, whole_traces=whole_traces,
                 itemsize=itemsize, seconds_per_element=seconds_per_element, settings=settings, seconds_for=seconds_for,
-                joules_for=joules_for, gpu=gpu)
+                joules_for=joules_for, gpu=gpu, read_range=read_range)
     if best.probe:
         return Decision(PROBE, best, best.reason, incoming_n_chunks=len(incoming) if incoming else None)
     if not incoming:
@@ -732,6 +756,12 @@ def decide(
             RECHUNK, best,
             f"incoming chunks of up to {largest.shape} need up to {format_bytes(gpu_over.upper_bytes)} of GPU "
             f"memory with this operator, over the GPU budget {format_bytes(gpu.budget_bytes)}: " + best.reason,
+            incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
+    if read_range is not None and not read_range[0] <= math.prod(ext) <= read_range[1]:
+        return Decision(
+            RECHUNK, best,
+            f"incoming chunks read blocks of up to {math.prod(ext):,} elements, outside the "
+            f"{read_range[0]:,.0f} to {read_range[1]:,.0f} this plan is made for: " + best.reason,
             incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
     secs = estimate_seconds(len(incoming), ext, slots, settings, seconds_per_element, seconds_for)
     joules = estimate_joules(len(incoming), ext, slots, settings, seconds_per_element, seconds_for, joules_for)

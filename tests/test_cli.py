@@ -79,7 +79,8 @@ def test_models_table_and_json(capsys, store_path):
     assert env["joules_per_element"] == pytest.approx(2e-7) and env["energy_source"] == "estimate"
     assert by_key[GST]["joules_per_element"] is None  # no energy recorded for it
     assert data["store"] == str(store_path)
-    assert [(a["arm"], a["pulls"]) for a in env["policy"]] == [("bold", 1), ("mid", 1), ("safe", 1)]
+    assert [(a["arm"], a["pulls"]) for a in env["policy"]] == [("bold", 1), ("mid", 1), ("safe", 1), ("finer", 0),
+                                                                ("coarser", 0)]
     assert by_key[GST]["policy"][0] == {"arm": "bold", "pulls": 0, "mean_reward": None, "out_of_memory": 0}
 
 

@@ -271,3 +271,30 @@ def test_a_slab_is_bounded_by_the_block_it_reads_with_its_halo_clipped_at_the_vo
     budget = 100 * 80 * 8 * 10
     p = make_plan((128, 8, 10), budget_bytes=budget, predict=per, halo=(12, 12, 0), slots=2, whole_traces=False)
     assert p.n_chunks == 2 and p.upper_bound_bytes == 100.0 * 76 * 8 * 10
+
+
+# --------------------------------------------------------------------------- a granularity arm's range
+
+
+def test_a_read_range_keeps_plans_to_blocks_of_that_size_and_says_when_none_fits():
+    from memchunk_prefect.policy import NoPlanInRangeError
+
+    lin = lambda ext: Prediction(8.0 * math.prod(ext), 10.0 * math.prod(ext), 10, True)  # noqa: E731
+    free = plan((64, 64, 100), budget_bytes=10**9, predict=lin, slots=2)
+    largest = max(c.elements for c in free.chunks)
+    finer = plan((64, 64, 100), budget_bytes=10**9, predict=lin, slots=2, read_range=(0.0, largest / 1.5))
+    assert max(c.elements for c in finer.chunks) <= largest / 1.5 < largest
+    coarser = plan((64, 64, 100), budget_bytes=10**9, predict=lin, slots=4, read_range=(largest * 1.5, math.inf))
+    assert min(c.elements for c in coarser.chunks) >= largest * 1.5 / 2  # balanced pieces of a larger block
+    with pytest.raises(NoPlanInRangeError) as info:
+        plan((64, 64, 100), budget_bytes=10**9, predict=lin, slots=2, read_range=(10.0**9, math.inf))
+    assert "fit the budget" in str(info.value) and "1,000,000,000" in str(info.value)
+
+
+def test_incoming_chunks_outside_the_read_range_are_rechunked_not_kept():
+    lin = lambda ext: Prediction(8.0 * math.prod(ext), 10.0 * math.prod(ext), 10, True)  # noqa: E731
+    incoming = [Chunk((0, 0, 0), (32, 64, 100)), Chunk((32, 0, 0), (64, 64, 100))]
+    kept = decide((64, 64, 100), incoming, budget_bytes=10**9, predict=lin, slots=2)
+    assert kept.decision == CONTINUE
+    d = decide((64, 64, 100), incoming, budget_bytes=10**9, predict=lin, slots=2, read_range=(0.0, 32 * 64 * 100 / 1.5))
+    assert d.decision == RECHUNK and "outside the" in d.reason and len(d.plan.chunks) > 2
