@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import shutil
 import threading
 import time
@@ -727,6 +728,10 @@ def run_split(bench: Bench, survey: str, steps: list[dict]) -> dict:
         shutil.rmtree(out_dir, ignore_errors=True)
 
 
+ARM_WHY = re.compile(r"learned policy: arm \w+(?: \(same plan as [^)]*\))?, ([a-z -]+),")
+"""Why the learned policy played its arm (``bandit.ArmChoice.describe``): burn-in, explore, best, only plan."""
+
+
 @flow(name="benchmark-memchunk")
 def memchunk_flow(source_path: str, steps: list[dict], out_dir: str) -> dict:
     """flows.pipeline.attribute_pipeline: each map's summary and its out-of-memory event kinds, and the seconds."""
@@ -741,6 +746,7 @@ def memchunk_flow(source_path: str, steps: list[dict], out_dir: str) -> dict:
         s["memory_errors"] = sum(1 for e in current.events if e.get("event") == "memory_error")
         s["killed"] = sum(1 for e in current.events if e.get("event") == "killed")
         s["arms"] = sorted({d["arm"] for d in current.decisions if d.get("arm")})
+        s["arm_why"] = sorted({m.group(1) for d in current.decisions if (m := ARM_WHY.search(d.get("reason") or ""))})
         out.append(s)
     _wait_for_reports()
     return {"summaries": out, "seconds": time.perf_counter() - t0}
@@ -776,6 +782,7 @@ def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: 
     per_op = {s["operator"]: {"decisions": s["decisions"], "tasks": s["tasks"], "chunks": s["chunks"],
                               "oom_events": s["oom_events"], "peak_bytes": s["peak_bytes"],
                               "budget_bytes": s["budget_bytes"], "arms": s.get("arms", []),
+                              "arm_why": s.get("arm_why", []),
                               "operator_key": s["operator_key"], "bound_over_peak": s.get("bound_over_peak"),
                               "mean_error": s.get("mean_error")} for s in summaries}
     return {"completed": True, "tasks": sum(s["tasks"] for s in summaries), "seconds": result["seconds"],

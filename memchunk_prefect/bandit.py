@@ -57,6 +57,8 @@ time is counted as lost whether or not a task was waiting for that worker (an
 upper bound of what it cost; a single-thread worker finishing its one chunk
 loses nothing): a plan that runs its workers into the pause line is closer to
 the kill line, and earns less than one that fits below it in the same time.
+Only a map planned whole teaches: a cold start's plan of the box its probes
+left is not comparable (see ``machine.py``).
 Efficiency is dimensionless, so surveys of different sizes teach the same arms
 (no context is needed to compare them; the plans themselves are re-made for
 each survey, slots and budget).

@@ -51,7 +51,11 @@ followed by :class:`ReadPauses` (the scheduler's log of worker pauses over the
 map); its answer :class:`PausesRead` brings :class:`Rewarded`: what the arm
 earned (its chunks' slot efficiency, less a penalty per chunk that ran out of
 memory and the share of slot time its workers spent paused) for the executor
-to persist and teach. A map that stops early or does not finalize teaches nothing.
+to persist and teach. A map that stops early or does not finalize teaches nothing,
+nor does one that probed: its arm planned only the box the probes left, on
+workers the probes had just grown, and rewards are compared arm against arm
+(measured on a cold start at 48 x 64 x 400: gaussian_smooth's remainder plan
+earned 0.11, whole-map plans 0.28, so the arm played cold looked worst).
 
 Units: bytes, elements, seconds since the epoch (``at``, given by the executor).
 """
@@ -665,6 +669,7 @@ class MapMachine:
     upstream_wait_since: float | None = None
     arm_chunks: int = 0
     arm_out_of_memory: int = 0
+    probed: bool = False  # the map ran probes: its arm's plan was of a remainder, which teaches the policy nothing
     started_at: float = 0.0  # when the map started (Start.at)
     _check_replan: bool = False
     _summed: tuple[int, int] = (0, 0)  # (chunks of ``done`` summed, their elements): ``done`` only grows
@@ -1289,6 +1294,7 @@ class MapMachine:
         return [Fail(error)]
 
     def _decided(self, decision: str, plan: Plan | None, reason: str, at: float, **where: str) -> Decided:
+        self.probed = self.probed or decision == PROBE
         arm = self.arm.arm if self.arm is not None and plan is not None and not plan.probe else None
         if arm is not None and self.arm is not None:
             reason = f"{reason} [{self.arm.describe()}]"
@@ -1328,8 +1334,9 @@ class MapMachine:
         spe = self.knowledge.seconds_per_element()
         # The plan's time: from its first submission to its last end, less the waits for an upstream map's writes.
         wall = self.arm_ended - self.arm_started - self.arm_upstream_wait if self.arm_started is not None else 0.0
-        if self.arm is None or self.arm_started is None or not self.arm_elements or spe is None or wall <= 0:
-            return []  # no arm, nothing written under it, no measured rate or no time measured
+        if (self.arm is None or self.arm_started is None or not self.arm_elements or spe is None or wall <= 0
+                or self.probed):
+            return []  # no arm, nothing written under it, no measured rate, no time measured, or a remainder's plan
         n_paused, paused = paused_within(pauses, self.arm_started, self.arm_ended)
         value, efficiency = bandit.reward_of(self.arm_elements, spe, self.slots, wall,
                                              self.arm_out_of_memory, self.settings.oom_penalty, paused)

@@ -88,7 +88,7 @@ def test_quick_benchmark_reports_every_strategy(tmp_path, api_url):
     assert "dask-auto" in proc.stdout and "memchunk-warm" in proc.stdout
     # Every map under the learned policy names the arm it played; the ablation plays the heuristic's only.
     arms = {op: v["arms"] for op, v in by["memchunk-warm"]["extra"]["operators"].items()}
-    assert all(a and set(a) <= {"bold", "mid", "safe"} for a in arms.values()), arms
+    assert all(a and set(a) <= {"bold", "mid", "safe", "finer", "coarser"} for a in arms.values()), arms
     assert all(v["arms"] == ["safe"] for v in by["heuristic-warm"]["extra"]["operators"].values())
     # What was learned, from the runs themselves: every operator of the pipeline scored on its own history.
     quality = {q["operator"]: q for q in result["learning_quality"]}
@@ -131,6 +131,53 @@ def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp
             "envelope", "trace_correlation", "gaussian_smooth", "gst3d_dip"}
     assert any("0.85x static-best" in label for label in result["targets"])
     assert any(label.startswith("learning quality") for label in result["targets"])
+
+
+def test_quick_nights_benchmark_runs_both_policies_night_after_night_on_their_own_stores(tmp_path, api_url):
+    out = tmp_path / "nights.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.nights", "--quick", "--json", str(out)],
+                          cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (survey,) = result["surveys"]
+    assert [r["night"] for r in survey["nights"]] == [0, 1, 2]
+    for r in survey["nights"]:
+        assert r["learned"]["completed"] and r["heuristic"]["completed"], r
+        # The ablation plays the heuristic's arm only (none on a map that probed the whole survey).
+        assert all(v["arms"] in ([], ["safe"]) for v in r["heuristic"]["extra"]["operators"].values()), r
+    cold = survey["nights"][0]["learned"]["extra"]["operators"]
+    assert all("probe" in v["decisions"] for v in cold.values()), cold
+    # Every operator's bandit was taught by the warm nights (a cold start's remainder teaches nothing).
+    assert len(survey["arms"]) == 4 and all(sum(a["pulls"] for a in arms) >= 2 for arms in survey["arms"].values()), \
+        survey["arms"]
+    assert survey["summary"]["warm_nights"] == 2 and "every warm night" in proc.stdout
+
+
+def test_the_nights_summary_compares_settled_nights_and_counts_exploration_in_the_totals():
+    from benchmarks.nights import summarize
+
+    def run(wall, why):
+        return {"completed": True, "wall_seconds": wall, "oom_events": 0,
+                "extra": {"operators": {"op": {"arms": ["x"], "arm_why": [why], "chunks": 2, "decisions": []}}}}
+
+    rows = []
+    for night, (learned, heuristic, why) in enumerate([(9.0, 5.0, "burn-in"), (6.0, 5.0, "burn-in"),
+                                                        (4.0, 5.0, "best"), (4.5, 5.0, "best"), (6.0, 5.0, "explore")]):
+        from benchmarks.nights import exploring
+
+        row = {"night": night, "learned": run(learned, why), "heuristic": run(heuristic, "")}
+        row["learning"] = exploring(row["learned"])
+        rows.append(row)
+    s = summarize(rows)
+    assert s["settled_nights"] == [2, 3] and s["warm_nights"] == 4
+    assert s["settled_median_ratio"] == pytest.approx(statistics_median([0.8, 0.9]))
+    assert s["warm_total_ratio"] == pytest.approx(round(20.5 / 20.0, 3)), "exploration is paid for in the totals"
+
+
+def statistics_median(xs):
+    import statistics
+
+    return round(statistics.median(xs), 3)
 
 
 def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_sources(tmp_path, api_url):

@@ -844,6 +844,21 @@ def test_a_map_that_stops_early_or_probes_only_teaches_nothing():
     assert not of(Rewarded, run_all_cold(cold))
 
 
+def test_a_map_that_probed_teaches_nothing_though_its_remainder_was_planned_under_an_arm():
+    k = Linear(ready=False)
+    m = machine((512, 64, 100), knowledge=k)  # 330 MB at 100 B per element: probes of a 10 MiB budget leave most
+    m.handle(Start(2, 10 * MiB))
+    probes = of(Submit, m.advance(1.0))
+    assert probes and all(p.decision == "probe" for p in probes)
+    k.ready = True  # the probes taught the model enough to plan the rest
+    out = []
+    for p in probes:
+        out += m.handle(ChunkDone(p.id, obs(m.in_flight[p.id].chunk), at=2.0))
+    out += run_all(m, at=2.0)
+    assert m.finished and any(d.record.arm for d in of(Decided, out)), "the remainder was planned under an arm"
+    assert not of(Rewarded, out)
+
+
 def run_all_cold(m: MapMachine):
     m.handle(Start(2, 10 * MiB))
     out = []

@@ -1,0 +1,196 @@
+"""The learned policy against the fixed heuristic over many nights: does what it learns from rewards pay?
+
+    python -m benchmarks.nights [--quick] [--nights N] [--survey IL XL NT] [--json PATH] [--workdir DIR]
+
+The heterogeneous workload (``python -m benchmarks.heterogeneous``: envelope,
+trace_correlation, gaussian_smooth, gst3d_dip on 2 single-thread workers x
+1 GiB) on each survey, two stores side by side: the learned policy's and the
+fixed heuristic's (``learned_policy=False``). Night 0 is cold for both (empty
+stores); nights 1..N are warm, each on a fresh cluster, the two runs of a night
+back to back in alternating order so a slow spell of the host falls on both.
+
+A learned policy must explore before it can exploit: its burn-in plays each arm
+whose plan differs once (``memchunk_prefect.bandit``), so its first warm nights
+cost what those plans cost. This benchmark reports both sides of that:
+
+- **settled nights**: the warm nights on which no operator's arm was played for
+  burn-in or exploration; the learned policy against the heuristic there (the
+  median of the per-night ratios, and the ratio of the median walls) is what it
+  earns once it has learned;
+- **every warm night**: the sum of walls, exploration included (its cost);
+- per operator, what each arm's plan earned (pulls and mean reward, the slot
+  efficiency of ``bandit.reward_of``) and the plan the policy settled on.
+
+The heuristic learns its memory and time models from the same nights; only the
+choice among plans differs. Issue target: the learned policy no slower than the
+heuristic (within 5%) on either workload, and faster on at least one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.__main__ import _prefect_api, machine_info
+from benchmarks.heterogeneous import HETERO_STEPS, MEMORY_LIMIT, N_WORKERS, SURVEYS_FULL, SURVEYS_QUICK
+
+NIGHTS_FULL = 10
+NIGHTS_QUICK = 2
+EXPLORING = ("burn-in", "explore")
+"""Why-words (``bandit.ArmChoice.why``) of an arm played to learn, not because it was the best known."""
+
+
+def plans_of(run: dict) -> dict[str, dict]:
+    """Per operator in one run: its arms, why they were played, its chunks and decisions."""
+    ops = run.get("extra", {}).get("operators", {})
+    return {op: {"arms": v.get("arms", []), "why": v.get("arm_why", []), "chunks": v["chunks"],
+                 "decisions": v["decisions"]} for op, v in ops.items()}
+
+
+def exploring(run: dict) -> list[str]:
+    """The operators whose arm was played to learn in this run (burn-in or exploration)."""
+    return [op for op, v in plans_of(run).items() if any(w in EXPLORING for w in v["why"])]
+
+
+def run_survey(bench: Any, shape: tuple[int, int, int], nights: int, workdir: Path) -> dict:
+    from benchmarks import strategies as st
+
+    steps = [dict(s) for s in HETERO_STEPS]
+    tag = "x".join(str(n) for n in shape)
+    survey = st.make_survey(workdir / f"survey-{tag}.sgy", shape)
+    stores = {"learned": str(workdir / f"learned-{tag}.sqlite"), "heuristic": str(workdir / f"heuristic-{tag}.sqlite")}
+    print(f"survey {shape}: night 0 cold, nights 1-{nights} warm", flush=True)
+    rows: list[dict] = []
+    for night in range(nights + 1):
+        order = ("learned", "heuristic") if night % 2 == 0 else ("heuristic", "learned")
+        row: dict[str, Any] = {"night": night}
+        for name in order:
+            r = bench.measure(f"{name} night {night}", lambda n=name, k=night: st.run_memchunk(
+                bench, survey, steps, stores[n], f"{n}-{tag}-{k}", learned_policy=n == "learned"))
+            row[name] = r.to_dict()
+        row["learning"] = exploring(row["learned"]) if row["learned"]["completed"] else []
+        rows.append(row)
+    return {"shape": list(shape), "nights": rows, "summary": summarize(rows), "arms": arm_summary(stores["learned"])}
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The learned policy against the heuristic on the settled nights and over every warm night."""
+    warm = [r for r in rows if r["night"] > 0 and r["learned"]["completed"] and r["heuristic"]["completed"]]
+    settled = [r for r in warm if not r["learning"]]
+
+    def walls(rs: list[dict], name: str) -> list[float]:
+        return [float(r[name]["wall_seconds"]) for r in rs]
+
+    out: dict[str, Any] = {"warm_nights": len(warm), "settled_nights": [r["night"] for r in settled],
+                           "incomplete_nights": [r["night"] for r in rows if r not in warm and r["night"] > 0],
+                           "oom_learned_warm": sum(int(r["learned"]["oom_events"]) for r in warm),
+                           "oom_heuristic_warm": sum(int(r["heuristic"]["oom_events"]) for r in warm)}
+    if warm:
+        out["warm_total_learned"] = round(sum(walls(warm, "learned")), 2)
+        out["warm_total_heuristic"] = round(sum(walls(warm, "heuristic")), 2)
+        out["warm_total_ratio"] = round(out["warm_total_learned"] / out["warm_total_heuristic"], 3)
+    if settled:
+        ratios = [a / b for a, b in zip(walls(settled, "learned"), walls(settled, "heuristic"))]
+        out["settled_median_ratio"] = round(statistics.median(ratios), 3)
+        out["settled_median_learned"] = round(statistics.median(walls(settled, "learned")), 2)
+        out["settled_median_heuristic"] = round(statistics.median(walls(settled, "heuristic")), 2)
+        out["settled_ratio_of_medians"] = round(out["settled_median_learned"] / out["settled_median_heuristic"], 3)
+    return out
+
+
+def arm_summary(store: str) -> dict[str, list[dict]]:
+    """Per operator key of the learned store: each arm's plans taught, mean reward and out-of-memory events."""
+    from memchunk_prefect.model import ModelBank
+    from memchunk_prefect.store import Store
+
+    with Store(store) as s:
+        bank = ModelBank(s)
+        return {key: bank.learner(key).summary() for key in s.keys()}
+
+
+def night_line(r: dict) -> str:
+    def side(name: str) -> str:
+        run = r[name]
+        if not run["completed"]:
+            return f"{name} FAILED ({run['notes']})"
+        ops = ", ".join(f"{op} {'/'.join(v['arms']) or '-'}{'*' if op in r['learning'] and name == 'learned' else ''}"
+                        f" {v['chunks']}" for op, v in plans_of(run).items())
+        return f"{name} {run['wall_seconds']:6.1f} s oom {run['oom_events']} [{ops}]"
+
+    return f"night {r['night']:>2}: {side('learned')} | {side('heuristic')}"
+
+
+def verdict(s: dict) -> str:
+    if "settled_median_ratio" not in s:
+        return "no settled night: the learned policy was still exploring on every warm night (run more nights)"
+    return (f"settled nights {s['settled_nights']}: learned / heuristic median of per-night ratios "
+            f"{s['settled_median_ratio']:.2f}x (medians {s['settled_median_learned']:.1f} s vs "
+            f"{s['settled_median_heuristic']:.1f} s); every warm night, exploration included: "
+            f"{s['warm_total_ratio']:.2f}x ({s['warm_total_learned']:.1f} s vs {s['warm_total_heuristic']:.1f} s); "
+            f"out-of-memory events warm: {s['oom_learned_warm']} learned, {s['oom_heuristic_warm']} heuristic")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.nights", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="one small survey, 2 warm nights (a smoke test)")
+    p.add_argument("--nights", type=int, metavar="N", help=f"warm nights per survey (default {NIGHTS_FULL}; "
+                                                           f"--quick {NIGHTS_QUICK})")
+    p.add_argument("--survey", type=int, nargs=3, metavar=("IL", "XL", "NT"),
+                   help="one survey of this shape instead of the heterogeneous benchmark's")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    p.add_argument("--workdir", metavar="DIR", help="where surveys, stores and outputs go (default: temporary)")
+    args = p.parse_args(argv)
+    nights = args.nights if args.nights is not None else (NIGHTS_QUICK if args.quick else NIGHTS_FULL)
+    if nights < 1:
+        p.error(f"--nights must be at least 1, got {nights}")
+    if args.survey and min(args.survey) < 1:
+        p.error(f"--survey needs three positive extents, got {args.survey}")
+    shapes = [tuple(args.survey)] if args.survey else list(SURVEYS_QUICK if args.quick else SURVEYS_FULL)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="memchunk-nights-")).absolute()
+    workdir.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
+    from benchmarks import strategies as st
+
+    t0 = time.perf_counter()
+    machine = machine_info()
+    surveys: list[dict] = []
+    try:
+        with _prefect_api():
+            bench = st.Bench(N_WORKERS, MEMORY_LIMIT, workdir)
+            try:
+                for shape in shapes:
+                    surveys.append(run_survey(bench, shape, nights, workdir))  # type: ignore[arg-type]
+            finally:
+                bench.close()
+    finally:
+        if not args.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    result = {"steps": HETERO_STEPS, "surveys": surveys, "machine": machine, "quick": args.quick, "nights": nights,
+              "memory_limit": MEMORY_LIMIT, "n_workers": N_WORKERS, "total_seconds": round(time.perf_counter() - t0, 1)}
+    for s in surveys:
+        print(f"\nsurvey {tuple(s['shape'])} (* an arm played to learn: burn-in or exploration)")
+        for r in s["nights"]:
+            print(night_line(r))
+        for key, arms in s["arms"].items():
+            played = ", ".join(f"{a['arm']} {a['mean_reward']:.2f}x{a['pulls']}" + (f"!{a['out_of_memory']}"
+                                                                                   if a["out_of_memory"] else "")
+                               for a in arms if a["pulls"])
+            print(f"  {key}: {played or '-'}")
+        print("  " + verdict(s["summary"]))
+    print(f"\ntotal {result['total_seconds']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(f"JSON written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
