@@ -1,11 +1,15 @@
 """The learned policy against the fixed heuristic over many nights: does what it learns from rewards pay?
 
-    python -m benchmarks.nights [--quick] [--nights N] [--survey IL XL NT] [--json PATH] [--workdir DIR]
+    python -m benchmarks.nights [--workload heterogeneous|pipeline] [--quick] [--nights N] [--survey IL XL NT]
+                                [--json PATH] [--workdir DIR]
 
-The heterogeneous workload (``python -m benchmarks.heterogeneous``: envelope,
-trace_correlation, gaussian_smooth, gst3d_dip on 2 single-thread workers x
-1 GiB) on each survey, two stores side by side: the learned policy's and the
-fixed heuristic's (``learned_policy=False``). Night 0 is cold for both (empty
+A workload on each of its surveys: ``heterogeneous`` (the default: ``python -m
+benchmarks.heterogeneous``'s envelope, trace_correlation, gaussian_smooth,
+gst3d_dip over its two surveys) or ``pipeline`` (``python -m benchmarks``'s
+envelope, gaussian_smooth, gst3d_dip over 128 x 128 x 400), on 2 single-thread
+workers x 1 GiB (``--quick``: 640 MiB for the pipeline, as its quick form), two
+stores side by side: the learned policy's and the fixed heuristic's
+(``learned_policy=False``). Night 0 is cold for both (empty
 stores); nights 1..N are warm, each on a fresh cluster, the two runs of a night
 back to back in alternating order so a slow spell of the host falls on both.
 
@@ -22,8 +26,10 @@ cost what those plans cost. This benchmark reports both sides of that:
   efficiency of ``bandit.reward_of``) and the plan the policy settled on.
 
 The heuristic learns its memory and time models from the same nights; only the
-choice among plans differs. Issue target: the learned policy no slower than the
-heuristic (within 5%) on either workload, and faster on at least one.
+choice among plans differs. ``--granularity`` gives the learned policy its
+``finer`` / ``coarser`` arms (off by default; ``PolicySettings.granularity_arms``).
+Issue target: the learned policy no slower than the heuristic (within 5%) on
+either workload, and faster on at least one.
 """
 
 from __future__ import annotations
@@ -38,8 +44,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.__main__ import _prefect_api, machine_info
+from benchmarks.__main__ import FULL, QUICK, _prefect_api, machine_info
 from benchmarks.heterogeneous import HETERO_STEPS, MEMORY_LIMIT, N_WORKERS, SURVEYS_FULL, SURVEYS_QUICK
+
+
+def workload(name: str, quick: bool) -> tuple[list[dict], list[tuple[int, int, int]], str]:
+    """``(steps, surveys, memory_limit)`` of a workload, as the benchmark that defines it runs it."""
+    if name == "pipeline":
+        from flows.pipeline import DEFAULT_STEPS
+
+        cfg = QUICK if quick else FULL
+        return [dict(s) for s in DEFAULT_STEPS], [cfg.shape], cfg.memory_limit
+    return [dict(s) for s in HETERO_STEPS], list(SURVEYS_QUICK if quick else SURVEYS_FULL), MEMORY_LIMIT
 
 NIGHTS_FULL = 10
 NIGHTS_QUICK = 2
@@ -59,10 +75,10 @@ def exploring(run: dict) -> list[str]:
     return [op for op, v in plans_of(run).items() if any(w in EXPLORING for w in v["why"])]
 
 
-def run_survey(bench: Any, shape: tuple[int, int, int], nights: int, workdir: Path) -> dict:
+def run_survey(bench: Any, steps: list[dict], shape: tuple[int, int, int], nights: int, workdir: Path,
+               granularity: bool = False) -> dict:
     from benchmarks import strategies as st
 
-    steps = [dict(s) for s in HETERO_STEPS]
     tag = "x".join(str(n) for n in shape)
     survey = st.make_survey(workdir / f"survey-{tag}.sgy", shape)
     stores = {"learned": str(workdir / f"learned-{tag}.sqlite"), "heuristic": str(workdir / f"heuristic-{tag}.sqlite")}
@@ -73,7 +89,8 @@ def run_survey(bench: Any, shape: tuple[int, int, int], nights: int, workdir: Pa
         row: dict[str, Any] = {"night": night}
         for name in order:
             r = bench.measure(f"{name} night {night}", lambda n=name, k=night: st.run_memchunk(
-                bench, survey, steps, stores[n], f"{n}-{tag}-{k}", learned_policy=n == "learned"))
+                bench, survey, steps, stores[n], f"{n}-{tag}-{k}", learned_policy=n == "learned",
+                granularity_arms=granularity and n == "learned"))
             row[name] = r.to_dict()
         row["learning"] = exploring(row["learned"]) if row["learned"]["completed"] else []
         rows.append(row)
@@ -139,6 +156,11 @@ def verdict(s: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.nights", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=("heterogeneous", "pipeline"), default="heterogeneous",
+                   help="python -m benchmarks.heterogeneous's chain and surveys (default), or python -m benchmarks'")
+    p.add_argument("--granularity", action="store_true",
+                   help="the learned policy with its granularity arms (PolicySettings.granularity_arms; off by "
+                        "default)")
     p.add_argument("--quick", action="store_true", help="one small survey, 2 warm nights (a smoke test)")
     p.add_argument("--nights", type=int, metavar="N", help=f"warm nights per survey (default {NIGHTS_FULL}; "
                                                            f"--quick {NIGHTS_QUICK})")
@@ -152,28 +174,32 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--nights must be at least 1, got {nights}")
     if args.survey and min(args.survey) < 1:
         p.error(f"--survey needs three positive extents, got {args.survey}")
-    shapes = [tuple(args.survey)] if args.survey else list(SURVEYS_QUICK if args.quick else SURVEYS_FULL)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="memchunk-nights-")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
     from benchmarks import strategies as st
 
+    steps, shapes, memory_limit = workload(args.workload, args.quick)
+    if args.survey:
+        shapes = [tuple(args.survey)]  # type: ignore[list-item]
     t0 = time.perf_counter()
     machine = machine_info()
     surveys: list[dict] = []
     try:
         with _prefect_api():
-            bench = st.Bench(N_WORKERS, MEMORY_LIMIT, workdir)
+            bench = st.Bench(N_WORKERS, memory_limit, workdir)
             try:
                 for shape in shapes:
-                    surveys.append(run_survey(bench, shape, nights, workdir))  # type: ignore[arg-type]
+                    surveys.append(run_survey(bench, steps, shape, nights, workdir, args.granularity))
             finally:
                 bench.close()
     finally:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
-    result = {"steps": HETERO_STEPS, "surveys": surveys, "machine": machine, "quick": args.quick, "nights": nights,
-              "memory_limit": MEMORY_LIMIT, "n_workers": N_WORKERS, "total_seconds": round(time.perf_counter() - t0, 1)}
+    result = {"workload": args.workload, "granularity_arms": args.granularity, "steps": steps, "surveys": surveys,
+              "machine": machine, "quick": args.quick,
+              "nights": nights, "memory_limit": memory_limit, "n_workers": N_WORKERS,
+              "total_seconds": round(time.perf_counter() - t0, 1)}
     for s in surveys:
         print(f"\nsurvey {tuple(s['shape'])} (* an arm played to learn: burn-in or exploration)")
         for r in s["nights"]:

@@ -36,7 +36,12 @@ between two counts the model saw as equal). Both fit the ``safe`` bound:
 
 A granularity arm is offered only where the planner's estimate of its plan is
 within ``ALTERNATIVE_TOLERANCE`` of the ``safe`` plan's: a neighbour worth a
-night to measure, not a plan expected to lose.
+night to measure, not a plan expected to lose. They are off unless
+``PolicySettings.granularity_arms`` is set: a reward is one map's, and a plan
+that is as efficient in its own map can cost the maps after it (measured: a
+finer trace_correlation left each fresh worker's memory growth to the
+gst3d_dip after it, and the flow ran 1.04-1.13x the heuristic's time on the
+nights the policy had settled; ``settings.py`` has the figures).
 
 Hard limit: every arm's bound, the boldest included, must fit the budget, so no
 arm ever plans a chunk whose mean times its learned margin crosses the kill line

@@ -746,6 +746,8 @@ class MapMachine:
         results: dict[str, Any] = {}
         errors: dict[str, MemchunkError] = {}
         arms = bandit.ARMS if self.settings.learned_policy else (bandit.HEURISTIC_ARM,)
+        if not self.settings.granularity_arms:
+            arms = tuple(a for a in arms if a not in bandit.GRANULARITY_ARMS)
         for arm in arms:
             if arm in bandit.GRANULARITY_ARMS:
                 safe = results.get(bandit.SAFE)

@@ -91,6 +91,14 @@ class PolicySettings:
       learned bandit (``bandit.py``); False plays the fixed heuristic (the
       model's full upper bound) every time, for ablations and for users who
       want the conservative plan whatever was learned.
+    - ``granularity_arms``: with ``learned_policy``, also offer the bandit the
+      ``finer`` and ``coarser`` plans (a chunk count either side of the one the
+      time model chose). Off by default: rewards are per map, and in
+      ``python -m benchmarks.nights`` (2026-11-26) a finer trace_correlation,
+      as efficient in its own map, left the growth of each fresh worker's
+      memory to the gst3d_dip after it (440 MiB grown per chunk instead of
+      333, ~1 s more per chunk), so the flow ran 1.04-1.13x the heuristic's
+      time on settled nights. On for studies of the policy.
     - ``oom_penalty``: reward taken off a plan per chunk of it that ran out of
       memory (rewards are slot efficiencies, 0..1: one event costs a whole map).
     - ``objective``: what :func:`~memchunk_prefect.policy.plan` minimises among the
@@ -130,6 +138,7 @@ class PolicySettings:
     many_chunks: int = 1000
     time_window: int = 20
     learned_policy: bool = True
+    granularity_arms: bool = False
     oom_penalty: float = 1.0
     objective: str = "time"
     deadline_seconds: float | None = None

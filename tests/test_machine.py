@@ -750,7 +750,7 @@ def test_arms_that_give_the_same_plan_are_one_choice_and_all_are_taught():
     m = machine((8, 8, 10), knowledge=Linear())  # no tight bound: every arm plans alike
     first, _ = started(m, slots=2, budget=10 * MiB)
     (d,) = of(Decided, first)
-    assert d.record.arm == "bold" and "same plan as mid, safe" in d.record.reason and "burn-in" in d.record.reason
+    assert d.record.arm == "bold" and "same plan as mid, safe" in d.record.reason and "only plan" in d.record.reason
     out = run_all(m)
     (r,) = of(Rewarded, out)
     assert r.reward.arms == ("bold", "mid", "safe")
@@ -765,11 +765,11 @@ def _first_plan(m, budget=10 * MiB):
 def test_granularity_arms_plan_a_neighbour_of_the_safe_chunking_and_are_each_measured_once():
     # 64 x 8 x 10 at 1 ms per element: safe cuts 2 chunks of 2,560 elements (one wave); finer must read at most
     # 2,560 / 1.5 (4 chunks, two waves: the model expects the same compute plus one task's overhead, 0.15 s of
-    # 2.71 s); coarser at least 3,840: one chunk, estimated at 5.3 s, 1.9x safe's, past the 25% a neighbour may be.
+    # 2.71 s); coarser at least 3,840: one chunk, estimated at 5.3 s, 1.9x safe's, past the 1.5x a neighbour may be.
     k = Linear(spe=1e-3)  # no tight bound: bold and mid plan as safe does
     played = []
     for _ in range(3):
-        m = machine((64, 8, 10), knowledge=k)
+        m = machine((64, 8, 10), knowledge=k, granularity_arms=True)
         record = _first_plan(m)
         played.append((record.arm, record.chunk_shape))
         (r,) = of(Rewarded, run_all(m))  # each chunk 1 s after the last: 4 chunks take twice 2's time
@@ -777,15 +777,17 @@ def test_granularity_arms_plan_a_neighbour_of_the_safe_chunking_and_are_each_mea
     assert [a for a, _ in played] == ["bold", "finer", "bold"], "burn-in: each differing plan once, then the best"
     assert played[0][1] == (32, 8, 10) and math.prod(played[1][1]) <= 2560 / 1.5
     assert [a["pulls"] for a in k.learner.summary()] == [2, 2, 2, 1, 0], "coarser was never offered"
-    heuristic = machine((64, 8, 10), knowledge=Linear(spe=1e-3), learned_policy=False)
+    heuristic = machine((64, 8, 10), knowledge=Linear(spe=1e-3), learned_policy=False, granularity_arms=True)
     assert _first_plan(heuristic).chunk_shape == (32, 8, 10)
+    default = machine((64, 8, 10), knowledge=k)  # granularity arms off (the default): finer is never offered
+    assert _first_plan(default).arm == "bold"
 
 
 def test_a_finer_arm_that_measured_faster_is_played_with_blocks_in_its_range():
     k = Linear(spe=1e-3)
     for arm, arms, value in [("bold", ("bold", "mid", "safe"), 0.5), ("finer", ("finer",), 0.7)]:
         k.learner.learn(Reward(KEY, arm, arms, value, value, 100, 1.0, 2))
-    m = machine((64, 8, 10), knowledge=k)
+    m = machine((64, 8, 10), knowledge=k, granularity_arms=True)
     record = _first_plan(m)
     assert record.arm == "finer" and "expected reward 0.70" in record.reason
     assert m._read_range() == (0.0, 2560 / 1.5)
