@@ -132,6 +132,68 @@ def arm_summary(store: str) -> dict[str, list[dict]]:
         return {key: bank.learner(key).summary() for key in s.keys()}
 
 
+def _plan_of(knowledge: Any, run: Any, read_range: Any = None) -> Any:
+    """The plan the planner makes for a stored map record from ``knowledge`` (None where nothing fits)."""
+    from memchunk_prefect import policy
+
+    try:
+        return policy.plan(tuple(run.shape), budget_bytes=int(run.budget_bytes), predict=knowledge.predict,
+                           halo=tuple(run.halo), slots=int(run.slots),
+                           seconds_per_element=knowledge.seconds_per_element(), seconds_for=knowledge.seconds_for,
+                           read_range=read_range)
+    except policy.BudgetError:
+        return None
+
+
+def replay_rewards(store: str) -> list[dict]:
+    """Every reward in ``store``, oldest first per operator key, beside what the planner estimated that night.
+
+    For each reward: the arm played, the chunks and wall seconds of its plan, its reward; and, from a model
+    rebuilt on the observations recorded before that map started, the ``safe`` plan's chunk count and
+    estimated seconds and the ``finer`` / ``coarser`` neighbours' (None where none fits), each estimate over
+    the safe one's. The map's shape, halo, slots and budget are its stored record's (the budget at its start,
+    before any drift), plans keep whole traces and the upstream chunking is not weighed (a night whose map
+    continued its input can show a different count): a reading of which plans the model saw, and how far its
+    estimate was from the wall the played plan took.
+    """
+    import math
+    import os
+
+    from memchunk_prefect import bandit
+    from memchunk_prefect.chunks import with_halo
+    from memchunk_prefect.model import BankKnowledge, ModelBank
+    from memchunk_prefect.settings import DEFAULT_SETTINGS
+    from memchunk_prefect.store import Store
+
+    out: list[dict] = []
+    with Store(store) as s, tempfile.TemporaryDirectory() as tmp:
+        maps = s.maps()
+        for key in s.keys():
+            observations = s.observations(key)
+            for n, r in enumerate(s.rewards(key)):
+                runs = [m for m in maps if m.operator_key == key and m.started_at <= r.created_at]
+                if not runs:
+                    continue
+                m = max(runs, key=lambda x: x.started_at)
+                path = os.path.join(tmp, f"{n}-{len(out)}.sqlite")
+                with Store(path) as t:
+                    t.add_many([o for o in observations if o.created_at < m.started_at])
+                    kn = BankKnowledge(ModelBank(t), key, DEFAULT_SETTINGS)
+                    shape, halo = tuple(m.shape), tuple(m.halo)
+                    safe = _plan_of(kn, m)
+                    row: dict[str, Any] = {"key": key, "arm": r.arm, "chunks": r.n_chunks,
+                                           "wall_seconds": round(r.wall_seconds, 3), "reward": round(r.reward, 3)}
+                    if safe is not None and not safe.probe and safe.estimated_seconds:
+                        read = max(math.prod(with_halo(c, halo, shape)[0].shape) for c in safe.chunks)
+                        row["safe"] = [safe.n_chunks, round(safe.estimated_seconds, 3)]
+                        for arm in bandit.GRANULARITY_ARMS:
+                            alt = _plan_of(kn, m, bandit.read_range(arm, read))
+                            row[arm] = None if alt is None or not alt.estimated_seconds else [
+                                alt.n_chunks, round(alt.estimated_seconds / safe.estimated_seconds, 3)]
+                    out.append(row)
+    return out
+
+
 def night_line(r: dict) -> str:
     def side(name: str) -> str:
         run = r[name]
@@ -168,7 +230,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="one survey of this shape instead of the heterogeneous benchmark's")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--workdir", metavar="DIR", help="where surveys, stores and outputs go (default: temporary)")
+    p.add_argument("--rewards", metavar="STORE",
+                   help="instead of running: every reward in a kept store beside the plans the planner estimated "
+                        "that night (replay_rewards)")
     args = p.parse_args(argv)
+    if args.rewards:
+        if not Path(args.rewards).is_file():
+            p.error(f"--rewards: no store at {args.rewards}")
+        for row in replay_rewards(args.rewards):
+            print(json.dumps(row))
+        return 0
     nights = args.nights if args.nights is not None else (NIGHTS_QUICK if args.quick else NIGHTS_FULL)
     if nights < 1:
         p.error(f"--nights must be at least 1, got {nights}")

@@ -174,6 +174,21 @@ def test_the_nights_summary_compares_settled_nights_and_counts_exploration_in_th
     assert s["warm_total_ratio"] == pytest.approx(round(20.5 / 20.0, 3)), "exploration is paid for in the totals"
 
 
+def test_replaying_a_kept_nights_store_lists_every_reward_beside_the_plans_the_model_offered():
+    from benchmarks.nights import replay_rewards
+    from memchunk_prefect.store import Store
+
+    store = REPO / "benchmarks/runs/stores-2026-11-26/nights-d0186c0-granularity-learned-192x192x100.sqlite"
+    rows = replay_rewards(str(store))
+    with Store(store) as s:
+        stored = [(k, r.arm, r.n_chunks) for k in s.keys() for r in s.rewards(k)]
+    assert [(r["key"], r["arm"], r["chunks"]) for r in rows] == stored and len(rows) == 40
+    planned = [r for r in rows if "safe" in r]
+    assert planned and all(r["safe"][0] >= 1 and r["safe"][1] > 0 for r in planned)
+    finer = [r["finer"] for r in planned if r.get("finer")]
+    assert finer and all(n > s for (n, _), s in zip(finer, (r["safe"][0] for r in planned if r.get("finer"))))
+
+
 def statistics_median(xs):
     import statistics
 
