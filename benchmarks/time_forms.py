@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(default the model's; inf: every curve supported)")
     p.add_argument("--time-curve-margin", type=float, default=None,
                    help="rise in seconds per element, largest blocks over smallest, that supports a curve otherwise")
+    p.add_argument("--fits", action="store_true",
+                   help="also print, per stored key, each time form's leave-one-out error and coefficients after "
+                        "all its runs (OperatorModel.time_fits), with the rate the planner uses for a line")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     options = {k: v for k, v in (("time_gap_ratio", args.time_gap_ratio),
@@ -82,9 +85,43 @@ def main(argv: list[str] | None = None) -> int:
         ratios = r["ratios"]
         span = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
         print(f"{op:<20} {r['cold_curved']:>15} of {r['cold']:<6} {r['later_curved']:>16} of {r['later']:<6}  {span}")
+    if args.fits:
+        for line in fit_lines(args.stores, **options):
+            print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"options": options, "operators": result}, indent=1))
     return 0
+
+
+def fit_lines(stores: list[str], **options: Any) -> list[str]:
+    """Per stored key, after all its runs: the form chosen, and at up to six block sizes timed (smallest to
+    largest), the median measured seconds, what each form predicts (with its leave-one-out error) and
+    what the planner counts for a line (elements x the median seconds per element)."""
+    import statistics
+
+    from memchunk_prefect.model import OperatorModel
+
+    lines = []
+    for store, key, history in stored_keys(stores):
+        model = OperatorModel(key, **options)
+        for obs in history:
+            model.learn(obs)
+        runs = sorted(model._time_runs)  # (elements, compute seconds) the time forms were fitted on
+        if not runs:
+            continue
+        sizes = sorted({e for e, _ in runs})
+        picks = sorted({sizes[round(i * (len(sizes) - 1) / 5)] for i in range(6)})  # up to 6, smallest to largest
+        measured = [statistics.median(s for e, s in runs if e == size) for size in picks]
+        spe = model.seconds_per_element()
+        lines.append(f"{Path(store).name} {key}: {model.time_form()}; blocks of "
+                     + ", ".join(f"{e:,}" for e in picks) + " elements")
+        lines.append(f"  {'measured':<12} {'':>24}  " + "  ".join(f"{m:7.3f} s" for m in measured))
+        if spe is not None:
+            lines.append(f"  {'line planned':<12} {'':>24}  " + "  ".join(f"{e * spe:7.3f} s" for e in picks))
+        for name, fit in model.time_fits(picks).items():
+            lines.append(f"  {name:<12} leave-one-out {fit['press']:.4f}  "
+                         + "  ".join(f"{v:7.3f} s" for v in fit["seconds"]))
+    return lines
 
 
 if __name__ == "__main__":

@@ -659,6 +659,19 @@ class OperatorModel:
             return best
         return LINEAR
 
+    def time_fits(self, elements: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
+        """Per time form: runs fitted, leave-one-out error (``press``, on relative residuals) and the compute
+        seconds it predicts for blocks of ``elements`` (halo included): what :meth:`time_form` chooses between,
+        for diagnosis (``python -m benchmarks.time_forms --fits``). Empty before any timed run."""
+        if not self._time_sizes:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for name, form in self._time_forms.items():
+            fit = form.fit(self.prior_noise, 1.0, self.min_noise)
+            out[name] = {"n": int(fit.n), "press": float(fit.press),
+                         "seconds": [float(form.mean(int(e) / MIB, fit)) for e in elements]}
+        return out
+
     def curve_supported(self) -> bool:
         """Whether the runs measured support a curved time form: they leave no gap in size wider than
         ``time_gap_ratio`` (so leave-one-out tested the curve where the planner will use it), or their seconds

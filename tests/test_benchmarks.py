@@ -576,6 +576,12 @@ def test_time_forms_replays_each_flow_run_and_the_support_test_can_be_turned_off
     assert now["ratios"][0] < 1.0, "the probes cost more per element than the large chunks"
     assert time_forms.main([path, "--time-gap-ratio", "inf"]) == 0
     assert "gst3d_dip" in capsys.readouterr().out
+    # --fits: each form's leave-one-out error and predictions beside the medians measured and the planned line.
+    assert time_forms.main([path, "--fits"]) == 0
+    out = capsys.readouterr().out
+    assert "176,800" in out and "3,891,200" in out and "line planned" in out
+    assert [w for w in ("linear", "superlinear", "quadratic") if f"  {w} " in out] == ["linear", "superlinear",
+                                                                                    "quadratic"]
     with pytest.raises(SystemExit):
         time_forms.main([str(tmp_path / "missing.sqlite")])
 

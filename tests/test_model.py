@@ -375,6 +375,18 @@ def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
         OperatorModel(KEY, time_gap_ratio=1.0)
 
 
+def test_time_fits_give_each_form_s_error_and_predictions_where_asked():
+    m = OperatorModel(KEY)
+    assert m.time_fits([1000]) == {}
+    for e in (100_000, 200_000, 400_000, 800_000, 1_600_000) * 2:  # 1 us per element squared-ish: a curve
+        secs = 1e-6 * e * (1 + e / 800_000)
+        m.learn(Observation(KEY, e, (1, 1, e), 4 * e, 20 * e, seconds=secs))
+    fits = m.time_fits([400_000, 1_600_000])
+    assert set(fits) == {"linear", "superlinear", "quadratic"} and all(f["n"] == 10 for f in fits.values())
+    assert fits["quadratic"]["press"] < fits["linear"]["press"]
+    assert fits["quadratic"]["seconds"] == [pytest.approx(0.6, rel=0.05), pytest.approx(4.8, rel=0.05)]
+
+
 def test_a_cold_start_s_waves_alone_do_not_stand_a_time_curve_on_leave_one_out():
     """gst3d_dip's cold map on 256 x 128 x 200 (heterogeneous benchmark, its store's rows): two probes of 228,000
     elements, two of 896,800 (3.9x), then 2,969,600 and 3,302,400; seconds per element flat (ratio 0.99). Each
