@@ -38,7 +38,8 @@ def test_demo_runs_on_local_defaults_with_one_prefect_api_and_reports_decisions(
         assert f"{operator}  " in proc.stderr and " chunks, 24 x 24 x 200 in " in proc.stderr, proc.stderr
     # Cold, each operator probes first (on a survey this small the probes cover it all: nothing is left to plan).
     for operator in ("envelope", "gaussian_smooth", "gst3d_dip"):
-        assert f"memchunk {operator}: probe — " in out, "the runner's decisions are in the flow's log lines"
+        assert f"memchunk {operator}: probe — " in out, ("the runner's decisions are in the flow's log lines:\n"
+                                                          + out[-6000:])
     assert "/runs/flow-run/" in proc.stdout
     assert "database is locked" not in out
     # One temporary Prefect server for the flow and all its workers, not one per worker process.
