@@ -44,18 +44,23 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.__main__ import FULL, QUICK, _prefect_api, machine_info
-from benchmarks.heterogeneous import HETERO_STEPS, MEMORY_LIMIT, N_WORKERS, SURVEYS_FULL, SURVEYS_QUICK
+# benchmarks.__main__ (and benchmarks.heterogeneous, which imports it) set Prefect's and Dask's logging in
+# os.environ when imported: imported where the benchmark runs, not here, so that importing this module (the
+# tests read its pure functions) changes nothing for the process or the subprocesses it starts.
 
 
-def workload(name: str, quick: bool) -> tuple[list[dict], list[tuple[int, int, int]], str]:
-    """``(steps, surveys, memory_limit)`` of a workload, as the benchmark that defines it runs it."""
+def workload(name: str, quick: bool) -> tuple[list[dict], list[tuple[int, int, int]], str, int]:
+    """``(steps, surveys, memory_limit, n_workers)`` of a workload, as the benchmark that defines it runs it."""
+    from benchmarks.__main__ import FULL, QUICK
+    from benchmarks.heterogeneous import HETERO_STEPS, MEMORY_LIMIT, N_WORKERS, SURVEYS_FULL, SURVEYS_QUICK
+
     if name == "pipeline":
         from flows.pipeline import DEFAULT_STEPS
 
         cfg = QUICK if quick else FULL
-        return [dict(s) for s in DEFAULT_STEPS], [cfg.shape], cfg.memory_limit
-    return [dict(s) for s in HETERO_STEPS], list(SURVEYS_QUICK if quick else SURVEYS_FULL), MEMORY_LIMIT
+        return [dict(s) for s in DEFAULT_STEPS], [cfg.shape], cfg.memory_limit, cfg.n_workers
+    return ([dict(s) for s in HETERO_STEPS], list(SURVEYS_QUICK if quick else SURVEYS_FULL), MEMORY_LIMIT,
+            N_WORKERS)
 
 NIGHTS_FULL = 10
 NIGHTS_QUICK = 2
@@ -249,8 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
     from benchmarks import strategies as st
+    from benchmarks.__main__ import _prefect_api, machine_info
 
-    steps, shapes, memory_limit = workload(args.workload, args.quick)
+    steps, shapes, memory_limit, n_workers = workload(args.workload, args.quick)
     if args.survey:
         shapes = [tuple(args.survey)]  # type: ignore[list-item]
     t0 = time.perf_counter()
@@ -258,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     surveys: list[dict] = []
     try:
         with _prefect_api():
-            bench = st.Bench(N_WORKERS, memory_limit, workdir)
+            bench = st.Bench(n_workers, memory_limit, workdir)
             try:
                 for shape in shapes:
                     surveys.append(run_survey(bench, steps, shape, nights, workdir, args.granularity))
@@ -269,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
     result = {"workload": args.workload, "granularity_arms": args.granularity, "steps": steps, "surveys": surveys,
               "machine": machine, "quick": args.quick,
-              "nights": nights, "memory_limit": memory_limit, "n_workers": N_WORKERS,
+              "nights": nights, "memory_limit": memory_limit, "n_workers": n_workers,
               "total_seconds": round(time.perf_counter() - t0, 1)}
     for s in surveys:
         print(f"\nsurvey {tuple(s['shape'])} (* an arm played to learn: burn-in or exploration)")

@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 def test_demo_runs_on_local_defaults_with_one_prefect_api_and_reports_decisions(tmp_path):
     memchunk = shutil.which("memchunk", path=os.path.dirname(sys.executable)) or shutil.which("memchunk")
     assert memchunk, "the memchunk console script is installed with the package"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    # A user's shell: no API and no logging settings another test's imports left in this process's environment
+    # (benchmarks.__main__ sets PREFECT_LOGGING_LEVEL=WARNING when imported, which hid every decision line).
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_LOGGING"))}
     env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), MEMCHUNK_STORE=str(tmp_path / "store.sqlite"),
                PREFECT_SERVER_ANALYTICS_ENABLED="false")
     # A small survey and budget keep this test short; the shape of the run is the README's.
