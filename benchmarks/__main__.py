@@ -312,6 +312,16 @@ def run(cfg: Config, quick: bool, workdir: Path) -> dict:
     return out
 
 
+def finish(result: dict, json_path: str | None) -> int:
+    """A benchmark's last lines: its total seconds, and its JSON written to ``json_path`` when given; 0."""
+    print(f"\ntotal {result['total_seconds']:.0f} s")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+        print(f"JSON written to {json_path}")
+    return 0
+
+
 def _prefect_api():
     """A local Prefect server for the whole benchmark unless PREFECT_API_URL is set; says which it uses."""
     import contextlib

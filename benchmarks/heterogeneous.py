@@ -36,7 +36,6 @@ the learned policy no slower than the heuristic (within 5%) on either.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -44,7 +43,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.__main__ import _prefect_api, machine_info, table
+from benchmarks.__main__ import _prefect_api, finish, machine_info, table
 
 HETERO_STEPS: list[dict[str, Any]] = [
     {"name": "envelope"},
@@ -189,12 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, v in result["targets"].items():
         verdict = {True: "MET   ", False: "MISSED", None: "n/a   "}[v["met"]]
         print(f"  {verdict} {label}: {v['figure']}")
-    print(f"\ntotal {result['total_seconds']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-        print(f"JSON written to {args.json}")
-    return 0
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":

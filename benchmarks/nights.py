@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
     from benchmarks import strategies as st
-    from benchmarks.__main__ import _prefect_api, machine_info
+    from benchmarks.__main__ import _prefect_api, finish, machine_info
 
     steps, shapes, memory_limit, n_workers = workload(args.workload, args.quick)
     if args.survey:
@@ -287,12 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                                for a in arms if a["pulls"])
             print(f"  {key}: {played or '-'}")
         print("  " + verdict(s["summary"]))
-    print(f"\ntotal {result['total_seconds']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-        print(f"JSON written to {args.json}")
-    return 0
+    return finish(result, args.json)
 
 
 if __name__ == "__main__":
