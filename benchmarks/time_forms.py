@@ -1,6 +1,7 @@
 """The time form each operator's model read after each flow run, replayed from observation stores.
 
-    python -m benchmarks.time_forms STORE [STORE ...] [--time-gap-ratio R] [--time-curve-margin M] [--json PATH]
+    python -m benchmarks.time_forms STORE [STORE ...] [--time-gap-ratio R] [--time-curve-margin M]
+        [--time-rising-gain G] [--fits] [--json PATH]
 
 A curved time form (``superlinear``, ``quadratic``) makes the planner cut smaller
 chunks for speed; a line leaves it to the median seconds per element
@@ -68,13 +69,17 @@ def main(argv: list[str] | None = None) -> int:
                         "(default the model's; inf: every curve supported)")
     p.add_argument("--time-curve-margin", type=float, default=None,
                    help="rise in seconds per element, largest blocks over smallest, that supports a curve otherwise")
+    p.add_argument("--time-rising-gain", type=float, default=None,
+                   help="where the measured rates rise, the leave-one-out error a curve must reach as a fraction of "
+                        "the line's (default the model's; 0.9: the bar of a curve without that evidence)")
     p.add_argument("--fits", action="store_true",
                    help="also print, per stored key, each time form's leave-one-out error and coefficients after "
                         "all its runs (OperatorModel.time_fits), with the rate the planner uses for a line")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     options = {k: v for k, v in (("time_gap_ratio", args.time_gap_ratio),
-                                 ("time_curve_margin", args.time_curve_margin)) if v is not None}
+                                 ("time_curve_margin", args.time_curve_margin),
+                                 ("time_rising_gain", args.time_rising_gain)) if v is not None}
     try:
         result = forms(args.stores, **options)
     except (FileNotFoundError, ValueError) as exc:

@@ -399,7 +399,11 @@ class OperatorModel:
     ``time_curve_margin`` and ``time_gap_ratio``: a curved time form is used only
     where the runs measured support it: no two consecutive sizes more than
     ``time_gap_ratio`` apart, or seconds per element at the largest blocks above the
-    smallest blocks' by more than ``time_curve_margin`` (:meth:`curve_supported`).
+    smallest blocks' by more than ``time_curve_margin`` (:meth:`curve_supported`);
+    ``time_rising_gain``: where the measured rates rise (:meth:`rates_rise`), the
+    leave-one-out error a curved time form must reach, as a fraction of the line's
+    (``superlinear_gain`` otherwise): the rise is the evidence of a curve, so the
+    fit need only be as good as the line's (see :meth:`time_form`).
 
     Not thread-safe on its own; :class:`ModelBank` serializes ``learn`` and ``predict``.
     ``shared`` observations (other tasks ran in the same process) are learned as
@@ -429,6 +433,7 @@ class OperatorModel:
     size_weight: float = 0.5
     time_curve_margin: float = 0.1
     time_gap_ratio: float = 3.0
+    time_rising_gain: float = 1.0
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
@@ -465,6 +470,9 @@ class OperatorModel:
             raise ValueError(f"time_curve_margin must be a fraction of at least 0, got {self.time_curve_margin!r}")
         if not self.time_gap_ratio > 1.0:
             raise ValueError(f"time_gap_ratio must be above 1, got {self.time_gap_ratio!r}")
+        if not 0.0 < self.time_rising_gain <= 1.0:
+            raise ValueError(f"time_rising_gain must be in (0, 1] (a fraction of the line's leave-one-out error), "
+                             f"got {self.time_rising_gain!r}")
         # River's regression is conjugate in the noise: beta = 1 on relative targets makes every prior variance
         # a multiple of the noise variance (see _Form). The curvature's prior is stated at the least noise the
         # fit admits (min_noise), so it is at least curvature_sd peaks wide whatever the measured noise.
@@ -643,7 +651,16 @@ class OperatorModel:
         unknown: the same trace_correlation block took 1.63-1.75 s on a worker's
         first call and 0.40-0.45 s later, and the line through both hid its quadratic.
         And supported by the runs where the planner will use it (:meth:`curve_supported`): sizes measured
-        without a wide gap, or rates that rise with size.
+        without a wide gap, or rates that rise with size. Where the rates rise (:meth:`rates_rise`), the curve
+        need only predict held-out runs as well as the line (``time_rising_gain``): a line with a negative
+        constant fits rising rates about as well as a curve, but a line is planned through zero at the median
+        rate. trace_correlation on 256 x 128 x 200 measured 0.23-0.28 s for 845,000-element blocks and
+        0.57-0.73 s for 1,677,000 (0.30 against 0.38 us per element); its curve's leave-one-out error was 0.99x
+        the line's, so at the 0.9x bar the form read linear and the planner counted 0.27 and 0.54 s: no gain in
+        smaller chunks. Replayed over the kept benchmark stores (``python -m benchmarks.time_forms``), the lower
+        bar turned trace_correlation curved after 126 of 156 later flow runs (82 at 0.9x) and changed no other
+        operator's form (their rates fall with size, gst3d_dip's past 1.1x in a few runs whose curve already
+        cleared 0.9x).
         """
         if len(self._time_sizes) < max(3, self.min_observations):
             return LINEAR
@@ -654,8 +671,11 @@ class OperatorModel:
               if fits[name].n >= len(_POWERS[name]) + 2 and math.isfinite(fits[name].press) and fits[name].coef[-1] > 0
               and self._time_forms[name].mean(1.01 * u0, fits[name]) > self._time_forms[name].mean(u0, fits[name])]
         best = min(ok, key=lambda name: fits[name].press) if ok else None
-        if (best is not None and fits[best].press < self.superlinear_gain * fits[LINEAR].press
-                and self.curve_supported()):
+        if best is None:
+            return LINEAR
+        if self.rates_rise():
+            return best if fits[best].press <= self.time_rising_gain * fits[LINEAR].press else LINEAR
+        if fits[best].press < self.superlinear_gain * fits[LINEAR].press and self.curve_supported():
             return best
         return LINEAR
 

@@ -375,6 +375,52 @@ def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
         OperatorModel(KEY, time_gap_ratio=1.0)
 
 
+def test_rates_that_rise_let_a_curve_stand_that_predicts_held_out_runs_as_well_as_the_line():
+    """trace_correlation on 256 x 128 x 200 (heterogeneous benchmark, nights at 6cd1778, the heuristic store's
+    first rows: elements, extents, wall and kernel seconds, bytes the run grew its worker, peak). Its seconds per
+    element rise with the block (0.30 us at 845,000 elements, 0.38 us at 1,677,000), yet a line with a negative
+    constant fits the runs as well as a curve; at the bar of 0.9x the line's leave-one-out error the form read
+    linear, and a line is planned through zero at the median rate: 0.27 s for 845,000 elements that measured
+    0.23-0.28 s, 0.54 s for 1,677,000 that measured 0.57-0.73 s, so the planner saw no gain in smaller chunks.
+    The rise is itself the evidence of a curve: the curve need only do as well as the line."""
+    rows = [(234_000, (18, 65, 200), 0.035, 0.004, 0, 16_359_424),
+            (234_000, (18, 65, 200), 0.051, 0.007, 0, 16_146_432),
+            (1_456_000, (112, 65, 200), 0.839, 0.366, 419_995_648, 451_633_152),
+            (1_456_000, (112, 65, 200), 0.878, 0.408, 418_795_520, 451_420_160),
+            (1_690_000, (130, 65, 200), 0.825, 0.134, 152_137_728, 593_321_984),
+            (1_690_000, (130, 65, 200), 1.072, 0.379, 152_285_184, 593_580_032),
+            (845_000, (65, 65, 200), 0.230, 0.042, 98_836_480, 161_075_200),
+            (845_000, (65, 65, 200), 0.378, 0.122, 98_811_904, 161_218_560),
+            (858_000, (66, 65, 200), 0.255, 0.032, 5_513_216, 158_023_680),
+            (858_000, (66, 65, 200), 0.271, 0.061, 5_197_824, 157_663_232),
+            (845_000, (65, 65, 200), 0.279, 0.040, 0, 152_895_488),
+            (845_000, (65, 65, 200), 0.233, 0.025, 0, 152_780_800),
+            (1_677_000, (129, 65, 200), 0.873, 0.364, 535_322_624, 597_393_408),
+            (1_677_000, (129, 65, 200), 1.101, 0.510, 535_588_864, 597_700_608),
+            (1_677_000, (129, 65, 200), 0.625, 0.076, 487_424, 582_742_016),
+            (1_677_000, (129, 65, 200), 0.571, 0.071, 749_568, 582_782_976),
+            (1_677_000, (129, 65, 200), 0.664, 0.079, 1_085_440, 582_737_920),
+            (1_677_000, (129, 65, 200), 0.725, 0.108, 958_464, 582_701_056)]
+
+    def taught(**options: float) -> OperatorModel:
+        m = OperatorModel("trace_correlation|float32|cpu", **options)
+        for e, ext, secs, sys_secs, grew, peak in rows:
+            m.learn(Observation(m.key, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+        return m
+
+    before, m = taught(time_rising_gain=0.9), taught()
+    assert m.rates_rise()
+    fits = m.time_fits()
+    assert fits["linear"]["press"] * 0.9 < fits["quadratic"]["press"] < fits["linear"]["press"]
+    assert before.time_form() == "linear" and m.time_form() in ("quadratic", "superlinear")
+    small, large = m.seconds_for(845_000), m.seconds_for(1_677_000)
+    assert small == pytest.approx(0.256, rel=0.1) and large == pytest.approx(0.645, rel=0.1)  # measured medians
+    line = before.seconds_per_element()
+    assert line * 845_000 > 1.05 * small and line * 1_677_000 < 0.9 * large
+    with pytest.raises(ValueError, match="time_rising_gain"):
+        OperatorModel(KEY, time_rising_gain=1.5)
+
+
 def test_time_fits_give_each_form_s_error_and_predictions_where_asked():
     m = OperatorModel(KEY)
     assert m.time_fits([1000]) == {}
