@@ -543,7 +543,8 @@ def test_cold_start_reads_each_operators_map_from_the_store(tmp_path):
     store.close()
     ops = cold_start.per_operator(str(tmp_path / "s.sqlite"))
     assert ops["gst3d_dip"] == {"map_seconds": 7.8, "starts_at": 1.0, "chunks": 3,
-                                "traces_read": 13 * 34 + 13 * 46 + 128 * 76}
+                                "traces_read": 13 * 34 + 13 * 46 + 128 * 76,
+                                "idle_slot_seconds": pytest.approx(2 * 7.8 - (0.5 + 0.6 + 7.0))}
     assert ops["envelope"]["starts_at"] == 0.0 and ops["envelope"]["chunks"] == 1
 
 
