@@ -1039,7 +1039,7 @@ class MapMachine:
                     if item is None:
                         break  # the rest waits for the upstream map's writes
                     out.append(self._submit(item, at))
-                if self.queue or (self.in_flight and not self._plan_early()):
+                if self.in_flight or self.queue:
                     if self.waiting_upstream and self.arm_started is not None and self.upstream_wait_since is None:
                         self.upstream_wait_since = at
                     return out
@@ -1052,31 +1052,8 @@ class MapMachine:
         except MemchunkError as exc:  # a plan that cannot fit the budget
             return out + self._fail(exc)
 
-    def _plan_early(self) -> bool:
-        """Whether to plan the boxes left while probes are still in flight: a slot is idle and the model is ready
-        to plan them (the largest box's plan is not another probe).
-
-        A probe wave's blocks finish apart, and a slot that waits for its wave's other probe waits for nothing the
-        plan needs once the model has its observations: on a heterogeneous cold start (192 x 192 x 100) gst3d_dip's
-        second-wave probes ended 0.49 s apart and its plan started 0.19 s after the later one, so one slot idled
-        0.68 s; four operators' waves idled a slot 1.1 s of an 11.1 s flow. The probes still in flight teach the
-        model when they return, and the queued plan is re-planned only past the margins of :meth:`_maybe_replan`.
-        Another probe wave waits for the whole wave: its size is set by the largest peak the last wave measured.
-        """
-        if not self.regions or len(self.in_flight) >= self.slots:
-            return False
-        largest = max(self.regions, key=lambda c: c.elements)
-        return self._ready(largest)
-
-    def _ready(self, region: Chunk) -> bool:
-        """Whether ``region`` can be planned now (its plan is not a probe and some plan fits the budget)."""
-        try:
-            return not self._plan(region, self.slots).probe
-        except MemchunkError:
-            return False
-
     def _plan_regions(self, at: float) -> list[Instruction]:
-        """Plan every box left at once, or probe again: when the probes are back, or earlier (:meth:`_plan_early`).
+        """The probes are back (nothing in flight): plan every box left at once, or probe again.
 
         Planning every box at once keeps slots busy (no slot waits for a small box).
         While the history is too short, the next probe wave is sized by :meth:`_next_probe_scale`.

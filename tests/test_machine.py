@@ -283,35 +283,6 @@ def test_cold_start_probes_twice_then_plans_every_box_left_once():
     assert covers_exactly(planned, (64, 40, 10))
 
 
-def test_a_slot_a_probe_left_idle_runs_the_plan_once_the_model_is_ready_without_waiting_for_the_wave():
-    """A probe wave's blocks finish apart. While the model is not ready, the slot that finished waits for its wave
-    (the next wave is sized by the whole wave's largest peak); once it is ready, the boxes left are planned at once
-    and the idle slot takes the first chunk while the other probe still runs."""
-    know = Linear(ready=False)
-    m = machine((64, 40, 10), knowledge=know)
-    _, probes = started(m, slots=2, budget=100 * 4 * 4800)
-    wave1 = of(Submit, probes)
-    m.handle(ChunkDone(wave1[0].id, obs(wave1[0].chunk, peak=100 * wave1[0].chunk.elements)))
-    assert m.advance() == [], "not ready: the finished slot waits for its wave"
-    m.handle(ChunkDone(wave1[1].id, obs(wave1[1].chunk, peak=100 * wave1[1].chunk.elements)))
-    wave2 = of(Submit, m.advance())
-    assert len(wave2) == 2
-    know.ready = True
-    m.handle(ChunkDone(wave2[0].id, obs(wave2[0].chunk, peak=100 * wave2[0].chunk.elements)))
-    out = m.advance()
-    decided = [d.record for d in of(Decided, out)]
-    assert decided and all(r.decision == "rechunk" for r in decided), "planned with a probe still in flight"
-    submitted = of(Submit, out)
-    assert submitted and all(s.decision == "rechunk" for s in submitted), "the idle slot runs the plan"
-    assert wave2[1].id in m.in_flight, "the probe runs on"
-    assert not m.queue or len(m.in_flight) == m.settings.in_flight_cap(2), "submitted up to the cap"
-    assert not m.regions
-    out = m.handle(ChunkDone(wave2[1].id, obs(wave2[1].chunk, peak=100 * wave2[1].chunk.elements))) + m.advance()
-    assert not [d for d in of(Decided, out) if d.record.decision == "probe"], "the last probe changes no plan here"
-    assert covers_exactly([s.chunk for s in wave1 + wave2] + [q.chunk for q in m.queue]
-                          + [i.chunk for i in m.in_flight.values()], (64, 40, 10))
-
-
 @pytest.mark.parametrize("xlines, second_in", [(40, "the sliver"), (15, "the largest box")])
 def test_the_second_probe_wave_takes_the_sliver_the_first_left_when_that_teaches_a_second_size(xlines, second_in):
     """A halo too wide for one iline across every xline: the first wave takes part of the first iline. The second
