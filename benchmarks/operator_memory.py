@@ -3,6 +3,7 @@
     python -m benchmarks.operator_memory                      # 64 x 64 x 400 float32 block, text table
     python -m benchmarks.operator_memory --shape 128 128 400 --markdown
     python -m benchmarks.operator_memory --operators envelope,gst3d_dip --json out.json
+    python -m benchmarks.operator_memory --operators gaussian_smooth --params '{"sigma": [6, 6, 6]}' --shape 157 120 100
 
 Each operator runs in a **fresh Python subprocess** (this module with ``--child``),
 so one operator's peak never carries into another's: the child builds the input
@@ -15,7 +16,8 @@ for task runs: ``peak_bytes`` is the process's peak RSS during the call minus
 its RSS just before (input block excluded, output included), ``seconds`` wall time.
 
 Columns: input MiB (the block's bytes), peak MiB (``peak_bytes``), multiple
-(peak / input bytes) and seconds. Parameters are each operator's defaults.
+(peak / input bytes) and seconds. Parameters are each operator's defaults, or
+``--params`` (a JSON object given to every operator measured; its key shows them).
 Figures drift a few percent from run to run (allocator and page-cache noise:
 determinism is not reachable for memory); ``trace_correlation`` is deliberately quadratic in the
 block's traces, so its multiple grows with iline x xline.
@@ -47,8 +49,10 @@ def _release_free_heap() -> None:
         pass
 
 
-def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, device: str = "cpu") -> dict[str, Any]:
-    """Measure one operator on a synthetic block in *this* process (call it in a fresh one).
+def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, device: str = "cpu",
+                     params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Measure one operator on a synthetic block in *this* process (call it in a fresh one), with ``params``
+    (keyword arguments of the operator; its defaults where None).
 
     ``device="cuda"``: the operator computes on the GPU (or the fake device, :mod:`memchunk_prefect.device`);
     its GPU peak above what the device held before (``Backend.track``) is measured beside the host's, and the
@@ -62,25 +66,27 @@ def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, 
 
     device = resolve_device(device)  # "cuda" without a usable GPU: DeviceError saying why
     op = tasks.OPERATORS[name]
+    params = dict(params or {})
     block = synthetic_volume(tuple(shape), seed)
-    op.fn(synthetic_volume((2, 2, min(int(shape[2]), 32)), seed), device=device)  # warm-up: one-time costs out
+    # warm-up: one-time costs out
+    op.fn(synthetic_volume((2, 2, min(int(shape[2]), 32)), seed), device=device, **params)
     _release_free_heap()
     gpu = GpuUse()
     if device == "cuda":
         def call(b):
             nonlocal gpu
             with backend(device).track() as gpu:
-                return op.fn(b, device=device)
+                return op.fn(b, device=device, **params)
     else:
         def call(b):
-            return op.fn(b, device=device)
+            return op.fn(b, device=device, **params)
     result, m = measure(call, block)
     if m.error is not None:
         raise RuntimeError(f"{name} failed on a {tuple(shape)} block on {device}: {m.error}")
     row = {
         "operator": name,
         "device": device,
-        "key": operator_key(op, {}, dtype=str(block.dtype), device=device),
+        "key": operator_key(op, params, dtype=str(block.dtype), device=device),
         "shape": list(block.shape),
         "input_bytes": int(block.nbytes),
         "output_bytes": int(result.nbytes),
@@ -95,10 +101,11 @@ def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, 
     return row
 
 
-def run_in_subprocess(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, device: str = "cpu") -> dict[str, Any]:
+def run_in_subprocess(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, device: str = "cpu",
+                      params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure one operator in a fresh interpreter; ``{"operator", "error"}`` if it failed."""
     cmd = [sys.executable, "-m", "benchmarks.operator_memory", "--child", name,
-           "--shape", *map(str, shape), "--seed", str(seed), "--device", device]
+           "--shape", *map(str, shape), "--seed", str(seed), "--device", device, "--params", json.dumps(params or {})]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS)
     except subprocess.TimeoutExpired:
@@ -147,13 +154,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON to PATH")
     parser.add_argument("--device", choices=("cpu", "cuda", "both"), default="cpu",
                         help="where the operators compute: the CPU, the GPU (CuPy), or both side by side")
+    parser.add_argument("--params", metavar="JSON", default="{}",
+                        help='operator parameters as a JSON object, e.g. \'{"sigma": [6, 6, 6]}\' (default: none)')
     parser.add_argument("--child", metavar="NAME", help=argparse.SUPPRESS)  # internal: measure one, print JSON
     args = parser.parse_args(argv)
     if any(n <= 0 for n in args.shape):
         parser.error(f"--shape needs three positive sizes, got {args.shape}")
+    try:
+        params = json.loads(args.params)
+    except json.JSONDecodeError as exc:
+        parser.error(f"--params must be a JSON object, got {args.params!r} ({exc})")
+    if not isinstance(params, dict):
+        parser.error(f"--params must be a JSON object such as '{{\"sigma\": [6, 6, 6]}}', got {args.params!r}")
 
     if args.child:
-        print(json.dumps(measure_operator(args.child, args.shape, args.seed, args.device)))
+        print(json.dumps(measure_operator(args.child, args.shape, args.seed, args.device, params)))
         return 0
 
     import tasks
@@ -166,12 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for name in names:
         for device in devices:
-            rows.append(run_in_subprocess(name, args.shape, args.seed, device))
+            rows.append(run_in_subprocess(name, args.shape, args.seed, device, params))
             print(f"measured {name} on {device}", file=sys.stderr, flush=True)
     shape = " x ".join(map(str, args.shape))
-    print(f"Peak memory per operator on one {shape} float32 block (default parameters; "
+    print(f"Peak memory per operator on one {shape} float32 block "
+          f"({'parameters ' + json.dumps(params) if params else 'default parameters'}; "
           "each in a fresh process; `python -m benchmarks.operator_memory"
-          f"{'' if tuple(args.shape) == DEFAULT_SHAPE else ' --shape ' + ' '.join(map(str, args.shape))}`):\n")
+          f"{'' if tuple(args.shape) == DEFAULT_SHAPE else ' --shape ' + ' '.join(map(str, args.shape))}"
+          f"{' --params ' + repr(json.dumps(params)) if params else ''}`):\n")
     print(format_table(rows, args.markdown))
     if args.json:
         with open(args.json, "w") as fh:

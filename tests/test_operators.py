@@ -316,6 +316,19 @@ def test_operator_memory_table_measures_each_operator_in_a_fresh_process(tmp_pat
     assert len(table.splitlines()) == 4
 
 
+def test_operator_memory_measures_with_the_parameters_given_and_refuses_params_that_are_not_an_object(tmp_path):
+    from benchmarks import operator_memory
+
+    out = tmp_path / "rows.json"
+    assert operator_memory.main(["--shape", "6", "5", "40", "--operators", "gaussian_smooth",
+                                 "--params", '{"sigma": [2, 2, 2]}', "--json", str(out)]) == 0
+    (row,) = __import__("json").loads(out.read_text())
+    assert "sigma=2" in row["key"] and row["peak_bytes"] >= 0
+    for bad in ("[6, 6, 6]", "{sigma: 6}"):
+        with pytest.raises(SystemExit):
+            operator_memory.main(["--operators", "gaussian_smooth", "--params", bad])
+
+
 def test_operator_memory_puts_each_operator_on_the_cpu_and_the_gpu_side_by_side(tmp_path, monkeypatch):
     """On the (fake) GPU each row has the device's own peak beside the host's; the CPU row has none."""
     from benchmarks import operator_memory
