@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                 res = bench.measure(f"memchunk-cold #{r + 1}", lambda s=store, r=r: st.run_memchunk(
                     bench, survey, steps, s, f"cold-{r}"))
                 runs.append({"wall_seconds": round(res.wall_seconds, 3), "completed": res.completed,
-                             "oom_events": res.oom_events, "notes": res.notes, "operators": per_operator(store)})
+                             "oom_events": res.oom_events, "notes": res.notes,
+                             "operators": per_operator(store, bench.n_workers)})
         finally:
             bench.close()
     print(f"\n{'run':<5} {'wall s':>7}  " + "  ".join(f"{n + ' s / chunks / traces read / idle':>44}"
