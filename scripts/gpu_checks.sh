@@ -14,6 +14,8 @@
 #
 # Environment: TESTS_K (a pytest -k expression), BENCH_ARGS (e.g. "--shape 512 512 400 --gpu-memory-limit 17179869184"),
 # TESTS_LIMIT, BENCH_LIMIT, DEMO_LIMIT (seconds).
+# The tests run verbose (-v: each test is named as it starts, so a stage cut off by its limit shows which test
+# it was in) with every duration at the end.
 # Everything goes to OUTDIR/checks.log (one file: the device tool returns at most 8) and the benchmarks' JSON
 # beside it. Real SEG-Y test files are looked for in $MEMCHUNK_SEGY_TEST_DATA (else ../shared/data/segy).
 set -u
@@ -37,7 +39,7 @@ run() {
 for stage in $stages; do
   case $stage in
     info) run info 60 bash -c 'nvidia-smi; python3 -c "import cupy; cupy.show_config()"' ;;
-    tests) run tests "${TESTS_LIMIT:-240}" python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -rs \
+    tests) run tests "${TESTS_LIMIT:-240}" python3 -m pytest -v --durations=0 -m gpu tests/test_gpu.py -p no:cacheprovider -rs \
              ${TESTS_K:+-k "$TESTS_K"} ;;
     memory) run memory 120 python3 -m benchmarks.gpu_memory --json "$out/gpu_memory.json" ;;
     bench) run bench "${BENCH_LIMIT:-330}" python3 -m benchmarks.gpu ${BENCH_ARGS:-} --json "$out/gpu_bench.json" ;;
