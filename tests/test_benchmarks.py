@@ -285,6 +285,27 @@ def test_write_memory_benchmark_measures_each_read_and_write_concurrency_on_ever
     assert "reads, writes at once" in proc.stdout and "reads alone" in proc.stdout
 
 
+def test_task_memory_measures_each_chunks_whole_task_beside_its_operator_alone(tmp_path):
+    out = tmp_path / "task.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.task_memory", "--operator", "envelope", "--survey", "64",
+                           "48", "200", "--chunk", "0", "32", "0", "48", "--chunk", "32", "64", "16", "48", "--repeat",
+                           "1", "--json", str(out)],
+                          cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["chunk"] for r in result["rows"]] == ["i0-32_x0-48_t0-200", "i32-64_x16-48_t0-200"]
+    for r in result["rows"]:
+        assert r["read"] == r["written"], "envelope has no halo: the block read is the region written"
+        assert len(r["task_peaks_mib"]) == 1 and len(r["operator_peaks_mib"]) == 1
+        # The task holds the block it read on top of what the operator alone holds.
+        assert r["task_peaks_mib"][0] >= r["operator_peaks_mib"][0]
+    assert "task adds" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.task_memory", "--survey", "32", "24", "100", "--chunk",
+                          "0", "40", "0", "24"], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "not inside the survey's 32 ilines x 24 xlines" in bad.stderr
+
+
 def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
     out = tmp_path / "touch.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.first_touch", "--calls", "2", "--processes", "1",
