@@ -163,8 +163,8 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
                 # The trimmed view goes to zarr as it is: zarr copies it one storage chunk at a time. A contiguous
                 # copy of the whole region first (where the trim cuts crosslines the view is not contiguous) is
                 # memory set by where the chunk's edges fall, not by the block, and the model cannot learn it:
-                # gaussian_smooth's 157 x 120 x 100 block peaked 23.1 MiB with it, 18.4 without, while a larger
-                # 120 x 192 x 100 iline slab (a contiguous trim) peaked 21.6 either way
+                # gaussian_smooth's 157 x 120 x 100 block peaked 23.2 MiB with it, 19.0 without, while a larger
+                # 120 x 192 x 100 iline slab (a contiguous trim) peaked 22.3-22.4 either way
                 # (python -m benchmarks.task_memory).
                 output.write(job.chunk, out[trim].astype(DTYPE, copy=False), mark_done=False)
             except OSError as exc:

@@ -387,7 +387,7 @@ def test_a_chunks_trimmed_result_is_written_without_a_copy_of_the_whole_region(t
     """A chunk cut in crosslines trims its halo to a view that is not contiguous. It goes to zarr as that view
     (zarr copies one storage chunk at a time), not as a contiguous copy of the whole region first: that copy is
     memory the operator never asked for, its size set by where the chunk's edges fall rather than by the block
-    (gaussian_smooth, sigma 6, on a 157 x 120 x 100 block cut in crosslines peaked 23.1 MiB with it and 18.4 MiB
+    (gaussian_smooth, sigma 6, on a 157 x 120 x 100 block cut in crosslines peaked 23.2 MiB with it and 19.0 MiB
     without; an iline slab's trim was already contiguous: ``python -m benchmarks.task_memory``). An operator
     returning another dtype is still written as float32, and the result equals the operator on the whole volume."""
     import inspect
