@@ -42,6 +42,14 @@ MIB = 2**20
 
 def child(operator: str, params: dict, survey: Sequence[int], chunk: Sequence[int]) -> dict:
     """One measured task (and the operator alone on its block) in this fresh process."""
+    shape = tuple(int(n) for n in survey)
+    with tempfile.TemporaryDirectory(prefix="memchunk-task-memory-") as work:  # the stores go with the process
+        return _measure(work, operator, params, shape, chunk)
+
+
+def _measure(work: str, operator: str, params: dict, shape: tuple[int, ...], chunk: Sequence[int]) -> dict:
+    """:func:`child`'s work, its stores under ``work``: the source survey, a warm-up task, the measured task,
+    then the operator alone on the measured block."""
     import inspect
 
     import tasks
@@ -56,8 +64,6 @@ def child(operator: str, params: dict, survey: Sequence[int], chunk: Sequence[in
     task = tasks.OPERATORS[operator]
     fn = task.fn
     halo = spec_of(task).halo_for(params)
-    shape = tuple(int(n) for n in survey)
-    work = tempfile.mkdtemp(prefix="memchunk-task-memory-")
     src_out = volume.ZarrOutput.create(os.path.join(work, "source.zarr"), shape)
     values = synthetic_volume(shape, seed=0)
     src_out.write(Chunk((0, 0, 0), shape), values)
@@ -77,7 +83,7 @@ def child(operator: str, params: dict, survey: Sequence[int], chunk: Sequence[in
     region = Chunk((i0, x0, 0), (i1, x1, shape[2]))
     small = Chunk((0, 0, 0), (min(4, shape[0]), min(4, shape[1]), shape[2]))
     one("warm-up", small)  # first use of the operator, zarr and its codecs, paid outside the measurement
-    read, trim = with_halo(region, halo, shape)
+    read, _ = with_halo(region, halo, shape)
     _release_free_heap()
     obs = one("measured", region)
     block = source.read(read)
@@ -87,6 +93,11 @@ def child(operator: str, params: dict, survey: Sequence[int], chunk: Sequence[in
             "block_mib": block.nbytes / MIB, "written_mib": region.elements * 4 / MIB,
             "task_peak_mib": obs["peak_bytes"] / MIB, "operator_peak_mib": alone.peak_bytes / MIB,
             "task_seconds": obs["seconds"], "operator_seconds": alone.seconds}
+
+
+def spread(values: list[float]) -> str:
+    """Median of ``values`` with their range, e.g. ``19.0 (18.4-19.2)``."""
+    return f"{statistics.median(values):5.1f} ({min(values):.1f}-{max(values):.1f})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for _ in range(args.repeat)]
         rows.append({**{k: runs[0][k] for k in ("chunk", "read", "written", "block_mib", "written_mib")},
                      "task_peaks_mib": [round(r["task_peak_mib"], 1) for r in runs],
+                     "task_seconds": [round(r["task_seconds"], 3) for r in runs],
+                     "operator_seconds": [round(r["operator_seconds"], 3) for r in runs],
                      "operator_peaks_mib": [round(r["operator_peak_mib"], 1) for r in runs]})
     print(f"{args.operator} {params or ''} on a {' x '.join(map(str, args.survey))} zarr survey, {args.repeat} "
           "fresh processes per chunk (median of the peaks; min-max)")
@@ -127,7 +140,6 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{'operator peak':>16s} {'task adds':>10s}")
     for r in rows:
         task, op = statistics.median(r["task_peaks_mib"]), statistics.median(r["operator_peaks_mib"])
-        spread = lambda v: f"{statistics.median(v):5.1f} ({min(v):.1f}-{max(v):.1f})"  # noqa: E731
         print(f"{r['chunk']:22s} {' x '.join(map(str, r['read'])):>16s} {r['block_mib']:6.1f} "
               f"{r['written_mib']:11.1f} {spread(r['task_peaks_mib']):>16s} {spread(r['operator_peaks_mib']):>16s} "
               f"{(task - op) / r['block_mib']:9.2f}x")
