@@ -257,7 +257,8 @@ class ChunkedMap:
             self.execute(self.machine.handle(Start(
                 self.slots, self.budget, tuple(completed), restarted, at=time.time(),
                 headroom_bytes=min(self.headroom.values()) if self.headroom else None,
-                drift_bytes=int(bank.model(self.key).unseen_bytes()), gpu_budget_bytes=self.gpu_budget)))
+                drift_bytes=int(max(bank.model(self.key).unseen_bytes(), bank.model(self.key).first_use_bytes())),
+                gpu_budget_bytes=self.gpu_budget)))
         self.planned.set()
         polled = time.monotonic()
         while not self.machine.finished:

@@ -173,7 +173,8 @@ class Start:
     ``headroom_bytes``: the kill line less the resting memory, per thread, on the
     tightest worker (None: no line, or not known); ``drift_bytes``: how far above
     that resting memory the workers are expected to sit when tasks start (from
-    this operator's recent runs). Plans fit ``min(budget_bytes, headroom_bytes -
+    this operator's recent runs: what they started above it, or what a first use
+    left held, whichever is more). Plans fit ``min(budget_bytes, headroom_bytes -
     drift)``, the drift followed as runs report where their workers stood.
     ``completed``: chunks a resumed output already holds (its completion markers);
     ``restarted``: why an existing output at the path is being replaced, if it is.
@@ -859,10 +860,12 @@ class MapMachine:
         return max(1, min(self.cap_bytes, self.headroom_bytes - drift))
 
     def _follow_drift(self, obs: Observation) -> None:
-        """Note where ``obs``'s worker stood when its run started; the budget follows."""
+        """Note where ``obs``'s worker stands now: where its run started, plus what the run left held there (a
+        first use: a CUDA context, a library; ``Observation.retained_bytes``), which the worker's next run starts
+        above. The budget follows."""
         if obs.baseline_bytes is None or obs.resting_bytes is None or not obs.worker:
             return
-        self.drift[obs.worker] = obs.unseen_bytes
+        self.drift[obs.worker] = obs.unseen_bytes + int(obs.retained_bytes or 0)
         self.budget_bytes = self._budget()
 
     def _on_out_of_memory(self, ev: ChunkOutOfMemory) -> list[Instruction]:

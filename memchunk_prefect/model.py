@@ -394,6 +394,8 @@ class OperatorModel:
     element (0.8-1.4 s against 0.3 s for the same call again, ``benchmarks.first_touch``):
     its seconds less its kernel CPU time teach time (:meth:`compute_seconds`); where that is unknown, its
     seconds teach time only while no run without that cost has been learned;
+    the same two thresholds tell a first use (:meth:`first_use_bytes`): a run that left its worker holding
+    more than both (``Observation.retained_bytes``) is learned without what it left;
     ``size_weight``: a memory row counts ``(its size / the largest's) ** size_weight``
     in the fit (see the module docstring; 0: every block alike);
     ``time_curve_margin`` and ``time_gap_ratio``: a curved time form is used only
@@ -441,6 +443,7 @@ class OperatorModel:
     _sizes: set = field(init=False, repr=False)
     _largest: int = field(init=False, repr=False, default=0)  # elements of the largest block in _sizes
     _size_peaks: dict = field(init=False, repr=False)  # elements -> the largest peak (MiB) learned at that size
+    _first_use: deque = field(init=False, repr=False)  # the latest first uses' retained memory, MiB
     _seen: int = field(init=False, repr=False, default=0)
     _n_censored: int = field(init=False, repr=False, default=0)
     _n_quarantined: int = field(init=False, repr=False, default=0)
@@ -486,6 +489,7 @@ class OperatorModel:
         self._quarantine = deque()
         self._sizes = set()
         self._size_peaks = {}
+        self._first_use = deque(maxlen=self.metric_window)
         self._mape = utils.Rolling(metrics.MAPE, window_size=self.metric_window)
         self._coverage = utils.Rolling(stats.Mean, window_size=self.metric_window)
         self._bound_ratio = utils.Rolling(stats.Mean, window_size=self.metric_window)
@@ -536,6 +540,16 @@ class OperatorModel:
             self._censored.append(_Censored(u, y))
             self._n_censored += 1
             return "censored"
+        left = self.first_use(obs)
+        if left:
+            # A first use: what the run left held (a CUDA context, a library, a cache) is the worker's from now on,
+            # paid once per worker process, and the map's budget follows it there (machine.MapMachine drift). As
+            # part of this block's peak it read as a huge cost per element for a tiny block (the first GPU chunks
+            # of each worker: ~150 MiB of host memory for 40 KiB blocks, a line whose bound for the next chunk was
+            # 178 MiB). The block is learned without it; a worker yet to pay it is budgeted for it
+            # (first_use_bytes).
+            self._first_use.append(left / MIB)
+            obs = replace(obs, peak_bytes=self.working_bytes(obs))
         self._seen += 1
         if self._ready_reason() is None:
             pred = self._predict_u(u, apply_censored=False)
@@ -790,6 +804,34 @@ class OperatorModel:
         stand (``machine.Start.drift_bytes``).
         """
         return max(self._unseen, default=0.0) * MIB
+
+    def first_use(self, obs: Observation) -> int:
+        """What ``obs`` left held in its worker, bytes, where that makes it a first use; else 0.
+
+        A finished run that left more than both ``first_touch_bytes`` and ``first_touch_share`` of its peak held
+        (``Observation.retained_bytes``). Less is what any run leaves (allocator pages, Python's caches) and stays
+        in the peak it was measured with.
+        """
+        left = obs.retained_bytes
+        if obs.outcome != "ok" or obs.censored or left is None:
+            return 0
+        left = min(int(left), int(obs.peak_bytes))
+        return left if left > max(self.first_touch_bytes, self.first_touch_share * obs.peak_bytes) else 0
+
+    def working_bytes(self, obs: Observation) -> int:
+        """The peak of ``obs`` as this model learns it: less what a first use left held (:meth:`first_use`),
+        bytes. What a prediction of the block is compared with."""
+        return max(1, int(obs.peak_bytes) - self.first_use(obs))
+
+    def first_use_bytes(self) -> float:
+        """The most memory one of the latest ``metric_window`` first uses left held in its worker, bytes; 0 if none.
+
+        Like :meth:`unseen_bytes` it belongs to a worker, not to a block, and is never in a bound: a map takes it
+        off its kill headroom until its own runs say where the workers stand, so a fresh worker's first chunk
+        (the first use and the block together) fits as a warm worker's does. Kept over first uses, not runs:
+        they come once per worker process, and a long map's runs would push it out of a window of runs.
+        """
+        return max(self._first_use, default=0.0) * MIB
 
     def _learn_point(self, obs: Observation) -> None:
         u = obs.elements / MIB
@@ -1081,6 +1123,7 @@ class OperatorModel:
             "margin": self.conformal_factor(),
             "margin_runs": len(self._ratios),
             "unseen_bytes": self.unseen_bytes(),
+            "first_use_bytes": self.first_use_bytes(),
             "seconds_per_element": self.seconds_per_element(),
             "time_form": self.time_form(),
             "time_rate_ratio": self.rate_ratio(),  # seconds per element, largest blocks over smallest
@@ -1138,7 +1181,7 @@ def gpu_view(obs: Observation) -> Observation | None:
         return None
     return replace(obs, peak_bytes=peak, outcome=outcome, censored=censored, gpu_out_of_memory=False,
                    budget_bytes=obs.gpu_budget_bytes, baseline_bytes=None, resting_bytes=None, others_bytes=None,
-                   grew_bytes=None, energy_joules=None, energy_source=None, shared=False)
+                   grew_bytes=None, retained_bytes=None, energy_joules=None, energy_source=None, shared=False)
 
 
 #: A scored run whose block has more than this many times the elements of every block learned before it was
@@ -1176,9 +1219,10 @@ def replay_quality(rows: Iterable[Observation], key: str, *, after: int = 5, **o
                 and m.n_observations >= after):
             p = m.predict(o.extents)
             if p.ready:
-                errors.append(abs(p.mean_bytes / o.peak_bytes - 1))
-                covered.append(o.peak_bytes <= p.upper_bytes)
-                ratios.append(p.upper_bytes / o.peak_bytes)
+                peak = m.working_bytes(o)
+                errors.append(abs(p.mean_bytes / peak - 1))
+                covered.append(peak <= p.upper_bytes)
+                ratios.append(p.upper_bytes / peak)
                 beyond.append(o.elements > BEYOND_RATIO * largest)
         if o.operator_key == key:
             m.learn(o)

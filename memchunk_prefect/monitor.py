@@ -221,6 +221,10 @@ class Measurement:
     #: How far the process's peak during the run rose above the most the process had held before it (its
     #: high-water mark over earlier runs and between them), bytes (>= 0): memory faulted in for the first time.
     grew_bytes: int = 0
+    #: Process memory at the run's end above ``baseline_bytes`` (>= 0), bytes: what the run left held in the
+    #: process (a library's first use: a CUDA context, a JIT compiler's code, a cache), which the next run on
+    #: it starts above. None when another tracked run overlapped this one (its memory would be counted too).
+    retained_bytes: int | None = None
     #: ``repr`` of the exception the run raised, or None.
     error: str | None = None
     #: "ok", "memory_error" (MemoryError or a subclass: the run needed *more* than it reached) or "error".
@@ -256,6 +260,7 @@ class Measurement:
             "baseline_bytes": self.baseline_bytes,
             "others_bytes": self.others_bytes,
             "grew_bytes": self.grew_bytes,
+            "retained_bytes": self.retained_bytes,
             "sys_seconds": self.sys_seconds,
         }
 
@@ -886,10 +891,15 @@ class Monitor:
         sys_seconds = None if sys1 is None or run._sys0 is None else max(0.0, sys1 - run._sys0)
         probe = run._probe
         heap_peak = None
+        end: int | None = None  # the process's memory at the run's end, bytes (read only when the run was alone)
         try:
             with _ACTIVE.lock:
                 try:
                     process_peak = int(probe.peak_bytes())
+                    # Read before this run leaves the open set: alone, the process's memory now is the baseline plus
+                    # what the run left behind; with another run open it is theirs too, and not this run's to say.
+                    alone = run._overlap == 1 and len(_ACTIVE.runs) == 1
+                    end = int(probe.current_bytes()) if alone else None
                 finally:
                     _ACTIVE.runs.discard(run)
                 grew = max(0, process_peak - run._high_water)
@@ -945,6 +955,7 @@ class Monitor:
             threads=threads,
             others_bytes=int(run._others),
             grew_bytes=int(grew),
+            retained_bytes=None if end is None or shared else max(0, end - int(run._baseline)),
             error=None if exc is None else _safe_repr(exc),
             outcome=outcome,
         )

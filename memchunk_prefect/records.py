@@ -63,6 +63,11 @@ class Observation:
     #: is faulted in and zeroed by the kernel during the run: a first large call took 0.8-1.4 s where later
     #: ones took 0.3 s (``python -m benchmarks.first_touch``), a cost paid once per growth, not per element.
     grew_bytes: int | None = None
+    #: Memory the run left held in its worker process at its end, above its start, bytes; None if unknown (records
+    #: older than schema v10, runs that shared their process with another). Where large, it is a first use (a CUDA
+    #: context, a library loaded, a cache): paid once per worker process, not per block
+    #: (:meth:`memchunk_prefect.model.OperatorModel.first_use_bytes`).
+    retained_bytes: int | None = None
     flow_run_id: str = ""
     created_at: float = field(default_factory=time.time)
     #: What ``energy_joules`` is: a counter ("nvml", "rapl", "nvml+rapl": measured over the whole device

@@ -56,6 +56,29 @@ def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds
     return out
 
 
+_FIRST_USE: list[np.ndarray] = []  # what first_use_hog's first call keeps in its process, as a library would
+
+
+@operator(halo=0, memory_params=("multiple", "first_use_mib"), whole_traces=True)
+def first_use_hog(block, multiple: float = 4.0, first_use_mib: float = 150.0, device: str = "cpu"):
+    """Return a copy of ``block`` after holding ``multiple`` x its bytes; the first call in a process also keeps
+    ``first_use_mib`` MiB of touched memory for the rest of the process's life.
+
+    It stands for a library's first use inside a task: a GPU task's host side creating its CUDA context and
+    loading cuFFT / NVRTC (memory the worker then keeps, needed by no later task), or a JIT compiler's first
+    compile. On an H100, the first GPU tasks of each worker peaked ~150 MiB of host memory for chunks of ~40 KiB.
+    Memory: ``first_use_mib`` MiB once per process, kept; about (multiple + 2) x the block's bytes each call.
+    """
+    kept = sys.modules[__name__]._FIRST_USE  # the module's, not a copy a by-value pickle of this function carries
+    if not kept:
+        kept.append(np.ones(int(first_use_mib * 2**20) // 8, dtype=np.float64))  # ones() touches every page
+    scratch = np.ones(int(block.nbytes * multiple) // 8 + 1, dtype=np.float64)
+    out = np.array(block, dtype=np.float32, copy=True)
+    out += np.float32(float(scratch[0]) - 1.0)
+    del scratch
+    return out
+
+
 @operator(halo=0, whole_traces=True)
 def breaks_gpu_context(block, marker: str = "", always: bool = False, device: str = "cpu"):
     """Return a copy of ``block``, breaking the worker's CUDA context instead in the first chunk to run (the one

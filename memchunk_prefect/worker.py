@@ -140,6 +140,7 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
         budget_bytes=job.budget_bytes, started_at=time.time(), task_run_id=_task_run_id(),
         host=socket.gethostname(), gpu_budget_bytes=job.gpu_budget_bytes)
     gpu = GpuUse()
+    param = job_param_name(bound, job)
     if job.device == CUDA:
         # CuPy and its kernels stay loaded in the worker for every later chunk: load them before the measurement so
         # they are not charged to this chunk as working memory (the CPU's libraries load with the operator modules).
@@ -147,7 +148,7 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     try:
         with default_monitor().track() as run:
             block = job.source.read(read_chunk)
-            bound.arguments[job_param_name(bound, job)] = block
+            bound.arguments[param] = block
             if job.device == CUDA:
                 with backend(CUDA).track() as gpu:
                     out = np.asarray(fn(*bound.args, **bound.kwargs))
@@ -169,6 +170,9 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
                 output.write(job.chunk, out[trim].astype(DTYPE, copy=False), mark_done=False)
             except OSError as exc:
                 raise write_error(job, exc) from exc
+            # Nothing of the chunk outlives the measurement: what the process still holds at its end is what the
+            # run left behind (Observation.retained_bytes), not this block.
+            bound.arguments[param] = job
             del block, out
     except MemoryError as exc:
         m = getattr(exc, "memchunk_measurement", None)

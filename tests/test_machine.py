@@ -987,6 +987,22 @@ def test_a_map_whose_workers_creep_up_replans_what_no_longer_fits_and_runs_what_
     assert m.budget_bytes == 60 * 1024, "the worst worker still stands 40 KiB up"
 
 
+def test_what_a_first_use_left_held_on_a_worker_comes_off_the_headroom_before_its_next_run_says_so():
+    """A worker's first chunk left 40 KiB held (a CUDA context, a library): its next chunk starts there, so the
+    queued chunks are planned for what is left now, not after that next chunk has run over it."""
+    m = machine((64, 8, 10), max_counts=64)
+    m.handle(Start(2, 100 * 1024, headroom_bytes=100 * 1024))
+    subs = of(Submit, m.advance(0.0))
+    first = drifted(subs[0].chunk, "w1", 0)
+    first.retained_bytes = 40 * 1024
+    m.handle(ChunkDone(subs[0].id, first, at=1.0))
+    assert m.budget_bytes == 60 * 1024
+    nxt = drifted(subs[1].chunk, "w1", 40 * 1024)  # the next run on it starts where the first left it
+    nxt.retained_bytes = 0
+    m.handle(ChunkDone(subs[1].id, nxt, at=2.0))
+    assert m.budget_bytes == 60 * 1024, "counted once: the worker stands 40 KiB up, not 80"
+
+
 def test_the_map_log_keeps_how_close_the_model_was_at_the_chunks_it_ran():
     """Per chunk the runner chose, the model's mean and bound when it was submitted against the measured peak:
     the demo and the benchmarks report them (the bound over the peak at the chunk size chosen)."""

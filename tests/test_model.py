@@ -305,6 +305,57 @@ def test_memory_a_run_started_with_above_the_assumed_resting_level_is_the_worker
     assert drifting.conformal_factor() == calm.conformal_factor() < 1.1
 
 
+def test_what_a_first_use_left_held_is_the_workers_and_the_block_is_learned_without_it():
+    """The first GPU chunk of each worker on an H100 peaked ~150 MiB of host memory for a 40 KiB block (its
+    CUDA context and libraries, which the worker kept) and the next ~1 MiB: a line through them read 178 MiB for
+    the next 41 KiB block, and the map planned chunks of 4 x 4 traces. What a run left held is a first use: the
+    block is learned without it, and the model reports it for a map to budget a worker yet to pay it."""
+    def host(ext, working_mib, left_mib=0.0):
+        o = obs(ext, (working_mib + left_mib) * MIB)
+        o.retained_bytes = int(left_mib * MIB) + 100_000  # what any run leaves: allocator pages
+        return o
+
+    def runs():
+        # Host memory of a GPU task: the block read, a copy back, a fixed ~1 MiB; both workers' first chunks pay
+        # the first use.
+        yield host((1, 23, 400), 1.2, 150.0)
+        yield host((1, 23, 400), 1.2, 148.0)
+        for ext in ((1, 1, 400), (1, 1, 400), (4, 23, 400), (4, 23, 400), (12, 23, 400), (12, 23, 400)):
+            yield host(ext, 1.0 + 8 * elements(ext) / MIB)
+
+    def truth(ext):
+        return (1.0 + 8 * elements(ext) / MIB) * MIB
+
+    fixed, unaware = OperatorModel(KEY), OperatorModel(KEY)
+    for k, o in enumerate(runs()):
+        fixed.learn(o)
+        unaware.learn(dataclasses.replace(o, retained_bytes=None))  # the same runs as before v10 measured them
+        if k == 3:  # the probes are back: the plan after probing is made now
+            nxt = (1, 26, 400)
+            assert fixed.predict(nxt).upper_bytes < 1.5 * truth(nxt) < 100 * truth(nxt) < unaware.predict(
+                nxt).upper_bytes, (fixed.predict(nxt), unaware.predict(nxt))
+    nxt = (16, 23, 400)
+    assert fixed.predict(nxt).upper_bytes < 1.5 * truth(nxt) < unaware.predict(nxt).upper_bytes
+    assert fixed.first_use_bytes() == pytest.approx(150 * MIB, rel=0.01)
+    assert unaware.first_use_bytes() == 0 and fixed.summary()["first_use_bytes"] == fixed.first_use_bytes()
+    first = host((1, 23, 400), 1.2, 150.0)
+    assert fixed.working_bytes(first) == pytest.approx(1.2 * MIB, rel=0.1)
+    # What every run leaves (0.1 MiB here) is below first_touch_bytes and its share of the peak: not a first use.
+    plain = host((12, 23, 400), 3.0)
+    assert fixed.first_use(plain) == 0 and fixed.working_bytes(plain) == plain.peak_bytes
+    # A run that failed left whatever its failure left: never a first use.
+    died = dataclasses.replace(first, outcome="memory_error", censored=True)
+    assert fixed.first_use(died) == 0
+
+
+def test_a_gpu_model_never_takes_the_hosts_first_use_off_a_gpu_peak():
+    from memchunk_prefect.model import gpu_view
+
+    o = obs((8, 16, 400), 200 * MIB)
+    o.retained_bytes, o.gpu_peak_bytes, o.gpu_budget_bytes = 150 * MIB, 2 * 2**30, 40 * 2**30
+    assert gpu_view(o).retained_bytes is None and gpu_view(o).peak_bytes == 2 * 2**30
+
+
 def test_the_tight_bound_is_the_mean_times_the_learned_margin_up_to_twice_the_largest_block_measured():
     rng = random.Random(3)
     m = OperatorModel(KEY)

@@ -129,6 +129,22 @@ def test_a_run_that_takes_the_process_above_the_most_it_held_says_by_how_much():
     assert grew == [300, 0, 0, 200] and run.measurement.grew_bytes == 0
 
 
+def test_a_run_says_what_it_left_held_in_the_process_and_nothing_when_it_freed_everything():
+    probe = FakeProbe(rss=100 * MiB)
+    monitor = quiet_monitor(probe)
+    with monitor.track() as first:
+        probe.allocate(150 * MiB)  # a library's first use: kept for the process's life
+        probe.allocate(40 * MiB)  # the block's working memory, freed
+        probe.free(40 * MiB)
+    with monitor.track() as later:
+        probe.allocate(40 * MiB)
+        probe.free(40 * MiB)
+    assert (first.measurement.peak_bytes, first.measurement.retained_bytes) == (190 * MiB, 150 * MiB)
+    assert (later.measurement.peak_bytes, later.measurement.retained_bytes) == (40 * MiB, 0)
+    assert later.measurement.baseline_bytes == 250 * MiB
+    assert first.measurement.observation_fields()["retained_bytes"] == 150 * MiB
+
+
 def test_a_run_that_frees_below_its_start_has_zero_peak_not_a_negative_one():
     probe = FakeProbe(rss=100 * MiB)
     with quiet_monitor(probe).track() as run:
@@ -256,6 +272,7 @@ def test_two_threads_tracking_at_once_are_both_marked_shared_and_neither_resets_
     assert out["b"].peak_bytes == 500 * MiB
     assert out["a"].shared and out["b"].shared
     assert out["a"].threads == 2 and out["b"].threads == 2
+    assert out["a"].retained_bytes is None and out["b"].retained_bytes is None, "the other's memory is not its own"
 
 
 def test_a_run_started_beside_another_records_what_the_other_held_and_the_resting_level_stays_the_idle_one(recwarn):
@@ -382,6 +399,24 @@ def test_vmhwm_counts_a_real_numpy_block_held_for_the_first_time_as_growth_and_a
     assert first.grew_bytes <= first.peak_bytes
     assert again.grew_bytes < 0.05 * n, again
     assert abs(larger.grew_bytes - n) < 0.1 * n, larger
+
+
+def test_vmhwm_sees_a_real_numpy_block_a_run_keeps_as_left_held_and_one_it_frees_as_not():
+    n = 128 * MiB
+    kept: list = []
+
+    def run(keep):
+        a = np.ones(n // 8)
+        if keep:
+            kept.append(a)
+        return float(a[-1])
+
+    monitor = Monitor(method="vmhwm", gpu=False, energy=False)
+    _, freed = monitor.measure(run, False)
+    _, held = monitor.measure(run, True)
+    assert freed.retained_bytes < 0.05 * n, freed
+    assert abs(held.retained_bytes - n) < 0.05 * n, held
+    kept.clear()
 
 
 def test_the_sampling_thread_ends_with_the_run():

@@ -327,6 +327,39 @@ def test_memory_error_inside_the_task_is_split_and_the_worker_survives(big_surve
         cluster.close()
 
 
+def test_a_librarys_first_use_in_a_chunk_is_the_workers_and_chunks_are_planned_for_the_block(tmp_path):
+    """The first chunk on each worker loads a library it then keeps (first_use_hog: 150 MiB kept, as a GPU task's
+    CUDA context and libraries were on an H100). Measured with it as the block's peak, the cold map planned 22
+    chunks of 9 x 32 traces and so did every warm run after (a 160 MiB peak read as a cost per element); learned
+    as the worker's, the survey is cut for the block, and a fresh cluster's workers, which pay it again, fit it."""
+    from memchunk_prefect.testing import first_use_hog
+
+    path = tmp_path / "survey.sgy"
+    synthetic_survey(path, (96, 64, 400), seed=3)
+    summaries = []
+    for _ in range(2):  # a fresh cluster each run, as the runner's own: every worker pays the first use again
+        c = start_local_cluster(n_workers=2, memory_limit="640MiB")
+        try:
+            @flow(task_runner=runner_for(c, tmp_path))
+            def hog(p: str):
+                return first_use_hog.map(chunked(p), first_use_mib=150.0).summary()
+
+            summaries.append(hog(str(path)))
+        finally:
+            c.close()
+    cold, warm = summaries
+    assert cold["oom_events"] == 0 and warm["oom_events"] == 0
+    assert cold["tasks"] <= 10, cold["reasons"]
+    assert warm["tasks"] <= 4 and "probe" not in warm["decisions"], warm["reasons"]
+    key = operator_key(first_use_hog, {"first_use_mib": 150.0})
+    with Store(tmp_path / "store.sqlite") as s:
+        rows = s.observations(key)
+    left = sorted(o.retained_bytes for o in rows)
+    assert len(left) == cold["tasks"] + warm["tasks"]
+    assert all(x > 140 * 2**20 for x in left[-4:]), "each worker's first chunk, in each run, kept the library"
+    assert all(x < 16 * 2**20 for x in left[:-4]), "the others kept nothing of their block"
+
+
 def test_unsplittable_chunk_fails_the_flow_naming_operator_chunk_and_budget(cluster, tmp_path):
     runner = runner_for(cluster, tmp_path, memory_budget="8MiB")
     volume = np.random.default_rng(0).normal(size=(2, 2, 64)).astype(np.float32)

@@ -264,11 +264,22 @@ def test_the_v8_columns_keep_a_gpu_maps_budget_and_its_out_of_memory_and_old_row
 def test_the_v9_column_keeps_a_runs_kernel_time_and_old_rows_do_not_know_it(tmp_path):
     path = v2_store(tmp_path)
     with Store(path) as s:
-        assert s.schema_version() == SCHEMA_VERSION == 9
+        assert s.schema_version() == SCHEMA_VERSION
         (old,) = s.observations()
         s.add(make_obs(sys_seconds=0.3, grew_bytes=500 * 2**20))
         (new,) = s.observations()[-1:]
     assert old.sys_seconds is None and new.sys_seconds == 0.3
+
+
+def test_the_v10_column_keeps_what_a_run_left_held_and_old_rows_do_not_know_it(tmp_path):
+    path = v2_store(tmp_path)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION == 10
+        (old,) = s.observations()
+        s.add(make_obs(retained_bytes=150 * 2**20))
+        s.add(make_obs(retained_bytes=0))
+        first_use, plain = s.observations()[-2:]
+    assert (old.retained_bytes, first_use.retained_bytes, plain.retained_bytes) == (None, 150 * 2**20, 0)
 
 
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
