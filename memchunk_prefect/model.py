@@ -80,6 +80,13 @@ correction shrinks by itself as ``ok`` observations teach the model more. A
 censored point contradicted by an ``ok`` run at least as large that needed less
 is dropped.
 
+*First uses.* A run that leaves memory held in its worker process (``Observation.retained_bytes``: a CUDA
+context, a library loaded, a JIT's code; more than ``first_touch_bytes`` and ``first_touch_share`` of its
+peak) paid something once per worker, not per element. Its block is learned without it (on an H100 the
+first GPU chunk of each worker peaked ~150 MiB of host memory for a 40 KiB block and the next ~1 MiB: the
+line through them bounded a 41 KiB block at 178 MiB), and :meth:`OperatorModel.first_use_bytes` reports it
+for the next map to take off its headroom: a fresh worker pays it again.
+
 *Outliers.* Once ready, an ``ok`` observation above ``outlier_ratio`` x the
 current upper bound, or below the mean / ``outlier_ratio``, is quarantined, not
 learned. It is accepted (learned, with everything quarantined that agrees with
