@@ -130,10 +130,17 @@ def _models_table(rows: list[dict[str, Any]]) -> str:
               "coverage", "ready", "time", "energy/element", "policy"]
     body = [[r["key"], str(r["n_observations"]), str(r["n_censored"]), r["form"],
              "-" if r["bytes_per_element"] is None else f"{r['bytes_per_element']:.1f}",
-             format_bytes(r["fixed_overhead_bytes"]) if r["fixed_overhead_bytes"] is not None else "-",
+             _fixed_cell(r),
              _pct(r["recent_mape"]), _pct(r["coverage"]), "yes" if r["ready"] else "no", _time_cell(r),
              _energy_cell(r), _policy_cell(r.get("policy", []))] for r in rows]
     return table(header, body)
+
+
+def _fixed_cell(r: dict[str, Any]) -> str:
+    """The fixed overhead per chunk, and the most a first use left held in a worker, paid once per worker
+    process (``2.0 MiB +150.0 MiB once``)."""
+    cell = format_bytes(r["fixed_overhead_bytes"]) if r["fixed_overhead_bytes"] is not None else "-"
+    return cell + (f" +{format_bytes(r['first_use_bytes'])} once" if r.get("first_use_bytes") else "")
 
 
 def _time_cell(r: dict[str, Any]) -> str:
@@ -170,7 +177,9 @@ def _models(args: argparse.Namespace) -> int:
     else:
         _emit(_models_table(rows))
         _emit("recent error: mean absolute % error of the mean prediction on each next observation; "
-              "coverage: share of next observations within the upper bound; policy: the learned policy's arms "
+              "coverage: share of next observations within the upper bound; fixed overhead: per chunk, "
+              "+ once: the most a library's first use in a chunk left held in its worker (a CUDA context), paid "
+              "once per worker process; policy: the learned policy's arms "
               "(risk levels of the bound: bold, mid, safe) with their mean reward (slot efficiency less 1 per "
               "out-of-memory chunk) x plans taught, !n out-of-memory events; time: the form of compute seconds "
               "against block size, runs learned (+ set aside for a first touch of memory), and seconds per "

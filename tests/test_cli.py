@@ -32,8 +32,11 @@ def store_path(tmp_path, monkeypatch):
             e = il * 64 * 400
             peak = int((70 * 2**20 + 28 * e) * (1 + rng.gauss(0, 0.02)))
             # The first run took a fresh worker from nothing to its peak: its time is set aside (a first touch).
-            s.add(Observation(ENV, e, (il, 64, 400), 4 * e, peak, seconds=1e-6 * e, energy_joules=2e-7 * e,
-                              energy_source="estimate", grew_bytes=peak if i == 0 else 0))
+            # It also loaded a library the worker kept (a first use: 150 MiB, paid once per worker).
+            left = 150 * 2**20 if i == 0 else 0
+            s.add(Observation(ENV, e, (il, 64, 400), 4 * e, peak + left, seconds=1e-6 * e, energy_joules=2e-7 * e,
+                              energy_source="estimate", grew_bytes=peak + left if i == 0 else 0,
+                              retained_bytes=left))
         s.add(Observation(GST, 1000, (10, 10, 10), 4000, 10**6))
         s.add_reward(Reward(ENV, "bold", ("bold", "mid"), 0.72, 0.72, 10**6, 3.0, 2, n_chunks=4))
         s.add_reward(Reward(ENV, "safe", ("safe",), -0.5, 0.5, 10**6, 4.0, 2, out_of_memory=1, n_chunks=6))
@@ -67,13 +70,15 @@ def test_models_table_and_json(capsys, store_path):
     assert "bold 0.72x1 mid 0.72x1 safe -0.50x1!1" in out, "the learned policy's arms, as taught from the store"
     assert "energy/element" in out and "0.20 uJ est" in out, "joules per element, labelled as an estimate"
     assert "linear 11 +1 first" in out, "the time model: its form, the runs it learned from, the first touch set aside"
+    assert "+150.0 MiB once" in out, "what a first use left held in its worker, apart from the fixed overhead"
     code, out, _ = run(capsys, "models", "--json")
     data = json.loads(out)
     by_key = {m["key"]: m for m in data["models"]}
     env = by_key[ENV]
     assert env["n_observations"] == 12 and env["ready"]
     assert (env["time_runs"], env["first_touch_runs"]) == (11, 1) and env["seconds_per_element"] == pytest.approx(1e-6)
-    assert env["fixed_overhead_bytes"] > 0 and env["bytes_per_element"] > 0
+    assert 0 < env["fixed_overhead_bytes"] < 100 * 2**20 and env["bytes_per_element"] > 0
+    assert env["first_use_bytes"] == 150 * 2**20
     assert env["recent_mape"] is not None and env["coverage"] is not None
     assert by_key[GST]["ready"] is False
     assert env["joules_per_element"] == pytest.approx(2e-7) and env["energy_source"] == "estimate"
