@@ -128,7 +128,7 @@ from river import linear_model, metrics, stats, utils
 from .bandit import ArmChoice, ArmLearner
 from .chunks import Shape
 from .energy import ESTIMATE, DeviceRun, busy_weight, is_measured, split_among_devices
-from .records import Observation, Prediction, Reward
+from .records import FIRST_USE_BYTES, FIRST_USE_SHARE, Observation, Prediction, Reward, first_use_bytes
 from .settings import ITEMSIZE, PolicySettings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -437,8 +437,8 @@ class OperatorModel:
     tight_reach: float = 2.0
     time_floor_seconds: float = 0.01
     min_size_ratio: float = 1.5
-    first_touch_bytes: float = 16 * MIB
-    first_touch_share: float = 0.25
+    first_touch_bytes: float = FIRST_USE_BYTES
+    first_touch_share: float = FIRST_USE_SHARE
     size_weight: float = 0.5
     time_curve_margin: float = 0.1
     time_gap_ratio: float = 3.0
@@ -819,11 +819,7 @@ class OperatorModel:
         (``Observation.retained_bytes``). Less is what any run leaves (allocator pages, Python's caches) and stays
         in the peak it was measured with.
         """
-        left = obs.retained_bytes
-        if obs.outcome != "ok" or obs.censored or left is None:
-            return 0
-        left = min(int(left), int(obs.peak_bytes))
-        return left if left > max(self.first_touch_bytes, self.first_touch_share * obs.peak_bytes) else 0
+        return first_use_bytes(obs, self.first_touch_bytes, self.first_touch_share)
 
     def working_bytes(self, obs: Observation) -> int:
         """The peak of ``obs`` as this model learns it: less what a first use left held (:meth:`first_use`),

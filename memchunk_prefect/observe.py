@@ -43,7 +43,7 @@ from typing import Any, Callable, Iterable, Sequence
 from .chunks import Chunk, Shape
 from .energy import energy_by_source
 from .machine import OK, ChunkEnded, DecisionRecord, Submit
-from .records import Observation, Prediction, Reward
+from .records import Observation, Prediction, Reward, first_use_bytes
 from .stragglers import SlowWorker
 
 logger = logging.getLogger("memchunk_prefect.observe")
@@ -163,7 +163,8 @@ class MapLog(MapObserver):
         figures = self._submitted.pop(event.id, None)
         o = event.observation
         if figures is not None and event.outcome == OK and o is not None and o.peak_bytes > 0:
-            self.predicted.append((*figures, int(o.peak_bytes)))
+            # The block's own peak: a first use's memory is the worker's, budgeted apart (model.first_use_bytes).
+            self.predicted.append((*figures, max(1, int(o.peak_bytes) - first_use_bytes(o))))
 
     def on_slow_worker(self, event: SlowWorker) -> None:
         self.slow_workers.append(event.to_dict())

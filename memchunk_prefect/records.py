@@ -25,6 +25,27 @@ from typing import Any, Mapping, Sequence
 OUTCOMES = ("ok", "memory_error", "killed", "error")
 
 
+FIRST_USE_BYTES = 16 * 2**20
+"""A finished run that left more than this many bytes held in its worker, and more than :data:`FIRST_USE_SHARE`
+of its peak, was a first use (:func:`first_use_bytes`); less is what any run leaves (allocator pages, caches)."""
+FIRST_USE_SHARE = 0.25
+
+
+def first_use_bytes(obs: "Observation", min_bytes: float = FIRST_USE_BYTES, share: float = FIRST_USE_SHARE) -> int:
+    """What ``obs`` left held in its worker process, bytes, where that makes it a first use (a CUDA context, a
+    library loaded, a cache: paid once per worker, not per block); else 0. Only a finished run is one.
+
+    >>> o = Observation("k|float32|cpu", 10_000, (1, 25, 400), 40_000, 160 * 2**20, retained_bytes=150 * 2**20)
+    >>> first_use_bytes(o) == 150 * 2**20, first_use_bytes(Observation("k|float32|cpu", 1, (1, 1, 1), 4, 9))
+    (True, 0)
+    """
+    left = obs.retained_bytes
+    if obs.outcome != "ok" or obs.censored or left is None:
+        return 0
+    left = min(int(left), int(obs.peak_bytes))
+    return left if left > max(min_bytes, share * obs.peak_bytes) else 0
+
+
 @dataclass
 class Observation:
     """One task run's measured memory and time, with the chunk that caused them.

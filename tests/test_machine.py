@@ -1021,6 +1021,14 @@ def test_the_map_log_keeps_how_close_the_model_was_at_the_chunks_it_ran():
     summary = log.summary(operator="op", operator_key=KEY, chunks=[], output="/out.zarr")
     assert summary["bound_over_peak"] == pytest.approx(1.2) and summary["mean_error"] == pytest.approx(0.0)
     assert len(log.predicted) == 2
+    # A chunk that was its worker's first use of a library is scored on its block's peak: the 150 MiB it left
+    # held are the worker's, budgeted apart.
+    s = subs[2]
+    first = obs(s.chunk, peak=100 * s.chunk.elements + 150 * MiB)
+    first.retained_bytes = 150 * MiB
+    for ended in of(ChunkEnded, m.handle(ChunkDone(s.id, first))):
+        log.on_chunk_end(ended)
+    assert log.predicted[-1][-1] == 100 * s.chunk.elements
 
 
 # =========================================================================== a map on the GPU: two budgets
