@@ -81,7 +81,7 @@ from .errors import (
     format_bytes,
 )
 from .policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
-from .records import Observation, Pause, Prediction, Reward, paused_within
+from .records import Observation, Pause, Prediction, Reward, first_use_bytes, paused_within
 from .settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 
 #: Extra decisions recorded about the output (not about the chunking).
@@ -841,7 +841,8 @@ class MapMachine:
         self._check_replan = True
         self._follow_drift(ev.observation)
         if item.decision == PROBE:
-            self.probe_peak = max(self.probe_peak, int(ev.observation.peak_bytes))
+            # The block's own peak: what a first use left held is the worker's, and the budget already follows it.
+            self.probe_peak = max(self.probe_peak, int(ev.observation.peak_bytes) - first_use_bytes(ev.observation))
             self.probe_gpu_peak = max(self.probe_gpu_peak, int(ev.observation.gpu_peak_bytes or 0))
         return [Record(ev.observation), self._ended(ev.id, item, OK, ev.observation, ev.at)]
 

@@ -337,6 +337,23 @@ def test_the_second_probe_wave_grows_as_far_as_memory_quadratic_in_the_block_wou
     assert m._next_probe_scale() == pytest.approx(expected)
 
 
+def test_a_probe_that_was_its_workers_first_use_of_a_library_sizes_the_next_wave_by_its_block():
+    """The first probe on each worker loaded a library it kept (150 MiB): the next wave is sized by what the
+    block needed, not shrunk to a sliver by the library (on an H100 a GPU map's second probes were 1 x 1 traces)."""
+    budget = 100 * 4 * 16_000
+    scales = []
+    for left in (0, 150 * MiB):
+        m = machine((4, 4000, 10), knowledge=Linear(ready=False))
+        m.handle(Start(2, budget))
+        wave = of(Submit, m.advance())
+        for s in wave:
+            o = obs(s.chunk, peak=int(0.05 * budget) + left)
+            o.retained_bytes = left
+            m.handle(ChunkDone(s.id, o))
+        scales.append(m._next_probe_scale())
+    assert scales[1] == scales[0] == pytest.approx(m.settings.probe_first_share * 4)
+
+
 # =========================================================================== mid-map re-plan
 
 
