@@ -306,10 +306,11 @@ def test_memory_a_run_started_with_above_the_assumed_resting_level_is_the_worker
 
 
 def test_what_a_first_use_left_held_is_the_workers_and_the_block_is_learned_without_it():
-    """The first GPU chunk of each worker on an H100 peaked ~150 MiB of host memory for a 40 KiB block (its
-    CUDA context and libraries, which the worker kept) and the next ~1 MiB: a line through them read 178 MiB for
-    the next 41 KiB block, and the map planned chunks of 4 x 4 traces. What a run left held is a first use: the
-    block is learned without it, and the model reports it for a map to budget a worker yet to pay it."""
+    """On an H100 the demo's host model of a GPU key bounded the next 41 KiB block at 178.6 MiB after each
+    worker's first chunk (which loads CUDA's libraries and keeps them), and the map planned chunks of 4 x 4
+    traces. The log has the bounds, not the peaks: first chunks of ~150 MiB and later ones of ~1 MiB, rebuilt
+    here, give that bound. What a run left held is a first use: the block is learned without it, and the model
+    reports it for a map to budget a worker yet to pay it."""
     def host(ext, working_mib, left_mib=0.0):
         o = obs(ext, (working_mib + left_mib) * MIB)
         o.retained_bytes = int(left_mib * MIB) + 100_000  # what any run leaves: allocator pages

@@ -329,9 +329,9 @@ def test_memory_error_inside_the_task_is_split_and_the_worker_survives(big_surve
 
 def test_a_librarys_first_use_in_a_chunk_is_the_workers_and_chunks_are_planned_for_the_block(tmp_path):
     """The first chunk on each worker loads a library it then keeps (first_use_hog: 150 MiB kept, as a GPU task's
-    CUDA context and libraries were on an H100). Measured with it as the block's peak, the cold map planned 22
-    chunks of 9 x 32 traces and so did every warm run after (a 160 MiB peak read as a cost per element); learned
-    as the worker's, the survey is cut for the block, and a fresh cluster's workers, which pay it again, fit it."""
+    host side keeps CUDA's libraries). Measured with it as the block's peak, the cold map planned 16 chunks (this
+    test on the code before) where 2 fit: a 160 MiB peak read as a cost per element. Learned as the worker's, the
+    survey is cut for the block, and a fresh cluster's workers, which pay it again, fit it."""
     from memchunk_prefect.testing import first_use_hog
 
     path = tmp_path / "survey.sgy"
