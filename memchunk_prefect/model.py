@@ -85,7 +85,7 @@ context, a library loaded, a JIT's code; more than ``first_touch_bytes`` and ``f
 peak) paid something once per worker, not per element. Its block is learned without it, and
 :meth:`OperatorModel.first_use_bytes` reports it for the next map to take off its headroom: a fresh worker pays
 it again. On an H100 the demo's host model of a GPU key, after each worker's first chunk (which loads CUDA's
-libraries and keeps them), bounded the next 41 KiB block at 178.6 MiB. The log has the bounds, not the peaks;
+libraries and keeps them), bounded the next chunk of 1 x 26 traces at 178.6 MiB. The log has the bounds, not the peaks;
 first chunks of ~150 MiB and later ones of ~1 MiB give that bound (the test
 ``test_what_a_first_use_left_held_is_the_workers_and_the_block_is_learned_without_it``).
 
@@ -554,8 +554,8 @@ class OperatorModel:
             # A first use: what the run left held (a CUDA context, a library, a cache) is the worker's from now on,
             # paid once per worker process, and the map's budget follows it there (machine.MapMachine drift). As
             # part of this block's peak it reads as a huge cost per element for a tiny block (on an H100 the demo's
-            # host model of a GPU key bounded a 41 KiB block at 178.6 MiB after each worker's first chunk). The
-            # block is learned without it; a worker yet to pay it is budgeted for it (first_use_bytes).
+            # host model of a GPU key bounded a chunk of 1 x 26 traces at 178.6 MiB after each worker's first
+            # chunk). The block is learned without it; a worker yet to pay it is budgeted for it (first_use_bytes).
             self._first_use.append(left / MIB)
             obs = replace(obs, peak_bytes=self.working_bytes(obs))
         self._seen += 1

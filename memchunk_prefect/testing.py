@@ -66,7 +66,7 @@ def first_use_hog(block, multiple: float = 4.0, first_use_mib: float = 150.0, de
 
     It stands for a library's first use inside a task: a GPU task's host side creating its CUDA context and
     loading cuFFT / NVRTC (memory the worker then keeps, needed by no later task), or a JIT compiler's first
-    compile. On an H100 the demo's host model of a GPU key bounded a 41 KiB block at 178.6 MiB after each
+    compile. On an H100 the demo's host model of a GPU key bounded a chunk of 1 x 26 traces at 178.6 MiB after each
     worker's first chunk: first chunks of ~150 MiB and later ones of ~1 MiB give that bound.
     Memory: ``first_use_mib`` MiB once per process, kept; about (multiple + 2) x the block's bytes each call.
     """

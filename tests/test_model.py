@@ -306,7 +306,7 @@ def test_memory_a_run_started_with_above_the_assumed_resting_level_is_the_worker
 
 
 def test_what_a_first_use_left_held_is_the_workers_and_the_block_is_learned_without_it():
-    """On an H100 the demo's host model of a GPU key bounded the next 41 KiB block at 178.6 MiB after each
+    """On an H100 the demo's host model of a GPU key bounded the next chunk of 1 x 26 traces at 178.6 MiB after each
     worker's first chunk (which loads CUDA's libraries and keeps them), and the map planned chunks of 4 x 4
     traces. The log has the bounds, not the peaks: first chunks of ~150 MiB and later ones of ~1 MiB, rebuilt
     here, give that bound. What a run left held is a first use: the block is learned without it, and the model
