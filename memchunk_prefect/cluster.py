@@ -400,6 +400,80 @@ def wait_for_workers(client: Any, settings: RunnerSettings = RUNNER_SETTINGS) ->
     return info
 
 
+# --------------------------------------------------------------------------- restarting one worker
+
+# A worker whose CUDA context is broken is restarted through its nanny (Scheduler.restart_workers kills the process;
+# the nanny starts a new one). The nanny may not be there to do it: distributed's SpecCluster (LocalCluster) closes
+# a worker's nanny when no worker of that name is registered `distributed.deploy.lost-worker-timeout` (15 s) after
+# one was removed, and that timer does not look at later removals; a worker restarted twice within 15 s can have
+# its nanny closed in the gap of the second restart (seen on an H100, distributed 2026.8). A deployment that stops
+# a nanny, or a lost host, looks the same. Waiting for such a worker the whole timeout, then failing the map while
+# other workers are there, would throw away a run that can go on.
+
+
+@dataclass(frozen=True)
+class Restarted:
+    """What came of restarting one worker.
+
+    ``outcome``: ``back`` (its nanny started a new process, registered at
+    ``address``), ``gone`` (its nanny answered before the restart and no longer
+    does: it was closed, or its host lost) or ``late`` (no new process within
+    the time allowed). ``workers_left``: the workers registered when it was
+    decided; ``seconds``: how long the restart took.
+    """
+
+    outcome: str
+    address: str | None
+    workers_left: int
+    seconds: float
+
+
+def nanny_answers(client: Any, nanny: str, timeout_s: float = 1.0) -> bool:
+    """Whether the nanny at ``nanny`` answers a call within ``timeout_s`` seconds (an address that refuses
+    connections is retried by distributed until the timeout)."""
+    from distributed.core import rpc
+
+    async def identity() -> None:
+        async with rpc(nanny, timeout=timeout_s, connection_args=client.connection_args) as r:
+            await r.identity()
+
+    try:
+        client.sync(identity)
+        return True
+    except Exception:  # noqa: BLE001 - closed, unreachable or timed out: it does not answer
+        return False
+
+
+def restart_worker(client: Any, address: str, timeout_s: float, poll_s: float = 0.2) -> Restarted:
+    """Restart the worker at ``address`` through its nanny and wait for its new process (at most ``timeout_s``).
+
+    Stops waiting as soon as the nanny is seen gone (it answered before the restart, and no longer does). Raises
+    RunnerConfigError for a worker without a nanny (nothing would start it again).
+    """
+    start = time.monotonic()
+    nanny = scheduler_info(client).get("workers", {}).get(address, {}).get("nanny")
+    if not nanny:
+        raise RunnerConfigError(f"worker {address} has no nanny, so it cannot be restarted: start the workers "
+                                "with nannies (the default of `dask worker` and LocalCluster)")
+    answered = nanny_answers(client, nanny)
+    # The scheduler's own handler (what Client.restart_workers calls), told not to wait for the worker count: the
+    # wait is done here, where a nanny that went away ends it.
+    client.sync(client.scheduler.restart_workers, workers=[address], timeout=timeout_s, wait_for_workers=False,
+                on_error="return", stimulus_id=f"memchunk-restart-{time.time()}")
+    while True:
+        workers = scheduler_info(client).get("workers", {})
+        new = [a for a, w in workers.items() if a != address and w.get("nanny") == nanny]
+        elapsed = time.monotonic() - start
+        if new:
+            return Restarted("back", new[0], len(workers), elapsed)
+        if answered and not nanny_answers(client, nanny):
+            return Restarted("gone", None, len(scheduler_info(client).get("workers", {})),
+                             time.monotonic() - start)
+        if elapsed > timeout_s:
+            return Restarted("late", None, len(workers), elapsed)
+        time.sleep(poll_s)
+
+
 def read_nthreads(client: Any) -> dict[str, int] | None:
     """Each worker's threads now (the scheduler's ``nthreads`` answer: one number per worker, small at any
     scale); None when it cannot be read."""

@@ -439,22 +439,42 @@ class ChunkedMap:
         return None
 
     def restart_worker(self, ins: RestartWorker) -> None:
-        """Restart a worker whose GPU context is unusable (its nanny starts a new process), and say so."""
+        """Restart a worker whose GPU context is unusable (its nanny starts a new process), and say so.
+
+        A worker that does not come back (its nanny was closed meanwhile, or it is late) is said loudly and the map
+        goes on with the workers left; with none left it fails with GpuContextError (the chunks written are kept).
+        """
         msg = f"restarting worker {ins.address}: {ins.reason}"
         logger.warning("%s: %s", self.name, msg)
         _flow_logger().warning("memchunk %s: %s", self.name, msg)
         client = self.runner.client
-        if ins.address not in client.scheduler_info().get("workers", {}):
+        if ins.address not in _cluster.scheduler_info(client).get("workers", {}):
             logger.warning("%s: worker %s is gone already (its nanny restarted it, or it left)", self.name,
                            ins.address)
             return
+        limit = RUNNER_SETTINGS.worker_restart_seconds
         try:
-            client.restart_workers([ins.address], timeout=RUNNER_SETTINGS.worker_restart_seconds)
-        except Exception as exc:  # noqa: BLE001 - no nanny to restart it, or it did not come back in time
+            done = _cluster.restart_worker(client, ins.address, limit)
+        except Exception as exc:  # noqa: BLE001 - no nanny to restart it, or the scheduler refused
             raise GpuContextError(
                 f"{self.name}: worker {ins.address} has an unusable GPU context and could not be restarted "
                 f"({type(exc).__name__}: {exc}). Restart it (or its cluster) and rerun: the chunks written are kept",
                 ins.address) from exc
+        if done.outcome == "back":
+            logger.info("%s: worker %s restarted as %s in %.1f s", self.name, ins.address, done.address, done.seconds)
+            return
+        why = ("its nanny no longer answers (closed by its cluster or deployment, or its host lost)"
+               if done.outcome == "gone" else f"no new process registered within {limit:g} s "
+                                              "(RUNNER_SETTINGS.worker_restart_seconds)")
+        if done.workers_left == 0:
+            raise GpuContextError(
+                f"{self.name}: worker {ins.address} has an unusable GPU context and did not come back after its "
+                f"restart ({why}), and no worker is left. Restart the cluster and rerun: the chunks written are kept",
+                ins.address)
+        msg = (f"worker {ins.address} did not come back after its restart ({why}); the map goes on with the "
+               f"{done.workers_left} worker(s) left")
+        logger.warning("%s: %s", self.name, msg)
+        _flow_logger().warning("memchunk %s: %s", self.name, msg)
 
     def submit(self, ins: Submit) -> None:
         job = BlockJob(source=self.source, chunk=ins.chunk, halo=self.halo, volume_shape=self.shape,

@@ -10,6 +10,7 @@ without one, saying so.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import time
@@ -556,6 +557,46 @@ def test_a_cuda_error_that_breaks_a_workers_context_restarts_that_worker_and_los
         np.testing.assert_array_equal(result.values, open_segy(source).values)
         with pytest.raises(GpuContextError, match="not retried"):
             breaking(str(source), str(tmp_path / "unused"), True)
+    finally:
+        cluster.close()
+
+
+@pytest.mark.cluster
+def test_a_worker_whose_nanny_is_closed_during_its_restart_leaves_the_map_to_the_workers_left(segy_dir, tmp_path,
+                                                                                            monkeypatch, caplog):
+    """The H100's failure, made certain: LocalCluster closes a worker's nanny when no worker of its name is back
+    ``distributed.deploy.lost-worker-timeout`` after one left (0 s here; on the H100 a 15 s timer from an earlier
+    restart fired in the gap of a later one). The first chunk breaks its worker's context (fake device); that
+    worker is restarted, its nanny is closed, and the map does not wait out the restart time nor fail: it goes on
+    with the worker left and its output is complete and exact. (Before: GpuContextError after the full wait.)"""
+    import dask
+    from distributed import Client
+
+    from memchunk_prefect import executor
+    from memchunk_prefect.testing import breaks_gpu_context
+
+    monkeypatch.setenv(dev.FAKE_GPU_ENV, str(64 << 20))
+    # 60 s for a new process: the old code waited all of it, then failed
+    monkeypatch.setattr(executor, "RUNNER_SETTINGS", dataclasses.replace(executor.RUNNER_SETTINGS,
+                                                                         worker_restart_seconds=60.0))
+    source = segy_dir / "f3.sgy"
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    try:
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, store=tmp_path / "s.sqlite",
+                                   output_dir=tmp_path / "out", device="cuda", progress=False)
+
+        @flow(task_runner=runner)
+        def breaking(path: str, marker: str):
+            return breaks_gpu_context.map(chunked(path), marker=marker).result()
+
+        with dask.config.set({"distributed.deploy.lost-worker-timeout": "0s"}), \
+                caplog.at_level(logging.WARNING, logger="memchunk_prefect.runner"):
+            result = breaking(str(source), str(tmp_path / "broken-once"))
+        np.testing.assert_array_equal(result.values, open_segy(source).values)
+        with Client(cluster.scheduler_address) as client:
+            assert len(client.scheduler_info()["workers"]) == 1, "the closed nanny's worker is not back"
+        said = [r.getMessage() for r in caplog.records if "did not come back" in r.getMessage()]
+        assert said and "nanny no longer answers" in said[0] and "1 worker(s) left" in said[0], said
     finally:
         cluster.close()
 
