@@ -529,6 +529,18 @@ def read_allowed_failures(client: Any) -> int | None:
         return None
 
 
+def read_memory_kills(client: Any) -> list[str] | None:
+    """The workers their nanny killed for memory, as the scheduler logged them (the nanny's
+    ``worker-restart-memory`` event, sent as it terminates a worker past ``distributed.worker.memory.terminate``);
+    None when the log cannot be read. The kernel's OOM killer and other signals leave no such event."""
+    try:
+        events = client.get_events("worker-restart-memory")
+    except Exception as exc:  # noqa: BLE001 - no scheduler to ask: nothing confirmed
+        logger.info("could not read the nannies' memory kills: %r", exc)
+        return None
+    return [str(msg.get("worker")) for _, msg in events if isinstance(msg, dict) and msg.get("worker")]
+
+
 # --------------------------------------------------------------------------- pauses
 
 # A worker crossing ``distributed.worker.memory.pause`` (default 0.8 of its memory_limit) stops taking new tasks

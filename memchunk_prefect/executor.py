@@ -44,6 +44,7 @@ from .energy import ESTIMATE, estimate_joules
 from .errors import GpuContextError, MemchunkError, UpstreamMapError
 from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
 from .machine import (
+    KILLED,
     Cancel,
     ChunkDone,
     ChunkEnded,
@@ -76,7 +77,7 @@ from .machine import (
 )
 from .observe import MapEnd, MapObserver, MapStart, Observers
 from .operators import operator_key, operator_name, spec_of
-from .records import MapRun, Observation, Reward, paused_within, pauses_from
+from .records import MapRun, Observation, Reward, paused_within, pauses_from, stop_deaths
 from .settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS
 from .stragglers import SlowWorker, slow_workers
 from .volume import as_source
@@ -313,7 +314,8 @@ class ChunkedMap:
             chunk = self.machine.in_flight[sid].chunk  # type: ignore[union-attr]
             written = self.out.is_done(chunk)
             return WorkerDied(sid, type(exc).__name__, written=written,
-                              kill_headroom_bytes=None if written else self.headroom_of(exc), at=time.time())
+                              kill_headroom_bytes=None if written else self.headroom_of(exc), at=time.time(),
+                              worker=str(getattr(getattr(exc, "last_worker", None), "address", "") or ""))
         finally:
             with contextlib.suppress(Exception):
                 dask_future.release()  # completed results must not be recomputed if a worker dies later
@@ -513,6 +515,11 @@ class ChunkedMap:
         if (not obs.flow_run_id and self.flow_run_id) or not obs.map_id:
             obs = dataclasses.replace(obs, flow_run_id=obs.flow_run_id or self.flow_run_id,
                                       map_id=obs.map_id or self.map_id)
+        if (obs.outcome == KILLED and obs.method == "flow" and isinstance(self.runner.stop_requested(), MapInterrupted)
+                and stop_deaths([obs], time.time(), _cluster.read_memory_kills(self.runner.client) or ())):
+            logger.warning("%s: the worker running %s died as the flow run stopped: not learned as out of memory",
+                           self.name, obs.chunk)
+            return
         try:
             self.runner.model_bank().learn(obs)
         except Exception as exc:  # noqa: BLE001

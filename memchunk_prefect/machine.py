@@ -238,7 +238,8 @@ class WorkerDied:
 
     ``written``: the chunk's completion marker exists (it died after writing);
     ``kill_headroom_bytes``: what a task may use above its worker's resting
-    memory before the nanny kills it, read at the death (None: unknown).
+    memory before the nanny kills it, read at the death (None: unknown);
+    ``worker``: the address of the worker that died ('' unknown).
     """
 
     id: int
@@ -246,6 +247,7 @@ class WorkerDied:
     written: bool = False
     kill_headroom_bytes: int | None = None
     at: float = 0.0
+    worker: str = ""
 
 
 @dataclass(frozen=True)
@@ -920,7 +922,7 @@ class MapMachine:
                       else "resubmitting the same chunk"))
         out: list[Instruction] = [MarkRuns(((ev.id, "Crashed", message),))]
         if memory_kill:
-            obs = self._flow_observation(item, KILLED, headroom, ev.at)
+            obs = replace(self._flow_observation(item, KILLED, headroom, ev.at), worker=ev.worker)
             out += [Record(obs), self._ended(ev.id, item, KILLED, obs, ev.at)]
             out += self._retry_smaller(ev.id, item, headroom, "worker killed", ev.at)
             return out

@@ -46,6 +46,35 @@ def first_use_bytes(obs: "Observation", min_bytes: float = FIRST_USE_BYTES, shar
     return left if left > max(min_bytes, share * obs.peak_bytes) else 0
 
 
+STOP_DEATH_SECONDS = 5.0
+"""A worker death inferred as out-of-memory this many seconds or less before the flow run was stopped (Ctrl-C, a
+cancellation, a job's time limit) is taken as the stop's (:func:`stop_deaths`)."""
+
+
+def stop_deaths(observations: Sequence["Observation"], stopped_at: float, memory_killed: Sequence[str] = (),
+                window_s: float = STOP_DEATH_SECONDS) -> list["Observation"]:
+    """The observations among ``observations`` that a stop explains better than memory: worker deaths the flow
+    inferred as out-of-memory (``outcome`` killed, ``method`` flow: the worker never reported) from ``window_s``
+    seconds before ``stopped_at`` (epoch seconds) on, on a worker the nanny did not report killing for memory
+    (``memory_killed``: worker addresses from the scheduler's ``worker-restart-memory`` events).
+
+    Why: a signal to a job's process group (Ctrl-C, `timeout`, a batch system's time limit or cancellation) ends
+    the flow and its local workers at once, and a worker's death reaches the map a moment before the flow's stop
+    does. Learned as out-of-memory, such a death is a censored observation claiming the chunk needed more than the
+    worker's whole headroom: the next run plans far smaller chunks for nothing (an H100 demo stopped by `timeout`
+    left envelope planned at 28x its peak, 325 chunks instead of 9). A death the nanny reported as a memory kill is
+    kept: that is the one certain sign.
+
+    >>> o = Observation("k|float32|cpu", 10, (1, 1, 10), 40, 500, outcome="killed", censored=True, method="flow",
+    ...                 created_at=100.0, worker="tcp://a:1")
+    >>> [len(stop_deaths([o], t)) for t in (101.0, 106.0, 99.0)], len(stop_deaths([o], 101.0, ["tcp://a:1"]))
+    ([1, 0, 1], 0)
+    """
+    return [o for o in observations
+            if o.outcome == "killed" and o.method == "flow" and o.created_at >= stopped_at - window_s
+            and o.worker not in memory_killed]
+
+
 @dataclass
 class Observation:
     """One task run's measured memory and time, with the chunk that caused them.

@@ -97,7 +97,7 @@ from .errors import (
 from .executor import ChunkedMap, MapInterrupted
 from .observe import MapLog, MapObserver
 from .pinning import local_gpu_cluster, usable_gpus
-from .records import Observation
+from .records import STOP_DEATH_SECONDS, Observation, stop_deaths
 from .settings import RUNNER_SETTINGS, PolicySettings
 from .units import parse_bytes as _parse_bytes
 from .units import parse_seconds
@@ -695,6 +695,8 @@ class MemoryAwareRunner(DaskTaskRunner):
                           if not isinstance(flow_error, Exception)
                           else MemchunkError(f"the flow run failed around it ({type(flow_error).__name__}: "
                                              f"{flow_error})"))
+        if flow_error is not None and not isinstance(flow_error, Exception) and maps:
+            self._forget_stop_deaths(maps[0].map.flow_run_id if maps[0].map is not None else "", time.time())
         for r in maps:
             _wait_event(r._ended)
         unseen = [r for r in maps if r.error is not None and not r.seen]
@@ -710,7 +712,23 @@ class MemoryAwareRunner(DaskTaskRunner):
         unseen[0].map.error_seen = True  # type: ignore[union-attr]
         return unseen[0]
 
-    # ---------------------------------------------------------------- shared state for maps
+    def _forget_stop_deaths(self, flow_run_id: str, stopped_at: float) -> None:
+        """Delete from the store the worker deaths this flow run learned as out of memory just before it was
+        stopped (Ctrl-C, a cancellation, a job's time limit): the stop explains them (``records.stop_deaths``).
+        The maps still running learn no more of them (``ChunkedMap.record``). A failing store is logged."""
+        bank = self._bank
+        if bank is None or bank.store is None or not flow_run_id:
+            return
+        try:
+            gone = stop_deaths(bank.store.run_observations(flow_run_id), stopped_at,
+                               _cluster.read_memory_kills(self.client) or ())
+            if gone:
+                n = bank.store.retract(gone)
+                logger.warning("the flow run stopped: %d worker death(s) of the last %g s before it are not kept as "
+                               "out of memory (no nanny memory kill was logged for them): %s", n, STOP_DEATH_SECONDS,
+                               ", ".join(f"{o.operator_key} {o.chunk}" for o in gone))
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("could not look for worker deaths caused by the stop: %r", exc)
 
     # ---------------------------------------------------------------- shared state for maps
 

@@ -50,7 +50,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from .errors import StoreError, StoreSchemaTooNewError
 from .records import MapRun, Observation, Reward
@@ -653,6 +653,23 @@ class Store:
     def rewards(self, key: str | None = None) -> list[Reward]:
         """All learned-policy rewards (of ``key``, if given) in insertion order."""
         return [r for _, r in self.reward_rows(key)]
+
+    def retract(self, observations: Sequence[Observation]) -> int:
+        """Delete the rows of ``observations`` (matched by flow run, map, chunk, outcome, method and creation
+        time: an observation has no row id of its own); returns how many rows were deleted."""
+        sql = ("DELETE FROM observations WHERE flow_run_id = ? AND map_id = ? AND chunk = ? AND outcome = ? "
+               "AND method = ? AND created_at = ?")
+        with self._lock:
+            con = self._connection
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                n = sum(con.execute(sql, (o.flow_run_id, o.map_id, o.chunk, o.outcome, o.method,
+                                          o.created_at)).rowcount for o in observations)
+                con.execute("COMMIT")
+            except BaseException:
+                _rollback(con)
+                raise
+        return n
 
     def forget(self, key: str) -> int:
         """Delete every observation and policy reward of ``key``; returns how many observations were deleted."""

@@ -487,6 +487,32 @@ def test_ctrl_c_during_reprocess_survey_keeps_what_finished_and_a_rerun_resumes(
     check_resumed(out, store, survey, written, env_written, rerun_started)
 
 
+def test_a_sigterm_to_the_whole_job_is_not_learned_as_its_chunks_running_out_of_memory(survey, tmp_path):
+    """`timeout`, a batch system's time limit or its cancellation send SIGTERM to every process of the job: the
+    flow and its local workers stop together, and a worker's death can reach its map before the flow's own stop
+    does. On a cold store such a death is taken as a memory kill (no bound says otherwise), and learned, it
+    claims the chunk needed more than the worker's whole headroom (an H100 demo stopped by `timeout` planned its
+    next run at 28x the peaks). The store keeps none: every worker death of the stop is either not learned or
+    taken back, and said."""
+    directory, out = survey_dir(survey, tmp_path), tmp_path / "attributes"
+    store = str(tmp_path / "obs.sqlite")  # cold: no bound, so a death would be taken as a memory kill
+    cmd = [sys.executable, str(HELPER), "run", str(directory), str(out), store, "2.0"]
+    log = open(tmp_path / "terminated.log", "wb")
+    proc = subprocess.Popen(cmd, env=helper_env(), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # its own process group, as a batch job's
+    killer = KillAfterMarkers(out / "line" / "memory_hog.zarr", 1, -proc.pid, signal.SIGTERM, timeout=240)
+    rc = proc.wait(timeout=300)
+    log.close()
+    text = (tmp_path / "terminated.log").read_text(errors="replace")
+    assert killer.killed_at is not None and rc != 0, text[-3000:]
+    deaths = text.count("workers died while trying to run it")
+    assert deaths >= 1, "no worker died under a running chunk: nothing tested\n" + text[-3000:]
+    kept = [o for o in Store(store).observations() if o.outcome == "killed"]
+    assert kept == [], [(o.operator_key, o.chunk, o.method) for o in kept]
+    said = text.count("died as the flow run stopped: not learned") + text.count("are not kept as out of memory")
+    assert said >= 1, text[-3000:]
+
+
 def test_a_run_cancelled_from_prefect_keeps_what_finished_and_the_next_run_resumes(survey, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
