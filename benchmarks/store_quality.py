@@ -1,7 +1,8 @@
 """How well the memory model predicted the runs in observation stores, replayed: per operator, over every store given.
 
     python -m benchmarks.store_quality STORE [STORE ...] [--after 5] [--superlinear-gain G] [--noise-floor-mib M]
-                                      [--size-weight W] [--json PATH]
+                                      [--size-weight W] [--memory-gap-ratio R]
+                                      [--memory-gap-gain G] [--json PATH]
 
 Each store's keys are replayed in the order their observations were stored
 (:func:`memchunk_prefect.model.replay_quality`): every ``ok`` run is predicted before
@@ -16,7 +17,8 @@ benchmarks are kept with ``--workdir`` (``python -m benchmarks --workdir DIR``:
 one per survey). ``--superlinear-gain`` replays with another threshold for choosing a
 curved memory form, ``--noise-floor-mib`` with another noise floor added to each peak
 when scaling rows, ``--size-weight`` with another weight of small blocks against the
-largest (:class:`memchunk_prefect.model.OperatorModel`), to compare.
+largest, ``--memory-gap-ratio`` with another widest step in size that supports a curved memory form (``inf``:
+any step, as before that test) (:class:`memchunk_prefect.model.OperatorModel`), to compare.
 
 Below that table, per operator: how much more a worker's first run of a key needed than its later
 runs of a block of the same size (:func:`first_run_excess`), over the sizes where both kinds ran.
@@ -158,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("stores", nargs="+", metavar="STORE")
     p.add_argument("--after", type=int, default=5, help="runs learned before one is scored (default 5)")
     p.add_argument("--superlinear-gain", type=float, default=None)
+    p.add_argument("--memory-gap-ratio", type=float, default=None,
+                   help="the widest step between consecutive sizes that supports a curved memory form "
+                        "(OperatorModel.memory_gap_ratio; inf: any, as before the support test)")
+    p.add_argument("--memory-gap-gain", type=float, default=None,
+                   help="the leave-one-out error, as a fraction of the line's, that a curved memory form the sizes "
+                        "do not support must reach (OperatorModel.memory_gap_gain)")
     p.add_argument("--size-weight", type=float, default=None,
                    help="the model's size weight (a block counts (size / largest) ** this in the fit; default: "
                         "the model's)")
@@ -172,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         options["superlinear_gain"] = args.superlinear_gain
     if args.size_weight is not None:
         options["size_weight"] = args.size_weight
+    if args.memory_gap_ratio is not None:
+        options["memory_gap_ratio"] = args.memory_gap_ratio
+    if args.memory_gap_gain is not None:
+        options["memory_gap_gain"] = args.memory_gap_gain
     if args.noise_floor_mib is not None:
         options["noise_floor_bytes"] = args.noise_floor_mib * 2**20
     if args.explain:

@@ -17,8 +17,10 @@ predicted a 400^3 chunk 3x in the memory-aware-chunking study (Unicamp) and the 
 Two curved forms, ``a + b*u + c*u**1.5`` (``superlinear``) and ``a + b*u +
 c*u**2`` (``quadratic``, e.g. all-pairs of traces), are fitted beside it for
 operators whose memory grows faster than their size; the better one's mean is
-used when its leave-one-out error (PRESS) beats the line's and ``c > 0`` (so it
-never bends down when extrapolating). While the line is used, the bound is blended towards
+used when its leave-one-out error (PRESS) beats the line's, ``c > 0`` (so it
+never bends down when extrapolating), and the blocks learned support a curve
+(sizes without a wide gap between them, or bytes per element that rise with
+size: :meth:`OperatorModel.memory_curve_supported`). While the line is used, the bound is blended towards
 the best curved form's bound by their leave-one-out likelihood ratio (about
 half while the data cannot tell them apart): inside the data they agree,
 outside it a line would under-predict a curve that the noise hid.
@@ -414,7 +416,9 @@ class OperatorModel:
     ``time_rising_gain``: where the measured rates rise (:meth:`rates_rise`), the
     leave-one-out error a curved time form must reach, as a fraction of the line's
     (``superlinear_gain`` otherwise): the rise is the evidence of a curve, so the
-    fit need only be as good as the line's (see :meth:`time_form`).
+    fit need only be as good as the line's (see :meth:`time_form`);
+    ``memory_curve_margin`` and ``memory_gap_ratio``: the same support asked of a
+    curved memory form, on peak bytes per element (:meth:`memory_curve_supported`).
 
     Not thread-safe on its own; :class:`ModelBank` serializes ``learn`` and ``predict``.
     ``shared`` observations (other tasks ran in the same process) are learned as
@@ -445,6 +449,9 @@ class OperatorModel:
     time_curve_margin: float = 0.1
     time_gap_ratio: float = 3.0
     time_rising_gain: float = 1.0
+    memory_curve_margin: float = 0.1
+    memory_gap_ratio: float = 4.0
+    memory_gap_gain: float = 0.5
 
     _forms: dict[str, _Form] = field(init=False, repr=False)
     _censored: list[_Censored] = field(init=False, repr=False)
@@ -482,6 +489,13 @@ class OperatorModel:
             raise ValueError(f"time_curve_margin must be a fraction of at least 0, got {self.time_curve_margin!r}")
         if not self.time_gap_ratio > 1.0:
             raise ValueError(f"time_gap_ratio must be above 1, got {self.time_gap_ratio!r}")
+        if not self.memory_curve_margin >= 0.0:
+            raise ValueError(f"memory_curve_margin must be a fraction of at least 0, got {self.memory_curve_margin!r}")
+        if not self.memory_gap_ratio > 1.0:
+            raise ValueError(f"memory_gap_ratio must be above 1, got {self.memory_gap_ratio!r}")
+        if not 0.0 <= self.memory_gap_gain <= 1.0:
+            raise ValueError(f"memory_gap_gain must be in [0, 1] (a fraction of the line's leave-one-out error), "
+                             f"got {self.memory_gap_gain!r}")
         if not 0.0 < self.time_rising_gain <= 1.0:
             raise ValueError(f"time_rising_gain must be in (0, 1] (a fraction of the line's leave-one-out error), "
                              f"got {self.time_rising_gain!r}")
@@ -751,16 +765,43 @@ class OperatorModel:
         """The median measured seconds per element of the largest blocks (within ``min_size_ratio`` of the
         largest size) over the smallest blocks'; None before two sizes that far apart were timed. Above 1:
         larger blocks cost more per element; below: per-task costs weigh on small blocks."""
-        if not self._time_runs:
-            return None
-        smallest = min(e for e, _ in self._time_runs)
-        largest = max(e for e, _ in self._time_runs)
-        if largest < smallest * self.min_size_ratio:
-            return None
-        small = [s / e for e, s in self._time_runs if e <= smallest * self.min_size_ratio]
-        large = [s / e for e, s in self._time_runs if e >= largest / self.min_size_ratio]
-        low = statistics.median(small)
-        return statistics.median(large) / low if low > 0 else None
+        return _rate_ratio(self._time_runs, self.min_size_ratio)
+
+    def memory_curve_supported(self) -> bool:
+        """Whether the blocks learned support a curved memory form: no two consecutive sizes more than
+        ``memory_gap_ratio`` apart, or peak bytes per element at the largest blocks above the smallest blocks' by
+        more than ``memory_curve_margin`` (the time model's test, :meth:`curve_supported`, on peaks).
+
+        A curved form's mean is what the planner plans the next chunk by, and a curve fitted across a gap is
+        free in it. One benchmark's cold gaussian_smooth measured probes of 0.13-0.24 M elements (7.5-9.4 MiB),
+        then 1.90 M and 2.25 M (21.2-25.0 MiB): a gap of 8x, and the two top sizes, 1.18x apart, rose a little
+        more steeply than the line from the probes. The superlinear form won on leave-one-out error and read
+        mean 43.4 MiB (tight bound 46.2) for the warm chunk of 3.69 M elements, which peaked 35.0 MiB. Its bytes
+        per element fell with size (42-76 for the probes, 11.6-11.9 at the top), as any operator's with a fixed
+        cost does; an operator whose memory grows with the square of the traces per chunk shows it rising
+        (trace_correlation: 209 bytes per element at 0.23 M elements, 682-769 at 0.83-0.94 M). An unsupported
+        curve still widens the upper bound (:meth:`_curved_weight`), and beyond the largest block the growth
+        the runs showed still holds (:meth:`_growth_mib`).
+
+        Unsupported, a curve is still taken where it predicts held-out blocks far better than the line
+        (leave-one-out error below ``memory_gap_gain``, 0.5, of the line's, :meth:`form`): an operator quadratic
+        in its traces with a fixed cost of its own has bytes per element that fall with size, yet a curve the
+        line cannot approach (a gaussian_smooth-like 0.79 of the line's error is not that).
+
+        The widest step is 4x, not time's 3x: a cold start's waves step 3.3-3.9x in size, and memory, unlike
+        time, has no slow spells (a few percent run to run), so a wave supports a curve; the jump from the
+        probes straight to the rest of the map does not. Replayed over the 146 kept benchmark stores of
+        2026-11-25/26 (``python -m benchmarks.store_quality benchmarks/runs/stores-2026-11-2[56]/*.sqlite``,
+        with ``--memory-gap-gain 0.9`` for the model before this test), gaussian_smooth's MAPE went from 8.3% to
+        7.8% (runs beyond the largest block measured: 25.6% to 21.8%), envelope's from 4.0% to 4.4% (its runs do
+        curve a little: bytes per element 20.1 at 0.80 M elements, 21.9 at 1.84 M); coverage and the mean bound
+        over the peak were unchanged (envelope's 1.17x to 1.16x).
+        """
+        sizes = sorted(self._size_peaks)
+        if len(sizes) >= 2 and all(b <= self.memory_gap_ratio * a for a, b in zip(sizes, sizes[1:])):
+            return True
+        ratio = _rate_ratio(list(self._size_peaks.items()), self.min_size_ratio)
+        return ratio is not None and ratio > 1.0 + self.memory_curve_margin
 
     def seconds_for(self, elements: int) -> float | None:
         """Compute seconds for a block of ``elements`` (halo included) when time grows faster than its size.
@@ -880,7 +921,10 @@ class OperatorModel:
             return LINEAR
         fits = self._fits()
         best = self._best_curved(fits, curving_up=True)
-        if best is not None and fits[best].press < self.superlinear_gain * fits[LINEAR].press:
+        if best is None:
+            return LINEAR
+        ratio = fits[best].press / fits[LINEAR].press if fits[LINEAR].press > 0 else 0.0
+        if ratio < self.superlinear_gain and (self.memory_curve_supported() or ratio < self.memory_gap_gain):
             return best
         return LINEAR
 
@@ -1543,3 +1587,19 @@ class BankKnowledge:
 
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice:
         return self.bank.choose_arm(self.key, groups)
+
+
+def _rate_ratio(runs: Iterable[tuple[int, float]], min_size_ratio: float) -> float | None:
+    """The median value per element of the largest blocks of ``runs`` (``(elements, value)``, within
+    ``min_size_ratio`` of the largest size) over the smallest blocks'; None before two sizes that far apart."""
+    runs = list(runs)
+    if not runs:
+        return None
+    smallest = min(e for e, _ in runs)
+    largest = max(e for e, _ in runs)
+    if largest < smallest * min_size_ratio:
+        return None
+    small = [v / e for e, v in runs if e <= smallest * min_size_ratio]
+    large = [v / e for e, v in runs if e >= largest / min_size_ratio]
+    low = statistics.median(small)
+    return statistics.median(large) / low if low > 0 else None

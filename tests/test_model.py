@@ -745,6 +745,61 @@ def test_a_quadratic_operator_measured_at_two_close_large_sizes_is_bounded_beyon
     assert m.summary()["bytes_per_element"] >= 0.0
 
 
+def test_a_memory_curve_fitted_across_a_gap_the_runs_do_not_support_is_not_planned_by():
+    """Regression (python -m benchmarks, 2026-11-26, store kept as stores-2026-11-26/full4-b4e3440-memchunk-store-1):
+    gaussian_smooth's cold run, probes of 0.13-0.24 M elements, then 1.90 M and 2.25 M, an 8x gap. The two top
+    sizes rose a little more steeply than the line from the probes, so the superlinear form won on leave-one-out
+    error and read 43.4 MiB for the warm chunk (72 x 128 x 400), which peaked 35.0 MiB. Its bytes per element
+    fall with size: nothing supports a curve. Linear, the mean is within 5% of the peak and the tight bound
+    within 1.15x; the upper bound still leans towards the curve."""
+    key = "gaussian_smooth[sigma=2,2,2]|float32|cpu"
+    rows = [((9, 58, 400), 8806400), ((9, 66, 400), 7913472), ((66, 72, 400), 22233088),
+            ((66, 72, 400), 22724608), ((78, 72, 400), 26013696), ((78, 72, 400), 26202112),
+            ((9, 36, 400), 9842688)]
+    measured = 36675584  # (72, 128, 400), the warm chunk's peak
+
+    def taught(**options):
+        m = OperatorModel(key, **options)
+        for extents, peak in rows:
+            m.learn(obs(extents, peak, key=key))
+        return m
+
+    m = taught()
+    assert not m.memory_curve_supported() and m.form() == "linear"
+    p = m.predict((72, 128, 400))
+    assert p.mean_bytes == pytest.approx(measured, rel=0.05) and measured <= p.tight_bytes <= 1.15 * measured, p
+    assert p.upper_bytes > p.tight_bytes  # the curve's bound still counts in the upper one
+    before = taught(memory_gap_ratio=math.inf)  # any gap supports a curve: the model before the test
+    assert before.form() == "superlinear" and before.predict((72, 128, 400)).mean_bytes > 1.15 * measured
+    with pytest.raises(ValueError, match="memory_gap_ratio"):
+        OperatorModel(key, memory_gap_ratio=1.0)
+    with pytest.raises(ValueError, match="memory_curve_margin"):
+        OperatorModel(key, memory_curve_margin=-1.0)
+    with pytest.raises(ValueError, match="memory_gap_gain"):
+        OperatorModel(key, memory_gap_gain=1.5)
+
+
+def test_a_memory_curve_across_a_gap_stands_where_it_predicts_held_out_blocks_far_better_than_the_line():
+    """An operator quadratic in its traces with a fixed cost of its own: its bytes per element fall with size
+    and the sizes leave an 18x gap, so nothing but leave-one-out supports the curve; there it wins by far
+    (under memory_gap_gain of the line's error), and the mean follows the quadratic beyond the largest block.
+    Taken as a line, the tight bound would under-read the next chunk."""
+    def taught(**options):
+        m = OperatorModel(KEY, **options)
+        for ext in [(10, 10, 100), (12, 12, 100), (14, 14, 100), (60, 60, 100), (66, 66, 100)]:
+            for _ in range(2):
+                m.learn(obs(ext, quadratic_in_traces(elements(ext))))
+        return m
+
+    m = taught()
+    assert not m.memory_curve_supported() and m.form() != "linear"
+    for ext in [(72, 72, 100), (90, 90, 100)]:
+        p = m.predict(ext)
+        assert p.mean_bytes == pytest.approx(quadratic_in_traces(elements(ext)), rel=0.05), (ext, p)
+    line = taught(memory_gap_gain=0.0)  # an unsupported curve never taken
+    assert line.form() == "linear" and line.predict((90, 90, 100)).tight_bytes < quadratic_in_traces(90 * 90 * 100)
+
+
 def test_a_curved_fit_held_at_zero_slope_is_the_same_update_river_makes_on_the_features_kept():
     """The slope-held-at-0 posterior is computed from the sums a form keeps, not by River: it must be the
     conjugate update River would make on the two features left (same prior, beta = 1)."""
