@@ -20,7 +20,8 @@ operators whose memory grows faster than their size; the better one's mean is
 used when its leave-one-out error (PRESS) beats the line's, ``c > 0`` (so it
 never bends down when extrapolating), and the blocks learned support a curve
 (sizes without a wide gap between them, or bytes per element that rise with
-size: :meth:`OperatorModel.memory_curve_supported`). While the line is used, the bound is blended towards
+size: :meth:`OperatorModel.memory_curve_supported`; a curve refused for that still
+sets the floor of the tight bound). While the line is used, the bound is blended towards
 the best curved form's bound by their leave-one-out likelihood ratio (about
 half while the data cannot tell them apart): inside the data they agree,
 outside it a line would under-predict a curve that the noise hid.
@@ -783,6 +784,12 @@ class OperatorModel:
         curve still widens the upper bound (:meth:`_curved_weight`), and beyond the largest block the growth
         the runs showed still holds (:meth:`_growth_mib`).
 
+        Refused, a curve is not ruled out: the tight bound holds its mean (:meth:`_unsupported_curve`). The same
+        cold-start picture came from an operator whose memory does curve: envelope on 256 x 128 x 200, probes of
+        0.24 M elements then 1.28 M and 1.75 M (a 5.3x gap); its warm chunk of 3.28 M peaked 66.7 MiB, where the
+        line's tight bound read 60.4 MiB and the curve's mean 70.8 (``python -m benchmarks.heterogeneous`` at
+        2effcc0, before the tight bound held it).
+
         Unsupported, a curve is still taken where it predicts held-out blocks far better than the line
         (leave-one-out error below ``memory_gap_gain``, 0.5, of the line's, :meth:`form`): an operator quadratic
         in its traces with a fixed cost of its own has bytes per element that fall with size, yet a curve the
@@ -928,6 +935,17 @@ class OperatorModel:
             return best
         return LINEAR
 
+    def _unsupported_curve(self) -> str | None:
+        """The curved form that beat the line on leave-one-out error but was refused for want of support
+        (:meth:`memory_curve_supported`), or None. Neither taken nor ruled out: the tight bound covers its mean."""
+        if self._ready_reason() is not None or self.form() != LINEAR:
+            return None
+        fits = self._fits()
+        best = self._best_curved(fits, curving_up=True)
+        if best is not None and fits[best].press < self.superlinear_gain * fits[LINEAR].press:
+            return best
+        return None
+
     def _best_curved(self, fits: dict[str, _Fit], *, curving_up: bool) -> str | None:
         """The curved form with the lowest leave-one-out error among those with enough points (and c > 0)."""
         ok = [name for name in CURVED
@@ -1020,6 +1038,12 @@ class OperatorModel:
                 reason += f"; bound {q:.3f} x the mean (learned from {len(self._ratios)} runs)"
             # Trusted up to tight_reach x the largest block measured: each plan at most doubles what is known.
             tight = upper if u > self.tight_reach * self._largest_u() else min(upper, self._tight_mib(u, mean, q))
+            curve = self._unsupported_curve()
+            if curve is not None:
+                # The runs cannot tell the line from this curve (an operator's memory that does curve, envelope's,
+                # and one that does not, gaussian_smooth's, left the same cold-start picture): the line's mean is
+                # the estimate, and the tight bound holds the curve's.
+                tight = max(tight, min(upper, self._bound(curve, u)[0]))
             growth = self._growth_mib(u)
             if growth is not None and growth[0] > tight:
                 upper, tight = max(upper, growth[0]), growth[0]
