@@ -797,9 +797,10 @@ class OperatorModel:
 
         The widest step is 4x, not time's 3x: a cold start's waves step 3.3-3.9x in size, and memory, unlike
         time, has no slow spells (a few percent run to run), so a wave supports a curve; the jump from the
-        probes straight to the rest of the map does not. Replayed over the 146 kept benchmark stores of
-        2026-11-25/26 (``python -m benchmarks.store_quality benchmarks/runs/stores-2026-11-2[56]/*.sqlite``,
-        with ``--memory-gap-gain 0.9`` for the model before this test), gaussian_smooth's MAPE went from 8.3% to
+        probes straight to the rest of the map does not. Replayed over the 146 benchmark stores kept before this
+        test (``benchmarks/runs/stores-2026-11-2[56]/*.sqlite`` but the gpu-demo, full5, full6, 2effcc0 and
+        e33fe1b ones; ``python -m benchmarks.store_quality STORES``, with ``--memory-gap-gain 0.9`` for the model
+        before), gaussian_smooth's MAPE went from 8.3% to
         7.8% (runs beyond the largest block measured: 25.6% to 21.8%), envelope's from 4.0% to 4.4% (its runs do
         curve a little: bytes per element 20.1 at 0.80 M elements, 21.9 at 1.84 M); coverage and the mean bound
         over the peak were unchanged (envelope's 1.17x to 1.16x).
