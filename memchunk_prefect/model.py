@@ -786,7 +786,7 @@ class OperatorModel:
 
         Refused, a curve is not ruled out: the tight bound holds its mean (:meth:`_unsupported_curve`). The same
         cold-start picture came from an operator whose memory does curve: envelope on 256 x 128 x 200, probes of
-        0.24 M elements then 1.28 M and 1.75 M (a 5.3x gap); its warm chunk of 3.28 M peaked 66.7 MiB, where the
+        0.24 M elements then 1.28 M and 1.75 M (a 5.3x gap); its warm chunk of 3.28 M peaked 66.5 MiB, where the
         line's tight bound read 60.4 MiB and the curve's mean 70.8 (``python -m benchmarks.heterogeneous`` at
         2effcc0, before the tight bound held it).
 
@@ -925,27 +925,30 @@ class OperatorModel:
 
     def form(self) -> str:
         """The form whose mean is used: a curved one when it predicts held-out points better, else ``linear``."""
-        if self._ready_reason() is not None:
-            return LINEAR
-        fits = self._fits()
-        best = self._best_curved(fits, curving_up=True)
-        if best is None:
-            return LINEAR
-        ratio = fits[best].press / fits[LINEAR].press if fits[LINEAR].press > 0 else 0.0
-        if ratio < self.superlinear_gain and (self.memory_curve_supported() or ratio < self.memory_gap_gain):
-            return best
-        return LINEAR
+        return self._curve_choice()[0]
 
     def _unsupported_curve(self) -> str | None:
         """The curved form that beat the line on leave-one-out error but was refused for want of support
         (:meth:`memory_curve_supported`), or None. Neither taken nor ruled out: the tight bound covers its mean."""
-        if self._ready_reason() is not None or self.form() != LINEAR:
-            return None
+        return self._curve_choice()[1]
+
+    def _curve_choice(self) -> tuple[str, str | None]:
+        """``(the form used, a curve refused for want of support or None)``: the best rising curve is taken when
+        its leave-one-out error is under ``superlinear_gain`` of the line's and the runs support it
+        (:meth:`memory_curve_supported`) or its error is under ``memory_gap_gain`` of the line's; under
+        ``superlinear_gain`` alone it is refused."""
+        if self._ready_reason() is not None:
+            return LINEAR, None
         fits = self._fits()
         best = self._best_curved(fits, curving_up=True)
-        if best is not None and fits[best].press < self.superlinear_gain * fits[LINEAR].press:
-            return best
-        return None
+        if best is None:
+            return LINEAR, None
+        ratio = fits[best].press / fits[LINEAR].press if fits[LINEAR].press > 0 else 0.0
+        if ratio >= self.superlinear_gain:
+            return LINEAR, None
+        if self.memory_curve_supported() or ratio < self.memory_gap_gain:
+            return best, None
+        return LINEAR, best
 
     def _best_curved(self, fits: dict[str, _Fit], *, curving_up: bool) -> str | None:
         """The curved form with the lowest leave-one-out error among those with enough points (and c > 0)."""
