@@ -11,6 +11,9 @@
 #   bench      python -m benchmarks.gpu: gst3d_dip over a survey too large for the GPU in one piece
 #   operators  python -m benchmarks.operator_memory --device both: every operator on the CPU and the GPU
 #   demo       memchunk demo (on the GPU where there is one)
+#   dask-cuda  the runner's own cluster as dask-cuda's LocalCUDACluster (the gpu-cluster extra): the gpu test that
+#              runs a map on it; DASK_CUDA_SITE, where set, is a folder put first on PYTHONPATH for this stage
+#              (dask-cuda pins its own dask and distributed release: pip install --target it apart)
 #
 # Environment: TESTS_K (a pytest -k expression), BENCH_ARGS (e.g. "--shape 512 512 400 --gpu-memory-limit 17179869184"),
 # TESTS_LIMIT, BENCH_LIMIT, DEMO_LIMIT (seconds).
@@ -46,6 +49,10 @@ for stage in $stages; do
     operators) run operators 180 python3 -m benchmarks.operator_memory --device both --shape 128 128 400 \
                  --json "$out/operators.json" ;;
     demo) run demo "${DEMO_LIMIT:-180}" python3 -m memchunk_prefect.cli demo ;;
-    *) echo "unknown stage $stage (info tests memory bench operators demo)" | tee -a "$log" ;;
+    dask-cuda) run dask-cuda "${TESTS_LIMIT:-240}" env PYTHONPATH="${DASK_CUDA_SITE:+$DASK_CUDA_SITE:}${PYTHONPATH:-}" \
+                 bash -c 'python3 -c "import dask, distributed, dask_cuda; print(\"dask\", dask.__version__, \"distributed\",
+                   distributed.__version__, \"dask-cuda\", dask_cuda.__version__)"; python3 -m pytest -v -m gpu -rs \
+                   -p no:cacheprovider tests/test_gpu.py -k dask_cuda' ;;
+    *) echo "unknown stage $stage (info tests memory bench operators demo dask-cuda)" | tee -a "$log" ;;
   esac
 done

@@ -764,6 +764,39 @@ def test_on_a_real_gpu_a_map_learns_its_gpu_memory_cold_and_runs_warm_within_the
 
 @pytest.mark.gpu
 @pytest.mark.cluster
+def test_on_a_real_gpu_with_dask_cuda_the_runners_own_cluster_is_a_local_cuda_cluster(segy_dir, tmp_path,
+                                                                                     monkeypatch):
+    """With dask-cuda installed (the ``gpu-cluster`` extra), ``MemoryAwareRunner(device="cuda")`` with no address
+    starts dask-cuda's ``LocalCUDACluster`` (one worker per GPU, pinned by dask-cuda), and a map learns and runs
+    there as on the runner's own pinned LocalCluster: every run under the ``|cuda`` key with a GPU peak and budget,
+    the result equal to the CPU's."""
+    status = _needs_real_gpu(monkeypatch)
+    try:
+        import dask_cuda
+    except Exception as e:  # noqa: BLE001 - not installed, or built against another dask / CUDA
+        pytest.skip(f"dask-cuda is not importable here ({type(e).__name__}: {e}): pip install "
+                    "'memchunk-prefect[gpu-cluster]'")
+    source = segy_dir / "f3.sgy"
+    store = tmp_path / "store.sqlite"
+    runner = MemoryAwareRunner(store=store, output_dir=tmp_path / "out", device="cuda", progress=False)
+    assert runner.cluster_class is not None and "LocalCUDACluster" in str(runner.cluster_class), (
+        runner.cluster_class, dask_cuda.__version__)
+
+    def envelope_on_gpu(path: str):
+        return tasks.envelope.map(chunked(path)).result()
+
+    result = flow(task_runner=runner, name="on-a-local-cuda-cluster")(envelope_on_gpu)(str(source))
+    expected = tasks.envelope.fn(open_segy(source).values)
+    np.testing.assert_allclose(result.values, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
+    with Store(store) as s:
+        rows = s.observations()
+    assert {r.operator_key for r in rows} == {"envelope|float32|cuda"}
+    assert all(0 < r.gpu_budget_bytes <= 0.9 * status.total_bytes for r in rows)
+    assert _covers_once(rows, expected.shape), [(r.outcome, r.chunk) for r in rows]
+
+
+@pytest.mark.gpu
+@pytest.mark.cluster
 def test_on_a_real_gpu_chunks_that_run_out_of_its_memory_are_split_never_lost(segy_dir, tmp_path, monkeypatch):
     """memory_hog holding 1.5 million x its input on the real GPU (f3.sgy whole: ~186 GB, over any GPU made), on
     one worker: the cold run's chunks run out of the device's memory for real (CuPy's OutOfMemoryError), are
