@@ -575,3 +575,41 @@ def read_status_changes(client: Any) -> list[tuple[str, float, str]] | None:
     except Exception as exc:  # noqa: BLE001 - a scheduler that refuses run_on_scheduler: no pause figures
         logger.info("could not read the workers' status changes: %r", exc)
         return None
+
+
+def read_workers_now(client: Any) -> list[Any] | None:
+    """Every worker's status, tasks executing and memory as the scheduler last heard them, as
+    ``records.WorkerNow`` (None when the scheduler cannot be asked). Collected on the scheduler by a nested
+    function (it travels by value), so only these few figures come back, whatever the cluster's size."""
+    from .records import WorkerNow
+
+    def collect(dask_scheduler: Any) -> list[tuple[str, str, int, int, int]]:
+        out = []
+        for ws in dask_scheduler.workers.values():
+            counts = ws.metrics.get("task_counts") or {}
+            executing = int(counts.get("executing", 0)) + int(counts.get("long-running", 0))
+            out.append((str(ws.address), str(ws.status.name), executing, int(ws.metrics.get("memory") or 0),
+                        int(ws.memory_limit or 0)))
+        return out
+
+    try:
+        return [WorkerNow(*row) for row in client.run_on_scheduler(collect)]
+    except Exception as exc:  # noqa: BLE001 - a scheduler that refuses run_on_scheduler: no pause check
+        logger.info("could not read the workers' status: %r", exc)
+        return None
+
+
+#: Dask's default ``distributed.worker.memory.pause`` (fraction of ``memory_limit``).
+DEFAULT_PAUSE_FRACTION = 0.8
+
+
+def read_pause_fraction(client: Any, address: str) -> float:
+    """The worker's own ``distributed.worker.memory.pause`` (Dask's default 0.8 where it cannot be read or is
+    False)."""
+    try:
+        value = client.run(lambda: __import__("dask").config.get("distributed.worker.memory.pause", None),
+                           workers=[address])[address]
+    except Exception as exc:  # noqa: BLE001 - a worker that cannot be asked: Dask's default
+        logger.info("could not read %s's pause fraction: %r", address, exc)
+        return DEFAULT_PAUSE_FRACTION
+    return _fraction(value) or DEFAULT_PAUSE_FRACTION

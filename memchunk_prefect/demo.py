@@ -28,6 +28,11 @@ DEFAULT_WORKERS = 2
 #: worker's resting memory, ~0.7 GiB. (It was 1.5 GiB while the budget was 0.75 x the limit; with the kill-line
 #: budget, ~1.2 GiB at 1.5 GiB, the whole survey fit and the demo no longer showed chunking by necessity.)
 DEFAULT_MEMORY_LIMIT = "1GiB"
+#: On the GPU the host limit is not what the demo shows (the GPU's memory is the budget there), and a GPU worker's
+#: process keeps CUDA's host libraries once its first chunk has used them: on an NVIDIA H100 with an empty CuPy
+#: kernel cache, envelope's first chunk left 283 MiB held, gaussian_smooth's 121 MiB, and a 1 GiB worker then sat
+#: over Dask's pause line (0.8 of its limit) for good: the rest of the map never started.
+DEFAULT_GPU_MEMORY_LIMIT = "4GiB"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", type=int, nargs=3, metavar=("IL", "XL", "T"), default=list(DEFAULT_SHAPE),
                    help=f"survey shape (default: {' '.join(map(str, DEFAULT_SHAPE))})")
     p.add_argument("--workers", type=int, default=DEFAULT_WORKERS, help="worker processes (one thread each)")
-    p.add_argument("--memory-limit", default=DEFAULT_MEMORY_LIMIT,
-                   help=f"memory limit per worker, enforced by Dask's nanny (default {DEFAULT_MEMORY_LIMIT})")
+    p.add_argument("--memory-limit", default=None,
+                   help=f"memory limit per worker, enforced by Dask's nanny (default {DEFAULT_MEMORY_LIMIT}; "
+                        f"{DEFAULT_GPU_MEMORY_LIMIT} for a worker on a GPU, which keeps CUDA's host libraries)")
     p.add_argument("--verbose", "-v", action="store_true",
                    help="show Dask's INFO log and Prefect's line per task run (quiet by default)")
 
@@ -92,10 +98,14 @@ def demo_layout(workers: int, limit: int | None, env: Mapping[str, str] | None =
     On the GPU where this machine has one and CuPy is installed (or the fake device is set): one single-thread
     worker per GPU, each pinned to its own (:mod:`memchunk_prefect.pinning`), operators on ``device="auto"``
     (the GPU where every worker has a usable one, else the CPU). Otherwise ``workers`` CPU workers.
+    ``limit`` (bytes per worker) None: :data:`DEFAULT_MEMORY_LIMIT`, or :data:`DEFAULT_GPU_MEMORY_LIMIT` on the GPU.
     """
     from .pinning import PRELOAD, usable_gpus
+    from .runner import parse_bytes
 
     devices, found = usable_gpus(env)
+    if limit is None:
+        limit = parse_bytes(DEFAULT_GPU_MEMORY_LIMIT if devices else DEFAULT_MEMORY_LIMIT)
     common = {"threads_per_worker": 1, "processes": True, "memory_limit": limit, "dashboard_address": "127.0.0.1:0"}
     if devices:
         return ({**common, "n_workers": len(devices), "preload": [PRELOAD]}, "auto",
@@ -121,9 +131,10 @@ def run(args: argparse.Namespace) -> int:
 
     from .runner import MemoryAwareRunner, parse_bytes
 
-    limit = parse_bytes(args.memory_limit, what="--memory-limit")
+    asked = None if args.memory_limit is None else parse_bytes(args.memory_limit, what="--memory-limit")
     survey = ensure_survey(directory, args.shape)
-    cluster_kwargs, device, device_words = demo_layout(args.workers, limit)
+    cluster_kwargs, device, device_words = demo_layout(args.workers, asked)
+    limit, workers = cluster_kwargs["memory_limit"], cluster_kwargs["n_workers"]
     print(f"memchunk demo: {device_words}")
     runner = MemoryAwareRunner(cluster_kwargs=cluster_kwargs, store=args.store, output_dir=str(directory / "runs"),
                                device=device)
@@ -134,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     summaries = state.result()  # raises the flow's error when it failed
     run_id = str(state.state_details.flow_run_id or "")
     print()
-    print(f"memchunk demo: {args.shape[0]} x {args.shape[1]} x {args.shape[2]} survey, {args.workers} workers x "
+    print(f"memchunk demo: {args.shape[0]} x {args.shape[1]} x {args.shape[2]} survey, {workers} workers x "
           f"{format_bytes(limit)} memory limit, {wall:.1f} s (why each decision: the log lines above)")
     print()
     for line in summary_lines(summaries):

@@ -176,6 +176,13 @@ class GpuContextError(MemchunkError, RuntimeError):
         return (GpuContextError, (self.args[0], self.worker))
 
 
+class WorkersPausedError(MemchunkError, RuntimeError):
+    """Every worker of the cluster has stayed paused (over Dask's pause line, ``distributed.worker.memory.pause``)
+    with no task running for longer than the runner waits (``RunnerSettings.paused_stall_seconds``): the map
+    cannot go on, since a paused worker takes no task until its memory falls and nothing running will free it.
+    Not an out-of-memory event of a chunk (no chunk is split for it); the chunks written are kept."""
+
+
 class RunnerConfigError(MemchunkError, ValueError):
     """MemoryAwareRunner was given arguments that conflict or make no sense."""
 

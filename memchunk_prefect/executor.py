@@ -41,7 +41,7 @@ from . import taskruns
 from .chunks import Chunk, Shape, with_halo
 from .device import CUDA
 from .energy import ESTIMATE, estimate_joules
-from .errors import GpuContextError, MemchunkError, UpstreamMapError
+from .errors import GpuContextError, MemchunkError, UpstreamMapError, WorkersPausedError
 from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
 from .machine import (
     KILLED,
@@ -77,7 +77,17 @@ from .machine import (
 )
 from .observe import MapEnd, MapObserver, MapStart, Observers
 from .operators import operator_key, operator_name, spec_of
-from .records import MapRun, Observation, Reward, paused_within, pauses_from, stop_deaths
+from .records import (
+    MapRun,
+    Observation,
+    Reward,
+    paused_idle_since,
+    paused_within,
+    pauses_from,
+    stop_deaths,
+    stuck_paused,
+    stuck_paused_message,
+)
 from .settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS
 from .stragglers import SlowWorker, slow_workers
 from .volume import as_source
@@ -170,6 +180,9 @@ class ChunkedMap:
         self.finished_runs: list[Observation] = []  # the map's ok runs, to tell slow workers from the others
         self.slow: dict[str, SlowWorker] = {}  # workers found slow during the map (each said once)
         self.slow_checked = 0.0  # time.monotonic() of the last look for slow workers
+        self.paused_idle: dict[str, float] = {}  # worker -> since when (epoch s) it is paused with nothing running
+        self.paused_said: set[str] = set()  # workers said stuck paused during the map (each once)
+        self.pauses_checked = 0.0  # time.monotonic() of the last look at the workers' pauses
         # What other threads read of a map that runs in the background (runner.MemoryAwareRunner.map): set once
         # its first decision is made (a downstream map plans from this one's plan) and once it ended; the error
         # it ended with; who wrote which chunk (the task run ids a downstream chunk's task run depends on).
@@ -298,6 +311,7 @@ class ChunkedMap:
                 raise type(stop)(*stop.args)  # one per map's thread: a raised exception's traceback is its own
             if self.ac.is_empty() and not self.machine.waiting_upstream:  # type: ignore[union-attr]
                 raise MemchunkError(f"internal: {self.name} waits with nothing in flight and nothing to wait for")
+            self.look_for_stuck_pauses()
             with self.ac.thread_condition:  # notified by our futures' completions and by the upstream map
                 self.ac.thread_condition.wait(timeout=_WAIT_SECONDS)
         dask_future = next(self.ac)
@@ -551,6 +565,33 @@ class ChunkedMap:
                    "the map waits on each chunk it holds. Look at that machine, or leave it out of the cluster")
             logger.warning("%s: %s", self.name, msg)
             _flow_logger().warning("memchunk %s: %s", self.name, msg)
+
+    def look_for_stuck_pauses(self) -> None:
+        """While the map waits: say each worker paused with no task running for ``paused_stall_seconds`` (once per
+        map), and stop the map with :class:`WorkersPausedError` when every worker is: nothing would ever run again.
+        Asks the scheduler at most every ``pause_poll_seconds`` (``records.paused_idle_since`` decides)."""
+        s = RUNNER_SETTINGS
+        if time.monotonic() - self.pauses_checked < s.pause_poll_seconds:
+            return
+        self.pauses_checked = time.monotonic()
+        workers = _cluster.read_workers_now(self.runner.client)
+        if workers is None:
+            return
+        now = time.time()
+        self.paused_idle = paused_idle_since(self.paused_idle, workers, now)
+        stuck, every = stuck_paused(self.paused_idle, workers, now, s.paused_stall_seconds)
+        if not stuck:
+            return
+        pause = _cluster.read_pause_fraction(self.runner.client, stuck[0].address)
+        if every:
+            raise WorkersPausedError(stuck_paused_message(self.name, stuck, len(workers), pause,
+                                                          s.paused_stall_seconds, self.budget or 0))
+        new = [w for w in stuck if w.address not in self.paused_said]
+        if new:
+            self.paused_said.update(w.address for w in new)
+            msg = stuck_paused_message(self.name, new, len(workers), pause, s.paused_stall_seconds, self.budget or 0)
+            logger.warning("%s", msg)
+            _flow_logger().warning("memchunk %s", msg)
 
     def rewarded(self, reward: Reward) -> None:
         """Persist and learn what the map's arm earned (a failing store is said loudly, never stops the run)."""

@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Mapping, Sequence
 
+from .errors import format_bytes
+
 OUTCOMES = ("ok", "memory_error", "killed", "error")
 
 
@@ -341,6 +343,87 @@ def pauses_from(changes: Sequence[tuple[str, float, str]], now: float) -> tuple[
             out.append(Pause(worker, started.pop(worker), t))
     out += [Pause(w, t, max(t, now)) for w, t in started.items()]
     return tuple(sorted(out, key=lambda p: (p.worker, p.start)))
+
+
+@dataclass(frozen=True)
+class WorkerNow:
+    """One worker as the scheduler last heard of it (its heartbeat): status, tasks executing, memory (bytes)."""
+
+    address: str
+    status: str
+    executing: int
+    memory_bytes: int
+    memory_limit_bytes: int
+
+
+def paused_idle_since(previous: Mapping[str, float], workers: Sequence[WorkerNow], now: float) -> dict[str, float]:
+    """Since when each worker has been paused with no task executing (the others are left out).
+
+    A paused worker takes no new task until its memory falls below Dask's pause line; with a task running that
+    task's end may free it, with none nothing in the worker will unless what it holds can be spilled. The time
+    is kept from ``previous`` for a worker still in that state, else it starts at ``now``.
+
+    >>> w = [WorkerNow("a", "paused", 0, 9, 10), WorkerNow("b", "paused", 1, 9, 10),
+    ...      WorkerNow("c", "running", 0, 1, 10)]
+    >>> paused_idle_since({"a": 3.0, "c": 1.0}, w, now=7.0)
+    {'a': 3.0}
+    >>> paused_idle_since({}, w, now=7.0)
+    {'a': 7.0}
+    """
+    return {w.address: previous.get(w.address, now) for w in workers if w.status == PAUSED and w.executing == 0}
+
+
+def stuck_paused(since: Mapping[str, float], workers: Sequence[WorkerNow], now: float,
+                 patience_s: float) -> tuple[list[WorkerNow], bool]:
+    """``(stuck, all_stuck)``: the workers paused with nothing executing for at least ``patience_s`` seconds
+    (``since`` from :func:`paused_idle_since`), and whether that is every worker of the cluster: a map whose
+    every worker is stuck paused waits for ever (Dask does not kill a paused worker below its kill line).
+
+    >>> w = [WorkerNow("a", "paused", 0, 9, 10), WorkerNow("b", "running", 0, 1, 10)]
+    >>> stuck, every = stuck_paused({"a": 0.0}, w, now=40.0, patience_s=30.0)
+    >>> [x.address for x in stuck], every
+    (['a'], False)
+    >>> stuck_paused({"a": 0.0}, w[:1], now=20.0, patience_s=30.0)
+    ([], False)
+    """
+    stuck = [w for w in workers if w.address in since and now - since[w.address] >= patience_s]
+    return stuck, bool(workers) and len(stuck) == len(workers)
+
+
+def memory_limit_to_unpause(stuck: Sequence[WorkerNow], pause_fraction: float, task_bytes: int) -> int:
+    """The smallest ``memory_limit`` (bytes, rounded up to 256 MiB) under which the stuck workers' memory now sits
+    below the pause line with room for one task of ``task_bytes`` above it.
+
+    >>> memory_limit_to_unpause([WorkerNow("a", "paused", 0, 850 << 20, 1 << 30)], 0.8, 400 << 20) // 2**20
+    1792
+    """
+    held = max((w.memory_bytes for w in stuck), default=0)
+    need = (held + max(0, int(task_bytes))) / max(pause_fraction, 1e-3)
+    step = 256 << 20
+    return int(-(-need // step) * step)
+
+
+def stuck_paused_message(operator: str, stuck: Sequence[WorkerNow], n_workers: int, pause_fraction: float,
+                         patience_s: float, task_bytes: int) -> str:
+    """What a map says of ``stuck`` workers (paused with no task running for ``patience_s`` seconds): which, what
+    they hold against their limit and pause line, why it will not pass, and the memory_limit that would do
+    (:func:`memory_limit_to_unpause`). All ``n_workers`` stuck: the map stops; fewer: the others run it."""
+    held = "; ".join(f"{w.address} holds {format_bytes(w.memory_bytes)} of its {format_bytes(w.memory_limit_bytes)} "
+                     f"memory_limit ({w.memory_bytes / max(w.memory_limit_bytes, 1):.0%})" for w in stuck)
+    every = len(stuck) >= n_workers
+    who = f"every worker of the cluster ({n_workers})" if every else f"{len(stuck)} of the {n_workers} workers"
+    enough = memory_limit_to_unpause(stuck, pause_fraction, task_bytes)
+    fix = (f"give the workers a memory_limit of at least {format_bytes(enough)} "
+           "(what they hold under the pause line, with room for one chunk of the map's budget), or restart them if "
+           "that memory leaked")
+    head = f"{operator} cannot go on: " if every else f"{operator}: "
+    tail = ("Stopped rather than wait for ever; the chunks written are kept (a rerun resumes there). To go on, "
+            if every else "The other workers run the map without them. To use them, ")
+    return (f"{head}{who} paused for at least {patience_s:g} s with no task running, over Dask's pause line "
+            f"(distributed.worker.memory.pause: {pause_fraction:g} of memory_limit): {held}. A paused worker takes "
+            "no task until its memory falls, and what it holds is kept by its process (a library's first use: on an "
+            "NVIDIA H100 a GPU worker's first chunk left ~280 MiB of CUDA's host libraries held), not by results "
+            f"Dask could spill. {tail}{fix}")
 
 
 def paused_within(pauses: Sequence[Pause], since: float, until: float) -> tuple[int, float]:

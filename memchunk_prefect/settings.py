@@ -205,6 +205,13 @@ class RunnerSettings:
       trip to the Prefect API each) before leaving them behind with a warning.
     - ``worker_restart_seconds``: how long a map waits for a worker it restarts (its GPU
       context broken by a CUDA error) to come back.
+    - ``paused_stall_seconds`` / ``pause_poll_seconds``: a worker over Dask's pause line
+      takes no new task until its memory falls; one paused this long with no task
+      running is said (once per map), and when every worker is, the map stops with
+      ``WorkersPausedError`` instead of waiting for ever; how often, at most, a waiting map
+      asks the scheduler (one small request). What such a worker holds is kept by its
+      process: on an NVIDIA H100 a GPU worker's first chunk left CUDA's host libraries
+      (~280 MiB) held, over the pause line of a 1 GiB worker.
     """
 
     workers_wait_seconds: float = 60.0
@@ -218,6 +225,8 @@ class RunnerSettings:
     store_keep_per_key: int = 5000
     report_wait_seconds: float = 30.0
     worker_restart_seconds: float = 120.0
+    paused_stall_seconds: float = 30.0
+    pause_poll_seconds: float = 2.0
 
 
 RUNNER_SETTINGS = RunnerSettings()

@@ -99,6 +99,10 @@ def test_the_demo_runs_on_the_gpu_where_there_is_one_and_says_which_device_it_us
     kwargs, device, words = demo_layout(2, 2**30, {"CUDA_VISIBLE_DEVICES": "0,1,2", FAKE_GPU_ENV: str(2**30)})
     assert (kwargs["n_workers"], kwargs["threads_per_worker"], kwargs["preload"], device) == (3, 1, [PRELOAD], "auto")
     assert words.startswith("on the GPU: 3 fake GPU(s)")
+    # No --memory-limit: 1 GiB on the CPU (the structure tensor cannot run in one piece); 4 GiB on the GPU, where a
+    # worker keeps CUDA's host libraries after its first chunk (on an H100, a 1 GiB worker stayed paused for good).
+    assert demo_layout(2, None, {"CUDA_VISIBLE_DEVICES": ""})[0]["memory_limit"] == 2**30
+    assert demo_layout(2, None, {"CUDA_VISIBLE_DEVICES": "0", FAKE_GPU_ENV: str(2**30)})[0]["memory_limit"] == 4 * 2**30
     import importlib.util
 
     if importlib.util.find_spec("cupy") is None:  # CI: a GPU listed but nothing to drive it with

@@ -360,6 +360,48 @@ def test_a_librarys_first_use_in_a_chunk_is_the_workers_and_chunks_are_planned_f
     assert all(x < 16 * 2**20 for x in left[:-4]), "the others kept nothing of their block"
 
 
+def test_workers_stuck_over_the_pause_line_stop_the_map_saying_what_memory_limit_would_do(tmp_path, monkeypatch):
+    """A worker past Dask's pause line takes no task until its memory falls. One that keeps what pushed it there
+    (first_use_hog keeps 450 MiB after its first chunk, as a GPU worker keeps CUDA's host libraries: on an NVIDIA
+    H100 the demo's 1 GiB worker paused so after its first chunk, and the map waited until it was killed) never
+    runs again. With every worker so, the map stops with WorkersPausedError naming the memory held and the
+    memory_limit that would do, instead of waiting for ever; the chunk written is kept, and nothing is learned as
+    out of memory. Pause line at 0.5 of a 1 GiB limit here (kill line 0.95), so a fresh worker's ~0.3 GiB is
+    below it and one with the library above it."""
+    import dataclasses
+
+    import dask
+
+    from memchunk_prefect import executor
+    from memchunk_prefect.errors import WorkersPausedError
+    from memchunk_prefect.testing import first_use_hog
+
+    monkeypatch.setattr(executor, "RUNNER_SETTINGS", dataclasses.replace(
+        executor.RUNNER_SETTINGS, paused_stall_seconds=4.0, pause_poll_seconds=0.5))
+    path = tmp_path / "survey.sgy"
+    synthetic_survey(path, (48, 32, 200), seed=4)
+    with dask.config.set({"distributed.worker.memory.pause": 0.5, "distributed.worker.memory.terminate": 0.95}):
+        c = start_local_cluster(n_workers=1, memory_limit="1GiB")
+    try:
+        @flow(task_runner=runner_for(c, tmp_path))
+        def hog(p: str):
+            return first_use_hog.map(chunked(p), first_use_mib=450.0, multiple=1.0).summary()
+
+        started = time.monotonic()
+        with pytest.raises(WorkersPausedError) as err:
+            hog(str(path))
+        waited = time.monotonic() - started
+    finally:
+        c.close()
+    msg = str(err.value)
+    assert "first_use_hog cannot go on" in msg and "every worker of the cluster (1)" in msg, msg
+    assert "pause line" in msg and "0.5 of memory_limit" in msg and "memory_limit of at least" in msg, msg
+    assert waited < 90, waited
+    with Store(tmp_path / "store.sqlite") as s:
+        rows = s.observations(operator_key(first_use_hog, {"first_use_mib": 450.0, "multiple": 1.0}))
+    assert [o.outcome for o in rows].count("ok") >= 1 and all(o.outcome == "ok" for o in rows), rows
+
+
 def test_unsplittable_chunk_fails_the_flow_naming_operator_chunk_and_budget(cluster, tmp_path):
     runner = runner_for(cluster, tmp_path, memory_budget="8MiB")
     volume = np.random.default_rng(0).normal(size=(2, 2, 64)).astype(np.float32)
