@@ -92,6 +92,38 @@ def summary_lines(summaries: Sequence[dict[str, Any]]) -> list[str]:
     return table(header, rows, indent="  ").splitlines()
 
 
+def one_piece_lines(gst: Mapping[str, Any], whole: Any, on_gpu: Any = None) -> list[str]:
+    """What the learned model says gst3d_dip would need for the whole survey in one piece (``whole``, host memory;
+    ``on_gpu``, the GPU model's, where the map ran on the GPU), against the budgets its map had.
+
+    >>> from types import SimpleNamespace as P
+    >>> gst = {"budget_bytes": 3 << 30, "chunks": 5, "oom_events": 0, "gpu_budget_bytes": 70 << 30,
+    ...        "gpu_peak_bytes": 9 << 30}
+    >>> lines = one_piece_lines(gst, P(mean_bytes=57 << 20, upper_bytes=142 << 20),
+    ...                         P(mean_bytes=10 << 30, upper_bytes=11 << 30))
+    >>> "predicts 57.0 MiB (upper bound 142.0 MiB), within the 3.0 GiB budget; it ran in 5 chunks" in lines[0]
+    True
+    >>> print(lines[1])
+      on the GPU: 10.0 GiB (upper bound 11.0 GiB), within the 70.0 GiB GPU budget; its chunks peaked at 9.0 GiB there
+    """
+    from .errors import format_bytes
+
+    def verdict(pred: Any, budget: int) -> str:
+        return "over" if pred.mean_bytes > budget else "within"
+
+    lines = [f"  gst3d_dip in one piece: the model now predicts {format_bytes(whole.mean_bytes)} (upper bound "
+             f"{format_bytes(whole.upper_bytes)}), {verdict(whole, gst['budget_bytes'])} the "
+             f"{format_bytes(gst['budget_bytes'])} budget; it ran in {gst['chunks']} chunks with {gst['oom_events']} "
+             "out-of-memory events"]
+    if on_gpu is not None and gst.get("gpu_budget_bytes"):
+        peak = gst.get("gpu_peak_bytes")
+        lines.append(f"  on the GPU: {format_bytes(on_gpu.mean_bytes)} "
+                     f"(upper bound {format_bytes(on_gpu.upper_bytes)}), "
+                     f"{verdict(on_gpu, gst['gpu_budget_bytes'])} the {format_bytes(gst['gpu_budget_bytes'])} GPU "
+                     "budget" + (f"; its chunks peaked at {format_bytes(peak)} there" if peak else ""))
+    return lines
+
+
 def demo_layout(workers: int, limit: int | None, env: Mapping[str, str] | None = None) -> tuple[dict, str, str]:
     """``(cluster_kwargs, device, words)``: the demo's cluster and device, and what they are in words.
 
@@ -157,11 +189,13 @@ def run(args: argparse.Namespace) -> int:
         from .store import Store
 
         with Store(args.store) as store:
-            whole = ModelBank(store).predict(gst["operator_key"], tuple(args.shape), ITEMSIZE)
-        verdict = "over" if whole.mean_bytes > gst["budget_bytes"] else "within"
-        print(f"\n  gst3d_dip in one piece: the model now predicts {format_bytes(whole.mean_bytes)} (upper bound "
-              f"{format_bytes(whole.upper_bytes)}), {verdict} the {format_bytes(gst['budget_bytes'])} budget; it ran "
-              f"in {gst['chunks']} chunks with {gst['oom_events']} out-of-memory events")
+            bank = ModelBank(store)
+            whole = bank.predict(gst["operator_key"], tuple(args.shape), ITEMSIZE)
+            on_gpu = (bank.predict_gpu(gst["operator_key"], tuple(args.shape), ITEMSIZE)
+                      if gst.get("gpu_budget_bytes") else None)
+        print()
+        for line in one_piece_lines(gst, whole, on_gpu):
+            print(line)
     if summaries:
         print(f"  outputs: {Path(summaries[-1]['output']).parent}/")
     api = os.environ.get("PREFECT_API_URL")

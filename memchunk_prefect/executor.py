@@ -314,6 +314,7 @@ class ChunkedMap:
             self.look_for_stuck_pauses()
             with self.ac.thread_condition:  # notified by our futures' completions and by the upstream map
                 self.ac.thread_condition.wait(timeout=_WAIT_SECONDS)
+        self.paused_idle.clear()  # a chunk came back: the workers are not stuck, whatever the polls between saw
         dask_future = next(self.ac)
         sid = self.ids[dask_future.key]
         fut = self.by_id[sid]

@@ -187,6 +187,10 @@ class MapLog(MapObserver):
             "recovered": self.oom_events,
             "peak_bytes": max(peaks) if peaks else None,
             "budget_bytes": self.budget_bytes,
+            # On the GPU: the largest GPU peak of a chunk that finished, and the GPU budget its runs had (bytes).
+            "gpu_peak_bytes": max((o.gpu_peak_bytes for o in self.observations
+                                   if o.outcome == OK and o.gpu_peak_bytes is not None), default=None),
+            "gpu_budget_bytes": next((o.gpu_budget_bytes for o in self.observations if o.gpu_budget_bytes), None),
             # Every task run's energy (failed attempts too), joules per source (a counter, or "estimate").
             "energy": energy_by_source((o.energy_joules, o.energy_source) for o in self.observations),
             "output": output,
