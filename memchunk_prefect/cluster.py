@@ -577,26 +577,33 @@ def read_status_changes(client: Any) -> list[tuple[str, float, str]] | None:
         return None
 
 
-def read_workers_now(client: Any) -> list[Any] | None:
-    """Every worker's status, tasks executing and memory as the scheduler last heard them, as
-    ``records.WorkerNow`` (None when the scheduler cannot be asked). Collected on the scheduler by a nested
-    function (it travels by value), so only these few figures come back, whatever the cluster's size."""
-    from .records import WorkerNow
+def read_paused_idle(client: Any) -> Any:
+    """What the scheduler says of pauses now (``records.PausedIdle``): its transition count, how many workers it
+    has, and the workers paused with no task running, with their memory (None when the scheduler cannot be
+    asked). Collected and filtered on the scheduler by a nested function (it travels by value, so the scheduler
+    need not have memchunk installed): only paused workers' figures come back, whatever the cluster's size.
+    Tasks ``cancelled`` or ``resumed`` on a worker may still be running in its thread, so they count as running.
+    """
+    from .records import PausedIdle, WorkerNow
 
-    def collect(dask_scheduler: Any) -> list[tuple[str, str, int, int, int]]:
-        out = []
+    def collect(dask_scheduler: Any) -> tuple[int, int, list[tuple[str, str, int, int, int, int]]]:
+        rows = []
         for ws in dask_scheduler.workers.values():
+            if ws.status.name != "paused":
+                continue
             counts = ws.metrics.get("task_counts") or {}
-            executing = int(counts.get("executing", 0)) + int(counts.get("long-running", 0))
-            out.append((str(ws.address), str(ws.status.name), executing, int(ws.metrics.get("memory") or 0),
-                        int(ws.memory_limit or 0)))
-        return out
+            running = sum(int(counts.get(k, 0)) for k in ("executing", "long-running", "cancelled", "resumed"))
+            if running == 0:
+                rows.append((str(ws.address), "paused", 0, int(ws.metrics.get("memory") or 0),
+                             int(ws.memory_limit or 0), int(ws.nbytes or 0)))
+        return int(getattr(dask_scheduler, "transition_counter", 0)), len(dask_scheduler.workers), rows
 
     try:
-        return [WorkerNow(*row) for row in client.run_on_scheduler(collect)]
+        transitions, n_workers, rows = client.run_on_scheduler(collect)
     except Exception as exc:  # noqa: BLE001 - a scheduler that refuses run_on_scheduler: no pause check
-        logger.info("could not read the workers' status: %r", exc)
+        logger.info("could not read the workers' pauses (the stuck-pause check is off for this map): %r", exc)
         return None
+    return PausedIdle(int(transitions), int(n_workers), tuple(WorkerNow(*row) for row in rows))
 
 
 #: Dask's default ``distributed.worker.memory.pause`` (fraction of ``memory_limit``).
@@ -604,11 +611,13 @@ DEFAULT_PAUSE_FRACTION = 0.8
 
 
 def read_pause_fraction(client: Any, address: str) -> float:
-    """The worker's own ``distributed.worker.memory.pause`` (Dask's default 0.8 where it cannot be read or is
-    False)."""
+    """The fraction of its ``memory_limit`` at which the worker at ``address`` pauses, as its memory manager
+    holds it (set when the worker started; Dask's default 0.8 where it cannot be read or pausing is off)."""
+    def fraction(dask_worker: Any) -> Any:
+        return getattr(getattr(dask_worker, "memory_manager", None), "memory_pause_fraction", None)
+
     try:
-        value = client.run(lambda: __import__("dask").config.get("distributed.worker.memory.pause", None),
-                           workers=[address])[address]
+        value = client.run(fraction, workers=[address])[address]
     except Exception as exc:  # noqa: BLE001 - a worker that cannot be asked: Dask's default
         logger.info("could not read %s's pause fraction: %r", address, exc)
         return DEFAULT_PAUSE_FRACTION

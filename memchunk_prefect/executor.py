@@ -180,9 +180,12 @@ class ChunkedMap:
         self.finished_runs: list[Observation] = []  # the map's ok runs, to tell slow workers from the others
         self.slow: dict[str, SlowWorker] = {}  # workers found slow during the map (each said once)
         self.slow_checked = 0.0  # time.monotonic() of the last look for slow workers
-        self.paused_idle: dict[str, float] = {}  # worker -> since when (epoch s) it is paused with nothing running
+        self.paused_idle: dict[str, float] = {}  # worker -> since when (monotonic s) paused with nothing running
         self.paused_said: set[str] = set()  # workers said stuck paused during the map (each once)
         self.pauses_checked = 0.0  # time.monotonic() of the last look at the workers' pauses
+        self.pauses_checkable = True  # False once the scheduler refused the look
+        self.transitions_seen: int | None = None  # the scheduler's transition count at that look
+        self.pause_fraction: float | None = None  # the stuck workers' pause line (fraction of memory_limit)
         # What other threads read of a map that runs in the background (runner.MemoryAwareRunner.map): set once
         # its first decision is made (a downstream map plans from this one's plan) and once it ended; the error
         # it ended with; who wrote which chunk (the task run ids a downstream chunk's task run depends on).
@@ -568,29 +571,36 @@ class ChunkedMap:
             _flow_logger().warning("memchunk %s: %s", self.name, msg)
 
     def look_for_stuck_pauses(self) -> None:
-        """While the map waits: say each worker paused with no task running for ``paused_stall_seconds`` (once per
-        map), and stop the map with :class:`WorkersPausedError` when every worker is: nothing would ever run again.
-        Asks the scheduler at most every ``pause_poll_seconds`` (``records.paused_idle_since`` decides)."""
+        """While the map waits: say the workers paused with no task running for ``paused_stall_seconds`` (each
+        once per map), and stop the map with :class:`WorkersPausedError` when every worker is: nothing would ever
+        run again. On an adaptive cluster, which may add workers while tasks wait (a batch queue can take longer
+        than any patience), only said. Asks the scheduler at most every ``pause_poll_seconds``; a scheduler that
+        refuses turns the check off for the map; the rule is ``records.paused_idle_since`` / ``stuck_paused``."""
         s = RUNNER_SETTINGS
-        if time.monotonic() - self.pauses_checked < s.pause_poll_seconds:
+        if not self.pauses_checkable or time.monotonic() - self.pauses_checked < s.pause_poll_seconds:
             return
         self.pauses_checked = time.monotonic()
-        workers = _cluster.read_workers_now(self.runner.client)
-        if workers is None:
+        read = _cluster.read_paused_idle(self.runner.client)
+        if read is None:
+            self.pauses_checkable = False
             return
-        now = time.time()
-        self.paused_idle = paused_idle_since(self.paused_idle, workers, now)
-        stuck, every = stuck_paused(self.paused_idle, workers, now, s.paused_stall_seconds)
-        if not stuck:
-            return
-        pause = _cluster.read_pause_fraction(self.runner.client, stuck[0].address)
-        if every:
-            raise WorkersPausedError(stuck_paused_message(self.name, stuck, len(workers), pause,
-                                                          s.paused_stall_seconds, self.budget or 0))
+        now = time.monotonic()
+        self.paused_idle = paused_idle_since(self.paused_idle, read, self.transitions_seen, now)
+        self.transitions_seen = read.transitions
+        stuck, every = stuck_paused(self.paused_idle, read, now, s.paused_stall_seconds)
         new = [w for w in stuck if w.address not in self.paused_said]
+        adaptive = bool(getattr(self.runner, "adapt_kwargs", None))
+        if not (every and not adaptive) and not new:
+            return
+        if self.pause_fraction is None:
+            self.pause_fraction = _cluster.read_pause_fraction(self.runner.client, stuck[0].address)
+        if every and not adaptive and not self.ac.has_ready():  # a chunk that came back meanwhile: not stuck
+            raise WorkersPausedError(stuck_paused_message(self.name, stuck, read.n_workers, self.pause_fraction,
+                                                          s.paused_stall_seconds, self.budget or 0))
         if new:
             self.paused_said.update(w.address for w in new)
-            msg = stuck_paused_message(self.name, new, len(workers), pause, s.paused_stall_seconds, self.budget or 0)
+            msg = stuck_paused_message(self.name, new, read.n_workers, self.pause_fraction,
+                                       s.paused_stall_seconds, self.budget or 0)
             logger.warning("%s", msg)
             _flow_logger().warning("memchunk %s", msg)
 

@@ -347,47 +347,64 @@ def pauses_from(changes: Sequence[tuple[str, float, str]], now: float) -> tuple[
 
 @dataclass(frozen=True)
 class WorkerNow:
-    """One worker as the scheduler last heard of it (its heartbeat): status, tasks executing, memory (bytes)."""
+    """One worker as the scheduler last heard of it (its heartbeat): status, tasks running, memory (bytes):
+    the process's, what of it is results Dask holds (``managed_bytes``, which it could spill), its limit."""
 
     address: str
     status: str
     executing: int
     memory_bytes: int
     memory_limit_bytes: int
+    managed_bytes: int = 0
 
 
-def paused_idle_since(previous: Mapping[str, float], workers: Sequence[WorkerNow], now: float) -> dict[str, float]:
-    """Since when each worker has been paused with no task executing (the others are left out).
+@dataclass(frozen=True)
+class PausedIdle:
+    """What the scheduler says of pauses now: its count of task transitions (moves whenever any task anywhere
+    changes state), how many workers it has, and those paused with no task running (:class:`WorkerNow`)."""
 
-    A paused worker takes no new task until its memory falls below Dask's pause line; with a task running that
-    task's end may free it, with none nothing in the worker will unless what it holds can be spilled. The time
-    is kept from ``previous`` for a worker still in that state, else it starts at ``now``.
+    transitions: int
+    n_workers: int
+    workers: tuple[WorkerNow, ...]
 
-    >>> w = [WorkerNow("a", "paused", 0, 9, 10), WorkerNow("b", "paused", 1, 9, 10),
-    ...      WorkerNow("c", "running", 0, 1, 10)]
-    >>> paused_idle_since({"a": 3.0, "c": 1.0}, w, now=7.0)
+
+def paused_idle_since(previous: Mapping[str, float], now_read: PausedIdle, last_transitions: int | None,
+                      now: float) -> dict[str, float]:
+    """Since when (seconds, on the caller's clock) each worker has been paused with no task running; the others
+    are left out. A paused worker takes no new task until its memory falls below Dask's pause line; with a task
+    running, that task's end may free it; with none, nothing in the worker will unless what it holds can be
+    spilled. A time is kept from ``previous`` for a worker still so, else it starts at ``now``; every time starts
+    again when the scheduler's transitions moved since ``last_transitions`` (a task changed state somewhere:
+    the cluster is not stuck, whatever the polls between saw).
+
+    >>> w = (WorkerNow("a", "paused", 0, 9, 10), WorkerNow("b", "paused", 1, 9, 10),
+    ...      WorkerNow("c", "running", 0, 1, 10))
+    >>> paused_idle_since({"a": 3.0, "c": 1.0}, PausedIdle(50, 3, w), 50, now=7.0)
     {'a': 3.0}
-    >>> paused_idle_since({}, w, now=7.0)
+    >>> paused_idle_since({"a": 3.0}, PausedIdle(51, 3, w), 50, now=7.0)
     {'a': 7.0}
     """
-    return {w.address: previous.get(w.address, now) for w in workers if w.status == PAUSED and w.executing == 0}
+    keep = previous if last_transitions == now_read.transitions else {}
+    return {w.address: keep.get(w.address, now) for w in now_read.workers if w.status == PAUSED and w.executing == 0}
 
 
-def stuck_paused(since: Mapping[str, float], workers: Sequence[WorkerNow], now: float,
+def stuck_paused(since: Mapping[str, float], now_read: PausedIdle, now: float,
                  patience_s: float) -> tuple[list[WorkerNow], bool]:
-    """``(stuck, all_stuck)``: the workers paused with nothing executing for at least ``patience_s`` seconds
+    """``(stuck, all_stuck)``: the workers paused with nothing running for at least ``patience_s`` seconds
     (``since`` from :func:`paused_idle_since`), and whether that is every worker of the cluster: a map whose
     every worker is stuck paused waits for ever (Dask does not kill a paused worker below its kill line).
 
-    >>> w = [WorkerNow("a", "paused", 0, 9, 10), WorkerNow("b", "running", 0, 1, 10)]
-    >>> stuck, every = stuck_paused({"a": 0.0}, w, now=40.0, patience_s=30.0)
+    >>> a = WorkerNow("a", "paused", 0, 9, 10)
+    >>> stuck, every = stuck_paused({"a": 0.0}, PausedIdle(7, 2, (a,)), now=40.0, patience_s=30.0)
     >>> [x.address for x in stuck], every
     (['a'], False)
-    >>> stuck_paused({"a": 0.0}, w[:1], now=20.0, patience_s=30.0)
+    >>> stuck_paused({"a": 0.0}, PausedIdle(7, 1, (a,)), now=40.0, patience_s=30.0)[1]
+    True
+    >>> stuck_paused({"a": 0.0}, PausedIdle(7, 1, (a,)), now=20.0, patience_s=30.0)
     ([], False)
     """
-    stuck = [w for w in workers if w.address in since and now - since[w.address] >= patience_s]
-    return stuck, bool(workers) and len(stuck) == len(workers)
+    stuck = [w for w in now_read.workers if w.address in since and now - since[w.address] >= patience_s]
+    return stuck, now_read.n_workers > 0 and len(stuck) >= now_read.n_workers
 
 
 def memory_limit_to_unpause(stuck: Sequence[WorkerNow], pause_fraction: float, task_bytes: int) -> int:
@@ -403,13 +420,35 @@ def memory_limit_to_unpause(stuck: Sequence[WorkerNow], pause_fraction: float, t
     return int(-(-need // step) * step)
 
 
+#: Workers named one by one in :func:`stuck_paused_message` (the rest are counted).
+NAMED_WORKERS = 4
+
+
 def stuck_paused_message(operator: str, stuck: Sequence[WorkerNow], n_workers: int, pause_fraction: float,
                          patience_s: float, task_bytes: int) -> str:
-    """What a map says of ``stuck`` workers (paused with no task running for ``patience_s`` seconds): which, what
-    they hold against their limit and pause line, why it will not pass, and the memory_limit that would do
-    (:func:`memory_limit_to_unpause`). All ``n_workers`` stuck: the map stops; fewer: the others run it."""
+    """What a map says of ``stuck`` workers (paused with no task running for ``patience_s`` seconds): which (the
+    first :data:`NAMED_WORKERS`), what they hold against their limit and pause line, why it will not pass, and the
+    memory_limit that would do (:func:`memory_limit_to_unpause`). All ``n_workers`` stuck: the map stops; fewer:
+    the others run it.
+
+    >>> m = stuck_paused_message("envelope", [WorkerNow("tcp://w:1", "paused", 0, 850 << 20, 1 << 30, 0)], 1, 0.8,
+    ...                          30, 400 << 20)
+    >>> print(m)  # doctest: +NORMALIZE_WHITESPACE
+    envelope cannot go on: every worker of the cluster (1) paused for at least 30 s with no task running, over
+    Dask's pause line (distributed.worker.memory.pause: 0.8 of memory_limit): tcp://w:1 holds 850.0 MiB of its
+    1.0 GiB memory_limit (83%; 0 B of it results Dask could spill). A paused worker takes no task until its memory
+    falls, and memory its process keeps for itself does not (a library's first use, say: on an NVIDIA H100 a GPU
+    worker's first chunk left ~280 MiB of CUDA's host libraries held). Stopped rather than wait for ever; the
+    chunks written are kept (a rerun resumes there). To go on, give the workers a memory_limit of at least 1.8 GiB
+    (what they hold under the pause line, with room for one chunk of the map's budget), or restart them if that
+    memory leaked
+    """
     held = "; ".join(f"{w.address} holds {format_bytes(w.memory_bytes)} of its {format_bytes(w.memory_limit_bytes)} "
-                     f"memory_limit ({w.memory_bytes / max(w.memory_limit_bytes, 1):.0%})" for w in stuck)
+                     f"memory_limit ({w.memory_bytes / max(w.memory_limit_bytes, 1):.0%}; "
+                     f"{format_bytes(w.managed_bytes)} of it results Dask could spill)"
+                     for w in stuck[:NAMED_WORKERS])
+    if len(stuck) > NAMED_WORKERS:
+        held += f"; and {len(stuck) - NAMED_WORKERS} more"
     every = len(stuck) >= n_workers
     who = f"every worker of the cluster ({n_workers})" if every else f"{len(stuck)} of the {n_workers} workers"
     enough = memory_limit_to_unpause(stuck, pause_fraction, task_bytes)
@@ -421,9 +460,9 @@ def stuck_paused_message(operator: str, stuck: Sequence[WorkerNow], n_workers: i
             if every else "The other workers run the map without them. To use them, ")
     return (f"{head}{who} paused for at least {patience_s:g} s with no task running, over Dask's pause line "
             f"(distributed.worker.memory.pause: {pause_fraction:g} of memory_limit): {held}. A paused worker takes "
-            "no task until its memory falls, and what it holds is kept by its process (a library's first use: on an "
-            "NVIDIA H100 a GPU worker's first chunk left ~280 MiB of CUDA's host libraries held), not by results "
-            f"Dask could spill. {tail}{fix}")
+            "no task until its memory falls, and memory its process keeps for itself does not (a library's first "
+            "use, say: on an NVIDIA H100 a GPU worker's first chunk left ~280 MiB of CUDA's host libraries held). "
+            f"{tail}{fix}")
 
 
 def paused_within(pauses: Sequence[Pause], since: float, until: float) -> tuple[int, float]:
