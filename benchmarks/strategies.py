@@ -473,7 +473,9 @@ def static_flow(source_path: str, steps: list[dict], out_dir: str, chunkings: li
     t0 = time.perf_counter()
     current: Any = as_source(source_path)
     n_tasks = 0
+    step_seconds: list[float] = []  # each step that completed: from its output's creation to its finalize
     for n, ((op_name, op, params), chunks) in enumerate(zip(resolve_steps(steps), chunkings), start=1):
+        t_step = time.perf_counter()
         halo = spec_of(op).halo_for(params)
         out = _create_output(current, os.path.join(out_dir, f"{n:02d}-{op_name}.zarr"), op_name)
         futures = slab_task.map(unmapped(current), unmapped(out.path), chunks, unmapped(halo),
@@ -489,11 +491,17 @@ def static_flow(source_path: str, steps: list[dict], out_dir: str, chunkings: li
                     _mark_crashed(fut, f"worker died running {op_name}: {type(exc).__name__}")
                 _cancel(futures)
                 return {"completed": False, "tasks": n_tasks, "memory_errors": int(merr),
-                        "notes": f"{op_name} failed: {type(exc).__name__}"}
+                        "notes": f"{op_name} failed: {type(exc).__name__}",
+                        "extra": {"step_seconds": _rounded(step_seconds)}}
         out.finalize()
         current = out.to_source()
+        step_seconds.append(time.perf_counter() - t_step)
     return {"completed": True, "tasks": n_tasks, "memory_errors": 0, "notes": "",
-            "seconds": time.perf_counter() - t0}
+            "seconds": time.perf_counter() - t0, "extra": {"step_seconds": _rounded(step_seconds)}}
+
+
+def _rounded(seconds: Sequence[float]) -> list[float]:
+    return [round(x, 3) for x in seconds]
 
 
 def _flow_client():
@@ -638,6 +646,28 @@ def static_best(statics: Sequence[StrategyResult]) -> StrategyResult:
                           peak_memory_fraction=b.peak_memory_fraction, notes=f"= {b.name}", extra={"of": b.name})
 
 
+def per_operator_best(statics: Sequence[StrategyResult], step_names: Sequence[str]) -> dict | None:
+    """What a hand tuner who chose each operator's N apart would take: per step, the least of the sweep's
+    step walls (each static's per-step median over its rounds, steps a failed static completed before its
+    failure included), summed over the steps. Derived from the sweep's runs, not run as one flow; step walls
+    include reading the previous step's output, written in that run's own slabs.
+
+    It bounds what choosing chunk counts among the sweep's N can gain over ``static-best``, in hindsight and
+    with the sweep's noise in its favour (a least of several noisy walls reads low): a memchunk-warm target
+    under ``per_operator_best / static-best`` cannot be met by chunk counts from the sweep alone. None when a
+    step has no wall in any static run (older runs did not record them).
+    """
+    steps = []
+    for i, name in enumerate(step_names):
+        walls = [(r.extra["step_seconds"][i], r.name) for r in statics
+                 if len(r.extra.get("step_seconds") or []) > i]
+        if not walls:
+            return None
+        seconds, of = min(walls)
+        steps.append({"step": name, "of": of, "seconds": seconds})
+    return {"seconds": round(sum(s["seconds"] for s in steps), 3), "steps": steps}
+
+
 #: A static N whose first wall is over this many times the fastest first wall is not run again: it cannot be
 #: the best (run-to-run spread on the 2-core machine was at most ~25%), and the sweep's slow end is most of
 #: its time.
@@ -686,6 +716,12 @@ def median_of(name: str, runs: Sequence[StrategyResult]) -> StrategyResult:
         ordered = sorted(runs, key=lambda r: r.wall_seconds)
         row = ordered[(len(ordered) - 1) // 2]
     extra = dict(row.extra, walls=walls) if len(runs) > 1 else dict(row.extra)
+    steps_of_runs = [r.extra["step_seconds"] for r in runs if r.extra.get("step_seconds") is not None]
+    if len(steps_of_runs) > 1:
+        # Per step, the median over the runs that reached it (a failed run stops early; they run once anyway).
+        extra["step_seconds_runs"] = steps_of_runs
+        extra["step_seconds"] = [round(float(np.median([r[i] for r in steps_of_runs if len(r) > i])), 3)
+                                 for i in range(max(len(r) for r in steps_of_runs))]
     return StrategyResult(name=name, wall_seconds=row.wall_seconds, completed=row.completed,
                           oom_events=sum(r.oom_events for r in runs), tasks=row.tasks,
                           lost_worker_seconds=row.lost_worker_seconds, peak_memory_fraction=max(
@@ -740,9 +776,14 @@ def memchunk_flow(source_path: str, steps: list[dict], out_dir: str) -> dict:
     t0 = time.perf_counter()
     current: Any = source_path
     out = []
+    t_step = t0
     for n, (op_name, op, params) in enumerate(resolve_steps(steps), start=1):
         current = op.map(chunked(current, output=os.path.join(out_dir, f"{n:02d}-{op_name}.zarr")), **params)
         s = current.summary()
+        # Each map's wall from the previous map's end to its own (summary() waits for it): the maps run one
+        # after another here, as the static flow's steps do, so the two sides' step walls compare.
+        s["step_seconds"] = round(time.perf_counter() - t_step, 3)
+        t_step = time.perf_counter()
         s["memory_errors"] = sum(1 for e in current.events if e.get("event") == "memory_error")
         s["killed"] = sum(1 for e in current.events if e.get("event") == "killed")
         s["arms"] = sorted({d["arm"] for d in current.decisions if d.get("arm")})
@@ -784,13 +825,15 @@ def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: 
                               "budget_bytes": s["budget_bytes"], "arms": s.get("arms", []),
                               "arm_why": s.get("arm_why", []),
                               "operator_key": s["operator_key"], "bound_over_peak": s.get("bound_over_peak"),
-                              "mean_error": s.get("mean_error")} for s in summaries}
+                              "mean_error": s.get("mean_error"), "step_seconds": s["step_seconds"]}
+              for s in summaries}
     return {"completed": True, "tasks": sum(s["tasks"] for s in summaries), "seconds": result["seconds"],
             "memory_errors": sum(s["memory_errors"] for s in summaries),
             "notes": "; ".join(f"{s['operator']}: {'/'.join(s['decisions'])}, {s['chunks']} chunks"
                                for s in summaries),
             "extra": {"operators": per_op, "runner_oom_events": sum(s["oom_events"] for s in summaries),
-                      "runner_killed_events": sum(s["killed"] for s in summaries)}}
+                      "runner_killed_events": sum(s["killed"] for s in summaries),
+                      "step_seconds": [s["step_seconds"] for s in summaries]}}
 
 
 # =========================================================================== learning quality

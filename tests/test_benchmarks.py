@@ -129,6 +129,14 @@ def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp
         assert "static-best" in by
         assert {q["operator"] for q in survey["learning_quality"]} == {
             "envelope", "trace_correlation", "gaussian_smooth", "gst3d_dip"}
+        # Every step's wall, on both sides, and the per-operator best of the sweep built from them.
+        assert len(by["memchunk-warm"]["extra"]["step_seconds"]) == 4
+        assert all(len(r["extra"]["step_seconds"]) == 4 for r in survey["strategies"]
+                   if r["name"].startswith("static-") and r["name"] != "static-best" and r["completed"])
+        reach = survey["per_operator_best"]
+        assert [s["step"] for s in reach["steps"]] == [s["name"] for s in result["steps"]]
+        assert 0 < reach["seconds"] <= by["static-best"]["wall_seconds"]
+    assert "per-operator best of the sweep" in proc.stdout
     assert any("0.85x static-best" in label for label in result["targets"])
     assert any(label.startswith("learning quality") for label in result["targets"])
 
@@ -544,6 +552,29 @@ def test_rounds_repeat_every_strategy_in_turn_and_report_each_ones_median_run():
     assert by["static-8"].wall_seconds == 16.0, "16 s is over 1.5x the fastest static's first run (10 s): run once"
     assert by["memchunk-cold"].wall_seconds == 11.0 and by["memchunk-cold"].oom_events == 1
     assert "median of 3: 6.0, 11.0, 12.0 s" in by["memchunk-cold"].notes
+
+
+def test_the_per_operator_best_takes_each_steps_least_median_wall_failed_statics_included():
+    """A static that failed at its second step still ran its first, and that wall counts for the first step; each
+    row's step walls are the per-step medians of its rounds (a round that stopped early counts where it ran)."""
+    from benchmarks import strategies as st
+
+    def run(name, walls, completed=True):
+        return st.StrategyResult(name=name, wall_seconds=sum(walls), completed=completed, oom_events=0, tasks=1,
+                                 lost_worker_seconds=0.0, peak_memory_fraction=None,
+                                 extra={"step_seconds": walls})
+
+    two = st.median_of("static-2", [run("static-2", [2.0, 9.0]), run("static-2", [3.0, 7.0]),
+                                    run("static-2", [1.0, 8.0])])
+    assert two.extra["step_seconds"] == [2.0, 8.0] and len(two.extra["step_seconds_runs"]) == 3
+    one = run("static-1", [1.5], completed=False)
+    four = st.median_of("static-4", [run("static-4", [2.5, 6.0]), run("static-4", [2.5, 9.0])])
+    assert four.extra["step_seconds"] == [2.5, 7.5]
+    reach = st.per_operator_best([one, two, four], ["envelope", "gst3d_dip"])
+    assert reach == {"seconds": 9.0, "steps": [{"step": "envelope", "of": "static-1", "seconds": 1.5},
+                                               {"step": "gst3d_dip", "of": "static-4", "seconds": 7.5}]}
+    # Older rows without step walls: nothing to derive.
+    assert st.per_operator_best([run("static-2", [])], ["envelope"]) is None
 
 
 def test_cold_start_reads_each_operators_map_from_the_store(tmp_path):
