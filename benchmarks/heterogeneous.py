@@ -112,13 +112,15 @@ def reach_lines(survey: dict) -> list[str]:
     best_steps = by.get(best.get("extra", {}).get("of"), {}).get("extra", {}).get("step_seconds") or []
     warm_steps = by.get("memchunk-warm", {}).get("extra", {}).get("step_seconds") or []
     ratio = reach.get("over_static_best")
-    lines = [f"per-operator best of the sweep (each operator at its own fastest static N; derived, not run): "
-             f"{reach['seconds']:.1f} s" + (f", {ratio:.2f}x static-best" if ratio is not None else "")]
-    lines.append(f"  {'step':20s} {'best N':>10s} {'its s':>6s} {'static-best s':>13s} {'memchunk-warm s':>15s}")
+    lines = [f"per-operator best of the sweep (each operator at its own fastest static N that reached it; derived, "
+             f"not run): {reach['seconds']:.1f} s" + (f", {ratio:.2f}x static-best" if ratio is not None else "")]
+    lines.append(f"  {'step':20s} {'best N':>10s} {'its s':>6s} {'static-best s':>13s} {'memchunk-warm s':>15s}  "
+                 "no wall from (failed at or before it)")
     for i, step in enumerate(reach["steps"]):
         b = f"{best_steps[i]:.2f}" if i < len(best_steps) else "-"
         w = f"{warm_steps[i]:.2f}" if i < len(warm_steps) else "-"
-        lines.append(f"  {step['step']:20s} {step['of']:>10s} {step['seconds']:6.2f} {b:>13s} {w:>15s}")
+        lines.append(f"  {step['step']:20s} {step['of']:>10s} {step['seconds']:6.2f} {b:>13s} {w:>15s}  "
+                     f"{', '.join(step.get('not_reached', [])) or '-'}")
     return lines
 
 
@@ -139,7 +141,8 @@ def evaluate(surveys: list[dict]) -> dict[str, dict]:
             reach = (s.get("per_operator_best") or {}).get("over_static_best")
             figures.append(f"{tuple(s['shape'])}: {r:.2f}x ({mine['wall_seconds']:.1f} s vs "
                            f"{best['wall_seconds']:.1f} s, {best['extra'].get('of')}"
-                           + (f"; per-operator best of the sweep {reach:.2f}x" if reach is not None else "") + ")")
+                           + (f"; per-operator best of the N that reached each step {reach:.2f}x"
+                              if reach is not None else "") + ")")
         out[label] = {"met": met, "figure": "; ".join(figures)}
     for phase in ("warm", "cold"):
         figures, met = [], True

@@ -652,10 +652,12 @@ def per_operator_best(statics: Sequence[StrategyResult], step_names: Sequence[st
     failure included), summed over the steps. Derived from the sweep's runs, not run as one flow; step walls
     include reading the previous step's output, written in that run's own slabs.
 
-    It bounds what choosing chunk counts among the sweep's N can gain over ``static-best``, in hindsight and
-    with the sweep's noise in its favour (a least of several noisy walls reads low): a memchunk-warm target
-    under ``per_operator_best / static-best`` cannot be met by chunk counts from the sweep alone. None when a
-    step has no wall in any static run (older runs did not record them).
+    Where every static N reached every step, it bounds what choosing chunk counts among the sweep's N can gain
+    over ``static-best``, in hindsight and with the sweep's noise in its favour (a least of several noisy walls
+    reads low). Where a coarse N failed before a step (trace_correlation kills the workers at N = 1 and 2 in
+    the heterogeneous benchmark), that step's best is over the N that completed it only, and a runner that cuts
+    that step coarser can beat it: each step lists those N in ``not_reached``. None when a step has no wall
+    in any static run (older runs did not record them).
     """
     steps = []
     for i, name in enumerate(step_names):
@@ -664,7 +666,8 @@ def per_operator_best(statics: Sequence[StrategyResult], step_names: Sequence[st
         if not walls:
             return None
         seconds, of = min(walls)
-        steps.append({"step": name, "of": of, "seconds": seconds})
+        steps.append({"step": name, "of": of, "seconds": seconds,
+                      "not_reached": [r.name for r in statics if len(r.extra.get("step_seconds") or []) <= i]})
     return {"seconds": round(sum(s["seconds"] for s in steps), 3), "steps": steps}
 
 

@@ -571,8 +571,9 @@ def test_the_per_operator_best_takes_each_steps_least_median_wall_failed_statics
     four = st.median_of("static-4", [run("static-4", [2.5, 6.0]), run("static-4", [2.5, 9.0])])
     assert four.extra["step_seconds"] == [2.5, 7.5]
     reach = st.per_operator_best([one, two, four], ["envelope", "gst3d_dip"])
-    assert reach == {"seconds": 9.0, "steps": [{"step": "envelope", "of": "static-1", "seconds": 1.5},
-                                               {"step": "gst3d_dip", "of": "static-4", "seconds": 7.5}]}
+    assert reach == {"seconds": 9.0, "steps": [
+        {"step": "envelope", "of": "static-1", "seconds": 1.5, "not_reached": []},
+        {"step": "gst3d_dip", "of": "static-4", "seconds": 7.5, "not_reached": ["static-1"]}]}
     # Older rows without step walls: nothing to derive.
     assert st.per_operator_best([run("static-2", [])], ["envelope"]) is None
 
