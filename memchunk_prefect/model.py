@@ -699,6 +699,20 @@ class OperatorModel:
         operator's form (their rates fall with size, gst3d_dip's past 1.1x in a few runs whose curve already
         cleared 0.9x).
         """
+        return self._time_choice()[0]
+
+    def _time_choice(self) -> tuple[str, tuple[float, float] | None]:
+        """``(form, None)`` from the fitted forms (:meth:`_fitted_time_form`), or where that is the line,
+        ``(curved form, (b, c))`` from two clusters of sizes whose rates rise (:meth:`_two_sizes_time`)."""
+        form = self._fitted_time_form()
+        if form == LINEAR:
+            two = self._two_sizes_time()
+            if two is not None:
+                return two[0], (two[1], two[2])
+        return form, None
+
+    def _fitted_time_form(self) -> str:
+        """The time form the leave-one-out test of :meth:`time_form` picks among the fitted forms."""
         if len(self._time_sizes) < max(3, self.min_observations):
             return LINEAR
         fits = {name: f.fit(self.prior_noise, 1.0, self.min_noise) for name, f in self._time_forms.items()}
@@ -715,6 +729,45 @@ class OperatorModel:
         if fits[best].press < self.superlinear_gain * fits[LINEAR].press and self.curve_supported():
             return best
         return LINEAR
+
+    def _two_sizes_time(self) -> tuple[str, float, float] | None:
+        """``(form, b, c)``: compute seconds ``b*u + c*u**p`` (``u`` in Mi-elements, ``p`` the form's power)
+        through the runs' two clusters of sizes, when the sizes timed are two such clusters (each within
+        ``min_size_ratio`` of the smallest or of the largest size) and the seconds per element rise from one to
+        the other (:meth:`rates_rise`); else None. Each cluster is its median size at its median rate.
+
+        Two clusters leave every three-term form free along a line of near-exact fits, so leave-one-out cannot
+        tell a curve from the line (:meth:`time_form` then keeps the line). But rising rates through two sizes
+        are a curve already, unless the line's constant is negative: a block of a few hundred thousand elements
+        taking no time, which no operator does (per-task costs are the planner's ``per_task_overhead_seconds``,
+        apart). Held at no constant, the two clusters fix the curve: the milder of the curved forms whose
+        coefficients are both non-negative through them (the square alone where neither is, its relative error
+        the same at both). A cold start often times just two clusters (its probes, then the rest of the map at
+        the second wave's size): trace_correlation on 192 x 192 x 100 (``python -m benchmarks.heterogeneous`` at
+        c828ad3) took 0.07-0.09 s of compute for 232,800 elements and 0.47-0.75 s for 824,500-843,900 (rates
+        1.9-2.7x apart); time read as proportional to size, the learned policy's first warm plan of 4 chunks
+        looked faster than 6, and ran 3.3-3.6 s against 2.3-3.2 s for the heuristic's 6.
+        """
+        runs = list(self._time_runs)
+        ratio = self.rate_ratio()
+        if not runs or ratio is None or ratio <= 1.0 + self.time_curve_margin:
+            return None
+        smallest = min(e for e, _ in runs)
+        largest = max(e for e, _ in runs)
+        small = [(e, t) for e, t in runs if e <= smallest * self.min_size_ratio]
+        large = [(e, t) for e, t in runs if e >= largest / self.min_size_ratio]
+        if len(small) + len(large) != len(runs):
+            return None  # a size between the clusters: the fitted forms have what they need
+        u1, u2 = (statistics.median(e for e, _ in group) / MIB for group in (small, large))
+        t1, t2 = (statistics.median(t / e for e, t in group) * u * MIB for group, u in ((small, u1), (large, u2)))
+        for name in CURVED:
+            p = _POWERS[name][2]
+            det = u1 * u2 ** p - u2 * u1 ** p
+            b = (t1 * u2 ** p - t2 * u1 ** p) / det
+            c = (u1 * t2 - u2 * t1) / det
+            if b >= 0 and c > 0:
+                return name, b, c
+        return QUADRATIC, 0.0, math.sqrt(t1 / u1 ** 2 * t2 / u2 ** 2)
 
     def time_fits(self, elements: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
         """Per time form: runs fitted, leave-one-out error (``press``, on relative residuals) and the compute
@@ -820,9 +873,12 @@ class OperatorModel:
         chunk is cheaper per element in smaller chunks; this is how the planner
         knows it.
         """
-        form = self.time_form()
+        form, two = self._time_choice()
         if form == LINEAR:
             return None
+        if two is not None:  # a curve through two clusters of sizes (_two_sizes_time)
+            u = int(elements) / MIB
+            return two[0] * u + two[1] * u ** _POWERS[form][2]
         f = self._time_forms[form]
         fit = f.fit(self.prior_noise, 1.0, self.min_noise)
         return max(0.0, f.mean(int(elements) / MIB, fit))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import statistics
 
 import pytest
 
@@ -471,6 +472,49 @@ def test_rates_that_rise_let_a_curve_stand_that_predicts_held_out_runs_as_well_a
     assert line * 845_000 > 1.05 * small and line * 1_677_000 < 0.9 * large
     with pytest.raises(ValueError, match="time_rising_gain"):
         OperatorModel(KEY, time_rising_gain=1.5)
+
+
+def test_rates_that_rise_between_two_clusters_of_sizes_are_a_curve_through_them_held_at_no_constant():
+    """trace_correlation's cold map on 192 x 192 x 100 (``python -m benchmarks.heterogeneous`` at c828ad3, its
+    store's rows: elements, extents, wall and kernel seconds, bytes the run grew its worker, peak): probes of
+    232,800 elements, then 843,900 and 824,500, two clusters 3.6x apart. Its compute per element rose 2.7x
+    between them, yet three forms fit two clusters alike, leave-one-out kept the line, and the line is planned
+    at the median rate: 4 chunks of 940,900 elements looked faster than 6 or 8, and ran 3.3-3.6 s where the
+    heuristic's 6 ran 2.3-3.2 s. Held at no constant, the two clusters fix the curve."""
+    rows = [(232_800, (24, 97, 100), 0.081, 0.016, 33_034_240, 48_578_560),
+            (232_800, (24, 97, 100), 0.092, 0.023, 16_977_920, 48_484_352),
+            (843_900, (87, 97, 100), 1.095, 0.623, 539_467_776, 584_871_936),
+            (843_900, (87, 97, 100), 1.390, 0.731, 539_246_592, 585_043_968),
+            (824_500, (85, 97, 100), 0.623, 0.122, 0, 553_791_488),
+            (824_500, (85, 97, 100), 0.747, 0.110, 0, 553_721_856)]
+    key = "trace_correlation|float32|cpu"
+
+    def taught(rows: list) -> OperatorModel:
+        m = OperatorModel(key)
+        for e, ext, secs, sys_secs, grew, peak in rows:
+            m.learn(Observation(key, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+        return m
+
+    m = taught(rows)
+    fits = m.time_fits()
+    assert fits["linear"]["press"] <= min(fits["superlinear"]["press"], fits["quadratic"]["press"])
+    assert m.rate_ratio() == pytest.approx(2.66, abs=0.05) and m.time_form() == "quadratic"
+    small = statistics.median([0.081 - 0.016, 0.092 - 0.023])  # compute seconds: first touches less kernel time
+    large = statistics.median([1.095 - 0.623, 1.390 - 0.731, 0.623, 0.747])
+    assert m.seconds_for(232_800) == pytest.approx(small, rel=0.1)
+    assert m.seconds_for(834_200) == pytest.approx(large, rel=0.1)
+    for e in (232_800, 500_000, 940_900):
+        assert m.seconds_for(e) >= 0 and m.seconds_for(2 * e) > 2 * m.seconds_for(e)  # rising rates everywhere
+    # The planner now sees smaller chunks cost less per element: 8 of 499,200 elements before 4 of 940,900.
+    assert 4 * m.seconds_for(499_200) < 2 * m.seconds_for(940_900)
+    # Rates that fall between two clusters (per-task costs weigh on small blocks) leave the line.
+    falling = [(e, ext, secs * 0.3, sys_secs * 0.3, grew, peak) if e > 300_000 else (e, ext, secs, sys_secs, grew, peak)
+               for e, ext, secs, sys_secs, grew, peak in rows]  # rates 0.8x the probes'
+    assert taught(falling).rate_ratio() < 1
+    assert taught(falling).time_form() == "linear" and taught(falling).seconds_for(940_900) is None
+    # A size between the clusters gives leave-one-out what it needs: the fitted forms decide, as before.
+    between = taught(rows + [(530_000, (55, 97, 100), 0.33, 0.05, 0, 350_000_000)])
+    assert between._two_sizes_time() is None
 
 
 def test_time_fits_give_each_form_s_error_and_predictions_where_asked():
