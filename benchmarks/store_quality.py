@@ -2,7 +2,7 @@
 
     python -m benchmarks.store_quality STORE [STORE ...] [--after 5] [--superlinear-gain G] [--noise-floor-mib M]
                                       [--size-weight W] [--memory-gap-ratio R]
-                                      [--memory-gap-gain G] [--json PATH]
+                                      [--memory-gap-gain G] [--explain OPERATOR | --tight] [--json PATH]
 
 Each store's keys are replayed in the order their observations were stored
 (:func:`memchunk_prefect.model.replay_quality`): every ``ok`` run is predicted before
@@ -25,6 +25,9 @@ runs of a block of the same size (:func:`first_run_excess`), over the sizes wher
 
 ``--explain OPERATOR`` prints instead, for each of that operator's runs in each store, what its upper
 bound was made of before the run was learned (:func:`explain_runs`): why a bound was what it was.
+
+``--tight`` prints instead, per operator, the tight bound (what the learned policy's ``bold`` arm plans to)
+over the measured peak for every run of a block larger than any measured before it (:func:`tight_beyond`).
 """
 
 from __future__ import annotations
@@ -114,6 +117,25 @@ def _explain(stores: list[str], operator: str, **options: Any) -> None:
                   f"{r['form']:>11s} {mib(r['form_upper_bytes']):>9s}  {curved}")
 
 
+def tight_beyond(stores: list[str], **options: Any) -> dict[str, dict[str, Any]]:
+    """Per operator name, over every ``ok`` run of a block larger than any its model had measured (replayed in
+    stored order, each read before it is learned): ``runs``, ``under`` (runs whose tight bound, what the
+    learned policy's ``bold`` arm plans to, was below the measured peak), and tight / peak's ``median``,
+    ``p10`` and ``over_1_25`` (runs above the issue's 1.25x). Beyond the largest block is where the bold bet
+    is taken and where the forms part."""
+    ratios: dict[str, list[float]] = {}
+    for _, key, history in stored_keys(stores):
+        for r in explain_runs(history, key, **options):
+            if r["times_largest"] is not None and r["times_largest"] > 1.0 and r["tight_bytes"]:
+                ratios.setdefault(operator_name(key), []).append(r["tight_bytes"] / r["peak_bytes"])
+    out = {}
+    for op, v in sorted(ratios.items()):
+        v.sort()
+        out[op] = {"runs": len(v), "under": sum(x < 1.0 for x in v), "median": statistics.median(v),
+                   "p10": v[len(v) // 10], "over_1_25": sum(x > 1.25 for x in v)}
+    return out
+
+
 def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict[str, Any]]:
     """Per operator name: ``scored``, ``coverage``, ``worst_coverage``, ``mape``, ``bound_over_peak``, ``stores``,
     ``mape_within`` / ``mape_beyond`` (runs inside the sizes learned / beyond them, ``scored_beyond`` of them),
@@ -173,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the model's noise floor in MiB (default: the model's, 4)")
     p.add_argument("--explain", metavar="OPERATOR",
                    help="for each of OPERATOR's runs (e.g. envelope), what its bound was made of before it ran")
+    p.add_argument("--tight", action="store_true",
+                   help="the tight bound (the bold arm's) over the peak, for runs beyond the largest block measured")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     options: dict[str, float] = {}
@@ -188,6 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         options["noise_floor_bytes"] = args.noise_floor_mib * 2**20
     if args.explain:
         _explain(args.stores, args.explain, **options)
+        return 0
+    if args.tight:
+        tight = tight_beyond(args.stores, **options)
+        print(f"{'operator':20s} {'runs beyond':>11s} {'tight < peak':>12s} {'median':>7s} {'p10':>6s} {'> 1.25x':>7s}")
+        for op, r in tight.items():
+            print(f"{op:20s} {r['runs']:11d} {r['under']:12d} {r['median']:6.3f}x {r['p10']:5.3f}x {r['over_1_25']:7d}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(tight, indent=2))
         return 0
     rows = quality(args.stores, args.after, **options)
     print(f"{'operator':20s} {'scored':>6s} {'stores':>6s} {'within bound':>12s} {'(worst store)':>13s} "

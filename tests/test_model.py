@@ -369,7 +369,11 @@ def test_the_tight_bound_is_the_mean_times_the_learned_margin_up_to_twice_the_la
     assert q is not None
     inside, reach, beyond = m.predict((16, 32, 400)), m.predict((32, 32, 400)), m.predict((40, 32, 400))
     assert inside.tight_bytes == pytest.approx(inside.mean_bytes * q) and inside.tight_bytes <= inside.upper_bytes
-    assert reach.tight_bytes == pytest.approx(reach.mean_bytes * q)
+    # Beyond the largest block the line and the superlinear curve the runs cannot rule out part: the tight bound
+    # holds the curve by its weight (the truth here), below the widened upper bound.
+    w, other = m._curved_weight()
+    assert other is not None and w > 0.5
+    assert reach.mean_bytes * q < reach.tight_bytes and superlinear(elements((32, 32, 400))) <= reach.tight_bytes
     assert reach.tight_bytes < reach.upper_bytes, "twice the largest block: the bold bet, below the widened bound"
     assert beyond.tight_bytes == beyond.upper_bytes, "past twice the largest block measured, no bet"
     # A censored run at a size raises the tight bound there as it raises the upper bound.
