@@ -407,6 +407,11 @@ def test_store_quality_replays_every_store_given_and_names_a_missing_one(tmp_pat
     assert rows["envelope"]["coverage"] == 1.0 and rows["envelope"]["mape"] < 0.02
     with pytest.raises(FileNotFoundError, match="no observation store"):
         store_quality.quality([str(tmp_path / "missing.sqlite")])
+    # --tight: only runs of blocks larger than any measured before them (sizes here cycle up to 90,000 elements).
+    tight = store_quality.tight_beyond(paths)["envelope"]
+    assert 0 < tight["runs"] < 24 and tight["under"] == 0 and 1.0 <= tight["median"] < 1.25
+    assert store_quality.main([*paths, "--tight", "--json", str(tmp_path / "t.json")]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())["envelope"]["runs"] == tight["runs"]
     # The command line passes the model's options through: the figures BENCHMARKS.md quotes for other settings.
     json_path = tmp_path / "q.json"
     assert store_quality.main([*paths, "--noise-floor-mib", "16", "--json", str(json_path)]) == 0
