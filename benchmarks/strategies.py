@@ -652,12 +652,13 @@ def per_operator_best(statics: Sequence[StrategyResult], step_names: Sequence[st
     failure included), summed over the steps. Derived from the sweep's runs, not run as one flow; step walls
     include reading the previous step's output, written in that run's own slabs.
 
-    Where every static N reached every step, it bounds what choosing chunk counts among the sweep's N can gain
+    Where every static N reached every step, it reads what choosing chunk counts among the sweep's N could gain
     over ``static-best``, in hindsight and with the sweep's noise in its favour (a least of several noisy walls
-    reads low). Where a coarse N failed before a step (trace_correlation kills the workers at N = 1 and 2 in
-    the heterogeneous benchmark), that step's best is over the N that completed it only, and a runner that cuts
-    that step coarser can beat it: each step lists those N in ``not_reached``. None when a step has no wall
-    in any static run (older runs did not record them).
+    reads low); with several rounds, a sum of per-step medians is not the median run's total, and can read
+    above ``static-best``'s. Where a coarse N failed before a step (trace_correlation kills the workers at
+    N = 1 and 2 in the heterogeneous benchmark), that step's best is over the N that completed it only, and a
+    runner that cuts that step coarser can beat it: each step lists those N in ``not_reached``. None when a step
+    has no wall in any static run (older runs did not record them).
     """
     steps = []
     for i, name in enumerate(step_names):

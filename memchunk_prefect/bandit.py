@@ -18,7 +18,8 @@ warm. The arms are three risk levels of that bound:
 - ``mid``: halfway between the upper bound and the tight bound;
 - ``bold``: the tight bound: the mean times the operator's learned error margin
   (the conformal quantile of needed / predicted over its recent runs), with no
-  widening for extrapolation, for blocks up to twice the largest one measured
+  widening for extrapolation (beyond the largest block, a faster-growing form the
+  runs cannot rule out counts by its weight), for blocks up to twice the largest one measured
   (``OperatorModel.tight_reach``; the full bound beyond). Each bold plan can at
   most double what is known, so a warm operator climbs to the size that fits
   over runs instead of jumping to it from small probes.

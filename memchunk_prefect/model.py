@@ -24,7 +24,9 @@ size: :meth:`OperatorModel.memory_curve_supported`; a curve refused for that sti
 sets the floor of the tight bound). While the line is used, the bound is blended towards
 the best curved form's bound by their leave-one-out likelihood ratio (about
 half while the data cannot tell them apart): inside the data they agree,
-outside it a line would under-predict a curve that the noise hid.
+outside it a line would under-predict a curve that the noise hid. Beyond the
+largest block measured the tight bound blends that curve's mean (times the
+learned margin) by the same weight.
 
 *River does the fitting.* Each form is a :class:`river.linear_model.BayesianLinearRegression`
 (``learn_one`` per observation). It has no intercept, so a constant feature is
@@ -141,6 +143,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MIB = 2**20
 """Scale of features (elements per Mi-element) and targets (bytes per MiB) inside the model."""
+TIME_CLUSTER_WIDTH = 1.1
+"""Sizes within this ratio of the smallest (or the largest) size timed are one cluster for the time model's
+two-cluster curve (:meth:`OperatorModel._two_sizes_time`): a cold start's waves and remainders differ by a few
+percent (824,500 and 843,900 elements)."""
 RATE_HISTORY = 256
 """Latest ``ok`` runs whose seconds per element a model keeps (more than any ``time_window`` needs)."""
 PRESS_WINDOW = 1000
@@ -473,6 +479,7 @@ class OperatorModel:
     _time_forms: dict[str, _Form] = field(init=False, repr=False)
     _time_sizes: set = field(init=False, repr=False)
     _time_runs: deque = field(init=False, repr=False)  # (elements, compute seconds) of the runs time learned
+    _time_memo: Any = field(init=False, repr=False, default=None)  # _time_choice() until time learns a run
     _ratios: deque = field(init=False, repr=False)
     _unseen: deque = field(init=False, repr=False)
     _energy: deque = field(init=False, repr=False)
@@ -509,6 +516,7 @@ class OperatorModel:
         self._time_forms = {name: _Form(name, self.prior_variance, math.sqrt(self.prior_variance)) for name in _POWERS}
         self._time_sizes = set()
         self._time_runs = deque(maxlen=RATE_HISTORY)
+        self._time_memo = None
         self._censored = []
         self._quarantine = deque()
         self._sizes = set()
@@ -553,6 +561,7 @@ class OperatorModel:
                         form.learn(u, seconds, math.hypot(seconds, self.time_floor_seconds))
                     self._time_sizes.add(obs.elements)
                     self._time_runs.append((int(obs.elements), seconds))
+                    self._time_memo = None
         if not obs.usable or obs.elements <= 0 or obs.peak_bytes <= 0:
             return "ignored"
         self._cache.clear()
@@ -669,7 +678,9 @@ class OperatorModel:
         return rates[len(rates) // 2]
 
     def time_form(self) -> str:
-        """The form of compute seconds against block size: a curved one only when it predicts held-out runs better.
+        """The form of compute seconds against block size: a curved one only when it predicts held-out runs better,
+        or, where the sizes timed are just two clusters and the line kept, when their rates rise between them
+        (:meth:`_two_sizes_time`: leave-one-out cannot choose there).
 
         The same forms and the same test as for memory (leave-one-out error below
         ``superlinear_gain`` x the line's, positive curvature, at least
@@ -704,12 +715,14 @@ class OperatorModel:
     def _time_choice(self) -> tuple[str, tuple[float, float] | None]:
         """``(form, None)`` from the fitted forms (:meth:`_fitted_time_form`), or where that is the line,
         ``(curved form, (b, c))`` from two clusters of sizes whose rates rise (:meth:`_two_sizes_time`)."""
-        form = self._fitted_time_form()
-        if form == LINEAR:
-            two = self._two_sizes_time()
-            if two is not None:
-                return two[0], (two[1], two[2])
-        return form, None
+        if self._time_memo is None:  # seconds_for asks once per candidate plan: fit once per run learned
+            form, two = self._fitted_time_form(), None
+            if form == LINEAR:
+                found = self._two_sizes_time()
+                if found is not None:
+                    form, two = found[0], (found[1], found[2])
+            self._time_memo = (form, two)
+        return self._time_memo
 
     def _fitted_time_form(self) -> str:
         """The time form the leave-one-out test of :meth:`time_form` picks among the fitted forms."""
@@ -732,8 +745,9 @@ class OperatorModel:
 
     def _two_sizes_time(self) -> tuple[str, float, float] | None:
         """``(form, b, c)``: compute seconds ``b*u + c*u**p`` (``u`` in Mi-elements, ``p`` the form's power)
-        through the runs' two clusters of sizes, when the sizes timed are two such clusters (each within
-        ``min_size_ratio`` of the smallest or of the largest size) and the seconds per element rise from one to
+        through the runs' two clusters of sizes, when every size ever timed lies in two narrow clusters (within
+        ``TIME_CLUSTER_WIDTH`` of the smallest or of the largest size, those at least ``min_size_ratio`` apart),
+        each cluster has at least two runs among the latest kept, and the seconds per element rise from one to
         the other (:meth:`rates_rise`); else None. Each cluster is its median size at its median rate.
 
         Two clusters leave every three-term form free along a line of near-exact fits, so leave-one-out cannot
@@ -741,23 +755,26 @@ class OperatorModel:
         are a curve already, unless the line's constant is negative: a block of a few hundred thousand elements
         taking no time, which no operator does (per-task costs are the planner's ``per_task_overhead_seconds``,
         apart). Held at no constant, the two clusters fix the curve: the milder of the curved forms whose
-        coefficients are both non-negative through them (the square alone where neither is, its relative error
-        the same at both). A cold start often times just two clusters (its probes, then the rest of the map at
-        the second wave's size): trace_correlation on 192 x 192 x 100 (``python -m benchmarks.heterogeneous`` at
-        c828ad3) took 0.07-0.09 s of compute for 232,800 elements and 0.47-0.75 s for 824,500-843,900 (rates
-        1.9-2.7x apart); time read as proportional to size, the learned policy's first warm plan of 4 chunks
-        looked faster than 6, and ran 3.3-3.6 s against 2.3-3.2 s for the heuristic's 6.
+        coefficients are both non-negative through them. Rates that rise faster than a square between them
+        (neither form fits) are more likely a slow spell than a curve: None. A cold start often times just two
+        clusters (its probes, then the rest of the map at the second wave's size): trace_correlation on
+        192 x 192 x 100 (``python -m benchmarks.heterogeneous`` at c828ad3) took 0.07-0.09 s of compute for
+        232,800 elements and 0.47-0.75 s for 824,500-843,900 (rates 1.9-2.7x apart); time read as proportional
+        to size, the learned policy's first warm plan of 4 chunks looked faster than 6, and ran 3.3-3.6 s against
+        2.3-3.2 s for the heuristic's 6.
         """
-        runs = list(self._time_runs)
-        ratio = self.rate_ratio()
-        if not runs or ratio is None or ratio <= 1.0 + self.time_curve_margin:
+        sizes = self._time_sizes
+        if len(sizes) < 2:
             return None
-        smallest = min(e for e, _ in runs)
-        largest = max(e for e, _ in runs)
-        small = [(e, t) for e, t in runs if e <= smallest * self.min_size_ratio]
-        large = [(e, t) for e, t in runs if e >= largest / self.min_size_ratio]
-        if len(small) + len(large) != len(runs):
+        smallest, largest = min(sizes), max(sizes)
+        if largest < self.min_size_ratio * smallest:
+            return None
+        if any(smallest * TIME_CLUSTER_WIDTH < e < largest / TIME_CLUSTER_WIDTH for e in sizes):
             return None  # a size between the clusters: the fitted forms have what they need
+        small = [(e, t) for e, t in self._time_runs if e <= smallest * TIME_CLUSTER_WIDTH]
+        large = [(e, t) for e, t in self._time_runs if e >= largest / TIME_CLUSTER_WIDTH]
+        if len(small) < 2 or len(large) < 2 or not self.rates_rise():
+            return None
         u1, u2 = (statistics.median(e for e, _ in group) / MIB for group in (small, large))
         t1, t2 = (statistics.median(t / e for e, t in group) * u * MIB for group, u in ((small, u1), (large, u2)))
         for name in CURVED:
@@ -767,7 +784,7 @@ class OperatorModel:
             c = (u1 * t2 - u2 * t1) / det
             if b >= 0 and c > 0:
                 return name, b, c
-        return QUADRATIC, 0.0, math.sqrt(t1 / u1 ** 2 * t2 / u2 ** 2)
+        return None
 
     def time_fits(self, elements: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
         """Per time form: runs fitted, leave-one-out error (``press``, on relative residuals) and the compute
@@ -1151,7 +1168,8 @@ class OperatorModel:
 
     def _tight_mib(self, u: float, mean: float, q: float | None) -> float:
         """The least bound (MiB) for a block of ``u`` Mi-elements and mean ``mean``: the learned margin with no
-        extrapolation widening.
+        extrapolation widening (:meth:`_predict_u` raises it where a curve the runs cannot rule out parts from
+        the line, beyond the largest block).
 
         With a conformal factor (see :meth:`conformal_factor`) it is ``mean x q``;
         before that, the prediction interval of a point inside the data (leverage 0,

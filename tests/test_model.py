@@ -519,6 +519,12 @@ def test_rates_that_rise_between_two_clusters_of_sizes_are_a_curve_through_them_
     # A size between the clusters gives leave-one-out what it needs: the fitted forms decide, as before.
     between = taught(rows + [(530_000, (55, 97, 100), 0.33, 0.05, 0, 350_000_000)])
     assert between._two_sizes_time() is None
+    # One run per cluster is not two clusters measured (a slow spell reads as a curve); nor are rates that rise
+    # faster than a square between them (no curve through both has non-negative terms): the line stays.
+    assert taught([rows[0], rows[4]])._two_sizes_time() is None
+    steep = [(e, ext, secs * 4, sys_secs * 4, grew, peak) if e > 300_000 else (e, ext, secs, sys_secs, grew, peak)
+             for e, ext, secs, sys_secs, grew, peak in rows]  # rates 10x apart over a 3.6x step in size
+    assert taught(steep).rates_rise() and taught(steep).time_form() == "linear"
 
 
 def test_time_fits_give_each_form_s_error_and_predictions_where_asked():
