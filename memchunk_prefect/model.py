@@ -143,10 +143,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 MIB = 2**20
 """Scale of features (elements per Mi-element) and targets (bytes per MiB) inside the model."""
-TIME_CLUSTER_WIDTH = 1.1
-"""Sizes within this ratio of the smallest (or the largest) size timed are one cluster for the time model's
-two-cluster curve (:meth:`OperatorModel._two_sizes_time`): a cold start's waves and remainders differ by a few
-percent (824,500 and 843,900 elements)."""
 RATE_HISTORY = 256
 """Latest ``ok`` runs whose seconds per element a model keeps (more than any ``time_window`` needs)."""
 PRESS_WINDOW = 1000
@@ -219,9 +215,11 @@ class _Form:
     peak measured there.
     """
 
-    def __init__(self, name: str, prior_variance: float, curvature_sd: float, size_weight: float = 0.0):
+    def __init__(self, name: str, prior_variance: float, curvature_sd: float, size_weight: float = 0.0,
+                 *, nonnegative_constant: bool = False):
         self.name = name
         self.size_weight = float(size_weight)
+        self.nonnegative_constant = bool(nonnegative_constant)
         self.powers = _POWERS[name]
         self.names = [_FEATURE_NAMES[p] for p in self.powers]
         self.prior_variance = float(prior_variance)
@@ -321,8 +319,17 @@ class _Form:
                 e = {self.names[j]: 1.0, self.names[k]: 1.0}
                 v = self.regressor.predict_one(e, with_dist=True).sigma ** 2 - 1.0
                 var[j, k] = var[k, j] = (v - var[j, j] - var[k, k]) / 2.0
-        if p == 3 and coef[1] < 0.0:
-            coef, var = self._without_slope()
+        # Coefficients no operator has are held at 0 (the least-squares optimum under ``>= 0`` lies on the
+        # boundary of each constraint the free fit breaks): a curve's per-element slope (_without), and for time
+        # the constant where the form asks (compute seconds, whose per-task part is the planner's own term).
+        # Holding one can push the other below 0, so each is checked again under the first.
+        held: list[int] = []
+        for _ in range(2):
+            broken = [j for j in self._nonnegative() if j not in held and coef[j] < 0.0]
+            if not broken:
+                break
+            held.append(broken[0])
+            coef, var = self._without(held)
         n = self.n
         if n:
             # Over every row: sum (y - x.coef)^2 = y'y - 2 coef'X'y + coef'X'X coef (clamped: rounding).
@@ -343,8 +350,13 @@ class _Form:
         self._fit = _Fit(coef=coef, cov=var, s=max(s, min_s), dof=dof, press=press, n=n)
         return self._fit
 
-    def _without_slope(self) -> tuple[np.ndarray, np.ndarray]:
-        """The posterior of a curved form with its per-element coefficient held at 0: (coef, covariance).
+    def _nonnegative(self) -> list[int]:
+        """The features whose coefficient is held at 0 or above: a curved form's per-element slope (index 1), and
+        the constant (index 0) where the form was made with ``nonnegative_constant``."""
+        return ([0] if self.nonnegative_constant else []) + ([1] if self.p == 3 else [])
+
+    def _without(self, held: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The posterior with the coefficients of the features ``held`` at 0: (coef, covariance).
 
         A curve ``a + b u + c u^k`` with ``c > 0`` and ``b < 0`` falls from
         its fixed part before it rises: more bytes (or seconds) for a smaller
@@ -353,18 +365,22 @@ class _Form:
         and 843,900-element blocks, 5.6% apart in peak for 2.4% in size; or two
         block shapes of one size): the curvature follows the local noise and the
         slope compensates, and the mean read 330 MiB for a 900-element block.
-        The least-squares fit under ``b >= 0`` has, when the free fit breaks it,
-        ``b = 0`` (one constraint: the optimum is on its boundary). It is the same
-        conjugate update River computes (prior precision ``1 / prior_variance``
-        on every scaled feature, ``beta = 1``), restricted to the other two
-        features and read from the sums this form keeps.
+        Compute seconds with a negative constant are the same impossibility for
+        time: a block of a few hundred thousand elements that takes no time (see
+        :meth:`OperatorModel.time_form`). The least-squares fit under ``>= 0``
+        has, when the free fit breaks the constraint, that coefficient at 0 (the
+        optimum is on its boundary). It is the same conjugate update River
+        computes (prior precision ``1 / prior_variance`` on every scaled
+        feature, ``beta = 1``), restricted to the features kept and read from
+        the sums this form keeps.
         """
-        keep = [0, 2]
-        precision = self._xtx[np.ix_(keep, keep)] + np.eye(2) / self.prior_variance
+        p = self.p
+        keep = [j for j in range(p) if j not in held]
+        precision = self._xtx[np.ix_(keep, keep)] + np.eye(len(keep)) / self.prior_variance
         cov_kept = np.linalg.inv(precision)
-        coef = np.zeros(3)
+        coef = np.zeros(p)
         coef[keep] = cov_kept @ self._xty[keep]
-        var = np.zeros((3, 3))
+        var = np.zeros((p, p))
         var[np.ix_(keep, keep)] = cov_kept
         return coef, var
 
@@ -479,7 +495,7 @@ class OperatorModel:
     _time_forms: dict[str, _Form] = field(init=False, repr=False)
     _time_sizes: set = field(init=False, repr=False)
     _time_runs: deque = field(init=False, repr=False)  # (elements, compute seconds) of the runs time learned
-    _time_memo: Any = field(init=False, repr=False, default=None)  # _time_choice() until time learns a run
+    _time_memo: str | None = field(init=False, repr=False, default=None)  # time_form() until time learns a run
     _ratios: deque = field(init=False, repr=False)
     _unseen: deque = field(init=False, repr=False)
     _energy: deque = field(init=False, repr=False)
@@ -512,8 +528,10 @@ class OperatorModel:
         # fit admits (min_noise), so it is at least curvature_sd peaks wide whatever the measured noise.
         self._forms = {name: _Form(name, self.prior_variance, self.curvature_sd / self.min_noise, self.size_weight)
                        for name in _POWERS}
-        # Time has no bound to hedge, only a form chosen by held-out error: its curvature keeps the weak prior.
-        self._time_forms = {name: _Form(name, self.prior_variance, math.sqrt(self.prior_variance)) for name in _POWERS}
+        # Time has no bound to hedge, only a form chosen by held-out error: its curvature keeps the weak prior. Its
+        # constant is held at 0 or above (time_form says why).
+        self._time_forms = {name: _Form(name, self.prior_variance, math.sqrt(self.prior_variance),
+                                        nonnegative_constant=True) for name in _POWERS}
         self._time_sizes = set()
         self._time_runs = deque(maxlen=RATE_HISTORY)
         self._time_memo = None
@@ -678,13 +696,11 @@ class OperatorModel:
         return rates[len(rates) // 2]
 
     def time_form(self) -> str:
-        """The form of compute seconds against block size: a curved one only when it predicts held-out runs better,
-        or, where the sizes timed are just two clusters and the line kept, when their rates rise between them
-        (:meth:`_two_sizes_time`: leave-one-out cannot choose there).
+        """The form of compute seconds against block size: a curved one only when it predicts held-out runs better.
 
         The same forms and the same test as for memory (leave-one-out error below
         ``superlinear_gain`` x the line's, positive curvature, at least
-        ``p + 2`` runs at ``min_observations``-many sizes), fitted on relative
+        ``p + 2`` runs, here at two sizes or more: see the constant below), fitted on relative
         residuals of seconds (a floor of ``time_floor_seconds`` keeps runs of a
         few milliseconds, mostly scheduling noise, from dominating). And rising
         over every size measured: a curve that falls at the smallest block says
@@ -700,33 +716,39 @@ class OperatorModel:
         first call and 0.40-0.45 s later, and the line through both hid its quadratic.
         And supported by the runs where the planner will use it (:meth:`curve_supported`): sizes measured
         without a wide gap, or rates that rise with size. Where the rates rise (:meth:`rates_rise`), the curve
-        need only predict held-out runs as well as the line (``time_rising_gain``): a line with a negative
-        constant fits rising rates about as well as a curve, but a line is planned through zero at the median
-        rate. trace_correlation on 256 x 128 x 200 measured 0.23-0.28 s for 845,000-element blocks and
-        0.57-0.73 s for 1,677,000 (0.30 against 0.38 us per element); its curve's leave-one-out error was 0.99x
-        the line's, so at the 0.9x bar the form read linear and the planner counted 0.27 and 0.54 s: no gain in
-        smaller chunks. Replayed over the kept benchmark stores (``python -m benchmarks.time_forms``), the lower
+        need only predict held-out runs as well as the line (``time_rising_gain``). trace_correlation on
+        256 x 128 x 200 measured 0.23-0.28 s for 845,000-element blocks and 0.57-0.73 s for 1,677,000 (0.30
+        against 0.38 us per element); its curve's leave-one-out error was 0.99x the line's with a free constant,
+        so at the 0.9x bar the form read linear and the planner counted 0.27 and 0.54 s: no gain in smaller
+        chunks. Replayed over the kept benchmark stores (``python -m benchmarks.time_forms``), the lower
         bar turned trace_correlation curved after 126 of 156 later flow runs (82 at 0.9x) and changed no other
         operator's form (their rates fall with size, gst3d_dip's past 1.1x in a few runs whose curve already
         cleared 0.9x).
-        """
-        return self._time_choice()[0]
 
-    def _time_choice(self) -> tuple[str, tuple[float, float] | None]:
-        """``(form, None)`` from the fitted forms (:meth:`_fitted_time_form`), or where that is the line,
-        ``(curved form, (b, c))`` from two clusters of sizes whose rates rise (:meth:`_two_sizes_time`)."""
-        if self._time_memo is None:  # seconds_for asks once per candidate plan: fit once per run learned
-            form, two = self._fitted_time_form(), None
-            if form == LINEAR:
-                found = self._two_sizes_time()
-                if found is not None:
-                    form, two = found[0], (found[1], found[2])
-            self._time_memo = (form, two)
+        Every form's constant is held at 0 or above (:meth:`_Form._without`): a negative one is a block of a few
+        hundred thousand elements taking no time, which no operator does (per-task costs are the planner's
+        ``per_task_overhead_seconds``, apart), and a line with one fits rising rates about as well as a curve,
+        while the planner plans a line through zero at the median rate. Held, the line is the one planned, and
+        the curve is chosen where it fits and that line does not. A cold start often times just two clusters
+        of sizes (its probes, then the rest of the map at the second wave's size), where every three-term form
+        is free along a line of near-exact fits and leave-one-out alone kept the free line (held at no constant,
+        a curve has two terms, which two sizes fix, hence two sizes are enough to test it): trace_correlation
+        on 192 x 192 x 100 (``python -m benchmarks.heterogeneous`` at c828ad3) took 0.07-0.09 s of compute for
+        232,800 elements and 0.47-0.75 s for 824,500-843,900 (rates 1.9-2.7x apart); read as proportional to
+        size, the learned policy's first warm plan of 4 chunks looked faster than 6, and ran 3.3-3.6 s against
+        2.3-3.2 s for the heuristic's 6. Replayed over the kept benchmark stores (``python -m benchmarks.time_forms
+        $(ls benchmarks/runs/stores-2026-11-2[56]/*.sqlite benchmarks/runs/stores-2026-11-27/full7-*.sqlite | grep
+        -v gpu)``), trace_correlation read curved after 109 of 120 cold flow runs and 187 of 216 later ones (63
+        and 165 with a free constant; 114 and 165 with a rule for two clusters of sizes this replaced); gst3d_dip
+        after 6 and 11 of 188 and 308 (5 and 10); envelope and gaussian_smooth never, as before.
+        """
+        if self._time_memo is None:  # seconds_for asks once per candidate plan: choose once per run learned
+            self._time_memo = self._fitted_time_form()
         return self._time_memo
 
     def _fitted_time_form(self) -> str:
         """The time form the leave-one-out test of :meth:`time_form` picks among the fitted forms."""
-        if len(self._time_sizes) < max(3, self.min_observations):
+        if len(self._time_sizes) < 2:
             return LINEAR
         fits = {name: f.fit(self.prior_noise, 1.0, self.min_noise) for name, f in self._time_forms.items()}
         u0 = min(self._time_sizes) / MIB
@@ -742,49 +764,6 @@ class OperatorModel:
         if fits[best].press < self.superlinear_gain * fits[LINEAR].press and self.curve_supported():
             return best
         return LINEAR
-
-    def _two_sizes_time(self) -> tuple[str, float, float] | None:
-        """``(form, b, c)``: compute seconds ``b*u + c*u**p`` (``u`` in Mi-elements, ``p`` the form's power)
-        through the runs' two clusters of sizes, when every size ever timed lies in two narrow clusters (within
-        ``TIME_CLUSTER_WIDTH`` of the smallest or of the largest size, those at least ``min_size_ratio`` apart),
-        each cluster has at least two runs among the latest kept, and the seconds per element rise from one to
-        the other (:meth:`rates_rise`); else None. Each cluster is its median size at its median rate.
-
-        Two clusters leave every three-term form free along a line of near-exact fits, so leave-one-out cannot
-        tell a curve from the line (:meth:`time_form` then keeps the line). But rising rates through two sizes
-        are a curve already, unless the line's constant is negative: a block of a few hundred thousand elements
-        taking no time, which no operator does (per-task costs are the planner's ``per_task_overhead_seconds``,
-        apart). Held at no constant, the two clusters fix the curve: the milder of the curved forms whose
-        coefficients are both non-negative through them. Rates that rise faster than a square between them
-        (neither form fits) are more likely a slow spell than a curve: None. A cold start often times just two
-        clusters (its probes, then the rest of the map at the second wave's size): trace_correlation on
-        192 x 192 x 100 (``python -m benchmarks.heterogeneous`` at c828ad3) took 0.07-0.09 s of compute for
-        232,800 elements and 0.47-0.75 s for 824,500-843,900 (rates 1.9-2.7x apart); time read as proportional
-        to size, the learned policy's first warm plan of 4 chunks looked faster than 6, and ran 3.3-3.6 s against
-        2.3-3.2 s for the heuristic's 6.
-        """
-        sizes = self._time_sizes
-        if len(sizes) < 2:
-            return None
-        smallest, largest = min(sizes), max(sizes)
-        if largest < self.min_size_ratio * smallest:
-            return None
-        if any(smallest * TIME_CLUSTER_WIDTH < e < largest / TIME_CLUSTER_WIDTH for e in sizes):
-            return None  # a size between the clusters: the fitted forms have what they need
-        small = [(e, t) for e, t in self._time_runs if e <= smallest * TIME_CLUSTER_WIDTH]
-        large = [(e, t) for e, t in self._time_runs if e >= largest / TIME_CLUSTER_WIDTH]
-        if len(small) < 2 or len(large) < 2 or not self.rates_rise():
-            return None
-        u1, u2 = (statistics.median(e for e, _ in group) / MIB for group in (small, large))
-        t1, t2 = (statistics.median(t / e for e, t in group) * u * MIB for group, u in ((small, u1), (large, u2)))
-        for name in CURVED:
-            p = _POWERS[name][2]
-            det = u1 * u2 ** p - u2 * u1 ** p
-            b = (t1 * u2 ** p - t2 * u1 ** p) / det
-            c = (u1 * t2 - u2 * t1) / det
-            if b >= 0 and c > 0:
-                return name, b, c
-        return None
 
     def time_fits(self, elements: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
         """Per time form: runs fitted, leave-one-out error (``press``, on relative residuals) and the compute
@@ -890,12 +869,9 @@ class OperatorModel:
         chunk is cheaper per element in smaller chunks; this is how the planner
         knows it.
         """
-        form, two = self._time_choice()
+        form = self.time_form()
         if form == LINEAR:
             return None
-        if two is not None:  # a curve through two clusters of sizes (_two_sizes_time)
-            u = int(elements) / MIB
-            return two[0] * u + two[1] * u ** _POWERS[form][2]
         f = self._time_forms[form]
         fit = f.fit(self.prior_noise, 1.0, self.min_noise)
         return max(0.0, f.mean(int(elements) / MIB, fit))

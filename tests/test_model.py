@@ -439,7 +439,9 @@ def test_rates_that_rise_let_a_curve_stand_that_predicts_held_out_runs_as_well_a
     constant fits the runs as well as a curve; at the bar of 0.9x the line's leave-one-out error the form read
     linear, and a line is planned through zero at the median rate: 0.27 s for 845,000 elements that measured
     0.23-0.28 s, 0.54 s for 1,677,000 that measured 0.57-0.73 s, so the planner saw no gain in smaller chunks.
-    The rise is itself the evidence of a curve: the curve need only do as well as the line."""
+    The rise is itself the evidence of a curve: the curve need only do as well as the line. And the line compared
+    is the one planned: held at no constant, it misses the runs by far more than the curve, which then stands even
+    at the 0.9x bar."""
     rows = [(234_000, (18, 65, 200), 0.035, 0.004, 0, 16_359_424),
             (234_000, (18, 65, 200), 0.051, 0.007, 0, 16_146_432),
             (1_456_000, (112, 65, 200), 0.839, 0.366, 419_995_648, 451_633_152),
@@ -468,23 +470,24 @@ def test_rates_that_rise_let_a_curve_stand_that_predicts_held_out_runs_as_well_a
     before, m = taught(time_rising_gain=0.9), taught()
     assert m.rates_rise()
     fits = m.time_fits()
-    assert fits["linear"]["press"] * 0.9 < fits["quadratic"]["press"] < fits["linear"]["press"]
-    assert before.time_form() == "linear" and m.time_form() in ("quadratic", "superlinear")
+    assert fits["quadratic"]["press"] < 0.5 * fits["linear"]["press"]  # free, the line's constant was negative: 0.9-1x
+    assert before.time_form() in ("quadratic", "superlinear") and m.time_form() in ("quadratic", "superlinear")
     small, large = m.seconds_for(845_000), m.seconds_for(1_677_000)
     assert small == pytest.approx(0.256, rel=0.1) and large == pytest.approx(0.645, rel=0.1)  # measured medians
-    line = before.seconds_per_element()
+    line = m.seconds_per_element()
     assert line * 845_000 > 1.05 * small and line * 1_677_000 < 0.9 * large
     with pytest.raises(ValueError, match="time_rising_gain"):
         OperatorModel(KEY, time_rising_gain=1.5)
 
 
-def test_rates_that_rise_between_two_clusters_of_sizes_are_a_curve_through_them_held_at_no_constant():
+def test_rates_that_rise_between_two_clusters_of_sizes_are_a_curve_once_the_constant_is_held_at_zero_or_above():
     """trace_correlation's cold map on 192 x 192 x 100 (``python -m benchmarks.heterogeneous`` at c828ad3, its
     store's rows: elements, extents, wall and kernel seconds, bytes the run grew its worker, peak): probes of
     232,800 elements, then 843,900 and 824,500, two clusters 3.6x apart. Its compute per element rose 2.7x
-    between them, yet three forms fit two clusters alike, leave-one-out kept the line, and the line is planned
-    at the median rate: 4 chunks of 940,900 elements looked faster than 6 or 8, and ran 3.3-3.6 s where the
-    heuristic's 6 ran 2.3-3.2 s. Held at no constant, the two clusters fix the curve."""
+    between them, yet with a free constant every form fit two clusters alike (the line's constant negative),
+    leave-one-out kept the line, and the line is planned at the median rate: 4 chunks of 940,900 elements looked
+    faster than 6 or 8, and ran 3.3-3.6 s where the heuristic's 6 ran 2.3-3.2 s. With every form's constant
+    held at 0 or above, the line misses both clusters and a curve through them is chosen."""
     rows = [(232_800, (24, 97, 100), 0.081, 0.016, 33_034_240, 48_578_560),
             (232_800, (24, 97, 100), 0.092, 0.023, 16_977_920, 48_484_352),
             (843_900, (87, 97, 100), 1.095, 0.623, 539_467_776, 584_871_936),
@@ -500,31 +503,26 @@ def test_rates_that_rise_between_two_clusters_of_sizes_are_a_curve_through_them_
         return m
 
     m = taught(rows)
-    fits = m.time_fits()
-    assert fits["linear"]["press"] <= min(fits["superlinear"]["press"], fits["quadratic"]["press"])
-    assert m.rate_ratio() == pytest.approx(2.66, abs=0.05) and m.time_form() == "quadratic"
+    fits = m.time_fits([100])
+    assert fits["linear"]["seconds"][0] >= 0 and all(f["seconds"][0] >= 0 for f in fits.values())  # no constant < 0
+    assert 4 * min(fits["superlinear"]["press"], fits["quadratic"]["press"]) < fits["linear"]["press"]
+    assert m.rate_ratio() == pytest.approx(2.66, abs=0.05) and m.time_form() in ("superlinear", "quadratic")
     small = statistics.median([0.081 - 0.016, 0.092 - 0.023])  # compute seconds: first touches less kernel time
     large = statistics.median([1.095 - 0.623, 1.390 - 0.731, 0.623, 0.747])
-    assert m.seconds_for(232_800) == pytest.approx(small, rel=0.1)
-    assert m.seconds_for(834_200) == pytest.approx(large, rel=0.1)
+    assert m.seconds_for(232_800) == pytest.approx(small, rel=0.2)
+    assert m.seconds_for(834_200) == pytest.approx(large, rel=0.2)
     for e in (232_800, 500_000, 940_900):
         assert m.seconds_for(e) >= 0 and m.seconds_for(2 * e) > 2 * m.seconds_for(e)  # rising rates everywhere
     # The planner now sees smaller chunks cost less per element: 8 of 499,200 elements before 4 of 940,900.
     assert 4 * m.seconds_for(499_200) < 2 * m.seconds_for(940_900)
-    # Rates that fall between two clusters (per-task costs weigh on small blocks) leave the line.
+    # Rates that fall between two clusters (per-task costs weigh on small blocks) leave the line: its constant
+    # is positive, nothing is held.
     falling = [(e, ext, secs * 0.3, sys_secs * 0.3, grew, peak) if e > 300_000 else (e, ext, secs, sys_secs, grew, peak)
                for e, ext, secs, sys_secs, grew, peak in rows]  # rates 0.8x the probes'
     assert taught(falling).rate_ratio() < 1
     assert taught(falling).time_form() == "linear" and taught(falling).seconds_for(940_900) is None
-    # A size between the clusters gives leave-one-out what it needs: the fitted forms decide, as before.
-    between = taught(rows + [(530_000, (55, 97, 100), 0.33, 0.05, 0, 350_000_000)])
-    assert between._two_sizes_time() is None
-    # One run per cluster is not two clusters measured (a slow spell reads as a curve); nor are rates that rise
-    # faster than a square between them (no curve through both has non-negative terms): the line stays.
-    assert taught([rows[0], rows[4]])._two_sizes_time() is None
-    steep = [(e, ext, secs * 4, sys_secs * 4, grew, peak) if e > 300_000 else (e, ext, secs, sys_secs, grew, peak)
-             for e, ext, secs, sys_secs, grew, peak in rows]  # rates 10x apart over a 3.6x step in size
-    assert taught(steep).rates_rise() and taught(steep).time_form() == "linear"
+    # One run per cluster is two sizes: too few for leave-one-out to choose a curve.
+    assert taught([rows[0], rows[4]]).time_form() == "linear"
 
 
 def test_time_fits_give_each_form_s_error_and_predictions_where_asked():
@@ -888,7 +886,7 @@ def test_a_curved_fit_held_at_zero_slope_is_the_same_update_river_makes_on_the_f
     for u, y, scale in form._rows:  # in the units the form settled on (it refits as larger blocks arrive)
         x = form.design(u, scale)
         river.learn_one({"const": x[0], "u^2": x[2]}, y / scale)
-    coef, cov = form._without_slope()
+    coef, cov = form._without([1])
     assert coef[1] == 0.0 and cov[1, 1] == 0.0
     assert coef[0] == pytest.approx(river.predict_one({"const": 1.0, "u^2": 0.0}), rel=1e-6)
     assert coef[2] == pytest.approx(river.predict_one({"const": 0.0, "u^2": 1.0}), rel=1e-6)
