@@ -2,7 +2,7 @@
 
     python -m benchmarks.store_quality STORE [STORE ...] [--after 5] [--superlinear-gain G] [--noise-floor-mib M]
                                       [--size-weight W] [--memory-gap-ratio R]
-                                      [--memory-gap-gain G] [--explain OPERATOR | --tight] [--json PATH]
+                                      [--memory-gap-gain G] [--explain OPERATOR | --tight | --gap] [--json PATH]
 
 Each store's keys are replayed in the order their observations were stored
 (:func:`memchunk_prefect.model.replay_quality`): every ``ok`` run is predicted before
@@ -28,6 +28,10 @@ bound was made of before the run was learned (:func:`explain_runs`): why a bound
 
 ``--tight`` prints instead, per operator, the tight bound (what the learned policy's ``bold`` arm plans to)
 over the measured peak for every run of a block larger than any measured before it (:func:`tight_beyond`).
+
+``--gap`` prints instead, per operator, the runs predicted while a curved memory form the sizes measured do not
+support was chosen (on leave-one-out alone, ``memory_gap_gain``): the curve's mean beside the line's, within the
+sizes measured and beyond the largest (:func:`gap_curves`).
 """
 
 from __future__ import annotations
@@ -136,6 +140,32 @@ def tight_beyond(stores: list[str], **options: Any) -> dict[str, dict[str, Any]]
     return out
 
 
+def gap_curves(stores: list[str], **options: Any) -> dict[str, dict[str, Any]]:
+    """Per operator name, over every ``ok`` run predicted while the chosen memory form was a curve the sizes
+    measured do not support (taken on leave-one-out alone: ``OperatorModel.memory_gap_gain``), replayed in
+    stored order, each read before it is learned: ``within`` (runs of a block no larger than the largest
+    measured) with the chosen form's and the line's mean absolute error there (``mape_curve``,
+    ``mape_line``); ``beyond`` (larger blocks) with the chosen mean over the peak and the line's mean over the
+    peak (``curve_over_peak``, ``line_over_peak``: sorted lists). Whether the exception's curve reads the next,
+    larger block better than the line would have."""
+    within: dict[str, list[tuple[float, float]]] = {}
+    beyond: dict[str, list[tuple[float, float]]] = {}
+    for _, key, history in stored_keys(stores):
+        for r in explain_runs(history, key, **options):
+            if r["form"] == "linear" or r["curve_supported"] is not False:
+                continue
+            pair = (r["mean_bytes"] / r["peak_bytes"], r["line_mean_bytes"] / r["peak_bytes"])
+            (beyond if r["times_largest"] > 1.0 else within).setdefault(operator_name(key), []).append(pair)
+    out = {}
+    for op in sorted(set(within) | set(beyond)):
+        w, b = within.get(op, []), beyond.get(op, [])
+        out[op] = {"within": len(w), "beyond": len(b),
+                   "mape_curve": statistics.mean(abs(c - 1) for c, _ in w) if w else None,
+                   "mape_line": statistics.mean(abs(line - 1) for _, line in w) if w else None,
+                   "curve_over_peak": sorted(c for c, _ in b), "line_over_peak": sorted(line for _, line in b)}
+    return out
+
+
 def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict[str, Any]]:
     """Per operator name: ``scored``, ``coverage``, ``worst_coverage``, ``mape``, ``bound_over_peak``, ``stores``,
     ``mape_within`` / ``mape_beyond`` (runs inside the sizes learned / beyond them, ``scored_beyond`` of them),
@@ -197,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="for each of OPERATOR's runs (e.g. envelope), what its bound was made of before it ran")
     p.add_argument("--tight", action="store_true",
                    help="the tight bound (the bold arm's) over the peak, for runs beyond the largest block measured")
+    p.add_argument("--gap", action="store_true",
+                   help="runs predicted by a curved memory form the sizes do not support: its mean and the line's")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     options: dict[str, float] = {}
@@ -212,6 +244,23 @@ def main(argv: list[str] | None = None) -> int:
         options["noise_floor_bytes"] = args.noise_floor_mib * 2**20
     if args.explain:
         _explain(args.stores, args.explain, **options)
+        return 0
+    if args.gap:
+        gap = gap_curves(args.stores, **options)
+
+        def span(v: list[float]) -> str:
+            return f"{statistics.median(v):.2f}x ({v[0]:.2f}-{v[-1]:.2f})" if v else "-"
+
+        def pct(v: float | None) -> str:
+            return "-" if v is None else f"{v * 100:.1f}%"
+
+        print(f"{'operator':20s} {'within':>6s} {'MAPE curve':>10s} {'line':>6s} {'beyond':>6s} "
+              f"{'curve mean / peak':>22s} {'line mean / peak':>22s}")
+        for op, r in gap.items():
+            print(f"{op:20s} {r['within']:6d} {pct(r['mape_curve']):>10s} {pct(r['mape_line']):>6s} {r['beyond']:6d} "
+                  f"{span(r['curve_over_peak']):>22s} {span(r['line_over_peak']):>22s}")
+        if args.json:
+            Path(args.json).write_text(json.dumps(gap, indent=2))
         return 0
     if args.tight:
         tight = tight_beyond(args.stores, **options)

@@ -1214,7 +1214,10 @@ class OperatorModel:
         ``form_upper_bytes``: the chosen form's own bound, before the best curved form's is blended in;
         ``curved_form``, ``curved_upper_bytes`` and ``curved_weight``: that form, its bound and the share of
         the gap it adds (:meth:`_curved_weight`; None and 0 when none is blended); ``times_largest``: the
-        block over the largest one measured (past ``tight_reach`` the tight bound is the upper bound).
+        block over the largest one measured (past ``tight_reach`` the tight bound is the upper bound);
+        ``line_mean_bytes``: the line's mean, whichever form is chosen; ``curve_supported``: whether the sizes
+        measured support a curved form (:meth:`memory_curve_supported`; a curved ``form`` where they do not
+        was taken on leave-one-out alone, ``memory_gap_gain``).
         Empty of fit figures (None) while the model is not ready.
         """
         elements = 1
@@ -1224,11 +1227,13 @@ class OperatorModel:
         out: dict[str, Any] = {"elements": elements, "ready": p.ready, "form": self.form(),
                                "mean_bytes": p.mean_bytes, "upper_bytes": p.upper_bytes, "tight_bytes": p.tight_bytes,
                                "form_upper_bytes": None, "curved_form": None, "curved_upper_bytes": None,
-                               "curved_weight": 0.0,
+                               "curved_weight": 0.0, "line_mean_bytes": None, "curve_supported": None,
                                "times_largest": elements / self._largest if self._largest else None}
         if p.ready:
             u = elements / MIB
             out["form_upper_bytes"] = self._bound(self.form(), u)[1] * MIB
+            out["line_mean_bytes"] = self._bound(LINEAR, u)[0] * MIB
+            out["curve_supported"] = self.memory_curve_supported()
             w, other = self._curved_weight()
             if other is not None:
                 out.update(curved_form=other, curved_upper_bytes=self._bound(other, u)[1] * MIB, curved_weight=w)

@@ -418,6 +418,34 @@ def test_store_quality_replays_every_store_given_and_names_a_missing_one(tmp_pat
     assert json.loads(json_path.read_text())["envelope"]["scored"] == rows["envelope"]["scored"]
 
 
+def test_gap_counts_the_runs_a_curve_taken_across_a_gap_predicted_beside_the_line(tmp_path, capsys):
+    """An operator quadratic in its traces with a fixed cost, measured at probes and then 18x larger blocks: the
+    curve is taken across the gap on leave-one-out alone, and --gap scores it beside the line, within the sizes
+    measured and on the next, larger block (where the line under-reads a quadratic)."""
+    from benchmarks import store_quality
+    from memchunk_prefect.records import Observation
+    from memchunk_prefect.store import Store
+
+    key = "trace_pairs|float32|cpu"
+
+    def peak(e: int) -> int:
+        return int(5 * 2**20 + 8 * e + 2e-5 * e**2)
+
+    path = str(tmp_path / "s.sqlite")
+    with Store(path) as store:
+        for ext in [(10, 10, 100), (12, 12, 100), (14, 14, 100), (60, 60, 100), (66, 66, 100), (60, 60, 100),
+                    (90, 90, 100)]:
+            for _ in range(2):
+                e = ext[0] * ext[1] * ext[2]
+                store.add(Observation(key, e, ext, 4 * e, peak(e)))
+    gap = store_quality.gap_curves([path])["trace_pairs"]
+    assert gap["within"] >= 2 and gap["beyond"] == 2, gap  # the first 66 x 66 block, and the first 90 x 90
+    assert gap["mape_curve"] < 0.02 < gap["mape_line"], gap
+    assert all(abs(c - 1) < 0.05 for c in gap["curve_over_peak"]) and max(gap["line_over_peak"]) < 0.95, gap
+    assert store_quality.main([path, "--gap"]) == 0
+    assert "trace_pairs" in capsys.readouterr().out
+
+
 def test_explain_takes_each_runs_bound_apart_as_the_model_read_it_before_the_run(tmp_path, capsys):
     """Per run once the model is ready: the block, its peak and what the bound was made of; the blended bound
     is never under the chosen form's own, and the command prints one line per run."""
