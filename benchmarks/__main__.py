@@ -100,6 +100,8 @@ def machine_info() -> dict[str, Any]:
 
 
 def evaluate(strategies: list[dict], overhead: dict, scaling: list[dict], n_operators: int) -> dict[str, dict]:
+    from benchmarks.strategies import same_plans
+
     by = {s["name"]: s for s in strategies}
     best, warm = by.get("static-best"), by.get("memchunk-warm")
     cold, auto = by.get("memchunk-cold"), by.get("dask-auto")
@@ -124,8 +126,9 @@ def evaluate(strategies: list[dict], overhead: dict, scaling: list[dict], n_oper
         ablation = by.get(f"heuristic-{phase}")
         if learned and ablation and learned["completed"] and ablation["completed"]:
             r = learned["wall_seconds"] / ablation["wall_seconds"]
+            same = "; the same plans in every round of both" if same_plans(learned, ablation) else ""
             put(f"policy_{phase}", r <= 1.05, f"{r:.2f}x ({learned['wall_seconds']:.1f} s vs "
-                                              f"{ablation['wall_seconds']:.1f} s)")
+                                              f"{ablation['wall_seconds']:.1f} s{same})")
     if auto and warm:
         if not auto["completed"]:
             put("auto", True, f"dask-auto failed ({auto['notes']})")

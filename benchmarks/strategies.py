@@ -726,6 +726,9 @@ def median_of(name: str, runs: Sequence[StrategyResult]) -> StrategyResult:
         extra["step_seconds_runs"] = steps_of_runs
         extra["step_seconds"] = [round(float(np.median([r[i] for r in steps_of_runs if len(r) > i])), 3)
                                  for i in range(max(len(r) for r in steps_of_runs))]
+    plans = [plan_of(r.extra) for r in runs]
+    if len(runs) > 1 and all(plans):
+        extra["plans_runs"] = plans
     return StrategyResult(name=name, wall_seconds=row.wall_seconds, completed=row.completed,
                           oom_events=sum(r.oom_events for r in runs), tasks=row.tasks,
                           lost_worker_seconds=row.lost_worker_seconds, peak_memory_fraction=max(
@@ -733,6 +736,29 @@ def median_of(name: str, runs: Sequence[StrategyResult]) -> StrategyResult:
                               default=None),
                           notes=row.notes + (f" (median of {len(runs)}: {', '.join(f'{w:.1f}' for w in walls)} s)"
                                              if len(runs) > 1 else ""), extra=extra)
+
+
+def plan_of(extra: dict) -> dict[str, int]:
+    """The chunks each operator ran in, from a memchunk run's ``extra["operators"]`` (empty for other rows)."""
+    return {op: int(v["chunks"]) for op, v in (extra.get("operators") or {}).items() if "chunks" in v}
+
+
+def same_plans(a: dict, b: dict) -> bool:
+    """Whether two rows (JSON form: ``extra`` with ``plans_runs`` over their rounds, else the one run's
+    ``operators``) ran one and the same plan, chunks per operator, in every run of both: their walls then
+    differ by the host, not by the policy that chose the plans."""
+    def runs(row: dict) -> list[dict[str, int]] | None:
+        extra = row.get("extra") or {}
+        if extra.get("plans_runs"):
+            return extra["plans_runs"]
+        # Several rounds whose plans were not kept (JSON before plans_runs): unknown.
+        return None if len(extra.get("walls") or ()) > 1 else [plan_of(extra)]
+
+    ra, rb = runs(a), runs(b)
+    if ra is None or rb is None:
+        return False
+    plans = ra + rb
+    return all(plans) and all(p == plans[0] for p in plans)
 
 
 def iline_slabs(shape: Sequence[int], n: int) -> list[Any]:

@@ -6,6 +6,7 @@ JSON's structure (the names the issue fixes) and that every strategy appears.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -585,6 +586,32 @@ def test_rounds_repeat_every_strategy_in_turn_and_report_each_ones_median_run():
     assert by["static-8"].wall_seconds == 16.0, "16 s is over 1.5x the fastest static's first run (10 s): run once"
     assert by["memchunk-cold"].wall_seconds == 11.0 and by["memchunk-cold"].oom_events == 1
     assert "median of 3: 6.0, 11.0, 12.0 s" in by["memchunk-cold"].notes
+
+
+def test_learned_against_heuristic_says_when_both_ran_the_same_plans_in_every_round():
+    """Rows of several rounds keep each round's plan (chunks per operator); the learned-policy check then says
+    whether the two rows ran the same plans throughout (their walls differ by the host) and never claims it for
+    rounds whose plans were not kept."""
+    from benchmarks import strategies as st
+    from benchmarks.__main__ import evaluate
+
+    def run(name, seconds, chunks):
+        ops = {op: {"chunks": n} for op, n in chunks.items()}
+        return st.StrategyResult(name=name, wall_seconds=seconds, completed=True, oom_events=0, tasks=1,
+                                 lost_worker_seconds=0.0, peak_memory_fraction=None, extra={"operators": ops})
+
+    plan = {"envelope": 2, "gst3d_dip": 2}
+    learned = st.median_of("memchunk-warm", [run("memchunk-warm", w, plan) for w in (9.8, 13.7, 14.3)])
+    heuristic = st.median_of("heuristic-warm", [run("heuristic-warm", w, plan) for w in (10.8, 11.8, 9.8)])
+    assert learned.extra["plans_runs"] == [plan] * 3
+    rows = [dataclasses.asdict(r) for r in (learned, heuristic)]
+    figure = evaluate(rows, {}, [], 2)["policy_warm"]
+    assert not figure["met"] and "the same plans in every round of both" in figure["figure"], figure
+    other = st.median_of("heuristic-warm", [run("heuristic-warm", w, {**plan, "envelope": n})
+                                            for w, n in ((10.8, 2), (11.8, 4), (9.8, 2))])
+    assert not st.same_plans(rows[0], dataclasses.asdict(other))
+    unkept = dict(rows[1], extra={k: v for k, v in rows[1]["extra"].items() if k != "plans_runs"})
+    assert not st.same_plans(rows[0], unkept)  # three rounds, one plan kept: unknown, not the same
 
 
 def test_the_per_operator_best_takes_each_steps_least_median_wall_failed_statics_included():
