@@ -11,7 +11,8 @@ rows the form is read, with the measured ratio of the largest blocks' seconds pe
 element to the smallest blocks' (:meth:`~memchunk_prefect.model.OperatorModel.rate_ratio`; above
 ``1 + time_curve_margin`` it supports a curve). Per operator (the key's name before its
 parameters), over all the stores: how many flow runs left a curve, after the first
-flow run (a cold start) and after later ones. ``--time-gap-ratio inf`` replays as if
+flow run (a cold start) and after later ones, and how many left the line named while a curve still
+counted in part (its leave-one-out weight, where the rates rise). ``--time-gap-ratio inf`` replays as if
 every curve were supported by the sizes measured (the model before the support test).
 
 The benchmarks keep their stores with ``--workdir`` (``python -m benchmarks --workdir DIR``:
@@ -31,14 +32,18 @@ from benchmarks.store_quality import operator_name, stored_keys
 
 def forms(stores: list[str], **options: Any) -> dict[str, dict[str, Any]]:
     """Per operator name: ``cold`` / ``later`` (flow runs replayed, first in their store / after it),
-    ``cold_curved`` / ``later_curved`` (of those, runs after which the form was curved) and ``ratios`` (the
-    largest blocks' rate over the smallest's after each flow run, in store order)."""
+    ``cold_curved`` / ``later_curved`` (of those, runs after which the form was curved), ``cold_partial`` /
+    ``later_partial`` (runs after which the line was named yet a curve counted in part,
+    :meth:`~memchunk_prefect.model.OperatorModel.time_curve_weight`), ``weights`` (that weight after each such
+    run, in store order) and ``ratios`` (the largest blocks' rate over the smallest's after each flow run, in
+    store order)."""
     from memchunk_prefect.model import OperatorModel
 
     out: dict[str, dict[str, Any]] = {}
     for _, key, history in stored_keys(stores):
         row = out.setdefault(operator_name(key),
-                             {"cold": 0, "cold_curved": 0, "later": 0, "later_curved": 0, "ratios": []})
+                             {"cold": 0, "cold_curved": 0, "cold_partial": 0, "later": 0, "later_curved": 0,
+                              "later_partial": 0, "weights": [], "ratios": []})
         model = OperatorModel(key, **options)
         runs: list[str] = []
         for obs in history:
@@ -56,6 +61,10 @@ def _read(model: Any, row: dict[str, Any], first: bool) -> None:
     kind = "cold" if first else "later"
     row[kind] += 1
     row[f"{kind}_curved"] += model.time_form() != "linear"
+    weight, curve = model.time_curve_weight()
+    if model.time_form() == "linear" and curve is not None and weight > 0:
+        row[f"{kind}_partial"] += 1
+        row["weights"].append(round(weight, 3))
     ratio = model.rate_ratio()
     if ratio is not None:
         row["ratios"].append(round(ratio, 3))
@@ -85,11 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         p.error(str(exc))
     print(f"{'operator':<20} {'curved after a cold run':>24} {'curved after a later run':>25}  "
-          "rate ratio (largest/smallest)")
+          f"{'line named, curve counted (cold / later, weights)':<52} rate ratio (largest/smallest)")
     for op, r in sorted(result.items()):
-        ratios = r["ratios"]
+        ratios, weights = r["ratios"], r["weights"]
         span = f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-"
-        print(f"{op:<20} {r['cold_curved']:>15} of {r['cold']:<6} {r['later_curved']:>16} of {r['later']:<6}  {span}")
+        part = f"{r['cold_partial']} / {r['later_partial']}" + (f" ({min(weights):.2f}-{max(weights):.2f})"
+                                                                 if weights else "")
+        print(f"{op:<20} {r['cold_curved']:>15} of {r['cold']:<6} {r['later_curved']:>16} of {r['later']:<6}  "
+              f"{part:<52} {span}")
     if args.fits:
         for line in fit_lines(args.stores, **options):
             print(line)

@@ -385,6 +385,31 @@ class _Form:
         return coef, var
 
 
+def _loo_weight(press_curve: float, press_line: float, n: int) -> float:
+    """How much a curved form counts beside the line (0..1), from their leave-one-out errors over ``n`` runs.
+
+    The leave-one-out likelihood ratio of two Gaussian fits, ``1 / (1 + (PRESS_curved / PRESS_lin) ** (n / 2))``
+    (pseudo-Bayesian model averaging, Yao et al. 2018, "Using stacking to average Bayesian predictive
+    distributions", section 3.1): 1/2 while the runs cannot tell the forms apart, towards 1 as they show the
+    curve, towards 0 as they show the line. 0 where the line's error is 0 (nothing left to explain).
+    """
+    if press_line <= 0 or not math.isfinite(press_curve):
+        return 0.0
+    exponent = min(n / 2.0 * math.log(max(press_curve / press_line, 1e-12)), 700.0)
+    return 1.0 / (1.0 + math.exp(exponent))
+
+
+@dataclass(frozen=True)
+class _TimeChoice:
+    """What the time model plans by: the form it names (:meth:`OperatorModel.time_form`), the curve whose
+    mean counts in a block's seconds (None: the line alone) and how much it counts (0..1; the fitted line
+    counts the rest)."""
+
+    form: str
+    curve: str | None
+    weight: float
+
+
 @dataclass
 class _Censored:
     u: float
@@ -495,7 +520,7 @@ class OperatorModel:
     _time_forms: dict[str, _Form] = field(init=False, repr=False)
     _time_sizes: set = field(init=False, repr=False)
     _time_runs: deque = field(init=False, repr=False)  # (elements, compute seconds) of the runs time learned
-    _time_memo: str | None = field(init=False, repr=False, default=None)  # time_form() until time learns a run
+    _time_memo: _TimeChoice | None = field(init=False, repr=False, default=None)  # until time learns a run
     _ratios: deque = field(init=False, repr=False)
     _unseen: deque = field(init=False, repr=False)
     _energy: deque = field(init=False, repr=False)
@@ -741,15 +766,45 @@ class OperatorModel:
         -v gpu)``), trace_correlation read curved after 109 of 120 cold flow runs and 187 of 216 later ones (63
         and 165 with a free constant; 114 and 165 with a rule for two clusters of sizes this replaced); gst3d_dip
         after 6 and 11 of 188 and 308 (5 and 10); envelope and gaussian_smooth never, as before.
+
+        The form named is not all the planner uses: where the rates rise, the best curve counts in a block's
+        seconds by its leave-one-out weight against the line even while the line is named
+        (:meth:`time_curve_weight`).
         """
+        return self._time_choice().form
+
+    def time_curve_weight(self) -> tuple[float, str | None]:
+        """How much a curved time form counts in a block's seconds (0..1), and which form (None: none does).
+
+        Where the measured rates rise (:meth:`rates_rise`) the choice between the line and the curve is not
+        all or nothing: a block's seconds are the curve's mean times its leave-one-out weight against the line
+        (:func:`_loo_weight`) plus the line's (fitted through zero, the predictions the weight compared) times
+        the rest.
+        Rising rates say the line is wrong at both ends; which of the two predicts held-out runs better is
+        then often decided by one noisy probe. trace_correlation on 192 x 192 x 100 (``python -m
+        benchmarks.heterogeneous`` at 8b753f0, store ``heterogeneous-8b753f0-memchunk-192x192x100-1``) timed
+        two probes of the same 232,800-element block at 0.078 and 0.139 s and the rest at 0.45-0.59 s for
+        834,200 (rates 1.22x apart): leave-one-out read 0.124 for the line and 0.140 for either curve, the
+        form read linear, and the next warm plan of 4 chunks ran 3.16 s where the heuristic's 12 took 2.31.
+        With six runs the curve counts 0.41 there instead of 0; where the curve is clear (0.029 against 0.120)
+        it counts 0.99. Where the rates do not rise, a curve is all (it cleared ``superlinear_gain`` on sizes
+        that support it, :meth:`curve_supported`) or nothing: its weight would be about 1/2 on noise alone
+        (gst3d_dip, whose per-task costs make its rates fall), and a curve makes the planner cut smaller.
+        """
+        choice = self._time_choice()
+        return choice.weight, choice.curve
+
+    def _time_choice(self) -> _TimeChoice:
         if self._time_memo is None:  # seconds_for asks once per candidate plan: choose once per run learned
-            self._time_memo = self._fitted_time_form()
+            self._time_memo = self._fitted_time_choice()
         return self._time_memo
 
-    def _fitted_time_form(self) -> str:
-        """The time form the leave-one-out test of :meth:`time_form` picks among the fitted forms."""
+    def _fitted_time_choice(self) -> _TimeChoice:
+        """The form the leave-one-out test of :meth:`time_form` picks, and the curve's weight
+        (:meth:`time_curve_weight`)."""
+        line = _TimeChoice(LINEAR, None, 0.0)
         if len(self._time_sizes) < 2:
-            return LINEAR
+            return line
         fits = {name: f.fit(self.prior_noise, 1.0, self.min_noise) for name, f in self._time_forms.items()}
         u0 = min(self._time_sizes) / MIB
         # With positive curvature the slope only grows with size: rising at the smallest block is rising everywhere.
@@ -758,12 +813,14 @@ class OperatorModel:
               and self._time_forms[name].mean(1.01 * u0, fits[name]) > self._time_forms[name].mean(u0, fits[name])]
         best = min(ok, key=lambda name: fits[name].press) if ok else None
         if best is None:
-            return LINEAR
+            return line
         if self.rates_rise():
-            return best if fits[best].press <= self.time_rising_gain * fits[LINEAR].press else LINEAR
+            weight = _loo_weight(fits[best].press, fits[LINEAR].press, fits[LINEAR].n)
+            named = best if fits[best].press <= self.time_rising_gain * fits[LINEAR].press else LINEAR
+            return _TimeChoice(named, best, weight)
         if fits[best].press < self.superlinear_gain * fits[LINEAR].press and self.curve_supported():
-            return best
-        return LINEAR
+            return _TimeChoice(best, best, 1.0)
+        return line
 
     def time_fits(self, elements: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
         """Per time form: runs fitted, leave-one-out error (``press``, on relative residuals) and the compute
@@ -863,18 +920,24 @@ class OperatorModel:
     def seconds_for(self, elements: int) -> float | None:
         """Compute seconds for a block of ``elements`` (halo included) when time grows faster than its size.
 
-        None while the line is the better form: then time is proportional to size
-        and the planner uses :meth:`seconds_per_element` (a median: robust to a
-        slow run). An operator whose cost grows with the square of traces per
-        chunk is cheaper per element in smaller chunks; this is how the planner
-        knows it.
+        None while no curve counts: then time is proportional to size and the
+        planner uses :meth:`seconds_per_element` (a median: robust to a slow
+        run). An operator whose cost grows with the square of traces per chunk
+        is cheaper per element in smaller chunks; this is how the planner knows
+        it. Where a curve counts only in part (:meth:`time_curve_weight`), the
+        rest is the fitted line held at no constant it was weighed against.
         """
-        form = self.time_form()
-        if form == LINEAR:
+        weight, curve = self.time_curve_weight()
+        if curve is None or weight <= 0.0:
             return None
+        u = int(elements) / MIB
+        seconds = max(0.0, self._time_mean(curve, u))
+        return seconds if weight >= 1.0 else weight * seconds + (1.0 - weight) * max(0.0, self._time_mean(LINEAR, u))
+
+    def _time_mean(self, form: str, u: float) -> float:
+        """The fitted compute seconds of time form ``form`` for a block of ``u`` Mi-elements."""
         f = self._time_forms[form]
-        fit = f.fit(self.prior_noise, 1.0, self.min_noise)
-        return max(0.0, f.mean(int(elements) / MIB, fit))
+        return f.mean(u, f.fit(self.prior_noise, 1.0, self.min_noise))
 
     def _score(self, obs: Observation, pred: Prediction) -> None:
         self._mape.update(obs.peak_bytes, pred.mean_bytes)
@@ -1020,11 +1083,9 @@ class OperatorModel:
             return 0.0, None
         fits = self._fits()
         best = self._best_curved(fits, curving_up=False)
-        if best is None or fits[LINEAR].press <= 0:
+        if best is None:
             return 0.0, None
-        ratio = fits[best].press / fits[LINEAR].press
-        exponent = min(fits[LINEAR].n / 2.0 * math.log(max(ratio, 1e-12)), 700.0)
-        return 1.0 / (1.0 + math.exp(exponent)), best
+        return _loo_weight(fits[best].press, fits[LINEAR].press, fits[LINEAR].n), best
 
     def _upper_mib(self, u: float) -> tuple[float, float]:
         """(mean, upper) in MiB: the chosen form's, its bound blended towards the best curved one's."""
@@ -1265,6 +1326,8 @@ class OperatorModel:
             "first_use_bytes": self.first_use_bytes(),
             "seconds_per_element": self.seconds_per_element(),
             "time_form": self.time_form(),
+            "time_curve": self.time_curve_weight()[1],  # the curve counted in a block's seconds, if any
+            "time_curve_weight": self.time_curve_weight()[0],  # how much (0..1; the fitted line, the rest)
             "time_rate_ratio": self.rate_ratio(),  # seconds per element, largest blocks over smallest
             "time_runs": len(self._rates),  # ok runs time is learned from (the latest RATE_HISTORY)
             "first_touch_runs": len(self._first_touch_rates),  # ok runs set aside: they grew their worker

@@ -688,6 +688,7 @@ def test_time_forms_replays_each_flow_run_and_the_support_test_can_be_turned_off
     assert (now["cold"], now["later"]) == (before["cold"], before["later"]) == (1, 1)
     assert now["cold_curved"] == 0 and before["cold_curved"] == 1
     assert now["ratios"][0] < 1.0, "the probes cost more per element than the large chunks"
+    assert now["cold_partial"] == now["later_partial"] == 0 and now["weights"] == []  # falling rates: no curve counts
     assert time_forms.main([path, "--time-gap-ratio", "inf"]) == 0
     assert "gst3d_dip" in capsys.readouterr().out
     # --fits: each form's leave-one-out error and predictions beside the medians measured and the planned line.
@@ -698,6 +699,32 @@ def test_time_forms_replays_each_flow_run_and_the_support_test_can_be_turned_off
                                                                                     "quadratic"]
     with pytest.raises(SystemExit):
         time_forms.main([str(tmp_path / "missing.sqlite")])
+
+
+def test_time_forms_counts_the_runs_that_named_the_line_while_a_curve_counted(tmp_path, capsys):
+    """A cold trace_correlation map whose noisy probes left the line named (tests/test_model.py's
+    ``test_a_noisy_probe_leaves_the_curve_counting...``, the same rows): counted as partial, with its weight."""
+    from benchmarks import time_forms
+    from memchunk_prefect.records import Observation
+    from memchunk_prefect.store import Store
+
+    key = "trace_correlation|float32|cpu"
+    rows = [(232_800, (24, 97, 100), 0.111, 0.033, 32_886_784, 48_857_088),
+            (232_800, (24, 97, 100), 0.139, 0.056, 16_748_544, 48_447_488),
+            (834_200, (86, 97, 100), 1.063, 0.604, 525_651_968, 571_514_880),
+            (834_200, (86, 97, 100), 0.489, 0.087, 655_360, 566_804_480),
+            (834_200, (86, 97, 100), 1.045, 0.596, 526_225_408, 571_895_808),
+            (834_200, (86, 97, 100), 0.586, 0.101, 1_036_288, 567_435_264)]
+    path = str(tmp_path / "s.sqlite")
+    with Store(path) as store:
+        for e, ext, secs, sys_secs, grew, peak in rows:
+            store.add(Observation(key, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
+                                  flow_run_id="cold"))
+    row = time_forms.forms([path])["trace_correlation"]
+    assert (row["cold"], row["cold_curved"], row["cold_partial"]) == (1, 0, 1)
+    assert len(row["weights"]) == 1 and 0.3 < row["weights"][0] < 0.5
+    assert time_forms.main([path]) == 0
+    assert f"({row['weights'][0]:.2f}-{row['weights'][0]:.2f})" in capsys.readouterr().out
 
 
 def test_quick_gpu_benchmark_runs_every_strategy_on_the_fake_device_and_checks_against_the_cpu(tmp_path, api_url):

@@ -89,6 +89,16 @@ def test_models_table_and_json(capsys, store_path):
     assert by_key[GST]["policy"][0] == {"arm": "bold", "pulls": 0, "mean_reward": None, "out_of_memory": 0}
 
 
+def test_models_time_cell_shows_a_curve_that_counts_in_part_beside_the_line():
+    from memchunk_prefect.cli import _time_cell
+
+    row = {"time_form": "linear", "time_runs": 6, "first_touch_runs": 0, "time_rate_ratio": 1.22,
+           "time_curve": "superlinear", "time_curve_weight": 0.41}
+    assert _time_cell(row) == "linear 6 1.2x superlinear 41%"
+    assert _time_cell({**row, "time_form": "superlinear", "time_curve_weight": 1.0}) == "superlinear 6 1.2x"
+    assert _time_cell({**row, "time_curve": None, "time_curve_weight": 0.0}) == "linear 6 1.2x"
+
+
 def test_models_on_an_empty_store_says_so(capsys, tmp_path):
     code, out, _ = run(capsys, "models", "--store", str(tmp_path / "empty.sqlite"))
     assert code == 0 and "no observations yet" in out

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from memchunk_prefect.model import MIB, ModelBank, OperatorModel, Prediction, _Form, repeatability
+from memchunk_prefect.model import MIB, ModelBank, OperatorModel, Prediction, _Form, _loo_weight, repeatability
 from memchunk_prefect.records import Observation
 from memchunk_prefect.store import Store
 
@@ -532,6 +532,49 @@ def test_rates_that_rise_between_two_clusters_of_sizes_are_a_curve_once_the_cons
     assert fast.rate_ratio() > 10 and fast.time_form() == "quadratic"
     assert fast.seconds_for(834_200) < 0.5 * statistics.median([4 * (1.095 - 0.623), 4 * (1.390 - 0.731), 4 * 0.623,
                                                                   4 * 0.747])
+
+
+def test_a_noisy_probe_leaves_the_curve_counting_by_its_leave_one_out_weight_not_dropped():
+    """trace_correlation's cold map on 192 x 192 x 100 (``python -m benchmarks.heterogeneous`` at 8b753f0, store
+    ``heterogeneous-8b753f0-memchunk-192x192x100-1``, its rows: elements, extents, wall and kernel seconds, bytes
+    the run grew its worker, peak). The two probes of one block taught 0.078 and 0.139 s (the second grew its
+    worker by just under 16 MiB, so it is not a first touch and keeps its kernel time), the rest 0.45-0.59 s:
+    rates 1.22x apart, and leave-one-out preferred the line through zero (0.124 against 0.140). Named linear, the
+    time model planned blocks at one rate, and the next warm plan was 4 chunks where 12 ran faster. The best curve
+    now counts by its leave-one-out weight: smaller blocks read cheaper per element, by less than the curve says.
+    """
+    rows = [(232_800, (24, 97, 100), 0.111, 0.033, 32_886_784, 48_857_088),
+            (232_800, (24, 97, 100), 0.139, 0.056, 16_748_544, 48_447_488),
+            (834_200, (86, 97, 100), 1.063, 0.604, 525_651_968, 571_514_880),
+            (834_200, (86, 97, 100), 1.045, 0.596, 526_225_408, 571_895_808),
+            (834_200, (86, 97, 100), 0.489, 0.087, 655_360, 566_804_480),
+            (834_200, (86, 97, 100), 0.586, 0.101, 1_036_288, 567_435_264)]
+    key = "trace_correlation|float32|cpu"
+    m = OperatorModel(key)
+    for e, ext, secs, sys_secs, grew, peak in rows:
+        m.learn(Observation(key, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+    fits = m.time_fits([470_000])
+    assert m.rate_ratio() == pytest.approx(1.22, abs=0.01) and m.rates_rise()
+    assert fits["linear"]["press"] < min(fits["superlinear"]["press"], fits["quadratic"]["press"])
+    assert m.time_form() == "linear"  # the form named follows the lower error
+    weight, curve = m.time_curve_weight()
+    assert curve in ("superlinear", "quadratic")
+    assert weight == pytest.approx(_loo_weight(fits[curve]["press"], fits["linear"]["press"], 6))
+    assert 0.3 < weight < 0.5  # counted, less than the line
+    line, curved = fits["linear"]["seconds"][0], fits[curve]["seconds"][0]
+    assert m.seconds_for(470_000) == pytest.approx(weight * curved + (1 - weight) * line)
+    assert min(line, curved) < m.seconds_for(470_000) < max(line, curved)
+    # What the planner sees: half the block, cheaper per element (the line alone reads the same rate).
+    assert m.seconds_for(417_100) / 417_100 < 0.95 * m.seconds_for(834_200) / 834_200
+    assert m.summary()["time_curve"] == curve and m.summary()["time_curve_weight"] == pytest.approx(weight)
+
+
+def test_leave_one_out_weight_is_a_half_at_a_tie_and_follows_the_better_form():
+    assert _loo_weight(0.1, 0.1, 6) == pytest.approx(0.5)
+    assert _loo_weight(0.01, 0.1, 6) > 0.99  # the curve far better
+    assert _loo_weight(1.0, 0.1, 6) < 0.01  # the line far better
+    assert _loo_weight(0.05, 0.1, 20) > _loo_weight(0.05, 0.1, 6)  # more runs, surer
+    assert _loo_weight(0.1, 0.0, 6) == 0.0 and _loo_weight(math.inf, 0.1, 6) == 0.0
 
 
 def test_time_fits_give_each_form_s_error_and_predictions_where_asked():
