@@ -1,7 +1,7 @@
 """The time form each operator's model read after each flow run, replayed from observation stores.
 
     python -m benchmarks.time_forms STORE [STORE ...] [--time-gap-ratio R] [--time-curve-margin M]
-        [--time-rising-gain G] [--fits] [--json PATH]
+        [--time-rising-gain G] [--fits] [--plans] [--json PATH]
 
 A curved time form (``superlinear``, ``quadratic``) makes the planner cut smaller
 chunks for speed; a line leaves it to the median seconds per element
@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fits", action="store_true",
                    help="also print, per stored key, each time form's leave-one-out error and coefficients after "
                         "all its runs (OperatorModel.time_fits), with the rate the planner uses for a line")
+    p.add_argument("--plans", action="store_true",
+                   help="also print, per operator and chunk count of the flow runs after each store's first, the "
+                        "median task seconds of the map, kernel seconds of its first touches and MiB grown "
+                        "(plan_costs)")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
     options = {k: v for k, v in (("time_gap_ratio", args.time_gap_ratio),
@@ -105,9 +109,53 @@ def main(argv: list[str] | None = None) -> int:
     if args.fits:
         for line in fit_lines(args.stores, **options):
             print(line)
+    if args.plans:
+        for line in plan_lines(args.stores, **options):
+            print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"options": options, "operators": result}, indent=1))
     return 0
+
+
+def plan_costs(stores: list[str], **options: Any) -> dict[str, dict[int, dict[str, Any]]]:
+    """Per operator name and chunk count, over the flow runs after each store's first (the warm plans): how
+    many maps ran that many chunks (``maps``), and the medians over them of the map's task seconds summed
+    (``task_seconds``: slot-seconds), of the kernel CPU seconds of its first touches (``first_touch_seconds``:
+    runs that grew their worker, :meth:`~memchunk_prefect.model.OperatorModel.first_touch`, whose time the model
+    learns less their kernel time) and of the MiB its runs grew their workers by (``grew_mib``).
+
+    What a plan cost, beside what the planner counts: compute by the learned time, per-task overhead, and no
+    first touch, though a plan of larger chunks takes each fresh worker higher."""
+    import statistics
+
+    from memchunk_prefect.model import OperatorModel
+
+    maps: dict[str, dict[int, list[tuple[float, float, float]]]] = {}
+    for _, key, history in stored_keys(stores):
+        model = OperatorModel(key, **options)
+        runs: dict[str, list[Any]] = {}
+        for obs in history:
+            runs.setdefault(obs.flow_run_id, []).append(obs)
+        for rows in list(runs.values())[1:]:
+            touched = [o for o in rows if model.first_touch(o)]
+            maps.setdefault(operator_name(key), {}).setdefault(len(rows), []).append(
+                (sum(float(o.seconds) for o in rows), sum(float(o.sys_seconds or 0.0) for o in touched),
+                 sum(int(o.grew_bytes or 0) for o in touched) / 2**20))
+    return {op: {n: {"maps": len(v), "task_seconds": statistics.median(x[0] for x in v),
+                     "first_touch_seconds": statistics.median(x[1] for x in v),
+                     "grew_mib": statistics.median(x[2] for x in v)} for n, v in sorted(by_n.items())}
+            for op, by_n in sorted(maps.items())}
+
+
+def plan_lines(stores: list[str], **options: Any) -> list[str]:
+    """:func:`plan_costs` as a table."""
+    lines = [f"{'operator':<20} {'chunks':>6} {'maps':>5} {'task s (median)':>16} {'first-touch kernel s':>21} "
+             f"{'MiB grown':>10}"]
+    for op, by_n in plan_costs(stores, **options).items():
+        for n, r in by_n.items():
+            lines.append(f"{op:<20} {n:>6} {r['maps']:>5} {r['task_seconds']:>16.2f} "
+                         f"{r['first_touch_seconds']:>21.2f} {r['grew_mib']:>10.0f}")
+    return lines
 
 
 def fit_lines(stores: list[str], **options: Any) -> list[str]:

@@ -701,6 +701,38 @@ def test_time_forms_replays_each_flow_run_and_the_support_test_can_be_turned_off
         time_forms.main([str(tmp_path / "missing.sqlite")])
 
 
+def test_time_forms_plans_sum_what_each_warm_map_cost_by_its_chunk_count(tmp_path, capsys):
+    """--plans: per chunk count of the maps after a store's first flow run, the task seconds summed, the kernel
+    seconds of first touches (runs that grew their worker past the threshold) and the MiB they grew. The warm
+    rows are trace_correlation's 4- and 8-chunk maps on 192 x 192 x 100 (benchmarks.heterogeneous at cacbee3)."""
+    from benchmarks import time_forms
+    from memchunk_prefect.records import Observation
+    from memchunk_prefect.store import Store
+
+    key = "trace_correlation|float32|cpu"
+    mib = 2**20
+    # (elements, seconds, kernel seconds, bytes grown, peak)
+    flows = {"cold": [(232_800, 0.1, 0.01, 0, 47 * mib)] * 2,  # the first flow run of the store: not a warm plan
+             "warm4": [(940_900, 1.96, 0.93, 664 * mib, 695 * mib), (940_900, 2.03, 0.98, 664 * mib, 694 * mib),
+                       (940_900, 0.81, 0.14, 0, 686 * mib), (940_900, 0.99, 0.16, mib, 686 * mib)],
+             "warm8": [(475_300, 0.33, 0.12, 152 * mib, 182 * mib)] * 2 + [(485_000, 0.25, 0.04, 0, 185 * mib)] * 6}
+    path = str(tmp_path / "s.sqlite")
+    with Store(path) as store:
+        for run, rows in flows.items():
+            for e, secs, sys_secs, grew, peak in rows:
+                store.add(Observation(key, e, (e // 9700, 97, 100), 4 * e, peak, seconds=secs,
+                                      sys_seconds=sys_secs, grew_bytes=grew, flow_run_id=run))
+    costs = time_forms.plan_costs([path])["trace_correlation"]
+    assert sorted(costs) == [4, 8] and costs[4]["maps"] == costs[8]["maps"] == 1
+    assert costs[4]["task_seconds"] == pytest.approx(1.96 + 2.03 + 0.81 + 0.99)
+    assert costs[4]["first_touch_seconds"] == pytest.approx(0.93 + 0.98)  # 1 MiB grown is no first touch
+    assert costs[4]["grew_mib"] == pytest.approx(2 * 664)
+    assert costs[8]["task_seconds"] == pytest.approx(2 * 0.33 + 6 * 0.25)
+    assert costs[8]["first_touch_seconds"] == pytest.approx(0.24) and costs[8]["grew_mib"] == pytest.approx(304)
+    assert time_forms.main([path, "--plans"]) == 0
+    assert "first-touch kernel s" in capsys.readouterr().out
+
+
 def test_time_forms_counts_the_runs_that_named_the_line_while_a_curve_counted(tmp_path, capsys):
     """A cold trace_correlation map whose noisy probes left the line named (tests/test_model.py's
     ``test_a_noisy_probe_leaves_the_curve_counting...``, the same rows): counted as partial, with its weight."""
