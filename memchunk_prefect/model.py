@@ -776,20 +776,25 @@ class OperatorModel:
     def time_curve_weight(self) -> tuple[float, str | None]:
         """How much a curved time form counts in a block's seconds (0..1), and which form (None: none does).
 
-        Where the measured rates rise (:meth:`rates_rise`) the choice between the line and the curve is not
-        all or nothing: a block's seconds are the curve's mean times its leave-one-out weight against the line
+        Where the measured rates rise (:meth:`rates_rise`) and the line is named, the best curve still counts:
+        a block's seconds are the curve's mean times its leave-one-out weight against the line
         (:func:`_loo_weight`) plus the line's (fitted through zero, the predictions the weight compared) times
-        the rest.
-        Rising rates say the line is wrong at both ends; which of the two predicts held-out runs better is
-        then often decided by one noisy probe. trace_correlation on 192 x 192 x 100 (``python -m
+        the rest. Rising rates say the line is wrong at both ends; which of the two predicts held-out runs
+        better is then often decided by one noisy probe. trace_correlation on 192 x 192 x 100 (``python -m
         benchmarks.heterogeneous`` at 8b753f0, store ``heterogeneous-8b753f0-memchunk-192x192x100-1``) timed
         two probes of the same 232,800-element block at 0.078 and 0.139 s and the rest at 0.45-0.59 s for
         834,200 (rates 1.22x apart): leave-one-out read 0.124 for the line and 0.140 for either curve, the
         form read linear, and the next warm plan of 4 chunks ran 3.16 s where the heuristic's 12 took 2.31.
-        With six runs the curve counts 0.41 there instead of 0; where the curve is clear (0.029 against 0.120)
-        it counts 0.99. Where the rates do not rise, a curve is all (it cleared ``superlinear_gain`` on sizes
-        that support it, :meth:`curve_supported`) or nothing: its weight would be about 1/2 on noise alone
-        (gst3d_dip, whose per-task costs make its rates fall), and a curve makes the planner cut smaller.
+        With six runs the curve counts 0.41 there instead of 0.
+
+        A curve named counts whole, not by its weight (0.73-0.99 in one benchmark's cold stores): shrunk towards
+        the line, it would read larger blocks cheaper, and the blocks beyond the largest timed ran slower still
+        than the curve read (trace_correlation's warm 940,900-element blocks 0.81-0.99 s on a worker that had
+        held them, where the cold run's curve read 0.62 s; ``python -m benchmarks.time_forms STORES --plans``
+        shows what each warm plan cost). Where the rates do not rise, a curve is all (it cleared
+        ``superlinear_gain`` on sizes that support it, :meth:`curve_supported`) or nothing: its weight would be
+        about 1/2 on noise alone (gst3d_dip, whose per-task costs make its rates fall), and a curve makes the
+        planner cut smaller.
         """
         choice = self._time_choice()
         return choice.weight, choice.curve
@@ -815,9 +820,9 @@ class OperatorModel:
         if best is None:
             return line
         if self.rates_rise():
-            weight = _loo_weight(fits[best].press, fits[LINEAR].press, fits[LINEAR].n)
-            named = best if fits[best].press <= self.time_rising_gain * fits[LINEAR].press else LINEAR
-            return _TimeChoice(named, best, weight)
+            if fits[best].press <= self.time_rising_gain * fits[LINEAR].press:
+                return _TimeChoice(best, best, 1.0)
+            return _TimeChoice(LINEAR, best, _loo_weight(fits[best].press, fits[LINEAR].press, fits[LINEAR].n))
         if fits[best].press < self.superlinear_gain * fits[LINEAR].press and self.curve_supported():
             return _TimeChoice(best, best, 1.0)
         return line

@@ -507,6 +507,7 @@ def test_rates_that_rise_between_two_clusters_of_sizes_are_a_curve_once_the_cons
     assert all(f["seconds"][0] >= 0 for f in fits.values())  # no form reads a negative constant
     assert 4 * min(fits["superlinear"]["press"], fits["quadratic"]["press"]) < fits["linear"]["press"]
     assert m.rate_ratio() == pytest.approx(2.66, abs=0.05) and m.time_form() in ("superlinear", "quadratic")
+    assert m.time_curve_weight() == (1.0, m.time_form())  # a curve named counts whole, not by its weight
     small = statistics.median([0.081 - 0.016, 0.092 - 0.023])  # compute seconds: first touches less kernel time
     large = statistics.median([1.095 - 0.623, 1.390 - 0.731, 0.623, 0.747])
     assert m.seconds_for(232_800) == pytest.approx(small, rel=0.2)
