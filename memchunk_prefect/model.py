@@ -787,8 +787,9 @@ class OperatorModel:
         form read linear, and the next warm plan of 4 chunks ran 3.16 s where the heuristic's 12 took 2.31.
         With six runs the curve counts 0.41 there instead of 0.
 
-        A curve named counts whole, not by its weight (0.73-0.99 in one benchmark's cold stores): shrunk towards
-        the line, it would read larger blocks cheaper, and the blocks beyond the largest timed ran slower still
+        A curve named counts whole, not by its weight (0.73-1.00 in the cold stores of ``python -m
+        benchmarks.heterogeneous`` at cacbee3, which blended it): shrunk towards the line, it reads larger blocks
+        cheaper, and the blocks beyond the largest timed ran slower still
         than the curve read (trace_correlation's warm 940,900-element blocks 0.81-0.99 s on a worker that had
         held them, where the cold run's curve read 0.62 s; ``python -m benchmarks.time_forms STORES --plans``
         shows what each warm plan cost). Where the rates do not rise, a curve is all (it cleared
