@@ -119,6 +119,10 @@ def summarize(rows: list[dict]) -> dict:
         out["warm_total_heuristic"] = round(sum(walls(warm, "heuristic")), 2)
         out["warm_total_ratio"] = round(out["warm_total_learned"] / out["warm_total_heuristic"], 3)
     if settled:
+        from benchmarks.strategies import same_plans
+
+        # Nights on which both ran one and the same plan: their walls differ by the host, not the policy.
+        out["settled_same_plans"] = [r["night"] for r in settled if same_plans(r["learned"], r["heuristic"])]
         ratios = [a / b for a, b in zip(walls(settled, "learned"), walls(settled, "heuristic"))]
         out["settled_median_ratio"] = round(statistics.median(ratios), 3)
         out["settled_median_learned"] = round(statistics.median(walls(settled, "learned")), 2)
@@ -214,9 +218,12 @@ def night_line(r: dict) -> str:
 def verdict(s: dict) -> str:
     if "settled_median_ratio" not in s:
         return "no settled night: the learned policy was still exploring on every warm night (run more nights)"
+    same = s.get("settled_same_plans") or []
+    same_note = (f"; the same plans as the heuristic on {len(same)} of them ({same})" if same else
+                 "; plans differing from the heuristic's on every one")
     return (f"settled nights {s['settled_nights']}: learned / heuristic median of per-night ratios "
             f"{s['settled_median_ratio']:.2f}x (medians {s['settled_median_learned']:.1f} s vs "
-            f"{s['settled_median_heuristic']:.1f} s); every warm night, exploration included: "
+            f"{s['settled_median_heuristic']:.1f} s{same_note}); every warm night, exploration included: "
             f"{s['warm_total_ratio']:.2f}x ({s['warm_total_learned']:.1f} s vs {s['warm_total_heuristic']:.1f} s); "
             f"out-of-memory events warm: {s['oom_learned_warm']} learned, {s['oom_heuristic_warm']} heuristic")
 

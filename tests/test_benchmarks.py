@@ -177,10 +177,15 @@ def test_the_nights_summary_compares_settled_nights_and_counts_exploration_in_th
         row = {"night": night, "learned": run(learned, why), "heuristic": run(heuristic, "")}
         row["learning"] = exploring(row["learned"])
         rows.append(row)
+    rows[3]["heuristic"]["extra"]["operators"]["op"]["chunks"] = 4  # night 3: the heuristic planned otherwise
     s = summarize(rows)
     assert s["settled_nights"] == [2, 3] and s["warm_nights"] == 4
     assert s["settled_median_ratio"] == pytest.approx(statistics_median([0.8, 0.9]))
     assert s["warm_total_ratio"] == pytest.approx(round(20.5 / 20.0, 3)), "exploration is paid for in the totals"
+    assert s["settled_same_plans"] == [2], "night 2 ran the heuristic's plan: its ratio is the host's"
+    from benchmarks.nights import verdict
+
+    assert "the same plans as the heuristic on 1 of them ([2])" in verdict(s)
 
 
 def test_replaying_a_kept_nights_store_lists_every_reward_beside_the_plans_the_model_offered():
