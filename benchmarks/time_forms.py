@@ -119,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def plan_costs(stores: list[str], **options: Any) -> dict[str, dict[int, dict[str, Any]]]:
     """Per operator name and chunk count, over the flow runs after each store's first (the warm plans): how
-    many maps ran that many chunks (``maps``), and the medians over them of the map's task seconds summed
+    many maps ran that many chunks (``maps``; the count is the runs a flow run recorded for the key, one per
+    chunk where the benchmarks map each operator once and nothing was retried or split), and the medians
+    over them of the map's task seconds summed
     (``task_seconds``: slot-seconds), of the kernel CPU seconds of its first touches (``first_touch_seconds``:
     runs that grew their worker, :meth:`~memchunk_prefect.model.OperatorModel.first_touch`, whose time the model
     learns less their kernel time) and of the MiB its runs grew their workers by (``grew_mib``).
