@@ -56,6 +56,18 @@ class WorkerMemory:
     memory_limit_bytes: int
     resting_bytes: int
     kill_fraction: float | None
+    #: The most the worker's process has held (:func:`memchunk_prefect.monitor.high_water_bytes`; its resting
+    #: memory where no run has been measured there), bytes; None where not read.
+    high_water_bytes: int | None = None
+
+    @property
+    def touched_bytes(self) -> int | None:
+        """What a task may use above the resting memory without taking its worker above the most it has held,
+        per thread (bytes; None where the high-water mark was not read): memory above it is faulted in and zeroed
+        by the kernel during the task, a cost a plan of larger chunks pays once per worker."""
+        if self.high_water_bytes is None:
+            return None
+        return max(0, int(self.high_water_bytes) - self.resting_bytes) // max(1, self.nthreads)
 
     @property
     def kill_headroom_bytes(self) -> int | None:
@@ -134,13 +146,29 @@ def resting_after_imports(modules: Sequence[str]) -> int:
     return process_resting_bytes(after, grown_bytes=after - before)
 
 
-def read_resting(client: Any, modules: Sequence[str] = WORKER_MODULES) -> dict[str, int]:
-    """Each worker's resting memory after the imports a task run makes, by worker address (empty if refused)."""
+def marks_after_imports(modules: Sequence[str]) -> tuple[int, int]:
+    """Run on a worker: its resting memory after importing ``modules`` (:func:`resting_after_imports`) and the
+    most its process has held (:func:`memchunk_prefect.monitor.high_water_bytes`, at least the resting memory),
+    bytes: one call, so a map's start pays one round trip for both."""
+    from .monitor import high_water_bytes
+
+    resting = resting_after_imports(modules)
+    return resting, max(resting, high_water_bytes() or 0)
+
+
+def read_marks(client: Any, modules: Sequence[str] = WORKER_MODULES) -> dict[str, tuple[int, int]]:
+    """Each worker's (resting memory after the imports a task run makes, high-water mark), bytes, by worker
+    address (empty if refused): see :func:`marks_after_imports`."""
     try:
-        return {str(k): int(v) for k, v in client.run(resting_after_imports, list(modules)).items()}
+        return {str(k): (int(v[0]), int(v[1])) for k, v in client.run(marks_after_imports, list(modules)).items()}
     except Exception as exc:  # noqa: BLE001 - the heartbeat's figure is used instead
         logger.info("could not read the workers' resting memory: %r", exc)
         return {}
+
+
+def read_resting(client: Any, modules: Sequence[str] = WORKER_MODULES) -> dict[str, int]:
+    """Each worker's resting memory after the imports a task run makes, by worker address (empty if refused)."""
+    return {k: resting for k, (resting, _) in read_marks(client, modules).items()}
 
 
 def machine_info() -> dict[str, Any]:
@@ -187,14 +215,16 @@ def read_machines(client: Any) -> dict[str, dict[str, Any]]:
 
 
 def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, object],
-                      default_fraction: float | None, resting: Mapping[str, int] | None = None) -> list[WorkerMemory]:
+                      default_fraction: float | None, resting: Mapping[str, int] | None = None,
+                      high_water: Mapping[str, int] | None = None) -> list[WorkerMemory]:
     """The workers of a ``client.scheduler_info()`` answer, with the kill fraction each one's nanny applies.
 
     ``kill_fractions``: each worker's own ``distributed.worker.memory.terminate``
     by worker address (see :func:`read_kill_fractions`); a worker not in it takes
     ``default_fraction``. A worker without a nanny has no kill line (None).
     ``resting``: each worker's resting memory as read by :func:`read_resting`; the
-    heartbeat's process memory for a worker not in it.
+    heartbeat's process memory for a worker not in it. ``high_water``: each worker's high-water mark as read
+    by :func:`read_marks` (None for a worker not in it).
 
     >>> info = {"workers": {"tcp://w:1": {"nthreads": 1, "memory_limit": 1000, "metrics": {"memory": 100},
     ...                                    "nanny": "tcp://n:1"}}}
@@ -213,7 +243,8 @@ def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, obje
             address=str(address), nthreads=int(w.get("nthreads", 1) or 1),
             memory_limit_bytes=int(w.get("memory_limit") or 0),
             resting_bytes=int((resting or {}).get(address) or (w.get("metrics") or {}).get("memory", 0) or 0),
-            kill_fraction=fraction))
+            kill_fraction=fraction,
+            high_water_bytes=None if (high_water or {}).get(address) is None else int(high_water[address])))  # type: ignore[index]
     return out
 
 
@@ -247,7 +278,9 @@ class Budget:
     worker's resting memory as read (by worker address), so a run's start can be
     compared with what the budget assumed; ``headroom_bytes``: each worker's kill
     line less its resting memory, per thread (what a task killed there had, so
-    what it needed more than); ``reason``: the derivation in words.
+    what it needed more than); ``touched_bytes``: each worker's high-water mark less its resting memory, per
+    thread, where it was read (what a task may use there without the kernel faulting in new memory:
+    :attr:`WorkerMemory.touched_bytes`); ``reason``: the derivation in words.
     """
 
     slots: int
@@ -255,6 +288,7 @@ class Budget:
     resting_bytes: dict[str, int]
     reason: str
     headroom_bytes: dict[str, int] = field(default_factory=dict)
+    touched_bytes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -337,9 +371,10 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
     resting = {x.address: x.resting_bytes for x in workers}
     headrooms = {x.address: int((x.kill_headroom_bytes or 0) / max(1, x.nthreads)) for x in workers
                  if x.kill_headroom_bytes is not None}
+    touched = {x.address: t for x in workers if (t := x.touched_bytes) is not None}
     if memory_budget is not None and not all(w.memory_limit_bytes for w in workers):
         return Budget(slots=slots(workers), budget_bytes=int(memory_budget), resting_bytes=resting,
-                      headroom_bytes=headrooms,
+                      headroom_bytes=headrooms, touched_bytes=touched,
                       reason=f"budget {format_bytes(memory_budget)} per task (memory_budget; workers without a "
                              "memory_limit have no line to derive one from)")
     per_worker = []
@@ -373,7 +408,7 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
         b = int(memory_budget)
         reason = f"budget {format_bytes(b)} per task (memory_budget; the cluster's line allows more)"
     return Budget(slots=slots(workers), budget_bytes=int(b), resting_bytes=resting, reason=reason,
-                  headroom_bytes=headrooms)
+                  headroom_bytes=headrooms, touched_bytes=touched)
 
 
 def scheduler_info(client: Any) -> dict:

@@ -275,7 +275,7 @@ class ChunkedMap:
                 self.slots, self.budget, tuple(completed), restarted, at=time.time(),
                 headroom_bytes=min(self.headroom.values()) if self.headroom else None,
                 drift_bytes=int(max(bank.model(self.key).unseen_bytes(), bank.model(self.key).first_use_bytes())),
-                gpu_budget_bytes=self.gpu_budget)))
+                gpu_budget_bytes=self.gpu_budget, touched_bytes=budget.touched_bytes or None)))
         self.planned.set()
         polled = time.monotonic()
         while not self.machine.finished:

@@ -67,7 +67,7 @@ import functools
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator, Protocol, Union
+from typing import Any, Iterable, Iterator, Mapping, Protocol, Union
 
 from . import bandit, policy
 from .bandit import ArmChoice
@@ -111,7 +111,9 @@ class Knowledge(Protocol):
     element, or None before any measurement; ``seconds_for(elements)`` a block's
     compute seconds where time grows faster than size (None where proportional); ``joules_for(elements)`` a
     block's learned energy in joules (None where none was learned: the planner then counts compute seconds at
-    ``PolicySettings.watts_per_core``); ``choose_arm(groups)`` the learned policy's arm among ``groups``
+    ``PolicySettings.watts_per_core``); ``touch_seconds_per_byte()`` the kernel seconds per byte a run pays to
+    grow its worker past the most it has held (None before such a run: plans then count nothing for it);
+    ``choose_arm(groups)`` the learned policy's arm among ``groups``
     (arms grouped by identical plans); ``predict_gpu(extents)`` the GPU-memory figures of a block (read only
     for maps on a GPU).
     """
@@ -125,6 +127,8 @@ class Knowledge(Protocol):
     def seconds_for(self, elements: int) -> float | None: ...
 
     def joules_for(self, elements: int) -> float | None: ...
+
+    def touch_seconds_per_byte(self) -> float | None: ...
 
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice: ...
 
@@ -181,6 +185,9 @@ class Start:
     ``gpu_budget_bytes``: on a GPU, what one task may use of the device's memory above
     the worker's resting GPU memory; every plan fits it as well (the GPU model of the
     key, :meth:`Knowledge.predict_gpu`). None on the CPU.
+    ``touched_bytes``: each worker's high-water mark less its resting memory, per thread, by address (what a
+    task may use there without the kernel faulting in memory the process never held: plans count what
+    growing past it costs, :class:`memchunk_prefect.policy.FirstTouch`); None: not read, nothing counted.
     """
 
     slots: int
@@ -191,6 +198,7 @@ class Start:
     headroom_bytes: int | None = None
     drift_bytes: int = 0
     gpu_budget_bytes: int | None = None
+    touched_bytes: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -642,6 +650,9 @@ class MapMachine:
     gpu_budget_bytes: int | None = None  # Start.gpu_budget_bytes: on a GPU, the device's budget per task
     drift_estimate: int = 0  # Start.drift_bytes, until runs report where their workers stood
     drift: dict[str, int] = field(default_factory=dict)  # each worker's latest start above the resting memory read
+    # Each worker's high-water mark above its resting memory (Start.touched_bytes), raised by the peaks its runs
+    # report; None: not read, so plans count nothing for growing the workers' memory.
+    touched: dict[str, int] | None = None
     queue: PlanQueue = field(init=False)  # planned, not submitted (re-plannable)
     gate: Gate = field(init=False)  # which queued chunks the upstream has written enough of to run
     regions: list[Chunk] = field(default_factory=list)  # boxes still to plan (after probes, or a resume)
@@ -804,6 +815,7 @@ class MapMachine:
         self.drift_estimate = max(0, int(ev.drift_bytes))
         self.budget_bytes = self.planned_budget = self._budget()
         self.gpu_budget_bytes = None if ev.gpu_budget_bytes is None else int(ev.gpu_budget_bytes)
+        self.touched = None if ev.touched_bytes is None else {str(a): int(b) for a, b in ev.touched_bytes.items()}
         out: list[Instruction] = []
         if ev.restarted:
             out.append(self._decided(RESTART, None, f"{self.spec.output_path} is replaced: {ev.restarted}", ev.at))
@@ -823,7 +835,7 @@ class MapMachine:
                                  whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
                                  seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
                                  seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
-                                 gpu=self.gpu_limit, read_range=self._read_range())
+                                 gpu=self.gpu_limit, read_range=self._read_range(), first_touch=self._first_touch())
 
         try:
             d = self._choose_arm(decide) if not _probes(decide) else decide()
@@ -842,6 +854,9 @@ class MapMachine:
         self.done.append(item.chunk)
         self._check_replan = True
         self._follow_drift(ev.observation)
+        if self.touched is not None and ev.observation.worker:
+            w = ev.observation.worker
+            self.touched[w] = max(self.touched.get(w, 0), int(ev.observation.peak_bytes))
         if item.decision == PROBE:
             # The block's own peak: what a first use left held is the worker's, and the budget already follows it.
             self.probe_peak = max(self.probe_peak, int(ev.observation.peak_bytes) - first_use_bytes(ev.observation))
@@ -1211,7 +1226,7 @@ class MapMachine:
             return f"the queued chunks of up to {largest.shape} no longer fit ({gpu_over})"
         k = self.knowledge
         old_secs = policy.estimate_seconds(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
-                                           k.seconds_for)
+                                           k.seconds_for, self._first_touch(), pred.mean_bytes)
         if self.settings.objective == "energy" and new.estimated_joules is not None:
             old_j = policy.estimate_joules(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
                                            k.seconds_for, k.joules_for)
@@ -1238,7 +1253,15 @@ class MapMachine:
                            region=region, itemsize=ITEMSIZE,
                            seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
                            seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
-                           gpu=self.gpu_limit, read_range=self._read_range())
+                           gpu=self.gpu_limit, read_range=self._read_range(), first_touch=self._first_touch())
+
+    def _first_touch(self) -> policy.FirstTouch | None:
+        """What growing the workers' memory past their high-water marks costs a plan now: the least touched
+        worker's mark and the operator's learned kernel seconds per byte (None where either is unknown)."""
+        if not self.touched:
+            return None
+        spb = self.knowledge.touch_seconds_per_byte()
+        return None if spb is None else policy.FirstTouch(min(self.touched.values()), spb)
 
     def _upper_for(self, chunk: Chunk) -> float | None:
         """Upper bound for the block this chunk reads (its halo clipped at the volume's edges); None while not ready."""

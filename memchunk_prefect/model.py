@@ -145,6 +145,11 @@ MIB = 2**20
 """Scale of features (elements per Mi-element) and targets (bytes per MiB) inside the model."""
 RATE_HISTORY = 256
 """Latest ``ok`` runs whose seconds per element a model keeps (more than any ``time_window`` needs)."""
+TOUCH_POOL_BYTES = 256 * MIB
+"""Bytes an operator's own runs must have grown their workers by, in all, before the cost of growing one is
+taken from them alone (:meth:`ModelBank.touch_seconds_per_byte`): a cold start's probes grow a few tens of MiB,
+whose kernel time is mostly what any run pays (:meth:`OperatorModel.touch_seconds_per_byte`); half a large
+chunk's growth (trace_correlation's 545 MiB blocks grew their workers ~500 MiB) is the operator's own."""
 PRESS_WINDOW = 1000
 """Latest rows over which a form's leave-one-out error (PRESS, which picks the form) is computed: all of them
 up to this many; beyond, a window keeps each refit O(1) in the rows learned (replaying 8,000 rows took 20 s
@@ -517,6 +522,7 @@ class OperatorModel:
     _cache: dict = field(init=False, repr=False)
     _rates: deque = field(init=False, repr=False)
     _first_touch_rates: deque = field(init=False, repr=False)  # seconds per element of runs that grew the worker
+    _touch_costs: deque = field(init=False, repr=False)  # (kernel seconds, bytes grown) of those runs
     _time_forms: dict[str, _Form] = field(init=False, repr=False)
     _time_sizes: set = field(init=False, repr=False)
     _time_runs: deque = field(init=False, repr=False)  # (elements, compute seconds) of the runs time learned
@@ -571,6 +577,7 @@ class OperatorModel:
         self._cache = {}
         self._rates = deque(maxlen=RATE_HISTORY)
         self._first_touch_rates = deque(maxlen=RATE_HISTORY)
+        self._touch_costs = deque(maxlen=RATE_HISTORY)
         self._ratios = deque(maxlen=self.conformal_window)
         self._unseen = deque(maxlen=self.metric_window)
         self._energy = deque(maxlen=RATE_HISTORY)  # _EnergyRun of recent ok runs with an energy figure
@@ -592,6 +599,8 @@ class OperatorModel:
             return "ignored"  # the GPU's memory ran out: it says nothing of the host's (model.gpu_view learns it)
         if obs.outcome == "ok" and obs.elements > 0 and obs.energy_joules is not None:
             self._learn_energy(obs)
+        if obs.outcome == "ok" and self.first_touch(obs) and obs.sys_seconds is not None:
+            self._touch_costs.append((float(obs.sys_seconds), float(obs.grew_bytes or 0)))
         if obs.outcome == "ok" and obs.elements > 0:
             seconds = self.compute_seconds(obs)
             if seconds is None:
@@ -705,6 +714,26 @@ class OperatorModel:
         if obs.sys_seconds is None:
             return None
         return max(0.0, float(obs.seconds) - float(obs.sys_seconds))
+
+    def touch_costs(self) -> tuple[float, float]:
+        """(kernel seconds, bytes grown) summed over the latest runs that grew their worker (:meth:`first_touch`)
+        and measured their kernel time: what :meth:`touch_seconds_per_byte` divides."""
+        return sum(c[0] for c in self._touch_costs), sum(c[1] for c in self._touch_costs)
+
+    def touch_seconds_per_byte(self) -> float | None:
+        """Kernel seconds per byte the latest runs that grew their worker paid (:meth:`first_touch`): the cost of
+        growing a worker's memory past the most it has held, which a plan pays once per worker
+        (:class:`memchunk_prefect.policy.FirstTouch`); None before such a run.
+
+        Their kernel time over the bytes they grew, summed (not a median of ratios), so the large growths, which
+        cost what a plan pays, decide: a small one's ratio is mostly the kernel time any run pays
+        (trace_correlation's probes grew 17-32 MiB for 0.015-0.024 s, 0.8-0.9 s/GiB; its 500 MiB growths
+        1.4-1.5 s/GiB). It includes what the same run would pay in kernel time below the mark (a 545 MiB
+        trace_correlation block: 0.7-0.8 s growing 502 MiB, 0.1-0.15 s again): the time model is fitted to first
+        touches less all their kernel time (:meth:`compute_seconds`), so the two add up to what such a run took.
+        """
+        sys_seconds, grew = self.touch_costs()
+        return sys_seconds / grew if grew > 0 else None
 
     def seconds_per_element(self, window: int = 20) -> float | None:
         """Compute seconds per element (halo included): the median of the latest ``window`` ``ok`` runs.
@@ -1337,6 +1366,8 @@ class OperatorModel:
             "time_rate_ratio": self.rate_ratio(),  # seconds per element, largest blocks over smallest
             "time_runs": len(self._rates),  # ok runs time is learned from (the latest RATE_HISTORY)
             "first_touch_runs": len(self._first_touch_rates),  # ok runs set aside: they grew their worker
+            "touch_seconds_per_gib": (None if self.touch_seconds_per_byte() is None
+                                      else self.touch_seconds_per_byte() * 2**30),  # type: ignore[operator]
             "joules_per_element": None,
             "energy_source": None,
             "energy_runs": len(self._energy),
@@ -1696,6 +1727,20 @@ class ModelBank:
         with self._lock:
             return self.model(key).joules_for(elements, window)
 
+    def touch_seconds_per_byte(self, key: str) -> float | None:
+        """What growing a worker's memory costs ``key``'s runs, kernel seconds per byte
+        (:meth:`OperatorModel.touch_seconds_per_byte`); where its own runs grew less than
+        ``TOUCH_POOL_BYTES`` in all, every model this bank has loaded, pooled: the cost is the kernel's,
+        paid alike by any operator on the machine, and an operator's first map has none of its own.
+        None before any such run."""
+        with self._lock:
+            own_seconds, own_grew = self.model(key).touch_costs()
+            if own_grew >= TOUCH_POOL_BYTES:
+                return own_seconds / own_grew
+            costs = [m.touch_costs() for m in self._models.values()]
+            grew = sum(c[1] for c in costs)
+            return sum(c[0] for c in costs) / grew if grew > 0 else None
+
     def predictor(self, key: str, itemsize: int = ITEMSIZE):
         """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""
         return lambda extents: self.predict(key, extents, itemsize)
@@ -1729,6 +1774,9 @@ class BankKnowledge:
 
     def joules_for(self, elements: int) -> float | None:
         return self.bank.joules_for(self.key, elements, self.settings.time_window)
+
+    def touch_seconds_per_byte(self) -> float | None:
+        return self.bank.touch_seconds_per_byte(self.key)
 
     def block_seconds(self, elements: int) -> float | None:
         """Learned wall seconds of one block of ``elements`` (halo included): its compute time as the planner

@@ -75,7 +75,7 @@ __all__ = [
     "Predictor", "plan", "probe_plan", "decide", "split_chunk", "bound_moved", "remaining_boxes", "task_budget_bytes",
     "allowed_failures_warning", "estimate_seconds", "estimate_joules", "objective_value", "check_budget", "SecondsFor",
     "JoulesFor", "GpuLimit", "gpu_task_budget_bytes", "GPU_TARGET_FRACTION", "probe_budget", "ReadRange",
-    "NoPlanInRangeError",
+    "NoPlanInRangeError", "FirstTouch",
 ]
 
 CONTINUE = "continue"
@@ -112,6 +112,39 @@ class GpuLimit:
         """The GPU prediction of a block of ``extents`` when its upper bound exceeds the GPU budget, else None."""
         pred = self.predict(extents)
         return pred if pred.upper_bytes > self.budget_bytes else None
+
+
+@dataclass(frozen=True)
+class FirstTouch:
+    """What a plan pays for taking its workers above the most memory they have held.
+
+    Memory a worker process holds for the first time is faulted in and zeroed by the kernel during the task that
+    first uses it: one trace_correlation block of 545 MiB took 0.8-1.4 s the first time in a process and 0.3 s
+    the next (``python -m benchmarks.first_touch``), ~1.2-1.5 s of kernel time per GiB grown. Paid once per
+    worker, not per chunk, so a time model per element cannot carry it, and a plan of a few large chunks on
+    fresh workers is slower than its compute alone says.
+
+    ``touched_bytes``: what a task may use above its worker's resting memory without growing it, on the least
+    touched worker, per thread (:attr:`memchunk_prefect.cluster.WorkerMemory.touched_bytes`), bytes;
+    ``seconds_per_byte``: the kernel seconds this operator's runs paid per byte they grew their worker
+    (:meth:`memchunk_prefect.model.OperatorModel.touch_seconds_per_byte`).
+    """
+
+    touched_bytes: int
+    seconds_per_byte: float
+
+    def seconds(self, peak_bytes: float | None) -> float:
+        """Seconds the first wave of chunks peaking at ``peak_bytes`` (above the resting memory) adds to a
+        makespan: every worker grows at once, so the least touched one's growth is what the plan waits for.
+
+        >>> FirstTouch(touched_bytes=100 * 2**20, seconds_per_byte=1.0 / 2**30).seconds(612 * 2**20)
+        0.5
+        >>> FirstTouch(touched_bytes=100 * 2**20, seconds_per_byte=1.0 / 2**30).seconds(50 * 2**20)
+        0.0
+        """
+        if peak_bytes is None:
+            return 0.0
+        return max(0.0, float(peak_bytes) - self.touched_bytes) * self.seconds_per_byte
 
 
 @dataclass
@@ -340,15 +373,19 @@ def late(seconds: float, settings: PolicySettings) -> bool:
 
 
 def estimate_seconds(n_chunks: int, extents: Sequence[int], slots: int, settings: PolicySettings,
-                     seconds_per_element: float | None = None, seconds_for: SecondsFor | None = None) -> float:
+                     seconds_per_element: float | None = None, seconds_for: SecondsFor | None = None,
+                     first_touch: FirstTouch | None = None, peak_bytes: float | None = None) -> float:
     """Estimated makespan in seconds of ``n_chunks`` equal chunks of ``extents`` (halo included) on ``slots``.
 
     A chunk's compute time is ``seconds_for(elements)`` where the model learned
     that time grows faster than size, else ``elements x seconds_per_element``.
+    ``first_touch``: what growing the workers past their high-water mark costs, once, for chunks peaking at
+    ``peak_bytes`` (the model's mean; see :class:`FirstTouch`).
     """
     compute = _compute_seconds(extents, settings, seconds_per_element, seconds_for)
     waves = math.ceil(n_chunks / max(1, slots))
-    return waves * (compute + settings.per_task_overhead_seconds)
+    grow = first_touch.seconds(peak_bytes) if first_touch is not None else 0.0
+    return waves * (compute + settings.per_task_overhead_seconds) + grow
 
 
 # --------------------------------------------------------------------------- plan
@@ -370,6 +407,7 @@ def plan(
     joules_for: JoulesFor | None = None,
     gpu: GpuLimit | None = None,
     read_range: ReadRange | None = None,
+    first_touch: FirstTouch | None = None,
 ) -> Plan:
     """The best chunking of ``region`` (default: the whole volume of ``shape``) for one operator.
 
@@ -382,6 +420,8 @@ def plan(
     hold (halo included); the learned policy's granularity arms plan within one
     (:mod:`memchunk_prefect.bandit`). Raises :class:`NoPlanInRangeError` when
     chunkings fit the budget but none reads a block in that range.
+    ``first_touch``: what growing the workers' memory past what they have held costs (:class:`FirstTouch`),
+    counted once in each plan's estimate; None: nothing.
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
@@ -440,7 +480,8 @@ def plan(
                     out_of_range += 1
                     continue
                 n = ci * cx * ct
-                secs = estimate_seconds(n, ext, slots, settings, seconds_per_element, seconds_for)
+                secs = estimate_seconds(n, ext, slots, settings, seconds_per_element, seconds_for, first_touch,
+                                        pred.mean_bytes)
                 joules = estimate_joules(n, ext, slots, settings, seconds_per_element, seconds_for, joules_for)
                 # Prefer: the objective (shortest makespan, or least energy among the plans that meet the
                 # deadline, then the fastest late one), then fewest chunks, uncut traces, cutting ilines first.
@@ -500,7 +541,7 @@ def plan(
         decision=RECHUNK,
         reason=(f"{_chunks_of(len(chunks), cshape)}: upper bound {format_bytes(pred.upper_bytes)} "
                 f"fits the budget {format_bytes(budget_bytes)}{gpu_words} with {slots} slot(s)"
-                + _objective_words(secs, joules, settings)),
+                + _growth_words(first_touch, pred.mean_bytes) + _objective_words(secs, joules, settings)),
         **gpu_fields,
     )
 
@@ -527,6 +568,14 @@ def _chunks_of(n: int, shape: Sequence[int]) -> str:
     ('1 chunk of (1, 28, 400)', '2 chunks of up to (70, 64, 400)')
     """
     return f"1 chunk of {tuple(shape)}" if n == 1 else f"{n} chunks of up to {tuple(shape)}"
+
+
+def _growth_words(first_touch: FirstTouch | None, peak_bytes: float) -> str:
+    """What a plan's estimate counts for growing the workers' memory, in words ("" where nothing)."""
+    if first_touch is None or first_touch.seconds(peak_bytes) < 0.01:
+        return ""
+    return (f"; {first_touch.seconds(peak_bytes):.2f} s counted for taking the workers "
+            f"{format_bytes(peak_bytes - first_touch.touched_bytes)} above the most they have held")
 
 
 def _objective_words(secs: float, joules: float, settings: PolicySettings) -> str:
@@ -719,6 +768,7 @@ def decide(
     joules_for: JoulesFor | None = None,
     gpu: GpuLimit | None = None,
     read_range: ReadRange | None = None,
+    first_touch: FirstTouch | None = None,
 ) -> Decision:
     """Continue with the incoming chunking, rechunk, or probe (no history).
 
@@ -726,13 +776,13 @@ def decide(
     from disk, which has no chunking worth keeping). ``gpu``: on a GPU, the
     device's budget, which the incoming chunks must fit as well to be kept.
     ``read_range``: as for :func:`plan`; incoming chunks whose largest block
-    read is outside it are not kept.
+    read is outside it are not kept. ``first_touch``: as for :func:`plan`.
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
     best = plan(vol, budget_bytes=budget_bytes, predict=predict, halo=h, slots=slots, whole_traces=whole_traces,
                 itemsize=itemsize, seconds_per_element=seconds_per_element, settings=settings, seconds_for=seconds_for,
-                joules_for=joules_for, gpu=gpu, read_range=read_range)
+                joules_for=joules_for, gpu=gpu, read_range=read_range, first_touch=first_touch)
     if best.probe:
         return Decision(PROBE, best, best.reason, incoming_n_chunks=len(incoming) if incoming else None)
     if not incoming:
@@ -763,7 +813,8 @@ def decide(
             f"incoming chunks read blocks of up to {math.prod(ext):,} elements, outside the "
             f"{read_range[0]:,.0f} to {read_range[1]:,.0f} this plan is made for: " + best.reason,
             incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
-    secs = estimate_seconds(len(incoming), ext, slots, settings, seconds_per_element, seconds_for)
+    secs = estimate_seconds(len(incoming), ext, slots, settings, seconds_per_element, seconds_for, first_touch,
+                            pred.mean_bytes)
     joules = estimate_joules(len(incoming), ext, slots, settings, seconds_per_element, seconds_for, joules_for)
     worse = _worse_than(secs, joules, best, settings)
     if worse:

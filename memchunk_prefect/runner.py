@@ -743,7 +743,8 @@ class MemoryAwareRunner(DaskTaskRunner):
             return self._bank
 
     def workers(self, modules: Sequence[str] = ()) -> list[WorkerMemory]:
-        """The cluster's workers as the budget sees them: kill fraction (read once per worker), resting memory.
+        """The cluster's workers as the budget sees them: kill fraction (read once per worker), resting memory,
+        high-water mark.
 
         The resting memory is read on each worker after importing what a task run
         of this map imports there (``modules`` besides the runner's own), so a fresh
@@ -753,8 +754,9 @@ class MemoryAwareRunner(DaskTaskRunner):
         new = [a for a in info["workers"] if a not in self._kill_fractions]
         if new:
             self._kill_fractions.update(_cluster.read_kill_fractions(self.client, new))
-        resting = _cluster.read_resting(self.client, (*_cluster.WORKER_MODULES, *modules))
-        return _cluster.workers_from_info(info, self._kill_fractions, _cluster.configured_kill_fraction(), resting)
+        marks = _cluster.read_marks(self.client, (*_cluster.WORKER_MODULES, *modules))
+        return _cluster.workers_from_info(info, self._kill_fractions, _cluster.configured_kill_fraction(),
+                                          {a: r for a, (r, _) in marks.items()}, {a: h for a, (_, h) in marks.items()})
 
     def budget(self, modules: Sequence[str] = ()) -> _cluster.Budget:
         """Task slots, the per-task memory budget and how it was derived, read from the live cluster.

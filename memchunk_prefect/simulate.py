@@ -286,6 +286,9 @@ class PriorKnowledge:
     def joules_for(self, elements: int) -> float | None:
         return None  # no energy is learned for a prior: the planner counts its seconds at watts_per_core
 
+    def touch_seconds_per_byte(self) -> float | None:
+        return None  # the simulated workers pay nothing for memory they never held: a plan counts none
+
     def margin(self) -> float:
         return DEFAULT_MARGIN
 

@@ -205,3 +205,27 @@ def test_the_resting_memory_read_while_another_flows_chunk_peaks_on_the_worker_i
     assert abs(busy - idle) < 50 * 2**20, (
         f"read {busy / 2**20:.0f} MiB resting while the other chunk held the worker at {busy_rss / 2**20:.0f} MiB; "
         f"idle it rested at {idle / 2**20:.0f} MiB")
+
+
+@pytest.mark.cluster
+def test_a_workers_high_water_mark_is_read_with_its_resting_memory_and_outlasts_the_memory_it_freed():
+    """A tracked run on a fresh worker holds 300 MiB and frees it: the worker rests low again, but its process
+    has held that memory (a task reaching it again pays no first touch), and the budget says so per worker."""
+    from distributed import Client, Event, LocalCluster
+
+    from memchunk_prefect import cluster
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, memory_limit="2GiB",
+                      dashboard_address=None) as lc, Client(lc, set_as_default=False) as client:
+        ((address, (rest0, mark0)),) = cluster.read_marks(client, ()).items()
+        Event("go-and-free", client=client).set()
+        client.submit(_hold_tracked, 300 * 2**20, "go-and-free", pure=False).result(timeout=60)
+        ((_, (rest, mark)),) = cluster.read_marks(client, ()).items()
+        info = client.scheduler_info()
+    assert mark0 == rest0, "no run measured yet: the mark is the resting memory"
+    assert rest < rest0 + 100 * 2**20, f"the freed block is not resting memory ({rest0 / 2**20:.0f} -> {rest / 2**20:.0f} MiB)"
+    assert mark >= rest + 250 * 2**20, f"mark {mark / 2**20:.0f} MiB, resting {rest / 2**20:.0f} MiB"
+    (w,) = cluster.workers_from_info(info, {}, 0.95, {address: rest}, {address: mark})
+    assert cluster.budget([w]).touched_bytes == {address: mark - rest}
+    (unread,) = cluster.workers_from_info(info, {}, 0.95, {address: rest})
+    assert unread.touched_bytes is None and cluster.budget([unread]).touched_bytes == {}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import pickle
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -72,6 +72,7 @@ class Linear:
     spe: float | None = 1e-6
     tight: float | None = None
     learner: ArmLearner = field(default_factory=lambda: ArmLearner(KEY))
+    touch: float | None = None  # kernel seconds per byte a run pays to grow its worker (None: not learned)
 
     def predict(self, extents):
         mean = self.bytes_per_element * math.prod(extents)
@@ -86,6 +87,9 @@ class Linear:
 
     def joules_for(self, elements):
         return None  # no energy learned: seconds x watts_per_core
+
+    def touch_seconds_per_byte(self):
+        return self.touch
 
     def choose_arm(self, groups):
         return self.learner.choose(groups)
@@ -136,6 +140,29 @@ def test_a_warm_start_decides_once_then_submits_up_to_the_in_flight_cap():
     assert kinds(submitted) == ["Submit"] * 4, "2 slots: 2 per slot in flight, the rest stays re-plannable"
     assert len(m.queue) == d.record.n_chunks - 4
     assert all(s.upper_bytes <= 100 * 1024 for s in of(Submit, submitted))
+
+
+def test_fresh_workers_make_a_plan_count_what_growing_their_memory_costs_and_a_touched_worker_does_not():
+    """64 x 64 x 100 at 2000 B/element (819 MB whole) on 2 slots, 1 us/element, 0.15 s per task: in 2 chunks the
+    compute is least, but each fresh worker grows by 410 MB at 1.5 s/GiB (0.57 s, once); 4 chunks grow 205 MB."""
+    knowledge = Linear(bytes_per_element=2000, touch=1.5 / 2**30)
+    cold = machine((64, 64, 100), knowledge=knowledge)
+    (d,) = of(Decided, started(cold, budget=2 * 2**30, touched_bytes={"w1": 0, "w2": 0})[0])
+    assert d.record.n_chunks > 2, d.record.reason
+    assert "above the most they have held" in d.record.reason
+    # Workers that have held 1 GiB per task already pay nothing: the fewest chunks win again, as without a mark.
+    warm = machine((64, 64, 100), knowledge=Linear(bytes_per_element=2000, touch=1.5 / 2**30))
+    (dw,) = of(Decided, started(warm, budget=2 * 2**30, touched_bytes={"w1": 2**30, "w2": 2**30})[0])
+    unread = machine((64, 64, 100), knowledge=Linear(bytes_per_element=2000, touch=1.5 / 2**30))
+    (du,) = of(Decided, started(unread, budget=2 * 2**30)[0])
+    assert dw.record.n_chunks == du.record.n_chunks == 2
+    assert "above the most" not in dw.record.reason
+    # A run's peak raises its worker's mark; the least touched worker is what a plan waits for.
+    sid = next(iter(cold.in_flight))  # submitted by started()
+    chunk = cold.in_flight[sid].chunk
+    cold.handle(ChunkDone(sid, replace(obs(chunk, peak=300 * MiB), worker="w1")))
+    assert cold.touched == {"w1": 300 * MiB, "w2": 0}
+    assert cold._first_touch().touched_bytes == 0
 
 
 def test_a_budget_that_forces_thousands_of_tiny_chunks_is_a_warning_naming_the_budget_and_the_fix():

@@ -234,6 +234,41 @@ def test_bank_replays_the_store_and_persists_what_it_learns(tmp_path):
         assert bank2.model("unknown|float32|cpu").n_observations == 0
 
 
+#: trace_correlation's first touches on 192 x 192 x 100 (heterogeneous benchmark at 4222c16, a warm night's first
+#: flow run): elements, wall and kernel seconds, bytes the run grew its worker, peak. Two probes, two large blocks
+#: on fresh workers, then the same blocks again below the marks they set (grew < 1 MiB: no first touch).
+TOUCH_ROWS = [(232_800, 0.109, 0.023919, 32_354_304, 48_324_608), (232_800, 0.109, 0.014658, 17_317_888, 48_898_048),
+              (834_200, 1.364, 0.699982, 526_090_240, 571_367_424), (834_200, 1.503, 0.767752, 526_360_576, 571_805_696),
+              (834_200, 0.746, 0.105368, 499_712, 566_726_656), (834_200, 0.753, 0.145298, 933_888, 567_091_200)]
+
+
+def _touch_obs(key, e, secs, sys_secs, grew, peak):
+    return Observation(key, e, (1, 1, e), 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew)
+
+
+def test_what_growing_a_worker_costs_is_learned_from_the_first_touches_weighted_by_the_bytes_they_grew(tmp_path):
+    m = OperatorModel(KEY)
+    assert m.touch_seconds_per_byte() is None
+    for row in TOUCH_ROWS:
+        m.learn(_touch_obs(KEY, *row))
+    # (0.0239 + 0.0147 + 0.700 + 0.768) s over (32.4 + 17.3 + 526.1 + 526.4) MB: the runs below their marks and
+    # the probes' small growths (0.8-0.9 s/GiB alone) do not pull the large growths' 1.4-1.5 s/GiB far.
+    assert m.touch_seconds_per_byte() * 2**30 == pytest.approx(1.468, abs=0.01)
+    assert m.summary()["touch_seconds_per_gib"] == pytest.approx(1.468, abs=0.01)
+    assert m.touch_costs()[1] == sum(r[3] for r in TOUCH_ROWS[:4])
+    # A bank: an operator whose own runs grew little takes the machine's figure, pooled over what it has loaded.
+    with Store(tmp_path / "obs.sqlite") as store:
+        bank = ModelBank(store)
+        other = "envelope|float32|cpu"
+        assert bank.touch_seconds_per_byte(other) is None
+        for row in TOUCH_ROWS:
+            bank.learn(_touch_obs(KEY, *row))
+        bank.learn(_touch_obs(other, 240_000, 0.08, 0.01, 20 * MIB, 21 * MIB))
+        pooled = (sum(r[2] for r in TOUCH_ROWS[:4]) + 0.01) / (sum(r[3] for r in TOUCH_ROWS[:4]) + 20 * MIB)
+        assert bank.touch_seconds_per_byte(other) == pytest.approx(pooled)
+        assert bank.touch_seconds_per_byte(KEY) == pytest.approx(m.touch_seconds_per_byte())
+
+
 def test_bank_refresh_sees_rows_written_by_another_process(tmp_path):
     path = tmp_path / "obs.sqlite"
     with Store(path) as mine, Store(path) as theirs:

@@ -14,6 +14,7 @@ from memchunk_prefect.policy import (
     CONTINUE,
     PROBE,
     RECHUNK,
+    FirstTouch,
     PolicySettings,
     Prediction,
     decide,
@@ -59,6 +60,26 @@ def test_plan_picks_fewest_balanced_chunks_that_fit_and_fill_slots(shape, multip
     assert all(c.shape[2] == shape[2] for c in p.chunks), "whole traces are kept by default"
     sizes = [c.elements for c in p.chunks]
     assert max(sizes) - min(sizes) <= max(sizes) // 4 + shape[1] * shape[2], "chunks are balanced"
+
+
+def test_a_plan_counts_growing_fresh_workers_memory_once_and_takes_smaller_chunks_where_that_costs_more():
+    """192 x 192 x 100 at 160 B/element on 2 slots, 1 us/element: 2 chunks compute in the least time, but each
+    fresh worker grows ~295 MB for them at 1.5 s/GiB (0.41 s); smaller chunks grow less and overlap it."""
+    shape, spe, spb = (192, 192, 100), 1e-6, 1.5 / 2**30
+    s = PolicySettings(seconds_per_element=spe, per_task_overhead_seconds=0.05)
+    none = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=s)
+    fresh = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=s,
+                 first_touch=FirstTouch(touched_bytes=0, seconds_per_byte=spb))
+    held = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=s,
+                first_touch=FirstTouch(touched_bytes=2**30, seconds_per_byte=spb))
+    assert none.n_chunks == held.n_chunks == 2
+    assert held.estimated_seconds == pytest.approx(none.estimated_seconds)
+    assert fresh.n_chunks > 2, fresh.reason
+    grow = fresh.predicted_peak_bytes * spb
+    assert fresh.estimated_seconds == pytest.approx(
+        math.ceil(fresh.n_chunks / 2) * (0.05 + spe * math.prod(fresh.chunk_shape)) + grow)
+    assert fresh.estimated_seconds < none.estimated_seconds + 160 * math.prod(none.chunk_shape) * spb
+    assert "above the most they have held" in fresh.reason and "above the most" not in held.reason
 
 
 def test_plan_counts_the_halo_against_the_budget():
