@@ -97,6 +97,8 @@ def test_models_time_cell_shows_a_curve_that_counts_in_part_beside_the_line():
     assert _time_cell(row) == "linear 6 1.2x superlinear 41%"
     assert _time_cell({**row, "time_form": "superlinear", "time_curve_weight": 1.0}) == "superlinear 6 1.2x"
     assert _time_cell({**row, "time_curve": None, "time_curve_weight": 0.0}) == "linear 6 1.2x"
+    grew = {**row, "time_curve": None, "time_curve_weight": 0.0, "first_touch_runs": 2, "touch_seconds_per_gib": 1.47}
+    assert _time_cell(grew) == "linear 6 +2 first 1.5 s/GiB 1.2x"
 
 
 def test_models_on_an_empty_store_says_so(capsys, tmp_path):
