@@ -339,6 +339,10 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--halo", nargs="+", type=int, metavar="N",
                    help="halo in samples: one int for every axis or three (default: the operator's own)")
     p.add_argument("--slots", type=int, default=1, help="worker slots (workers x threads) to keep busy")
+    p.add_argument("--held",
+                   help="what each worker has already held above its resting memory, per thread, e.g. 300MiB "
+                        "(default: nothing, fresh workers, as a flow's own local cluster starts): a plan taking them "
+                        "higher counts the kernel time the store's runs paid to grow theirs")
     traces = p.add_mutually_exclusive_group()
     traces.add_argument("--whole-traces", dest="whole_traces", action="store_true", default=None,
                         help="never cut the time axis")
@@ -350,10 +354,11 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 @register("plan", "the chunking the runner would choose, without running anything")
 @arguments(_plan_arguments)
 def _plan(args: argparse.Namespace) -> int:
-    from .model import ModelBank
-    from .policy import plan
+    from .model import TOUCH_POOL_BYTES, ModelBank
+    from .policy import FirstTouch, plan
 
     budget = parse_bytes(args.budget)
+    held = parse_bytes(args.held) if args.held is not None else 0
     if args.halo is not None and len(args.halo) not in (1, 3):
         raise VolumeError(f"--halo takes one int (every axis) or three (iline xline twt), got {args.halo}")
     if args.slots < 1:
@@ -363,13 +368,19 @@ def _plan(args: argparse.Namespace) -> int:
         bank = ModelBank(store)
         model_key = key or args.operator
         model = bank.model(model_key)
+        if model.touch_costs()[1] < TOUCH_POOL_BYTES:
+            for other in store.keys():  # the bank pools what growing costs over the models it has loaded
+                bank.model(other)
+        spb = bank.touch_seconds_per_byte(model_key)
     spec = _operator_spec(model_key)
     halo: Any = args.halo[0] if args.halo and len(args.halo) == 1 else args.halo
     if halo is None:
         halo = spec.halo_for({}) if spec is not None else 0
     whole = args.whole_traces if args.whole_traces is not None else (spec.whole_traces if spec else True)
+    # The learned time, as the runner plans with it (BankKnowledge): per element, and a curve where one is learned.
     p = plan(tuple(args.shape), budget_bytes=budget, predict=lambda ext: model.predict(ext), halo=halo,
-             slots=args.slots, whole_traces=whole)
+             slots=args.slots, whole_traces=whole, seconds_per_element=model.seconds_per_element(),
+             seconds_for=model.seconds_for, first_touch=None if spb is None else FirstTouch(held, spb))
     summary = model.summary()
     out = p.to_dict()
     out.update({
@@ -377,6 +388,8 @@ def _plan(args: argparse.Namespace) -> int:
         "shape": list(args.shape),
         "halo": list(halo) if isinstance(halo, (list, tuple)) else [int(halo)] * 3,
         "slots": args.slots,
+        "held_bytes": held,
+        "touch_seconds_per_byte": spb,
         "whole_traces": whole,
         "n_observations": summary["n_observations"],
         "too_little_history": bool(p.probe),

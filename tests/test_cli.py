@@ -119,6 +119,36 @@ def test_plan_json_has_the_promised_fields(capsys, store_path):
     assert p["chunk_shape"][2] == 400  # envelope needs whole traces
 
 
+def test_plan_counts_growing_fresh_workers_at_what_the_stores_runs_paid_and_not_on_workers_that_held_it(
+        capsys, tmp_path, monkeypatch):
+    """envelope-like rows (70 MiB + 28 B per element, 1 us per element); the runs that grew a fresh worker paid
+    5 s of kernel time per GiB grown (a slow machine's figure, to make it count). On fresh workers a plan of
+    2 chunks (one each) grows each worker ~400 MiB: 2 s, where 4 or more grow less and add 0.15 s per wave."""
+    path = tmp_path / "touch.sqlite"
+    monkeypatch.setenv("MEMCHUNK_STORE", str(path))
+    rng = random.Random(1)
+    with Store(path) as s:
+        for i in range(12):
+            il = rng.choice([8, 16, 32, 64])
+            e = il * 64 * 400
+            peak = 70 * 2**20 + 28 * e
+            grew = peak if i % 4 == 0 else 0
+            s.add(Observation(ENV, e, (il, 64, 400), 4 * e, peak, seconds=1e-6 * e, grew_bytes=grew,
+                              sys_seconds=5.0 * grew / 2**30))
+    argv = ("plan", "--operator", "envelope", "--shape", "200", "300", "400", "--budget", "2GiB", "--slots", "2")
+    code, out, _ = run(capsys, *argv, "--json")
+    fresh = json.loads(out)
+    code2, out2, _ = run(capsys, *argv, "--held", "8GiB", "--json")
+    held = json.loads(out2)
+    assert code == code2 == 0
+    assert fresh["touch_seconds_per_byte"] * 2**30 == pytest.approx(5.0)
+    assert fresh["held_bytes"] == 0 and held["held_bytes"] == 8 * 2**30
+    assert held["n_chunks"] == 2 and fresh["n_chunks"] > 2, fresh["reason"]
+    assert "above the most they have held" in fresh["reason"]
+    code, _, err = run(capsys, *argv, "--held", "lots")
+    assert code == 2 and "'lots'" in err
+
+
 def test_plan_with_too_little_history_says_it_would_probe(capsys, store_path):
     code, out, _ = run(capsys, "plan", "--operator", "gst3d_dip", "--shape", "100", "100", "200",
                        "--budget", "1GiB", "--json")
