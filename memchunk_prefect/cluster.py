@@ -239,12 +239,13 @@ def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, obje
             fraction = _fraction(kill_fractions[address])
         else:
             fraction = default_fraction
+        hw = (high_water or {}).get(address)
         out.append(WorkerMemory(
             address=str(address), nthreads=int(w.get("nthreads", 1) or 1),
             memory_limit_bytes=int(w.get("memory_limit") or 0),
             resting_bytes=int((resting or {}).get(address) or (w.get("metrics") or {}).get("memory", 0) or 0),
             kill_fraction=fraction,
-            high_water_bytes=None if (high_water or {}).get(address) is None else int(high_water[address])))  # type: ignore[index]
+            high_water_bytes=None if hw is None else int(hw)))
     return out
 
 

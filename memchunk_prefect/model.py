@@ -731,19 +731,20 @@ class OperatorModel:
         rates = sorted(list(self._sys_rates)[-max(1, int(window)):])
         return rates[len(rates) // 2]
 
-    def growth_kernel_seconds(self, sys_seconds: float, elements: int) -> float:
+    def growth_kernel_seconds(self, sys_seconds: float, elements: int, rest: float | None = None) -> float:
         """Of a first touch's kernel seconds, what growing its worker cost: all of them, less what a run of
-        ``elements`` pays below the mark (:meth:`resting_sys_per_element`; nothing while none is known).
-        gst3d_dip grew its worker 491 MiB for 1.45-1.50 s of kernel time on 3,584,000 elements, ~0.6 s of which
-        its runs pay at that size without growing."""
-        rest = self.resting_sys_per_element()
+        ``elements`` pays below the mark (``rest`` per element, default :meth:`resting_sys_per_element`;
+        nothing while none is known). trace_correlation grew its worker 502 MiB for 0.70-0.77 s of kernel time
+        on 834,200 elements, 0.11-0.15 s of which the same block paid again below the mark."""
+        rest = self.resting_sys_per_element() if rest is None else rest
         return max(0.0, float(sys_seconds) - (rest or 0.0) * int(elements))
 
     def touch_costs(self) -> tuple[float, float]:
         """(kernel seconds growing cost, bytes grown) summed over the latest runs that grew their worker
         (:meth:`first_touch`) and measured their kernel time (:meth:`growth_kernel_seconds`): what
         :meth:`touch_seconds_per_byte` divides."""
-        return (sum(self.growth_kernel_seconds(c[0], c[2]) for c in self._touch_costs),
+        rest = self.resting_sys_per_element() or 0.0
+        return (sum(self.growth_kernel_seconds(c[0], c[2], rest) for c in self._touch_costs),
                 sum(c[1] for c in self._touch_costs))
 
     def touch_seconds_per_byte(self) -> float | None:
@@ -1391,8 +1392,7 @@ class OperatorModel:
             "time_rate_ratio": self.rate_ratio(),  # seconds per element, largest blocks over smallest
             "time_runs": len(self._rates),  # ok runs time is learned from (the latest RATE_HISTORY)
             "first_touch_runs": len(self._first_touch_rates),  # ok runs set aside: they grew their worker
-            "touch_seconds_per_gib": (None if self.touch_seconds_per_byte() is None
-                                      else self.touch_seconds_per_byte() * 2**30),  # type: ignore[operator]
+            "touch_seconds_per_gib": None,  # kernel seconds per GiB a run paid to grow its worker (below)
             "joules_per_element": None,
             "energy_source": None,
             "energy_runs": len(self._energy),
@@ -1401,6 +1401,9 @@ class OperatorModel:
         jpe = self.joules_per_element()
         if jpe is not None:
             out["joules_per_element"], out["energy_source"] = jpe
+        spb = self.touch_seconds_per_byte()
+        if spb is not None:
+            out["touch_seconds_per_gib"] = spb * 2**30
         if _rolling_count(self._energy_mape):
             out["energy_mape"] = self._energy_mape.get() / 100.0
         if fits and out["ready"]:
