@@ -1229,7 +1229,7 @@ class MapMachine:
                                            k.seconds_for, self._first_touch(), pred.mean_bytes)
         if self.settings.objective == "energy" and new.estimated_joules is not None:
             old_j = policy.estimate_joules(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
-                                           k.seconds_for, k.joules_for)
+                                           k.seconds_for, k.joules_for, self._first_touch(), pred.mean_bytes)
             if new.estimated_joules < old_j * (1 - self.settings.replan_gain):
                 return f"estimated {old_j:.0f} J -> {new.estimated_joules:.0f} J"
             return None

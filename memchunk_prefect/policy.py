@@ -344,16 +344,20 @@ def _compute_seconds(extents: Sequence[int], settings: PolicySettings, seconds_p
 
 def estimate_joules(n_chunks: int, extents: Sequence[int], slots: int, settings: PolicySettings,
                     seconds_per_element: float | None = None, seconds_for: SecondsFor | None = None,
-                    joules_for: JoulesFor | None = None) -> float:
+                    joules_for: JoulesFor | None = None, first_touch: FirstTouch | None = None,
+                    peak_bytes: float | None = None) -> float:
     """Estimated energy in joules of ``n_chunks`` equal chunks of ``extents`` (halo included) on ``slots``.
 
     Busy slots at the operator's learned joules per block (``joules_for``), else at
     ``settings.watts_per_core`` x its compute seconds; per-task overhead at the busy
     figure; slots left idle by the last wave at ``settings.idle_watts_per_core``
-    (:func:`memchunk_prefect.energy.plan_energy_joules`).
+    (:func:`memchunk_prefect.energy.plan_energy_joules`). ``first_touch``: the kernel's time growing the
+    workers past their high-water marks for chunks peaking at ``peak_bytes`` (:class:`FirstTouch`), busy on
+    each slot the first wave fills.
     """
     elements = math.prod(int(e) for e in extents)
-    return plan_energy_joules(
+    grow = first_touch.seconds(peak_bytes) if first_touch is not None else 0.0
+    return min(max(1, n_chunks), max(1, slots)) * grow * settings.watts_per_core + plan_energy_joules(
         n_chunks=n_chunks, slots=slots,
         chunk_seconds=_compute_seconds(extents, settings, seconds_per_element, seconds_for),
         overhead_seconds=settings.per_task_overhead_seconds,
@@ -482,7 +486,8 @@ def plan(
                 n = ci * cx * ct
                 secs = estimate_seconds(n, ext, slots, settings, seconds_per_element, seconds_for, first_touch,
                                         pred.mean_bytes)
-                joules = estimate_joules(n, ext, slots, settings, seconds_per_element, seconds_for, joules_for)
+                joules = estimate_joules(n, ext, slots, settings, seconds_per_element, seconds_for, joules_for,
+                                         first_touch, pred.mean_bytes)
                 # Prefer: the objective (shortest makespan, or least energy among the plans that meet the
                 # deadline, then the fastest late one), then fewest chunks, uncut traces, cutting ilines first.
                 is_late = late(secs, settings)
@@ -815,7 +820,8 @@ def decide(
             incoming_n_chunks=len(incoming), incoming_upper_bytes=float(pred.upper_bytes))
     secs = estimate_seconds(len(incoming), ext, slots, settings, seconds_per_element, seconds_for, first_touch,
                             pred.mean_bytes)
-    joules = estimate_joules(len(incoming), ext, slots, settings, seconds_per_element, seconds_for, joules_for)
+    joules = estimate_joules(len(incoming), ext, slots, settings, seconds_per_element, seconds_for, joules_for,
+                             first_touch, pred.mean_bytes)
     worse = _worse_than(secs, joules, best, settings)
     if worse:
         return Decision(RECHUNK, best, f"incoming chunking fits but {worse}: " + best.reason,

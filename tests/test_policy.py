@@ -80,6 +80,14 @@ def test_a_plan_counts_growing_fresh_workers_memory_once_and_takes_smaller_chunk
         math.ceil(fresh.n_chunks / 2) * (0.05 + spe * math.prod(fresh.chunk_shape)) + grow)
     assert fresh.estimated_seconds < none.estimated_seconds + 160 * math.prod(none.chunk_shape) * spb
     assert "above the most they have held" in fresh.reason and "above the most" not in held.reason
+    # Energy: the kernel's growing time is busy on each slot the first wave fills.
+    e = PolicySettings(seconds_per_element=spe, per_task_overhead_seconds=0.05, objective="energy")
+    touch = FirstTouch(touched_bytes=0, seconds_per_byte=spb)
+    joules = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=e, first_touch=touch)
+    flat = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=e)
+    assert joules.n_chunks > flat.n_chunks == 2
+    two = flat.estimated_joules + 2 * touch.seconds(flat.predicted_peak_bytes) * e.watts_per_core
+    assert joules.estimated_joules < two
 
 
 def test_plan_counts_the_halo_against_the_budget():
