@@ -22,7 +22,11 @@ What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
   predicted; see :meth:`Draws.margin` before it is learned);
 - compute seconds: the learned time (``seconds_for``, or seconds per element x
   elements) times a log-normal factor of ``time_sigma`` (default 0.1, a stated
-  figure: the time model keeps no spread), plus the per-task overhead;
+  figure: the time model keeps no spread), plus the per-task overhead; a task that
+  takes its worker above the most that worker process has held runs longer by the
+  growth at the operator's learned kernel seconds per byte (a first touch, paid once
+  per worker process: :meth:`SimulatedCluster._dispatch`), and the simulated map
+  plans knowing each worker's mark, as the runner does;
 - energy: the operator's learned joules for the block (scaled by the same time
   factor: a slower run draws power longer), else its compute seconds x
   ``watts_per_core``; the overhead at ``watts_per_core``; a killed task's share by
@@ -47,6 +51,7 @@ seconds (simulated, from 0), elements.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -255,7 +260,14 @@ class Draws:
         elements = math.prod(extents)
         memory = self.memory(extents, rng)  # drawn first, as before energy was simulated: the same seeds, the same runs
         seconds = self.seconds(elements, rng)
-        return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds), operator_key=self.key)
+        return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds), operator_key=self.key,
+                     touch_seconds_per_byte=self.touch_seconds_per_byte)
+
+    @functools.cached_property
+    def touch_seconds_per_byte(self) -> float:
+        """Kernel seconds per byte a task pays where it takes its worker above the most it has held (the learned
+        figure, :meth:`memchunk_prefect.model.OperatorModel.touch_seconds_per_byte`; 0 where none is)."""
+        return float(self.knowledge.touch_seconds_per_byte() or 0.0)
 
 
 class PriorKnowledge:
@@ -311,6 +323,7 @@ class _Task:
     worker: int = -1
     key: int = 0  # the simulated cluster's own, unique over the whole run
     operator_key: str = ""  # whose task it is (for traces of a simulated run)
+    touch_seconds_per_byte: float = 0.0  # what taking its worker above the most it has held costs it, s per byte
 
 
 #: The pseudo-task :meth:`SimulatedCluster.next` returns when a worker comes (back) and tasks wait for it.
@@ -337,7 +350,11 @@ class SimulatedCluster:
     newest of them has used half its time (every task on it then ends killed; no
     task is placed on a worker due to die), and is back after ``restart_seconds``.
     Each placed task gets its own key, so the events of one map never end another
-    map's task that reuses a submission id. A task goes to the free worker of
+    map's task that reuses a submission id. A task that takes its worker above the
+    most it has held (``marks``: the most its tasks together held since the worker
+    started, 0 for a fresh or restarted one) runs longer by that growth at its
+    operator's learned kernel seconds per byte (``_Task.touch_seconds_per_byte``),
+    as a real worker faults that memory in. A task goes to the free worker of
     lowest number (kept in a heap: O(log workers) per placement).
 
     An HPC allocation (``ClusterShape.queue_wait`` / ``walltime_seconds``): each
@@ -363,6 +380,7 @@ class SimulatedCluster:
         self.busy_joules = 0.0
         self.lost_worker_seconds = 0.0
         self.peak_bytes: dict[int, int] = {w: 0 for w in range(shape.workers)}
+        self.marks: dict[int, int] = {w: 0 for w in range(shape.workers)}  # each worker process's high-water mark
         self.kills = 0
         self.walltime_losses = 0  # tasks lost with a worker that left at its walltime
         self.ended: list[_Ended] = []  # every task that ended, in order (what a trace of the run is made of)
@@ -457,6 +475,12 @@ class SimulatedCluster:
             self._live[task.key] = task
             load = sum(t.memory for t in self.running[w])
             self.peak_bytes[w] = max(self.peak_bytes[w], load)
+            if load > self.marks[w]:
+                grow_seconds = (load - self.marks[w]) * task.touch_seconds_per_byte
+                if grow_seconds > 0 and task.seconds > 0:
+                    task.joules *= (task.seconds + grow_seconds) / task.seconds  # busy longer, at the same power
+                task.seconds += grow_seconds
+                self.marks[w] = load
             if load > self.shape.headroom_bytes:
                 # The worker dies when the newest task is half way through; everything on it dies with it.
                 die = self.now + 0.5 * task.seconds
@@ -507,6 +531,7 @@ class SimulatedCluster:
                 self.lost_worker_seconds += spent
                 if self.dies_at.pop(w, None) is not None:
                     self.kills += 1
+                    self.marks[w] = 0  # the nanny starts a new process: it has held nothing
                     self.away_until[w] = self.now + self.shape.restart_seconds
                     self._push(self.away_until[w], _COME, w)  # back then
             elif how == _LOST:
@@ -658,7 +683,10 @@ class _MachineRun:
             self.record.seconds = sim.now - started
             return self.record
         sim.wait(self.cluster.map_start_seconds)  # the runner's work before the map's first task
-        self.carry_out(m.handle(Start(self.planned_slots(), self.cluster.budget_bytes, at=sim.now)))
+        threads = int(self.cluster.threads_per_worker)
+        touched = {f"sim-{w}": mark // threads for w, mark in sim.marks.items() if w not in sim.gone}
+        self.carry_out(m.handle(Start(self.planned_slots(), self.cluster.budget_bytes, at=sim.now,
+                                      touched_bytes=touched)))
         while not m.finished and not self.failure:
             self.carry_out(m.advance(sim.now))
             if m.finished or self.failure:

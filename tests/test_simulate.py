@@ -32,6 +32,7 @@ class Known:
     spe: float = 1e-6
     ready: bool = True
     learner: ArmLearner = field(default_factory=lambda: ArmLearner(KEY))
+    touch: float | None = None  # kernel seconds per byte to grow a worker (None: nothing learned, nothing paid)
 
     def predict(self, extents):
         mean = self.bpe * math.prod(extents)
@@ -46,6 +47,9 @@ class Known:
 
     def joules_for(self, elements):
         return None
+
+    def touch_seconds_per_byte(self):
+        return self.touch
 
     def choose_arm(self, groups):
         return self.learner.choose(groups)
@@ -70,6 +74,34 @@ def test_a_static_plan_that_fits_takes_waves_of_compute_plus_overhead():
     assert r.slot_utilisation == pytest.approx(1.0)
     assert r.core_hours == pytest.approx(2 * r.makespan_seconds / 3600)
     assert r.peak_bytes == 100 * 40_000
+
+
+def test_a_task_that_grows_its_worker_pays_the_growth_once_per_worker_and_memchunk_plans_for_it():
+    # 10 ns per byte grown: static-2's 8 MB chunks grow each fresh worker 8 MB (0.08 s on top of 0.08 + 0.1);
+    # static-4's first wave grows them 4 MB (0.04 s), its second wave nothing.
+    touch = Known(touch=1e-8)
+    assert run("static-2", touch).makespan_seconds - run("static-2").makespan_seconds == pytest.approx(0.08)
+    assert run("static-4", touch).makespan_seconds - run("static-4").makespan_seconds == pytest.approx(0.04)
+    # A worker the nanny restarts is a new process: it has held nothing, and grows again.
+    from memchunk_prefect.chunks import Chunk
+    from memchunk_prefect.simulate import SimulatedCluster, _Task
+
+    sim = SimulatedCluster(ClusterShape(workers=1, memory_limit_bytes=100 * MiB, resting_bytes=40 * MiB))
+    box = Chunk((0, 0, 0), (1, 1, 1))
+    sim.submit(_Task(0, box, (1, 1, 1), 30 * MiB, 1.0, touch_seconds_per_byte=1e-9))
+    first = sim.next()
+    assert sim.marks[0] == 30 * MiB and first.task.seconds == pytest.approx(1.0 + 30 * MiB * 1e-9)
+    sim.submit(_Task(1, box, (1, 1, 1), 20 * MiB, 1.0, touch_seconds_per_byte=1e-9))
+    assert sim.next().task.seconds == 1.0, "below the mark: nothing to grow"
+    sim.submit(_Task(2, box, (1, 1, 1), 80 * MiB, 1.0, touch_seconds_per_byte=1e-9))  # over the 55 MiB line
+    assert sim.next().killed and sim.marks[0] == 0
+    # The runner's own machine, simulated, knows each worker's mark: at 50 ns per byte, growing each worker 8 MB
+    # for one chunk per slot (0.4 s) costs more than a second wave's overhead and compute (0.14 s) saves, so it
+    # cuts finer than without the cost (one chunk per slot), and finishes before static-2 does.
+    dear = Known(touch=5e-8)
+    plain, costed = run("memchunk"), run("memchunk", dear)
+    assert plain.maps[0].chunks == 2 and costed.maps[0].chunks > 2
+    assert costed.makespan_seconds < run("static-2", dear).makespan_seconds
 
 
 def test_a_chunk_over_the_kill_line_fails_static_and_dask_auto_and_is_split_by_split_on_failure():

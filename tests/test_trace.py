@@ -590,6 +590,9 @@ def _simulated(tmp_path, seed=0):
         def joules_for(self, elements):
             return None
 
+        def touch_seconds_per_byte(self):
+            return None
+
         def choose_arm(self, groups):
             from memchunk_prefect.bandit import ArmLearner
 
