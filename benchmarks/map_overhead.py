@@ -27,7 +27,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 #: The runner's steps of one map (ChunkedMap and what it calls), reported whatever their rank.
-STEPS = ("executor.py:*(_run)", "runner.py:*(budget)", "cluster.py:*(read_marks)", "cluster.py:*(read_resting)", "runner.py:*(record_machines)",
+STEPS = ("executor.py:*(_run)", "runner.py:*(budget)", "cluster.py:*(read_marks)", "runner.py:*(record_machines)",
          "identity.py:*(open_output)", "executor.py:*(submit)", "executor.py:*(next_event)",
          "executor.py:*(record)", "executor.py:*(finalize)", "executor.py:*(record_map)",
          "executor.py:*(compact_store)", "task_runners.py:*(submit)", "context.py:*(serialize_context)",

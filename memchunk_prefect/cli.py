@@ -187,7 +187,9 @@ def _models(args: argparse.Namespace) -> int:
               "once per worker process; policy: the learned policy's arms "
               "(risk levels of the bound: bold, mid, safe) with their mean reward (slot efficiency less 1 per "
               "out-of-memory chunk) x plans taught, !n out-of-memory events; time: the form of compute seconds "
-              "against block size, runs learned (+ set aside for a first touch of memory), and seconds per "
+              "against block size, runs learned (+ set aside for a first touch of memory), the kernel "
+              "seconds per GiB runs paid to grow their worker past the most it had held (s/GiB: what a plan "
+              "counts for growing fresh workers), and seconds per "
               "element of the largest blocks over the smallest; energy/element: learned joules per "
               "element (halo included), measured by a counter (rapl, nvml) or est(imated: CPU seconds x "
               "watts_per_core where no counter can be read)")
