@@ -169,11 +169,24 @@ def test_an_error_in_the_flow_s_own_code_stops_its_running_maps_and_stays_the_fl
     runner = runner_for(cluster, tmp_path)
     ids = []
 
+    def a_chunk_runs(flow_run_id: str, timeout: float = 60.0) -> bool:
+        """Whether one of the flow run's task runs is RUNNING within ``timeout`` seconds. A fixed 1 s sleep over
+        1 s chunks once let both finish before the flow's error stopped the map, on a host loaded by other work
+        (nothing was left to crash); raising while a 3 s chunk runs leaves it in flight however slow the host."""
+        deadline = time.monotonic() + timeout
+        with get_client(sync_client=True) as client:
+            while time.monotonic() < deadline:
+                runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+                if any(r.state is not None and r.state.type.value == "RUNNING" for r in runs):
+                    return True
+                time.sleep(0.05)
+        return False
+
     @flow(task_runner=runner)
     def clumsy():
         ids.append(str(flow_run.id))
-        memory_hog.map(chunked(VOLUME), multiple=2, busy_seconds=1.0)
-        time.sleep(1.0)  # chunks are running
+        memory_hog.map(chunked(VOLUME), multiple=2, busy_seconds=3.0)
+        assert a_chunk_runs(ids[0]), "no chunk started within 60 s"
         raise RuntimeError("the flow's own bug")
 
     with pytest.raises(RuntimeError, match="the flow's own bug"):
