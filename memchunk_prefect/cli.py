@@ -356,7 +356,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 @register("plan", "the chunking the runner would choose, without running anything")
 @arguments(_plan_arguments)
 def _plan(args: argparse.Namespace) -> int:
-    from .model import TOUCH_POOL_BYTES, ModelBank
+    from .model import ModelBank
     from .policy import FirstTouch, plan
 
     budget = parse_bytes(args.budget)
@@ -370,9 +370,8 @@ def _plan(args: argparse.Namespace) -> int:
         bank = ModelBank(store)
         model_key = key or args.operator
         model = bank.model(model_key)
-        if model.touch_costs()[1] < TOUCH_POOL_BYTES:
-            for other in store.keys():  # the bank pools what growing costs over the models it has loaded
-                bank.model(other)
+        for other in store.keys():  # loaded, so the bank may pool what growing costs where this one's runs grew little
+            bank.model(other)
         spb = bank.touch_seconds_per_byte(model_key)
     spec = _operator_spec(model_key)
     halo: Any = args.halo[0] if args.halo and len(args.halo) == 1 else args.halo
