@@ -300,6 +300,36 @@ def test_the_runners_own_work_per_map_is_measured_from_the_store_and_lengthens_o
         dataclasses.replace(CLUSTER, map_start_seconds=-1.0)
 
 
+def test_a_chained_maps_wait_for_its_upstream_is_not_counted_as_the_runners_work(tmp_path):
+    """A map over a map still running (the demo's pipeline) is called at once and waits for the upstream's
+    writes: only what comes after the upstream's end is the runner's own work before its first task."""
+    from memchunk_prefect.records import MapRun, Observation
+    from memchunk_prefect.simulate import measured_map_work
+
+    def add(store, flow, name, source, start, first_task, end):
+        store.add_map(MapRun(flow, "op", KEY, source, f"/{flow}/{name}", (4, 4, 4), (0, 0, 0), 4, 2, 10**9, start,
+                             end, map_id=f"{flow}-{name}"))
+        store.add(Observation(KEY, 64, (4, 4, 4), 256, 1000, seconds=1.0, started_at=first_task,
+                              created_at=end - 0.05, flow_run_id=flow, map_id=f"{flow}-{name}"))
+
+    with Store(tmp_path / "s.sqlite") as store:
+        # Flow a: the second map is called 0.1 s into the first (which ends at 3.0) and starts its first task
+        # 0.2 s after that end; the third is called at 3.1, its upstream ends at 6.0, its first task at 6.3.
+        add(store, "a", "m1", "/survey.sgy", 0.0, 0.4, 3.0)
+        add(store, "a", "m2", "/a/m1", 0.1, 3.2, 6.0)
+        add(store, "a", "m3", "/a/m2", 3.1, 6.3, 9.0)
+        # Flow b: the same output path names in another flow run are not its upstream; its second map's first
+        # task started while the first map still ran (they overlapped): 0.
+        add(store, "b", "m1", "/survey.sgy", 100.0, 100.5, 103.0)
+        add(store, "b", "m2", "/b/m1", 100.1, 102.0, 106.0)
+        work = measured_map_work(store)
+    # before: 0.4, 0.2, 0.3 (flow a), 0.5, 0.0 (flow b); counted from each map's own call, the chained ones read
+    # 3.1, 3.2 and 1.9 s, and the median would be 1.9 s
+    assert work.maps == 5
+    assert work.start_seconds == pytest.approx(0.3)
+    assert work.end_seconds == pytest.approx(0.05)
+
+
 def test_recommend_says_when_nothing_meets_the_deadline_and_refuses_nonsense():
     assert _recommend(0.01, max_workers=4).best is None
     with pytest.raises(SimulationInputError, match="positive"):
