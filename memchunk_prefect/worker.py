@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from distributed import get_worker
 
+from . import hydration
 from .chunks import Chunk, Shape, with_halo
 from .device import CUDA, GpuUse, backend, is_gpu_context_error, is_gpu_out_of_memory, release_frames
 from .errors import ChunkMemoryError, GpuContextError, OutputWriteError, RunnerConfigError, VolumeError, format_bytes
@@ -94,6 +95,7 @@ class BlockFunction:
         job = bound.arguments[self.param]
         if not isinstance(job, BlockJob):  # called outside the runner: behave as the plain function
             return self.fn(*args, **kwargs)
+        hydration.install()  # this worker's later task runs validate the flow's settings once (see that module)
         try:
             return run_block(self.fn, job, bound)
         except BaseException as exc:

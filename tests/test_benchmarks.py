@@ -339,6 +339,46 @@ def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
     assert bad.returncode == 2 and "--calls must be at least 2" in bad.stderr
 
 
+def test_task_start_benchmark_times_both_modes_and_the_kept_mode_reuses_settings(tmp_path, api_url):
+    out = tmp_path / "start.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.task_start", "--tasks", "4", "--rounds", "1", "--json",
+                           str(out)], cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    by_mode = {r["mode"]: r for r in result["runs"]}
+    assert set(by_mode) == {"prefect", "kept"}
+    for r in by_mode.values():
+        assert len(r["seconds"]) == 4 and all(s > 0 for s in r["seconds"]) and r["plain_median"] > 0
+    assert by_mode["prefect"]["worker_hydration"]["reused"] == 0  # not installed: Prefect's own hydration
+    assert by_mode["kept"]["worker_hydration"]["reused"] >= 3  # every task run after the first found its settings
+    assert "median over rounds" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.task_start", "--tasks", "2"], cwd=REPO,
+                         env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--tasks must be at least 3" in bad.stderr
+
+
+def test_chunk_body_benchmark_runs_both_sides_on_the_same_chunk_and_both_write_it(tmp_path):
+    out = tmp_path / "body.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.chunk_body", "--pairs", "1", "--operator", "envelope",
+                           "--shape", "16", "12", "50", "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"static", "memchunk"}
+    for side, (run,) in result["runs"].items():
+        # the operator's call is part of the body, which is measured around it
+        assert 0 < run["operator_seconds"] <= run["wall_seconds"], (side, run)
+        assert run["max_rss_kib"] > 0 and run["written_nan"] == 0  # the whole chunk written
+    assert result["runs"]["static"][0]["written_sum"] == pytest.approx(result["runs"]["memchunk"][0]["written_sum"])
+    assert result["runs"]["static"][0]["written_sum"] != 0
+    assert set(result["summary"]) == {"wall_seconds", "cpu_seconds", "operator_seconds"}
+    assert "median of the pairs' differences" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.chunk_body", "--operator", "nope"], cwd=REPO,
+                         env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--operator 'nope' is not one of" in bad.stderr
+
+
 def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_plans_settled(tmp_path, api_url):
     out = tmp_path / "nights.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.consecutive", "--runs", "2", "--keep", "4", "--quick",

@@ -207,6 +207,32 @@ def test_chunked_pipeline_equals_whole_volume_result_cold_then_warm(cluster, lea
         assert warm_s["oom_events"] == 0
 
 
+def test_workers_validate_the_flows_settings_once_for_every_chunk_after_their_first(survey, tmp_path):
+    """Each chunk's task run hydrates the flow's Prefect context on its worker; the first chunk there installs
+    memchunk_prefect.hydration and keeps its settings, so the later ones reuse them (a fresh cluster: the
+    module-scoped one's workers may have it installed already)."""
+    from distributed import Client
+
+    from memchunk_prefect import hydration
+
+    with start_local_cluster(n_workers=2, memory_limit="1GiB") as fresh, Client(fresh.scheduler_address) as client:
+        assert all(s["seeded"] == s["reused"] == 0 for s in client.run(hydration.stats).values())
+
+        @flow(task_runner=runner_for(fresh, tmp_path))
+        def one_map(path: str):
+            env = tasks.envelope.map(chunked(path))
+            return env.summary(), env.result().values
+
+        summary, values = one_map(survey)
+        stats = client.run(hydration.stats)
+    np.testing.assert_allclose(values, tasks.envelope.fn(open_segy(survey).values), rtol=1e-5, atol=1e-5)
+    assert summary["tasks"] >= 3, summary  # at least one worker ran two chunks or more
+    ran = [s for s in stats.values() if s["seeded"]]
+    # Each worker's first chunk kept its settings; every later chunk there reused them, none validated anew.
+    assert ran and all(s["seeded"] == 1 and s["validated"] == 0 for s in ran), stats
+    assert sum(s["reused"] for s in ran) == summary["tasks"] - len(ran) >= 1, stats
+
+
 def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, tmp_path, monkeypatch):
     import dataclasses
 

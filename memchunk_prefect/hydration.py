@@ -1,0 +1,135 @@
+"""On a worker: Prefect's settings are validated once per distinct settings, not once per chunk's task run.
+
+prefect-dask sends every task run the flow's serialized context, and Prefect's task engine rebuilds it on
+the worker before the task's function runs (``prefect.context.hydrated_context``). The settings part is a
+dict of every Prefect setting, validated back into a ``prefect.settings.Settings`` by pydantic-settings:
+some fifty nested settings models, each reading the environment, ``.env`` and ``prefect.toml`` sources,
+for values that the dict already fixes. Under cProfile that was 73 ms of each task run's 178 ms on the
+worker before the function ran (Prefect 3.9, prefect-dask 0.3); unprofiled, a task's submit-to-start
+latency on a local cluster was 0.12-0.13 s with it and 0.09 s without (``python -m
+benchmarks.task_start``). A chunked map pays that latency at every probe wave and every re-plan, in
+series, and every chunk pays it in worker CPU.
+
+:func:`install` wraps the task engine's ``hydrated_context`` in this worker process so that a serialized
+settings context seen before is given the ``Settings`` validated the first time (keyed by its canonical
+JSON: the same dict, the same settings); the first task run with new settings pays as before. Everything
+else in the context is hydrated by Prefect as before. The worker side of a chunk
+(:class:`memchunk_prefect.worker.BlockFunction`) installs it at its first chunk, and keeps that task run's
+settings under the key of their own serialization (which is what the flow sent: serializing hydrated
+settings gives back the same dict), so every later task run in the process with the same settings, chunks
+and other Prefect tasks alike, gets the settings it would have been given, validated once. A Prefect whose
+task engine has no ``hydrated_context`` is left alone.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import threading
+from typing import Any
+
+#: Distinct settings kept per worker process (a worker serving flow runs with different settings).
+CACHE_SIZE = 8
+
+_LOCK = threading.Lock()
+_CACHE: collections.OrderedDict[str, Any] = collections.OrderedDict()
+_STATE: dict[str, Any] = {"original": None, "validated": 0, "reused": 0, "seeded": 0}
+
+
+def install() -> bool:
+    """Wrap ``prefect.task_engine.hydrated_context`` in this process (once); True when it is wrapped."""
+    try:
+        import prefect.task_engine as engine
+    except Exception:  # noqa: BLE001 - no Prefect here: nothing to speed up
+        return False
+    with _LOCK:
+        current = getattr(engine, "hydrated_context", None)
+        if current is None:
+            return False
+        if getattr(current, "_memchunk_hydration", False):
+            return True
+        _STATE["original"] = current
+        engine.hydrated_context = _hydrated_context
+    _seed()
+    return True
+
+
+def _seed() -> None:
+    """Keep the settings of the task run installing this (the worker's first chunk), under the key its own
+    serialization gives: what the flow sent it serializes back to, so the next chunk's settings are found."""
+    with contextlib.suppress(Exception):  # no settings context, or one that does not serialize: nothing kept
+        from prefect.context import SettingsContext
+
+        ctx = SettingsContext.get()
+        if ctx is None:
+            return
+        key = _key(ctx.serialize())
+        with _LOCK:
+            if key not in _CACHE:
+                _CACHE[key] = ctx.settings
+                _STATE["seeded"] += 1
+                _trim()
+
+
+def _key(settings_context: dict[str, Any]) -> str:
+    """A serialized settings context's canonical JSON: equal contexts, equal keys."""
+    return json.dumps(settings_context, sort_keys=True, default=str)
+
+
+def _trim() -> None:
+    while len(_CACHE) > CACHE_SIZE:
+        _CACHE.popitem(last=False)
+
+
+def uninstall() -> None:
+    """Restore Prefect's own ``hydrated_context`` and forget the settings kept (tests)."""
+    import prefect.task_engine as engine
+
+    with _LOCK:
+        if _STATE["original"] is not None:
+            engine.hydrated_context = _STATE["original"]
+            _STATE["original"] = None
+        _CACHE.clear()
+        _STATE["validated"] = _STATE["reused"] = _STATE["seeded"] = 0
+
+
+def stats() -> dict[str, int]:
+    """Settings validated, reused and kept from the installing task run in this process since :func:`install`,
+    and how many are kept."""
+    with _LOCK:
+        return {"validated": int(_STATE["validated"]), "reused": int(_STATE["reused"]),
+                "seeded": int(_STATE["seeded"]), "kept": len(_CACHE)}
+
+
+def settings_for(settings_context: dict[str, Any]) -> Any:
+    """The ``Settings`` a serialized settings context validates to: validated once per distinct context."""
+    from prefect.context import SettingsContext
+
+    key = _key(settings_context)
+    with _LOCK:
+        settings = _CACHE.get(key)
+        if settings is not None:
+            _CACHE.move_to_end(key)
+            _STATE["reused"] += 1
+            return settings
+    settings = SettingsContext(**settings_context).settings  # outside the lock: another thread may do the same
+    with _LOCK:
+        _CACHE[key] = settings
+        _STATE["validated"] += 1
+        _trim()
+    return settings
+
+
+def _hydrated_context(serialized_context: dict[str, Any] | None = None, client: Any = None) -> Any:
+    original = _STATE["original"]
+    settings_context = (serialized_context or {}).get("settings_context")
+    if isinstance(settings_context, dict) and isinstance(settings_context.get("settings"), dict):
+        with contextlib.suppress(Exception):  # anything unexpected: Prefect validates it as it always did
+            settings = settings_for(settings_context)
+            serialized_context = {**(serialized_context or {}),
+                                  "settings_context": {**settings_context, "settings": settings}}
+    return original(serialized_context, client)
+
+
+_hydrated_context._memchunk_hydration = True  # type: ignore[attr-defined]
