@@ -4,8 +4,8 @@ prefect-dask sends every task run the flow's serialized context, and Prefect's t
 the worker before the task's function runs (``prefect.context.hydrated_context``). The settings part is a
 dict of every Prefect setting, validated back into a ``prefect.settings.Settings`` by pydantic-settings:
 some fifty nested settings models, each reading the environment, ``.env`` and ``prefect.toml`` sources,
-for values that the dict already fixes. Under cProfile that was 73 ms of each task run's 178 ms on the
-worker before the function ran (Prefect 3.9, prefect-dask 0.3); unprofiled, a task's submit-to-start
+for values that the dict already fixes. Under cProfile that was 120 ms of the 178 ms each task run spent on
+the worker before its function ran (Prefect 3.9, prefect-dask 0.3); unprofiled, a task's submit-to-start
 latency on a local cluster was 0.12-0.13 s with it and 0.09 s without (``python -m
 benchmarks.task_start``). A chunked map pays that latency at every probe wave and every re-plan, in
 series, and every chunk pays it in worker CPU.
