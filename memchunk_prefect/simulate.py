@@ -884,6 +884,9 @@ def measured_map_work(store: Any) -> MapWork | None:
     0. Three demo runs measured 0.87 s per map before this (the median, upstream waits included) and 0.12 s
     after, against 0.11-0.14 s for the runner's own work in the chained maps of its warm runs."""
     maps = [m for m in store.maps() if m.map_id]
+    writers: dict[tuple[str, str], list[Any]] = {}  # (flow run, output path): the maps that wrote it
+    for m in maps:
+        writers.setdefault((m.flow_run_id, m.output_path), []).append(m)
     before, after = [], []
     for m in maps:
         if m.outcome != "ok":
@@ -891,12 +894,9 @@ def measured_map_work(store: Any) -> MapWork | None:
         obs = [o for o in store.run_observations(m.flow_run_id) if o.map_id == m.map_id and o.started_at]
         if not obs:
             continue
-        could_start = m.started_at
-        if m.source:
-            upstream = [u.ended_at for u in maps if u.flow_run_id == m.flow_run_id and u.output_path == m.source
-                        and u.map_id != m.map_id and u.started_at <= m.started_at]
-            if upstream:
-                could_start = max(could_start, max(upstream))
+        upstream = [u.ended_at for u in writers.get((m.flow_run_id, m.source), ())
+                    if u.map_id != m.map_id and u.started_at <= m.started_at] if m.source else []
+        could_start = max([m.started_at, *upstream])
         before.append(max(0.0, min(float(o.started_at) for o in obs) - could_start))
         after.append(max(0.0, m.ended_at - max(o.created_at for o in obs)))
     if not before:
