@@ -979,7 +979,11 @@ def overhead_pairs(bench: Bench, survey: str, store: str, n_chunks: int, pairs: 
     """MemoryAwareRunner vs plain DaskTaskRunner, envelope on the same ``n_chunks`` iline slabs, ``pairs`` times.
 
     The order alternates within pairs; one unmeasured warm-up of each side first
-    (it also teaches the runner envelope, so it keeps the incoming chunking).
+    (it also teaches the runner envelope, so it keeps the incoming chunking). Both sides share the cluster, and
+    the runner's first chunk on a worker changes how Prefect hydrates every later task run there
+    (``memchunk_prefect.hydration``, plain Prefect tasks included): each run of either side starts with it taken
+    out of the workers, so the plain side runs on Prefect as installed and the runner's side pays its first chunk
+    per worker as on workers that never ran it.
     """
     from prefect_dask import DaskTaskRunner
 
@@ -999,13 +1003,20 @@ def overhead_pairs(bench: Bench, survey: str, store: str, n_chunks: int, pairs: 
     # Each side is timed inside its flow (the map and all its task runs). Prefect's flow start and teardown
     # are the same on both sides and add 0-1 s at random (the flow run's heartbeat thread sleeps in 1 s steps
     # and is joined at exit), which on ~1 s of work made single ratios read anywhere from 0.5 to 2.
+    def as_installed() -> None:
+        from memchunk_prefect import hydration
+
+        bench.client.run(hydration.uninstall)
+
     def run_memchunk_once() -> tuple[float, dict]:
+        as_installed()
         out = str(bench.workdir / "ovh-mem.zarr")
         shutil.rmtree(out, ignore_errors=True)
         info = mem_flow(src_zarr, list(shape), chunks, out)
         return float(info["seconds"]), info
 
     def run_plain_once() -> float:
+        as_installed()
         out_dir = bench.workdir / "ovh-plain"
         out_dir.mkdir(exist_ok=True)
         r = plain_flow(src_zarr, steps, str(out_dir), [chunks])
