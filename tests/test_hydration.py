@@ -13,7 +13,9 @@ from memchunk_prefect import hydration
 def installed():
     import prefect.task_engine as engine
 
+    hydration.uninstall()  # from a clean slate, whatever ran in this process before (a runner's in-process chunk)
     original = engine.hydrated_context
+    assert not getattr(original, "_memchunk_hydration", False)
     assert hydration.install()
     yield engine
     hydration.uninstall()
