@@ -15,9 +15,10 @@ settings context seen before is given the ``Settings`` validated the first time 
 JSON: the same dict, the same settings); the first task run with new settings pays as before. Everything
 else in the context is hydrated by Prefect as before. The worker side of a chunk
 (:class:`memchunk_prefect.worker.BlockFunction`) installs it at its first chunk, and keeps that task run's
-settings under the key of their own serialization (which is what the flow sent: serializing hydrated
-settings gives back the same dict), so every later task run in the process with the same settings, chunks
-and other Prefect tasks alike, gets the settings it would have been given, validated once. A Prefect whose
+settings under the key of their own serialization, which is usually what the flow sent (serializing hydrated
+settings gives back the same dict); where it is not (seen once in the full test suite), the worker's second
+task run validates them once. Every later task run in the process with the same settings, chunks and other
+Prefect tasks alike, gets the settings it would have been given, validated at most once. A Prefect whose
 task engine has no ``hydrated_context`` is left alone.
 """
 
@@ -57,7 +58,7 @@ def install() -> bool:
 
 def _seed() -> None:
     """Keep the settings of the task run installing this (the worker's first chunk), under the key its own
-    serialization gives: what the flow sent it serializes back to, so the next chunk's settings are found."""
+    serialization gives: usually what the flow sent, so the next chunk's settings are found without validating."""
     with contextlib.suppress(Exception):  # no settings context, or one that does not serialize: nothing kept
         from prefect.context import SettingsContext
 

@@ -207,10 +207,13 @@ def test_chunked_pipeline_equals_whole_volume_result_cold_then_warm(cluster, lea
         assert warm_s["oom_events"] == 0
 
 
-def test_workers_validate_the_flows_settings_once_for_every_chunk_after_their_first(survey, tmp_path):
+def test_workers_validate_the_flows_settings_at_most_once_and_reuse_them_for_later_chunks(survey, tmp_path):
     """Each chunk's task run hydrates the flow's Prefect context on its worker; the first chunk there installs
-    memchunk_prefect.hydration and keeps its settings, so the later ones reuse them (a fresh cluster: the
-    module-scoped one's workers may have it installed already)."""
+    memchunk_prefect.hydration and keeps its own settings under the key of their serialization. Where that key is
+    what the flow sends (the usual case), every later chunk reuses them; where it is not (seen once in the full
+    suite, a worker's serialization differing from the flow's), the second chunk validates them once and the rest
+    reuse them. Two flow runs of the same settings on a fresh cluster (the module-scoped one's workers may have it
+    installed already)."""
     from distributed import Client
 
     from memchunk_prefect import hydration
@@ -223,14 +226,18 @@ def test_workers_validate_the_flows_settings_once_for_every_chunk_after_their_fi
             env = tasks.envelope.map(chunked(path))
             return env.summary(), env.result().values
 
-        summary, values = one_map(survey)
+        runs = [one_map(survey), one_map(survey)]
         stats = client.run(hydration.stats)
-    np.testing.assert_allclose(values, tasks.envelope.fn(open_segy(survey).values), rtol=1e-5, atol=1e-5)
-    assert summary["tasks"] >= 3, summary  # at least one worker ran two chunks or more
+    expected = tasks.envelope.fn(open_segy(survey).values)
+    for _, values in runs:
+        np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-5)
+    chunks = sum(summary["tasks"] for summary, _ in runs)
+    assert chunks >= 5, [summary for summary, _ in runs]  # more chunks than the two workers' first and second
     ran = [s for s in stats.values() if s["seeded"]]
-    # Each worker's first chunk kept its settings; every later chunk there reused them, none validated anew.
-    assert ran and all(s["seeded"] == 1 and s["validated"] == 0 for s in ran), stats
-    assert sum(s["reused"] for s in ran) == summary["tasks"] - len(ran) >= 1, stats
+    assert ran and all(s["seeded"] == 1 and s["validated"] <= 1 for s in ran), stats  # one settings: at most once
+    # Every chunk after a worker's first found its settings kept, or (at most once per worker) validated them.
+    assert sum(s["reused"] + s["validated"] for s in ran) == chunks - len(ran), stats
+    assert sum(s["reused"] for s in ran) >= chunks - 2 * len(ran) >= 1, stats
 
 
 def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, tmp_path, monkeypatch):
