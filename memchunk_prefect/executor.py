@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable
 
 from distributed import as_completed
 from prefect.cache_policies import NO_CACHE
@@ -42,6 +42,7 @@ from .chunks import Chunk, Shape, with_halo
 from .device import CUDA
 from .energy import ESTIMATE, estimate_joules
 from .errors import GpuContextError, MemchunkError, UpstreamMapError, WorkersPausedError
+from .hydration import settings_serialized_once
 from .identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
 from .machine import (
     KILLED,
@@ -735,58 +736,6 @@ class ChunkedMap:
                             self.key, ", ".join(f"{n} {t}" for t, n in deleted.items()))
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not compact the store for %s: %r", self.key, exc)
-
-
-_SERIALIZE_LOCK = threading.Lock()
-_SERIALIZE_USERS = 0
-_SERIALIZE_ORIGINAL: Any = None
-
-
-@contextlib.contextmanager
-def settings_serialized_once() -> Iterator[None]:
-    """While maps run, Prefect's settings context is serialized once per context object, not once per chunk.
-
-    prefect-dask's submit serializes the flow's whole context for every task run
-    it submits (``prefect.context.serialize_context``), and the settings part, a
-    pydantic dump of every Prefect setting walked by ``visit_collection``, is most
-    of a submission's cost in the flow: serializing the context took 88 ms of each 122 ms submit under
-    cProfile, 11 ms once memoized (``python -m benchmarks.map_overhead``), paid in the flow's thread, between
-    chunk completions, for an answer that cannot change during a map (settings are
-    fixed once a context is entered; cf. prefect#18191 on slow Dask task creation).
-    ``SettingsContext.serialize`` is memoized per context object and secrets flag
-    while at least one map runs (counted, so overlapping maps in threads install
-    and remove it once), and restored after; a Prefect without that method is
-    left alone.
-    """
-    global _SERIALIZE_USERS, _SERIALIZE_ORIGINAL
-    from prefect.context import SettingsContext
-
-    with _SERIALIZE_LOCK:
-        if _SERIALIZE_USERS == 0:
-            original = SettingsContext.__dict__.get("serialize")
-            if original is None:  # a Prefect whose settings context serializes elsewhere: nothing to memoize
-                _SERIALIZE_ORIGINAL = None
-            else:
-                _SERIALIZE_ORIGINAL = original
-                cache: dict[tuple[int, bool], tuple[Any, dict]] = {}
-
-                def serialize(self: Any, include_secrets: bool = True) -> dict:
-                    key = (id(self), bool(include_secrets))
-                    hit = cache.get(key)
-                    if hit is None or hit[0] is not self:  # the object is kept, so an id is never reused
-                        hit = cache[key] = (self, original(self, include_secrets=include_secrets))
-                    return hit[1]
-
-                SettingsContext.serialize = serialize  # type: ignore[method-assign]
-        _SERIALIZE_USERS += 1
-    try:
-        yield
-    finally:
-        with _SERIALIZE_LOCK:
-            _SERIALIZE_USERS -= 1
-            if _SERIALIZE_USERS == 0 and _SERIALIZE_ORIGINAL is not None:
-                SettingsContext.serialize = _SERIALIZE_ORIGINAL  # type: ignore[method-assign]
-                _SERIALIZE_ORIGINAL = None
 
 
 def _size_on_disk(path: str) -> int | None:

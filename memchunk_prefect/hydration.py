@@ -1,14 +1,18 @@
-"""On a worker: Prefect's settings are validated once per distinct settings, not once per chunk's task run.
+"""Prefect's settings context per chunk: serialized once per context in the flow, validated once per settings on
+a worker.
 
-prefect-dask sends every task run the flow's serialized context, and Prefect's task engine rebuilds it on
-the worker before the task's function runs (``prefect.context.hydrated_context``). The settings part is a
-dict of every Prefect setting, validated back into a ``prefect.settings.Settings`` by pydantic-settings:
-some fifty nested settings models, each reading the environment, ``.env`` and ``prefect.toml`` sources,
-for values that the dict already fixes. Under cProfile that was 120 ms of the 178 ms each task run spent on
-the worker before its function ran (Prefect 3.9, prefect-dask 0.3); unprofiled, a task's submit-to-start
-latency on a local cluster was 0.12-0.13 s with it and 0.09 s without (``python -m
-benchmarks.task_start``). A chunked map pays that latency at every probe wave and every re-plan, in
-series, and every chunk pays it in worker CPU.
+In the flow (:func:`settings_serialized_once`, while maps run): prefect-dask serializes the flow's whole
+context for every task run it submits; the settings part is memoized per context object.
+
+On a worker (:func:`install`): prefect-dask sends every task run the flow's serialized context, and Prefect's
+task engine rebuilds it on the worker before the task's function runs (``prefect.context.hydrated_context``).
+The settings part is a dict of every Prefect setting, validated back into a ``prefect.settings.Settings`` by
+pydantic-settings: some fifty nested settings models, each reading the environment, ``.env`` and
+``prefect.toml`` sources, for values that the dict already fixes. Under cProfile that was 120 ms of the 178 ms
+each task run spent on the worker before its function ran (Prefect 3.9, prefect-dask 0.3); unprofiled, a task's
+submit-to-start latency on a local cluster was 0.12-0.13 s with it and 0.09 s without (``python -m
+benchmarks.task_start``). A chunked map pays that latency at every probe wave and every re-plan, in series, and
+every chunk pays it in worker CPU.
 
 :func:`install` wraps the task engine's ``hydrated_context`` in this worker process so that a serialized
 settings context seen before is given the ``Settings`` validated the first time (keyed by its canonical
@@ -28,6 +32,7 @@ import collections
 import contextlib
 import json
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 #: Distinct settings kept per worker process (a worker serving flow runs with different settings).
@@ -134,3 +139,55 @@ def _hydrated_context(serialized_context: dict[str, Any] | None = None, client: 
 
 
 _hydrated_context._memchunk_hydration = True  # type: ignore[attr-defined]
+
+
+_SERIALIZE_LOCK = threading.Lock()
+_SERIALIZE_USERS = 0
+_SERIALIZE_ORIGINAL: Any = None
+
+
+@contextlib.contextmanager
+def settings_serialized_once() -> Iterator[None]:
+    """While maps run, Prefect's settings context is serialized once per context object, not once per chunk.
+
+    prefect-dask's submit serializes the flow's whole context for every task run
+    it submits (``prefect.context.serialize_context``), and the settings part, a
+    pydantic dump of every Prefect setting walked by ``visit_collection``, is most
+    of a submission's cost in the flow: serializing the context took 88 ms of each 122 ms submit under
+    cProfile, 11 ms once memoized (``python -m benchmarks.map_overhead``), paid in the flow's thread, between
+    chunk completions, for an answer that cannot change during a map (settings are
+    fixed once a context is entered; cf. prefect#18191 on slow Dask task creation).
+    ``SettingsContext.serialize`` is memoized per context object and secrets flag
+    while at least one map runs (counted, so overlapping maps in threads install
+    and remove it once), and restored after; a Prefect without that method is
+    left alone.
+    """
+    global _SERIALIZE_USERS, _SERIALIZE_ORIGINAL
+    from prefect.context import SettingsContext
+
+    with _SERIALIZE_LOCK:
+        if _SERIALIZE_USERS == 0:
+            original = SettingsContext.__dict__.get("serialize")
+            if original is None:  # a Prefect whose settings context serializes elsewhere: nothing to memoize
+                _SERIALIZE_ORIGINAL = None
+            else:
+                _SERIALIZE_ORIGINAL = original
+                cache: dict[tuple[int, bool], tuple[Any, dict]] = {}
+
+                def serialize(self: Any, include_secrets: bool = True) -> dict:
+                    key = (id(self), bool(include_secrets))
+                    hit = cache.get(key)
+                    if hit is None or hit[0] is not self:  # the object is kept, so an id is never reused
+                        hit = cache[key] = (self, original(self, include_secrets=include_secrets))
+                    return hit[1]
+
+                SettingsContext.serialize = serialize  # type: ignore[method-assign]
+        _SERIALIZE_USERS += 1
+    try:
+        yield
+    finally:
+        with _SERIALIZE_LOCK:
+            _SERIALIZE_USERS -= 1
+            if _SERIALIZE_USERS == 0 and _SERIALIZE_ORIGINAL is not None:
+                SettingsContext.serialize = _SERIALIZE_ORIGINAL  # type: ignore[method-assign]
+                _SERIALIZE_ORIGINAL = None

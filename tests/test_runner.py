@@ -676,7 +676,7 @@ def test_the_settings_context_is_serialized_once_per_context_while_maps_run_and_
     from prefect.context import SettingsContext
     from prefect.settings import PREFECT_LOGGING_LEVEL, temporary_settings
 
-    from memchunk_prefect.executor import settings_serialized_once
+    from memchunk_prefect.hydration import settings_serialized_once
 
     original = SettingsContext.__dict__["serialize"]
     ctx = SettingsContext.get()
