@@ -8,7 +8,7 @@ returns the time its function started; the latency is that less the time of its 
 Dask's scheduling, and Prefect's task engine on the worker up to the function's first line. Two modes, on a
 fresh cluster each, alternating for ``--rounds`` rounds: ``prefect`` (as installed) and ``kept``, with
 ``memchunk_prefect.hydration`` installed on the worker (as a chunked map's first chunk installs it), whose
-counts of settings validated and reused are reported. A plain Dask task's latency on the same cluster is the
+counts of settings validated and reused, and of API clients opened and reused, are reported. A plain Dask task's latency on the same cluster is the
 floor. Medians of each mode's tasks after the first two (a fresh worker's first task imports Prefect's
 engine).
 """
@@ -69,11 +69,13 @@ def run_mode(mode: str, n: int) -> dict[str, Any]:
             t = time.time()
             plain.append(client.submit(plain_started_at, i, pure=False).result() - t)
         stats = next(iter(client.run(hydration.stats).values()))
+        clients = next(iter(client.run(hydration.client_stats).values())) if hasattr(hydration, "client_stats") \
+            else None  # (a checkout from before the worker kept its API client: measured as the "before" side)
     finally:
         client.close()
         cluster.close()
     return {"mode": mode, "seconds": lat, "median": statistics.median(lat[2:]), "plain_median":
-            statistics.median(plain[2:]), "worker_hydration": stats}
+            statistics.median(plain[2:]), "worker_hydration": stats, "worker_clients": clients}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
                 res = run_mode(mode, args.tasks)
                 res["round"] = r + 1
                 runs.append(res)
-                h = res["worker_hydration"]
+                h, c = res["worker_hydration"], res["worker_clients"]
+                clients = "" if c is None else f"; API clients opened {c['opened']}, reused {c['reused']}"
                 print(f"round {r + 1} {mode:<8s} submit to start: median {res['median']:.3f} s (min "
                       f"{min(res['seconds'][2:]):.3f}, max {max(res['seconds'][2:]):.3f}); a plain Dask task "
                       f"{res['plain_median']:.3f} s; settings validated {h['validated']}, reused {h['reused']}, "
-                      f"kept at install {h['seeded']} on the worker", flush=True)
+                      f"kept at install {h['seeded']} on the worker{clients}", flush=True)
     medians = {mode: statistics.median(x["median"] for x in runs if x["mode"] == mode) for mode in MODES}
     print(f"median over rounds: prefect {medians['prefect']:.3f} s, kept {medians['kept']:.3f} s "
           f"({medians['kept'] - medians['prefect']:+.3f} s per task run)")

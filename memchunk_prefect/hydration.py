@@ -24,6 +24,20 @@ settings gives back the same dict); where it is not (seen once in the full test 
 task run validates them once. Every later task run in the process with the same settings, chunks and other
 Prefect tasks alike, gets the settings it would have been given, validated at most once. A Prefect whose
 task engine has no ``hydrated_context`` is left alone.
+
+The same wrapper keeps the task runs' Prefect API client. Prefect's task engine builds two new
+``SyncPrefectClient`` objects for every task run it starts, one in ``hydrated_context`` (the flow run context's)
+and one in ``SyncClientContext.get_or_create`` (the one its API calls go through), and each builds an SSL
+context from certifi's CA bundle before its first request, even for an ``http://`` server: 17 ms each on an idle
+machine, 40-50 ms while both cores compute (counted ad hoc on a worker of this repository's test cluster:
+two per task run, both from those two places). Where the flow's settings name an API URL, the first task run on
+a worker thread with those settings opens one client (Prefect's own ``get_client``, under those settings), and
+every later one on that thread is given it: ``hydrated_context`` is handed it, and a ``SyncClientContext``
+holding it is entered around the task run, which the task engine's ``get_or_create`` then uses (a Prefect
+client is re-entrant: entered once when opened, it is never closed by a task run's exit). Prefect's own
+long-lived clients (a flow run's, its events worker's) are used the same way across many requests, and Prefect
+retries a request whose kept-alive connection the server closed. One client per worker thread (threads never
+share one) and settings, :data:`CACHE_SIZE` at most per thread.
 """
 
 from __future__ import annotations
@@ -40,7 +54,13 @@ CACHE_SIZE = 8
 
 _LOCK = threading.Lock()
 _CACHE: collections.OrderedDict[str, Any] = collections.OrderedDict()
-_STATE: dict[str, Any] = {"original": None, "validated": 0, "reused": 0, "seeded": 0}
+_STATE: dict[str, Any] = {"original": None, "validated": 0, "reused": 0, "seeded": 0,
+                          "clients_opened": 0, "clients_reused": 0, "generation": 0}
+#: Per worker thread: ``(generation, {settings key: the client kept for it})``; a thread whose generation is
+#: older than :func:`uninstall`'s forgets what it kept.
+_LOCAL = threading.local()
+#: Every client kept, in every thread (to close them all on :func:`uninstall`).
+_OPEN: list[Any] = []
 
 
 def install() -> bool:
@@ -98,6 +118,11 @@ def uninstall() -> None:
             _STATE["original"] = None
         _CACHE.clear()
         _STATE["validated"] = _STATE["reused"] = _STATE["seeded"] = 0
+        _STATE["clients_opened"] = _STATE["clients_reused"] = 0
+        _STATE["generation"] += 1
+        clients, _OPEN[:] = list(_OPEN), []
+    for client in clients:
+        _close(client)
 
 
 def stats() -> dict[str, int]:
@@ -108,11 +133,20 @@ def stats() -> dict[str, int]:
                 "seeded": int(_STATE["seeded"]), "kept": len(_CACHE)}
 
 
-def settings_for(settings_context: dict[str, Any]) -> Any:
-    """The ``Settings`` a serialized settings context validates to: validated once per distinct context."""
+def client_stats() -> dict[str, int]:
+    """API clients opened for task runs in this process since :func:`install` (one per worker thread and
+    settings), task runs given one opened before, and how many of those kept are still open."""
+    with _LOCK:
+        return {"opened": int(_STATE["clients_opened"]), "reused": int(_STATE["clients_reused"]),
+                "open": sum(not _closed(c) for c in _OPEN)}
+
+
+def settings_for(settings_context: dict[str, Any], key: str | None = None) -> Any:
+    """The ``Settings`` a serialized settings context validates to: validated once per distinct context.
+    ``key``: the context's :func:`_key`, where the caller has it."""
     from prefect.context import SettingsContext
 
-    key = _key(settings_context)
+    key = _key(settings_context) if key is None else key
     with _LOCK:
         settings = _CACHE.get(key)
         if settings is not None:
@@ -127,15 +161,86 @@ def settings_for(settings_context: dict[str, Any]) -> Any:
     return settings
 
 
-def _hydrated_context(serialized_context: dict[str, Any] | None = None, client: Any = None) -> Any:
+@contextlib.contextmanager
+def _hydrated_context(serialized_context: dict[str, Any] | None = None, client: Any = None) -> Iterator[None]:
     original = _STATE["original"]
+    kept = None
     settings_context = (serialized_context or {}).get("settings_context")
     if isinstance(settings_context, dict) and isinstance(settings_context.get("settings"), dict):
         with contextlib.suppress(Exception):  # anything unexpected: Prefect validates it as it always did
-            settings = settings_for(settings_context)
-            serialized_context = {**(serialized_context or {}),
-                                  "settings_context": {**settings_context, "settings": settings}}
-    return original(serialized_context, client)
+            key = _key(settings_context)
+            settings = settings_for(settings_context, key)
+            settings_context = {**settings_context, "settings": settings}
+            serialized_context = {**(serialized_context or {}), "settings_context": settings_context}
+            if client is None:
+                kept = _kept_client(key, settings_context)
+    if kept is None:
+        with original(serialized_context, client):
+            yield
+        return
+    from prefect.context import SyncClientContext
+
+    with original(serialized_context, kept):
+        # Built without __init__, which would open a client of its own (pydantic's model_construct: the fields
+        # given, private attributes at their defaults); entered inside the flow's settings, as Prefect's is.
+        with SyncClientContext.model_construct(client=kept):
+            yield
+
+
+def _kept_client(key: str, settings_context: dict[str, Any]) -> Any:
+    """The API client this worker thread keeps for the settings of ``key`` (opened at the first task run with
+    them); None where Prefect should open its own: the settings name no API URL (``get_client`` would start a
+    server of its own), or a client context is already active in this thread (a task run inside another)."""
+    from prefect.context import SettingsContext, SyncClientContext
+
+    if SyncClientContext.get() is not None:
+        return None
+    held = getattr(_LOCAL, "held", None)
+    if held is None or held[0] != _STATE["generation"]:
+        held = _LOCAL.held = (_STATE["generation"], collections.OrderedDict())
+    clients: collections.OrderedDict[str, Any] = held[1]
+    client = clients.get(key)
+    if client is not None:
+        if not _closed(client):
+            clients.move_to_end(key)
+            with _LOCK:
+                _STATE["clients_reused"] += 1
+            return client
+        _forget(clients.pop(key))  # closed by someone else: a new one below
+    settings = settings_context["settings"]
+    if not getattr(getattr(settings, "api", None), "url", None):
+        return None
+    from prefect.client.orchestration import get_client
+
+    with SettingsContext(**settings_context):
+        client = get_client(sync_client=True)
+    client.__enter__()  # held open: each task run's context enters and exits it again, re-entrantly
+    clients[key] = client
+    with _LOCK:
+        _STATE["clients_opened"] += 1
+        _OPEN.append(client)
+    while len(clients) > CACHE_SIZE:
+        _, old = clients.popitem(last=False)
+        _forget(old)
+        _close(old)
+    return client
+
+
+def _forget(client: Any) -> None:
+    with _LOCK:
+        if client in _OPEN:
+            _OPEN.remove(client)
+
+
+def _closed(client: Any) -> bool:
+    """Whether a Prefect client was closed (it cannot be opened again)."""
+    return bool(getattr(client, "_closed", False))
+
+
+def _close(client: Any) -> None:
+    """Close a kept client (its connections), whatever state it is in."""
+    with contextlib.suppress(Exception):
+        client.__exit__(None, None, None)
 
 
 _hydrated_context._memchunk_hydration = True  # type: ignore[attr-defined]

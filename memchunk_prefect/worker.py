@@ -95,7 +95,9 @@ class BlockFunction:
         job = bound.arguments[self.param]
         if not isinstance(job, BlockJob):  # called outside the runner: behave as the plain function
             return self.fn(*args, **kwargs)
-        hydration.install()  # this worker's later task runs validate the flow's settings once (see that module)
+        # This worker's later task runs validate the flow's settings once and share one API client per thread
+        # (see that module).
+        hydration.install()
         try:
             return run_block(self.fn, job, bound)
         except BaseException as exc:

@@ -339,7 +339,7 @@ def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
     assert bad.returncode == 2 and "--calls must be at least 2" in bad.stderr
 
 
-def test_task_start_benchmark_times_both_modes_and_the_kept_mode_reuses_settings(tmp_path, api_url):
+def test_task_start_benchmark_times_both_modes_and_the_kept_mode_reuses_settings_and_clients(tmp_path, api_url):
     out = tmp_path / "start.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.task_start", "--tasks", "4", "--rounds", "1", "--json",
                            str(out)], cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True,
@@ -352,6 +352,9 @@ def test_task_start_benchmark_times_both_modes_and_the_kept_mode_reuses_settings
         assert len(r["seconds"]) == 4 and all(s > 0 for s in r["seconds"]) and r["plain_median"] > 0
     assert by_mode["prefect"]["worker_hydration"]["reused"] == 0  # not installed: Prefect's own hydration
     assert by_mode["kept"]["worker_hydration"]["reused"] >= 3  # every task run after the first found its settings
+    assert by_mode["prefect"]["worker_clients"]["opened"] == 0  # not installed: Prefect's own clients
+    # Installed before the first task run: it opens the worker thread's client, the other three are given it.
+    assert by_mode["kept"]["worker_clients"] == {"opened": 1, "reused": 3, "open": 1}
     assert "median over rounds" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "benchmarks.task_start", "--tasks", "2"], cwd=REPO,
                          env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)

@@ -67,3 +67,69 @@ def test_a_context_without_settings_is_hydrated_as_prefect_does(installed):
     with installed.hydrated_context(None):
         pass
     assert hydration.stats() == {"validated": 0, "reused": 0, "seeded": 1, "kept": 1}
+
+
+def clients_in(engine, serialized: dict):
+    """The API clients a task run would use inside the context the task engine hydrates from ``serialized``: the
+    flow run context's, the client context's (the task engine's ``get_or_create`` uses it), ``get_client``'s."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext, SyncClientContext
+
+    with engine.hydrated_context(serialized):
+        flow_ctx = FlowRunContext.get()
+        with SyncClientContext.get_or_create() as client_ctx:
+            return (flow_ctx.client if flow_ctx else None), client_ctx.client, get_client(sync_client=True)
+
+
+def test_task_runs_with_the_same_settings_on_one_thread_are_given_the_client_the_first_opened(installed,
+                                                                                              prefect_server):
+    """Prefect builds two clients per task run (each an SSL context); kept, the second task run on a thread with
+    the same settings builds none: its client context, and get_client inside it, give the client opened first,
+    which a task run's exit leaves open. Closed on uninstall."""
+    sent = {"settings_context": SettingsContext.get().serialize()}
+    assert SettingsContext.get().settings.api.url, "the session's Prefect server sets an API URL"
+    first = clients_in(installed, sent)
+    second = clients_in(installed, dict(sent))
+    assert first[1] is second[1], "the second task run must be given the first's client"
+    # (no flow run context here: that one, handed the same client, is seen in test_runner's flow runs)
+    assert {id(c) for c in second if c is not None} == {id(kept := second[1])}, \
+        "inside one task run, every client asked for is the kept one"
+    assert not kept._closed and kept.api_healthcheck() is None, "a task run's exit must leave it open and usable"
+    assert hydration.client_stats() == {"opened": 1, "reused": 1, "open": 1}
+    hydration.uninstall()
+    assert kept._closed and hydration.client_stats() == {"opened": 0, "reused": 0, "open": 0}
+
+
+def test_threads_keep_clients_of_their_own_and_other_settings_get_another(installed, prefect_server):
+    import threading
+
+    sent = {"settings_context": SettingsContext.get().serialize()}
+    with temporary_settings({PREFECT_LOGGING_LEVEL: "ERROR"}):
+        other = {"settings_context": SettingsContext.get().serialize()}
+    here = clients_in(installed, sent)[1]
+    there: list = []
+    thread = threading.Thread(target=lambda: there.extend([clients_in(installed, sent)[1],
+                                                           clients_in(installed, sent)[1]]))
+    thread.start()
+    thread.join()
+    assert there[0] is there[1] and there[0] is not here, "one client per thread, reused within it"
+    assert clients_in(installed, other)[1] is not here, "other settings, another client"
+    assert clients_in(installed, sent)[1] is here
+    assert hydration.client_stats() == {"opened": 3, "reused": 2, "open": 3}
+
+
+def test_no_client_is_kept_without_an_api_url_or_inside_another_client_context(installed, prefect_server):
+    """Without an API URL Prefect's get_client would start a server of its own: left to Prefect. Inside a client
+    context already active (a task run inside another), that one is used, as Prefect does."""
+    from prefect.context import SyncClientContext
+    from prefect.settings import PREFECT_API_URL
+
+    with temporary_settings({PREFECT_API_URL: None}):
+        no_url = {"settings_context": SettingsContext.get().serialize()}
+    assert not no_url["settings_context"]["settings"]["api"].get("url")
+    with installed.hydrated_context(no_url):
+        assert SyncClientContext.get() is None, "no client context is entered for Prefect"
+    sent = {"settings_context": SettingsContext.get().serialize()}
+    with SyncClientContext.get_or_create() as outer:
+        assert clients_in(installed, sent)[1] is outer.client
+    assert hydration.client_stats() == {"opened": 0, "reused": 0, "open": 0}

@@ -207,7 +207,8 @@ def test_chunked_pipeline_equals_whole_volume_result_cold_then_warm(cluster, lea
         assert warm_s["oom_events"] == 0
 
 
-def test_workers_validate_the_flows_settings_at_most_once_and_reuse_them_for_later_chunks(survey, tmp_path):
+def test_workers_validate_the_flows_settings_at_most_once_and_reuse_them_and_their_api_client_for_later_chunks(
+        survey, tmp_path):
     """Each chunk's task run hydrates the flow's Prefect context on its worker; the first chunk there installs
     memchunk_prefect.hydration and keeps its own settings under the key of their serialization. Where that key is
     what the flow sends (the usual case), every later chunk reuses them; where it is not (seen once in the full
@@ -228,6 +229,7 @@ def test_workers_validate_the_flows_settings_at_most_once_and_reuse_them_for_lat
 
         runs = [one_map(survey), one_map(survey)]
         stats = client.run(hydration.stats)
+        clients = client.run(hydration.client_stats)
     expected = tasks.envelope.fn(open_segy(survey).values)
     for _, values in runs:
         np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-5)
@@ -238,6 +240,11 @@ def test_workers_validate_the_flows_settings_at_most_once_and_reuse_them_for_lat
     # Every chunk after a worker's first found its settings kept, or (at most once per worker) validated them.
     assert sum(s["reused"] + s["validated"] for s in ran) == chunks - len(ran), stats
     assert sum(s["reused"] for s in ran) >= chunks - 2 * len(ran) >= 1, stats
+    # And the API client: each single-thread worker opens one at its second chunk, and every later chunk is given
+    # it (Prefect builds two per task run), across both flow runs, which share their settings.
+    assert all(clients[w]["opened"] <= 1 and clients[w]["open"] == clients[w]["opened"] for w in clients), clients
+    assert sum(clients[w]["opened"] + clients[w]["reused"] for w in clients) == chunks - len(ran), clients
+    assert sum(clients[w]["reused"] for w in clients) >= chunks - 2 * len(ran), clients
 
 
 def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, tmp_path, monkeypatch):
