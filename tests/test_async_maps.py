@@ -172,7 +172,11 @@ def test_an_error_in_the_flow_s_own_code_stops_its_running_maps_and_stays_the_fl
     def a_chunk_runs(flow_run_id: str, timeout: float = 60.0) -> bool:
         """Whether one of the flow run's task runs is RUNNING within ``timeout`` seconds. A fixed 1 s sleep over
         1 s chunks once let both finish before the flow's error stopped the map, on a host loaded by other work
-        (nothing was left to crash); raising while a 3 s chunk runs leaves it in flight however slow the host."""
+        (nothing was left to crash). Raising while a chunk runs is not enough either: stopping, the runner marks
+        the runs in flight Crashed and looks again for up to ``settle_missing_seconds`` (2 s) for those the server
+        has not listed yet, and a chunk that then ends is recorded Completed, as it did. With 3 s chunks and task
+        runs starting 0.04 s after their submit, both chunks of one CI run ended 0.1 s after the runner stopped,
+        Completed before this test read them; an 8 s chunk is still running when the states are read."""
         deadline = time.monotonic() + timeout
         with get_client(sync_client=True) as client:
             while time.monotonic() < deadline:
@@ -185,7 +189,7 @@ def test_an_error_in_the_flow_s_own_code_stops_its_running_maps_and_stays_the_fl
     @flow(task_runner=runner)
     def clumsy():
         ids.append(str(flow_run.id))
-        memory_hog.map(chunked(VOLUME), multiple=2, busy_seconds=3.0)
+        memory_hog.map(chunked(VOLUME), multiple=2, busy_seconds=8.0)
         assert a_chunk_runs(ids[0]), "no chunk started within 60 s"
         raise RuntimeError("the flow's own bug")
 
