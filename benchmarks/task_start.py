@@ -8,9 +8,9 @@ returns the time its function started; the latency is that less the time of its 
 Dask's scheduling, and Prefect's task engine on the worker up to the function's first line. Two modes, on a
 fresh cluster each, alternating for ``--rounds`` rounds: ``prefect`` (as installed) and ``kept``, with
 ``memchunk_prefect.hydration`` installed on the worker (as a chunked map's first chunk installs it), whose
-counts of settings validated and reused, and of API clients opened and reused, are reported. A plain Dask task's latency on the same cluster is the
-floor. Medians of each mode's tasks after the first two (a fresh worker's first task imports Prefect's
-engine).
+counts of settings validated and reused, and of API clients opened and reused, are reported. A plain Dask task's
+latency on the same cluster is the floor. Medians of each mode's tasks after the first two (a fresh worker's
+first task imports Prefect's engine).
 """
 
 from __future__ import annotations
