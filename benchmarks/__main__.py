@@ -213,28 +213,28 @@ def gpu_section(quick: bool, workdir: Path) -> dict:
     in a fresh process, seconds and memory multiples, the GPU's own peak beside the host's), then gst3d_dip over a
     survey too large for the GPU in one piece (``benchmarks.gpu``: dask-auto, a static sweep, memchunk cold and
     warm, checked against the CPU; in ``survey``), where this machine has a GPU work can run on
-    (:func:`memchunk_prefect.pinning.usable_gpus`); ``{"skipped": why}`` elsewhere. The strategies above run on
+    (:func:`memchunk_prefect.run.pinning.usable_gpus`); ``{"skipped": why}`` elsewhere. The strategies above run on
     the CPU either way."""
     from benchmarks import gpu as gpu_survey
     from benchmarks import operator_memory
-    from memchunk_prefect.pinning import usable_gpus
+    from memchunk_prefect.run.pinning import usable_gpus
 
     devices, found = usable_gpus()
     print(f"GPU section: {found}" + ("" if devices else ": skipped, the operators run on the CPU only"), flush=True)
     if not devices:
         return {"skipped": found}
     shape = GPU_SHAPES[0] if quick else GPU_SHAPES[1]
-    import tasks
+    from memchunk_prefect import operators
 
     rows = [operator_memory.run_in_subprocess(name, shape, device=device)
-            for name in tasks.OPERATORS for device in ("cpu", "cuda")]
+            for name in operators.OPERATORS for device in ("cpu", "cuda")]
     survey = gpu_survey.run(gpu_survey.QUICK if quick else gpu_survey.FULL, workdir / "gpu", quick, prefect_api=False)
     return {"found": found, "shape": list(shape), "rows": rows, "survey": survey}
 
 
 def run(cfg: Config, quick: bool, workdir: Path) -> dict:
     from benchmarks import strategies as st
-    from flows.pipeline import DEFAULT_STEPS
+    from memchunk_prefect.operators.registry import DEFAULT_STEPS
 
     steps = [dict(s) for s in DEFAULT_STEPS]
     t_start = time.perf_counter()

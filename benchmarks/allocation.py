@@ -9,7 +9,7 @@ exponential, mean 5 min; a 1 h walltime) runs the demo pipeline on a
 ``--store`` or two ``memchunk demo`` runs made here). For windows T0 from 15 to
 40 min, and U0 at the 20th, 50th and 80th percentiles of the simulated runs'
 U(T0) (so the simulated probability is about 0.8, 0.5 and 0.2 by
-construction), the model's P(U(T0) >= U0) (:mod:`memchunk_prefect.allocation`:
+construction), the model's P(U(T0) >= U0) (:mod:`memchunk_prefect.sim.allocation`:
 the same queue-wait distribution, the per-job utilisation the simulated runs
 measured, jobs independent) is set beside the simulated one. Where they part,
 the independence assumption is what fails: a job that starts late finds less
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from benchmarks.sim_scale import demo_store
-    from flows.pipeline import DEFAULT_STEPS
-    from memchunk_prefect.allocation import QueueWait
-    from memchunk_prefect.simulate import (
+    from memchunk_prefect.operators.registry import DEFAULT_STEPS
+    from memchunk_prefect.sim.allocation import QueueWait
+    from memchunk_prefect.sim.simulate import (
         ClusterShape,
         Step,
         allocation_check,

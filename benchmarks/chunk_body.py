@@ -6,7 +6,7 @@ The full run's memchunk-warm row plans the same chunks as static-2 (2 iline slab
 4-12% slower than it in rounds side by side. This separates the worker's share of that gap from the flow's:
 one chunk (the first of ``--chunks`` iline slabs of a ``--shape`` synthetic survey, read from zarr with the
 operator's halo) is run by the static baseline's body (``benchmarks.strategies.slab_task``: read, compute, trim,
-write a contiguous copy) and by the runner's (``memchunk_prefect.worker.run_block``: the same, measured by the
+write a contiguous copy) and by the runner's (``memchunk_prefect.run.worker.run_block``: the same, measured by the
 monitor, the view written, the completion marker with its observation), each in a fresh worker-like process
 (``benchmarks.children``: first touches paid, as on the benchmark's fresh workers), the two alternating
 ``--pairs`` times. Both children import everything they use before the clock starts (a worker has imported
@@ -38,14 +38,15 @@ def child(side: str, source_path: str, output_path: str, operator: str, chunks: 
     import numpy as np
     import prefect  # noqa: F401 - a worker has Prefect loaded before its first task (run_block asks its context)
 
-    import tasks
-    from memchunk_prefect.chunks import balanced_grid
+    from memchunk_prefect import operators
+    from memchunk_prefect.core.chunks import balanced_grid
+    from memchunk_prefect.io.volume import as_source, read_block
+    from memchunk_prefect.io.zarr_store import ZarrOutput
     from memchunk_prefect.operators import spec_of
-    from memchunk_prefect.volume import ZarrOutput, as_source, read_block
-    from memchunk_prefect.worker import BlockJob, run_block
+    from memchunk_prefect.run.worker import BlockJob, run_block
 
     source = as_source(source_path)
-    op = tasks.OPERATORS[operator]
+    op = operators.OPERATORS[operator]
     halo = spec_of(op).halo_for({})
     chunk = balanced_grid(tuple(source.shape), (chunks, 1, 1))[0]
     call: dict[str, float] = {}
@@ -78,7 +79,7 @@ def child(side: str, source_path: str, output_path: str, operator: str, chunks: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.chunk_body", description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=5, help="runs of each side, alternating (default 5)")
-    p.add_argument("--operator", default="gst3d_dip", help="an operator of tasks.OPERATORS (default gst3d_dip)")
+    p.add_argument("--operator", default="gst3d_dip", help="an operator of operators.OPERATORS (default gst3d_dip)")
     p.add_argument("--chunks", type=int, default=2, help="iline slabs; the first is run (default 2, static-2's)")
     p.add_argument("--shape", type=int, nargs=3, default=[128, 128, 400], metavar=("IL", "XL", "T"))
     p.add_argument("--json", metavar="PATH")
@@ -89,13 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.pairs < 1 or args.chunks < 1:
         p.error(f"--pairs and --chunks must be at least 1, got {args.pairs} and {args.chunks}")
-    import tasks
+    from memchunk_prefect import operators
 
-    if args.operator not in tasks.OPERATORS:
-        p.error(f"--operator {args.operator!r} is not one of {sorted(tasks.OPERATORS)}")
+    if args.operator not in operators.OPERATORS:
+        p.error(f"--operator {args.operator!r} is not one of {sorted(operators.OPERATORS)}")
     from benchmarks.strategies import convert_to_zarr
     from memchunk_prefect import synthetic_survey
-    from memchunk_prefect.volume import ZarrOutput, as_source
+    from memchunk_prefect.io.volume import as_source
+    from memchunk_prefect.io.zarr_store import ZarrOutput
 
     work = Path(tempfile.mkdtemp(prefix="memchunk-chunk-body-"))
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}

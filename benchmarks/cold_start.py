@@ -41,7 +41,7 @@ SHAPE = (128, 128, 400)
 def per_operator(store: str, slots: int = 2) -> dict[str, dict]:
     """Each operator's map in the store's (one) flow run: seconds first start to last end, chunks, traces read,
     and slot-seconds idle within the map (``slots`` x its seconds less the seconds its chunks ran)."""
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.store import Store
 
     out: dict[str, dict] = {}
     for obs in Store(store).observations():
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     import memchunk_prefect
     from benchmarks import strategies as st
     from benchmarks.__main__ import _prefect_api
-    from flows.pipeline import DEFAULT_STEPS
+    from memchunk_prefect.operators.registry import DEFAULT_STEPS
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="memchunk-cold-")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)

@@ -42,13 +42,13 @@ import json, sys, time
 sys.path.insert(0, {repo!r})
 import numpy as np
 from prefect import flow
-import tasks
+from memchunk_prefect import operators
 from memchunk_prefect import MemoryAwareRunner, chunked
 
 @flow(name="concurrent-gst3d")
 def one(path, out):
     t = time.perf_counter()
-    res = tasks.gst3d_dip.map(chunked(path, output=out))
+    res = operators.gst3d_dip.map(chunked(path, output=out))
     s = res.summary()
     return {{"seconds": time.perf_counter() - t, "chunks": s["chunks"], "decisions": s["decisions"],
              "oom_events": s["oom_events"], "recovered": s["recovered"],
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.__main__ import _prefect_api
     from memchunk_prefect import synthetic_survey
-    from memchunk_prefect.volume import open_result
+    from memchunk_prefect.io.zarr_store import open_result
 
     work = Path(tempfile.mkdtemp(prefix="memchunk-concurrent-"))
     survey = synthetic_survey(work / "survey.sgy", tuple(args.shape), seed=4)

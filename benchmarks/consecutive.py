@@ -49,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else FULL
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
     from benchmarks import strategies as st
-    from flows.pipeline import DEFAULT_STEPS
-    from memchunk_prefect import executor
-    from memchunk_prefect.model import ModelBank
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.store import Store
+    from memchunk_prefect.operators.registry import DEFAULT_STEPS
+    from memchunk_prefect.run import executor
 
     if args.keep is not None:
         executor.RUNNER_SETTINGS = dataclasses.replace(executor.RUNNER_SETTINGS, store_keep_per_key=args.keep)
@@ -103,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def night_state(store: str, work: Path) -> dict[str, Any]:
     """After a run: the store's size and rows, each model's recent error, and what this process holds."""
-    from memchunk_prefect.model import ModelBank
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.store import Store
 
     size = os.path.getsize(store)
     wal = sum(os.path.getsize(store + x) for x in ("-wal", "-shm") if os.path.exists(store + x))

@@ -42,9 +42,9 @@ from benchmarks.__main__ import FULL, QUICK, _prefect_api
 def _run(bench: Any, survey: str, steps: list[dict], store_path: str, tag: str, objective: str) -> dict:
     """One pipeline run under ``objective``; its wall, chunks and energy (from the store and, if readable, RAPL)."""
     from benchmarks import strategies as st
-    from memchunk_prefect.monitor import _rapl
-    from memchunk_prefect.settings import PolicySettings
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.settings import PolicySettings
+    from memchunk_prefect.learn.store import Store
+    from memchunk_prefect.run.monitor import _rapl
 
     with Store(store_path) as s:
         last = max((i for i, _ in s.rows()), default=0)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
     from benchmarks import strategies as st
-    from flows.pipeline import DEFAULT_STEPS
+    from memchunk_prefect.operators.registry import DEFAULT_STEPS
 
     cfg = QUICK if args.quick else FULL
     work = Path(tempfile.mkdtemp(prefix="memchunk-energy-"))
@@ -134,11 +134,11 @@ def _cost_model(store_path: str, shape: tuple[int, int, int], slots: int) -> lis
     """The planner's estimated seconds and joules for each operator of the store cut into 1..4 iline slabs
     (halo included, clipped at the volume's edges), with the learned models, and whether the largest block's
     upper bound fits the budget its last map had."""
-    from memchunk_prefect.chunks import Chunk, largest_read_extents
-    from memchunk_prefect.model import BankKnowledge, ModelBank
-    from memchunk_prefect.policy import estimate_joules, estimate_seconds
-    from memchunk_prefect.settings import PolicySettings
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.chunks import Chunk, largest_read_extents
+    from memchunk_prefect.core.policy import estimate_joules, estimate_seconds
+    from memchunk_prefect.core.settings import PolicySettings
+    from memchunk_prefect.learn.model import BankKnowledge, ModelBank
+    from memchunk_prefect.learn.store import Store
 
     settings = PolicySettings(objective="energy")
     out = []

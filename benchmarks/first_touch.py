@@ -31,7 +31,7 @@ BLOCK = (86, 97, 100)
 def child(calls: int) -> list[dict]:
     import numpy as np
 
-    from tasks import trace_correlation
+    from memchunk_prefect.operators import trace_correlation
 
     block = np.random.default_rng(0).standard_normal(BLOCK).astype(np.float32)
     out = []

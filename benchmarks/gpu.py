@@ -3,7 +3,7 @@
     python -m benchmarks.gpu [--shape IL XL NT] [--statics N ...] [--json PATH] [--workdir DIR] [--quick]
 
 One local Dask cluster of one single-thread worker per GPU (each pinned to its
-own, as the runner's own GPU cluster is: :mod:`memchunk_prefect.pinning`), a
+own, as the runner's own GPU cluster is: :mod:`memchunk_prefect.run.pinning`), a
 real ``memory_limit`` on the host, ``allowed-failures`` 0. Every strategy
 computes ``gst3d_dip`` with ``device="cuda"`` over the same survey, a zarr store
 holding the synthetic survey's values (:func:`make_zarr_survey`: the values
@@ -19,7 +19,7 @@ since writing 4 GiB of SEG-Y one inline at a time takes minutes):
 - ``memchunk-cold`` / ``memchunk-warm``: ``MemoryAwareRunner`` on an empty store,
   then again on the same store (it learns host and GPU memory per chunk).
 
-Every GPU call of every strategy runs inside :meth:`memchunk_prefect.device.Backend.track`
+Every GPU call of every strategy runs inside :meth:`memchunk_prefect.operators.device.Backend.track`
 (CuPy's pool freed before and after each task), so every strategy pays the same
 pool bookkeeping, and each static task's GPU peak is measured as memchunk's are.
 Before the first strategy, each worker runs the operator once on a small block:
@@ -38,7 +38,7 @@ Checks (``targets`` in the JSON):
 
 Without a GPU (no NVML device, or no CuPy) it says so and exits 0; with
 ``MEMCHUNK_FAKE_GPU_BYTES`` set it runs on the numpy-backed fake device
-(:mod:`memchunk_prefect.device`), which checks the paths, not a GPU's speed.
+(:mod:`memchunk_prefect.operators.device`), which checks the paths, not a GPU's speed.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
 from prefect import flow, task, unmapped  # noqa: E402
 from prefect.cache_policies import NO_CACHE  # noqa: E402
 
-from memchunk_prefect.errors import format_bytes  # noqa: E402
+from memchunk_prefect.core.errors import format_bytes  # noqa: E402
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -103,9 +103,9 @@ RTOL, ATOL_DEGREES = 1e-4, 1e-3
 
 def _write_inlines(job: tuple[str, tuple[int, int, int], int, int, int]) -> int:
     """Generate inlines [a, b) of the synthetic survey and write them to the store (in a pool process)."""
-    from memchunk_prefect.chunks import Chunk
-    from memchunk_prefect.segy import _model, _synthetic_inline
-    from memchunk_prefect.volume import ZarrOutput
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.io.synthetic import _model, _synthetic_inline
+    from memchunk_prefect.io.zarr_store import ZarrOutput
 
     path, shape, seed, a, b = job
     model = _model(shape, seed)
@@ -115,10 +115,10 @@ def _write_inlines(job: tuple[str, tuple[int, int, int], int, int, int]) -> int:
 
 
 def make_zarr_survey(path: Path, shape: Sequence[int], seed: int = 0, processes: int | None = None) -> str:
-    """The synthetic survey's values (:func:`memchunk_prefect.synthetic_volume` of ``shape``, ``seed``) in a
-    complete zarr store at ``path``, written by ``processes`` processes (default: the CPUs; 1: in this one), each
-    generating whole storage-chunk slabs of inlines. An existing complete store is kept."""
-    from memchunk_prefect.volume import ZarrOutput
+    """The synthetic survey's values (:func:`memchunk_prefect.io.synthetic.synthetic_volume` of ``shape``,
+    ``seed``) in a complete zarr store at ``path``, written by ``processes`` processes (default: the CPUs; 1: in
+    this one), each generating whole storage-chunk slabs of inlines. An existing complete store is kept."""
+    from memchunk_prefect.io.zarr_store import ZarrOutput
 
     shape = tuple(int(s) for s in shape)
     if path.exists():
@@ -168,15 +168,15 @@ def reset_worker() -> int:
 def warm_gpu_worker() -> dict:
     """Load once what every process pays once (CUDA context, CuPy's kernels, cuFFT / cuSOLVER handles) by running
     the operator on a small block on the device, then :func:`reset_worker`; returns what the worker's GPU is."""
-    import tasks
     from benchmarks.strategies import warm_worker
-    from memchunk_prefect.device import CUDA, backend, gpu_status
+    from memchunk_prefect import operators
+    from memchunk_prefect.operators.device import CUDA, backend, gpu_status
 
     warm_worker()
     block = np.random.default_rng(0).standard_normal((16, 16, 64)).astype(np.float32)
     be = backend(CUDA).load()
     with be.track():
-        tasks.OPERATORS[OPERATOR].fn(block, device=CUDA)
+        operators.OPERATORS[OPERATOR].fn(block, device=CUDA)
     reset_worker()
     st = gpu_status()
     limit = None
@@ -191,16 +191,16 @@ def warm_gpu_worker() -> dict:
 def on_gpu(block: np.ndarray, op_name: str = OPERATOR, **params: Any) -> np.ndarray:
     """The operator on this worker's GPU, measured as the runner measures its chunks (``Backend.track``): the
     device's out-of-memory is raised the same way (the fake device's at the end of the task)."""
-    import tasks
-    from memchunk_prefect.device import CUDA, backend
+    from memchunk_prefect import operators
+    from memchunk_prefect.operators.device import CUDA, backend
 
     with backend(CUDA).track():
-        return tasks.OPERATORS[op_name].fn(block, device=CUDA, **params)
+        return operators.OPERATORS[op_name].fn(block, device=CUDA, **params)
 
 
 def to_device(block: np.ndarray) -> Any:
     """A block on this worker's GPU (``cupy.asarray``; a copy on the fake device)."""
-    from memchunk_prefect.device import CUDA, backend
+    from memchunk_prefect.operators.device import CUDA, backend
 
     return backend(CUDA).asarray(block)
 
@@ -212,13 +212,14 @@ def _slab_name(parameters: dict) -> str:
 @task(cache_policy=NO_CACHE, task_run_name=_slab_name)
 def gpu_slab_task(source: Any, out_path: str, chunk: Any, halo: tuple) -> dict:
     """Read ``chunk`` with its halo, run the operator on the GPU (measured), trim, write its region."""
-    import tasks
-    from memchunk_prefect.device import CUDA, backend
-    from memchunk_prefect.volume import ZarrOutput, read_block
+    from memchunk_prefect import operators
+    from memchunk_prefect.io.volume import read_block
+    from memchunk_prefect.io.zarr_store import ZarrOutput
+    from memchunk_prefect.operators.device import CUDA, backend
 
     block, trim = read_block(source, chunk, halo)
     with backend(CUDA).track() as use:
-        out = tasks.OPERATORS[OPERATOR].fn(block, device=CUDA)
+        out = operators.OPERATORS[OPERATOR].fn(block, device=CUDA)
     del block
     ZarrOutput.open(out_path).write(chunk, np.ascontiguousarray(np.asarray(out)[trim], dtype=np.float32))
     return {"elements": chunk.elements, "gpu_peak_bytes": use.peak_bytes}
@@ -230,14 +231,15 @@ def gpu_slab_task(source: Any, out_path: str, chunk: Any, halo: tuple) -> dict:
 @flow(name="benchmark-gpu-static")
 def gpu_static_flow(source_path: str, out_path: str, n: int) -> dict:
     """N iline slabs, one plain task each; a slab that ran out of (GPU) memory fails the strategy."""
-    import tasks
     from benchmarks.strategies import _is_oom, iline_slabs
+    from memchunk_prefect import operators
+    from memchunk_prefect.io.volume import as_source
+    from memchunk_prefect.io.zarr_store import ZarrOutput
     from memchunk_prefect.operators import spec_of
-    from memchunk_prefect.volume import ZarrOutput, as_source
 
     t0 = time.perf_counter()
     source = as_source(source_path)
-    halo = spec_of(tasks.OPERATORS[OPERATOR]).halo_for({})
+    halo = spec_of(operators.OPERATORS[OPERATOR]).halo_for({})
     out = ZarrOutput.create(out_path, source.shape, source.coords(), overwrite=True)
     chunks = iline_slabs(source.shape, n)
     futures = gpu_slab_task.map(unmapped(source), unmapped(out.path), chunks, unmapped(halo))
@@ -262,16 +264,16 @@ def dask_auto_graph(source_path: str, out_path: str):
     """(the delayed to_zarr, the chunks): the store with chunks="auto" (whole traces), CuPy-backed, map_overlap."""
     import dask.array as da
 
-    import tasks
+    from memchunk_prefect import operators
+    from memchunk_prefect.io.zarr_store import open_result
     from memchunk_prefect.operators import spec_of
-    from memchunk_prefect.volume import open_result
 
     x = open_result(source_path).chunk({"iline": "auto", "xline": "auto", "twt": -1}).data
     chunks = x.chunks
     # meta given: dask must not call to_device in this process to learn the block type (that would start a CUDA
     # context here, holding ~0.5 GiB of the GPU the worker budgets from).
     x = x.map_blocks(to_device, dtype=np.float32, meta=np.empty((0, 0, 0), np.float32))
-    halo = spec_of(tasks.OPERATORS[OPERATOR]).halo_for({})
+    halo = spec_of(operators.OPERATORS[OPERATOR]).halo_for({})
     y = da.map_overlap(on_gpu, x, depth=dict(enumerate(halo)), boundary="none", dtype=np.float32,
                        meta=np.empty((0, 0, 0), np.float32))
     return da.to_zarr(y, out_path, overwrite=True, compute=False), chunks
@@ -318,13 +320,14 @@ def check_against_cpu(source_path: str, result_path: str, chunks: Sequence[str],
     (``chunks``: their keys; the volume's centre where there was one chunk), against the operator on the CPU
     (numpy / scipy) over the same region read with its halo. Max absolute difference, and whether it is within
     float32 tolerance."""
-    import tasks
-    from memchunk_prefect.chunks import Chunk
-    from memchunk_prefect.device import CPU
+    from memchunk_prefect import operators
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.io.volume import as_source, read_block
+    from memchunk_prefect.io.zarr_store import ZarrOutput
     from memchunk_prefect.operators import spec_of
-    from memchunk_prefect.volume import ZarrOutput, as_source, read_block
+    from memchunk_prefect.operators.device import CPU
 
-    op = tasks.OPERATORS[OPERATOR]
+    op = operators.OPERATORS[OPERATOR]
     source = as_source(source_path)
     shape = source.shape
     halo = spec_of(op).halo_for({})
@@ -357,7 +360,7 @@ def run_memchunk(bench: Any, survey: str, store: str, tag: str, cfg: GpuConfig, 
     the output against the CPU before it is removed."""
     from benchmarks.strategies import memchunk_flow
     from memchunk_prefect import MemoryAwareRunner
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.store import Store
 
     out_dir = bench.workdir / f"out-{tag}"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -392,8 +395,8 @@ def run_memchunk(bench: Any, survey: str, store: str, tag: str, cfg: GpuConfig, 
 def one_piece(store: str, key: str, shape: Sequence[int], total_bytes: int | None) -> dict:
     """The GPU model's prediction for the whole survey in one piece (halo clipped at the edges: none), against
     the device's memory."""
-    from memchunk_prefect.model import ModelBank
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.store import Store
 
     with Store(store) as st:
         bank = ModelBank(st)
@@ -437,7 +440,7 @@ def run(cfg: GpuConfig, workdir: Path, quick: bool, prefect_api: bool = True) ->
     (``python -m benchmarks``' GPU section), else a local server is started unless PREFECT_API_URL is set."""
     from benchmarks import strategies as st
     from benchmarks.__main__ import _prefect_api
-    from memchunk_prefect.pinning import PRELOAD, usable_gpus
+    from memchunk_prefect.run.pinning import PRELOAD, usable_gpus
 
     devices, found = usable_gpus()
     print(f"GPU benchmark: {found}", flush=True)
@@ -534,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     if args.quick and not os.environ.get("MEMCHUNK_FAKE_GPU_BYTES"):
-        from memchunk_prefect.pinning import usable_gpus
+        from memchunk_prefect.run.pinning import usable_gpus
 
         if not usable_gpus()[0]:
             os.environ["MEMCHUNK_FAKE_GPU_BYTES"] = str(QUICK_FAKE_BYTES)

@@ -3,8 +3,8 @@
     python -m benchmarks.gpu_memory [--json PATH] [--shapes IL XL NT ...]
 
 The runner records a GPU chunk's peak as what CuPy's memory pool grew by while
-the task ran (:meth:`memchunk_prefect.device.Backend.track`); NVML's per-process
-figure (:mod:`memchunk_prefect.monitor`) is the other candidate. Both are taken
+the task ran (:meth:`memchunk_prefect.operators.device.Backend.track`); NVML's per-process
+figure (:mod:`memchunk_prefect.run.monitor`) is the other candidate. Both are taken
 here, in one process on the GPU, around:
 
 - allocations of known size (the truth is the most held at once): one array;
@@ -48,7 +48,7 @@ class _NvmlPoll:
     """The most NVML reported for this process while the block ran, bytes (None without NVML)."""
 
     def __init__(self) -> None:
-        from memchunk_prefect.monitor import _nvml
+        from memchunk_prefect.run.monitor import _nvml
 
         self.nvml = _nvml()
         self.pid = os.getpid()
@@ -121,8 +121,8 @@ def _known_cases() -> list[tuple[str, int, Callable[[Any], Any]]]:
 
 
 def run(shapes: Sequence[Sequence[int]], known: bool = True) -> dict[str, Any]:
-    import tasks
-    from memchunk_prefect.device import CUDA, backend, gpu_status
+    from memchunk_prefect import operators
+    from memchunk_prefect.operators.device import CUDA, backend, gpu_status
 
     status = gpu_status()
     if not status.usable:
@@ -143,7 +143,7 @@ def run(shapes: Sequence[Sequence[int]], known: bool = True) -> dict[str, Any]:
         block = rng.standard_normal(tuple(shape)).astype(np.float32)
         for op in OPERATORS:
             for call in ("first", "second"):
-                r = measure_case(be, lambda xp, op=op, block=block: tasks.OPERATORS[op].fn(block, device=CUDA))
+                r = measure_case(be, lambda xp, op=op, block=block: operators.OPERATORS[op].fn(block, device=CUDA))
                 r.update(case=f"{op} {'x'.join(map(str, shape))} ({call} call)", operator=op, shape=list(shape),
                          input_bytes=block.nbytes, call=call)
                 rows.append(r)

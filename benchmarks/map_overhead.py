@@ -45,9 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from benchmarks.__main__ import _prefect_api
     from benchmarks.strategies import convert_to_zarr, iline_slabs, overhead_memchunk_flow
-    from memchunk_prefect import MemoryAwareRunner, executor, synthetic_survey
+    from memchunk_prefect import MemoryAwareRunner, synthetic_survey
+    from memchunk_prefect.io.volume import as_source
+    from memchunk_prefect.run import executor
     from memchunk_prefect.testing import start_local_cluster
-    from memchunk_prefect.volume import as_source
 
     work = Path(tempfile.mkdtemp(prefix="memchunk-map-overhead-"))
     survey = str(synthetic_survey(work / "survey.sgy", tuple(args.shape), seed=1))

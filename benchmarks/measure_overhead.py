@@ -15,7 +15,7 @@ import json
 import statistics
 import time
 
-from memchunk_prefect import monitor as mon
+from memchunk_prefect.run import monitor as mon
 
 
 def per_run_ms(monitor: mon.Monitor, runs: int, repeats: int = 5) -> float:

@@ -4,20 +4,20 @@
     python -m benchmarks.model_accuracy --collect       # measure again, overwrite the cache
     python -m benchmarks.model_accuracy --json out.json --markdown
 
-Collect. For each operator in ``tasks.OPERATORS`` (default parameters) a fresh
+Collect. For each operator in ``operators.OPERATORS`` (default parameters) a fresh
 Python subprocess (this module with ``--child``) builds the synthetic survey
-volume (:func:`memchunk_prefect.segy.synthetic_volume`, float32), warms the
+volume (:func:`memchunk_prefect.io.synthetic.synthetic_volume`, float32), warms the
 operator up on a tiny block, then measures ``--blocks`` blocks of random
 shapes cut from it. Each block runs in its own ``fork`` of that warm process, so
 every peak is clean (nothing left from the previous block) and one-time costs
 (imports, FFT plans) are already paid, as on a warm Dask worker. Figures are
-:func:`memchunk_prefect.monitor.measure`'s: ``peak_bytes`` above the resting
+:func:`memchunk_prefect.run.monitor.measure`'s: ``peak_bytes`` above the resting
 RSS, ``seconds`` wall. Whole-trace operators get blocks with every sample of
 the trace; the others are cut along time too. Observations are cached in
 ``~/.cache/memchunk-prefect/model_observations.json`` (``--cache`` moves it).
 
 Replay. For each operator the observations are fed in ``--orders`` random
-orders through :class:`memchunk_prefect.model.OperatorModel`; before learning
+orders through :class:`memchunk_prefect.learn.model.OperatorModel`; before learning
 the (k+1)-th observation the model predicts it from the first k. Columns:
 
 - ``MAPE@k``: mean absolute percentage error of the mean prediction for the
@@ -75,7 +75,7 @@ def block_extents(rng: random.Random, volume: Sequence[int], whole_traces: bool,
 
 def _measure_in_fork(fn, block, params) -> dict[str, Any]:
     """Run ``measure(fn, block)`` in a forked child; returns its measurement as a dict."""
-    from memchunk_prefect.monitor import measure
+    from memchunk_prefect.run.monitor import measure
 
     r, w = os.pipe()
     pid = os.fork()
@@ -106,11 +106,11 @@ def _measure_in_fork(fn, block, params) -> dict[str, Any]:
 
 def collect_operator(name: str, n_blocks: int, seed: int) -> list[dict[str, Any]]:
     """Measure ``n_blocks`` random blocks of operator ``name`` (call in a fresh process)."""
-    import tasks
+    from memchunk_prefect import operators
+    from memchunk_prefect.io.synthetic import synthetic_volume
     from memchunk_prefect.operators import operator_key, spec_of
-    from memchunk_prefect.segy import synthetic_volume
 
-    op = tasks.OPERATORS[name]
+    op = operators.OPERATORS[name]
     spec = spec_of(op)
     volume = synthetic_volume(VOLUME_SHAPE, seed)
     op.fn(synthetic_volume((4, 4, 64), seed))  # warm-up: imports, FFT plans
@@ -155,8 +155,8 @@ def collect(names: Sequence[str], n_blocks: int, seed: int) -> list[dict[str, An
 
 def replay(rows: list[dict[str, Any]], orders: int, seed: int) -> dict[str, dict[str, Any]]:
     """Per operator key: MAPE@k, coverage, bound/truth over ``orders`` random orders."""
-    from memchunk_prefect.model import OperatorModel
-    from memchunk_prefect.records import Observation
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.model import OperatorModel
 
     by_key: dict[str, list[Observation]] = {}
     for r in rows:
@@ -237,12 +237,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     cache = Path(args.cache)
     if args.collect or not cache.exists():
-        import tasks
+        from memchunk_prefect import operators
 
-        names = [n.strip() for n in args.operators.split(",") if n.strip()] or list(tasks.OPERATORS)
-        unknown = sorted(set(names) - set(tasks.OPERATORS))
+        names = [n.strip() for n in args.operators.split(",") if n.strip()] or list(operators.OPERATORS)
+        unknown = sorted(set(names) - set(operators.OPERATORS))
         if unknown:
-            parser.error(f"unknown operator(s) {unknown}; choose from {sorted(tasks.OPERATORS)}")
+            parser.error(f"unknown operator(s) {unknown}; choose from {sorted(operators.OPERATORS)}")
         t0 = time.perf_counter()
         rows = collect(names, args.blocks, args.seed)
         print(f"collected {len(rows)} observations in {time.perf_counter() - t0:.0f} s", file=sys.stderr)

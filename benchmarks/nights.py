@@ -14,7 +14,7 @@ stores); nights 1..N are warm, each on a fresh cluster, the two runs of a night
 back to back in alternating order so a slow spell of the host falls on both.
 
 A learned policy must explore before it can exploit: its burn-in plays each arm
-whose plan differs once (``memchunk_prefect.bandit``), so its first warm nights
+whose plan differs once (``memchunk_prefect.core.bandit``), so its first warm nights
 cost what those plans cost. This benchmark reports both sides of that:
 
 - **settled nights**: the warm nights on which no operator's arm was played for
@@ -55,7 +55,7 @@ def workload(name: str, quick: bool) -> tuple[list[dict], list[tuple[int, int, i
     from benchmarks.heterogeneous import HETERO_STEPS, MEMORY_LIMIT, N_WORKERS, SURVEYS_FULL, SURVEYS_QUICK
 
     if name == "pipeline":
-        from flows.pipeline import DEFAULT_STEPS
+        from memchunk_prefect.operators.registry import DEFAULT_STEPS
 
         cfg = QUICK if quick else FULL
         return [dict(s) for s in DEFAULT_STEPS], [cfg.shape], cfg.memory_limit, cfg.n_workers
@@ -133,8 +133,8 @@ def summarize(rows: list[dict]) -> dict:
 
 def arm_summary(store: str) -> dict[str, list[dict]]:
     """Per operator key of the learned store: each arm's plans taught, mean reward and out-of-memory events."""
-    from memchunk_prefect.model import ModelBank
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.store import Store
 
     with Store(store) as s:
         bank = ModelBank(s)
@@ -143,7 +143,7 @@ def arm_summary(store: str) -> dict[str, list[dict]]:
 
 def _plan_of(knowledge: Any, run: Any, read_range: Any = None) -> Any:
     """The plan the planner makes for a stored map record from ``knowledge`` (None where nothing fits)."""
-    from memchunk_prefect import policy
+    from memchunk_prefect.core import policy
 
     try:
         return policy.plan(tuple(run.shape), budget_bytes=int(run.budget_bytes), predict=knowledge.predict,
@@ -168,11 +168,11 @@ def replay_rewards(store: str) -> list[dict]:
     import math
     import os
 
-    from memchunk_prefect import bandit
-    from memchunk_prefect.chunks import with_halo
-    from memchunk_prefect.model import BankKnowledge, ModelBank
-    from memchunk_prefect.settings import DEFAULT_SETTINGS
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core import bandit
+    from memchunk_prefect.core.chunks import with_halo
+    from memchunk_prefect.core.settings import DEFAULT_SETTINGS
+    from memchunk_prefect.learn.model import BankKnowledge, ModelBank
+    from memchunk_prefect.learn.store import Store
 
     out: list[dict] = []
     with Store(store) as s, tempfile.TemporaryDirectory() as tmp:

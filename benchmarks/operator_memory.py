@@ -7,11 +7,11 @@
 
 Each operator runs in a **fresh Python subprocess** (this module with ``--child``),
 so one operator's peak never carries into another's: the child builds the input
-block (:func:`memchunk_prefect.segy.synthetic_volume`, float32), runs the operator
+block (:func:`memchunk_prefect.io.synthetic.synthetic_volume`, float32), runs the operator
 once on a tiny block (so one-time costs such as lazy imports and FFT plans are
 paid before, as on a warm worker), returns freed heap memory to the OS
 (``malloc_trim``), then measures one call on the whole block with
-:func:`memchunk_prefect.monitor.measure` — the same figures the runner records
+:func:`memchunk_prefect.run.monitor.measure` — the same figures the runner records
 for task runs: ``peak_bytes`` is the process's peak RSS during the call minus
 its RSS just before (input block excluded, output included), ``seconds`` wall time.
 
@@ -54,18 +54,18 @@ def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, 
     """Measure one operator on a synthetic block in *this* process (call it in a fresh one), with ``params``
     (keyword arguments of the operator; its defaults where None).
 
-    ``device="cuda"``: the operator computes on the GPU (or the fake device, :mod:`memchunk_prefect.device`);
+    ``device="cuda"``: the operator computes on the GPU (or the fake device, :mod:`memchunk_prefect.operators.device`);
     its GPU peak above what the device held before (``Backend.track``) is measured beside the host's, and the
     warm-up runs there too (CuPy's kernels compile and cuFFT plans are made on first use).
     """
-    import tasks
-    from memchunk_prefect.device import GpuUse, backend, resolve_device
-    from memchunk_prefect.monitor import measure
+    from memchunk_prefect import operators
+    from memchunk_prefect.io.synthetic import synthetic_volume
     from memchunk_prefect.operators import operator_key
-    from memchunk_prefect.segy import synthetic_volume
+    from memchunk_prefect.operators.device import GpuUse, backend, resolve_device
+    from memchunk_prefect.run.monitor import measure
 
     device = resolve_device(device)  # "cuda" without a usable GPU: DeviceError saying why
-    op = tasks.OPERATORS[name]
+    op = operators.OPERATORS[name]
     params = dict(params or {})
     block = synthetic_volume(tuple(shape), seed)
     # warm-up: one-time costs out
@@ -171,12 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(measure_operator(args.child, args.shape, args.seed, args.device, params)))
         return 0
 
-    import tasks
+    from memchunk_prefect import operators
 
-    names = [n.strip() for n in args.operators.split(",") if n.strip()] or list(tasks.OPERATORS)
-    unknown = sorted(set(names) - set(tasks.OPERATORS))
+    names = [n.strip() for n in args.operators.split(",") if n.strip()] or list(operators.OPERATORS)
+    unknown = sorted(set(names) - set(operators.OPERATORS))
     if unknown:
-        parser.error(f"unknown operator(s) {unknown}; choose from {sorted(tasks.OPERATORS)}")
+        parser.error(f"unknown operator(s) {unknown}; choose from {sorted(operators.OPERATORS)}")
     devices = ["cpu", "cuda"] if args.device == "both" else [args.device]
     rows = []
     for name in names:

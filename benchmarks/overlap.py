@@ -64,14 +64,14 @@ def _cluster(threads: int):
 
 def _steps(row: str, hold: float) -> list[tuple[Any, dict, Any]]:
     """(task, parameters, halo or None) of each map of a row; chained rows read the map before."""
-    import tasks
+    from memchunk_prefect import operators
     from memchunk_prefect.testing import memory_hog
 
     if row == "independent-half":
         return [(memory_hog, {"multiple": 4, "seconds": hold}, None),
                 (memory_hog, {"multiple": 6, "seconds": hold}, None)]
     if row == "independent-real":
-        return [(tasks.envelope, {}, None), (tasks.semblance, {}, None)]
+        return [(operators.envelope, {}, None), (operators.semblance, {}, None)]
     if row == "chain-hold":
         return [(memory_hog, {"multiple": 4, "seconds": hold}, None),
                 (memory_hog, {"multiple": 40, "seconds": hold}, (2, 0, 0)),
@@ -80,7 +80,7 @@ def _steps(row: str, hold: float) -> list[tuple[Any, dict, Any]]:
         return [(memory_hog, {"multiple": 4, "busy_seconds": hold}, None),
                 (memory_hog, {"multiple": 40, "busy_seconds": hold}, (2, 0, 0)),
                 (memory_hog, {"multiple": 16, "busy_seconds": hold}, (2, 0, 0))]
-    return [(tasks.envelope, {}, None), (tasks.gaussian_smooth, {}, None), (tasks.gst3d_dip, {}, None)]
+    return [(operators.envelope, {}, None), (operators.gaussian_smooth, {}, None), (operators.gst3d_dip, {}, None)]
 
 
 def _straggler(row: str, cluster):
@@ -102,7 +102,7 @@ def run_row(row: str, survey: str, work: Path, *, threads: int, hold: float, bud
     from prefect import flow
 
     from memchunk_prefect import MemoryAwareRunner, chunked
-    from memchunk_prefect.volume import open_result
+    from memchunk_prefect.io.zarr_store import open_result
 
     chained = row.startswith("chain")
     steps = _steps(row, hold)

@@ -33,8 +33,8 @@ BYTES_PER_ELEMENT = 100.0
 
 def make_store(path: Path, rows: int, seed: int = 0) -> None:
     """``rows`` observations of KEY: a linear law with +-10% noise over sizes 10^5..10^7 elements."""
-    from memchunk_prefect.records import Observation
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
 
     rng = np.random.default_rng(seed)
     sizes = rng.integers(1000, 100_000, rows) * 100  # whole 100-sample traces
@@ -47,8 +47,8 @@ def make_store(path: Path, rows: int, seed: int = 0) -> None:
 
 def time_replay(path: Path) -> tuple[float, int]:
     """Seconds to rebuild KEY's model from the store at ``path`` (what a flow run's first map does)."""
-    from memchunk_prefect.model import ModelBank
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.store import Store
 
     with Store(path) as s:
         t = time.perf_counter()
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from memchunk_prefect.settings import RUNNER_SETTINGS
+    from memchunk_prefect.core.settings import RUNNER_SETTINGS
 
     keep = getattr(RUNNER_SETTINGS, "store_keep_per_key", None)  # None on commits before the cap
     results = []

@@ -20,7 +20,7 @@ Measured walls are each strategy's own time inside its flow (the benchmark's
 the last, so what a plain flow does before and between maps (creating outputs,
 Prefect's task-run creation beyond the per-task overhead) is not in it. The
 runner's own work per map (before a map's first task and after its last) is:
-measured from the benchmark's store (``memchunk_prefect.simulate.measured_map_work``,
+measured from the benchmark's store (``memchunk_prefect.sim.simulate.measured_map_work``,
 the medians over its maps) and simulated for the ``memchunk`` strategy.
 """
 
@@ -51,7 +51,7 @@ def resting_bytes(n_workers: int, memory_limit: str) -> int:
     from distributed import Client
 
     from benchmarks.strategies import warm_worker
-    from memchunk_prefect.cluster import WORKER_MODULES, read_resting
+    from memchunk_prefect.run.cluster import WORKER_MODULES, read_resting
     from memchunk_prefect.testing import start_local_cluster
 
     cluster = start_local_cluster(n_workers=n_workers, memory_limit=memory_limit)
@@ -65,8 +65,8 @@ def resting_bytes(n_workers: int, memory_limit: str) -> int:
 
 
 def compare(result: dict, store: str, runs: int, resting: int) -> tuple[list[dict[str, Any]], Any]:
-    from memchunk_prefect.simulate import ClusterShape, Step, simulate, store_models
-    from memchunk_prefect.units import parse_bytes
+    from memchunk_prefect.core.units import parse_bytes
+    from memchunk_prefect.sim.simulate import ClusterShape, Step, simulate, store_models
 
     cfg = result["config"]
     steps = [Step.of(dict(s)) for s in cfg["steps"]]
@@ -94,7 +94,7 @@ def compare(result: dict, store: str, runs: int, resting: int) -> tuple[list[dic
 
 
 def markdown(rows: list[dict[str, Any]], result: dict, resting: int, runs: int, work: Any = None) -> str:
-    from memchunk_prefect.errors import format_bytes
+    from memchunk_prefect.core.errors import format_bytes
 
     cfg = result["config"]
     per_map = ("no per-map work measured" if work is None else

@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from benchmarks.__main__ import _prefect_api
     from memchunk_prefect import synthetic_survey
+    from memchunk_prefect.learn.store import Store
     from memchunk_prefect.operators import operator_key
-    from memchunk_prefect.store import Store
     from memchunk_prefect.testing import memory_hog, seed_store
 
     work = Path(tempfile.mkdtemp(prefix="memchunk-straggler-"))

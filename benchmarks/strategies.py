@@ -14,7 +14,7 @@ the *same* local Dask cluster (single-thread worker processes, nanny-enforced
 - ``static-N``: N iline slabs per operator, each slab one plain Prefect task
   (:func:`slab_task`) in a plain ``DaskTaskRunner`` flow: read the block with its
   halo from the previous step's output, apply the operator's ``.fn``, trim,
-  write its region of a zarr store (``memchunk_prefect.volume`` APIs);
+  write its region of a zarr store (``memchunk_prefect.io.volume`` APIs);
 - ``split-on-failure``: the same plain tasks, starting from the whole volume per
   operator; an attempt that runs out of memory (worker killed -> KilledWorker,
   or MemoryError) is halved (iline, then xline) and both halves are resubmitted;
@@ -255,7 +255,7 @@ def warm_worker() -> int:
     import scipy.signal  # noqa: F401
     import zarr  # noqa: F401
 
-    import memchunk_prefect.runner  # noqa: F401
+    import memchunk_prefect.run.runner  # noqa: F401
     import tasks  # noqa: F401
 
     gc.collect()
@@ -383,7 +383,7 @@ class Bench:
 
 
 def resolve_steps(steps: Sequence[dict]) -> list[tuple[str, Any, dict]]:
-    from flows.pipeline import resolve_step
+    from memchunk_prefect.operators.registry import resolve_step
 
     out = []
     for s in steps:
@@ -400,18 +400,19 @@ def _slab_name(parameters: dict) -> str:
 @task(cache_policy=NO_CACHE, task_run_name=_slab_name)
 def slab_task(source: Any, out_path: str, chunk: Any, halo: tuple, op_name: str, params: dict) -> int:
     """Read ``chunk`` with its halo from ``source``, apply the operator's ``.fn``, trim, write its region."""
-    import tasks
-    from memchunk_prefect.volume import ZarrOutput, read_block
+    from memchunk_prefect import operators
+    from memchunk_prefect.io.volume import read_block
+    from memchunk_prefect.io.zarr_store import ZarrOutput
 
     block, trim = read_block(source, chunk, halo)
-    out = tasks.OPERATORS[op_name].fn(block, **params)
+    out = operators.OPERATORS[op_name].fn(block, **params)
     del block
     ZarrOutput.open(out_path).write(chunk, np.ascontiguousarray(np.asarray(out)[trim], dtype=np.float32))
     return chunk.elements
 
 
 def _create_output(source: Any, path: str, op_name: str):
-    from memchunk_prefect.volume import ZarrOutput
+    from memchunk_prefect.io.zarr_store import ZarrOutput
 
     return ZarrOutput.create(path, source.shape, source.coords(), attrs={"operator": op_name}, overwrite=True)
 
@@ -467,8 +468,8 @@ def static_flow(source_path: str, steps: list[dict], out_dir: str, chunkings: li
     """Each step over a fixed chunking (one plain task per chunk); stops at the first failure."""
     from distributed import as_completed
 
+    from memchunk_prefect.io.volume import as_source
     from memchunk_prefect.operators import spec_of
-    from memchunk_prefect.volume import as_source
 
     t0 = time.perf_counter()
     current: Any = as_source(source_path)
@@ -511,7 +512,7 @@ def _flow_client():
 
 
 def _halve(chunk: Any, whole_traces: bool) -> list[Any]:
-    from memchunk_prefect.chunks import split
+    from memchunk_prefect.core.chunks import split
 
     return split(chunk, axes=(0, 1) if whole_traces else (0, 1, 2))
 
@@ -521,9 +522,9 @@ def split_flow(source_path: str, steps: list[dict], out_dir: str, max_in_flight:
     """Per step: start with the whole volume; halve an attempt that ran out of memory and resubmit the halves."""
     from distributed import as_completed
 
-    from memchunk_prefect.chunks import Chunk
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.io.volume import as_source
     from memchunk_prefect.operators import spec_of
-    from memchunk_prefect.volume import as_source
 
     t0 = time.perf_counter()
     current: Any = as_source(source_path)
@@ -762,7 +763,7 @@ def same_plans(a: dict, b: dict) -> bool:
 
 
 def iline_slabs(shape: Sequence[int], n: int) -> list[Any]:
-    from memchunk_prefect.chunks import balanced_grid
+    from memchunk_prefect.core.chunks import balanced_grid
 
     return balanced_grid(tuple(shape), (min(n, shape[0]), 1, 1))
 
@@ -770,7 +771,7 @@ def iline_slabs(shape: Sequence[int], n: int) -> list[Any]:
 def run_static(bench: Bench, survey: str, steps: list[dict], n: int, tag: str) -> dict:
     from prefect_dask import DaskTaskRunner
 
-    from memchunk_prefect.volume import as_source
+    from memchunk_prefect.io.volume import as_source
 
     shape = as_source(survey).shape
     out_dir = bench.workdir / f"out-{tag}"
@@ -878,14 +879,14 @@ of the replayed runs fell outside it)."""
 
 def learning_quality(store: str, chosen: dict | None = None) -> list[dict]:
     """Per operator key in ``store``: its whole history replayed in order, each run scored before it is learned
-    (:func:`memchunk_prefect.model.replay_quality`: coverage, and MAPE after 5 runs), and the upper bound over
+    (:func:`memchunk_prefect.learn.model.replay_quality`: coverage, and MAPE after 5 runs), and the upper bound over
     the measured peak at the chunks a run chose (``chosen``: a memchunk strategy's result, whose maps recorded
     the model's figures when each chunk was submitted; else the replay's figure). ``met`` holds the goals.
     ``floor_mape`` and ``floor_bound_over_peak``: the same figures for blocks of one shape run again
-    (:func:`memchunk_prefect.model.repeatability`), which no model that predicts from the block's shape can
+    (:func:`memchunk_prefect.learn.model.repeatability`), which no model that predicts from the block's shape can
     beat: a goal under its floor is out of reach on these measurements, whatever the model."""
-    from memchunk_prefect.model import repeatability, replay_quality
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.model import repeatability, replay_quality
+    from memchunk_prefect.learn.store import Store
 
     by_key = {op["operator_key"]: (name, op) for name, op in ((chosen or {}).get("extra", {})
                                                               .get("operators", {}).items())
@@ -941,7 +942,7 @@ class _Incoming:
 
     @staticmethod
     def make(zarr_path: str, shape: Sequence[int], chunks: list[Any]):
-        from memchunk_prefect.runner import ChunkedResult
+        from memchunk_prefect.run.chunked import ChunkedResult
 
         return ChunkedResult([], output_path=zarr_path, shape=tuple(shape), chunks=list(chunks), operator="input",
                              operator_key="input|float32|cpu", decisions=[], events=[], observations=[],
@@ -950,12 +951,11 @@ class _Incoming:
 
 @flow(name="benchmark-overhead-memchunk")
 def overhead_memchunk_flow(zarr_path: str, shape: list[int], chunks: list[Any], out_path: str) -> dict:
-    import tasks
-    from memchunk_prefect import chunked
+    from memchunk_prefect import chunked, operators
 
     t = time.perf_counter()
     incoming = _Incoming.make(zarr_path, shape, chunks)  # built here: a ChunkedResult is no flow parameter
-    res = tasks.envelope.map(chunked(incoming, output=out_path))
+    res = operators.envelope.map(chunked(incoming, output=out_path))
     s = res.summary()
     _wait_for_reports()
     return {"decisions": s["decisions"], "chunks": [c.key() for c in res.chunks], "tasks": s["tasks"],
@@ -964,11 +964,12 @@ def overhead_memchunk_flow(zarr_path: str, shape: list[int], chunks: list[Any], 
 
 def convert_to_zarr(survey: str, path: str) -> str:
     """The survey as a ZarrOutput store (both sides of the overhead pair read it)."""
-    from memchunk_prefect.volume import ZarrOutput, as_source
+    from memchunk_prefect.io.volume import as_source
+    from memchunk_prefect.io.zarr_store import ZarrOutput
 
     src = as_source(survey)
     out = ZarrOutput.create(path, src.shape, src.coords(), attrs={"operator": "input"}, overwrite=True)
-    from memchunk_prefect.chunks import Chunk
+    from memchunk_prefect.core.chunks import Chunk
 
     out.write(Chunk.whole(src.shape), src.read(Chunk.whole(src.shape)))
     out.finalize()
@@ -981,14 +982,14 @@ def overhead_pairs(bench: Bench, survey: str, store: str, n_chunks: int, pairs: 
     The order alternates within pairs; one unmeasured warm-up of each side first
     (it also teaches the runner envelope, so it keeps the incoming chunking). Both sides share the cluster, and
     the runner's first chunk on a worker changes how Prefect hydrates every later task run there
-    (``memchunk_prefect.hydration``, plain Prefect tasks included): each run of either side starts with it taken
+    (``memchunk_prefect.run.hydration``, plain Prefect tasks included): each run of either side starts with it taken
     out of the workers, so the plain side runs on Prefect as installed and the runner's side pays its first chunk
     per worker as on workers that never ran it.
     """
     from prefect_dask import DaskTaskRunner
 
     from memchunk_prefect import MemoryAwareRunner
-    from memchunk_prefect.volume import as_source
+    from memchunk_prefect.io.volume import as_source
 
     bench.fresh()
     src_zarr = convert_to_zarr(survey, str(bench.workdir / "overhead-input.zarr"))
@@ -1004,7 +1005,7 @@ def overhead_pairs(bench: Bench, survey: str, store: str, n_chunks: int, pairs: 
     # are the same on both sides and add 0-1 s at random (the flow run's heartbeat thread sleeps in 1 s steps
     # and is joined at exit), which on ~1 s of work made single ratios read anywhere from 0.5 to 2.
     def as_installed() -> None:
-        from memchunk_prefect import hydration
+        from memchunk_prefect.run import hydration
 
         bench.client.run(hydration.uninstall)
 

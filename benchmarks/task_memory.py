@@ -4,7 +4,7 @@
         --survey 192 192 100 --chunk 1 133 96 192 --chunk 96 192 0 192 [--repeat 3] [--json PATH]
 
 A chunk's measured peak, what the model learns from, covers its whole task on
-the worker (:func:`memchunk_prefect.worker.run_block`): the block read with its
+the worker (:func:`memchunk_prefect.run.worker.run_block`): the block read with its
 halo from the source, the operator, the halo trimmed off, the region written.
 ``python -m benchmarks.operator_memory`` measures the operator alone. This
 measures both on the same block, so what the task adds around the operator can
@@ -19,7 +19,7 @@ first call and one whole task on a small chunk first (lazy imports, zarr's and
 the codecs' first use), freed heap returned to the OS, then one ``run_block``
 measured as the runner measures it (``peak_bytes``: the peak RSS during the task
 above the RSS before it), then the operator alone on the same block
-(:func:`memchunk_prefect.monitor.measure`, the input block excluded).
+(:func:`memchunk_prefect.run.monitor.measure`, the input block excluded).
 
 Columns: the block read (halo included) and its MiB, the region written and its
 MiB, the task's peak, the operator's peak, and what the task adds (their
@@ -52,16 +52,16 @@ def _measure(work: str, operator: str, params: dict, shape: tuple[int, ...], chu
     then the operator alone on the measured block."""
     import inspect
 
-    import tasks
     from benchmarks.operator_memory import _release_free_heap
-    from memchunk_prefect import volume
-    from memchunk_prefect.chunks import Chunk, with_halo
-    from memchunk_prefect.monitor import measure
+    from memchunk_prefect import operators
+    from memchunk_prefect.core.chunks import Chunk, with_halo
+    from memchunk_prefect.io import zarr_store as volume
+    from memchunk_prefect.io.synthetic import synthetic_volume
     from memchunk_prefect.operators import operator_key, spec_of
-    from memchunk_prefect.segy import synthetic_volume
-    from memchunk_prefect.worker import BlockJob, run_block
+    from memchunk_prefect.run.monitor import measure
+    from memchunk_prefect.run.worker import BlockJob, run_block
 
-    task = tasks.OPERATORS[operator]
+    task = operators.OPERATORS[operator]
     fn = task.fn
     halo = spec_of(task).halo_for(params)
     src_out = volume.ZarrOutput.create(os.path.join(work, "source.zarr"), shape)

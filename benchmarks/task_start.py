@@ -7,7 +7,7 @@ for the last), on a fresh local cluster of one single-thread worker, with a loca
 returns the time its function started; the latency is that less the time of its submit: the flow's submit,
 Dask's scheduling, and Prefect's task engine on the worker up to the function's first line. Two modes, on a
 fresh cluster each, alternating for ``--rounds`` rounds: ``prefect`` (as installed) and ``kept``, with
-``memchunk_prefect.hydration`` installed on the worker (as a chunked map's first chunk installs it), whose
+``memchunk_prefect.run.hydration`` installed on the worker (as a chunked map's first chunk installs it), whose
 counts of settings validated and reused, and of API clients opened and reused, are reported. A plain Dask task's
 latency on the same cluster is the floor. Medians of each mode's tasks after the first two (a fresh worker's
 first task imports Prefect's engine).
@@ -55,7 +55,7 @@ def latencies(address: str, n: int) -> list[float]:
 def run_mode(mode: str, n: int) -> dict[str, Any]:
     from distributed import Client
 
-    from memchunk_prefect import hydration
+    from memchunk_prefect.run import hydration
     from memchunk_prefect.testing import start_local_cluster
 
     cluster = start_local_cluster(n_workers=1, memory_limit="1GiB")

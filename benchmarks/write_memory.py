@@ -3,15 +3,15 @@
     python -m benchmarks.write_memory [--repeat 3] [--json PATH]
 
 A chunk's measured peak covers its read, its operator and its write
-(``memchunk_prefect.worker.run_block``), and the model learns from it. This
+(``memchunk_prefect.run.worker.run_block``), and the model learns from it. This
 measures the write's share in one process, as a worker runs it (one thread,
 ``MALLOC_TRIM_THRESHOLD_`` as Dask's nanny sets it): a 128 x 128 x 400 float32
 source store, gaussian_smooth (sigma 2) on iline slabs of two shapes (the demo's
 warm chunks, and a small one), each written into a fresh ``ZarrOutput`` with
-zarr's ``async.concurrency`` at 1 (:data:`memchunk_prefect.volume.WRITE_CONCURRENCY`)
+zarr's ``async.concurrency`` at 1 (:data:`memchunk_prefect.io.zarr_store.WRITE_CONCURRENCY`)
 or at zarr's default (10), ``--repeat`` times; the peak of read + operator +
-write per chunk (``memchunk_prefect.monitor``, VmHWM) and the seconds. Reads are
-varied the same way (:data:`memchunk_prefect.volume.READ_CONCURRENCY`): four
+write per chunk (``memchunk_prefect.run.monitor``, VmHWM) and the seconds. Reads are
+varied the same way (:data:`memchunk_prefect.io.zarr_store.READ_CONCURRENCY`): four
 processes, reads and writes both at zarr's default, then writes one storage
 chunk at a time with reads 10, 2 and 1 at a time. Each process first reads the same slabs alone
 (16-iline slabs, 5 rounds, as the overhead pair's envelope reads them): the
@@ -41,10 +41,10 @@ def child(concurrency: int, repeat: int, read_concurrency: int = 1) -> dict:
     import numpy as np
     import zarr
 
-    from memchunk_prefect import volume
-    from memchunk_prefect.chunks import Chunk
-    from memchunk_prefect.monitor import Monitor
-    from tasks import gaussian_smooth
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.io import zarr_store as volume
+    from memchunk_prefect.operators import gaussian_smooth
+    from memchunk_prefect.run.monitor import Monitor
 
     volume.WRITE_CONCURRENCY = concurrency
     volume.READ_CONCURRENCY = read_concurrency

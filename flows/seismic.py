@@ -11,7 +11,7 @@ deployed with parameters::
 
 ``"output"`` names the attribute's files (default: the operator's name); it is
 a path relative to ``output`` and may not leave it
-(:class:`~memchunk_prefect.errors.OutputPathError`).
+(:class:`~memchunk_prefect.core.errors.OutputPathError`).
 
 When every output is finalized (every element written) and exported, a small
 manifest ``memchunk-manifest.json`` is written atomically beside them, naming
@@ -42,8 +42,8 @@ from typing import Any, Union
 from prefect import flow, get_run_logger
 
 from memchunk_prefect import MemoryAwareRunner, chunked
-from memchunk_prefect.errors import OutputPathError, RunnerConfigError
-from memchunk_prefect.files import atomic_write_json
+from memchunk_prefect.core.errors import OutputPathError, RunnerConfigError
+from memchunk_prefect.io.files import atomic_write_json
 
 MANIFEST = "memchunk-manifest.json"
 MANIFEST_VERSION = 1
@@ -74,10 +74,10 @@ def normalize_attributes(attributes: list[AttributeSpec] | None) -> list[Attribu
     """Check every requested attribute before anything runs.
 
     Unknown operators, unknown parameters and two attributes writing the same
-    output are :class:`~memchunk_prefect.errors.RunnerConfigError`; an ``output``
+    output are :class:`~memchunk_prefect.core.errors.RunnerConfigError`; an ``output``
     name that would leave the output directory is an ``OutputPathError``.
     """
-    from flows.pipeline import resolve_step
+    from memchunk_prefect.operators.registry import resolve_step
 
     specs = list(attributes) if attributes else list(DEFAULT_ATTRIBUTES)
     out: list[Attribute] = []
@@ -104,7 +104,7 @@ def safe_relative(name: str) -> str:
     >>> safe_relative("../etc")
     Traceback (most recent call last):
     ...
-    memchunk_prefect.errors.OutputPathError: output name '../etc' must be a relative path inside the output directory (no '..', not absolute)
+    memchunk_prefect.core.errors.OutputPathError: output name '../etc' must be a relative path inside the output directory (no '..', not absolute)
     """
     p = Path(name)
     if not name or p.is_absolute() or any(part in ("..", "") for part in p.parts) or name.startswith("~") \
@@ -163,7 +163,7 @@ def outputs_complete(out_dir: str | os.PathLike, outputs: dict[str, dict]) -> tu
     """Every zarr output finalized and complete, every SEG-Y export present."""
     import zarr
 
-    from memchunk_prefect.volume import ZarrOutput
+    from memchunk_prefect.io.zarr_store import ZarrOutput
 
     for label, files in outputs.items():
         z = Path(out_dir) / files["zarr"]
@@ -214,7 +214,7 @@ def up_to_date(segy_path: str | os.PathLike, out_dir: str | os.PathLike, params_
 
 
 def _source_for(segy_path: str, iline: int, xline: int):
-    from memchunk_prefect.volume import SegySource
+    from memchunk_prefect.io.volume import SegySource
 
     return SegySource(segy_path, iline, xline)
 
@@ -230,8 +230,8 @@ def seismic_attributes(segy_path: str, attributes: list[AttributeSpec] | None = 
     header bytes of the inline and crossline numbers. Returns, per attribute, its
     outputs and what the runner decided (``summary``).
     """
-    import tasks
-    from memchunk_prefect.segy import to_segy
+    from memchunk_prefect import operators
+    from memchunk_prefect.io.export import to_segy
 
     log = get_run_logger()
     attrs = normalize_attributes(attributes)
@@ -250,7 +250,7 @@ def seismic_attributes(segy_path: str, attributes: list[AttributeSpec] | None = 
     # cluster (a chunked .map returns at once); each is then collected, exported, and logged in order.
     maps = []
     for a in attrs:
-        op = tasks.OPERATORS[a.name]
+        op = operators.OPERATORS[a.name]
         zpath, spath = paths[a.output]
         zpath.parent.mkdir(parents=True, exist_ok=True)
         # The attribute's file is this flow's: a memchunk output of other parameters there is replaced
@@ -317,7 +317,7 @@ def reprocess_survey(directory: str, attributes: list[AttributeSpec] | None = No
     """
     from prefect.artifacts import create_table_artifact
 
-    from memchunk_prefect.report import artifact_key
+    from memchunk_prefect.run.report import artifact_key
 
     log = get_run_logger()
     attrs = normalize_attributes(attributes)  # fail before touching anything

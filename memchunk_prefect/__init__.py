@@ -12,16 +12,16 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "MemoryAwareRunner": "memchunk_prefect.runner",
-    "chunked": "memchunk_prefect.runner",
-    "ChunkedResult": "memchunk_prefect.runner",
-    "open_segy": "memchunk_prefect.volume",
-    "synthetic_survey": "memchunk_prefect.volume",
-    "measure": "memchunk_prefect.monitor",
-    "Measurement": "memchunk_prefect.monitor",
+    "MemoryAwareRunner": "memchunk_prefect.run.runner",
+    "chunked": "memchunk_prefect.run.chunked",
+    "ChunkedResult": "memchunk_prefect.run.chunked",
+    "open_segy": "memchunk_prefect.io.volume",
+    "synthetic_survey": "memchunk_prefect.io.synthetic",
+    "measure": "memchunk_prefect.run.monitor",
+    "Measurement": "memchunk_prefect.run.monitor",
     "operator": "memchunk_prefect.operators",
-    "Chunk": "memchunk_prefect.chunks",
-    "Observation": "memchunk_prefect.records",
+    "Chunk": "memchunk_prefect.core.chunks",
+    "Observation": "memchunk_prefect.core.records",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
@@ -31,7 +31,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         # Errors are re-exported too: memchunk_prefect.SegyError etc.
-        errors = importlib.import_module("memchunk_prefect.errors")
+        errors = importlib.import_module("memchunk_prefect.core.errors")
         if hasattr(errors, name):
             return getattr(errors, name)
         raise AttributeError(f"module 'memchunk_prefect' has no attribute {name!r}")

@@ -2,6 +2,6 @@
 
 import sys
 
-from .cli import main
+from memchunk_prefect.cli.app import main
 
 sys.exit(main())

@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from .device import backend
-from .operators import operator
-from .records import Observation
-from .settings import ITEMSIZE
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.core.settings import ITEMSIZE
+from memchunk_prefect.operators.device import backend
+from memchunk_prefect.operators.spec import operator
 
 # How long a hog meant to be killed for memory holds its peak, in seconds. A Dask nanny samples
 # its worker's RSS every 100 ms (distributed.worker.memory.monitor-interval); a peak held for
@@ -36,7 +36,7 @@ def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds
     """Return a copy of ``block`` after holding ``multiple`` x its bytes of touched memory for ``seconds``.
 
     Memory: about (multiple + 2) x the block's bytes (the scratch buffer, the block, the copy); the scratch
-    buffer is held on ``device`` (see :mod:`memchunk_prefect.device`), the rest in host memory.
+    buffer is held on ``device`` (see :mod:`memchunk_prefect.operators.device`), the rest in host memory.
     ``seconds`` (wall time the buffer is held) gives fault tests a window to kill a
     worker mid-task; ``busy_seconds`` is CPU time spent computing (a loop on the
     thread's CPU clock), so a worker the OS slows (stopped, throttled, sharing its
@@ -87,10 +87,10 @@ def breaks_gpu_context(block, marker: str = "", always: bool = False, device: st
     restart. On a real GPU a kernel writes to an illegal address, and CuPy raises ``CUDARuntimeError``
     (cudaErrorIllegalAddress, 700) at the next synchronisation: every later CUDA call of this process fails.
     On the fake device it raises the fake's error of that status
-    (:class:`~memchunk_prefect.device.FakeGpuContextError`), which breaks nothing."""
+    (:class:`~memchunk_prefect.operators.device.FakeGpuContextError`), which breaks nothing."""
     import os
 
-    from .device import FakeGpuContextError
+    from memchunk_prefect.operators.device import FakeGpuContextError
 
     be = backend(device)
     first = False

@@ -48,7 +48,7 @@ for stage in $stages; do
     bench) run bench "${BENCH_LIMIT:-330}" python3 -m benchmarks.gpu ${BENCH_ARGS:-} --json "$out/gpu_bench.json" ;;
     operators) run operators 180 python3 -m benchmarks.operator_memory --device both --shape 128 128 400 \
                  --json "$out/operators.json" ;;
-    demo) run demo "${DEMO_LIMIT:-180}" python3 -m memchunk_prefect.cli demo ;;
+    demo) run demo "${DEMO_LIMIT:-180}" python3 -m memchunk_prefect.cli.main demo ;;
     dask-cuda) run dask-cuda "${TESTS_LIMIT:-240}" env PYTHONPATH="${DASK_CUDA_SITE:+$DASK_CUDA_SITE:}${PYTHONPATH:-}" \
                  bash -c 'python3 -c "import dask, distributed, dask_cuda; print(\"dask\", dask.__version__, \"distributed\",
                    distributed.__version__, \"dask-cuda\", dask_cuda.__version__)"; python3 -m pytest -v -m gpu -rs \

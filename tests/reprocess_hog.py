@@ -34,12 +34,11 @@ def attributes(seconds: float) -> list:
 
 
 def reprocess(directory: str, output: str, store: str, seconds: float = 0.5, budget: str = "48MiB") -> list[dict]:
-    import tasks
     from flows.seismic import reprocess_survey
-    from memchunk_prefect import MemoryAwareRunner
+    from memchunk_prefect import MemoryAwareRunner, operators
     from memchunk_prefect.testing import memory_hog
 
-    tasks.OPERATORS.setdefault("memory_hog", memory_hog)
+    operators.OPERATORS.setdefault("memory_hog", memory_hog)
     runner = MemoryAwareRunner(cluster_kwargs=dict(CLUSTER), memory_budget=budget, store=store)
     return reprocess_survey.with_options(task_runner=runner)(directory, attributes(seconds), output)
 

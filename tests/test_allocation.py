@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from memchunk_prefect.allocation import QueueWait, held_fraction, monte_carlo, p_utilisation
-from memchunk_prefect.errors import SimulationInputError
+from memchunk_prefect.core.errors import SimulationInputError
+from memchunk_prefect.sim.allocation import QueueWait, held_fraction, monte_carlo, p_utilisation
 
 HOUR = 3600.0
 U = np.random.default_rng(1).beta(8, 2, 400)  # per-job utilisation, mean 0.8

@@ -18,8 +18,8 @@ import pytest
 from prefect import flow, task
 
 from memchunk_prefect import MemoryAwareRunner, chunked
-from memchunk_prefect.chunks import Chunk, with_halo
-from memchunk_prefect.errors import UpstreamMapError
+from memchunk_prefect.core.chunks import Chunk, with_halo
+from memchunk_prefect.core.errors import UpstreamMapError
 from memchunk_prefect.testing import memory_hog, start_local_cluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.usefixtures("prefect_server")]

@@ -75,7 +75,7 @@ def test_quick_benchmark_reports_every_strategy(tmp_path, api_url):
     assert {"cpus", "memory_bytes"} <= set(result["machine"])
     # Without a GPU (CI) the GPU section says so and why, and the run goes on on the CPU; with one, every
     # operator has a CPU row and a GPU row.
-    from memchunk_prefect.pinning import usable_gpus
+    from memchunk_prefect.run.pinning import usable_gpus
 
     devices, found = usable_gpus(env)
     if not devices:
@@ -190,7 +190,7 @@ def test_the_nights_summary_compares_settled_nights_and_counts_exploration_in_th
 
 def test_replaying_a_kept_nights_store_lists_every_reward_beside_the_plans_the_model_offered():
     from benchmarks.nights import replay_rewards
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.store import Store
 
     store = REPO / "benchmarks/runs/stores-2026-11-26/nights-d0186c0-granularity-learned-192x192x100.sqlite"
     rows = replay_rewards(str(store))
@@ -231,9 +231,9 @@ def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_source
 
 def _seeded_demo_store(path: Path) -> Path:
     """A store that knows the demo pipeline's operators (seeded figures: a smoke test checks structure, not values)."""
-    from flows.pipeline import DEFAULT_STEPS
-    from memchunk_prefect.simulate import Step
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.learn.store import Store
+    from memchunk_prefect.operators.registry import DEFAULT_STEPS
+    from memchunk_prefect.sim.simulate import Step
     from memchunk_prefect.testing import seed_store
 
     with Store(path) as store:
@@ -438,8 +438,8 @@ def test_compare_runs_reads_each_kept_run_and_sets_its_ratios_against_that_runs_
 def test_store_quality_replays_every_store_given_and_names_a_missing_one(tmp_path):
     """Per operator over several stores: runs scored add up, and a linear operator is predicted closely."""
     from benchmarks import store_quality
-    from memchunk_prefect.records import Observation
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
 
     paths = []
     for s in range(2):
@@ -472,8 +472,8 @@ def test_gap_counts_the_runs_a_curve_taken_across_a_gap_predicted_beside_the_lin
     curve is taken across the gap on leave-one-out alone, and --gap scores it beside the line, within the sizes
     measured and on the next, larger block (where the line under-reads a quadratic)."""
     from benchmarks import store_quality
-    from memchunk_prefect.records import Observation
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
 
     key = "trace_pairs|float32|cpu"
 
@@ -499,13 +499,13 @@ def test_explain_takes_each_runs_bound_apart_as_the_model_read_it_before_the_run
     """Per run once the model is ready: the block, its peak and what the bound was made of; the blended bound
     is never under the chosen form's own, and the command prints one line per run."""
     from benchmarks import store_quality
-    from memchunk_prefect.records import Observation
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
 
     key = "envelope|float32|cpu"
     rows = [Observation(key, n, (1, 1, n), 4 * n, 2**20 + 30 * n) for n in
             (10_000, 20_000, 40_000, 40_000, 80_000, 160_000, 160_000)]
-    from memchunk_prefect.model import OperatorModel
+    from memchunk_prefect.learn.model import OperatorModel
 
     cold = OperatorModel(key).explain((1, 1, 100))
     assert not cold["ready"] and cold["form_upper_bytes"] is None and cold["times_largest"] is None
@@ -528,8 +528,8 @@ def test_a_bound_under_the_peak_at_the_chunks_chosen_misses_the_learning_goal(tm
     """The bound at the chunks a run chose must hold their peak (>= 1x) and be at most 1.25x it: the 17:12
     heterogeneous run's envelope read 0.90x on 256 x 128 x 200 and was reported as met."""
     from benchmarks.strategies import learning_quality
-    from memchunk_prefect.records import Observation
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
 
     key = "envelope|float32|cpu"
     path = str(tmp_path / "s.sqlite")
@@ -551,7 +551,7 @@ def test_a_bound_under_the_peak_at_the_chunks_chosen_misses_the_learning_goal(tm
 def test_first_run_excess_compares_a_worker_s_first_run_with_its_later_runs_of_the_same_size():
     """Only sizes where both kinds ran count; a worker is new once per key, and an unknown worker never is."""
     from benchmarks.store_quality import first_run_excess
-    from memchunk_prefect.records import Observation
+    from memchunk_prefect.core.records import Observation
 
     def run(worker: str, n: int, extra_mib: float = 0.0) -> Observation:
         return Observation("envelope|float32|cpu", n, (1, 1, n), 4 * n, int(20 * n + extra_mib * 2**20),
@@ -690,8 +690,8 @@ def test_cold_start_reads_each_operators_map_from_the_store(tmp_path):
     """benchmarks/cold_start.py: a map's seconds run from its first chunk's start to its last chunk's end; chunks
     and traces read (halo included) are summed; failed runs are not the map's work."""
     from benchmarks import cold_start
-    from memchunk_prefect.records import Observation
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
 
     store = Store(str(tmp_path / "s.sqlite"))
     key = "gst3d_dip[sigma_gradient=1;sigma_tensor=2]|float32|cpu"
@@ -714,8 +714,8 @@ def test_time_forms_replays_each_flow_run_and_the_support_test_can_be_turned_off
     ``--time-gap-ratio inf`` every curve counts as supported, as before the support test. The rows are one
     benchmark round's gst3d_dip cold map (tests/test_model.py) and a warm run of 2 chunks after it."""
     from benchmarks import time_forms
-    from memchunk_prefect.records import Observation
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
 
     key = "gst3d_dip[sigma_gradient=1;sigma_tensor=2]|float32|cpu"
     cold = [(176_800, (13, 34, 400), 0.531, 0.048, 0, 31_469_568),
@@ -754,8 +754,8 @@ def test_time_forms_plans_sum_what_each_warm_map_cost_by_its_chunk_count(tmp_pat
     seconds of first touches (runs that grew their worker past the threshold) and the MiB they grew. The warm
     rows are trace_correlation's 4- and 8-chunk maps on 192 x 192 x 100 (benchmarks.heterogeneous at cacbee3)."""
     from benchmarks import time_forms
-    from memchunk_prefect.records import Observation
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
 
     key = "trace_correlation|float32|cpu"
     mib = 2**20
@@ -785,8 +785,8 @@ def test_time_forms_counts_the_runs_that_named_the_line_while_a_curve_counted(tm
     """A cold trace_correlation map whose noisy probes left the line named (tests/test_model.py's
     ``test_a_noisy_probe_leaves_the_curve_counting...``, the same rows): counted as partial, with its weight."""
     from benchmarks import time_forms
-    from memchunk_prefect.records import Observation
-    from memchunk_prefect.store import Store
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
 
     key = "trace_correlation|float32|cpu"
     rows = [(232_800, (24, 97, 100), 0.111, 0.033, 32_886_784, 48_857_088),

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
-from memchunk_prefect.cli import SUBCOMMANDS, main, match_operator, parse_bytes, register
-from memchunk_prefect.errors import BudgetError, UnknownOperatorError
-from memchunk_prefect.records import Observation, Reward
-from memchunk_prefect.store import Store
+from memchunk_prefect.cli.app import SUBCOMMANDS, main, match_operator, parse_bytes, register
+from memchunk_prefect.core.errors import BudgetError, UnknownOperatorError
+from memchunk_prefect.core.records import Observation, Reward
+from memchunk_prefect.learn.store import Store
 
 ENV = "envelope|float32|cpu"
 GST = "gst3d_dip[sigma_gradient=1;sigma_tensor=2]|float32|cpu"
@@ -90,15 +90,15 @@ def test_models_table_and_json(capsys, store_path):
 
 
 def test_models_time_cell_shows_a_curve_that_counts_in_part_beside_the_line():
-    from memchunk_prefect.cli import _time_cell
+    from memchunk_prefect.cli.format import time_cell
 
     row = {"time_form": "linear", "time_runs": 6, "first_touch_runs": 0, "time_rate_ratio": 1.22,
            "time_curve": "superlinear", "time_curve_weight": 0.41}
-    assert _time_cell(row) == "linear 6 1.2x superlinear 41%"
-    assert _time_cell({**row, "time_form": "superlinear", "time_curve_weight": 1.0}) == "superlinear 6 1.2x"
-    assert _time_cell({**row, "time_curve": None, "time_curve_weight": 0.0}) == "linear 6 1.2x"
+    assert time_cell(row) == "linear 6 1.2x superlinear 41%"
+    assert time_cell({**row, "time_form": "superlinear", "time_curve_weight": 1.0}) == "superlinear 6 1.2x"
+    assert time_cell({**row, "time_curve": None, "time_curve_weight": 0.0}) == "linear 6 1.2x"
     grew = {**row, "time_curve": None, "time_curve_weight": 0.0, "first_touch_runs": 2, "touch_seconds_per_gib": 1.47}
-    assert _time_cell(grew) == "linear 6 +2 first 1.5 s/GiB 1.2x"
+    assert time_cell(grew) == "linear 6 +2 first 1.5 s/GiB 1.2x"
 
 
 def test_models_on_an_empty_store_says_so(capsys, tmp_path):

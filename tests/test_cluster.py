@@ -5,14 +5,10 @@ from __future__ import annotations
 import dask
 import pytest
 
-from memchunk_prefect.cluster import (
-    configured_kill_fraction,
-    kill_headroom_bytes,
-    slots,
-    task_budget,
-    workers_from_info,
-)
-from memchunk_prefect.errors import BudgetError
+from memchunk_prefect.core import budget as budget_mod
+from memchunk_prefect.core.budget import kill_headroom_bytes, slots, task_budget, workers_from_info
+from memchunk_prefect.core.errors import BudgetError
+from memchunk_prefect.run.cluster import configured_kill_fraction
 
 GiB = 2**30
 
@@ -65,7 +61,7 @@ def test_the_kill_fraction_is_read_from_the_workers_not_from_this_process():
     """Workers started with terminate 0.8 (their nanny kills at 0.8) while this process says 0.95."""
     from distributed import Client
 
-    from memchunk_prefect.cluster import read_kill_fractions, scheduler_info
+    from memchunk_prefect.run.cluster import read_kill_fractions, scheduler_info
     from memchunk_prefect.testing import start_local_cluster
 
     with dask.config.set({"distributed.worker.memory.terminate": 0.8}):
@@ -82,7 +78,7 @@ def test_the_kill_fraction_is_read_from_the_workers_not_from_this_process():
 
 
 def test_the_budget_is_the_kill_line_less_resting_and_a_users_figure_only_caps_it():
-    from memchunk_prefect.cluster import budget
+    from memchunk_prefect.core.budget import budget
 
     ws = workers_from_info(info(worker(), worker(limit=2 * GiB, resting=GiB // 2, nanny="tcp://n:2")), {}, 0.95)
     b = budget(ws)
@@ -120,8 +116,8 @@ def test_a_worker_above_its_pause_line_is_read_as_one_pause_with_its_duration():
 
     from distributed import Client
 
-    from memchunk_prefect import cluster
-    from memchunk_prefect.records import paused_within, pauses_from
+    from memchunk_prefect.core.records import paused_within, pauses_from
+    from memchunk_prefect.run import cluster
     from memchunk_prefect.testing import start_local_cluster
 
     lc = start_local_cluster(n_workers=1, memory_limit="1GiB")
@@ -146,7 +142,8 @@ def test_the_workers_a_cluster_was_asked_for_are_read_from_its_plan_and_its_adap
     they have joined: a map plans for them (cluster.planned_slots); a scheduler started elsewhere says nothing."""
     from distributed import LocalCluster
 
-    from memchunk_prefect.cluster import planned_slots, requested_workers
+    from memchunk_prefect.core.budget import planned_slots
+    from memchunk_prefect.run.cluster import requested_workers
 
     assert requested_workers(None) is None
     with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster:
@@ -165,7 +162,7 @@ def _hold_tracked(nbytes: int, event_name: str) -> int:
     import psutil
     from distributed import Event
 
-    from memchunk_prefect.monitor import Monitor
+    from memchunk_prefect.run.monitor import Monitor
 
     with Monitor(gpu=False, energy=False).track():
         block = np.ones(nbytes // 8)
@@ -186,7 +183,7 @@ def test_the_resting_memory_read_while_another_flows_chunk_peaks_on_the_worker_i
 
     from distributed import Client, Event, LocalCluster
 
-    from memchunk_prefect import cluster
+    from memchunk_prefect.run import cluster
 
     with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, memory_limit="2GiB",
                       dashboard_address=None) as lc, Client(lc, set_as_default=False) as client:
@@ -213,7 +210,7 @@ def test_a_workers_high_water_mark_is_read_with_its_resting_memory_and_outlasts_
     has held that memory (a task reaching it again pays no first touch), and the budget says so per worker."""
     from distributed import Client, Event, LocalCluster
 
-    from memchunk_prefect import cluster
+    from memchunk_prefect.run import cluster
 
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, memory_limit="2GiB",
                       dashboard_address=None) as lc, Client(lc, set_as_default=False) as client:
@@ -225,7 +222,7 @@ def test_a_workers_high_water_mark_is_read_with_its_resting_memory_and_outlasts_
     assert mark0 == rest0, "no run measured yet: the mark is the resting memory"
     assert rest < rest0 + 100 * 2**20, f"the freed block is not resting memory ({rest0 / 2**20:.0f} -> {rest / 2**20:.0f} MiB)"
     assert mark >= rest + 250 * 2**20, f"mark {mark / 2**20:.0f} MiB, resting {rest / 2**20:.0f} MiB"
-    (w,) = cluster.workers_from_info(info, {}, 0.95, {address: rest}, {address: mark})
-    assert cluster.budget([w]).touched_bytes == {address: mark - rest}
-    (unread,) = cluster.workers_from_info(info, {}, 0.95, {address: rest})
-    assert unread.touched_bytes is None and cluster.budget([unread]).touched_bytes == {}
+    (w,) = budget_mod.workers_from_info(info, {}, 0.95, {address: rest}, {address: mark})
+    assert budget_mod.budget([w]).touched_bytes == {address: mark - rest}
+    (unread,) = budget_mod.workers_from_info(info, {}, 0.95, {address: rest})
+    assert unread.touched_bytes is None and budget_mod.budget([unread]).touched_bytes == {}

@@ -89,9 +89,9 @@ def test_demo_stops_in_seconds_naming_what_it_cannot_work_without(tmp_path, case
 
 
 def test_the_demo_runs_on_the_gpu_where_there_is_one_and_says_which_device_it_used():
-    from memchunk_prefect.demo import demo_layout
-    from memchunk_prefect.device import FAKE_GPU_ENV
-    from memchunk_prefect.pinning import PRELOAD
+    from memchunk_prefect.cli.demo import demo_layout
+    from memchunk_prefect.operators.device import FAKE_GPU_ENV
+    from memchunk_prefect.run.pinning import PRELOAD
 
     kwargs, device, words = demo_layout(2, 2**30, {"CUDA_VISIBLE_DEVICES": ""})
     assert (kwargs["n_workers"], device, "preload" in kwargs) == (2, "cpu", False)

@@ -10,9 +10,10 @@ import sqlite3
 import dask
 import pytest
 
-from memchunk_prefect import cli, doctor
-from memchunk_prefect.doctor import FAIL, OK, WARN
-from memchunk_prefect.store import SCHEMA_VERSION, Store
+from memchunk_prefect.cli import app as cli
+from memchunk_prefect.learn.store import SCHEMA_VERSION, Store
+from memchunk_prefect.run import doctor
+from memchunk_prefect.run.doctor import FAIL, OK, WARN
 from memchunk_prefect.testing import start_local_cluster
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from memchunk_prefect.energy import (
+from memchunk_prefect.core.energy import (
     DeviceRun,
     check_watts,
     estimate_joules,
@@ -14,12 +14,12 @@ from memchunk_prefect.energy import (
     plan_energy_joules,
     split_device_energy,
 )
-from memchunk_prefect.errors import EnergyInputError
-from memchunk_prefect.model import OperatorModel
-from memchunk_prefect.policy import Prediction, decide, plan
-from memchunk_prefect.policy import estimate_joules as plan_joules
-from memchunk_prefect.records import Observation
-from memchunk_prefect.settings import PolicySettings
+from memchunk_prefect.core.errors import EnergyInputError
+from memchunk_prefect.core.policy import Prediction, decide, plan
+from memchunk_prefect.core.policy import estimate_joules as plan_joules
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.core.settings import PolicySettings
+from memchunk_prefect.learn.model import OperatorModel
 
 KEY = "op|float32|cpu"
 
@@ -160,7 +160,7 @@ def test_learned_joules_per_block_drive_the_energy_plan():
 
 
 def test_continue_gives_way_when_the_incoming_chunking_costs_much_more_energy():
-    from memchunk_prefect.chunks import balanced_grid
+    from memchunk_prefect.core.chunks import balanced_grid
 
     shape = (64, 64, 100)
     incoming = balanced_grid(shape, (8, 8, 1))  # 64 small chunks: 64 overheads

@@ -20,14 +20,13 @@ import numpy as np
 import pytest
 from prefect import flow
 
-import tasks
-from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
-from memchunk_prefect.errors import BudgetTooSmallError
-from memchunk_prefect.model import ModelBank
+from memchunk_prefect import MemoryAwareRunner, chunked, operators, synthetic_survey
+from memchunk_prefect.core.errors import BudgetTooSmallError
+from memchunk_prefect.core.policy import plan
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.learn.model import ModelBank
+from memchunk_prefect.learn.store import Store, StoreMovedAsideWarning
 from memchunk_prefect.operators import operator_key
-from memchunk_prefect.policy import plan
-from memchunk_prefect.records import Observation
-from memchunk_prefect.store import Store, StoreMovedAsideWarning
 from memchunk_prefect.testing import seed_store, start_local_cluster
 
 MiB = 2**20
@@ -69,19 +68,19 @@ def test_a_corrupt_store_is_moved_aside_with_a_warning_and_the_flow_still_runs(c
 
     @flow(task_runner=runner)
     def envelope_of(path: str):
-        return tasks.envelope.map(chunked(path)).result().values
+        return operators.envelope.map(chunked(path)).result().values
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = envelope_of(survey)
     assert any(issubclass(w.category, StoreMovedAsideWarning) for w in caught), [str(w.message) for w in caught]
-    from memchunk_prefect.volume import open_segy
+    from memchunk_prefect.io.volume import open_segy
 
-    np.testing.assert_allclose(result, tasks.envelope.fn(open_segy(survey).values), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(result, operators.envelope.fn(open_segy(survey).values), rtol=1e-5, atol=1e-6)
     aside = list(tmp_path.glob("obs.sqlite.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_bytes() == original
     with Store(store_path) as s:  # the fresh store learned from this run
-        assert s.count(operator_key(tasks.envelope, {})) > 0
+        assert s.count(operator_key(operators.envelope, {})) > 0
 
 
 # =========================================================================== learning under poison
@@ -109,14 +108,14 @@ def chunk_elements(store: Store) -> int:
 FLOW_PROCESS = """
 import json, sys
 from prefect import flow
-import tasks
+from memchunk_prefect import operators
 from memchunk_prefect import MemoryAwareRunner, chunked
 
 address, store, survey, out = sys.argv[1:5]
 
 @flow(task_runner=MemoryAwareRunner(address=address, store=store, output_dir=out, memory_budget="24MiB"))
 def envelope(path):
-    res = tasks.envelope.map(chunked(path))
+    res = operators.envelope.map(chunked(path))
     res.result()
     return sum(1 for e in res.events if e["event"] == "ok")
 
@@ -136,7 +135,7 @@ def test_two_flows_on_one_store_at_once_keep_every_observation(cluster, tmp_path
     synthetic_survey(survey, (24, 40, 500), seed=12)  # 1.8 MiB: several chunks under a 24 MiB budget
 
     store = str(tmp_path / "shared.sqlite")
-    key = operator_key(tasks.envelope, {})
+    key = operator_key(operators.envelope, {})
     env = dict(os.environ, PREFECT_API_URL=str(get_current_settings().api.url),
                PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     procs = [subprocess.Popen([sys.executable, "-c", FLOW_PROCESS, cluster.scheduler_address, store, survey,
@@ -192,7 +191,7 @@ def test_an_impossible_budget_fails_before_any_task_is_submitted(cluster, survey
     @flow(task_runner=runner)
     def dip_of(path: str):
         seen["id"] = get_run_context().flow_run.id
-        return tasks.gst3d_dip.map(chunked(path)).result()
+        return operators.gst3d_dip.map(chunked(path)).result()
 
     with pytest.raises(BudgetTooSmallError, match=r"1\.0 KiB"):
         dip_of(survey)
@@ -206,7 +205,8 @@ def test_every_error_class_is_in_the_table_of_errors_a_user_can_meet():
     import inspect
     from pathlib import Path
 
-    from memchunk_prefect import errors, runner
+    from memchunk_prefect.core import errors
+    from memchunk_prefect.run import runner
 
     table = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
     classes = {name for mod in (errors, runner) for name, obj in inspect.getmembers(mod, inspect.isclass)

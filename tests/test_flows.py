@@ -9,7 +9,6 @@ import shutil
 import numpy as np
 import pytest
 
-import tasks
 from flows.seismic import (
     MANIFEST,
     normalize_attributes,
@@ -19,10 +18,10 @@ from flows.seismic import (
     seismic_attributes,
     up_to_date,
 )
-from memchunk_prefect import MemoryAwareRunner, open_segy, synthetic_survey
-from memchunk_prefect.errors import OutputPathError, RunnerConfigError
+from memchunk_prefect import MemoryAwareRunner, open_segy, operators, synthetic_survey
+from memchunk_prefect.core.errors import OutputPathError, RunnerConfigError
+from memchunk_prefect.io.zarr_store import open_result
 from memchunk_prefect.testing import start_local_cluster
-from memchunk_prefect.volume import open_result
 
 # --------------------------------------------------------------------------- parameters, no cluster
 
@@ -96,7 +95,7 @@ def test_seismic_attributes_writes_every_attribute_to_zarr_and_segy_then_a_manif
                str(out), export_segy=True)
     seismic = open_segy(survey).values
     env = open_result(out / "envelope.zarr").values
-    np.testing.assert_allclose(env, tasks.envelope.fn(seismic), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(env, operators.envelope.fn(seismic), rtol=1e-5, atol=1e-6)
     assert open_result(out / "smooth" / "s1.zarr").shape == seismic.shape
     with segyio.open(out / "envelope.sgy", ignore_geometry=True) as f:
         exported = np.stack([f.trace[i] for i in range(f.tracecount)]).reshape(seismic.shape)
@@ -165,7 +164,7 @@ def test_reprocess_survey_skips_unchanged_files_and_redoes_changed_ones(runner, 
     assert after["a.sgy"] == ("processed", "content changed (SHA-256)")
     assert after["b.segy"][0] == "skipped"
     np.testing.assert_allclose(open_result(out / "a" / "envelope.zarr").values,
-                               tasks.envelope.fn(open_segy(surveys / "a.sgy").values), rtol=1e-5, atol=1e-6)
+                               operators.envelope.fn(open_segy(surveys / "a.sgy").values), rtol=1e-5, atol=1e-6)
     # New parameters: everything again. A half-written output (store not complete): redone.
     changed = run(attributes=["cosine_phase"])
     assert {v for v in changed.values()} == {("processed", "parameters changed")}

@@ -1,15 +1,15 @@
 """Fuzzing: bad files and nonsense arguments end in a typed error, never anything else (issue 8).
 
 Three surfaces, each with the same contract — nothing but a
-:class:`~memchunk_prefect.errors.MemchunkError` subclass may escape:
+:class:`~memchunk_prefect.core.errors.MemchunkError` subclass may escape:
 
 - the SEG-Y reader (:func:`open_segy` and reading values), on the real files in
   ``shared/data/segy`` with header fields overwritten, bytes flipped, the file
   cut short, and on random garbage; a separate subprocess canary runs a seeded
   batch so a crash inside segyio (a segfault) fails one test instead of killing
   the test session;
-- the chunk arithmetic (:mod:`memchunk_prefect.chunks`) and the planner
-  (:mod:`memchunk_prefect.policy`): valid inputs give tilings that cover the
+- the chunk arithmetic (:mod:`memchunk_prefect.core.chunks`) and the planner
+  (:mod:`memchunk_prefect.core.policy`): valid inputs give tilings that cover the
   volume exactly; nonsense inputs give typed errors;
 - the ``memchunk`` command line: any argv gives exit code 0, 1 or 2 and no traceback.
 
@@ -34,8 +34,8 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from memchunk_prefect import cli
-from memchunk_prefect.chunks import (
+from memchunk_prefect.cli import app as cli
+from memchunk_prefect.core.chunks import (
     Chunk,
     balanced_grid,
     check_halo,
@@ -47,13 +47,13 @@ from memchunk_prefect.chunks import (
     uncovered_boxes,
     with_halo,
 )
-from memchunk_prefect.errors import MemchunkError
-from memchunk_prefect.policy import Prediction, plan, probe_plan, split_chunk
-from memchunk_prefect.segy import close_handles
-from memchunk_prefect.store import Store
+from memchunk_prefect.core.errors import MemchunkError
+from memchunk_prefect.core.policy import Prediction, plan, probe_plan, split_chunk
+from memchunk_prefect.core.units import parse_bytes
+from memchunk_prefect.io.segy import close_handles
+from memchunk_prefect.io.volume import open_segy
+from memchunk_prefect.learn.store import Store
 from memchunk_prefect.testing import seed_store
-from memchunk_prefect.units import parse_bytes
-from memchunk_prefect.volume import open_segy
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -202,9 +202,9 @@ CANARY = r"""
 import random, struct, sys, warnings
 from pathlib import Path
 warnings.simplefilter("ignore")
-from memchunk_prefect.errors import MemchunkError
-from memchunk_prefect.segy import close_handles
-from memchunk_prefect.volume import open_segy
+from memchunk_prefect.core.errors import MemchunkError
+from memchunk_prefect.io.segy import close_handles
+from memchunk_prefect.io.volume import open_segy
 src, out, seed, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = random.Random(seed)
 names = ["small.sgy", "f3.sgy", "tiny.sgy", "small-lsb.sgy", "Format8msb.sgy", "long.sgy", "broken.sgy"]

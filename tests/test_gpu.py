@@ -1,4 +1,4 @@
-"""Operators on a GPU (memchunk_prefect.device): device names, the numpy-backed fake device, and real GPUs.
+"""Operators on a GPU (memchunk_prefect.operators.device): device names, the numpy-backed fake device, and real GPUs.
 
 No GPU is present where CI runs: the GPU paths (transfers, batched eigh, device
 memory measured per task, a GPU's out-of-memory split like the host's) run there
@@ -20,12 +20,11 @@ import numpy as np
 import pytest
 from prefect import flow
 
-import tasks
-from memchunk_prefect import MemoryAwareRunner, chunked, open_segy
-from memchunk_prefect import device as dev
-from memchunk_prefect.errors import BudgetTooSmallError, ChunkMemoryError, DeviceError, VolumeError
-from memchunk_prefect.records import Observation
-from memchunk_prefect.store import Store
+from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, operators
+from memchunk_prefect.core.errors import BudgetTooSmallError, ChunkMemoryError, DeviceError, VolumeError
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.learn.store import Store
+from memchunk_prefect.operators import device as dev
 from memchunk_prefect.testing import start_local_cluster
 
 #: Every operator with the parameters the comparisons use (small windows: the blocks are small).
@@ -69,7 +68,7 @@ def test_device_names_are_checked_and_auto_never_fails_for_want_of_a_gpu(no_fake
     with pytest.raises(DeviceError, match=r"device='cuda' but this process has no usable GPU: .*device='auto'"):
         dev.resolve_device("cuda")
     with pytest.raises(DeviceError, match="no usable GPU"):
-        tasks.envelope.fn(_block(), device="cuda")
+        operators.envelope.fn(_block(), device="cuda")
 
 
 def test_one_map_runs_on_one_kind_of_device():
@@ -98,8 +97,8 @@ def test_a_fake_gpu_capacity_that_is_not_bytes_is_refused(monkeypatch, raw):
 def test_every_operator_gives_the_cpu_result_through_the_device_path(fake_gpu, name, params):
     """The device path (copies to and from the device, the backend's functions) changes no value."""
     block = _block()
-    on_cpu = tasks.OPERATORS[name].fn(block, device="cpu", **params)
-    on_gpu = tasks.OPERATORS[name].fn(block, device="cuda", **params)
+    on_cpu = operators.OPERATORS[name].fn(block, device="cpu", **params)
+    on_gpu = operators.OPERATORS[name].fn(block, device="cuda", **params)
     assert isinstance(on_gpu, np.ndarray) and on_gpu.dtype == np.float32 and on_gpu.shape == block.shape
     np.testing.assert_array_equal(on_gpu, on_cpu)
     assert np.isnan(on_gpu).any(), "the NaN sample's outputs are NaN on the device too"
@@ -114,18 +113,18 @@ class _DeviceResident(np.ndarray):
 def test_a_block_in_gpu_memory_is_refused_on_the_cpu_with_what_to_do():
     block = _block().view(_DeviceResident)
     with pytest.raises(VolumeError, match=r"envelope got a block in GPU memory .*device='cpu'.*device='cuda'"):
-        tasks.envelope.fn(block, device="cpu")
+        operators.envelope.fn(block, device="cpu")
 
 
 _FIRST_CALL = """
 import json, sys
 import numpy as np
-import tasks
+from memchunk_prefect.operators import OPERATORS
 block = np.random.default_rng(0).standard_normal((6, 7, 40)).astype(np.float32)
 loaded = {}
 for name, params in json.loads(sys.argv[1]):
     before = set(sys.modules)
-    tasks.OPERATORS[name].fn(block, device=sys.argv[2], **params)
+    OPERATORS[name].fn(block, device=sys.argv[2], **params)
     loaded[name] = sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ("scipy", "cupy", "cupyx"))
 print(json.dumps(loaded))
 """
@@ -144,7 +143,7 @@ def test_an_operators_first_call_in_a_fresh_process_loads_no_array_library(devic
 
     if device == "cuda":
         monkeypatch.setenv(dev.FAKE_GPU_ENV, str(1 << 30))
-        script = _FIRST_CALL.replace("loaded = {}", "from memchunk_prefect.device import backend\n"
+        script = _FIRST_CALL.replace("loaded = {}", "from memchunk_prefect.operators.device import backend\n"
                                      "backend('cuda').load()  # what run_block does before measuring\nloaded = {}")
     else:
         script = _FIRST_CALL
@@ -173,12 +172,12 @@ def test_an_operator_that_needs_only_the_array_module_loads_no_scipy():
 
 def test_eigh_runs_in_batches_on_the_gpu_and_agrees_with_one_call(fake_gpu, monkeypatch):
     block = _block(shape=(6, 7, 30))  # 1260 tensors
-    whole = tasks.gst3d_dip.fn(block, device="cpu")
+    whole = operators.gst3d_dip.fn(block, device="cpu")
     calls = []
     real = np.linalg.eigh
     monkeypatch.setattr(np.linalg, "eigh", lambda a: calls.append(len(a)) or real(a))
     monkeypatch.setattr(dev, "EIGH_BATCH", 500)
-    batched = tasks.gst3d_dip.fn(block, device="cuda")
+    batched = operators.gst3d_dip.fn(block, device="cuda")
     assert calls == [500, 500, 260]
     np.testing.assert_array_equal(batched, whole)
 
@@ -224,9 +223,10 @@ def test_a_chunk_that_runs_out_of_memory_keeps_neither_its_block_nor_its_arrays_
     holds neither the block read for the chunk nor the operator's arrays."""
     import weakref
 
-    from memchunk_prefect.chunks import Chunk
-    from memchunk_prefect.volume import ZarrOutput, as_source
-    from memchunk_prefect.worker import BlockFunction, BlockJob
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.io.volume import as_source
+    from memchunk_prefect.io.zarr_store import ZarrOutput
+    from memchunk_prefect.run.worker import BlockFunction, BlockJob
 
     refs = []
 
@@ -278,7 +278,7 @@ def _run(elements: int, host: int, gpu: int | None, outcome: str = "ok", gpu_oom
     (dataclasses.replace(_run(8000, 5 << 20, 0), gpu_budget_bytes=None), None),  # a CPU run's NVML figure
 ], ids=["ok", "gpu-out-of-memory", "host-out-of-memory", "killed", "unmeasured", "at-once", "cpu-map"])
 def test_the_gpu_model_learns_the_gpu_peak_of_finished_runs_and_the_gpus_own_out_of_memory(run, learned):
-    from memchunk_prefect.model import gpu_view
+    from memchunk_prefect.learn.model import gpu_view
 
     view = gpu_view(run)
     if learned is None:
@@ -286,7 +286,7 @@ def test_the_gpu_model_learns_the_gpu_peak_of_finished_runs_and_the_gpus_own_out
         return
     assert (view.outcome, view.censored, view.peak_bytes) == learned
     assert view.budget_bytes == 64 << 20 and view.unseen_bytes == 0, "the host's resting memory is not the GPU's"
-    from memchunk_prefect.model import OperatorModel
+    from memchunk_prefect.learn.model import OperatorModel
 
     assert OperatorModel(GKEY).learn(view) == ("censored" if view.censored else "learned")
     assert OperatorModel(GKEY).learn(run) == ("ignored" if run.gpu_out_of_memory else "learned"), \
@@ -294,7 +294,7 @@ def test_the_gpu_model_learns_the_gpu_peak_of_finished_runs_and_the_gpus_own_out
 
 
 def test_a_bank_learns_host_and_gpu_memory_apart_and_rebuilds_both_from_the_store(tmp_path):
-    from memchunk_prefect.model import ModelBank
+    from memchunk_prefect.learn.model import ModelBank
 
     # GPU memory 40x the input, host memory 5x: after the same runs each model predicts its own.
     runs = [_run(e, 5 * 4 * e, 40 * 4 * e) for e in (8000, 27000, 64000, 125000, 216000, 343000, 512000)]
@@ -324,9 +324,9 @@ def test_a_bank_learns_host_and_gpu_memory_apart_and_rebuilds_both_from_the_stor
 
 
 def test_the_gpu_budget_is_a_share_of_what_each_worker_could_allocate_and_the_least_of_the_workers():
-    from memchunk_prefect.cluster import gpu_budget
-    from memchunk_prefect.errors import BudgetError
-    from memchunk_prefect.policy import gpu_task_budget_bytes
+    from memchunk_prefect.core.budget import gpu_budget
+    from memchunk_prefect.core.errors import BudgetError
+    from memchunk_prefect.core.policy import gpu_task_budget_bytes
 
     gib = 2**30
     statuses = {"tcp://a:1": dev.GpuStatus(True, "H100", total_bytes=80 * gib, free_bytes=79 * gib),
@@ -346,9 +346,9 @@ def test_the_gpu_budget_is_a_share_of_what_each_worker_could_allocate_and_the_le
 
 
 def test_incoming_chunks_that_overflow_the_gpu_are_rechunked_and_cold_probes_are_sized_for_the_gpu():
-    from memchunk_prefect.chunks import Chunk
-    from memchunk_prefect.policy import GpuLimit, decide, plan
-    from memchunk_prefect.records import Prediction
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.core.policy import GpuLimit, decide, plan
+    from memchunk_prefect.core.records import Prediction
 
     def host(ext):  # 10 B per element
         n = float(np.prod(ext))
@@ -433,10 +433,10 @@ def test_a_map_on_the_gpu_learns_its_gpu_memory_cold_and_runs_warm_within_the_gp
     source = segy_dir / "f3.sgy"
 
     def envelope_on_gpu(path: str):
-        return tasks.envelope.map(chunked(path)).result()
+        return operators.envelope.map(chunked(path)).result()
 
     cold, warm, first, second = _cold_then_warm(envelope_on_gpu, source, tmp_path, monkeypatch, capacity)
-    expected = tasks.envelope.fn(open_segy(source).values)
+    expected = operators.envelope.fn(open_segy(source).values)
     for result in (cold, warm):
         np.testing.assert_array_equal(result.values, expected)
     rows = first + second
@@ -521,7 +521,7 @@ def test_only_cuda_errors_that_leave_the_context_unusable_are_told_apart():
         assert dev.is_gpu_context_error(wrapped)
     fake = dev.FakeGpuContextError("boom")
     assert dev.is_gpu_context_error(fake) and dev.is_gpu_context_error(pickle.loads(pickle.dumps(fake)))
-    from memchunk_prefect.errors import GpuContextError
+    from memchunk_prefect.core.errors import GpuContextError
 
     err = pickle.loads(pickle.dumps(GpuContextError("op[x] hit it", "tcp://w:1")))
     assert (str(err), err.worker) == ("op[x] hit it", "tcp://w:1")
@@ -537,7 +537,7 @@ def test_a_cuda_error_that_breaks_a_workers_context_restarts_that_worker_and_los
     exact. An operator that does it in every chunk fails the map with GpuContextError, not a loop."""
     from distributed import Client
 
-    from memchunk_prefect.errors import GpuContextError
+    from memchunk_prefect.core.errors import GpuContextError
     from memchunk_prefect.testing import breaks_gpu_context
 
     if gpu == "real":
@@ -578,7 +578,7 @@ def test_a_worker_whose_nanny_is_closed_during_its_restart_leaves_the_map_to_the
     import dask
     from distributed import Client
 
-    from memchunk_prefect import executor
+    from memchunk_prefect.run import executor
     from memchunk_prefect.testing import breaks_gpu_context
 
     monkeypatch.setenv(dev.FAKE_GPU_ENV, str(64 << 20))
@@ -596,7 +596,7 @@ def test_a_worker_whose_nanny_is_closed_during_its_restart_leaves_the_map_to_the
             return breaks_gpu_context.map(chunked(path), marker=marker).result()
 
         with dask.config.set({"distributed.deploy.lost-worker-timeout": "0s"}), \
-                caplog.at_level(logging.WARNING, logger="memchunk_prefect.runner"):
+                caplog.at_level(logging.WARNING, logger="memchunk_prefect.run.runner"):
             result = breaking(str(source), str(tmp_path / "broken-once"))
         np.testing.assert_array_equal(result.values, open_segy(source).values)
         with Client(cluster.scheduler_address) as client:
@@ -620,13 +620,13 @@ def test_a_worker_whose_nanny_is_closed_during_its_restart_leaves_the_map_to_the
     ({dev.FAKE_GPU_ENV: "1048576"}, 0, ["0"]),
 ], ids=["given", "uuids", "hidden", "minus-one", "nvml", "none", "fake"])
 def test_the_gpus_a_local_cluster_is_laid_out_on(env, nvml, expected):
-    from memchunk_prefect.pinning import visible_devices
+    from memchunk_prefect.run.pinning import visible_devices
 
     assert visible_devices(env, nvml_count=lambda: nvml) == expected
 
 
 def test_each_local_worker_is_pinned_to_one_gpu_by_its_name():
-    from memchunk_prefect.pinning import device_for
+    from memchunk_prefect.run.pinning import device_for
 
     assert [device_for(n, ["5", "7"]) for n in (0, "1", 2)] == ["5", "7", "5"]
     assert device_for("tcp://10.0.0.3:4000", ["5"]) is None and device_for(0, []) is None
@@ -635,7 +635,7 @@ def test_each_local_worker_is_pinned_to_one_gpu_by_its_name():
 def test_without_dask_cuda_the_runner_starts_one_single_thread_worker_per_gpu(monkeypatch):
     import builtins
 
-    from memchunk_prefect.pinning import PRELOAD
+    from memchunk_prefect.run.pinning import PRELOAD
 
     real_import = builtins.__import__
 
@@ -663,7 +663,7 @@ def test_the_preload_pins_each_real_worker_to_its_own_gpu(monkeypatch):
 
     from distributed import Client, LocalCluster
 
-    from memchunk_prefect.pinning import PRELOAD
+    from memchunk_prefect.run.pinning import PRELOAD
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")  # inherited by the workers, as the flow's own would be
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, preload=[PRELOAD], memory_limit="512MiB",
@@ -694,8 +694,8 @@ def _real_gpu_or_skip() -> dev.GpuStatus:
 def test_on_a_real_gpu_every_operator_equals_the_cpu_to_float32_tolerance(no_fake, name, params):
     _real_gpu_or_skip()
     block = _block(shape=(24, 20, 120))
-    on_cpu = tasks.OPERATORS[name].fn(block, device="cpu", **params)
-    on_gpu = tasks.OPERATORS[name].fn(block, device="cuda", **params)
+    on_cpu = operators.OPERATORS[name].fn(block, device="cpu", **params)
+    on_gpu = operators.OPERATORS[name].fn(block, device="cuda", **params)
     np.testing.assert_array_equal(np.isnan(on_gpu), np.isnan(on_cpu))
     # float32 tolerance relative to the output's own scale (dips in degrees, frequencies in Hz up to Nyquist): two
     # FFT libraries round differently, and measured on an H100 instantaneous_frequency's largest difference was
@@ -705,7 +705,7 @@ def test_on_a_real_gpu_every_operator_equals_the_cpu_to_float32_tolerance(no_fak
     if name in PHASE_OPERATORS:
         # A phase is set by rounding where the trace's amplitude is nearly zero: cosine_phase differed by 4.5e-5
         # at a sample of 0.09% of the largest envelope. Compared where the envelope is at least 1% of it.
-        envelope = tasks.envelope.fn(block)
+        envelope = operators.envelope.fn(block)
         compared = ~(envelope < 0.01 * np.nanmax(envelope))
     np.testing.assert_allclose(on_gpu[compared], on_cpu[compared], rtol=1e-4, atol=atol, equal_nan=True)
 
@@ -718,11 +718,11 @@ def test_on_a_real_gpu_every_operator_takes_a_block_already_in_gpu_memory(no_fak
     import cupy
 
     block = _block(shape=(24, 20, 120))
-    from_host = tasks.OPERATORS[name].fn(block, device="cuda", **params)
-    from_device = tasks.OPERATORS[name].fn(cupy.asarray(block), device="cuda", **params)
+    from_host = operators.OPERATORS[name].fn(block, device="cuda", **params)
+    from_device = operators.OPERATORS[name].fn(cupy.asarray(block), device="cuda", **params)
     np.testing.assert_allclose(from_device, from_host, rtol=1e-5, atol=1e-6, equal_nan=True)
     with pytest.raises(VolumeError, match="block in GPU memory"):
-        tasks.OPERATORS[name].fn(cupy.asarray(block), device="cpu", **params)
+        operators.OPERATORS[name].fn(cupy.asarray(block), device="cpu", **params)
 
 
 @pytest.mark.gpu
@@ -752,10 +752,10 @@ def test_on_a_real_gpu_a_map_learns_its_gpu_memory_cold_and_runs_warm_within_the
     source = segy_dir / "f3.sgy"
 
     def envelope_on_gpu(path: str):
-        return tasks.envelope.map(chunked(path)).result()
+        return operators.envelope.map(chunked(path)).result()
 
     cold, warm, first, second = _cold_then_warm(envelope_on_gpu, source, tmp_path, monkeypatch, None, n_workers=1)
-    expected = tasks.envelope.fn(open_segy(source).values)
+    expected = operators.envelope.fn(open_segy(source).values)
     for result in (cold, warm):
         np.testing.assert_allclose(result.values, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
     rows = first + second
@@ -789,10 +789,10 @@ def test_on_a_real_gpu_with_dask_cuda_the_runners_own_cluster_is_a_local_cuda_cl
         runner.cluster_class, dask_cuda.__version__)
 
     def envelope_on_gpu(path: str):
-        return tasks.envelope.map(chunked(path)).result()
+        return operators.envelope.map(chunked(path)).result()
 
     result = flow(task_runner=runner, name="on-a-local-cuda-cluster")(envelope_on_gpu)(str(source))
-    expected = tasks.envelope.fn(open_segy(source).values)
+    expected = operators.envelope.fn(open_segy(source).values)
     np.testing.assert_allclose(result.values, expected, rtol=1e-4, atol=1e-4 * float(np.abs(expected).max()))
     with Store(store) as s:
         rows = s.observations()

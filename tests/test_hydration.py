@@ -1,4 +1,4 @@
-"""memchunk_prefect.hydration: a worker validates the flow's Prefect settings once per distinct settings."""
+"""memchunk_prefect.run.hydration: a worker validates the flow's Prefect settings once per distinct settings."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from prefect.context import SettingsContext
 from prefect.settings import PREFECT_LOGGING_LEVEL, temporary_settings
 
-from memchunk_prefect import hydration
+from memchunk_prefect.run import hydration
 
 
 @pytest.fixture

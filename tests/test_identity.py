@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memchunk_prefect.errors import OutputPathError
-from memchunk_prefect.identity import FoundOutput, OutputIdentity, open_output, output_action
+from memchunk_prefect.core.errors import OutputPathError
+from memchunk_prefect.io.identity import FoundOutput, OutputIdentity, open_output, output_action
 
 SHAPE = (4, 4, 8)
 WANT = OutputIdentity("envelope|float32|cpu", {"kind": "segy", "path": "/s.sgy", "size": 10, "mtime_ns": 1},

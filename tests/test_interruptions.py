@@ -27,12 +27,13 @@ import pytest
 from prefect import flow
 
 from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
-from memchunk_prefect.chunks import Chunk, covers_exactly
-from memchunk_prefect.errors import ClusterLostError, OutputWriteError
+from memchunk_prefect.core.chunks import Chunk, covers_exactly
+from memchunk_prefect.core.errors import ClusterLostError, OutputWriteError
+from memchunk_prefect.io.volume import open_segy
+from memchunk_prefect.io.zarr_store import ZarrOutput, open_result
+from memchunk_prefect.learn.store import Store
 from memchunk_prefect.operators import operator_key
-from memchunk_prefect.store import Store
 from memchunk_prefect.testing import dask_cli, limit_file_size, memory_hog, seed_store, start_local_cluster
-from memchunk_prefect.volume import ZarrOutput, open_result, open_segy
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.usefixtures("prefect_server")]
 

@@ -9,7 +9,7 @@ import sys
 
 CHILD = r"""
 import ast, json, logging, os
-from memchunk_prefect.logs import quiet
+from memchunk_prefect.run.logs import quiet
 quiet()
 import yaml
 config = yaml.safe_load(open(os.environ["PREFECT_LOGGING_SETTINGS_PATH"]))

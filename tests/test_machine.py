@@ -14,10 +14,10 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from memchunk_prefect.bandit import ArmLearner
-from memchunk_prefect.chunks import Chunk, covers_exactly
-from memchunk_prefect.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
-from memchunk_prefect.machine import (
+from memchunk_prefect.core.bandit import ArmLearner
+from memchunk_prefect.core.chunks import Chunk, covers_exactly
+from memchunk_prefect.core.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
+from memchunk_prefect.core.machine import (
     KILLED,
     LOST,
     MEMORY_ERROR,
@@ -49,10 +49,10 @@ from memchunk_prefect.machine import (
     WorkerDied,
     is_memory_kill,
 )
-from memchunk_prefect.policy import Plan
-from memchunk_prefect.records import Observation, Pause, Prediction, Reward
-from memchunk_prefect.settings import PolicySettings
-from memchunk_prefect.taskruns import mark_runs
+from memchunk_prefect.core.policy import Plan
+from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward
+from memchunk_prefect.core.settings import PolicySettings
+from memchunk_prefect.run.taskruns import mark_runs
 
 KEY = "op|float32|cpu"
 MiB = 2**20
@@ -935,7 +935,7 @@ def test_memory_errors_that_splitting_does_not_cure_stop_the_map_saying_it_is_no
     # Every piece raises MemoryError though the model puts it far under the budget (an address-space limit,
     # thread pools reserving memory): after memory_error_splits (4) splits the map stops, typed, not at 3 x 3
     # traces after dozens of splits.
-    from memchunk_prefect.errors import MemoryNotChunkSizeError
+    from memchunk_prefect.core.errors import MemoryNotChunkSizeError
 
     m = _running_with_queue(Linear())
     sid = next(iter(m.in_flight))
@@ -954,7 +954,7 @@ def test_memory_errors_that_splitting_does_not_cure_stop_the_map_saying_it_is_no
 def test_gpu_memory_errors_split_until_the_chunk_fits_or_cannot_be_split_saying_it_was_the_gpu():
     # The host model says nothing of GPU memory: the "not the chunk's size" stop above must not fire for a GPU
     # out-of-memory, and a chunk that cannot be split further says what to do on a GPU.
-    from memchunk_prefect.errors import ChunkOutOfMemoryError, MemoryNotChunkSizeError
+    from memchunk_prefect.core.errors import ChunkOutOfMemoryError, MemoryNotChunkSizeError
 
     m = machine((64, 8, 10), knowledge=OnGpu(gpu_per_element=1.0), max_counts=64)
     started(m, slots=1, budget=100 * 1024, gpu_budget_bytes=6 * MiB)
@@ -1050,7 +1050,7 @@ def test_what_a_first_use_left_held_on_a_worker_comes_off_the_headroom_before_it
 def test_the_map_log_keeps_how_close_the_model_was_at_the_chunks_it_ran():
     """Per chunk the runner chose, the model's mean and bound when it was submitted against the measured peak:
     the demo and the benchmarks report them (the bound over the peak at the chunk size chosen)."""
-    from memchunk_prefect.observe import MapLog
+    from memchunk_prefect.run.observe import MapLog
 
     log = MapLog()
     m = machine((64, 8, 10), max_counts=64)
@@ -1128,8 +1128,8 @@ def test_a_gpu_out_of_memory_is_recorded_as_one_of_the_gpu_even_when_its_worker_
 
 
 def test_a_chunk_that_breaks_its_workers_gpu_context_restarts_that_worker_and_runs_once_more():
-    from memchunk_prefect.errors import GpuContextError
-    from memchunk_prefect.machine import GpuContextLost, RestartWorker
+    from memchunk_prefect.core.errors import GpuContextError
+    from memchunk_prefect.core.machine import GpuContextLost, RestartWorker
 
     m = machine((4, 4, 10), knowledge=OnGpu(gpu_per_element=1.0))
     _, submitted = started(m, slots=1, budget=10 * MiB, gpu_budget_bytes=MiB)
@@ -1149,8 +1149,8 @@ def test_a_chunk_that_breaks_its_workers_gpu_context_restarts_that_worker_and_ru
 
 
 def test_a_chunk_that_failed_on_a_worker_another_chunk_broke_runs_again_restarting_and_counting_nothing():
-    from memchunk_prefect.errors import GpuContextError
-    from memchunk_prefect.machine import GpuContextLost, RestartWorker
+    from memchunk_prefect.core.errors import GpuContextError
+    from memchunk_prefect.core.machine import GpuContextLost, RestartWorker
 
     m = machine((8, 8, 10), knowledge=OnGpu(gpu_per_element=1.0), gpu_context_restarts=1, max_counts=64)
     _, submitted = started(m, slots=2, budget=4 * 1024, gpu_budget_bytes=MiB)
@@ -1164,8 +1164,8 @@ def test_a_chunk_that_failed_on_a_worker_another_chunk_broke_runs_again_restarti
 
 
 def test_a_map_restarts_at_most_gpu_context_restarts_workers_then_fails():
-    from memchunk_prefect.errors import GpuContextError
-    from memchunk_prefect.machine import GpuContextLost, RestartWorker
+    from memchunk_prefect.core.errors import GpuContextError
+    from memchunk_prefect.core.machine import GpuContextLost, RestartWorker
 
     m = machine((8, 8, 10), knowledge=OnGpu(gpu_per_element=1.0), gpu_context_restarts=2, max_counts=64)
     _, submitted = started(m, slots=2, budget=4 * 1024, gpu_budget_bytes=MiB)

@@ -9,9 +9,9 @@ import statistics
 
 import pytest
 
-from memchunk_prefect.model import MIB, ModelBank, OperatorModel, Prediction, _Form, _loo_weight, repeatability
-from memchunk_prefect.records import Observation
-from memchunk_prefect.store import Store
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.learn.model import MIB, ModelBank, OperatorModel, Prediction, _Form, _loo_weight, repeatability
+from memchunk_prefect.learn.store import Store
 
 KEY = "op|float32|cpu"
 SIZES = [(i, x, t) for i in (8, 16, 24, 32, 48) for x in (16, 32, 64) for t in (100, 200, 400)]
@@ -391,7 +391,7 @@ def test_what_a_first_use_left_held_is_the_workers_and_the_block_is_learned_with
 
 
 def test_a_gpu_model_never_takes_the_hosts_first_use_off_a_gpu_peak():
-    from memchunk_prefect.model import gpu_view
+    from memchunk_prefect.learn.model import gpu_view
 
     o = obs((8, 16, 400), 200 * MIB)
     o.retained_bytes, o.gpu_peak_bytes, o.gpu_budget_bytes = 150 * MIB, 2 * 2**30, 40 * 2**30
@@ -764,7 +764,7 @@ def test_a_form_fit_from_running_sums_and_a_press_window_equals_the_fit_over_eve
     """The residual sum of squares comes from running sums (O(1) per refit); PRESS from the latest window."""
     import numpy as np
 
-    from memchunk_prefect import model as m
+    from memchunk_prefect.learn import model as m
 
     rng = np.random.default_rng(4)
     us = rng.uniform(0.01, 4.0, 60)
@@ -1030,7 +1030,7 @@ def test_no_repeated_block_gives_no_floor():
 
 def test_replay_quality_tells_extrapolated_runs_from_runs_inside_the_sizes_learned():
     """Runs are counted beyond when their block is larger than every block learned before them (by 5%)."""
-    from memchunk_prefect.model import replay_quality
+    from memchunk_prefect.learn.model import replay_quality
 
     key = "op|float32|cpu"
     sizes = [10, 20, 30, 40, 50, 60, 30, 40, 120, 50, 240]  # 60, 120 and 240 are beyond; 30, 40, 50 inside

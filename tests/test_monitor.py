@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import memchunk_prefect
-from memchunk_prefect import monitor as mon
-from memchunk_prefect.errors import MeasurementError
-from memchunk_prefect.monitor import (
+from memchunk_prefect.core.errors import MeasurementError
+from memchunk_prefect.run import monitor as mon
+from memchunk_prefect.run.monitor import (
     Measurement,
     MemoryProbe,
     Monitor,

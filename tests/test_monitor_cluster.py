@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memchunk_prefect import monitor as mon
-from memchunk_prefect.monitor import Monitor, SharedMeasurementWarning
+from memchunk_prefect.run import monitor as mon
+from memchunk_prefect.run.monitor import Monitor, SharedMeasurementWarning
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

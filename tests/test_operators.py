@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from prefect import Task
 
-import tasks
-from memchunk_prefect.errors import VolumeError
+from memchunk_prefect import operators
+from memchunk_prefect.core.errors import VolumeError
 from memchunk_prefect.operators import operator_key, spec_of
-from tasks.instantaneous import _phase32
+from memchunk_prefect.operators.instantaneous import _phase32
 
 
 def _load_sibling(name: str):
@@ -30,7 +30,7 @@ def _load_sibling(name: str):
 layered_volume = _load_sibling("test_operators_exactness").layered_volume
 
 PI32 = np.float32(np.pi)
-ALL = sorted(tasks.OPERATORS)
+ALL = sorted(operators.OPERATORS)
 
 
 # --------------------------------------------------------------------------- declarations
@@ -39,9 +39,9 @@ ALL = sorted(tasks.OPERATORS)
 def test_every_operator_is_a_prefect_task_exported_by_name():
     expected = {"envelope", "instantaneous_phase", "instantaneous_frequency", "cosine_phase", "gaussian_smooth",
                 "gst3d_dip", "gst3d_azimuth", "semblance", "trace_correlation"}
-    assert set(tasks.OPERATORS) == expected
-    for name, op in tasks.OPERATORS.items():
-        assert isinstance(op, Task) and op.name == name and getattr(tasks, name) is op
+    assert set(operators.OPERATORS) == expected
+    for name, op in operators.OPERATORS.items():
+        assert isinstance(op, Task) and op.name == name and getattr(operators, name) is op
 
 
 @pytest.mark.parametrize("name, params, halo, whole_traces", [
@@ -61,17 +61,17 @@ def test_every_operator_is_a_prefect_task_exported_by_name():
     ("trace_correlation", {"radius": (3, 2)}, (3, 2, 0), True),
 ])
 def test_operators_declare_their_halo_from_their_parameters(name, params, halo, whole_traces):
-    spec = spec_of(tasks.OPERATORS[name])
+    spec = spec_of(operators.OPERATORS[name])
     assert spec.halo_for(params) == halo
     assert spec.whole_traces is whole_traces
 
 
 def test_memory_parameters_go_into_the_model_key_and_others_do_not():
-    assert operator_key(tasks.gaussian_smooth, {"sigma": (3, 3, 3)}) == "gaussian_smooth[sigma=3,3,3]|float32|cpu"
-    assert operator_key(tasks.gaussian_smooth, {"truncate": 3.0}) == operator_key(tasks.gaussian_smooth)
-    assert operator_key(tasks.gst3d_dip) == "gst3d_dip[sigma_gradient=1;sigma_tensor=2]|float32|cpu"
-    assert operator_key(tasks.semblance, {"window": 2}) == "semblance[window=2]|float32|cpu"
-    assert operator_key(tasks.envelope) == "envelope|float32|cpu"
+    assert operator_key(operators.gaussian_smooth, {"sigma": (3, 3, 3)}) == "gaussian_smooth[sigma=3,3,3]|float32|cpu"
+    assert operator_key(operators.gaussian_smooth, {"truncate": 3.0}) == operator_key(operators.gaussian_smooth)
+    assert operator_key(operators.gst3d_dip) == "gst3d_dip[sigma_gradient=1;sigma_tensor=2]|float32|cpu"
+    assert operator_key(operators.semblance, {"window": 2}) == "semblance[window=2]|float32|cpu"
+    assert operator_key(operators.envelope) == "envelope|float32|cpu"
 
 
 # --------------------------------------------------------------------------- shapes, dtypes, ranges
@@ -81,7 +81,7 @@ def test_memory_parameters_go_into_the_model_key_and_others_do_not():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int16])
 def test_output_is_float32_of_the_input_shape(name, dtype):
     volume = (layered_volume((5, 4, 48), seed=1) * 1000).astype(dtype)
-    out = tasks.OPERATORS[name].fn(volume)
+    out = operators.OPERATORS[name].fn(volume)
     assert out.shape == volume.shape and out.dtype == np.float32
     assert np.isfinite(out).all()
 
@@ -89,23 +89,23 @@ def test_output_is_float32_of_the_input_shape(name, dtype):
 @pytest.mark.parametrize("shape", [(1, 1, 30), (1, 7, 30), (6, 1, 30), (3, 3, 1)])
 @pytest.mark.parametrize("name", ALL)
 def test_degenerate_but_valid_shapes_work(name, shape):
-    out = tasks.OPERATORS[name].fn(layered_volume(shape, seed=2))
+    out = operators.OPERATORS[name].fn(layered_volume(shape, seed=2))
     assert out.shape == shape and out.dtype == np.float32
 
 
 def test_values_stay_in_their_documented_ranges():
     volume = layered_volume((14, 12, 80), seed=3, noise=0.3)
-    assert (tasks.envelope.fn(volume) >= 0).all()
-    phase = tasks.instantaneous_phase.fn(volume)
+    assert (operators.envelope.fn(volume) >= 0).all()
+    phase = operators.instantaneous_phase.fn(volume)
     assert (phase > -PI32).all() and (phase <= PI32).all()
-    assert (np.abs(tasks.cosine_phase.fn(volume)) <= 1).all()
-    dip = tasks.gst3d_dip.fn(volume, sigma_tensor=1.0)
+    assert (np.abs(operators.cosine_phase.fn(volume)) <= 1).all()
+    dip = operators.gst3d_dip.fn(volume, sigma_tensor=1.0)
     assert (dip >= 0).all() and (dip <= 90).all()
-    azimuth = tasks.gst3d_azimuth.fn(volume, sigma_tensor=1.0)
+    azimuth = operators.gst3d_azimuth.fn(volume, sigma_tensor=1.0)
     assert (azimuth >= 0).all() and (azimuth < 360).all()
-    semblance = tasks.semblance.fn(volume)
+    semblance = operators.semblance.fn(volume)
     assert (semblance >= 0).all() and (semblance <= 1).all()
-    correlation = tasks.trace_correlation.fn(volume)
+    correlation = operators.trace_correlation.fn(volume)
     assert (np.abs(correlation) <= 1 + 1e-6).all()
 
 
@@ -127,27 +127,27 @@ def cosine_traces(frequency_hz=25.0, sample_interval_ms=4.0, n_t=250, phase=0.3)
 def test_complex_trace_attributes_of_a_pure_cosine():
     volume, phase = cosine_traces()
     middle = slice(50, 200)  # away from the FFT's wrap-around at the trace ends
-    np.testing.assert_allclose(tasks.envelope.fn(volume)[..., middle], 1.0, atol=0.02)
+    np.testing.assert_allclose(operators.envelope.fn(volume)[..., middle], 1.0, atol=0.02)
     wrapped = np.angle(np.exp(1j * phase))[middle]
-    got = tasks.instantaneous_phase.fn(volume)[..., middle]
+    got = operators.instantaneous_phase.fn(volume)[..., middle]
     np.testing.assert_allclose(np.angle(np.exp(1j * (got - wrapped))), 0.0, atol=0.02)
-    cosine = tasks.cosine_phase.fn(volume)[..., middle]
+    cosine = operators.cosine_phase.fn(volume)[..., middle]
     np.testing.assert_allclose(cosine, np.broadcast_to(np.cos(phase[middle]), cosine.shape), atol=0.02)
-    frequency = tasks.instantaneous_frequency.fn(volume, sample_interval_ms=4.0)[..., middle]
+    frequency = operators.instantaneous_frequency.fn(volume, sample_interval_ms=4.0)[..., middle]
     np.testing.assert_allclose(frequency, 25.0, rtol=0.01)
 
 
 @pytest.mark.parametrize("frequency_hz", [5.0, 60.0, 110.0])
 def test_instantaneous_frequency_of_a_pure_tone_up_to_near_nyquist(frequency_hz):
     volume, _ = cosine_traces(frequency_hz=frequency_hz, n_t=500)
-    frequency = tasks.instantaneous_frequency.fn(volume, sample_interval_ms=4.0)[..., 100:400]
+    frequency = operators.instantaneous_frequency.fn(volume, sample_interval_ms=4.0)[..., 100:400]
     np.testing.assert_allclose(frequency, frequency_hz, rtol=0.02)
 
 
 def test_instantaneous_frequency_scales_with_the_sample_interval():
     volume, _ = cosine_traces()
-    at_4ms = tasks.instantaneous_frequency.fn(volume, sample_interval_ms=4.0)
-    at_2ms = tasks.instantaneous_frequency.fn(volume, sample_interval_ms=2.0)
+    at_4ms = operators.instantaneous_frequency.fn(volume, sample_interval_ms=4.0)
+    at_2ms = operators.instantaneous_frequency.fn(volume, sample_interval_ms=2.0)
     np.testing.assert_allclose(at_2ms, 2 * at_4ms, rtol=1e-5)
 
 
@@ -168,48 +168,48 @@ def plane_wave(p_il, p_xl, shape=(32, 32, 64), period=9.0):
 def test_gst_dip_and_azimuth_of_a_plane_wave(p_il, p_xl, azimuth):
     volume = plane_wave(p_il, p_xl)
     inner = (slice(12, 20), slice(12, 20), slice(16, 48))  # beyond the halo: no edge effects
-    dip = tasks.gst3d_dip.fn(volume)[inner]
+    dip = operators.gst3d_dip.fn(volume)[inner]
     np.testing.assert_allclose(dip, np.degrees(np.arctan(np.hypot(p_il, p_xl))), atol=0.5)
-    got = tasks.gst3d_azimuth.fn(volume)[inner]
+    got = operators.gst3d_azimuth.fn(volume)[inner]
     np.testing.assert_allclose(np.angle(np.exp(1j * np.radians(got - azimuth)), deg=True), 0.0, atol=0.5)
 
 
 def test_gst_dip_of_flat_reflectors_is_zero_and_of_constant_data_is_nan():
     flat = plane_wave(0.0, 0.0, shape=(8, 8, 40))
-    np.testing.assert_allclose(tasks.gst3d_dip.fn(flat), 0.0, atol=1e-3)
+    np.testing.assert_allclose(operators.gst3d_dip.fn(flat), 0.0, atol=1e-3)
     constant = np.full((5, 5, 20), 3.0, np.float32)
-    assert np.isnan(tasks.gst3d_dip.fn(constant)).all()
-    assert np.isnan(tasks.gst3d_azimuth.fn(constant)).all()
+    assert np.isnan(operators.gst3d_dip.fn(constant)).all()
+    assert np.isnan(operators.gst3d_azimuth.fn(constant)).all()
 
 
 def test_gaussian_smooth_keeps_a_constant_and_sigma_zero_is_the_identity():
-    np.testing.assert_allclose(tasks.gaussian_smooth.fn(np.full((4, 5, 30), 2.5, np.float32), sigma=2), 2.5, rtol=1e-6)
+    np.testing.assert_allclose(operators.gaussian_smooth.fn(np.full((4, 5, 30), 2.5, np.float32), sigma=2), 2.5, rtol=1e-6)
     volume = layered_volume((4, 5, 30), seed=4)
-    np.testing.assert_array_equal(tasks.gaussian_smooth.fn(volume, sigma=0), volume)
-    smooth = tasks.gaussian_smooth.fn(volume, sigma=(0, 0, 2))
+    np.testing.assert_array_equal(operators.gaussian_smooth.fn(volume, sigma=0), volume)
+    smooth = operators.gaussian_smooth.fn(volume, sigma=(0, 0, 2))
     assert np.abs(np.diff(smooth, axis=2)).mean() < np.abs(np.diff(volume, axis=2)).mean()
-    np.testing.assert_array_equal(smooth[:, 1], tasks.gaussian_smooth.fn(volume[:, 1:2], sigma=(0, 0, 2))[:, 0])
+    np.testing.assert_array_equal(smooth[:, 1], operators.gaussian_smooth.fn(volume[:, 1:2], sigma=(0, 0, 2))[:, 0])
 
 
 def test_semblance_is_one_for_identical_traces_and_low_for_noise():
     volume, _ = cosine_traces()
-    np.testing.assert_allclose(tasks.semblance.fn(volume), 1.0, atol=1e-6)
+    np.testing.assert_allclose(operators.semblance.fn(volume), 1.0, atol=1e-6)
     noise = np.random.default_rng(5).standard_normal((16, 16, 60)).astype(np.float32)
-    assert np.mean(tasks.semblance.fn(noise, window=(1, 1, 4))) < 0.25  # ~1/9 for 9 independent traces
+    assert np.mean(operators.semblance.fn(noise, window=(1, 1, 4))) < 0.25  # ~1/9 for 9 independent traces
 
 
 def test_semblance_drops_across_a_fault():
     volume = plane_wave(0.0, 0.0, shape=(6, 12, 60), period=10.0)
     volume[:, 6:] = np.roll(volume[:, 6:], 5, axis=2)  # half a period of throw at xline 6
-    s = tasks.semblance.fn(volume, window=(1, 1, 3))[:, :, 10:50]
+    s = operators.semblance.fn(volume, window=(1, 1, 3))[:, :, 10:50]
     assert s[:, 5:7].mean() < 0.7 and s[:, :4].min() > 0.99
 
 
 def test_trace_correlation_is_one_for_identical_traces_and_near_zero_for_noise():
     volume, _ = cosine_traces()
-    np.testing.assert_allclose(tasks.trace_correlation.fn(volume), 1.0, atol=1e-6)
+    np.testing.assert_allclose(operators.trace_correlation.fn(volume), 1.0, atol=1e-6)
     noise = np.random.default_rng(6).standard_normal((10, 10, 400)).astype(np.float32)
-    assert abs(float(np.mean(tasks.trace_correlation.fn(noise)))) < 0.05
+    assert abs(float(np.mean(operators.trace_correlation.fn(noise)))) < 0.05
 
 
 def test_trace_correlation_memory_grows_faster_than_its_input():
@@ -218,7 +218,7 @@ def test_trace_correlation_memory_grows_faster_than_its_input():
         volume = layered_volume(shape, seed=8, noise=0.0)
         tracemalloc.start()
         try:
-            tasks.trace_correlation.fn(volume)
+            operators.trace_correlation.fn(volume)
             peak = tracemalloc.get_traced_memory()[1]
         finally:
             tracemalloc.stop()
@@ -237,7 +237,7 @@ def test_nan_and_inf_samples_do_not_crash_and_stay_local(name):
     volume[6, 6, 30] = np.nan
     volume[1, 2, 5] = np.inf
     volume[10, 3, 50] = -np.inf
-    op = tasks.OPERATORS[name]
+    op = operators.OPERATORS[name]
     out = op.fn(volume)
     assert out.shape == volume.shape and out.dtype == np.float32
     assert np.isnan(out[6, 6, 30]) and np.isnan(out[1, 2, 5]) and np.isnan(out[10, 3, 50])
@@ -256,12 +256,12 @@ def test_nan_and_inf_samples_do_not_crash_and_stay_local(name):
 def test_an_all_nan_block_gives_all_nan_without_crashing():
     volume = np.full((3, 3, 20), np.nan, np.float32)
     for name in ALL:
-        assert np.isnan(tasks.OPERATORS[name].fn(volume)).all(), name
+        assert np.isnan(operators.OPERATORS[name].fn(volume)).all(), name
 
 
 @pytest.mark.parametrize("name", ALL)
 def test_dead_data_does_not_crash(name):
-    out = tasks.OPERATORS[name].fn(np.zeros((3, 4, 20), np.float32))
+    out = operators.OPERATORS[name].fn(np.zeros((3, 4, 20), np.float32))
     assert out.shape == (3, 4, 20) and not np.isinf(out).any()
 
 
@@ -270,17 +270,17 @@ def test_dead_data_does_not_crash(name):
                          ids=["2d", "no inlines", "no samples"])
 def test_a_block_that_is_not_a_nonempty_3d_volume_is_refused(name, block):
     with pytest.raises(VolumeError, match=name):
-        tasks.OPERATORS[name].fn(block)
+        operators.OPERATORS[name].fn(block)
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda v: tasks.gaussian_smooth.fn(v, sigma=-1), "sigma"),
-    (lambda v: tasks.gaussian_smooth.fn(v, sigma=(1, 2)), "sigma"),
-    (lambda v: tasks.gst3d_dip.fn(v, sigma_gradient=0), "sigma_gradient"),
-    (lambda v: tasks.gst3d_dip.fn(v, sigma_tensor=np.nan), "sigma_tensor"),
-    (lambda v: tasks.semblance.fn(v, window=1.5), "window"),
-    (lambda v: tasks.trace_correlation.fn(v, radius=(1, 1, 1)), "radius"),
-    (lambda v: tasks.instantaneous_frequency.fn(v, sample_interval_ms=0), "sample_interval_ms"),
+    (lambda v: operators.gaussian_smooth.fn(v, sigma=-1), "sigma"),
+    (lambda v: operators.gaussian_smooth.fn(v, sigma=(1, 2)), "sigma"),
+    (lambda v: operators.gst3d_dip.fn(v, sigma_gradient=0), "sigma_gradient"),
+    (lambda v: operators.gst3d_dip.fn(v, sigma_tensor=np.nan), "sigma_tensor"),
+    (lambda v: operators.semblance.fn(v, window=1.5), "window"),
+    (lambda v: operators.trace_correlation.fn(v, radius=(1, 1, 1)), "radius"),
+    (lambda v: operators.instantaneous_frequency.fn(v, sample_interval_ms=0), "sample_interval_ms"),
 ])
 def test_bad_parameters_are_refused_by_name(call, message):
     with pytest.raises(ValueError, match=message):
@@ -288,17 +288,6 @@ def test_bad_parameters_are_refused_by_name(call, message):
 
 
 # --------------------------------------------------------------------------- docs and the memory table
-
-
-@pytest.mark.parametrize("module", ["tasks", "tasks._common", "tasks.smoothing", "tasks.structure_tensor",
-                                    "tasks.discontinuity"])
-def test_docstring_examples_in_tasks_run(module):
-    """pytest's doctest collection covers tests/ and memchunk_prefect/ only (pyproject testpaths)."""
-    import doctest
-    import importlib
-
-    failures, _ = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
-    assert failures == 0
 
 
 def test_operator_memory_table_measures_each_operator_in_a_fresh_process(tmp_path):

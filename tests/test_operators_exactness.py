@@ -1,10 +1,10 @@
 """Exactness under chunking: the property the project lives on.
 
-For every operator in ``tasks.OPERATORS`` and any chunking — one chunk, one
+For every operator in ``operators.OPERATORS`` and any chunking — one chunk, one
 inline per chunk, uneven chunks, chunks along both iline and xline, and ``twt``
 cuts for operators that allow them — computing each chunk from a block read with
 the operator's declared halo (clipped at the volume's edges by
-:func:`memchunk_prefect.chunks.with_halo`), trimming, and assembling gives the
+:func:`memchunk_prefect.core.chunks.with_halo`), trimming, and assembling gives the
 whole-volume result to ``max |error| <= 1e-5 * max |value|``, with NaN in the
 same places.
 """
@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tasks
-from memchunk_prefect.chunks import Chunk, with_halo
+from memchunk_prefect import operators
+from memchunk_prefect.core.chunks import Chunk, with_halo
 from memchunk_prefect.operators import spec_of
 
 RELATIVE_TOLERANCE = 1e-5
@@ -132,14 +132,14 @@ SHAPES = st.tuples(st.integers(1, 9), st.integers(1, 9), st.integers(4, 40))
 
 
 def test_every_operator_has_a_parameter_strategy():
-    assert set(PARAMS) == set(tasks.OPERATORS)
+    assert set(PARAMS) == set(operators.OPERATORS)
 
 
-@pytest.mark.parametrize("name", sorted(tasks.OPERATORS))
+@pytest.mark.parametrize("name", sorted(operators.OPERATORS))
 @settings(deadline=None, max_examples=60, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_chunked_equals_whole_volume(name, data):
-    op = tasks.OPERATORS[name]
+    op = operators.OPERATORS[name]
     shape = data.draw(SHAPES, label="shape")
     seed = data.draw(st.integers(0, 2**16), label="seed")
     params = data.draw(PARAMS[name], label="params")
@@ -150,11 +150,11 @@ def test_chunked_equals_whole_volume(name, data):
     assert_same(run_chunked(op, volume, chunks, params), whole, f"{name}{params} on {len(chunks)} chunks")
 
 
-@pytest.mark.parametrize("name", sorted(tasks.OPERATORS))
+@pytest.mark.parametrize("name", sorted(operators.OPERATORS))
 @settings(deadline=None, max_examples=15, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_chunked_equals_whole_volume_with_nan_and_inf_samples(name, data):
-    op = tasks.OPERATORS[name]
+    op = operators.OPERATORS[name]
     shape = data.draw(SHAPES, label="shape")
     params = data.draw(PARAMS[name], label="params")
     chunks = data.draw(chunkings(shape, cut_twt=not spec_of(op).whole_traces), label="chunks")
@@ -174,12 +174,12 @@ LAYOUTS = ["one chunk", "one inline per chunk", "uneven inlines", "iline x xline
 @pytest.mark.parametrize(
     "name, layout",
     # twt cuts only for operators that allow them: the planner never cuts traces of whole-trace operators.
-    [(n, lay) for n in sorted(tasks.OPERATORS) for lay in LAYOUTS
-     if lay != "twt cuts" or not spec_of(tasks.OPERATORS[n]).whole_traces],
+    [(n, lay) for n in sorted(operators.OPERATORS) for lay in LAYOUTS
+     if lay != "twt cuts" or not spec_of(operators.OPERATORS[n]).whole_traces],
 )
 def test_named_chunkings_on_a_realistic_volume(name, layout):
     """The chunkings the issue names, on a fixed 12 x 10 x 64 volume with default parameters."""
-    op = tasks.OPERATORS[name]
+    op = operators.OPERATORS[name]
     shape = (12, 10, 64)
     chunks = {
         "one chunk": chunks_from_cuts(shape, [], [], []),
@@ -192,12 +192,12 @@ def test_named_chunkings_on_a_realistic_volume(name, layout):
     assert_same(run_chunked(op, volume, chunks, {}), op.fn(volume), f"{name} on {layout}")
 
 
-@pytest.mark.parametrize("name", sorted(tasks.OPERATORS))
+@pytest.mark.parametrize("name", sorted(operators.OPERATORS))
 def test_chunked_equals_whole_on_the_synthetic_survey_volume(name):
     """The package's own synthetic survey (folds, a fault, Ricker wavelet), cut along iline and xline."""
-    from memchunk_prefect.segy import synthetic_volume
+    from memchunk_prefect.io.synthetic import synthetic_volume
 
-    op = tasks.OPERATORS[name]
+    op = operators.OPERATORS[name]
     shape = (16, 14, 80)
     volume = synthetic_volume(shape, seed=3)
     t_cuts = [] if spec_of(op).whole_traces else [27, 50]

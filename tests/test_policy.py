@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memchunk_prefect.chunks import Chunk, covers_exactly, extents_with_halo, with_halo
-from memchunk_prefect.errors import BudgetError, BudgetTooSmallError
-from memchunk_prefect.policy import (
+from memchunk_prefect.core.chunks import Chunk, covers_exactly, extents_with_halo, with_halo
+from memchunk_prefect.core.errors import BudgetError, BudgetTooSmallError
+from memchunk_prefect.core.policy import (
     CONTINUE,
     PROBE,
     RECHUNK,
@@ -149,7 +149,7 @@ def test_a_probe_is_never_a_size_the_model_already_bounds_over_the_budget(on_gpu
     """Found on an H100: a run after one whose chunks ran out of the GPU's memory, still short of history,
     probed again with chunks of the size that had run out. A block at least as large as one that ran out is
     bounded above the budget (the model's out-of-memory floor); the probes stay below that size."""
-    from memchunk_prefect.policy import GpuLimit
+    from memchunk_prefect.core.policy import GpuLimit
 
     shape, budget, failed_at = (50, 40, 200), 200 * MiB, 2000  # blocks of >= 2000 elements ran out
 
@@ -277,7 +277,7 @@ def test_without_history_a_budget_smaller_than_one_trace_in_and_out_is_refused_b
 
 
 def test_an_operator_whose_time_grows_with_the_square_of_the_chunk_is_cut_finer_than_one_slot_each():
-    from memchunk_prefect.policy import plan as make_plan
+    from memchunk_prefect.core.policy import plan as make_plan
 
     shape = (64, 64, 100)
     cheap = lambda ext: Prediction(mean_bytes=10.0 * math.prod(ext), upper_bytes=12.0 * math.prod(ext),  # noqa: E731
@@ -291,7 +291,7 @@ def test_an_operator_whose_time_grows_with_the_square_of_the_chunk_is_cut_finer_
 
 
 def test_a_slab_is_bounded_by_the_block_it_reads_with_its_halo_clipped_at_the_volume_edges():
-    from memchunk_prefect.policy import plan as make_plan
+    from memchunk_prefect.core.policy import plan as make_plan
 
     # 128 ilines in two slabs read 64 + 12 ilines each (halo on one side); an interior 64-iline chunk
     # would read 88. The budget holds the first and not the second.
@@ -306,7 +306,7 @@ def test_a_slab_is_bounded_by_the_block_it_reads_with_its_halo_clipped_at_the_vo
 
 
 def test_a_read_range_keeps_plans_to_blocks_of_that_size_and_says_when_none_fits():
-    from memchunk_prefect.policy import NoPlanInRangeError
+    from memchunk_prefect.core.policy import NoPlanInRangeError
 
     lin = lambda ext: Prediction(8.0 * math.prod(ext), 10.0 * math.prod(ext), 10, True)  # noqa: E731
     free = plan((64, 64, 100), budget_bytes=10**9, predict=lin, slots=2)

@@ -8,11 +8,11 @@ import re
 
 from rich.console import Console
 
-from memchunk_prefect.chunks import Chunk
-from memchunk_prefect.machine import KILLED, OK, ChunkEnded, Submit
-from memchunk_prefect.observe import MapEnd, MapStart
-from memchunk_prefect.progress import TerminalProgress
-from memchunk_prefect.records import Observation, Prediction
+from memchunk_prefect.core.chunks import Chunk
+from memchunk_prefect.core.machine import KILLED, OK, ChunkEnded, Submit
+from memchunk_prefect.core.records import Observation, Prediction
+from memchunk_prefect.run.observe import MapEnd, MapStart
+from memchunk_prefect.run.progress import TerminalProgress
 
 MiB = 2**20
 SHAPE = (64, 64, 100)

@@ -3,7 +3,7 @@
 A fresh Prefect home and no Prefect server configured: the flow starts Prefect's
 temporary server, whose first start migrates a new database (longer than
 Prefect's default 20 s startup timeout on a busy 2-core machine: the runner
-raises it, see ``memchunk_prefect.runner.allow_slow_first_start``).
+raises it, see ``memchunk_prefect.run.prefect_api.allow_slow_first_start``).
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ import pytest
 from prefect import flow
 
 from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, synthetic_survey
+from memchunk_prefect.learn.store import Store
 from memchunk_prefect.operators import operator_key
-from memchunk_prefect.report import (
+from memchunk_prefect.run.report import (
     Attempt,
     MapRecord,
     artifact_key,
@@ -19,7 +20,6 @@ from memchunk_prefect.report import (
     naive_chunking,
     summary_markdown,
 )
-from memchunk_prefect.store import Store
 from memchunk_prefect.testing import KILL_HOLD_S, memory_hog, seed_store, start_local_cluster
 
 KEY_RE = re.compile(r"^[a-z0-9]+(-[a-z0-9]+)*$")
@@ -171,7 +171,7 @@ def test_a_map_of_many_chunks_makes_a_table_the_server_publishes_and_keeps_what_
     every one not ok among them, the first of each decision and the highest peak."""
     import json
 
-    from memchunk_prefect.report import TABLE_ROWS, Attempt
+    from memchunk_prefect.run.report import TABLE_ROWS, Attempt
 
     r = record_with_a_kill()
     r.attempts = [Attempt(f"iline {i}:{i + 1}", f"k{i}", (1, 11, 100), 1100, "rechunk", 40 * MiB, 47 * MiB,

@@ -19,12 +19,11 @@ from prefect import flow, task, unmapped
 from prefect_dask import DaskTaskRunner
 from rich.console import Console
 
-import tasks
-from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, synthetic_survey
-from memchunk_prefect.errors import EnvironmentProblemError, RunnerConfigError
+from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, operators, synthetic_survey
+from memchunk_prefect.core.errors import EnvironmentProblemError, RunnerConfigError
+from memchunk_prefect.learn.store import Store
 from memchunk_prefect.operators import operator_key
-from memchunk_prefect.progress import TerminalProgress
-from memchunk_prefect.store import Store
+from memchunk_prefect.run.progress import TerminalProgress
 from memchunk_prefect.testing import (
     KILL_HOLD_S,
     dask_cli,
@@ -123,7 +122,7 @@ def test_a_store_that_cannot_be_written_stops_the_flow_before_a_cluster_starts(t
 
     @flow(task_runner=runner)
     def light(path: str):
-        return tasks.envelope.map(chunked(path)).result()
+        return operators.envelope.map(chunked(path)).result()
 
     with pytest.raises(EnvironmentProblemError, match=r"(?s)cannot start, nothing was run.*store: .*a-file.*"
                                                       r"MEMCHUNK_STORE"):
@@ -185,12 +184,12 @@ def test_chunked_pipeline_equals_whole_volume_result_cold_then_warm(cluster, lea
 
     @flow(task_runner=runner)
     def pipeline(path: str):
-        env = tasks.envelope.map(chunked(path))
-        dip = tasks.gst3d_dip.map(chunked(env))
+        env = operators.envelope.map(chunked(path))
+        dip = operators.gst3d_dip.map(chunked(env))
         return env.summary(), dip.summary(), dip.result().values
 
     volume = open_segy(survey).values
-    reference = tasks.gst3d_dip.fn(tasks.envelope.fn(volume))
+    reference = operators.gst3d_dip.fn(operators.envelope.fn(volume))
 
     cold_env, cold_dip, cold = pipeline(survey)
     np.testing.assert_allclose(cold, reference, atol=1e-5 * np.abs(reference).max())
@@ -210,27 +209,27 @@ def test_chunked_pipeline_equals_whole_volume_result_cold_then_warm(cluster, lea
 def test_workers_validate_the_flows_settings_at_most_once_and_reuse_them_and_their_api_client_for_later_chunks(
         survey, tmp_path):
     """Each chunk's task run hydrates the flow's Prefect context on its worker; the first chunk there installs
-    memchunk_prefect.hydration and keeps its own settings under the key of their serialization. Where that key is
+    memchunk_prefect.run.hydration and keeps its own settings under the key of their serialization. Where that key is
     what the flow sends (the usual case), every later chunk reuses them; where it is not (seen once in the full
     suite, a worker's serialization differing from the flow's), the second chunk validates them once and the rest
     reuse them. Two flow runs of the same settings on a fresh cluster (the module-scoped one's workers may have it
     installed already)."""
     from distributed import Client
 
-    from memchunk_prefect import hydration
+    from memchunk_prefect.run import hydration
 
     with start_local_cluster(n_workers=2, memory_limit="1GiB") as fresh, Client(fresh.scheduler_address) as client:
         assert all(s["seeded"] == s["reused"] == 0 for s in client.run(hydration.stats).values())
 
         @flow(task_runner=runner_for(fresh, tmp_path))
         def one_map(path: str):
-            env = tasks.envelope.map(chunked(path))
+            env = operators.envelope.map(chunked(path))
             return env.summary(), env.result().values
 
         runs = [one_map(survey), one_map(survey)]
         stats = client.run(hydration.stats)
         clients = client.run(hydration.client_stats)
-    expected = tasks.envelope.fn(open_segy(survey).values)
+    expected = operators.envelope.fn(open_segy(survey).values)
     for _, values in runs:
         np.testing.assert_allclose(values, expected, rtol=1e-5, atol=1e-5)
     chunks = sum(summary["tasks"] for summary, _ in runs)
@@ -250,15 +249,15 @@ def test_workers_validate_the_flows_settings_at_most_once_and_reuse_them_and_the
 def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, tmp_path, monkeypatch):
     import dataclasses
 
-    from memchunk_prefect import executor
+    from memchunk_prefect.run import executor
 
     # Each map's end trims its key to the newest 3 rows.
     monkeypatch.setattr(executor, "RUNNER_SETTINGS", dataclasses.replace(executor.RUNNER_SETTINGS, store_keep_per_key=3))
     store = Store(tmp_path / "store.sqlite")
-    light = operator_key(tasks.envelope, {})
-    heavy = operator_key(tasks.gst3d_dip, {})
+    light = operator_key(operators.envelope, {})
+    heavy = operator_key(operators.gst3d_dip, {})
     seed_store(store, light, 12.0, fixed_bytes=2 * 2**20)
-    seed_store(store, operator_key(tasks.cosine_phase, {}), 12.0, fixed_bytes=2 * 2**20)
+    seed_store(store, operator_key(operators.cosine_phase, {}), 12.0, fixed_bytes=2 * 2**20)
     seed_store(store, heavy, 4 * 60.0, fixed_bytes=2 * 2**20)
     store.close()
     # A 16 MiB budget: envelope/cosine_phase fit the whole survey twice over; gst3d_dip does not.
@@ -266,9 +265,9 @@ def test_light_operator_continues_and_heavy_operator_rechunks(cluster, survey, t
 
     @flow(task_runner=runner)
     def pipeline(path: str):
-        env = tasks.envelope.map(chunked(path))
-        cos = tasks.cosine_phase.map(chunked(env))
-        dip = tasks.gst3d_dip.map(chunked(cos))
+        env = operators.envelope.map(chunked(path))
+        cos = operators.cosine_phase.map(chunked(env))
+        dip = operators.gst3d_dip.map(chunked(cos))
         return env.summary(), cos.summary(), dip.summary()
 
     env, cos, dip = pipeline(survey)
@@ -412,8 +411,8 @@ def test_workers_stuck_over_the_pause_line_stop_the_map_saying_what_memory_limit
 
     import dask
 
-    from memchunk_prefect import executor
-    from memchunk_prefect.errors import WorkersPausedError
+    from memchunk_prefect.core.errors import WorkersPausedError
+    from memchunk_prefect.run import executor
     from memchunk_prefect.testing import first_use_hog
 
     monkeypatch.setattr(executor, "RUNNER_SETTINGS", dataclasses.replace(
@@ -514,12 +513,12 @@ def test_external_scheduler_with_two_worker_processes_runs_the_same_flow(survey,
 
         @flow(task_runner=runner)
         def smooth(path: str):
-            out = tasks.gaussian_smooth.map(chunked(path), sigma=(1.0, 1.0, 2.0))
+            out = operators.gaussian_smooth.map(chunked(path), sigma=(1.0, 1.0, 2.0))
             return out.events, out.result().values
 
         events, values = smooth(survey)
         volume = open_segy(survey).values
-        reference = tasks.gaussian_smooth.fn(volume, sigma=(1.0, 1.0, 2.0))
+        reference = operators.gaussian_smooth.fn(volume, sigma=(1.0, 1.0, 2.0))
         np.testing.assert_allclose(values, reference, atol=1e-5 * np.abs(reference).max())
         assert len({e["worker"] for e in events if e["event"] == "ok"}) == 2, "both worker processes ran chunks"
     finally:
@@ -572,8 +571,8 @@ def test_a_scheduler_that_retries_dead_workers_tasks_is_named_in_a_warning_once(
 
         @flow(task_runner=runner)
         def two_maps(v):
-            first = tasks.envelope.map(chunked(v))
-            return tasks.envelope.map(chunked(first)).result().values
+            first = operators.envelope.map(chunked(v))
+            return operators.envelope.map(chunked(first)).result().values
 
         two_maps(volume)
 
@@ -581,7 +580,7 @@ def test_a_scheduler_that_retries_dead_workers_tasks_is_named_in_a_warning_once(
     with LocalCluster(n_workers=1, threads_per_worker=1, memory_limit="1GiB", dashboard_address="127.0.0.1:0",
                       host="127.0.0.1") as default_cluster, caplog.at_level("WARNING", logger="memchunk_prefect"):
         run(default_cluster.scheduler_address)
-    ours = [r.getMessage() for r in caplog.records if r.name == "memchunk_prefect.runner" and warned in r.getMessage()]
+    ours = [r.getMessage() for r in caplog.records if r.name == "memchunk_prefect.run.runner" and warned in r.getMessage()]
     assert len(ours) == 1, ours  # once per flow run, not once per map
     assert default_cluster.scheduler_address in ours[0] and "ALLOWED_FAILURES=0" in ours[0]
 
@@ -599,10 +598,10 @@ def test_cluster_class_given_as_a_string_runs_a_chunked_flow(survey, tmp_path):
 
     @flow(task_runner=runner)
     def env(path: str):
-        return tasks.envelope.map(chunked(path)).result().values
+        return operators.envelope.map(chunked(path)).result().values
 
     volume = open_segy(survey).values
-    np.testing.assert_allclose(env(survey), tasks.envelope.fn(volume), rtol=0, atol=1e-5 * np.abs(volume).max())
+    np.testing.assert_allclose(env(survey), operators.envelope.fn(volume), rtol=0, atol=1e-5 * np.abs(volume).max())
 
 
 # ----------------------------------------------------------------------------- explicit outputs: resume or restart
@@ -612,7 +611,7 @@ def test_an_explicit_output_is_reused_only_for_the_same_input_and_recomputed_whe
         cluster, tmp_path):
     import zarr
 
-    from memchunk_prefect.volume import ZarrOutput
+    from memchunk_prefect.io.zarr_store import ZarrOutput
 
     path = tmp_path / "survey.sgy"
     synthetic_survey(path, (12, 10, 80), seed=21)
@@ -621,7 +620,7 @@ def test_an_explicit_output_is_reused_only_for_the_same_input_and_recomputed_whe
 
     @flow(task_runner=runner)
     def env(source):
-        res = tasks.envelope.map(chunked(source, output=out))
+        res = operators.envelope.map(chunked(source, output=out))
         return res.summary(), res.result().values
 
     first, values = env(str(path))
@@ -638,7 +637,7 @@ def test_an_explicit_output_is_reused_only_for_the_same_input_and_recomputed_whe
     synthetic_survey(path, (12, 10, 80), seed=22)
     changed, values3 = env(str(path))
     assert changed["decisions"][0] == "restart" and "another input" in changed["reasons"][0], changed
-    np.testing.assert_allclose(values3, tasks.envelope.fn(open_segy(str(path)).values), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(values3, operators.envelope.fn(open_segy(str(path)).values), rtol=1e-5, atol=1e-5)
     assert ZarrOutput.open(out).is_complete()
 
     # An array in memory cannot be identified without reading it all: always recomputed.
@@ -664,9 +663,9 @@ def test_workers_unpickling_the_runner_do_not_import_the_model_or_the_report():
     The model (River) adds ~65 MiB and the report ~20 MiB of resident memory, all of it taken from every task's
     budget on every worker if the runner's module imported them.
     """
-    code = ("import sys, cloudpickle; import memchunk_prefect.runner as r; cloudpickle.loads(cloudpickle.dumps("
-            "r.MemoryAwareRunner())); print(sorted(m for m in ('river', 'memchunk_prefect.model', "
-            "'memchunk_prefect.report', 'memchunk_prefect.store') if m in sys.modules))")
+    code = ("import sys, cloudpickle; import memchunk_prefect.run.runner as r; cloudpickle.loads(cloudpickle.dumps("
+            "r.MemoryAwareRunner())); print(sorted(m for m in ('river', 'memchunk_prefect.learn.model', "
+            "'memchunk_prefect.run.report', 'memchunk_prefect.learn.store') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
@@ -683,7 +682,7 @@ def test_the_settings_context_is_serialized_once_per_context_while_maps_run_and_
     from prefect.context import SettingsContext
     from prefect.settings import PREFECT_LOGGING_LEVEL, temporary_settings
 
-    from memchunk_prefect.hydration import settings_serialized_once
+    from memchunk_prefect.run.hydration import settings_serialized_once
 
     original = SettingsContext.__dict__["serialize"]
     ctx = SettingsContext.get()

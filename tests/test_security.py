@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memchunk_prefect.records import Observation
-from memchunk_prefect.store import Store
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.learn.store import Store
 
 PACKAGE = Path(__file__).resolve().parents[1] / "memchunk_prefect"
 DANGEROUS_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve", "joblib"}
@@ -34,7 +34,8 @@ def mode(path) -> int:
 # =========================================================================== the store is plain data
 
 
-@pytest.mark.parametrize("module", ["store.py", "model.py", "records.py"])
+@pytest.mark.parametrize("module", sorted(str(p.relative_to(PACKAGE)) for p in (PACKAGE / "learn").glob("*.py"))
+                         + ["core/records.py"])
 def test_store_and_model_code_never_unpickle_or_evaluate(module):
     tree = ast.parse((PACKAGE / module).read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
@@ -81,8 +82,8 @@ def test_store_files_and_folders_are_user_only_under_a_permissive_umask(tmp_path
 
 
 def test_zarr_output_is_user_only_under_a_permissive_umask(tmp_path, permissive_umask):
-    from memchunk_prefect.chunks import Chunk
-    from memchunk_prefect.volume import ZarrOutput
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.io.zarr_store import ZarrOutput
 
     out = ZarrOutput.create(tmp_path / "out.zarr", (4, 4, 8), zarr_chunks=(3, 3, 8))
     out.write(Chunk((0, 0, 0), (4, 2, 8)), np.ones((4, 2, 8), np.float32))  # partial storage chunks: locks
@@ -93,7 +94,7 @@ def test_zarr_output_is_user_only_under_a_permissive_umask(tmp_path, permissive_
 
 
 def test_runner_default_output_folders_are_user_only(tmp_path, permissive_umask, monkeypatch):
-    from memchunk_prefect.runner import MemoryAwareRunner
+    from memchunk_prefect.run.runner import MemoryAwareRunner
 
     monkeypatch.delenv("MEMCHUNK_OUTPUT_DIR", raising=False)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
@@ -108,7 +109,7 @@ def test_runner_default_output_folders_are_user_only(tmp_path, permissive_umask,
 
 
 def test_zero_argument_runner_dashboard_is_on_loopback():
-    from memchunk_prefect.runner import MemoryAwareRunner
+    from memchunk_prefect.run.runner import MemoryAwareRunner
 
     kw = MemoryAwareRunner().cluster_kwargs
     assert kw["dashboard_address"].startswith("127.0.0.1:")
@@ -119,7 +120,7 @@ def test_zero_argument_runner_dashboard_is_on_loopback():
 def test_a_cluster_from_the_zero_argument_runner_listens_on_loopback_only():
     import psutil
 
-    from memchunk_prefect.runner import MemoryAwareRunner
+    from memchunk_prefect.run.runner import MemoryAwareRunner
 
     runner = MemoryAwareRunner(cluster_kwargs={**MemoryAwareRunner().cluster_kwargs, "n_workers": 1})
     with runner:
@@ -143,8 +144,8 @@ def test_a_cluster_from_the_zero_argument_runner_listens_on_loopback_only():
 
 @pytest.mark.parametrize("name", ["x/../../../../escape", "x/../../../../../../tmp/escape"])
 def test_an_operator_name_cannot_move_the_output_out_of_the_output_dir(tmp_path, name):
-    from memchunk_prefect.errors import OutputPathError
-    from memchunk_prefect.runner import MemoryAwareRunner
+    from memchunk_prefect.core.errors import OutputPathError
+    from memchunk_prefect.run.runner import MemoryAwareRunner
 
     base = tmp_path / "outputs"
     runner = MemoryAwareRunner(address="tcp://127.0.0.1:1", output_dir=str(base))

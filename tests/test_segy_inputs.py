@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import segyio
 
-import memchunk_prefect.segy as segy_mod
-from memchunk_prefect.chunks import Chunk
-from memchunk_prefect.errors import (
+import memchunk_prefect.io.segy as segy_mod
+from memchunk_prefect.core.chunks import Chunk
+from memchunk_prefect.core.errors import (
     SegyEmptyError,
     SegyError,
     SegyFileNotFoundError,
@@ -17,7 +17,8 @@ from memchunk_prefect.errors import (
     SegyPrestackError,
     SegyTruncatedError,
 )
-from memchunk_prefect.volume import SegySource, open_segy, synthetic_survey
+from memchunk_prefect.io.synthetic import synthetic_survey
+from memchunk_prefect.io.volume import SegySource, open_segy
 
 F3_ILINES = np.arange(111, 134)
 F3_XLINES = np.arange(875, 893)

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from memchunk_prefect import cli
-from memchunk_prefect.bandit import ArmLearner
-from memchunk_prefect.errors import SimulationInputError
-from memchunk_prefect.records import Prediction
-from memchunk_prefect.settings import DEFAULT_SETTINGS
-from memchunk_prefect.simulate import ClusterShape, Step, run_strategy, simulate
-from memchunk_prefect.store import Store
+from memchunk_prefect.cli import app as cli
+from memchunk_prefect.core.bandit import ArmLearner
+from memchunk_prefect.core.errors import SimulationInputError
+from memchunk_prefect.core.records import Prediction
+from memchunk_prefect.core.settings import DEFAULT_SETTINGS
+from memchunk_prefect.learn.store import Store
+from memchunk_prefect.sim.simulate import ClusterShape, Step, run_strategy, simulate
 from memchunk_prefect.testing import seed_store
 
 MiB = 2**20
@@ -83,8 +83,8 @@ def test_a_task_that_grows_its_worker_pays_the_growth_once_per_worker_and_memchu
     assert run("static-2", touch).makespan_seconds - run("static-2").makespan_seconds == pytest.approx(0.08)
     assert run("static-4", touch).makespan_seconds - run("static-4").makespan_seconds == pytest.approx(0.04)
     # A worker the nanny restarts is a new process: it has held nothing, and grows again.
-    from memchunk_prefect.chunks import Chunk
-    from memchunk_prefect.simulate import SimulatedCluster, _Task
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.sim.simulate import SimulatedCluster, _Task
 
     sim = SimulatedCluster(ClusterShape(workers=1, memory_limit_bytes=100 * MiB, resting_bytes=40 * MiB))
     box = Chunk((0, 0, 0), (1, 1, 1))
@@ -163,8 +163,7 @@ def test_bad_input_is_a_typed_error_saying_what_to_do(make, match):
 
 
 def test_the_command_line_simulates_from_a_store_and_says_which_strategies_fail(tmp_path, capsys):
-    from memchunk_prefect.operators import operator_key
-    from tasks import gst3d_dip
+    from memchunk_prefect.operators import gst3d_dip, operator_key
 
     key = operator_key(gst3d_dip, {}, dtype="float32")
     with Store(tmp_path / "s.sqlite") as store:
@@ -195,7 +194,7 @@ def test_the_command_line_simulates_from_a_store_and_says_which_strategies_fail(
 
 
 def _recommend(deadline, **kw):
-    from memchunk_prefect.simulate import recommend
+    from memchunk_prefect.sim.simulate import recommend
 
     k = Known(bpe=400.0, spe=1e-5)  # 160,000 elements: 1.6 s of compute on one slot
     return recommend([STEP], SHAPE, lambda key: k, deadline_seconds=deadline,
@@ -255,7 +254,7 @@ def test_recommend_for_energy_picks_the_least_energy_shape_that_meets_the_deadli
 
 
 def test_the_frontier_holds_the_fewest_workers_per_memory_size_and_plots(tmp_path):
-    from memchunk_prefect.simulate import frontier, plot_recommendation
+    from memchunk_prefect.sim.simulate import frontier, plot_recommendation
 
     rec = _recommend(0.8, max_workers=16, memory_options=[100 * MiB, 200 * MiB])
     points = frontier(rec)
@@ -273,8 +272,8 @@ def test_the_frontier_holds_the_fewest_workers_per_memory_size_and_plots(tmp_pat
 def test_the_runners_own_work_per_map_is_measured_from_the_store_and_lengthens_only_its_runs(tmp_path):
     import dataclasses
 
-    from memchunk_prefect.records import MapRun, Observation
-    from memchunk_prefect.simulate import measured_map_work
+    from memchunk_prefect.core.records import MapRun, Observation
+    from memchunk_prefect.sim.simulate import measured_map_work
 
     with Store(tmp_path / "s.sqlite") as store:
         assert measured_map_work(store) is None  # nothing recorded by a v5 runner yet
@@ -303,8 +302,8 @@ def test_the_runners_own_work_per_map_is_measured_from_the_store_and_lengthens_o
 def test_a_chained_maps_wait_for_its_upstream_is_not_counted_as_the_runners_work(tmp_path):
     """A map over a map still running (the demo's pipeline) is called at once and waits for the upstream's
     writes: only what comes after the upstream's end is the runner's own work before its first task."""
-    from memchunk_prefect.records import MapRun, Observation
-    from memchunk_prefect.simulate import measured_map_work
+    from memchunk_prefect.core.records import MapRun, Observation
+    from memchunk_prefect.sim.simulate import measured_map_work
 
     def add(store, flow, name, source, start, first_task, end):
         store.add_map(MapRun(flow, "op", KEY, source, f"/{flow}/{name}", (4, 4, 4), (0, 0, 0), 4, 2, 10**9, start,
@@ -339,8 +338,8 @@ def test_recommend_says_when_nothing_meets_the_deadline_and_refuses_nonsense():
 
 
 def test_durations_read_as_a_user_writes_them():
-    from memchunk_prefect.errors import VolumeError
-    from memchunk_prefect.units import parse_seconds
+    from memchunk_prefect.core.errors import VolumeError
+    from memchunk_prefect.core.units import parse_seconds
 
     assert parse_seconds("6h") == 21600 and parse_seconds("01:30:00") == 5400 and parse_seconds("90s") == 90
     with pytest.raises(VolumeError, match="HH:MM"):
@@ -348,8 +347,8 @@ def test_durations_read_as_a_user_writes_them():
 
 
 def test_a_worker_over_its_kill_line_takes_its_tasks_with_it_and_nothing_new_lands_on_it():
-    from memchunk_prefect.chunks import Chunk
-    from memchunk_prefect.simulate import SimulatedCluster, _Task
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.sim.simulate import SimulatedCluster, _Task
 
     c = Chunk((0, 0, 0), (1, 1, 1))
     sim = SimulatedCluster(ClusterShape(workers=1, threads_per_worker=3, memory_limit_bytes=100 * MiB,
@@ -372,7 +371,7 @@ def test_a_worker_over_its_kill_line_takes_its_tasks_with_it_and_nothing_new_lan
 
 
 def test_an_operator_never_run_is_simulated_cold_from_a_stated_prior_and_flagged(tmp_path, capsys):
-    from memchunk_prefect.simulate import PriorKnowledge, store_models
+    from memchunk_prefect.sim.simulate import PriorKnowledge, store_models
 
     with Store(tmp_path / "s.sqlite"):
         pass  # an empty store: nothing learned
@@ -399,7 +398,7 @@ def test_an_operator_never_run_is_simulated_cold_from_a_stated_prior_and_flagged
 def _hpc(**kw):
     from dataclasses import replace
 
-    from memchunk_prefect.allocation import QueueWait
+    from memchunk_prefect.sim.allocation import QueueWait
 
     wait = kw.pop("wait", None)
     return replace(CLUSTER, queue_wait=QueueWait.parse(wait) if wait else None, **kw)
@@ -453,8 +452,8 @@ def test_jobs_arriving_one_by_one_each_work_as_soon_as_they_join():
 
 
 def test_window_utilisation_is_the_mean_of_each_jobs_share_and_the_model_sits_beside_the_simulation():
-    from memchunk_prefect.allocation import held_fraction
-    from memchunk_prefect.simulate import allocation_check, window_utilisation
+    from memchunk_prefect.sim.allocation import held_fraction
+    from memchunk_prefect.sim.simulate import allocation_check, window_utilisation
 
     cluster = _hpc(wait="exp:2s", workers=6, walltime_seconds=30.0)
     results = [run("memchunk", Known(spe=8e-5), cluster=cluster, seed=s) for s in range(12)]
@@ -476,10 +475,10 @@ def test_window_utilisation_is_the_mean_of_each_jobs_share_and_the_model_sits_be
 
 
 def test_the_command_line_simulates_an_allocation_and_its_utilisation(tmp_path, capsys):
-    import tasks
+    from memchunk_prefect import operators
     from memchunk_prefect.operators import operator_key
 
-    key = operator_key(tasks.OPERATORS["gst3d_dip"], {}, dtype="float32")
+    key = operator_key(operators.OPERATORS["gst3d_dip"], {}, dtype="float32")
     with Store(tmp_path / "s.sqlite") as store:
         seed_store(store, key, 40 * 4.0, sizes=(20_000, 50_000, 100_000, 200_000, 400_000, 800_000))
     argv = ["simulate", "--store", str(tmp_path / "s.sqlite"), "--steps", "gst3d_dip", "--shape", "128", "128", "400",
@@ -501,7 +500,7 @@ def test_the_command_line_simulates_an_allocation_and_its_utilisation(tmp_path, 
 def test_recommend_with_queue_waits_needs_more_workers_and_asks_for_the_walltime_given():
     easy = _recommend(3.0, max_workers=16)
     queued = _recommend(3.0, max_workers=16, queue_wait=__import__(
-        "memchunk_prefect.allocation", fromlist=["QueueWait"]).QueueWait.parse("1s"), walltime_seconds=600.0)
+        "memchunk_prefect.sim.allocation", fromlist=["QueueWait"]).QueueWait.parse("1s"), walltime_seconds=600.0)
     assert easy.best is not None and queued.best is not None
     assert queued.best.workers >= easy.best.workers, "a second of each deadline is spent in the queue"
     assert queued.jobqueue_kwargs()["walltime"] == "00:10:00"

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from memchunk_prefect.errors import StoreError, StoreSchemaTooNewError
-from memchunk_prefect.records import Observation
-from memchunk_prefect.store import (
+from memchunk_prefect.core.errors import StoreError, StoreSchemaTooNewError
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.learn.store import (
     CREATE_V1,
     SCHEMA_VERSION,
     Store,
@@ -86,8 +86,8 @@ def test_closed_store_raises_a_store_error(tmp_path):
 
 WRITER = """
 import sys
-from memchunk_prefect.records import Observation
-from memchunk_prefect.store import Store
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.learn.store import Store
 path, tag, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 with Store(path) as s:
     print("ready", flush=True)
@@ -195,7 +195,7 @@ def test_a_v1_store_migrates_to_the_current_schema_keeping_its_rows(tmp_path):
 
 def v2_store(tmp_path):
     """A schema-v2 store (as migrate_1_to_2 wrote it) holding one observation."""
-    from memchunk_prefect.store import _CREATE_V2, _execute_script
+    from memchunk_prefect.learn.store import _CREATE_V2, _execute_script
 
     path = tmp_path / "v2.sqlite"
     con = sqlite3.connect(path)
@@ -283,7 +283,7 @@ def test_the_v10_column_keeps_what_a_run_left_held_and_old_rows_do_not_know_it(t
 
 
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
-    from memchunk_prefect.records import MapRun
+    from memchunk_prefect.core.records import MapRun
 
     path = v2_store(tmp_path)
     run = MapRun("fr1", "envelope", "envelope|float32|cpu", "/s.sgy", "/o.zarr", (4, 5, 6), (0, 1, 2), 4, 2,
@@ -305,7 +305,7 @@ def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_
 
 
 def test_policy_rewards_round_trip_and_are_forgotten_with_their_key(tmp_path):
-    from memchunk_prefect.records import Reward
+    from memchunk_prefect.core.records import Reward
 
     with Store(tmp_path / "s.sqlite") as s:
         a = Reward("envelope|float32|cpu", "bold", ("bold", "mid"), 0.4, 0.4, 1000, 2.5, 2, n_chunks=4)
@@ -415,7 +415,7 @@ def test_an_interrupt_after_commit_is_not_replaced_by_a_failed_rollback(tmp_path
     transaction raised OperationalError instead, which the runner swallowed as a store error)."""
     import sqlite3
 
-    from memchunk_prefect.store import _rollback
+    from memchunk_prefect.learn.store import _rollback
 
     con = sqlite3.connect(tmp_path / "x.sqlite", isolation_level=None)
     con.execute("CREATE TABLE t (v INTEGER)")
@@ -436,7 +436,7 @@ def test_an_interrupt_after_commit_is_not_replaced_by_a_failed_rollback(tmp_path
 
 
 def test_compact_keeps_the_newest_rows_of_each_key_and_the_maps_they_belong_to(tmp_path):
-    from memchunk_prefect.records import MapRun, Reward
+    from memchunk_prefect.core.records import MapRun, Reward
 
     a, b = "envelope|float32|cpu", "gst3d|float32|cpu"
 
@@ -480,8 +480,8 @@ def test_a_store_compacted_after_every_run_stops_growing(tmp_path):
 def test_compact_keeps_the_sizes_a_model_needs_and_every_arms_latest_rewards(tmp_path):
     """Once warm, nights repeat one chunk size: the newest rows alone would leave the model one size (not ready)
     and the arms played early no reward (untried again)."""
-    from memchunk_prefect.model import ModelBank
-    from memchunk_prefect.records import Reward
+    from memchunk_prefect.core.records import Reward
+    from memchunk_prefect.learn.model import ModelBank
     from memchunk_prefect.testing import seed_store
 
     key = "envelope|float32|cpu"
@@ -506,7 +506,7 @@ def test_compact_keeps_the_sizes_a_model_needs_and_every_arms_latest_rewards(tmp
 
 
 def test_compact_deletes_the_map_records_whose_observations_all_went_and_keeps_recent_ones(tmp_path):
-    from memchunk_prefect.records import MapRun
+    from memchunk_prefect.core.records import MapRun
 
     key = "envelope|float32|cpu"
 

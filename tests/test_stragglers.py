@@ -2,10 +2,10 @@
 
 import pytest
 
-from memchunk_prefect.errors import RunnerConfigError
-from memchunk_prefect.records import Observation
-from memchunk_prefect.settings import PolicySettings
-from memchunk_prefect.stragglers import slow_workers
+from memchunk_prefect.core.errors import RunnerConfigError
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.core.settings import PolicySettings
+from memchunk_prefect.core.stragglers import slow_workers
 
 
 def runs(worker, *seconds, elements=100_000, outcome="ok"):

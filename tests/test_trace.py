@@ -1,4 +1,4 @@
-"""WfCommons traces (memchunk_prefect/trace.py, `memchunk export --format wfcommons`).
+"""WfCommons traces (memchunk_prefect/sim/trace.py, `memchunk export --format wfcommons`).
 
 (a) the pure builder on hand-made maps and observations: edges from halos, failed attempts, energy shares,
 ids, validation with the vendored schema and loading back with wfcommons.Instance; (b) bad input: nothing is
@@ -24,13 +24,13 @@ if sys.version_info < (3, 11):  # wfcommons 1.6 (and tomllib) need Python >= 3.1
 
 import tomllib  # noqa: E402
 
-from memchunk_prefect import trace
-from memchunk_prefect.chunks import Chunk, with_halo
-from memchunk_prefect.cli import main
-from memchunk_prefect.energy import kwh
-from memchunk_prefect.errors import TraceExportError
-from memchunk_prefect.records import MapRun, Observation
-from memchunk_prefect.store import Store
+from memchunk_prefect.cli.app import main
+from memchunk_prefect.core.chunks import Chunk, with_halo
+from memchunk_prefect.core.energy import kwh
+from memchunk_prefect.core.errors import TraceExportError
+from memchunk_prefect.core.records import MapRun, Observation
+from memchunk_prefect.learn.store import Store
+from memchunk_prefect.sim import trace
 
 with warnings.catch_warnings():  # importing wfcommons runs warnings.filterwarnings("ignore") for the whole process
     import wfcommons  # the `trace` extra, in the `test` extra too
@@ -490,8 +490,7 @@ def test_a_real_flow_exported_through_the_cli_holds_every_chunk_task_run(capsys,
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    import tasks
-    from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
+    from memchunk_prefect import MemoryAwareRunner, chunked, operators, synthetic_survey
     from memchunk_prefect.testing import start_local_cluster
 
     survey = tmp_path / "s.sgy"
@@ -505,8 +504,8 @@ def test_a_real_flow_exported_through_the_cli_holds_every_chunk_task_run(capsys,
 
         @flow(task_runner=runner, name="trace-e2e")
         def pipeline(path: str):
-            env = tasks.envelope.map(chunked(path))
-            smooth = tasks.gaussian_smooth.map(chunked(env), sigma=(2.0, 2.0, 1.0))
+            env = operators.envelope.map(chunked(path))
+            smooth = operators.gaussian_smooth.map(chunked(env), sigma=(2.0, 2.0, 1.0))
             return smooth.summary()
 
         state = pipeline(str(survey), return_state=True)
@@ -573,8 +572,8 @@ def _simulated(tmp_path, seed=0):
 
     import numpy as np
 
-    from memchunk_prefect.records import Prediction
-    from memchunk_prefect.simulate import ClusterShape, Step, run_strategy
+    from memchunk_prefect.core.records import Prediction
+    from memchunk_prefect.sim.simulate import ClusterShape, Step, run_strategy
 
     class Known:  # a learned model as the simulator reads it: 100 B per element, 1 us per element
         def predict(self, ext):
@@ -594,7 +593,7 @@ def _simulated(tmp_path, seed=0):
             return None
 
         def choose_arm(self, groups):
-            from memchunk_prefect.bandit import ArmLearner
+            from memchunk_prefect.core.bandit import ArmLearner
 
             return ArmLearner("k").choose(groups)
 

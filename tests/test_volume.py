@@ -14,9 +14,10 @@ import xarray as xr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import memchunk_prefect.segy as segy_mod
-from memchunk_prefect.chunks import Chunk, balanced_grid, grid
-from memchunk_prefect.errors import (
+import memchunk_prefect.io.segy as segy_mod
+import memchunk_prefect.io.synthetic as synthetic_mod
+from memchunk_prefect.core.chunks import Chunk, balanced_grid, grid
+from memchunk_prefect.core.errors import (
     ChunkedSourceError,
     HaloTooLargeError,
     IncompleteOutputError,
@@ -24,20 +25,11 @@ from memchunk_prefect.errors import (
     SegyGeometryError,
     VolumeError,
 )
-from memchunk_prefect.volume import (
-    ArraySource,
-    SegySource,
-    ZarrOutput,
-    ZarrSource,
-    as_source,
-    default_zarr_chunks,
-    open_result,
-    open_segy,
-    read_block,
-    synthetic_survey,
-    synthetic_volume,
-    to_segy,
-)
+from memchunk_prefect.io.export import to_segy
+from memchunk_prefect.io.source import ArraySource
+from memchunk_prefect.io.synthetic import synthetic_survey, synthetic_volume
+from memchunk_prefect.io.volume import SegySource, as_source, open_segy, read_block
+from memchunk_prefect.io.zarr_store import ZarrOutput, ZarrSource, default_zarr_chunks, open_result
 
 SHAPE = (9, 11, 40)
 
@@ -120,14 +112,14 @@ def test_writing_a_128x128x400_survey_takes_seconds(tmp_path):
 
 
 def test_a_failed_survey_write_leaves_no_file(tmp_path, monkeypatch):
-    real = segy_mod._synthetic_inline
+    real = synthetic_mod._synthetic_inline
 
     def fail_at_third(model, i, *a, **k):
         if i == 2:
             raise OSError("disk full (simulated)")
         return real(model, i, *a, **k)
 
-    monkeypatch.setattr(segy_mod, "_synthetic_inline", fail_at_third)
+    monkeypatch.setattr(synthetic_mod, "_synthetic_inline", fail_at_third)
     with pytest.raises(OSError, match="disk full"):
         synthetic_survey(tmp_path / "s.sgy", (5, 4, 10))
     assert list(tmp_path.iterdir()) == []
@@ -392,7 +384,7 @@ def test_a_chunks_trimmed_result_is_written_without_a_copy_of_the_whole_region(t
     returning another dtype is still written as float32, and the result equals the operator on the whole volume."""
     import inspect
 
-    from memchunk_prefect.worker import BlockJob, run_block
+    from memchunk_prefect.run.worker import BlockJob, run_block
 
     shape = (12, 10, 16)
     truth = np.random.default_rng(5).standard_normal(shape).astype(np.float32)

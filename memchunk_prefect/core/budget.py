@@ -1,0 +1,263 @@
+"""What one task may use: the per-task memory budget (host and GPU) from what the workers report, and the slots.
+
+Pure arithmetic over figures read from the cluster (:mod:`memchunk_prefect.run.cluster` reads them): each
+worker's threads, memory limit, resting memory, high-water mark and the fraction of its limit at which its
+nanny kills it. All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from memchunk_prefect.core import policy
+from memchunk_prefect.core.errors import BudgetError, BudgetTooSmallError, format_bytes
+
+
+@dataclass(frozen=True)
+class WorkerMemory:
+    """One worker as the budget sees it (bytes).
+
+    ``resting_bytes`` is the process memory the scheduler last heard (between
+    maps: what the idle worker holds); ``kill_fraction`` the fraction of
+    ``memory_limit_bytes`` at which its nanny kills it (None: never).
+    """
+
+    address: str
+    nthreads: int
+    memory_limit_bytes: int
+    resting_bytes: int
+    kill_fraction: float | None
+    #: The most the worker's process has held (:func:`memchunk_prefect.run.monitor.high_water_bytes`; its resting
+    #: memory where no run has been measured there), bytes; None where not read.
+    high_water_bytes: int | None = None
+
+    @property
+    def touched_bytes(self) -> int | None:
+        """What a task may use above the resting memory without taking its worker above the most it has held,
+        per thread (bytes; None where the high-water mark was not read): memory above it is faulted in and zeroed
+        by the kernel during the task, a cost a plan of larger chunks pays once per worker."""
+        if self.high_water_bytes is None:
+            return None
+        return max(0, int(self.high_water_bytes) - self.resting_bytes) // max(1, self.nthreads)
+
+    @property
+    def kill_headroom_bytes(self) -> int | None:
+        """What a task may use above the resting memory before the nanny kills the worker (None: no kill line)."""
+        if not self.memory_limit_bytes or self.kill_fraction is None:
+            return None
+        return int(self.kill_fraction * self.memory_limit_bytes) - self.resting_bytes
+
+
+def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, object],
+                      default_fraction: float | None, resting: Mapping[str, int] | None = None,
+                      high_water: Mapping[str, int] | None = None) -> list[WorkerMemory]:
+    """The workers of a ``client.scheduler_info()`` answer, with the kill fraction each one's nanny applies.
+
+    ``kill_fractions``: each worker's own ``distributed.worker.memory.terminate``
+    by worker address (see :func:`read_kill_fractions`); a worker not in it takes
+    ``default_fraction``. A worker without a nanny has no kill line (None).
+    ``resting``: each worker's resting memory as read by :func:`read_resting`; the
+    heartbeat's process memory for a worker not in it. ``high_water``: each worker's high-water mark as read
+    by :func:`read_marks` (None for a worker not in it).
+
+    >>> info = {"workers": {"tcp://w:1": {"nthreads": 1, "memory_limit": 1000, "metrics": {"memory": 100},
+    ...                                    "nanny": "tcp://n:1"}}}
+    >>> [w.kill_headroom_bytes for w in workers_from_info(info, {"tcp://w:1": 0.9}, 0.95)]
+    [800]
+    """
+    out = []
+    for address, w in (info.get("workers") or {}).items():
+        if not w.get("nanny"):
+            fraction = None
+        elif address in kill_fractions:
+            fraction = memory_fraction(kill_fractions[address])
+        else:
+            fraction = default_fraction
+        hw = (high_water or {}).get(address)
+        out.append(WorkerMemory(
+            address=str(address), nthreads=int(w.get("nthreads", 1) or 1),
+            memory_limit_bytes=int(w.get("memory_limit") or 0),
+            resting_bytes=int((resting or {}).get(address) or (w.get("metrics") or {}).get("memory", 0) or 0),
+            kill_fraction=fraction,
+            high_water_bytes=None if hw is None else int(hw)))
+    return out
+
+
+def memory_fraction(value: object) -> float | None:
+    """A Dask memory threshold as a fraction of ``memory_limit``; ``False`` or None (the check is off) is None."""
+    return None if value is None or value is False else float(value)  # type: ignore[arg-type]
+
+
+def slots(workers: list[WorkerMemory]) -> int:
+    """Task slots: one per worker thread."""
+    return sum(w.nthreads for w in workers)
+
+
+def kill_headroom_bytes(workers: list[WorkerMemory]) -> int | None:
+    """The smallest kill headroom among the workers (None when no worker has a kill line)."""
+    lines = [h for h in (w.kill_headroom_bytes for w in workers) if h is not None]
+    return min(lines) if lines else None
+
+
+def task_budget(workers: list[WorkerMemory], target_fraction: float) -> int:
+    """Memory one task may use above its worker's resting level, ``target_fraction`` of each limit (bytes)."""
+    return min(policy.task_budget_bytes(w.memory_limit_bytes, w.nthreads, target_fraction=target_fraction,
+                                        resting_bytes=w.resting_bytes, kill_fraction=w.kill_fraction)
+               for w in workers)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one task may use above its worker's resting memory, and how that was decided.
+
+    ``budget_bytes``: the smallest over the workers; ``resting_bytes``: each
+    worker's resting memory as read (by worker address), so a run's start can be
+    compared with what the budget assumed; ``headroom_bytes``: each worker's kill
+    line less its resting memory, per thread (what a task killed there had, so
+    what it needed more than); ``touched_bytes``: each worker's high-water mark less its resting memory, per
+    thread, where it was read (what a task may use there without the kernel faulting in new memory:
+    :attr:`WorkerMemory.touched_bytes`); ``reason``: the derivation in words.
+    """
+
+    slots: int
+    budget_bytes: int
+    resting_bytes: dict[str, int]
+    reason: str
+    headroom_bytes: dict[str, int] = field(default_factory=dict)
+    touched_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GpuBudget:
+    """What one task of a map on the GPU may use of its worker's device memory, and how that was decided.
+
+    ``budget_bytes``: the smallest over the workers; ``free_bytes``: what each worker could allocate on its
+    device when read (by worker address); ``reason``: the derivation in words.
+    """
+
+    budget_bytes: int
+    free_bytes: dict[str, int]
+    reason: str
+
+
+def gpu_budget(statuses: Mapping[str, Any], nthreads: Mapping[str, int], *,
+               target_fraction: float | None = None) -> GpuBudget:
+    """The GPU budget per task: ``target_fraction`` of what each worker could allocate on its device now
+    (:func:`memchunk_prefect.core.policy.gpu_task_budget_bytes`), per thread; the smallest over the workers.
+
+    ``statuses``: each worker's :class:`memchunk_prefect.operators.device.GpuStatus` (by address), read at the
+    map's start (what is not free to it is its CUDA context and other processes' use; its own pool counts as free). A
+    worker without a usable GPU is a :class:`BudgetError` (the map's device was resolved from the same
+    statuses, so this is a GPU lost in between).
+
+    >>> from memchunk_prefect.operators.device import GpuStatus
+    >>> g = gpu_budget({"tcp://w:1": GpuStatus(True, "H100", total_bytes=80 * 2**30, free_bytes=79 * 2**30)},
+    ...                {"tcp://w:1": 1})
+    >>> round(g.budget_bytes / 2**30, 3)
+    71.1
+    >>> print(g.reason)  # doctest: +NORMALIZE_WHITESPACE
+    GPU budget 71.1 GiB per task: 0.9 x 79.0 GiB free of the device's 80.0 GiB (1.0 GiB held: CUDA context,
+    other processes), 1 thread(s) on tcp://w:1
+    """
+    if not statuses:
+        raise BudgetError("no workers to derive a GPU budget from")
+    fraction = policy.GPU_TARGET_FRACTION if target_fraction is None else target_fraction
+    per_worker: list[tuple[int, str]] = []
+    free: dict[str, int] = {}
+    for address, st in sorted(statuses.items()):
+        if not getattr(st, "usable", False) or st.free_bytes is None:
+            raise BudgetError(f"the worker {address} has no usable GPU any more ({getattr(st, 'why', st)!r}), "
+                              "though the map was to run on the GPU: rerun with device='auto' to use the CPU where "
+                              "a worker has no GPU, or restore the worker's GPU")
+        threads = max(1, int(nthreads.get(address, 1)))
+        free[address] = int(st.free_bytes)
+        b = policy.gpu_task_budget_bytes(st.free_bytes, threads, target_fraction=target_fraction)
+        held = max(0, int(st.total_bytes or st.free_bytes) - int(st.free_bytes))
+        per_worker.append((b, f"GPU budget {format_bytes(b)} per task: {fraction:g} x {format_bytes(st.free_bytes)} "
+                              f"free of the device's {format_bytes(st.total_bytes)} ({format_bytes(held)} held: CUDA "
+                              f"context, other processes), {threads} thread(s) on {address}"))
+    b, reason = min(per_worker)
+    if b <= 0:
+        raise BudgetError(f"no GPU memory to plan for: {reason}. Free the GPU (other processes hold it: "
+                          "nvidia-smi lists them) or run this map with device='cpu'")
+    return GpuBudget(budget_bytes=b, free_bytes=free, reason=reason)
+
+
+def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
+           memory_budget: int | None = None) -> Budget:
+    """The budget per task: the kill line minus the resting memory, per thread; a user's figure caps it.
+
+    The line a task must stay under is where the nanny kills the worker
+    (``kill_fraction x memory_limit``; the limit itself where nothing kills).
+    The safety margin under it is not a fixed fraction: it is the model's, in the
+    upper bound every plan must fit (learned from the operator's own prediction
+    errors and from how far runs started above the resting memory read here).
+    ``target_fraction`` (of the limit) and ``memory_budget`` (bytes), when given,
+    cap the budget.
+
+    >>> w = WorkerMemory("tcp://w:1", 1, 1000 * 2**20, 200 * 2**20, 0.95)
+    >>> b = budget([w])
+    >>> b.budget_bytes // 2**20, b.reason
+    (750, 'budget 750.0 MiB per task: the kill line 950.0 MiB (0.95 x memory_limit 1000.0 MiB) less 200.0 MiB resting')
+    >>> budget([w], target_fraction=0.5).budget_bytes // 2**20
+    300
+    """
+    if not workers:
+        raise BudgetError("no workers to derive a budget from")
+    resting = {x.address: x.resting_bytes for x in workers}
+    headrooms = {x.address: int((x.kill_headroom_bytes or 0) / max(1, x.nthreads)) for x in workers
+                 if x.kill_headroom_bytes is not None}
+    touched = {x.address: t for x in workers if (t := x.touched_bytes) is not None}
+    if memory_budget is not None and not all(w.memory_limit_bytes for w in workers):
+        return Budget(slots=slots(workers), budget_bytes=int(memory_budget), resting_bytes=resting,
+                      headroom_bytes=headrooms, touched_bytes=touched,
+                      reason=f"budget {format_bytes(memory_budget)} per task (memory_budget; workers without a "
+                             "memory_limit have no line to derive one from)")
+    per_worker = []
+    for w in workers:
+        if not w.memory_limit_bytes:
+            raise BudgetError(
+                f"the worker {w.address} has no memory limit (memory_limit={w.memory_limit_bytes!r}), so there is "
+                "no budget to plan for: give the cluster a memory_limit, or pass memory_budget= to MemoryAwareRunner")
+        threads = max(1, w.nthreads)
+        fraction = 1.0 if w.kill_fraction is None else w.kill_fraction
+        line = fraction * w.memory_limit_bytes
+        headroom = int((line - w.resting_bytes) / threads)
+        b = headroom
+        if target_fraction is not None:
+            b = min(b, policy.task_budget_bytes(w.memory_limit_bytes, threads, target_fraction=target_fraction,
+                                                resting_bytes=w.resting_bytes, kill_fraction=w.kill_fraction))
+        per_worker.append((b, w, line, threads))
+    b, w, line, threads = min(per_worker, key=lambda t: t[0])
+    if b <= 0:
+        raise BudgetTooSmallError(
+            f"the worker {w.address} rests at {format_bytes(w.resting_bytes)}, at or above the line its nanny kills "
+            f"at ({format_bytes(line)}): give workers more memory (memory_limit) or fewer threads per worker")
+    what = (f"the kill line {format_bytes(line)} ({w.kill_fraction:g} x memory_limit "
+            f"{format_bytes(w.memory_limit_bytes)})" if w.kill_fraction is not None
+            else f"memory_limit {format_bytes(line)} (no nanny kills this worker)")
+    reason = (f"budget {format_bytes(b)} per task: {what} less {format_bytes(w.resting_bytes)} resting"
+              + (f", over {threads} threads" if threads > 1 else ""))
+    if target_fraction is not None and b < int((line - w.resting_bytes) / threads):
+        reason += f", capped by target_fraction {target_fraction:g}"
+    if memory_budget is not None and memory_budget < b:
+        b = int(memory_budget)
+        reason = f"budget {format_bytes(b)} per task (memory_budget; the cluster's line allows more)"
+    return Budget(slots=slots(workers), budget_bytes=int(b), resting_bytes=resting, reason=reason,
+                  headroom_bytes=headrooms, touched_bytes=touched)
+
+
+def planned_slots(nthreads: dict[str, int], requested: int | None) -> int:
+    """The slots a map plans for: the threads of the workers there, or, when more workers were requested than
+    have joined (batch jobs still queued, an adaptive cluster still growing), the requested workers at the
+    joined ones' threads each. Planning for what was asked keeps enough chunks in flight for the jobs that
+    join later, and for an adaptive cluster to see the load that makes it grow.
+
+    >>> planned_slots({"a": 2}, 8), planned_slots({"a": 2, "b": 2}, None), planned_slots({"a": 1}, 1)
+    (16, 4, 1)
+    """
+    present = sum(nthreads.values())
+    if not requested or requested <= len(nthreads) or not nthreads:
+        return present
+    return max(present, int(round(requested * present / len(nthreads))))

@@ -1,0 +1,1483 @@
+"""A chunked map's control state as a pure state machine: events in, instructions out.
+
+Every rule of a chunked ``.map`` lives here: what is submitted, in which order
+and how much at once; when the cold-start probes are enlarged; when the
+unsubmitted remainder is re-planned; whether a worker's death was a memory kill
+or a lost worker; how a chunk that ran out of memory is split; what is recorded;
+what happens to the chunks in flight when the map stops early; when the output
+is complete. Nothing here touches Prefect, Dask, files or clocks: the executor
+(:mod:`memchunk_prefect.run.executor` for real runs; a simulator for what-if runs)
+turns the world into :data:`Event` objects, feeds them to :meth:`MapMachine.handle`,
+and carries out the :data:`Instruction` objects it gets back. The same events give
+the same instructions, so every rule is tested with a table and no cluster
+(``tests/test_machine.py``), the way distributed tests its worker state machine.
+
+The protocol (one map, in the flow's thread)::
+
+    m = MapMachine(spec, knowledge)
+    run(m.handle(Start(slots, budget_bytes, completed=..., at=now)))
+    while not m.finished:
+        run(m.advance(now))          # submit up to the cap, plan what is left, or finalize
+        if m.finished: break
+        run(m.handle(next_event()))  # a chunk finished / ran out of memory / its worker died ...
+    # on any exception (Ctrl-C, a cancellation, a Fail): run(m.handle(Stop(...)))
+
+``run`` must carry out :class:`Record` (persist and learn the observation)
+before the next :meth:`~MapMachine.advance`: plans are made from ``knowledge``,
+which reads what was learned. That is why handling an event and deciding what
+to do next are two calls: the machine never writes to the model itself.
+
+What happens when a worker dies mid-map (:class:`WorkerDied`), in order:
+
+1. its chunk's completion marker exists (``written``): the worker died after
+   writing it. The chunk is kept, its task run marked Crashed, the measurement
+   recovered from the marker. Nothing is recomputed.
+2. else, the model's upper bound for the chunk is *not ready* or above
+   ``memory_kill_fraction`` (0.5) of the kill headroom, or this chunk already
+   died once: a **memory kill**. A censored observation (needs more than the
+   kill headroom) is recorded and the chunk is split in two; the halves go to
+   the front of the queue (``retry-smaller``). A chunk that cannot be split
+   fails the map with :class:`~memchunk_prefect.core.errors.ChunkOutOfMemoryError`.
+3. else a **lost worker** (a node lost, a SIGKILL): nothing is learned about
+   memory, and the same chunk goes to the front of the queue once more.
+
+The learned policy (:mod:`memchunk_prefect.core.bandit`). The first plan of a map
+that is not a probe is made under every arm (risk level of the bound); arms
+that give the same chunking are grouped, and ``knowledge.choose_arm`` picks one
+(the fixed heuristic's ``safe`` arm when ``settings.learned_policy`` is off).
+Every later plan of the map (other regions, re-plans) uses the same arm, and
+split pieces inherit it. When the map is complete, :class:`Finalize` is
+followed by :class:`ReadPauses` (the scheduler's log of worker pauses over the
+map); its answer :class:`PausesRead` brings :class:`Rewarded`: what the arm
+earned (its chunks' slot efficiency, less a penalty per chunk that ran out of
+memory and the share of slot time its workers spent paused) for the executor
+to persist and teach. A map that stops early or does not finalize teaches nothing,
+nor does one that probed: its arm planned only the box the probes left, on
+workers the probes had just grown, and rewards are compared arm against arm
+(measured on a cold start at 48 x 64 x 400: gaussian_smooth's remainder plan
+earned 0.11, whole-map plans 0.28, so the arm played cold looked worst).
+
+Units: bytes, elements, seconds since the epoch (``at``, given by the executor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator, Mapping, Protocol, Union
+
+from memchunk_prefect.core import bandit, policy
+from memchunk_prefect.core.bandit import ArmChoice
+from memchunk_prefect.core.chunks import Chunk, Shape, covers, uncovered_boxes, with_halo
+from memchunk_prefect.core.errors import (
+    ChunkOutOfMemoryError,
+    ClusterLostError,
+    GpuContextError,
+    MemchunkError,
+    MemoryNotChunkSizeError,
+    format_bytes,
+)
+from memchunk_prefect.core.policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
+from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward, first_use_bytes, paused_within
+from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
+
+#: Extra decisions recorded about the output (not about the chunking).
+RESUME = "resume"
+RESTART = "restart"
+
+#: How a chunk's task run ended, as the report and ``ChunkedResult.events`` call it.
+OK, MEMORY_ERROR, KILLED, LOST = "ok", "memory_error", "killed", "lost"
+
+#: A probe wave's blocks differ from the last wave's by at least this factor (smaller or larger): two sizes
+#: this far apart separate a fixed overhead from a slope.
+PROBE_SIZE_STEP = 1.5
+
+#: The machine's phases. ``failed``: a :class:`Fail` was issued and the executor is stopping.
+NEW, RUNNING, FINISHED, FAILED, STOPPED = "new", "running", "finished", "failed", "stopped"
+
+
+class MapStateError(RuntimeError):
+    """An event the machine cannot take in its current state: a bug in the executor, not a user error."""
+
+
+class Knowledge(Protocol):
+    """What the machine reads of the learned model for its operator (read-only).
+
+    ``predict(extents)`` gives the memory figures for a block of ``extents``
+    (halo included); ``seconds_per_element()`` the recent compute time per
+    element, or None before any measurement; ``seconds_for(elements)`` a block's
+    compute seconds where time grows faster than size (None where proportional); ``joules_for(elements)`` a
+    block's learned energy in joules (None where none was learned: the planner then counts compute seconds at
+    ``PolicySettings.watts_per_core``); ``touch_seconds_per_byte()`` the kernel seconds per byte a run pays to
+    grow its worker past the most it has held (None before such a run: plans then count nothing for it);
+    ``choose_arm(groups)`` the learned policy's arm among ``groups``
+    (arms grouped by identical plans); ``predict_gpu(extents)`` the GPU-memory figures of a block (read only
+    for maps on a GPU).
+    """
+
+    def predict(self, extents: Shape) -> Prediction: ...
+
+    def predict_gpu(self, extents: Shape) -> Prediction: ...
+
+    def seconds_per_element(self) -> float | None: ...
+
+    def seconds_for(self, elements: int) -> float | None: ...
+
+    def joules_for(self, elements: int) -> float | None: ...
+
+    def touch_seconds_per_byte(self) -> float | None: ...
+
+    def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice: ...
+
+
+@dataclass(frozen=True)
+class MapSpec:
+    """What one chunked map computes, fixed for its life: plain data."""
+
+    operator: str  # the task's name, for messages
+    operator_key: str  # the model key (name, memory parameters, dtype, device)
+    shape: Shape  # the volume (iline, xline, twt)
+    halo: Shape
+    whole_traces: bool  # the operator needs uncut traces (no cut along twt)
+    output_path: str = ""  # for messages
+    incoming: tuple[Chunk, ...] | None = None  # the upstream map's chunking, if the source is one
+    settings: PolicySettings = DEFAULT_SETTINGS
+    gated: bool = False  # the source is an upstream map still being written: see :class:`Gate`
+
+    def label(self, chunk: Chunk) -> str:
+        return chunk.label(self.shape)
+
+    def read_extents(self, chunk: Chunk) -> Shape:
+        """The block a placed chunk reads (halo included, clipped at the volume's edges)."""
+        return _read_extents(chunk, tuple(self.halo), tuple(self.shape))
+
+    def name(self, chunk: Chunk) -> str:
+        return f"{self.operator}[{self.label(chunk)}]"
+
+
+@functools.lru_cache(maxsize=2**16)
+def _read_extents(chunk: Chunk, halo: tuple[int, ...], shape: tuple[int, ...]) -> Shape:
+    # A chunk's block is asked for when it is queued, submitted and reported: computed once (a map of 20,000
+    # chunks asked 70,000 times, 1.7 s of a 2.9 s simulation).
+    return with_halo(chunk, halo, shape)[0].shape
+
+
+# =========================================================================== events (facts, from the executor)
+
+
+@dataclass(frozen=True)
+class Start:
+    """The map begins on a cluster of ``slots`` worker slots with ``budget_bytes`` per task.
+
+    ``budget_bytes``: what one task may use above its worker's resting memory as
+    read at the start (the kill line less that, per thread, or a user's cap below it);
+    ``headroom_bytes``: the kill line less the resting memory, per thread, on the
+    tightest worker (None: no line, or not known); ``drift_bytes``: how far above
+    that resting memory the workers are expected to sit when tasks start (from
+    this operator's recent runs: what they started above it, or what a first use
+    left held, whichever is more). Plans fit ``min(budget_bytes, headroom_bytes -
+    drift)``, the drift followed as runs report where their workers stood.
+    ``completed``: chunks a resumed output already holds (its completion markers);
+    ``restarted``: why an existing output at the path is being replaced, if it is.
+    ``gpu_budget_bytes``: on a GPU, what one task may use of the device's memory above
+    the worker's resting GPU memory; every plan fits it as well (the GPU model of the
+    key, :meth:`Knowledge.predict_gpu`). None on the CPU.
+    ``touched_bytes``: each worker's high-water mark less its resting memory, per thread, by address (what a
+    task may use there without the kernel faulting in memory the process never held: plans count what
+    growing past it costs, :class:`memchunk_prefect.core.policy.FirstTouch`); None: not read, nothing counted.
+    """
+
+    slots: int
+    budget_bytes: int
+    completed: tuple[Chunk, ...] = ()
+    restarted: str | None = None
+    at: float = 0.0
+    headroom_bytes: int | None = None
+    drift_bytes: int = 0
+    gpu_budget_bytes: int | None = None
+    touched_bytes: Mapping[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class ChunkDone:
+    """Submission ``id`` returned: its chunk is written, ``observation`` is what it measured."""
+
+    id: int
+    observation: Observation
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class ChunkOutOfMemory:
+    """Submission ``id`` raised ``MemoryError``; ``observation`` is the worker's censored record, if it sent one."""
+
+    id: int
+    observation: Observation | None = None
+    at: float = 0.0
+    gpu: bool = False  # the GPU's memory ran out, not the host's
+
+
+@dataclass(frozen=True)
+class ChunkFailed:
+    """Submission ``id`` raised something other than ``MemoryError``: the operator's own error."""
+
+    id: int
+    error: BaseException
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class GpuContextLost:
+    """Submission ``id`` hit a CUDA error that left its worker's GPU context unusable (``error``, a
+    :class:`~memchunk_prefect.core.errors.GpuContextError`); ``worker``: that worker's address."""
+
+    id: int
+    worker: str
+    error: BaseException
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerDied:
+    """The worker running submission ``id`` died (``KilledWorker``).
+
+    ``written``: the chunk's completion marker exists (it died after writing);
+    ``kill_headroom_bytes``: what a task may use above its worker's resting
+    memory before the nanny kills it, read at the death (None: unknown);
+    ``worker``: the address of the worker that died ('' unknown).
+    """
+
+    id: int
+    error: str
+    written: bool = False
+    kill_headroom_bytes: int | None = None
+    at: float = 0.0
+    worker: str = ""
+
+
+@dataclass(frozen=True)
+class ClusterLost:
+    """The scheduler forgot submission ``id`` (killed, restarted, unreachable): no worker death to learn from."""
+
+    id: int
+    error: BaseException
+    address: str = ""
+    written_chunks: int = 0  # completion markers on disk, for the message
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class MarkersRecovered:
+    """Observations read back from completion markers that the store lacked (answer to :class:`RecoverMarkers`)."""
+
+    observations: tuple[Observation, ...]
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The map stops early: an interrupt or cancellation (``interrupted``), or an error (named in ``error``).
+
+    ``finished``: (id, observation) of submissions in flight whose task had
+    already returned when the executor looked: their chunks are kept.
+    """
+
+    error: str
+    interrupted: bool
+    finished: tuple[tuple[int, Observation], ...] = ()
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class PausesRead:
+    """The workers' pauses the scheduler logged over the map (answer to :class:`ReadPauses`; empty when they could
+    not be read)."""
+
+    pauses: tuple[Pause, ...] = ()
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class SlotsChanged:
+    """The cluster's worker slots changed mid-map: batch jobs joined from the queue (dask-jobqueue), an adaptive
+    cluster scaled, or workers left at their walltime. The in-flight cap follows at once, and a queue planned
+    for the old count is re-planned where the new count makes it faster by ``settings.replan_gain`` (the
+    rule of a moved bound). The budget per task stays the one read at the start."""
+
+    slots: int
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class UpstreamWritten:
+    """The upstream map this one reads (a gated map's source, still being written) wrote ``chunks``: their
+    elements are final. ``complete``: it finalized its output (every element is written)."""
+
+    chunks: tuple[Chunk, ...] = ()
+    complete: bool = False
+    at: float = 0.0
+
+
+Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
+              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost]
+
+
+# =========================================================================== instructions (what to do)
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    """A decision taken, with why: for the log, the report and ``ChunkedResult.decisions``.
+
+    ``chunk_shape`` is the largest chunk of the plan (no halo);
+    ``predicted_peak_bytes`` / ``upper_bound_bytes`` the model's mean and upper
+    bound for it with its halo.
+    """
+
+    decision: str
+    reason: str
+    operator: str
+    operator_key: str
+    n_chunks: int | None = None
+    chunk_shape: Shape | None = None
+    predicted_peak_bytes: float | None = None
+    upper_bound_bytes: float | None = None
+    at: float = 0.0
+    region: str | None = None  # Chunk.key() of the box planned
+    chunk: str | None = None  # Chunk.key() of the chunk split
+    arm: str | None = None  # the learned policy's arm the plan was fitted under
+    warning: str | None = None  # what the user should hear about this plan (logged as a warning)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "decision": self.decision, "reason": self.reason, "operator": self.operator,
+            "operator_key": self.operator_key, "n_chunks": self.n_chunks,
+            "chunk_shape": list(self.chunk_shape) if self.chunk_shape else None,
+            "predicted_peak_bytes": self.predicted_peak_bytes, "upper_bound_bytes": self.upper_bound_bytes,
+            "time": self.at}
+        if self.region is not None:
+            d["region"] = self.region
+        if self.arm is not None:
+            d["arm"] = self.arm
+        if self.chunk is not None:
+            d["chunk"] = self.chunk
+        if self.warning is not None:
+            d["warning"] = self.warning
+        return d
+
+
+@dataclass(frozen=True)
+class Decided:
+    """Tell the log and the observers about a decision."""
+
+    record: DecisionRecord
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Submit ``chunk`` as submission ``id`` (a new Prefect task run).
+
+    ``predicted_bytes`` / ``upper_bytes``: the model's figures for the block it
+    reads (``read_extents``, halo included) when submitted; None while the model
+    is not ready.
+    """
+
+    id: int
+    chunk: Chunk
+    decision: str
+    attempt: int
+    label: str
+    read_extents: Shape
+    predicted_bytes: float | None = None
+    upper_bytes: float | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Record:
+    """Persist ``observation`` and teach the model with it, before the next :meth:`MapMachine.advance`."""
+
+    observation: Observation
+
+
+@dataclass(frozen=True)
+class ChunkEnded:
+    """Submission ``id`` ended (``outcome``: ok, memory_error, killed, lost); the map's progress after it."""
+
+    id: int
+    chunk: Chunk
+    outcome: str
+    decision: str
+    observation: Observation | None = None
+    kept: bool = False  # a lost worker had already written it
+    done_chunks: int = 0
+    done_elements: int = 0
+    at: float = 0.0
+    queued_chunks: int = 0  # chunks in flight or planned after this one ended (boxes not planned yet not counted)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain form kept in ``ChunkedResult.events``."""
+        d: dict[str, Any] = {"event": self.outcome, "chunk": self.chunk.key(), "decision": self.decision}
+        o = self.observation
+        if self.outcome == OK and o is not None:
+            d.update(peak_bytes=o.peak_bytes, seconds=o.seconds, worker=o.worker)
+        elif self.outcome in (MEMORY_ERROR, KILLED) and o is not None:
+            d.update(peak_bytes=o.peak_bytes, worker=o.worker)
+        if self.kept:
+            d["kept"] = True
+        return d
+
+
+@dataclass(frozen=True)
+class MarkRuns:
+    """Force these task runs into a final state unless they have one: (id, ``"Crashed"``/``"Cancelled"``, message).
+
+    Nothing else ends a run whose worker died (prefect #12968, #21638).
+    ``look_again``: a run not created yet may appear a moment later (a worker
+    started it just before a cancellation reached it): look for it again.
+    """
+
+    marks: tuple[tuple[int, str, str], ...]
+    look_again: bool = False
+
+
+@dataclass(frozen=True)
+class RestartWorker:
+    """Restart the worker at ``address`` (a new process: a new CUDA context); ``reason`` in words, for the log."""
+
+    address: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Cancel these submissions on the cluster."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RecoverMarkers:
+    """Read the measurements in these chunks' completion markers (where written); answer :class:`MarkersRecovered`."""
+
+    chunks: tuple[Chunk, ...]
+
+
+@dataclass(frozen=True)
+class ReadPauses:
+    """Read the workers' pauses (Dask's pause line) between ``since`` and ``until``; answer :class:`PausesRead`."""
+
+    since: float
+    until: float
+
+
+@dataclass(frozen=True)
+class Fail:
+    """Stop the map with ``error`` (raise it); then send :class:`Stop` to settle what is in flight."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Finalize:
+    """Every element is written: finalize the output. ``settle_runs``: a worker died during the map."""
+
+    settle_runs: bool
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """The early stop is settled; ``kept``: chunks collected while stopping."""
+
+    error: str
+    kept: int
+
+
+@dataclass(frozen=True)
+class Rewarded:
+    """The map is finalized: persist ``reward`` (what its arm's plan earned) and teach the learned policy."""
+
+    reward: Reward
+
+
+Instruction = Union[Decided, Submit, Record, ChunkEnded, MarkRuns, Cancel, RecoverMarkers, Fail, Rewarded, Finalize,
+                    ReadPauses, Stopped, RestartWorker]
+
+
+# =========================================================================== the machine
+
+
+@dataclass
+class Pending:
+    """A chunk queued or in flight, with the decision that made it and how many times it already ran."""
+
+    chunk: Chunk
+    decision: str
+    attempt: int = 0
+    armed: bool = False  # planned under the map's learned-policy arm (its outcome counts in the reward)
+    restarted: int = 0  # times it broke its worker's GPU context, each followed by a restart of that worker
+
+
+class Gate:
+    """Which chunks of a gated map may run: those whose whole block (halo included) the upstream map has written.
+
+    A map over an upstream map's result is planned from the upstream's *plan* and starts while the upstream
+    runs; each of its chunks waits in the queue (not on a worker slot) until the upstream chunks its block
+    reads are written (:class:`UpstreamWritten`), whatever cut the upstream ends with (re-plans, split pieces,
+    a resume's old chunks: coverage is checked element by element, :func:`~memchunk_prefect.core.chunks.covers`).
+    Cost: a chunk is checked when first asked about and again only when an upstream write touches its block.
+    """
+
+    def __init__(self, spec: "MapSpec"):
+        self._spec = spec
+        self.open = not spec.gated  # the upstream is complete (or there is none): every chunk may run
+        self.written: list[Chunk] = []
+        self._waiting: dict[Chunk, list[Any]] = {}  # chunk -> [its block, upstream chunks in it, count last short]
+
+    def ready(self, chunk: Chunk) -> bool:
+        if self.open:
+            return True
+        entry = self._waiting.get(chunk)
+        if entry is None:
+            block = with_halo(chunk, self._spec.halo, self._spec.shape)[0]
+            entry = self._waiting[chunk] = [block, [w for w in self.written if w.intersect(block) is not None], -1]
+        block, pieces, checked = entry
+        if len(pieces) == checked:
+            return False  # no upstream write touched its block since it was last found short
+        if covers(pieces, block):
+            del self._waiting[chunk]  # ready for good: upstream writes are never undone
+            return True
+        entry[2] = len(pieces)
+        return False
+
+    def add(self, chunks: Iterable[Chunk], complete: bool) -> None:
+        if self.open:
+            return
+        if complete:
+            self.open = True
+            self._waiting.clear()
+            return
+        for w in chunks:
+            self.written.append(w)
+            for block, pieces, _ in self._waiting.values():
+                if w.intersect(block) is not None:
+                    pieces.append(w)
+
+
+class PlanQueue:
+    """The planned chunks not yet submitted, in submission order, with what the re-plan check asks of them kept
+    up to date: how many of each read-block shape are queued, and how many are split pieces.
+
+    After every event the machine asks for the largest block queued and whether split pieces wait; over a list
+    that was O(queue) per event, O(n^2) per map: 4.5 M halo boxes computed (26 s) for a simulated map of
+    5,600 chunks. Here each chunk's block is computed once, when it is queued, and the questions cost
+    O(distinct shapes) (a plan cuts a box into a few shapes).
+    """
+
+    def __init__(self, spec: "MapSpec", items: Iterable[Pending] = ()):
+        self._spec = spec
+        self._items: deque[Pending] = deque()
+        self._shapes: Counter[Shape] = Counter()
+        self._split = 0
+        self.extend(items)
+
+    def _count(self, item: Pending, n: int) -> None:
+        self._shapes[self._spec.read_extents(item.chunk)] += n
+        self._split += n * (item.decision == RETRY_SMALLER)
+
+    def extend(self, items: Iterable[Pending]) -> None:
+        for item in items:
+            self._count(item, 1)
+            self._items.append(item)
+
+    def push_front(self, items: Iterable[Pending]) -> None:
+        """Put ``items`` first, in their order (a resubmission, split pieces)."""
+        items = list(items)
+        for item in items:
+            self._count(item, 1)
+        self._items.extendleft(reversed(items))
+
+    def popleft(self) -> Pending:
+        item = self._items.popleft()
+        self._count(item, -1)
+        return item
+
+    def pop_first(self, ready: Any) -> Pending | None:
+        """The first queued item for which ``ready(chunk)`` holds, taken off the queue; None if there is none."""
+        for i, item in enumerate(self._items):
+            if ready(item.chunk):
+                del self._items[i]
+                self._count(item, -1)
+                return item
+        return None
+
+    def largest_read(self) -> Shape | None:
+        """The largest block (elements, halo included) a queued chunk reads; None when nothing is queued."""
+        shapes = [s for s, n in self._shapes.items() if n > 0]
+        return max(shapes, key=math.prod) if shapes else None
+
+    @property
+    def has_split_pieces(self) -> bool:
+        return self._split > 0
+
+    def __iter__(self) -> Iterator[Pending]:
+        return iter(self._items)
+
+    def __getitem__(self, i: int | slice) -> Any:
+        return list(self._items)[i] if isinstance(i, slice) else self._items[i]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+
+@dataclass
+class MapMachine:
+    """The control state of one chunked map. See the module docstring for the protocol."""
+
+    spec: MapSpec
+    knowledge: Knowledge
+    phase: str = NEW
+    slots: int = 0
+    budget_bytes: int = 0  # what a plan must fit now: the cap, or the kill headroom less the workers' drift
+    cap_bytes: int = 0  # Start.budget_bytes
+    headroom_bytes: int | None = None  # Start.headroom_bytes
+    gpu_budget_bytes: int | None = None  # Start.gpu_budget_bytes: on a GPU, the device's budget per task
+    drift_estimate: int = 0  # Start.drift_bytes, until runs report where their workers stood
+    drift: dict[str, int] = field(default_factory=dict)  # each worker's latest start above the resting memory read
+    # Each worker's high-water mark above its resting memory (Start.touched_bytes), raised by the peaks its runs
+    # report; None: not read, so plans count nothing for growing the workers' memory.
+    touched: dict[str, int] | None = None
+    queue: PlanQueue = field(init=False)  # planned, not submitted (re-plannable)
+    gate: Gate = field(init=False)  # which queued chunks the upstream has written enough of to run
+    regions: list[Chunk] = field(default_factory=list)  # boxes still to plan (after probes, or a resume)
+    in_flight: dict[int, Pending] = field(default_factory=dict)
+    done: list[Chunk] = field(default_factory=list)
+    planned_upper: float | None = None  # bound of the largest queued chunk when the queue was (re)planned
+    planned_budget: int = 0  # the budget the queue was (re)planned for
+    probe_scale: float = 0.0  # the last probe wave's blocks, as a share of the largest probe (0: none yet)
+    probe_peak: int = 0  # the largest peak (bytes) a probe of the last wave measured
+    probe_gpu_peak: int = 0  # on the GPU: the largest GPU peak (bytes) a probe of the last wave measured
+    probe_smallest_read: int = 0  # elements (halo included) of the smallest block a probe of this map read
+    region_reason: str = "after probing: "
+    deaths: int = 0  # worker deaths seen (their task runs are settled at the end)
+    gpu_restarts: int = 0  # workers restarted for a broken GPU context (GpuContextLost)
+    restarted_workers: set[str] = field(default_factory=set)  # their addresses (a restarted one gets a new one)
+    next_id: int = 0
+    arm: ArmChoice | None = None  # the learned policy's arm, once the first real plan is made
+    # Elements (halo included) of the largest block the safe arm's first plan reads: what the granularity arms'
+    # plans are finer or coarser than, for every plan of the map (bandit.read_range).
+    safe_read_elements: int | None = None
+    arm_started: float | None = None  # first submission of a chunk planned under the arm
+    arm_ended: float = 0.0  # last end of one
+    arm_elements: int = 0  # output elements written under the arm
+    # Seconds within the arm's time the map had nothing in flight and every queued chunk waited for the upstream
+    # map's writes (a chained map): not the plan's doing, so not charged to its reward. upstream_wait_since: when
+    # the current such wait began (None: not waiting).
+    arm_upstream_wait: float = 0.0
+    upstream_wait_since: float | None = None
+    arm_chunks: int = 0
+    arm_out_of_memory: int = 0
+    probed: bool = False  # the map ran probes: its arm's plan was of a remainder, which teaches the policy nothing
+    started_at: float = 0.0  # when the map started (Start.at)
+    _check_replan: bool = False
+    _summed: tuple[int, int] = (0, 0)  # (chunks of ``done`` summed, their elements): ``done`` only grows
+    _slots_moved: tuple[int, int] | None = None  # (old, new) slots, until the next re-plan looks at them
+    _overhead_warned: bool = False  # the many-chunks warning is said once a map, not at every re-plan
+
+    def __post_init__(self) -> None:
+        self.queue = PlanQueue(self.spec)
+        self.gate = Gate(self.spec)
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def finished(self) -> bool:
+        """No more instructions will come from :meth:`advance` (finalized, failed or stopped)."""
+        return self.phase in (FINISHED, FAILED, STOPPED)
+
+    @property
+    def settings(self) -> PolicySettings:
+        return self.spec.settings
+
+    @property
+    def waiting_upstream(self) -> bool:
+        """Nothing in flight and chunks queued that the upstream has not written enough of yet: the executor's
+        next event can only be :class:`UpstreamWritten` (or a stop)."""
+        return self.phase == RUNNING and not self.in_flight and bool(self.queue)
+
+    @property
+    def done_elements(self) -> int:
+        """Output elements of the chunks done. Summed incrementally (``done`` is only appended to): a map of n
+        chunks reports its progress n times, and summing the whole list each time made that O(n^2) -- 1.3 M chunk
+        sizes computed for a map of 2,800 chunks."""
+        counted, total = self._summed
+        if counted > len(self.done):  # replaced by a shorter list: count afresh
+            counted, total = 0, 0
+        if counted != len(self.done):
+            total += sum(c.elements for c in self.done[counted:])
+            self._summed = (len(self.done), total)
+        return total
+
+    def predict(self, extents: Shape) -> Prediction:
+        """What plans are fitted with: the model's prediction as the map's arm sees it (as is before one is chosen)."""
+        pred = self.knowledge.predict(extents)
+        return bandit.arm_view(pred, self.arm.arm) if self.arm is not None else pred
+
+    def predict_gpu(self, extents: Shape) -> Prediction:
+        """The GPU model's prediction as the map's arm sees it (the arm's risk applies to both budgets)."""
+        pred = self.knowledge.predict_gpu(extents)
+        return bandit.arm_view(pred, self.arm.arm) if self.arm is not None else pred
+
+    @property
+    def gpu_limit(self) -> policy.GpuLimit | None:
+        """The GPU budget plans fit besides the host's (None on the CPU)."""
+        if self.gpu_budget_bytes is None:
+            return None
+        return policy.GpuLimit(self.predict_gpu, self.gpu_budget_bytes)
+
+    def _gpu_over(self, extents: Shape) -> str | None:
+        """Why a block of ``extents`` does not fit the GPU budget, in words; None when it does (or on the CPU)."""
+        limit = self.gpu_limit
+        over = limit.over(extents) if limit is not None else None
+        if limit is None or over is None:
+            return None
+        return f"{format_bytes(over.upper_bytes)} of GPU memory over the GPU budget {format_bytes(limit.budget_bytes)}"
+
+    def _choose_arm(self, make: Any) -> Any:
+        """Make the first real plan under every arm (``make()`` plans with :meth:`predict`), choose one, keep it.
+
+        Arms whose plan is the same chunking are grouped (one outcome teaches
+        them all); an arm under which nothing fits is left out. Returns what
+        ``make()`` returned under the chosen arm; raises the ``safe`` arm's
+        error when no arm fits.
+        """
+        results: dict[str, Any] = {}
+        errors: dict[str, MemchunkError] = {}
+        arms = bandit.ARMS if self.settings.learned_policy else (bandit.HEURISTIC_ARM,)
+        if not self.settings.granularity_arms:
+            arms = tuple(a for a in arms if a not in bandit.GRANULARITY_ARMS)
+        for arm in arms:
+            if arm in bandit.GRANULARITY_ARMS:
+                safe = results.get(bandit.SAFE)
+                if safe is None:
+                    continue  # finer or coarser than nothing
+                self.safe_read_elements = self._largest_read(_chunks_of(safe))
+            self.arm = ArmChoice(arm, (arm,), None, 0, "")
+            try:
+                results[arm] = make()
+            except MemchunkError as exc:
+                errors[arm] = exc
+                continue
+            if arm in bandit.GRANULARITY_ARMS and not _near(results[arm], results[bandit.SAFE]):
+                del results[arm]
+        self.arm = None
+        if not results:
+            raise errors[bandit.HEURISTIC_ARM]
+        groups: dict[Any, tuple[str, ...]] = {}
+        for arm, result in results.items():
+            sig = _signature(result)
+            groups[sig] = groups.get(sig, ()) + (arm,)
+        if self.settings.learned_policy:
+            choice = self.knowledge.choose_arm(list(groups.values()))
+        else:
+            choice = ArmChoice(bandit.HEURISTIC_ARM, (bandit.HEURISTIC_ARM,), None, 0, "heuristic")
+        self.arm = choice
+        return results[choice.arm]
+
+    def _read_range(self) -> policy.ReadRange | None:
+        """The block sizes the map's arm plans within (None: any)."""
+        if self.arm is None or self.safe_read_elements is None:
+            return None
+        return bandit.read_range(self.arm.arm, self.safe_read_elements)
+
+    # ---------------------------------------------------------------- events
+
+    def handle(self, event: Event) -> list[Instruction]:
+        """Take one event; return what to do about it (decisions of what to run next come from :meth:`advance`)."""
+        handler = _HANDLERS.get(type(event))
+        if handler is None:
+            raise MapStateError(f"not a map event: {event!r}")
+        return handler(self, event)
+
+    def _on_start(self, ev: Start) -> list[Instruction]:
+        if self.phase != NEW:
+            raise MapStateError(f"Start in phase {self.phase}")
+        self.phase = RUNNING
+        self.started_at = ev.at
+        self.slots, self.cap_bytes = int(ev.slots), int(ev.budget_bytes)
+        self.headroom_bytes = None if ev.headroom_bytes is None else int(ev.headroom_bytes)
+        self.drift_estimate = max(0, int(ev.drift_bytes))
+        self.budget_bytes = self.planned_budget = self._budget()
+        self.gpu_budget_bytes = None if ev.gpu_budget_bytes is None else int(ev.gpu_budget_bytes)
+        self.touched = None if ev.touched_bytes is None else {str(a): int(b) for a, b in ev.touched_bytes.items()}
+        out: list[Instruction] = []
+        if ev.restarted:
+            out.append(self._decided(RESTART, None, f"{self.spec.output_path} is replaced: {ev.restarted}", ev.at))
+        if ev.completed:
+            # Resume: keep every completed chunk (of whatever cut), plan only the boxes they leave.
+            self.done.extend(ev.completed)
+            out.append(RecoverMarkers(tuple(ev.completed)))
+            self.regions = uncovered_boxes(self.spec.shape, ev.completed)
+            self.region_reason = "the part a resumed output lacks: "
+            left = f"{len(self.regions)} boxes left to compute" if self.regions else "nothing left"
+            out.append(self._decided(RESUME, None, f"resuming {self.spec.output_path}: {len(ev.completed)} chunks "
+                                                   f"already written; {left}", ev.at))
+            return out
+        def decide() -> policy.Decision:
+            return policy.decide(self.spec.shape, self.spec.incoming, budget_bytes=self.budget_bytes,
+                                 predict=self.predict, halo=self.spec.halo, slots=self.slots,
+                                 whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
+                                 seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
+                                 seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
+                                 gpu=self.gpu_limit, read_range=self._read_range(), first_touch=self._first_touch())
+
+        try:
+            d = self._choose_arm(decide) if not _probes(decide) else decide()
+        except MemchunkError as exc:
+            return out + self._fail(exc)
+        out.append(self._decided(d.decision, d.plan, d.reason, ev.at))
+        self.queue.extend(Pending(c, d.decision, armed=self.arm is not None) for c in d.plan.chunks)
+        self.regions.extend(d.plan.remainder)
+        if d.plan.probe:
+            self.probe_smallest_read = self._smallest_read(d.plan.chunks)
+        self.planned_upper = d.plan.upper_bound_bytes
+        return out
+
+    def _on_done(self, ev: ChunkDone) -> list[Instruction]:
+        item = self._take(ev.id)
+        self.done.append(item.chunk)
+        self._check_replan = True
+        self._follow_drift(ev.observation)
+        if self.touched is not None and ev.observation.worker:
+            w = ev.observation.worker
+            self.touched[w] = max(self.touched.get(w, 0), int(ev.observation.peak_bytes))
+        if item.decision == PROBE:
+            # The block's own peak: what a first use left held is the worker's, and the budget already follows it.
+            self.probe_peak = max(self.probe_peak, int(ev.observation.peak_bytes) - first_use_bytes(ev.observation))
+            self.probe_gpu_peak = max(self.probe_gpu_peak, int(ev.observation.gpu_peak_bytes or 0))
+        return [Record(ev.observation), self._ended(ev.id, item, OK, ev.observation, ev.at)]
+
+    def _budget(self) -> int:
+        """What a plan must fit now (bytes): the cap, or the kill headroom less the workers' drift if smaller.
+
+        A worker's memory creeps up over a long map (Prefect's task-run engine keeps ~40-75 KB per task run
+        on a Dask worker: measured 309 -> 335 MiB over 700 task runs of a plain DaskTaskRunner) and the first
+        task of an operator imports its modules; what a worker holds above the resting memory read at the
+        start is not the operator's, so it is taken off the kill headroom, never added to the operator's
+        bound: a user's smaller cap on the task's own use is unaffected by it.
+        """
+        if self.headroom_bytes is None:
+            return self.cap_bytes
+        drift = max(self.drift.values()) if self.drift else self.drift_estimate
+        return max(1, min(self.cap_bytes, self.headroom_bytes - drift))
+
+    def _follow_drift(self, obs: Observation) -> None:
+        """Note where ``obs``'s worker stands now: where its run started, plus what the run left held there (a
+        first use: a CUDA context, a library; ``Observation.retained_bytes``), which the worker's next run starts
+        above. The budget follows."""
+        if obs.baseline_bytes is None or obs.resting_bytes is None or not obs.worker:
+            return
+        self.drift[obs.worker] = obs.unseen_bytes + int(obs.retained_bytes or 0)
+        self.budget_bytes = self._budget()
+
+    def _on_out_of_memory(self, ev: ChunkOutOfMemory) -> list[Instruction]:
+        item = self._get(ev.id)
+        # A worker that could not send its record: all the flow knows is that it needed more than the budget.
+        obs = ev.observation or self._flow_observation(item, "memory_error", self.budget_bytes, ev.at)
+        if ev.gpu and not obs.gpu_out_of_memory:
+            obs = replace(obs, gpu_out_of_memory=True)
+        self._check_replan = True
+        out: list[Instruction] = [Record(obs), self._ended(ev.id, item, MEMORY_ERROR, obs, ev.at)]
+        if ev.gpu:
+            # Learned (the GPU model of the key, model.gpu_view) and split like the host's, but never judged "not
+            # the chunk's size": the device is shared (other processes, the pool's fragmentation), so a GPU chunk
+            # is split until it fits or cannot be split.
+            needed = obs.gpu_peak_bytes or self.gpu_budget_bytes or 0  # unmeasured: more than the GPU budget
+            return out + self._retry_smaller(ev.id, item, needed, "GPU out of memory", ev.at)
+        upper = self._upper_for(item.chunk)
+        if (item.attempt >= self.settings.memory_error_splits and upper is not None
+                and upper <= self.settings.memory_kill_fraction * self.budget_bytes):
+            return out + self._fail(MemoryNotChunkSizeError(
+                f"{self.spec.name(item.chunk)} raised MemoryError after {item.attempt} splits, at {item.chunk.shape} "
+                f"(the model puts it at {format_bytes(upper)} at most, of a {format_bytes(self.budget_bytes)} "
+                "budget per task): what fails is not the chunk's size, so it is not split further. Look for a "
+                "limit on the workers' address space (ulimit -v, a container limit) or thread pools reserving "
+                "memory (BLAS / OpenMP: set OMP_NUM_THREADS=1 on the workers), then rerun: the chunks written "
+                "are kept", operator=self.spec.operator_key, chunk=item.chunk, budget_bytes=self.budget_bytes,
+                needed_bytes=obs.peak_bytes))
+        out += self._retry_smaller(ev.id, item, obs.peak_bytes, "MemoryError", ev.at)
+        return out
+
+    def _on_failed(self, ev: ChunkFailed) -> list[Instruction]:
+        self._get(ev.id)  # stays in flight: Stop settles its task run
+        return self._fail(ev.error)
+
+    def _on_worker_died(self, ev: WorkerDied) -> list[Instruction]:
+        item = self._get(ev.id)
+        name = self.spec.name(item.chunk)
+        self.deaths += 1
+        self._check_replan = True
+        if ev.written:
+            # It died after writing the chunk and its marker (before returning): keep it, do not redo it.
+            del self.in_flight[ev.id]
+            self.done.append(item.chunk)
+            return [MarkRuns(((ev.id, "Crashed", f"worker died after {name} was written; the chunk is kept"),)),
+                    RecoverMarkers((item.chunk,)),
+                    self._ended(ev.id, item, LOST, None, ev.at, kept=True)]
+        headroom = ev.kill_headroom_bytes or self.budget_bytes
+        memory_kill = is_memory_kill(self._upper_for(item.chunk), headroom, item.attempt, self.settings)
+        message = (f"worker running {name} died ({ev.error}); "
+                   + ("treated as out of memory: the chunk is split and resubmitted" if memory_kill
+                      else "resubmitting the same chunk"))
+        out: list[Instruction] = [MarkRuns(((ev.id, "Crashed", message),))]
+        if memory_kill:
+            obs = replace(self._flow_observation(item, KILLED, headroom, ev.at), worker=ev.worker)
+            out += [Record(obs), self._ended(ev.id, item, KILLED, obs, ev.at)]
+            out += self._retry_smaller(ev.id, item, headroom, "worker killed", ev.at)
+            return out
+        # Lost for another reason: learn nothing about memory; run the same chunk once more, first.
+        del self.in_flight[ev.id]
+        obs = self._flow_observation(item, "error", 0, ev.at)
+        self.queue.push_front([Pending(item.chunk, item.decision, item.attempt + 1, item.armed)])
+        return out + [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at)]
+
+    def _on_gpu_context_lost(self, ev: GpuContextLost) -> list[Instruction]:
+        """Restart the worker and run the chunk once more; a chunk that breaks a context twice, or a map whose
+        restarts reach ``settings.gpu_context_restarts``, fails with the error (never retried without end)."""
+        item = self._get(ev.id)  # stays in flight when failing: Stop settles its task run
+        name = self.spec.name(item.chunk)
+        if ev.worker in self.restarted_workers:
+            # It ran on a worker whose context another chunk had broken (queued there before the restart): not
+            # its doing; run it again elsewhere, restarting nothing more and counting nothing.
+            del self.in_flight[ev.id]
+            obs = self._flow_observation(item, "error", 0, ev.at)
+            self.queue.push_front([dataclasses.replace(item, attempt=item.attempt + 1)])
+            return [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at)]
+        if item.restarted >= 1 or self.gpu_restarts >= self.settings.gpu_context_restarts:
+            why = ("it did so again after a restart" if item.restarted
+                   else f"this map has restarted {self.gpu_restarts} worker(s) already "
+                        f"(gpu_context_restarts={self.settings.gpu_context_restarts})")
+            err = GpuContextError(
+                f"{ev.error}; not retried: {why}. The operator or its input makes the GPU fault (run it with "
+                "device='cpu' to see its own error), or the GPU is failing (nvidia-smi -q: ECC errors; Xid lines "
+                "in the system log). The chunks written are kept: a rerun resumes", ev.worker)
+            err.__cause__ = ev.error
+            return self._fail(err)
+        del self.in_flight[ev.id]
+        self.gpu_restarts += 1
+        self.restarted_workers.add(ev.worker)
+        obs = self._flow_observation(item, "error", 0, ev.at)
+        self.queue.push_front([dataclasses.replace(item, attempt=item.attempt + 1, restarted=item.restarted + 1)])
+        return [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at),
+                RestartWorker(ev.worker, f"{name} left its GPU context unusable ({ev.error}); the chunk runs once "
+                                         "more")]
+
+    def _on_cluster_lost(self, ev: ClusterLost) -> list[Instruction]:
+        item = self._get(ev.id)  # stays in flight: Stop marks its task run
+        detail = " ".join(str(ev.error).split())
+        err = ClusterLostError(
+            f"lost the Dask scheduler at {ev.address} while running {self.spec.operator} "
+            f"({type(ev.error).__name__}: {detail}); the {ev.written_chunks} chunks written so far are kept in "
+            f"{self.spec.output_path}. Start the scheduler again (or point the runner at a live one) and rerun "
+            "the flow: it resumes the output and computes only the missing chunks")
+        err.__cause__ = ev.error
+        del item
+        return self._fail(err)
+
+    def _on_pauses(self, ev: PausesRead) -> list[Instruction]:
+        if self.phase != FINISHED:
+            raise MapStateError(f"PausesRead in phase {self.phase}")
+        return self._rewarded(ev.pauses)
+
+    def _on_slots(self, ev: SlotsChanged) -> list[Instruction]:
+        new = int(ev.slots)
+        if self.phase != RUNNING or new < 1 or new == self.slots:
+            return []
+        old = self._slots_moved[0] if self._slots_moved else self.slots
+        self.slots, self._slots_moved, self._check_replan = new, (old, new), True
+        return []
+
+    def _on_upstream(self, ev: UpstreamWritten) -> list[Instruction]:
+        self.gate.add(ev.chunks, ev.complete)
+        return []
+
+    def _on_markers(self, ev: MarkersRecovered) -> list[Instruction]:
+        return [Record(o) for o in ev.observations if o.operator_key == self.spec.operator_key]
+
+    def _on_stop(self, ev: Stop) -> list[Instruction]:
+        """Keep what finished, cancel what did not, leave no task run RUNNING; never finalize."""
+        if self.phase == STOPPED:
+            return []
+        self.phase = STOPPED
+        out: list[Instruction] = []
+        kept = 0
+        for sid, obs in ev.finished:
+            item = self.in_flight.pop(sid, None)
+            if item is None:
+                continue
+            self.done.append(item.chunk)
+            kept += 1
+            out += [Record(obs), self._ended(sid, item, OK, obs, ev.at)]
+        rest = list(self.in_flight.items())
+        self.in_flight.clear()
+        if rest:
+            state = "Cancelled" if ev.interrupted else "Crashed"
+            why = ("the flow run was interrupted or cancelled" if ev.interrupted
+                   else f"the chunked map stopped ({ev.error})")
+            out.append(Cancel(tuple(sid for sid, _ in rest)))
+            out.append(MarkRuns(tuple(
+                (sid, state, f"{why} before {self.spec.name(item.chunk)} finished; the chunk is not marked written "
+                             "and is computed when the flow runs again") for sid, item in rest), look_again=True))
+            # Chunks that finished on their worker after the last result was taken: keep their measurements too.
+            out.append(RecoverMarkers(tuple(item.chunk for _, item in rest)))
+        out.append(Stopped(ev.error, kept=kept))
+        return out
+
+    # ---------------------------------------------------------------- deciding what runs next
+
+    def advance(self, at: float = 0.0) -> list[Instruction]:
+        """What to run next: re-plan the remainder if the bound moved, submit up to the cap, plan what is left.
+
+        Returns :class:`Finalize` once every box is written.
+        """
+        if self.phase != RUNNING:
+            return []
+        out: list[Instruction] = []
+        try:
+            if self._check_replan:
+                self._check_replan = False
+                out += self._maybe_replan(at)
+            while True:
+                cap = self.settings.in_flight_cap(self.slots)
+                while self.queue and len(self.in_flight) < cap:
+                    item = self.queue.popleft() if self.gate.open else self.queue.pop_first(self.gate.ready)
+                    if item is None:
+                        break  # the rest waits for the upstream map's writes
+                    out.append(self._submit(item, at))
+                if self.in_flight or self.queue:
+                    if self.waiting_upstream and self.arm_started is not None and self.upstream_wait_since is None:
+                        self.upstream_wait_since = at
+                    return out
+                if not self.regions:
+                    self.phase = FINISHED
+                    # The reward follows the finalize (a map whose output does not finalize teaches nothing), once
+                    # the workers' pauses over the map are read (PausesRead).
+                    return out + [Finalize(settle_runs=self.deaths > 0), ReadPauses(self.started_at, at)]
+                out += self._plan_regions(at)
+        except MemchunkError as exc:  # a plan that cannot fit the budget
+            return out + self._fail(exc)
+
+    def _plan_regions(self, at: float) -> list[Instruction]:
+        """The probes are back (nothing in flight): plan every box left at once, or probe again.
+
+        Planning every box at once keeps slots busy (no slot waits for a small box).
+        While the history is too short, the next probe wave is sized by :meth:`_next_probe_scale`.
+        """
+        out: list[Instruction] = []
+        pending, self.regions = self.regions, []
+        # The boxes run side by side: the largest is planned for every slot, each other one for a slot of its own
+        # (a sliver a probe wave left is one chunk, not one per slot).
+        largest = max(pending, key=lambda c: c.elements) if pending else None
+        slots = [self.slots if r is largest else 1 for r in pending]
+        chosen: list[Plan] | None = None  # the first real plans, made under the arm chosen for them
+        if self.arm is None and pending and not _probes(lambda: self._plan(pending[0], slots[0])):
+            chosen = self._choose_arm(lambda: [self._plan(r, n) for r, n in zip(pending, slots)])
+        for index, region in enumerate(pending):
+            p = chosen[index] if chosen is not None else self._plan(region, slots[index])
+            if p.probe:
+                self.probe_scale = self._next_probe_scale()
+                region, p = self._next_probe_wave(pending[index:], p.probe_reason)
+                self.probe_peak = self.probe_gpu_peak = 0
+                reads = [r for r in (self.probe_smallest_read, self._smallest_read(p.chunks)) if r]
+                self.probe_smallest_read = min(reads, default=0)
+                out.append(self._decided(PROBE, p, p.reason, at, region=region.key()))
+                self.queue.extend(Pending(c, p.decision) for c in p.chunks)
+                self.regions = list(p.remainder) + [r for r in pending[index:] if r is not region]
+                break
+            out.append(self._decided(RECHUNK, p, self.region_reason + p.reason, at, region=region.key()))
+            self.queue.extend(Pending(c, p.decision, armed=self.arm is not None) for c in p.chunks)
+        if not self.regions:
+            self.planned_upper = self.queue_bound()
+            self.planned_budget = self.budget_bytes
+        return out
+
+    def _next_probe_wave(self, boxes: list[Chunk], reason: str) -> tuple[Chunk, Plan]:
+        """Where the next probe wave goes, and the wave: a box left that it takes whole, else the largest box.
+
+        A box a wave takes whole is a sliver the last wave left (the rest of the first iline, where one iline
+        across every xline was more than a probe may read). Taken now, it is work that had to be done anyway, in
+        pieces a sliver is cut into anyway; left for after the probes, it is one more thin chunk whose halo is
+        most of what it reads, and the largest box gives up a strip to a wave of small, halo-heavy probes (on a
+        128 x 128 x 400 survey, gst3d_dip's halo of 12 traces each side made a 1 x 84-trace sliver read 13 x 96
+        traces, 15x its output, and the second wave's 16 x 64-trace probes 2.2x). Taken only where its largest
+        probe reads at least ``PROBE_SIZE_STEP`` x the smallest any probe of the map read (what a second wave is
+        for: sizes that far apart separate a slope from a fixed overhead); else the wave goes into the largest
+        box, sized by what the last wave measured (and so is a map's first wave here, after a resume).
+        """
+
+        def wave(box: Chunk) -> Plan:
+            return policy.probe_plan(self.spec.shape, budget_bytes=policy.probe_budget(self.budget_bytes,
+                                                                                       self.gpu_limit),
+                                     halo=self.spec.halo, slots=self.slots, whole_traces=self.spec.whole_traces,
+                                     region=box, itemsize=ITEMSIZE, settings=self.settings, scale=self.probe_scale,
+                                     reason=reason, others_left=len(boxes) > 1)
+
+        largest = max(boxes, key=lambda c: c.elements)
+        for box in boxes:
+            if box is largest:
+                continue
+            p = wave(box)
+            if (self.probe_smallest_read and not p.remainder
+                    and self._largest_read(p.chunks) >= PROBE_SIZE_STEP * self.probe_smallest_read):
+                return box, p
+        return largest, wave(largest)
+
+    def _largest_read(self, chunks: Iterable[Chunk]) -> int:
+        """Elements (halo included) of the largest block these chunks read."""
+        return max((math.prod(self.spec.read_extents(c)) for c in chunks), default=0)
+
+    def _smallest_read(self, chunks: Iterable[Chunk]) -> int:
+        """Elements (halo included) of the smallest block these chunks read."""
+        return min((math.prod(self.spec.read_extents(c)) for c in chunks), default=0)
+
+    def _next_probe_scale(self) -> float:
+        """The next probe wave's blocks, as a share of the largest an operator needing ``probe_multiple`` x its
+        input fits: as far as the last wave's largest peak allows if memory grew with the square of the block
+        (within ``probe_growth_budget`` of the budget), up to that largest; 1.5x smaller where that is not 1.5x
+        larger (two sizes separate a fixed overhead from a slope); a quarter after a wave that measured nothing
+        (every probe ran out of memory). On the GPU the tighter of the two budgets against its own peak."""
+        s = self.settings
+        last = self.probe_scale or s.probe_first_share
+        if self.probe_peak <= 0:
+            return last / 4
+        room = self.budget_bytes / self.probe_peak
+        if self.gpu_budget_bytes is not None:
+            if self.probe_gpu_peak <= 0:  # the GPU measured nothing (every probe ran out of it)
+                return last / 4
+            room = min(room, self.gpu_budget_bytes / self.probe_gpu_peak)
+        up = min(1.0, last * math.sqrt(s.probe_growth_budget * room))
+        return up if up >= PROBE_SIZE_STEP * last else last / PROBE_SIZE_STEP
+
+    def _maybe_replan(self, at: float) -> list[Instruction]:
+        """Mid-map: when the bound for what is queued moved enough, or the cluster's slots changed
+        (:class:`SlotsChanged`), re-plan the unsubmitted remainder.
+
+        Like is compared with like: the bound of the largest queued chunk now,
+        against the same figure when the queue was (re)planned. Never while split
+        pieces wait (they are sized by a measured failure, not by the model). A
+        box's new plan replaces its queued chunks only when those no longer fit the
+        budget, or when its estimated time is shorter by ``settings.replan_gain``:
+        a bound that wanders within a plan's slack changes nothing, and a re-plan
+        is never undone by the next observation.
+        """
+        slots_moved, self._slots_moved = self._slots_moved, None
+        if not self.queue or self.planned_upper is None or self.queue.has_split_pieces:
+            return []
+        new_upper = self.queue_bound()
+        if new_upper is None:
+            return []
+        if policy.bound_moved(self.planned_upper, new_upper, self.settings):
+            what = f"the upper bound moved from {format_bytes(self.planned_upper)} to {format_bytes(new_upper)}"
+        elif policy.bound_moved(self.planned_budget, self.budget_bytes, self.settings):
+            what = (f"the budget moved from {format_bytes(self.planned_budget)} to {format_bytes(self.budget_bytes)} "
+                    f"(the workers start tasks {format_bytes(max(self.drift.values(), default=0))} above the "
+                    "resting memory read at the map's start)")
+        elif slots_moved is not None:
+            what = f"the cluster's slots went from {slots_moved[0]} to {slots_moved[1]}"
+        elif (largest := self.queue.largest_read()) is not None and (gpu_over := self._gpu_over(largest)):
+            what = f"the GPU model now puts the largest queued chunk at {gpu_over}"
+        else:
+            return []
+        boxes, kept = remaining_boxes([q.chunk for q in self.queue])
+        keep = set(kept)
+        queue = [q for q in self.queue if q.chunk in keep]
+        out: list[Instruction] = []
+        for box in boxes:
+            p = self._plan(box)
+            queued = [q for q in self.queue if box.contains(q.chunk)]
+            why = None if p.probe else self._replan_pays(queued, p)  # a probe cannot happen once ready
+            if why is None:  # keep the queued cut
+                queue.extend(dataclasses.replace(q, decision=RECHUNK) for q in queued)
+                continue
+            out.append(self._decided(RECHUNK, p, f"mid-map re-plan: {what}; {why}; " + p.reason, at,
+                                     region=box.key()))
+            queue.extend(Pending(c, RECHUNK, armed=self.arm is not None) for c in p.chunks)
+        self.queue = PlanQueue(self.spec, queue)
+        self.planned_upper = self.queue_bound()
+        self.planned_budget = self.budget_bytes
+        return out
+
+    def _replan_pays(self, queued: list[Pending], new: Plan) -> str | None:
+        """Why ``new`` should replace the ``queued`` chunks of its box (in words), or None to keep them."""
+        largest = max(queued, key=lambda q: math.prod(self.spec.read_extents(q.chunk))).chunk
+        ext = self.spec.read_extents(largest)
+        pred = self.predict(ext)
+        if pred.upper_bytes > self.budget_bytes:
+            return (f"the queued chunks of up to {largest.shape} no longer fit "
+                    f"({format_bytes(pred.upper_bytes)} over {format_bytes(self.budget_bytes)})")
+        gpu_over = self._gpu_over(ext)
+        if gpu_over:
+            return f"the queued chunks of up to {largest.shape} no longer fit ({gpu_over})"
+        k = self.knowledge
+        old_secs = policy.estimate_seconds(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
+                                           k.seconds_for, self._first_touch(), pred.mean_bytes)
+        if self.settings.objective == "energy" and new.estimated_joules is not None:
+            old_j = policy.estimate_joules(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
+                                           k.seconds_for, k.joules_for, self._first_touch(), pred.mean_bytes)
+            if new.estimated_joules < old_j * (1 - self.settings.replan_gain):
+                return f"estimated {old_j:.0f} J -> {new.estimated_joules:.0f} J"
+            return None
+        if new.estimated_seconds is not None and new.estimated_seconds < old_secs * (1 - self.settings.replan_gain):
+            return f"estimated {old_secs:.2f} s -> {new.estimated_seconds:.2f} s"
+        return None
+
+    def queue_bound(self) -> float | None:
+        """The model's upper bound (bytes) for the largest block a queued chunk reads; None while not ready."""
+        largest = self.queue.largest_read()
+        if largest is None:
+            return None
+        pred = self.predict(largest)
+        return float(pred.upper_bytes) if pred.ready else None
+
+    # ---------------------------------------------------------------- helpers
+
+    def _plan(self, region: Chunk, slots: int | None = None) -> Plan:
+        return policy.plan(self.spec.shape, budget_bytes=self.budget_bytes, predict=self.predict, halo=self.spec.halo,
+                           slots=self.slots if slots is None else slots, whole_traces=self.spec.whole_traces,
+                           region=region, itemsize=ITEMSIZE,
+                           seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
+                           seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
+                           gpu=self.gpu_limit, read_range=self._read_range(), first_touch=self._first_touch())
+
+    def _first_touch(self) -> policy.FirstTouch | None:
+        """What growing the workers' memory past their high-water marks costs a plan now: the least touched
+        worker's mark and the operator's learned kernel seconds per byte (None where either is unknown)."""
+        if not self.touched:
+            return None
+        spb = self.knowledge.touch_seconds_per_byte()
+        return None if spb is None else policy.FirstTouch(min(self.touched.values()), spb)
+
+    def _upper_for(self, chunk: Chunk) -> float | None:
+        """Upper bound for the block this chunk reads (its halo clipped at the volume's edges); None while not ready."""
+        pred = self.predict(self.spec.read_extents(chunk))
+        return float(pred.upper_bytes) if pred.ready else None
+
+    def _submit(self, item: Pending, at: float) -> Submit:
+        sid = self.next_id
+        self.next_id += 1
+        self.in_flight[sid] = item
+        if item.armed and self.arm_started is None:
+            self.arm_started = at
+        if self.upstream_wait_since is not None:  # the upstream wrote what this chunk reads: the wait is over
+            self.arm_upstream_wait += max(0.0, at - self.upstream_wait_since)
+            self.upstream_wait_since = None
+        extents = self.spec.read_extents(item.chunk)
+        pred = self.predict(extents)
+        mean, upper = (float(pred.mean_bytes), float(pred.upper_bytes)) if pred.ready else (None, None)
+        return Submit(sid, item.chunk, item.decision, item.attempt, self.spec.label(item.chunk), extents,
+                      mean, upper, at)
+
+    def _get(self, sid: int) -> Pending:
+        if self.phase not in (RUNNING, FAILED):
+            raise MapStateError(f"a chunk event in phase {self.phase}")
+        try:
+            return self.in_flight[sid]
+        except KeyError:
+            raise MapStateError(f"submission {sid} is not in flight") from None
+
+    def _take(self, sid: int) -> Pending:
+        item = self._get(sid)
+        del self.in_flight[sid]
+        return item
+
+    def _retry_smaller(self, sid: int, item: Pending, needed_bytes: int, cause: str, at: float) -> list[Instruction]:
+        """Split a chunk that ran out of memory; its pieces go to the front of the queue. Unsplittable: fail."""
+        pieces = split_chunk(item.chunk, whole_traces=self.spec.whole_traces)
+        label = self.spec.label(item.chunk)
+        on_gpu = cause.startswith("GPU")
+        if not pieces:
+            return self._fail(ChunkOutOfMemoryError(
+                f"{self.spec.name(item.chunk)} ran out of memory ({cause}) and cannot be split further "
+                f"(shape {item.chunk.shape}{', whole traces' if self.spec.whole_traces else ''}): it needed more "
+                + (f"than {format_bytes(needed_bytes)} of GPU memory. Run one worker per GPU (and one thread per "
+                   "worker), use a GPU with more memory, or run this operator with device='cpu'"
+                   if on_gpu else
+                   f"than {format_bytes(needed_bytes)} with a budget of {format_bytes(self.budget_bytes)} per task. "
+                   "Give workers more memory (memory_limit), fewer threads per worker, or a smaller operator "
+                   "parameter"),
+                operator=self.spec.operator_key, chunk=item.chunk,
+                budget_bytes=self.gpu_budget_bytes if on_gpu else self.budget_bytes, needed_bytes=needed_bytes,
+                device="gpu" if on_gpu else "host"))
+        del self.in_flight[sid]
+        self.queue.push_front(Pending(p, RETRY_SMALLER, item.attempt + 1, item.armed) for p in pieces)
+        return [self._decided(RETRY_SMALLER, None,
+                              f"{label} ran out of memory ({cause}, needed more than {format_bytes(needed_bytes)}): "
+                              f"split into {len(pieces)} pieces of {pieces[0].shape}", at, chunk=item.chunk.key())]
+
+    def _fail(self, error: BaseException) -> list[Instruction]:
+        self.phase = FAILED
+        return [Fail(error)]
+
+    def _decided(self, decision: str, plan: Plan | None, reason: str, at: float, **where: str) -> Decided:
+        self.probed = self.probed or decision == PROBE
+        arm = self.arm.arm if self.arm is not None and plan is not None and not plan.probe else None
+        if arm is not None and self.arm is not None:
+            reason = f"{reason} [{self.arm.describe()}]"
+        return Decided(DecisionRecord(
+            decision=decision, reason=reason, operator=self.spec.operator, operator_key=self.spec.operator_key,
+            n_chunks=plan.n_chunks if plan else None, chunk_shape=tuple(plan.chunk_shape) if plan else None,  # type: ignore[arg-type]
+            predicted_peak_bytes=plan.predicted_peak_bytes if plan else None,
+            upper_bound_bytes=plan.upper_bound_bytes if plan else None, at=at, arm=arm,
+            warning=self._overhead_warning(plan) if plan is not None and not plan.probe else None, **where))
+
+    def _overhead_warning(self, plan: Plan) -> str | None:
+        """A plan of thousands of chunks whose task-run bookkeeping is most of its time: say what forces it.
+
+        Prefect + Dask cost ``per_task_overhead_seconds`` of slot time per task run whatever the chunk's size,
+        so where the budget forces tiny chunks the map spends its time on bookkeeping (and on the Prefect
+        API: one task run, several state changes each). The planner already weighs that cost; when the budget
+        leaves it no better choice, this says so, with the figures and what to change.
+        """
+        n, slots = plan.n_chunks, max(self.slots, 1)
+        overhead = n * self.settings.per_task_overhead_seconds / slots
+        if (self._overhead_warned or n < self.settings.many_chunks or not plan.estimated_seconds
+                or overhead < 0.5 * plan.estimated_seconds):
+            return None
+        self._overhead_warned = True
+        return (f"{n} chunks of {plan.chunk_shape}: at ~{self.settings.per_task_overhead_seconds:g} s of Prefect + "
+                f"Dask bookkeeping per task run that is ~{overhead / 60:.0f} min on {slots} slot(s), "
+                f"{overhead / plan.estimated_seconds:.0%} of this map's estimated {plan.estimated_seconds / 60:.0f} "
+                f"min: the budget of {format_bytes(self.budget_bytes)} per task forces chunks this small. Give each "
+                f"task more memory (a larger memory_budget or target_fraction, fewer threads per worker, or "
+                f"workers with more memory) for fewer, larger chunks")
+
+    def _rewarded(self, pauses: tuple[Pause, ...] = ()) -> list[Instruction]:
+        """What the arm's plan earned, once every chunk is written (nothing without an arm or a measured rate).
+
+        ``pauses``: the workers' pauses over the map; those within the plan's time count against it.
+        """
+        spe = self.knowledge.seconds_per_element()
+        # The plan's time: from its first submission to its last end, less the waits for an upstream map's writes.
+        wall = self.arm_ended - self.arm_started - self.arm_upstream_wait if self.arm_started is not None else 0.0
+        if (self.arm is None or self.arm_started is None or not self.arm_elements or spe is None or wall <= 0
+                or self.probed):
+            return []  # no arm, nothing written under it, no measured rate, no time measured, or a remainder's plan
+        n_paused, paused = paused_within(pauses, self.arm_started, self.arm_ended)
+        value, efficiency = bandit.reward_of(self.arm_elements, spe, self.slots, wall,
+                                             self.arm_out_of_memory, self.settings.oom_penalty, paused)
+        return [Rewarded(Reward(self.spec.operator_key, self.arm.arm, self.arm.arms, value, efficiency,
+                                self.arm_elements, wall, self.slots,
+                                out_of_memory=self.arm_out_of_memory, n_chunks=self.arm_chunks, pauses=n_paused,
+                                paused_seconds=paused, created_at=self.arm_ended))]
+
+    def _ended(self, sid: int, item: Pending, outcome: str, obs: Observation | None, at: float, *,
+               kept: bool = False) -> ChunkEnded:
+        if item.armed:
+            self.arm_ended = max(self.arm_ended, at)
+            if outcome == OK or kept:
+                self.arm_elements += item.chunk.elements
+                self.arm_chunks += 1
+            elif outcome in (MEMORY_ERROR, KILLED):
+                self.arm_out_of_memory += 1
+        return ChunkEnded(sid, item.chunk, outcome, item.decision, obs, kept, len(self.done), self.done_elements, at,
+                          queued_chunks=len(self.in_flight) + len(self.queue))
+
+    def _flow_observation(self, item: Pending, outcome: str, peak_bytes: int | None, at: float) -> Observation:
+        """The record of a run its worker could not report (it died, or sent nothing): from what the flow knows."""
+        read, _ = with_halo(item.chunk, self.spec.halo, self.spec.shape)
+        return Observation(operator_key=self.spec.operator_key, elements=read.elements, extents=read.shape,
+                           bytes_in=read.elements * ITEMSIZE, peak_bytes=int(peak_bytes or 0), outcome=outcome,
+                           censored=outcome in (MEMORY_ERROR, KILLED) and bool(peak_bytes),
+                           chunk=item.chunk.key(), budget_bytes=self.budget_bytes, method="flow", created_at=at,
+                           gpu_budget_bytes=self.gpu_budget_bytes)
+
+
+def _probes(make: Any) -> bool:
+    """Whether ``make()`` (a decision or a plan) is a cold-start probe; False when it raises (no arm fits yet)."""
+    try:
+        result = make()
+    except MemchunkError:
+        return False
+    return bool(result.decision == PROBE if isinstance(result, policy.Decision) else result.probe)
+
+
+def _chunks_of(result: Any) -> list[Chunk]:
+    """The chunks of a decision, a plan, or plans."""
+    plans = result if isinstance(result, list) else [result.plan if isinstance(result, policy.Decision) else result]
+    return [c for p in plans for c in p.chunks]
+
+
+def _estimated_seconds(result: Any) -> float | None:
+    """The planner's makespan estimate of a decision, a plan, or plans run side by side (their longest); None
+    where one has none."""
+    if isinstance(result, list):
+        secs = [_estimated_seconds(r) for r in result]
+        return None if not secs or any(x is None for x in secs) else max(x for x in secs if x is not None)
+    plan = result.plan if isinstance(result, policy.Decision) else result
+    return plan.estimated_seconds
+
+
+def _near(alternative: Any, safe: Any) -> bool:
+    """Whether a granularity arm's plan is estimated within ``bandit.ALTERNATIVE_TOLERANCE`` of the safe plan's
+    (True where either has no estimate: nothing says it loses)."""
+    alt, base = _estimated_seconds(alternative), _estimated_seconds(safe)
+    return alt is None or base is None or alt <= base * (1.0 + bandit.ALTERNATIVE_TOLERANCE)
+
+
+def _signature(result: Any) -> Any:
+    """What makes two plans the same: their decision and chunks (for a decision, a plan or a list of plans)."""
+    if isinstance(result, list):
+        return tuple(_signature(r) for r in result)
+    if isinstance(result, policy.Decision):
+        return (result.decision, _signature(result.plan))
+    return tuple(result.chunks)
+
+
+def is_memory_kill(upper_bytes: float | None, kill_headroom_bytes: int, attempt: int,
+                   settings: PolicySettings = DEFAULT_SETTINGS) -> bool:
+    """Whether a worker's death while running a chunk is taken as the nanny killing it for memory.
+
+    Yes when the model had no ready bound for the chunk, when its bound was
+    above ``settings.memory_kill_fraction`` of the kill headroom (the chunk may
+    well have crossed the kill line), or when the same chunk already died once.
+    A chunk predicted far below the kill line whose worker died was most likely
+    lost for another reason (a node lost, a SIGKILL): it runs again once.
+
+    >>> is_memory_kill(None, 1000, 0), is_memory_kill(600.0, 1000, 0), is_memory_kill(100.0, 1000, 0)
+    (True, True, False)
+    >>> is_memory_kill(100.0, 1000, attempt=1)
+    True
+    """
+    return upper_bytes is None or upper_bytes > settings.memory_kill_fraction * kill_headroom_bytes or attempt > 0
+
+
+_HANDLERS: dict[type, Any] = {
+    Start: MapMachine._on_start,
+    ChunkDone: MapMachine._on_done,
+    ChunkOutOfMemory: MapMachine._on_out_of_memory,
+    ChunkFailed: MapMachine._on_failed,
+    WorkerDied: MapMachine._on_worker_died,
+    GpuContextLost: MapMachine._on_gpu_context_lost,
+    ClusterLost: MapMachine._on_cluster_lost,
+    MarkersRecovered: MapMachine._on_markers,
+    Stop: MapMachine._on_stop,
+    PausesRead: MapMachine._on_pauses,
+    SlotsChanged: MapMachine._on_slots,
+    UpstreamWritten: MapMachine._on_upstream,
+}
+
+__all__ = [
+    "MapMachine", "MapSpec", "Knowledge", "Pending", "MapStateError", "is_memory_kill",
+    "Start", "ChunkDone", "ChunkOutOfMemory", "ChunkFailed", "WorkerDied", "ClusterLost", "MarkersRecovered", "Stop",
+    "PausesRead", "ReadPauses", "SlotsChanged", "UpstreamWritten", "Gate",
+    "Decided", "DecisionRecord", "Submit", "Record", "ChunkEnded", "MarkRuns", "Cancel", "RecoverMarkers", "Fail",
+    "Rewarded", "Finalize", "Stopped", "GpuContextLost", "RestartWorker",
+    "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER",
+    "RESUME", "RESTART", "OK", "MEMORY_ERROR", "KILLED", "LOST",
+]

@@ -1,0 +1,299 @@
+"""Volumes in: anything the runner accepts as a source of blocks, and a SEG-Y file as a lazy DataArray.
+
+A *source* is a small picklable object the runner ships to Dask workers — a path
+and a few numbers, never the samples (except :class:`ArraySource`, which holds an
+in-memory array). On the worker, ``source.read(chunk)`` reads exactly one box,
+as float32 (iline, xline, twt). :func:`read_block` adds the halo by the package's
+one edge rule (:func:`memchunk_prefect.core.chunks.with_halo`: clipped at the volume's
+edges) and returns the slices that trim it off the operator's result.
+
+>>> src = as_source(np.arange(24, dtype="float32").reshape(2, 3, 4))
+>>> block, trim = read_block(src, Chunk((1, 0, 0), (2, 3, 4)), halo=(1, 0, 0))
+>>> block.shape, block[trim].shape
+((2, 3, 4), (1, 3, 4))
+
+Results are written by :class:`~memchunk_prefect.io.zarr_store.ZarrOutput` and exported as SEG-Y by
+:func:`~memchunk_prefect.io.export.to_segy`.
+
+NaN and Inf samples are read and written as they are: nothing here replaces or
+checks them (operators document what they produce from them).
+
+Byte-level SEG-Y work (headers, geometry) is in :mod:`memchunk_prefect.io.segy`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import xarray as xr
+from xarray.backends import BackendArray
+from xarray.core import indexing
+
+from memchunk_prefect.core.chunks import (
+    AXES,
+    Chunk,
+    check_halo,
+    normalize_halo,
+    with_halo,
+)
+from memchunk_prefect.core.errors import (
+    ChunkedSourceError,
+)
+from memchunk_prefect.io import segy as _segy
+from memchunk_prefect.io.segy import SegyGeometry
+from memchunk_prefect.io.source import ArraySource, Source
+from memchunk_prefect.io.zarr_store import DATA_NAME, ZarrSource
+
+__all__ = ["SegySource", "as_source", "read_block", "open_segy"]
+
+
+SEGY_SUFFIXES = (".sgy", ".segy")
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class SegySource(Source):
+    """A post-stack SEG-Y file read trace by trace on whichever process calls :meth:`read`.
+
+    Pickles as the path, the byte locations and a small geometry (inline/crossline
+    numbers and sample times; no per-trace data for sorted files), so workers do not
+    rescan headers. Each worker thread keeps its own open segyio handle.
+    """
+
+    kind = "segy"
+
+    def __init__(self, path: str | os.PathLike, iline: int = _segy.INLINE_BYTE, xline: int = _segy.CROSSLINE_BYTE,
+                 *, endian: str | None = None, geometry: SegyGeometry | None = None):
+        self.path = os.path.abspath(os.fspath(path))
+        self.geometry = geometry or _segy.scan(self.path, iline, xline, endian)
+        self.iline = self.geometry.iline_byte
+        self.xline = self.geometry.xline_byte
+        self.endian = self.geometry.endian
+        self._coords: dict | None = None
+
+    def __getstate__(self) -> dict:
+        d = self.__dict__.copy()
+        d["_coords"] = None  # cdp_x/cdp_y are per trace: re-read them where needed, never ship them
+        return d
+
+    def __repr__(self) -> str:
+        return f"SegySource({self.path!r}, iline={self.iline}, xline={self.xline})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SegySource) and (self.path, self.iline, self.xline) == (
+            other.path, other.iline, other.xline)
+
+    def __hash__(self) -> int:
+        return hash((self.path, self.iline, self.xline))
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.geometry.shape
+
+    def coords(self) -> dict[str, Any]:
+        if self._coords is None:
+            g = self.geometry
+            c = {"iline": g.ilines.copy(), "xline": g.xlines.copy(), "twt": g.samples_ms.copy(),
+                 "sample_interval_ms": g.sample_interval_ms}
+            cdp = _segy.scan_cdp(self.path, g)
+            if cdp is not None:
+                c["cdp_x"], c["cdp_y"] = cdp
+            self._coords = c
+        return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self._coords.items()}
+
+    def read(self, chunk: Chunk) -> np.ndarray:
+        self._check_chunk(chunk)
+        return _segy.read_traces(self.geometry, np.arange(chunk.start[0], chunk.stop[0]),
+                                 np.arange(chunk.start[1], chunk.stop[1]), slice(chunk.start[2], chunk.stop[2]))
+
+    def memchunk_source(self) -> dict:
+        return {"kind": "segy", "path": self.path, "iline": self.iline, "xline": self.xline}
+
+    def identity(self) -> dict:
+        """Path, header byte locations, size and modification time (ns): a rewritten file is a new input."""
+        st = os.stat(self.path)
+        return {**self.memchunk_source(), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _still_backed_by_file(da: Any) -> bool:
+    """True when ``da``'s data is still the untouched lazy file array (no arithmetic, no load, no selection).
+
+    xarray (2026.x) keeps attrs through arithmetic (``result * 2`` keeps ``memchunk_source``)
+    and through ``isel``, so the attribute alone would point changed data back at the file.
+    Walk xarray's wrapper chain instead: every lazy indexer must select everything and
+    the innermost array must be a backend array (SEG-Y or zarr), not numpy.
+    """
+    d = getattr(da.variable, "_data", None)
+    for _ in range(16):
+        key = getattr(d, "key", None)
+        if key is not None:
+            for k, n in zip(getattr(key, "tuple", ()), da.shape):
+                if not (isinstance(k, slice) and k.indices(n) == (0, n, 1)):
+                    return False
+        if isinstance(d, BackendArray):
+            return True
+        if d is None or not hasattr(d, "array"):
+            return False
+        d = d.array
+    return False
+
+
+def _source_from_attrs(da: Any) -> Source | None:
+    """The file-backed source a DataArray's ``memchunk_source`` attribute names, if it still describes the DataArray.
+
+    xarray keeps attrs through ``isel``/``sel``, so the attribute alone could point a slice
+    back at the whole file: the shape and the coordinates must match too.
+    """
+    desc = da.attrs.get("memchunk_source") if hasattr(da, "attrs") else None
+    if not isinstance(desc, Mapping):
+        return None
+    try:
+        if desc.get("kind") == "segy":
+            src: Source = SegySource(desc["path"], desc.get("iline", _segy.INLINE_BYTE),
+                                     desc.get("xline", _segy.CROSSLINE_BYTE))
+        elif desc.get("kind") == "zarr":
+            src = ZarrSource(desc["path"], desc.get("name", DATA_NAME))
+        else:
+            return None
+    except Exception:
+        return None  # the file moved or changed: fall back to the array itself
+    if tuple(da.shape) != src.shape or tuple(da.dims) != AXES or not _still_backed_by_file(da):
+        return None
+    c = src.coords()
+    for name in AXES:
+        if name in da.coords and not np.array_equal(np.asarray(da.coords[name].values), c[name]):
+            return None
+    return src
+
+
+def as_source(obj: Any, **kw: Any) -> Source:
+    """Turn what a user passes to ``chunked(...)`` into a :class:`Source`.
+
+    - a :class:`Source` → itself;
+    - a ``str``/``Path`` ending ``.sgy``/``.segy`` → :class:`SegySource` (``iline=``, ``xline=`` pass through);
+    - a zarr directory (or a path ending ``.zarr``) → :class:`ZarrSource`;
+    - an ``xarray.DataArray`` from :func:`open_segy` / :func:`open_result`, unmodified → the file it
+      names (so workers read the file); any other DataArray or a numpy array → :class:`ArraySource`.
+
+    Anything else raises :class:`~memchunk_prefect.core.errors.ChunkedSourceError`.
+    """
+    if isinstance(obj, Source):
+        return obj
+    if isinstance(obj, (str, os.PathLike)):
+        p = Path(obj)
+        if p.suffix.lower() in SEGY_SUFFIXES:
+            return SegySource(p, **kw)
+        if p.is_dir() and any((p / m).exists() for m in ("zarr.json", ".zarray", ".zgroup")):
+            return ZarrSource(p, **kw)
+        if p.suffix.lower() == ".zarr":
+            return ZarrSource(p, **kw)
+        raise ChunkedSourceError(
+            f"cannot tell what volume the path {os.fspath(obj)!r} holds: expected a SEG-Y file ending "
+            f"{' or '.join(SEGY_SUFFIXES)} or a zarr store directory"
+            + ("" if p.exists() else " (and it does not exist)")
+        )
+
+    if isinstance(obj, xr.DataArray):
+        mapped = None if kw else _source_from_attrs(obj)
+        return mapped if mapped is not None else ArraySource(obj, **kw)
+    if isinstance(obj, np.ndarray):
+        return ArraySource(obj, **kw)
+    raise ChunkedSourceError(
+        f"cannot read a volume from a {type(obj).__module__}.{type(obj).__qualname__}: expected a SEG-Y path "
+        "(.sgy/.segy), a zarr store path, an xarray.DataArray, a numpy array (iline, xline, twt), or a "
+        "memchunk_prefect.io.volume source (SegySource, ZarrSource, ArraySource)"
+    )
+
+
+# --------------------------------------------------------------------------- open_segy (lazy xarray)
+
+
+class SegyBackendArray(BackendArray):
+    """Lazy SEG-Y samples for xarray (the way xarray's own backends do it).
+
+    xarray wraps it in ``indexing.LazilyIndexedArray``; selections compose lazily and
+    only the final outer-indexed read reaches :meth:`_raw_indexing_method`, which reads
+    just the traces selected. Picklable: it holds only a :class:`SegySource`.
+    """
+
+    def __init__(self, source: SegySource):
+        self.source = source
+        self.shape = source.shape
+        self.dtype = np.dtype("float32")
+
+    def __getitem__(self, key):
+        return indexing.explicit_indexing_adapter(key, self.shape, indexing.IndexingSupport.OUTER,
+                                                  self._raw_indexing_method)
+
+    def _raw_indexing_method(self, key: tuple) -> np.ndarray:
+        idx, squeeze = [], []
+        for axis, (k, n) in enumerate(zip(key, self.shape)):
+            if isinstance(k, (int, np.integer)):
+                idx.append(np.array([int(k) % n]))
+                squeeze.append(axis)
+            elif isinstance(k, slice):
+                idx.append(np.arange(n)[k])
+            else:
+                idx.append(np.asarray(k, dtype=np.int64) % n)
+        ii, jj, tt = idx
+        if 0 in (len(ii), len(jj), len(tt)):
+            out = np.empty((len(ii), len(jj), len(tt)), dtype=np.float32)
+        else:
+            contiguous = np.array_equal(tt, np.arange(tt[0], tt[0] + len(tt)))
+            out = _segy.read_traces(self.source.geometry, ii, jj,
+                                    slice(int(tt[0]), int(tt[0]) + len(tt)) if contiguous else tt)
+        return out.squeeze(axis=tuple(squeeze)) if squeeze else out
+
+
+def open_segy(path: str | os.PathLike, iline: int = _segy.INLINE_BYTE, xline: int = _segy.CROSSLINE_BYTE, *,
+              endian: str | None = None, name: str | None = None):
+    """A post-stack SEG-Y file as a lazy ``xarray.DataArray`` with dims ``(iline, xline, twt)``.
+
+    Only headers are read here; samples are read when values are asked for, and
+    then only the traces selected (``da.isel(iline=3).values`` reads one inline).
+    Values are float32 for every sample format segyio reads (IBM and IEEE floats,
+    1/2/4-byte integers; either byte order, detected from the binary header).
+
+    Coordinates: ``iline``/``xline`` are the header numbers at bytes ``iline``/``xline``,
+    ``twt`` the sample times in ms (``f.samples``), and ``cdp_x``/``cdp_y`` (2-D over
+    iline, xline; scalar at byte 71 applied) when the file records them.
+    ``attrs`` carry ``sample_interval_ms``, ``source`` (the path), the byte locations,
+    ``sorting``, ``format_code`` and ``memchunk_source`` (how the runner maps the
+    DataArray back to the file so workers read it directly).
+
+    Bad files raise a typed :class:`~memchunk_prefect.core.errors.SegyError` naming the file.
+    """
+    src = SegySource(path, iline, xline, endian=endian)
+    c = src.coords()
+    backend = SegyBackendArray(src)
+    var = xr.Variable(AXES, indexing.LazilyIndexedArray(backend))
+    coords: dict[str, Any] = {"iline": c["iline"], "xline": c["xline"], "twt": ("twt", c["twt"], {"units": "ms"})}
+    if "cdp_x" in c:
+        coords["cdp_x"] = (("iline", "xline"), c["cdp_x"])
+        coords["cdp_y"] = (("iline", "xline"), c["cdp_y"])
+    g = src.geometry
+    attrs = {
+        "sample_interval_ms": g.sample_interval_ms, "source": src.path, "iline_byte": src.iline,
+        "xline_byte": src.xline, "sorting": g.sorting, "format_code": g.format_code, "endian": g.endian,
+        "memchunk_source": src.memchunk_source(),
+    }
+    return xr.DataArray(var, coords=coords, name=name or Path(src.path).stem, attrs=attrs)
+
+
+# --------------------------------------------------------------------------- zarr output
+
+
+def read_block(source: Any, chunk: Chunk, halo: int | Sequence[int] | None = None) -> tuple[np.ndarray, tuple]:
+    """Read ``chunk`` plus its halo (clipped at the volume's edges) and the slices that trim the halo off.
+
+    ``block[trim]`` (and the operator's result ``[trim]``) has ``chunk.shape``. A halo
+    larger than the volume raises :class:`~memchunk_prefect.core.errors.HaloTooLargeError`.
+    """
+    src = as_source(source)
+    check_halo(normalize_halo(halo), src.shape)
+    read, trim = with_halo(chunk, halo, src.shape)
+    return src.read(read), trim

@@ -1,0 +1,202 @@
+"""The objects a user handles at a chunked map: the :func:`chunked` marker and the :class:`ChunkedResult` it returns.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from prefect.futures import PrefectFuture, PrefectFutureList
+
+from memchunk_prefect.core.chunks import Chunk, Shape, normalize_halo
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.io.zarr_store import open_result
+from memchunk_prefect.run.executor import ChunkedMap
+from memchunk_prefect.run.observe import MapLog
+
+
+@dataclass(frozen=True)
+class Chunked:
+    """A mapped argument the runner may cut: made by :func:`chunked`."""
+
+    source: Any
+    halo: Shape | None = None
+    output: str | None = None
+    replace_any: bool = False
+
+    def __iter__(self):  # pragma: no cover - a guard, not an API
+        raise TypeError(
+            "chunked(...) can only be mapped by a flow whose task_runner is MemoryAwareRunner; "
+            "this flow's task runner tried to iterate it"
+        )
+
+
+def chunked(source: Any, halo: int | Sequence[int] | None = None, *, output: str | os.PathLike | None = None,
+            replace_any: bool = False) -> Chunked:
+    """Mark ``source`` as a volume the runner may cut for the mapped task.
+
+    ``source``: a SEG-Y path, a zarr store path, a numpy array or ``xarray.DataArray``
+    (axes iline, xline, twt), or the result of an earlier chunked map.
+    ``halo``: extra samples read around each chunk, an int (every axis) or
+    (iline, xline, twt); default: what the operator declares. ``output``: where
+    the result's zarr store goes (default: under the runner's ``output_dir``).
+    An output already there is resumed when it was computed from the same input,
+    code and parameters, replaced when it is this operator's output of something
+    else, and refused when it is another operator's (or not memchunk's at all);
+    ``replace_any=True`` says the path is yours: another operator's memchunk
+    output there is replaced too (a store memchunk did not write never is).
+    """
+    return Chunked(source=source, halo=None if halo is None else normalize_halo(halo),
+                   output=None if output is None else os.fspath(output), replace_any=bool(replace_any))
+
+
+class ChunkedResult(PrefectFutureList):
+    """The result of a chunked map: its Prefect futures, and the whole output.
+
+    Returned at once, as any Prefect ``.map`` returns its futures: the map runs
+    in the background of the flow's process while the flow goes on (submits other
+    maps and tasks). ``.wait()`` waits for it; ``.result()`` waits, raises what
+    stopped it (as Prefect's ``.result()`` raises a failed task run's error), and
+    returns the output as an ``xarray.DataArray`` over its zarr store in the
+    input's geometry. Pass it to ``chunked(...)`` (or straight to the next
+    ``.map``) to chain operators: the next map is planned from this one's plan
+    at once and each of its chunks runs as soon as the chunks it reads are
+    written. ``decisions`` and ``events`` (what the runner decided and why, how
+    each task run ended), ``chunks``, iterating its futures and the other
+    accounts wait for the map to end first; ``output_path`` does not.
+    """
+
+    def __init__(self, futures: Iterable[PrefectFuture], *, output_path: str, shape: Shape, chunks: list[Chunk],
+                 operator: str, operator_key: str, decisions: list[dict], events: list[dict],
+                 observations: list[Observation], budget_bytes: int,
+                 predicted: Iterable[tuple[float, float, int]] = (), slow_workers: Iterable[dict] = ()):
+        super().__init__(futures)
+        self.output_path = output_path
+        self.shape = shape
+        self._chunks = chunks
+        self.operator = operator
+        self.operator_key = operator_key
+        self._log = MapLog(decisions=decisions, events=events, observations=observations, budget_bytes=budget_bytes,
+                           predicted=list(predicted), slow_workers=list(slow_workers))
+        self.map: ChunkedMap | None = None  # the map behind it while it runs (None: built from a finished one)
+        self._ended = threading.Event()
+        self._ended.set()
+
+    @classmethod
+    def running(cls, cmap: ChunkedMap, log: MapLog) -> "ChunkedResult":
+        """The result of a map about to run in the background; :meth:`_finish` completes it when the map ends."""
+        r = cls([], output_path=cmap.output_path, shape=cmap.shape, chunks=[], operator=cmap.name,
+                operator_key=cmap.key, decisions=[], events=[], observations=[], budget_bytes=0)
+        r._log, r.map = log, cmap
+        r._ended.clear()
+        return r
+
+    def _finish(self) -> None:
+        """The map ended (in its thread): its chunks and futures become the result's."""
+        cmap = self.map
+        if cmap is not None:
+            self._chunks = sorted(cmap.machine.done) if cmap.machine is not None else []
+            list.extend(self, cmap.futures)
+        self._ended.set()
+
+    @property
+    def done(self) -> bool:
+        """Whether the map has ended (finished, failed or stopped)."""
+        return self._ended.is_set()
+
+    @property
+    def seen(self) -> bool:
+        """Whether what stopped the map reached the user (``.result()``, a downstream map's error, the flow's end)."""
+        return self.map is None or self.map.error_seen
+
+    @property
+    def error(self) -> BaseException | None:
+        """What stopped the map (None while it runs, or when it finished its output)."""
+        return self.map.error if self.map is not None and self.done else None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the map to end, at most ``timeout`` seconds (Prefect's ``wait``: never raises the map's error)."""
+        _wait_event(self._ended, timeout)
+
+    def result(self, timeout: float | None = None, raise_on_failure: bool = True):
+        """The whole output as an ``xarray.DataArray``, once every chunk is written.
+
+        Raises ``TimeoutError`` after ``timeout`` seconds, and what stopped the map
+        (with ``raise_on_failure=False``: returns it instead, as Prefect does).
+        """
+        self.wait(timeout)
+        if not self.done:
+            raise TimeoutError(f"the chunked map over {self.operator} did not end within {timeout} s")
+        err = self.error
+        if err is not None:
+            self.map.error_seen = True  # type: ignore[union-attr]
+            if raise_on_failure:
+                raise err
+            return err
+        return open_result(self.output_path)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        """The chunks written (waits for the map to end)."""
+        self.wait()
+        return self._chunks
+
+    @property
+    def log(self) -> MapLog:
+        """What the map's observers saw (waits for the map to end)."""
+        self.wait()
+        return self._log
+
+    def __iter__(self):
+        self.wait()
+        return list.__iter__(self)
+
+    def __len__(self) -> int:
+        self.wait()
+        return list.__len__(self)
+
+    def __getitem__(self, i: Any) -> Any:
+        self.wait()
+        return list.__getitem__(self, i)
+
+    @property
+    def decisions(self) -> list[dict]:
+        return self.log.decisions
+
+    @property
+    def events(self) -> list[dict]:
+        return self.log.events
+
+    @property
+    def observations(self) -> list[Observation]:
+        return self.log.observations
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.log.budget_bytes
+
+    @property
+    def oom_events(self) -> int:
+        return self.log.oom_events
+
+    def summary(self) -> dict:
+        """Plain-data account of this map, for logs, artifacts and the demo: waits for the map to end, and raises
+        what stopped it, as :meth:`result` does (a flow that writes "done" after its summaries never says so of a
+        map that failed)."""
+        self.result()
+        return self.log.summary(operator=self.operator, operator_key=self.operator_key, chunks=self.chunks,
+                                output=self.output_path)
+
+
+def _wait_event(event: threading.Event, timeout: float | None = None) -> bool:
+    """``event.wait(timeout)`` in short steps, so Ctrl-C and Prefect's cancellation signal reach a waiting flow."""
+    deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+    while not event.is_set():
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        event.wait(0.5 if left is None else min(0.5, left))
+    return True

@@ -1,0 +1,256 @@
+"""The worker side of a chunked map: what is pickled to Dask workers, and nothing else.
+
+Each chunk runs as an ordinary Prefect task run of the user's task, whose
+function is wrapped in a :class:`BlockFunction` and whose chunked argument is a
+:class:`BlockJob` (paths and ints, never arrays). On the worker,
+:func:`run_block` reads the block (halo included) straight from the source,
+runs the user's function on it, trims the halo, writes the region of the
+output zarr store and its completion marker (which carries the measurement),
+all measured as one run, and returns a small :class:`Receipt`. A ``MemoryError``
+becomes a :class:`~memchunk_prefect.core.errors.ChunkMemoryError` carrying the
+censored observation, so the flow can learn from it and split the chunk.
+
+Large arrays never travel through the flow process or the Prefect API.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import inspect
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from distributed import get_worker
+
+from memchunk_prefect.core.chunks import Chunk, Shape, with_halo
+from memchunk_prefect.core.errors import (
+    ChunkMemoryError,
+    GpuContextError,
+    OutputWriteError,
+    RunnerConfigError,
+    VolumeError,
+    format_bytes,
+)
+from memchunk_prefect.core.records import Observation
+from memchunk_prefect.core.settings import DTYPE, ITEMSIZE
+from memchunk_prefect.io.zarr_store import ZarrOutput
+from memchunk_prefect.operators.device import (
+    CUDA,
+    GpuUse,
+    backend,
+    is_gpu_context_error,
+    is_gpu_out_of_memory,
+    release_frames,
+)
+from memchunk_prefect.run import hydration
+from memchunk_prefect.run.monitor import default_monitor
+
+
+@dataclass(frozen=True)
+class BlockJob:
+    """Everything a worker needs to run one chunk: small (paths and ints, no arrays)."""
+
+    source: Any  # a memchunk_prefect.io.volume source (SegySource, ZarrSource, ArraySource)
+    chunk: Chunk
+    halo: Shape
+    volume_shape: Shape
+    output_path: str
+    operator: str
+    operator_key: str
+    budget_bytes: int
+    label: str
+    device: str = "cpu"  # where the operator computes ("cpu" or "cuda", resolved by the flow)
+    gpu_budget_bytes: int | None = None  # on the GPU: what one task may use of the device's memory, bytes
+
+    def __repr__(self) -> str:  # shown in Prefect logs and the UI's parameters: keep it short
+        return f"BlockJob({self.operator}[{self.label}])"
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """What a finished chunk returns to the flow: where it wrote, and what it measured."""
+
+    chunk: Chunk
+    output_path: str
+    observation: dict
+
+    def __repr__(self) -> str:
+        return f"Receipt({self.chunk.key()}, peak={format_bytes(self.observation.get('peak_bytes'))})"
+
+
+def chunk_task_run_name(parameters: dict[str, Any]) -> str:
+    """Task run names that show the chunk: ``gst3d_dip[iline 64:96]``."""
+    for value in parameters.values():
+        if isinstance(value, BlockJob):
+            return f"{value.operator}[{value.label}]"
+    return "chunk"
+
+
+class BlockFunction:
+    """The user's block function, run on a worker against one :class:`BlockJob`.
+
+    It keeps the user's signature (``functools.update_wrapper``), so Prefect binds
+    parameters as for the original task; the chunked parameter arrives as a
+    ``BlockJob`` and is replaced by the numpy block before the user's function runs.
+    """
+
+    def __init__(self, fn: Any, param: str):
+        self.fn = fn
+        self.param = param
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        job = bound.arguments[self.param]
+        if not isinstance(job, BlockJob):  # called outside the runner: behave as the plain function
+            return self.fn(*args, **kwargs)
+        # This worker's later task runs validate the flow's settings once and share one API client per thread
+        # (see that module).
+        hydration.install()
+        try:
+            return run_block(self.fn, job, bound)
+        except BaseException as exc:
+            # Dask and Prefect keep a failed task's exception, whose traceback keeps the block and the operator's
+            # arrays (host and GPU) alive in this worker: drop them, so a chunk that ran out of memory leaves
+            # none of it held for the next one (memchunk_prefect.operators.device.release_frames).
+            del bound
+            release_frames(exc)
+            raise
+
+
+def _worker_name() -> str:
+    try:
+        return get_worker().address
+    except Exception:  # noqa: BLE001 - not on a Dask worker (a plain call, a test)
+        return f"pid:{os.getpid()}"
+
+
+def _task_run_id() -> str:
+    """The Prefect task run this chunk runs in ("" outside one)."""
+    try:
+        from prefect.context import TaskRunContext
+
+        ctx = TaskRunContext.get()
+        return str(ctx.task_run.id) if ctx is not None else ""
+    except Exception:  # noqa: BLE001 - never let bookkeeping fail a chunk
+        return ""
+
+
+def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
+    """Read the block, run ``fn`` on it, trim the halo, write the region; measure all of it.
+
+    The measurement covers read + compute + write, because the worker's memory
+    limit applies to all of it. On a GPU (``job.device == "cuda"``) the operator's
+    call is also measured on the device (:meth:`memchunk_prefect.operators.device.Backend.track`:
+    ``gpu_peak_bytes`` is then its peak above what the device held before, not
+    NVML's absolute figure), and a GPU out-of-memory is a censored observation as a
+    host one is. Runs on the worker.
+    """
+    read_chunk, trim = with_halo(job.chunk, job.halo, job.volume_shape)
+    base: dict[str, Any] = dict(
+        operator_key=job.operator_key, elements=read_chunk.elements, extents=read_chunk.shape,
+        bytes_in=read_chunk.elements * ITEMSIZE, worker=_worker_name(), chunk=job.chunk.key(),
+        budget_bytes=job.budget_bytes, started_at=time.time(), task_run_id=_task_run_id(),
+        host=socket.gethostname(), gpu_budget_bytes=job.gpu_budget_bytes)
+    gpu = GpuUse()
+    param = job_param_name(bound, job)
+    if job.device == CUDA:
+        # CuPy and its kernels stay loaded in the worker for every later chunk: load them before the measurement so
+        # they are not charged to this chunk as working memory (the CPU's libraries load with the operator modules).
+        backend(CUDA).load()
+    try:
+        with default_monitor().track() as run:
+            block = job.source.read(read_chunk)
+            bound.arguments[param] = block
+            if job.device == CUDA:
+                with backend(CUDA).track() as gpu:
+                    out = np.asarray(fn(*bound.args, **bound.kwargs))
+            else:
+                out = np.asarray(fn(*bound.args, **bound.kwargs))
+            if out.shape != block.shape:
+                raise VolumeError(
+                    f"operator {job.operator} returned a block of shape {out.shape} for an input block of shape "
+                    f"{block.shape}: chunked operators must return a block of the same shape as their input"
+                )
+            output = ZarrOutput.open(job.output_path)
+            try:
+                # The trimmed view goes to zarr as it is: zarr copies it one storage chunk at a time. A contiguous
+                # copy of the whole region first (where the trim cuts crosslines the view is not contiguous) is
+                # memory set by where the chunk's edges fall, not by the block, and the model cannot learn it:
+                # gaussian_smooth's 157 x 120 x 100 block peaked 23.2 MiB with it, 19.0 without, while a larger
+                # 120 x 192 x 100 iline slab (a contiguous trim) peaked 22.3-22.4 either way
+                # (python -m benchmarks.task_memory).
+                output.write(job.chunk, out[trim].astype(DTYPE, copy=False), mark_done=False)
+            except OSError as exc:
+                raise write_error(job, exc) from exc
+            # Nothing of the chunk outlives the measurement: what the process still holds at its end is what the
+            # run left behind (Observation.retained_bytes), not this block.
+            bound.arguments[param] = job
+            del block, out
+    except MemoryError as exc:
+        m = getattr(exc, "memchunk_measurement", None)
+        fields = m.observation_fields() if m is not None else {"peak_bytes": 0, "outcome": "memory_error",
+                                                                "censored": True}
+        fields.update(outcome="memory_error", censored=True, gpu_out_of_memory=is_gpu_out_of_memory(exc))
+        if gpu.peak_bytes is not None:
+            fields["gpu_peak_bytes"] = gpu.peak_bytes
+        obs = Observation(**base, **fields)
+        if is_gpu_out_of_memory(exc):
+            reached = (f"on the GPU after reaching {format_bytes(gpu.peak_bytes)} there" if gpu.peak_bytes
+                       else "on the GPU (peak not measured)")
+        else:
+            reached = f"after reaching {format_bytes(obs.peak_bytes)}" if obs.peak_bytes else "(peak not measured)"
+        budget = (f"GPU budget {format_bytes(job.gpu_budget_bytes)}" if is_gpu_out_of_memory(exc)
+                  and job.gpu_budget_bytes is not None else f"budget {format_bytes(job.budget_bytes)}")
+        raise ChunkMemoryError(
+            f"{job.operator}[{job.label}] ran out of memory {reached} ({budget}): {exc!r}", obs.to_dict(),
+            gpu=is_gpu_out_of_memory(exc)) from exc
+    except Exception as exc:
+        if not is_gpu_context_error(exc):
+            raise
+        raise GpuContextError(
+            f"{job.operator}[{job.label}] hit a CUDA error that leaves the GPU context of worker {base['worker']} "
+            f"unusable ({exc!r})", worker=base["worker"]) from exc
+    assert run.measurement is not None  # set when the track() block exits
+    fields = run.measurement.observation_fields()
+    if gpu.peak_bytes is not None:
+        fields["gpu_peak_bytes"] = gpu.peak_bytes
+    obs = Observation(**base, **fields)
+    # The marker carries the observation: a flow stopped before collecting this receipt loses no measurement.
+    try:
+        output.mark_done(job.chunk, record=obs.to_dict())
+    except OSError as exc:
+        raise write_error(job, exc) from exc
+    return Receipt(chunk=job.chunk, output_path=job.output_path, observation=obs.to_dict())
+
+
+_WRITE_HINTS = {errno.ENOSPC: "the disk is full: free space there",
+                errno.EDQUOT: "your disk quota is used up: free space or raise the quota",
+                errno.EFBIG: "a file size limit was hit (ulimit -f): raise it",
+                errno.EROFS: "the filesystem is read-only: choose a writable output directory",
+                errno.EACCES: "permission denied: choose a directory you can write"}
+
+
+def write_error(job: BlockJob, exc: OSError) -> OutputWriteError:
+    """An OutputWriteError naming the chunk, the path, the cause and what to do."""
+    code = exc.errno or 0
+    hint = _WRITE_HINTS.get(code, "fix the cause")
+    return OutputWriteError(
+        code,
+        f"{job.operator}[{job.label}]: could not write its chunk to {job.output_path} "
+        f"({errno.errorcode.get(code, 'error')}: {exc.strerror or exc}); {hint}, or set the runner's "
+        "output_dir (or chunked(..., output=)) to another place. Chunks already written are kept: rerunning the "
+        "flow resumes the output")
+
+
+def job_param_name(bound: inspect.BoundArguments, job: BlockJob) -> str:
+    """The name of the parameter the :class:`BlockJob` was bound to."""
+    for name, value in bound.arguments.items():
+        if value is job:
+            return name
+    raise RunnerConfigError("internal: the BlockJob is not among the bound arguments")  # pragma: no cover
