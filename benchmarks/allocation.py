@@ -43,14 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.sim_scale import demo_store
     from memchunk_prefect.operators.registry import DEFAULT_STEPS
     from memchunk_prefect.sim.allocation import QueueWait
-    from memchunk_prefect.sim.simulate import (
-        ClusterShape,
-        Step,
-        allocation_check,
-        run_strategy,
-        store_models,
-        window_utilisation,
-    )
+    from memchunk_prefect.sim.inputs import ClusterShape, Step, store_models
+    from memchunk_prefect.sim.runs import run_strategy
+    from memchunk_prefect.sim.simulate import allocation_check, window_utilisation
 
     tmp = tempfile.TemporaryDirectory(prefix="memchunk-allocation-")
     store = Path(args.store) if args.store else demo_store(Path(tmp.name))

@@ -75,7 +75,8 @@ def _slope(xs: list[float], ys: list[float]) -> float | None:
 def row(kind: str, shape: tuple[int, int, int], workers: int, models: Any, steps: list, repeat: int,
         **cluster_kw: Any) -> dict[str, Any]:
     """Time ``repeat`` single simulated runs (seeds 0, 1, ...) of the memchunk strategy on one cluster shape."""
-    from memchunk_prefect.sim.simulate import ClusterShape, run_strategy
+    from memchunk_prefect.sim.inputs import ClusterShape
+    from memchunk_prefect.sim.runs import run_strategy
 
     cluster = ClusterShape(workers=workers, memory_limit_bytes=8 * GiB, resting_bytes=250 * MiB, **cluster_kw)
     times, results = [], []
@@ -109,7 +110,8 @@ def end_to_end(store: Path) -> dict[str, Any]:
 def allocation_row(models: Any, steps: list, runs: int) -> dict[str, Any]:
     """The target as an allocation: queue waits (exponential, 5 min mean), a 2 h walltime, ``runs`` runs."""
     from memchunk_prefect.sim.allocation import QueueWait
-    from memchunk_prefect.sim.simulate import ClusterShape, run_strategy
+    from memchunk_prefect.sim.inputs import ClusterShape
+    from memchunk_prefect.sim.runs import run_strategy
 
     cluster = ClusterShape(workers=TARGET_WORKERS, memory_limit_bytes=8 * GiB, resting_bytes=250 * MiB,
                            queue_wait=QueueWait.parse("exp:5min"), walltime_seconds=7200.0)
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from memchunk_prefect.operators.registry import DEFAULT_STEPS
-    from memchunk_prefect.sim.simulate import Step, store_models
+    from memchunk_prefect.sim.inputs import Step, store_models
 
     tmp = tempfile.TemporaryDirectory(prefix="memchunk-sim-scale-")
     store = Path(args.store) if args.store else demo_store(Path(tmp.name))

@@ -20,7 +20,7 @@ Measured walls are each strategy's own time inside its flow (the benchmark's
 the last, so what a plain flow does before and between maps (creating outputs,
 Prefect's task-run creation beyond the per-task overhead) is not in it. The
 runner's own work per map (before a map's first task and after its last) is:
-measured from the benchmark's store (``memchunk_prefect.sim.simulate.measured_map_work``,
+measured from the benchmark's store (``memchunk_prefect.sim.inputs.measured_map_work``,
 the medians over its maps) and simulated for the ``memchunk`` strategy.
 """
 
@@ -66,7 +66,8 @@ def resting_bytes(n_workers: int, memory_limit: str) -> int:
 
 def compare(result: dict, store: str, runs: int, resting: int) -> tuple[list[dict[str, Any]], Any]:
     from memchunk_prefect.core.units import parse_bytes
-    from memchunk_prefect.sim.simulate import ClusterShape, Step, simulate, store_models
+    from memchunk_prefect.sim.inputs import ClusterShape, Step, store_models
+    from memchunk_prefect.sim.simulate import simulate
 
     cfg = result["config"]
     steps = [Step.of(dict(s)) for s in cfg["steps"]]

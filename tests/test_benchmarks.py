@@ -233,7 +233,7 @@ def _seeded_demo_store(path: Path) -> Path:
     """A store that knows the demo pipeline's operators (seeded figures: a smoke test checks structure, not values)."""
     from memchunk_prefect.learn.store import Store
     from memchunk_prefect.operators.registry import DEFAULT_STEPS
-    from memchunk_prefect.sim.simulate import Step
+    from memchunk_prefect.sim.inputs import Step
     from memchunk_prefect.testing import seed_store
 
     with Store(path) as store:

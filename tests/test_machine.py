@@ -17,7 +17,8 @@ import pytest
 from memchunk_prefect.core.bandit import ArmLearner
 from memchunk_prefect.core.chunks import Chunk, covers_exactly
 from memchunk_prefect.core.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
-from memchunk_prefect.core.machine import (
+from memchunk_prefect.core.machine import MapMachine, MapStateError, is_memory_kill
+from memchunk_prefect.core.messages import (
     KILLED,
     LOST,
     MEMORY_ERROR,
@@ -31,9 +32,7 @@ from memchunk_prefect.core.machine import (
     Decided,
     Fail,
     Finalize,
-    MapMachine,
     MapSpec,
-    MapStateError,
     MarkersRecovered,
     MarkRuns,
     PausesRead,
@@ -47,11 +46,11 @@ from memchunk_prefect.core.machine import (
     Submit,
     UpstreamWritten,
     WorkerDied,
-    is_memory_kill,
 )
 from memchunk_prefect.core.policy import Plan
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward
 from memchunk_prefect.core.settings import PolicySettings
+from memchunk_prefect.run.observe import observer_event
 from memchunk_prefect.run.taskruns import mark_runs
 
 KEY = "op|float32|cpu"
@@ -173,7 +172,7 @@ def test_a_budget_that_forces_thousands_of_tiny_chunks_is_a_warning_naming_the_b
     assert d.record.n_chunks >= 1000
     w = d.record.warning
     assert w and f"{d.record.n_chunks} chunks" in w and "12.0 KiB per task" in w and "more memory" in w, w
-    assert d.record.to_dict()["warning"] == w
+    assert observer_event(d)[1].to_dict()["warning"] == w
     again = Plan(chunks=[Chunk((0, 0, 0), (1, 9, 10))] * 2000, chunk_shape=(1, 9, 10), predicted_peak_bytes=1.0,
                  upper_bound_bytes=1.0, budget_bytes=12 * 1024, estimated_seconds=1.0)
     assert m._overhead_warning(again) is None, "said once a map, not at every re-plan"
@@ -1057,11 +1056,11 @@ def test_the_map_log_keeps_how_close_the_model_was_at_the_chunks_it_ran():
     m.handle(Start(2, 100 * 1024))
     subs = of(Submit, m.advance())
     for s in subs:
-        log.on_submit(s)
+        log.on_submit(observer_event(s)[1])
     # Each peak is the fake model's mean (100 bytes per element); its bound is 1.2x that.
     for s in subs[:2]:
         for ended in of(ChunkEnded, m.handle(ChunkDone(s.id, obs(s.chunk, peak=100 * s.chunk.elements)))):
-            log.on_chunk_end(ended)
+            log.on_chunk_end(observer_event(ended)[1])
     summary = log.summary(operator="op", operator_key=KEY, chunks=[], output="/out.zarr")
     assert summary["bound_over_peak"] == pytest.approx(1.2) and summary["mean_error"] == pytest.approx(0.0)
     assert len(log.predicted) == 2
@@ -1071,7 +1070,7 @@ def test_the_map_log_keeps_how_close_the_model_was_at_the_chunks_it_ran():
     first = obs(s.chunk, peak=100 * s.chunk.elements + 150 * MiB)
     first.retained_bytes = 150 * MiB
     for ended in of(ChunkEnded, m.handle(ChunkDone(s.id, first))):
-        log.on_chunk_end(ended)
+        log.on_chunk_end(observer_event(ended)[1])
     assert log.predicted[-1][-1] == 100 * s.chunk.elements
 
 
@@ -1129,7 +1128,7 @@ def test_a_gpu_out_of_memory_is_recorded_as_one_of_the_gpu_even_when_its_worker_
 
 def test_a_chunk_that_breaks_its_workers_gpu_context_restarts_that_worker_and_runs_once_more():
     from memchunk_prefect.core.errors import GpuContextError
-    from memchunk_prefect.core.machine import GpuContextLost, RestartWorker
+    from memchunk_prefect.core.messages import GpuContextLost, RestartWorker
 
     m = machine((4, 4, 10), knowledge=OnGpu(gpu_per_element=1.0))
     _, submitted = started(m, slots=1, budget=10 * MiB, gpu_budget_bytes=MiB)
@@ -1150,7 +1149,7 @@ def test_a_chunk_that_breaks_its_workers_gpu_context_restarts_that_worker_and_ru
 
 def test_a_chunk_that_failed_on_a_worker_another_chunk_broke_runs_again_restarting_and_counting_nothing():
     from memchunk_prefect.core.errors import GpuContextError
-    from memchunk_prefect.core.machine import GpuContextLost, RestartWorker
+    from memchunk_prefect.core.messages import GpuContextLost, RestartWorker
 
     m = machine((8, 8, 10), knowledge=OnGpu(gpu_per_element=1.0), gpu_context_restarts=1, max_counts=64)
     _, submitted = started(m, slots=2, budget=4 * 1024, gpu_budget_bytes=MiB)
@@ -1165,7 +1164,7 @@ def test_a_chunk_that_failed_on_a_worker_another_chunk_broke_runs_again_restarti
 
 def test_a_map_restarts_at_most_gpu_context_restarts_workers_then_fails():
     from memchunk_prefect.core.errors import GpuContextError
-    from memchunk_prefect.core.machine import GpuContextLost, RestartWorker
+    from memchunk_prefect.core.messages import GpuContextLost, RestartWorker
 
     m = machine((8, 8, 10), knowledge=OnGpu(gpu_per_element=1.0), gpu_context_restarts=2, max_counts=64)
     _, submitted = started(m, slots=2, budget=4 * 1024, gpu_budget_bytes=MiB)

@@ -9,9 +9,9 @@ import re
 from rich.console import Console
 
 from memchunk_prefect.core.chunks import Chunk
-from memchunk_prefect.core.machine import KILLED, OK, ChunkEnded, Submit
+from memchunk_prefect.core.messages import KILLED, OK
 from memchunk_prefect.core.records import Observation, Prediction
-from memchunk_prefect.run.observe import MapEnd, MapStart
+from memchunk_prefect.run.observe import MapEnd, MapStart, TaskEnded, TaskSubmitted
 from memchunk_prefect.run.progress import TerminalProgress
 
 MiB = 2**20
@@ -44,13 +44,13 @@ def _run_map(p: TerminalProgress, *, killed: int = 0, error: BaseException | Non
     sid, done, elements = 0, 0, 0
     for i in range(4):
         if i < killed:
-            p.on_submit(Submit(sid, _chunk(i), "rechunk", 0, f"c{i}", (16, 64, 100), at=1000.0 + i))
-            p.on_chunk_end(ChunkEnded(sid, _chunk(i), KILLED, "rechunk", _obs(900 * MiB, KILLED), done_chunks=done,
+            p.on_submit(TaskSubmitted(sid, _chunk(i), "rechunk", 0, f"c{i}", (16, 64, 100), at=1000.0 + i))
+            p.on_chunk_end(TaskEnded(sid, _chunk(i), KILLED, "rechunk", _obs(900 * MiB, KILLED), done_chunks=done,
                                       done_elements=elements, at=1001.0 + i, queued_chunks=4 - i))
             sid += 1
-        p.on_submit(Submit(sid, _chunk(i), "rechunk", 0, f"c{i}", (16, 64, 100), at=1000.0 + i))
+        p.on_submit(TaskSubmitted(sid, _chunk(i), "rechunk", 0, f"c{i}", (16, 64, 100), at=1000.0 + i))
         done, elements = done + 1, elements + _chunk(i).elements
-        p.on_chunk_end(ChunkEnded(sid, _chunk(i), OK, "rechunk", _obs((100 + i) * MiB), done_chunks=done,
+        p.on_chunk_end(TaskEnded(sid, _chunk(i), OK, "rechunk", _obs((100 + i) * MiB), done_chunks=done,
                                   done_elements=elements, at=1001.0 + i, queued_chunks=3 - i))
         sid += 1
     p.on_map_end(MapEnd(error, done, elements, at=1010.0))
@@ -113,8 +113,8 @@ def test_without_a_learned_time_the_time_left_is_the_rate_so_far():
     console, _ = _console(terminal=False)
     p = TerminalProgress(console=console)
     p.on_map_start(_start(at=1000.0))
-    p.on_submit(Submit(0, _chunk(0), "rechunk", 0, "c0", (16, 64, 100), at=1000.0))
-    p.on_chunk_end(ChunkEnded(0, _chunk(0), OK, "rechunk", _obs(MiB), done_chunks=1,
+    p.on_submit(TaskSubmitted(0, _chunk(0), "rechunk", 0, "c0", (16, 64, 100), at=1000.0))
+    p.on_chunk_end(TaskEnded(0, _chunk(0), OK, "rechunk", _obs(MiB), done_chunks=1,
                               done_elements=_chunk(0).elements, at=1004.0, queued_chunks=3))
     assert "1/4 chunks, ~12.0 s left (so far)" in p.status(now=1004.0)
 

@@ -16,7 +16,9 @@ from memchunk_prefect.core.errors import SimulationInputError
 from memchunk_prefect.core.records import Prediction
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS
 from memchunk_prefect.learn.store import Store
-from memchunk_prefect.sim.simulate import ClusterShape, Step, run_strategy, simulate
+from memchunk_prefect.sim.inputs import ClusterShape, Step
+from memchunk_prefect.sim.runs import run_strategy
+from memchunk_prefect.sim.simulate import simulate
 from memchunk_prefect.testing import seed_store
 
 MiB = 2**20
@@ -84,7 +86,8 @@ def test_a_task_that_grows_its_worker_pays_the_growth_once_per_worker_and_memchu
     assert run("static-4", touch).makespan_seconds - run("static-4").makespan_seconds == pytest.approx(0.04)
     # A worker the nanny restarts is a new process: it has held nothing, and grows again.
     from memchunk_prefect.core.chunks import Chunk
-    from memchunk_prefect.sim.simulate import SimulatedCluster, _Task
+    from memchunk_prefect.sim.cluster import SimulatedCluster
+    from memchunk_prefect.sim.inputs import _Task
 
     sim = SimulatedCluster(ClusterShape(workers=1, memory_limit_bytes=100 * MiB, resting_bytes=40 * MiB))
     box = Chunk((0, 0, 0), (1, 1, 1))
@@ -194,7 +197,7 @@ def test_the_command_line_simulates_from_a_store_and_says_which_strategies_fail(
 
 
 def _recommend(deadline, **kw):
-    from memchunk_prefect.sim.simulate import recommend
+    from memchunk_prefect.sim.recommend import recommend
 
     k = Known(bpe=400.0, spe=1e-5)  # 160,000 elements: 1.6 s of compute on one slot
     return recommend([STEP], SHAPE, lambda key: k, deadline_seconds=deadline,
@@ -254,7 +257,7 @@ def test_recommend_for_energy_picks_the_least_energy_shape_that_meets_the_deadli
 
 
 def test_the_frontier_holds_the_fewest_workers_per_memory_size_and_plots(tmp_path):
-    from memchunk_prefect.sim.simulate import frontier, plot_recommendation
+    from memchunk_prefect.sim.recommend import frontier, plot_recommendation
 
     rec = _recommend(0.8, max_workers=16, memory_options=[100 * MiB, 200 * MiB])
     points = frontier(rec)
@@ -273,7 +276,7 @@ def test_the_runners_own_work_per_map_is_measured_from_the_store_and_lengthens_o
     import dataclasses
 
     from memchunk_prefect.core.records import MapRun, Observation
-    from memchunk_prefect.sim.simulate import measured_map_work
+    from memchunk_prefect.sim.inputs import measured_map_work
 
     with Store(tmp_path / "s.sqlite") as store:
         assert measured_map_work(store) is None  # nothing recorded by a v5 runner yet
@@ -303,7 +306,7 @@ def test_a_chained_maps_wait_for_its_upstream_is_not_counted_as_the_runners_work
     """A map over a map still running (the demo's pipeline) is called at once and waits for the upstream's
     writes: only what comes after the upstream's end is the runner's own work before its first task."""
     from memchunk_prefect.core.records import MapRun, Observation
-    from memchunk_prefect.sim.simulate import measured_map_work
+    from memchunk_prefect.sim.inputs import measured_map_work
 
     def add(store, flow, name, source, start, first_task, end):
         store.add_map(MapRun(flow, "op", KEY, source, f"/{flow}/{name}", (4, 4, 4), (0, 0, 0), 4, 2, 10**9, start,
@@ -348,7 +351,8 @@ def test_durations_read_as_a_user_writes_them():
 
 def test_a_worker_over_its_kill_line_takes_its_tasks_with_it_and_nothing_new_lands_on_it():
     from memchunk_prefect.core.chunks import Chunk
-    from memchunk_prefect.sim.simulate import SimulatedCluster, _Task
+    from memchunk_prefect.sim.cluster import SimulatedCluster
+    from memchunk_prefect.sim.inputs import _Task
 
     c = Chunk((0, 0, 0), (1, 1, 1))
     sim = SimulatedCluster(ClusterShape(workers=1, threads_per_worker=3, memory_limit_bytes=100 * MiB,
@@ -371,7 +375,7 @@ def test_a_worker_over_its_kill_line_takes_its_tasks_with_it_and_nothing_new_lan
 
 
 def test_an_operator_never_run_is_simulated_cold_from_a_stated_prior_and_flagged(tmp_path, capsys):
-    from memchunk_prefect.sim.simulate import PriorKnowledge, store_models
+    from memchunk_prefect.sim.inputs import PriorKnowledge, store_models
 
     with Store(tmp_path / "s.sqlite"):
         pass  # an empty store: nothing learned

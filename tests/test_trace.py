@@ -573,7 +573,8 @@ def _simulated(tmp_path, seed=0):
     import numpy as np
 
     from memchunk_prefect.core.records import Prediction
-    from memchunk_prefect.sim.simulate import ClusterShape, Step, run_strategy
+    from memchunk_prefect.sim.inputs import ClusterShape, Step
+    from memchunk_prefect.sim.runs import run_strategy
 
     class Known:  # a learned model as the simulator reads it: 100 B per element, 1 us per element
         def predict(self, ext):

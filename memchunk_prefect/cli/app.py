@@ -476,7 +476,7 @@ def _utilisation_line(s: Any) -> str:
 
 
 def _sim_models(args: argparse.Namespace) -> Any:
-    from memchunk_prefect.sim.simulate import PriorKnowledge, store_models
+    from memchunk_prefect.sim.inputs import PriorKnowledge, store_models
 
     prior = (PriorKnowledge(args.prior_multiple, args.prior_seconds_per_element)
              if args.prior_multiple is not None else None)
@@ -516,7 +516,8 @@ def _opt(x: float | None, fmt: str) -> str:
 @arguments(_simulate_arguments)
 def _simulate(args: argparse.Namespace) -> int:
     from memchunk_prefect.core.units import parse_seconds
-    from memchunk_prefect.sim.simulate import ClusterShape, Step, simulate
+    from memchunk_prefect.sim.inputs import ClusterShape, Step
+    from memchunk_prefect.sim.simulate import simulate
 
     steps = [Step.of(s) for s in _steps_of(args)]
     models = _sim_models(args)
@@ -575,7 +576,7 @@ def _simulated_trace(args: argparse.Namespace, steps: list[Any], cluster: Any, m
     """Write the memchunk strategy's run of seed ``args.seed`` (the summaries' first) as a validated trace."""
     import numpy as np
 
-    from memchunk_prefect.sim.simulate import run_strategy
+    from memchunk_prefect.sim.runs import run_strategy
     from memchunk_prefect.sim.trace import simulated_instance, write_instance
 
     result = run_strategy("memchunk", steps, tuple(args.shape), cluster, models.knowledge,
@@ -684,7 +685,8 @@ def _recommend_arguments(p: argparse.ArgumentParser) -> None:
 @arguments(_recommend_arguments)
 def _recommend(args: argparse.Namespace) -> int:
     from memchunk_prefect.core.units import parse_seconds
-    from memchunk_prefect.sim.simulate import Step, recommend
+    from memchunk_prefect.sim.inputs import Step
+    from memchunk_prefect.sim.recommend import recommend
 
     steps = [Step.of(s) for s in _steps_of(args)]
     deadline = parse_seconds(args.deadline)
@@ -726,12 +728,12 @@ def _recommend(args: argparse.Namespace) -> int:
     _emit(f"  ({len(rec.tried)} cluster shapes simulated: {screened} searched with one run each, "
           f"{len(rec.tried) - screened} confirmed with up to {args.runs}; `--json` lists them)")
     if args.queue_wait is not None or args.walltime is not None:
-        from memchunk_prefect.sim.simulate import ClusterShape
+        from memchunk_prefect.sim.inputs import ClusterShape
 
         shape = ClusterShape(workers=b.workers, memory_limit_bytes=b.memory_limit_bytes, **_allocation_kwargs(args))
         _emit("  " + str(_allocation_note(shape, [s])))
     if args.plot:
-        from memchunk_prefect.sim.simulate import plot_recommendation
+        from memchunk_prefect.sim.recommend import plot_recommendation
 
         _emit(f"  plot: {plot_recommendation(rec, args.plot)}")
     if s.energy_basis:

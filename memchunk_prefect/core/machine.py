@@ -63,15 +63,13 @@ Units: bytes, elements, seconds since the epoch (``at``, given by the executor).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-from collections import Counter, deque
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Iterator, Mapping, Protocol, Union
+from typing import Any, Iterable, Protocol
 
 from memchunk_prefect.core import bandit, policy
 from memchunk_prefect.core.bandit import ArmChoice
-from memchunk_prefect.core.chunks import Chunk, Shape, covers, uncovered_boxes, with_halo
+from memchunk_prefect.core.chunks import Chunk, Shape, uncovered_boxes, with_halo
 from memchunk_prefect.core.errors import (
     ChunkOutOfMemoryError,
     ClusterLostError,
@@ -80,16 +78,47 @@ from memchunk_prefect.core.errors import (
     MemoryNotChunkSizeError,
     format_bytes,
 )
-from memchunk_prefect.core.policy import CONTINUE, PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
+from memchunk_prefect.core.messages import (
+    KILLED,
+    LOST,
+    MEMORY_ERROR,
+    OK,
+    RESTART,
+    RESUME,
+    Cancel,
+    ChunkDone,
+    ChunkEnded,
+    ChunkFailed,
+    ChunkOutOfMemory,
+    ClusterLost,
+    Decided,
+    DecisionRecord,
+    Event,
+    Fail,
+    Finalize,
+    GpuContextLost,
+    Instruction,
+    MapSpec,
+    MarkersRecovered,
+    MarkRuns,
+    PausesRead,
+    ReadPauses,
+    Record,
+    RecoverMarkers,
+    RestartWorker,
+    Rewarded,
+    SlotsChanged,
+    Start,
+    Stop,
+    Stopped,
+    Submit,
+    UpstreamWritten,
+    WorkerDied,
+)
+from memchunk_prefect.core.plan_queue import Gate, Pending, PlanQueue
+from memchunk_prefect.core.policy import PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward, first_use_bytes, paused_within
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
-
-#: Extra decisions recorded about the output (not about the chunking).
-RESUME = "resume"
-RESTART = "restart"
-
-#: How a chunk's task run ended, as the report and ``ChunkedResult.events`` call it.
-OK, MEMORY_ERROR, KILLED, LOST = "ok", "memory_error", "killed", "lost"
 
 #: A probe wave's blocks differ from the last wave's by at least this factor (smaller or larger): two sizes
 #: this far apart separate a fixed overhead from a slope.
@@ -133,507 +162,7 @@ class Knowledge(Protocol):
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice: ...
 
 
-@dataclass(frozen=True)
-class MapSpec:
-    """What one chunked map computes, fixed for its life: plain data."""
-
-    operator: str  # the task's name, for messages
-    operator_key: str  # the model key (name, memory parameters, dtype, device)
-    shape: Shape  # the volume (iline, xline, twt)
-    halo: Shape
-    whole_traces: bool  # the operator needs uncut traces (no cut along twt)
-    output_path: str = ""  # for messages
-    incoming: tuple[Chunk, ...] | None = None  # the upstream map's chunking, if the source is one
-    settings: PolicySettings = DEFAULT_SETTINGS
-    gated: bool = False  # the source is an upstream map still being written: see :class:`Gate`
-
-    def label(self, chunk: Chunk) -> str:
-        return chunk.label(self.shape)
-
-    def read_extents(self, chunk: Chunk) -> Shape:
-        """The block a placed chunk reads (halo included, clipped at the volume's edges)."""
-        return _read_extents(chunk, tuple(self.halo), tuple(self.shape))
-
-    def name(self, chunk: Chunk) -> str:
-        return f"{self.operator}[{self.label(chunk)}]"
-
-
-@functools.lru_cache(maxsize=2**16)
-def _read_extents(chunk: Chunk, halo: tuple[int, ...], shape: tuple[int, ...]) -> Shape:
-    # A chunk's block is asked for when it is queued, submitted and reported: computed once (a map of 20,000
-    # chunks asked 70,000 times, 1.7 s of a 2.9 s simulation).
-    return with_halo(chunk, halo, shape)[0].shape
-
-
-# =========================================================================== events (facts, from the executor)
-
-
-@dataclass(frozen=True)
-class Start:
-    """The map begins on a cluster of ``slots`` worker slots with ``budget_bytes`` per task.
-
-    ``budget_bytes``: what one task may use above its worker's resting memory as
-    read at the start (the kill line less that, per thread, or a user's cap below it);
-    ``headroom_bytes``: the kill line less the resting memory, per thread, on the
-    tightest worker (None: no line, or not known); ``drift_bytes``: how far above
-    that resting memory the workers are expected to sit when tasks start (from
-    this operator's recent runs: what they started above it, or what a first use
-    left held, whichever is more). Plans fit ``min(budget_bytes, headroom_bytes -
-    drift)``, the drift followed as runs report where their workers stood.
-    ``completed``: chunks a resumed output already holds (its completion markers);
-    ``restarted``: why an existing output at the path is being replaced, if it is.
-    ``gpu_budget_bytes``: on a GPU, what one task may use of the device's memory above
-    the worker's resting GPU memory; every plan fits it as well (the GPU model of the
-    key, :meth:`Knowledge.predict_gpu`). None on the CPU.
-    ``touched_bytes``: each worker's high-water mark less its resting memory, per thread, by address (what a
-    task may use there without the kernel faulting in memory the process never held: plans count what
-    growing past it costs, :class:`memchunk_prefect.core.policy.FirstTouch`); None: not read, nothing counted.
-    """
-
-    slots: int
-    budget_bytes: int
-    completed: tuple[Chunk, ...] = ()
-    restarted: str | None = None
-    at: float = 0.0
-    headroom_bytes: int | None = None
-    drift_bytes: int = 0
-    gpu_budget_bytes: int | None = None
-    touched_bytes: Mapping[str, int] | None = None
-
-
-@dataclass(frozen=True)
-class ChunkDone:
-    """Submission ``id`` returned: its chunk is written, ``observation`` is what it measured."""
-
-    id: int
-    observation: Observation
-    at: float = 0.0
-
-
-@dataclass(frozen=True)
-class ChunkOutOfMemory:
-    """Submission ``id`` raised ``MemoryError``; ``observation`` is the worker's censored record, if it sent one."""
-
-    id: int
-    observation: Observation | None = None
-    at: float = 0.0
-    gpu: bool = False  # the GPU's memory ran out, not the host's
-
-
-@dataclass(frozen=True)
-class ChunkFailed:
-    """Submission ``id`` raised something other than ``MemoryError``: the operator's own error."""
-
-    id: int
-    error: BaseException
-    at: float = 0.0
-
-
-@dataclass(frozen=True)
-class GpuContextLost:
-    """Submission ``id`` hit a CUDA error that left its worker's GPU context unusable (``error``, a
-    :class:`~memchunk_prefect.core.errors.GpuContextError`); ``worker``: that worker's address."""
-
-    id: int
-    worker: str
-    error: BaseException
-    at: float = 0.0
-
-
-@dataclass(frozen=True)
-class WorkerDied:
-    """The worker running submission ``id`` died (``KilledWorker``).
-
-    ``written``: the chunk's completion marker exists (it died after writing);
-    ``kill_headroom_bytes``: what a task may use above its worker's resting
-    memory before the nanny kills it, read at the death (None: unknown);
-    ``worker``: the address of the worker that died ('' unknown).
-    """
-
-    id: int
-    error: str
-    written: bool = False
-    kill_headroom_bytes: int | None = None
-    at: float = 0.0
-    worker: str = ""
-
-
-@dataclass(frozen=True)
-class ClusterLost:
-    """The scheduler forgot submission ``id`` (killed, restarted, unreachable): no worker death to learn from."""
-
-    id: int
-    error: BaseException
-    address: str = ""
-    written_chunks: int = 0  # completion markers on disk, for the message
-    at: float = 0.0
-
-
-@dataclass(frozen=True)
-class MarkersRecovered:
-    """Observations read back from completion markers that the store lacked (answer to :class:`RecoverMarkers`)."""
-
-    observations: tuple[Observation, ...]
-    at: float = 0.0
-
-
-@dataclass(frozen=True)
-class Stop:
-    """The map stops early: an interrupt or cancellation (``interrupted``), or an error (named in ``error``).
-
-    ``finished``: (id, observation) of submissions in flight whose task had
-    already returned when the executor looked: their chunks are kept.
-    """
-
-    error: str
-    interrupted: bool
-    finished: tuple[tuple[int, Observation], ...] = ()
-    at: float = 0.0
-
-
-@dataclass(frozen=True)
-class PausesRead:
-    """The workers' pauses the scheduler logged over the map (answer to :class:`ReadPauses`; empty when they could
-    not be read)."""
-
-    pauses: tuple[Pause, ...] = ()
-    at: float = 0.0
-
-
-@dataclass(frozen=True)
-class SlotsChanged:
-    """The cluster's worker slots changed mid-map: batch jobs joined from the queue (dask-jobqueue), an adaptive
-    cluster scaled, or workers left at their walltime. The in-flight cap follows at once, and a queue planned
-    for the old count is re-planned where the new count makes it faster by ``settings.replan_gain`` (the
-    rule of a moved bound). The budget per task stays the one read at the start."""
-
-    slots: int
-    at: float = 0.0
-
-
-@dataclass(frozen=True)
-class UpstreamWritten:
-    """The upstream map this one reads (a gated map's source, still being written) wrote ``chunks``: their
-    elements are final. ``complete``: it finalized its output (every element is written)."""
-
-    chunks: tuple[Chunk, ...] = ()
-    complete: bool = False
-    at: float = 0.0
-
-
-Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
-              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost]
-
-
-# =========================================================================== instructions (what to do)
-
-
-@dataclass(frozen=True)
-class DecisionRecord:
-    """A decision taken, with why: for the log, the report and ``ChunkedResult.decisions``.
-
-    ``chunk_shape`` is the largest chunk of the plan (no halo);
-    ``predicted_peak_bytes`` / ``upper_bound_bytes`` the model's mean and upper
-    bound for it with its halo.
-    """
-
-    decision: str
-    reason: str
-    operator: str
-    operator_key: str
-    n_chunks: int | None = None
-    chunk_shape: Shape | None = None
-    predicted_peak_bytes: float | None = None
-    upper_bound_bytes: float | None = None
-    at: float = 0.0
-    region: str | None = None  # Chunk.key() of the box planned
-    chunk: str | None = None  # Chunk.key() of the chunk split
-    arm: str | None = None  # the learned policy's arm the plan was fitted under
-    warning: str | None = None  # what the user should hear about this plan (logged as a warning)
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "decision": self.decision, "reason": self.reason, "operator": self.operator,
-            "operator_key": self.operator_key, "n_chunks": self.n_chunks,
-            "chunk_shape": list(self.chunk_shape) if self.chunk_shape else None,
-            "predicted_peak_bytes": self.predicted_peak_bytes, "upper_bound_bytes": self.upper_bound_bytes,
-            "time": self.at}
-        if self.region is not None:
-            d["region"] = self.region
-        if self.arm is not None:
-            d["arm"] = self.arm
-        if self.chunk is not None:
-            d["chunk"] = self.chunk
-        if self.warning is not None:
-            d["warning"] = self.warning
-        return d
-
-
-@dataclass(frozen=True)
-class Decided:
-    """Tell the log and the observers about a decision."""
-
-    record: DecisionRecord
-
-
-@dataclass(frozen=True)
-class Submit:
-    """Submit ``chunk`` as submission ``id`` (a new Prefect task run).
-
-    ``predicted_bytes`` / ``upper_bytes``: the model's figures for the block it
-    reads (``read_extents``, halo included) when submitted; None while the model
-    is not ready.
-    """
-
-    id: int
-    chunk: Chunk
-    decision: str
-    attempt: int
-    label: str
-    read_extents: Shape
-    predicted_bytes: float | None = None
-    upper_bytes: float | None = None
-    at: float = 0.0
-
-
-@dataclass(frozen=True)
-class Record:
-    """Persist ``observation`` and teach the model with it, before the next :meth:`MapMachine.advance`."""
-
-    observation: Observation
-
-
-@dataclass(frozen=True)
-class ChunkEnded:
-    """Submission ``id`` ended (``outcome``: ok, memory_error, killed, lost); the map's progress after it."""
-
-    id: int
-    chunk: Chunk
-    outcome: str
-    decision: str
-    observation: Observation | None = None
-    kept: bool = False  # a lost worker had already written it
-    done_chunks: int = 0
-    done_elements: int = 0
-    at: float = 0.0
-    queued_chunks: int = 0  # chunks in flight or planned after this one ended (boxes not planned yet not counted)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plain form kept in ``ChunkedResult.events``."""
-        d: dict[str, Any] = {"event": self.outcome, "chunk": self.chunk.key(), "decision": self.decision}
-        o = self.observation
-        if self.outcome == OK and o is not None:
-            d.update(peak_bytes=o.peak_bytes, seconds=o.seconds, worker=o.worker)
-        elif self.outcome in (MEMORY_ERROR, KILLED) and o is not None:
-            d.update(peak_bytes=o.peak_bytes, worker=o.worker)
-        if self.kept:
-            d["kept"] = True
-        return d
-
-
-@dataclass(frozen=True)
-class MarkRuns:
-    """Force these task runs into a final state unless they have one: (id, ``"Crashed"``/``"Cancelled"``, message).
-
-    Nothing else ends a run whose worker died (prefect #12968, #21638).
-    ``look_again``: a run not created yet may appear a moment later (a worker
-    started it just before a cancellation reached it): look for it again.
-    """
-
-    marks: tuple[tuple[int, str, str], ...]
-    look_again: bool = False
-
-
-@dataclass(frozen=True)
-class RestartWorker:
-    """Restart the worker at ``address`` (a new process: a new CUDA context); ``reason`` in words, for the log."""
-
-    address: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class Cancel:
-    """Cancel these submissions on the cluster."""
-
-    ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class RecoverMarkers:
-    """Read the measurements in these chunks' completion markers (where written); answer :class:`MarkersRecovered`."""
-
-    chunks: tuple[Chunk, ...]
-
-
-@dataclass(frozen=True)
-class ReadPauses:
-    """Read the workers' pauses (Dask's pause line) between ``since`` and ``until``; answer :class:`PausesRead`."""
-
-    since: float
-    until: float
-
-
-@dataclass(frozen=True)
-class Fail:
-    """Stop the map with ``error`` (raise it); then send :class:`Stop` to settle what is in flight."""
-
-    error: BaseException
-
-
-@dataclass(frozen=True)
-class Finalize:
-    """Every element is written: finalize the output. ``settle_runs``: a worker died during the map."""
-
-    settle_runs: bool
-
-
-@dataclass(frozen=True)
-class Stopped:
-    """The early stop is settled; ``kept``: chunks collected while stopping."""
-
-    error: str
-    kept: int
-
-
-@dataclass(frozen=True)
-class Rewarded:
-    """The map is finalized: persist ``reward`` (what its arm's plan earned) and teach the learned policy."""
-
-    reward: Reward
-
-
-Instruction = Union[Decided, Submit, Record, ChunkEnded, MarkRuns, Cancel, RecoverMarkers, Fail, Rewarded, Finalize,
-                    ReadPauses, Stopped, RestartWorker]
-
-
 # =========================================================================== the machine
-
-
-@dataclass
-class Pending:
-    """A chunk queued or in flight, with the decision that made it and how many times it already ran."""
-
-    chunk: Chunk
-    decision: str
-    attempt: int = 0
-    armed: bool = False  # planned under the map's learned-policy arm (its outcome counts in the reward)
-    restarted: int = 0  # times it broke its worker's GPU context, each followed by a restart of that worker
-
-
-class Gate:
-    """Which chunks of a gated map may run: those whose whole block (halo included) the upstream map has written.
-
-    A map over an upstream map's result is planned from the upstream's *plan* and starts while the upstream
-    runs; each of its chunks waits in the queue (not on a worker slot) until the upstream chunks its block
-    reads are written (:class:`UpstreamWritten`), whatever cut the upstream ends with (re-plans, split pieces,
-    a resume's old chunks: coverage is checked element by element, :func:`~memchunk_prefect.core.chunks.covers`).
-    Cost: a chunk is checked when first asked about and again only when an upstream write touches its block.
-    """
-
-    def __init__(self, spec: "MapSpec"):
-        self._spec = spec
-        self.open = not spec.gated  # the upstream is complete (or there is none): every chunk may run
-        self.written: list[Chunk] = []
-        self._waiting: dict[Chunk, list[Any]] = {}  # chunk -> [its block, upstream chunks in it, count last short]
-
-    def ready(self, chunk: Chunk) -> bool:
-        if self.open:
-            return True
-        entry = self._waiting.get(chunk)
-        if entry is None:
-            block = with_halo(chunk, self._spec.halo, self._spec.shape)[0]
-            entry = self._waiting[chunk] = [block, [w for w in self.written if w.intersect(block) is not None], -1]
-        block, pieces, checked = entry
-        if len(pieces) == checked:
-            return False  # no upstream write touched its block since it was last found short
-        if covers(pieces, block):
-            del self._waiting[chunk]  # ready for good: upstream writes are never undone
-            return True
-        entry[2] = len(pieces)
-        return False
-
-    def add(self, chunks: Iterable[Chunk], complete: bool) -> None:
-        if self.open:
-            return
-        if complete:
-            self.open = True
-            self._waiting.clear()
-            return
-        for w in chunks:
-            self.written.append(w)
-            for block, pieces, _ in self._waiting.values():
-                if w.intersect(block) is not None:
-                    pieces.append(w)
-
-
-class PlanQueue:
-    """The planned chunks not yet submitted, in submission order, with what the re-plan check asks of them kept
-    up to date: how many of each read-block shape are queued, and how many are split pieces.
-
-    After every event the machine asks for the largest block queued and whether split pieces wait; over a list
-    that was O(queue) per event, O(n^2) per map: 4.5 M halo boxes computed (26 s) for a simulated map of
-    5,600 chunks. Here each chunk's block is computed once, when it is queued, and the questions cost
-    O(distinct shapes) (a plan cuts a box into a few shapes).
-    """
-
-    def __init__(self, spec: "MapSpec", items: Iterable[Pending] = ()):
-        self._spec = spec
-        self._items: deque[Pending] = deque()
-        self._shapes: Counter[Shape] = Counter()
-        self._split = 0
-        self.extend(items)
-
-    def _count(self, item: Pending, n: int) -> None:
-        self._shapes[self._spec.read_extents(item.chunk)] += n
-        self._split += n * (item.decision == RETRY_SMALLER)
-
-    def extend(self, items: Iterable[Pending]) -> None:
-        for item in items:
-            self._count(item, 1)
-            self._items.append(item)
-
-    def push_front(self, items: Iterable[Pending]) -> None:
-        """Put ``items`` first, in their order (a resubmission, split pieces)."""
-        items = list(items)
-        for item in items:
-            self._count(item, 1)
-        self._items.extendleft(reversed(items))
-
-    def popleft(self) -> Pending:
-        item = self._items.popleft()
-        self._count(item, -1)
-        return item
-
-    def pop_first(self, ready: Any) -> Pending | None:
-        """The first queued item for which ``ready(chunk)`` holds, taken off the queue; None if there is none."""
-        for i, item in enumerate(self._items):
-            if ready(item.chunk):
-                del self._items[i]
-                self._count(item, -1)
-                return item
-        return None
-
-    def largest_read(self) -> Shape | None:
-        """The largest block (elements, halo included) a queued chunk reads; None when nothing is queued."""
-        shapes = [s for s, n in self._shapes.items() if n > 0]
-        return max(shapes, key=math.prod) if shapes else None
-
-    @property
-    def has_split_pieces(self) -> bool:
-        return self._split > 0
-
-    def __iter__(self) -> Iterator[Pending]:
-        return iter(self._items)
-
-    def __getitem__(self, i: int | slice) -> Any:
-        return list(self._items)[i] if isinstance(i, slice) else self._items[i]
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __bool__(self) -> bool:
-        return bool(self._items)
 
 
 @dataclass
@@ -1472,12 +1001,4 @@ _HANDLERS: dict[type, Any] = {
     UpstreamWritten: MapMachine._on_upstream,
 }
 
-__all__ = [
-    "MapMachine", "MapSpec", "Knowledge", "Pending", "MapStateError", "is_memory_kill",
-    "Start", "ChunkDone", "ChunkOutOfMemory", "ChunkFailed", "WorkerDied", "ClusterLost", "MarkersRecovered", "Stop",
-    "PausesRead", "ReadPauses", "SlotsChanged", "UpstreamWritten", "Gate",
-    "Decided", "DecisionRecord", "Submit", "Record", "ChunkEnded", "MarkRuns", "Cancel", "RecoverMarkers", "Fail",
-    "Rewarded", "Finalize", "Stopped", "GpuContextLost", "RestartWorker",
-    "Event", "Instruction", "CONTINUE", "PROBE", "RECHUNK", "RETRY_SMALLER",
-    "RESUME", "RESTART", "OK", "MEMORY_ERROR", "KILLED", "LOST",
-]
+__all__ = ["MapMachine", "Knowledge", "MapStateError", "is_memory_kill"]

@@ -191,8 +191,6 @@ class ZarrSource(Source):
         return {**self.memchunk_source(), "write_id": attrs["write_id"], "completed_at": attrs.get("completed_at")}
 
 
-
-
 def default_zarr_chunks(shape: Sequence[int], itemsize: int = 4,
                         target_bytes: int = TARGET_STORAGE_CHUNK_BYTES) -> tuple[int, int, int]:
     """Storage chunks of whole traces, about ``target_bytes`` each, near-square in (iline, xline).

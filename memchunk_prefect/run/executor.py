@@ -35,9 +35,11 @@ from prefect.states import State
 from prefect_dask.task_runners import PrefectDaskFuture
 
 from memchunk_prefect.core.chunks import Chunk, Shape, with_halo
+from memchunk_prefect.core.drive import drive, execute
 from memchunk_prefect.core.energy import ESTIMATE, estimate_joules
 from memchunk_prefect.core.errors import GpuContextError, MemchunkError, UpstreamMapError, WorkersPausedError
-from memchunk_prefect.core.machine import (
+from memchunk_prefect.core.machine import MapMachine
+from memchunk_prefect.core.messages import (
     KILLED,
     Cancel,
     ChunkDone,
@@ -51,7 +53,6 @@ from memchunk_prefect.core.machine import (
     Finalize,
     GpuContextLost,
     Instruction,
-    MapMachine,
     MapSpec,
     MarkersRecovered,
     MarkRuns,
@@ -89,7 +90,7 @@ from memchunk_prefect.operators.spec import operator_key, operator_name, spec_of
 from memchunk_prefect.run import cluster as _cluster
 from memchunk_prefect.run import taskruns
 from memchunk_prefect.run.hydration import settings_serialized_once
-from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart, Observers
+from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart, Observers, observer_event
 from memchunk_prefect.run.prefect_api import flow_logger, flow_run_id
 from memchunk_prefect.run.worker import BlockFunction, BlockJob, chunk_task_run_name
 
@@ -297,29 +298,36 @@ class ChunkedMap:
                 drift_bytes=int(max(bank.model(self.key).unseen_bytes(), bank.model(self.key).first_use_bytes())),
                 gpu_budget_bytes=self.gpu_budget, touched_bytes=budget.touched_bytes or None)))
         self.planned.set()
-        polled = time.monotonic()
-        while not self.machine.finished:
-            with self.lock:
-                self.execute(self.machine.advance(time.time()))
-            if self.machine.finished:
-                break
-            event = self.next_event()
-            with self.lock:
-                self.execute(self.machine.handle(event))
-            self.tell_listeners()
-            if time.monotonic() - polled >= RUNNER_SETTINGS.slots_poll_seconds:
-                polled = time.monotonic()
-                self.follow_slots()
+        self.slots_polled = time.monotonic()
+        drive(self.machine, self)
 
-    def follow_slots(self) -> None:
-        """Tell the machine when the slots to plan for changed since the map started (workers joined a scheduler
-        started elsewhere, or left; on the runner's own cluster, more than were requested): it raises or lowers
-        its in-flight cap."""
-        slots = self.ctx.cluster.slots_now()
-        if slots and self.machine is not None and slots != self.machine.slots:
-            logger.info("%s: the cluster now has %d worker threads (%d when the map started)", self.name, slots,
-                        self.slots)
-            self.execute(self.machine.handle(SlotsChanged(slots, at=time.time())))
+    # ---------------------------------------------------------------- the world the machine is driven in
+
+    def now(self) -> float:
+        return time.time()
+
+    def halted(self) -> bool:
+        return False  # a real map stops by raising (Fail, a stop, a lost upstream)
+
+    def guard(self) -> Any:
+        return self.lock
+
+    def handled(self) -> None:
+        self.tell_listeners()
+
+    def next_events(self, machine: MapMachine) -> list[Event]:
+        """The next finished submission (or what the upstream wrote), and, at most every
+        ``slots_poll_seconds``, a change in the slots to plan for (workers joined a scheduler started
+        elsewhere, or left; on the runner's own cluster, more than were requested)."""
+        events = [self.next_event()]
+        if time.monotonic() - self.slots_polled >= RUNNER_SETTINGS.slots_poll_seconds:
+            self.slots_polled = time.monotonic()
+            slots = self.ctx.cluster.slots_now()
+            if slots and slots != machine.slots:
+                logger.info("%s: the cluster now has %d worker threads (%d when the map started)", self.name, slots,
+                            self.slots)
+                events.append(SlotsChanged(slots, at=time.time()))
+        return events
 
     def next_event(self) -> Event:
         """Wait for the next finished submission and say what happened to it; for a map over a map still running,
@@ -425,12 +433,9 @@ class ChunkedMap:
 
     def execute(self, instructions: list[Instruction]) -> None:
         """Carry out instructions in order; answers they produce (recovered markers) go back to the machine."""
-        for ins in instructions:
-            answer = self.do(ins)
-            if answer is not None:
-                self.execute(self.machine.handle(answer))  # type: ignore[union-attr]
+        execute(self.machine, self, instructions)
 
-    def do(self, ins: Instruction) -> Event | None:
+    def carry_out(self, ins: Instruction) -> Event | None:
         if isinstance(ins, Submit):
             self.submit(ins)
         elif isinstance(ins, Record):
@@ -442,9 +447,9 @@ class ChunkedMap:
             if r.warning:
                 logger.warning("%s: %s", self.name, r.warning)
                 flow_logger(logger).warning("memchunk %s: %s", self.name, r.warning)
-            self.observers.emit("on_decision", r)
+            self.tell_observers(ins)
         elif isinstance(ins, ChunkEnded):
-            self.observers.emit("on_chunk_end", ins)
+            self.tell_observers(ins)
         elif isinstance(ins, MarkRuns):
             # A submission interrupted before it reached Dask (Ctrl-C or a cancellation during submit) has no
             # future and no task run: nothing to mark or cancel.
@@ -477,6 +482,11 @@ class ChunkedMap:
         else:  # pragma: no cover - a new instruction type without an executor
             raise MemchunkError(f"internal: no executor for {ins!r}")
         return None
+
+    def tell_observers(self, ins: Instruction) -> None:
+        told = observer_event(ins)
+        if told is not None:
+            self.observers.emit(*told)
 
     def restart_worker(self, ins: RestartWorker) -> None:
         """Restart a worker whose GPU context is unusable (its nanny starts a new process), and say so.
@@ -530,7 +540,7 @@ class ChunkedMap:
         self.by_id[ins.id] = fut
         self.ids[fut.wrapped_future.key] = ins.id
         self.ac.add(fut.wrapped_future)
-        self.observers.emit("on_submit", ins)
+        self.tell_observers(ins)
 
     def dependencies(self, chunk: Chunk) -> dict[str, set] | None:
         """The upstream task runs that wrote what ``chunk``'s block reads, as Prefect task inputs of its task run

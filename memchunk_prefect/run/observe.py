@@ -15,40 +15,44 @@ The events, in order:
 1. :meth:`~MapObserver.on_map_start` with a :class:`MapStart` (what the map
    computes, the budget and slots read from the cluster, and a read-only
    ``predict`` over the learned model);
-2. :meth:`~MapObserver.on_decision` with a :class:`~memchunk_prefect.core.machine.DecisionRecord`
-   each time the runner decides (probe, continue, rechunk, retry-smaller, resume, restart);
-3. :meth:`~MapObserver.on_submit` with a :class:`~memchunk_prefect.core.machine.Submit`
-   per task run (the chunk, its block's extents, the model's figures for it);
-4. :meth:`~MapObserver.on_chunk_end` with a :class:`~memchunk_prefect.core.machine.ChunkEnded`
-   per finished task run (outcome, observation, progress);
+2. :meth:`~MapObserver.on_decision` with a :class:`Decision` each time the runner
+   decides (probe, continue, rechunk, retry-smaller, resume, restart);
+3. :meth:`~MapObserver.on_submit` with a :class:`TaskSubmitted` per task run (the
+   chunk, its block's extents, the model's figures for it);
+4. :meth:`~MapObserver.on_chunk_end` with a :class:`TaskEnded` per finished task run
+   (outcome, observation, progress);
 5. :meth:`~MapObserver.on_map_end` with a :class:`MapEnd`, once, also when the map fails.
 
 Observers never see the executor or the state machine, so either can change
-without breaking them (as cubed's ``Callback.on_task_end(TaskEndEvent)``). An
+without breaking them (as cubed's ``Callback.on_task_end(TaskEndEvent)``): the
+events are this module's own, made from the machine's instructions in one place,
+:func:`observer_event`. An
 observer that raises is logged and dropped for the rest of the map: watching
 must never stop a run.
 
 >>> log = MapLog()
->>> log.on_decision(DecisionRecord("rechunk", "why", "envelope", "envelope|float32|cpu"))
+>>> log.on_decision(Decision("rechunk", "why", "envelope", "envelope|float32|cpu"))
 >>> [d["decision"] for d in log.decisions]
 ['rechunk']
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from memchunk_prefect.core.chunks import Chunk, Shape
 from memchunk_prefect.core.energy import energy_by_source
-from memchunk_prefect.core.machine import OK, ChunkEnded, DecisionRecord, Submit
+from memchunk_prefect.core.messages import KILLED, MEMORY_ERROR, OK, ChunkEnded, Decided, Instruction, Submit
 from memchunk_prefect.core.records import Observation, Prediction, Reward, first_use_bytes
 from memchunk_prefect.core.stragglers import SlowWorker
 
 logger = logging.getLogger("memchunk_prefect.run.observe")
 
-__all__ = ["MapStart", "MapEnd", "MapObserver", "MapLog", "Observers", "DecisionRecord", "Submit", "ChunkEnded"]
+__all__ = ["MapStart", "Decision", "TaskSubmitted", "TaskEnded", "MapEnd", "MapObserver", "MapLog", "Observers",
+           "observer_event"]
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,117 @@ class MapStart:
 
 
 @dataclass(frozen=True)
+class Decision:
+    """A decision taken, with why: for the log, the report and ``ChunkedResult.decisions``.
+
+    ``chunk_shape``: the largest chunk of the plan (no halo); ``predicted_peak_bytes`` /
+    ``upper_bound_bytes``: the model's mean and upper bound for it with its halo, bytes;
+    ``at``: seconds since the epoch.
+    """
+
+    decision: str
+    reason: str
+    operator: str
+    operator_key: str
+    n_chunks: int | None = None
+    chunk_shape: Shape | None = None
+    predicted_peak_bytes: float | None = None
+    upper_bound_bytes: float | None = None
+    at: float = 0.0
+    region: str | None = None  # Chunk.key() of the box planned
+    chunk: str | None = None  # Chunk.key() of the chunk split
+    arm: str | None = None  # the learned policy's arm the plan was fitted under
+    warning: str | None = None  # what the user should hear about this plan (logged as a warning)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain form kept in ``ChunkedResult.decisions``."""
+        d: dict[str, Any] = {
+            "decision": self.decision, "reason": self.reason, "operator": self.operator,
+            "operator_key": self.operator_key, "n_chunks": self.n_chunks,
+            "chunk_shape": list(self.chunk_shape) if self.chunk_shape else None,
+            "predicted_peak_bytes": self.predicted_peak_bytes, "upper_bound_bytes": self.upper_bound_bytes,
+            "time": self.at}
+        for name in ("region", "arm", "chunk", "warning"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
+        return d
+
+
+@dataclass(frozen=True)
+class TaskSubmitted:
+    """A chunk was submitted as task run ``id`` (the map's own numbering).
+
+    ``read_extents``: the block it reads (halo included); ``predicted_bytes`` / ``upper_bytes``: the
+    model's mean and upper bound for that block when submitted, bytes (None while the model is not ready).
+    """
+
+    id: int
+    chunk: Chunk
+    decision: str
+    attempt: int
+    label: str
+    read_extents: Shape
+    predicted_bytes: float | None = None
+    upper_bytes: float | None = None
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
+class TaskEnded:
+    """Task run ``id`` ended (``outcome``: ok, memory_error, killed, lost), and the map's progress after it.
+
+    ``kept``: its worker was lost after writing it; ``queued_chunks``: chunks in flight or planned after it
+    ended (boxes not planned yet are not counted).
+    """
+
+    id: int
+    chunk: Chunk
+    outcome: str
+    decision: str
+    observation: Observation | None = None
+    kept: bool = False
+    done_chunks: int = 0
+    done_elements: int = 0
+    at: float = 0.0
+    queued_chunks: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain form kept in ``ChunkedResult.events``."""
+        d: dict[str, Any] = {"event": self.outcome, "chunk": self.chunk.key(), "decision": self.decision}
+        o = self.observation
+        if self.outcome == OK and o is not None:
+            d.update(peak_bytes=o.peak_bytes, seconds=o.seconds, worker=o.worker)
+        elif self.outcome in (MEMORY_ERROR, KILLED) and o is not None:
+            d.update(peak_bytes=o.peak_bytes, worker=o.worker)
+        if self.kept:
+            d["kept"] = True
+        return d
+
+
+def _copy(cls: type, source: Any) -> Any:
+    return cls(**{f.name: getattr(source, f.name) for f in dataclasses.fields(cls)})
+
+
+def observer_event(instruction: Instruction) -> tuple[str, Any] | None:
+    """The observer call and event an instruction of the map machine stands for (None: observers don't see it).
+
+    The one place where the machine's vocabulary becomes the observers'.
+
+    >>> from memchunk_prefect.core.messages import DecisionRecord
+    >>> method, event = observer_event(Decided(DecisionRecord("probe", "no history", "envelope", "k")))
+    >>> method, type(event).__name__, event.decision
+    ('on_decision', 'Decision', 'probe')
+    """
+    if isinstance(instruction, Decided):
+        return "on_decision", _copy(Decision, instruction.record)
+    if isinstance(instruction, Submit):
+        return "on_submit", _copy(TaskSubmitted, instruction)
+    if isinstance(instruction, ChunkEnded):
+        return "on_chunk_end", _copy(TaskEnded, instruction)
+    return None
+
+
+@dataclass(frozen=True)
 class MapEnd:
     """The map ended: ``error`` is None when every chunk was written and the output finalized."""
 
@@ -93,13 +208,13 @@ class MapObserver:
     def on_map_start(self, event: MapStart) -> None:
         """The map begins (budget and slots read, output opened)."""
 
-    def on_decision(self, event: DecisionRecord) -> None:
+    def on_decision(self, event: Decision) -> None:
         """A decision was taken (and why)."""
 
-    def on_submit(self, event: Submit) -> None:
+    def on_submit(self, event: TaskSubmitted) -> None:
         """A chunk was submitted as a task run."""
 
-    def on_chunk_end(self, event: ChunkEnded) -> None:
+    def on_chunk_end(self, event: TaskEnded) -> None:
         """A task run of the map ended (ok, out of memory, its worker killed or lost)."""
 
     def on_slow_worker(self, event: SlowWorker) -> None:
@@ -130,7 +245,7 @@ class MapLog(MapObserver):
     """The plain-data account of one map that ``ChunkedResult`` keeps: decisions, chunk events, observations.
 
     ``decisions`` and ``events`` are lists of dicts (see
-    :meth:`DecisionRecord.to_dict` and :meth:`ChunkEnded.to_dict`); ``observations``
+    :meth:`Decision.to_dict` and :meth:`TaskEnded.to_dict`); ``observations``
     the measured records of finished task runs, in the order they ended.
     """
 
@@ -149,14 +264,14 @@ class MapLog(MapObserver):
     def on_map_start(self, event: MapStart) -> None:
         self.budget_bytes = event.budget_bytes
 
-    def on_decision(self, event: DecisionRecord) -> None:
+    def on_decision(self, event: Decision) -> None:
         self.decisions.append(event.to_dict())
 
-    def on_submit(self, event: Submit) -> None:
+    def on_submit(self, event: TaskSubmitted) -> None:
         if event.predicted_bytes is not None and event.upper_bytes is not None:
             self._submitted[event.id] = (float(event.predicted_bytes), float(event.upper_bytes))
 
-    def on_chunk_end(self, event: ChunkEnded) -> None:
+    def on_chunk_end(self, event: TaskEnded) -> None:
         self.events.append(event.to_dict())
         if event.observation is not None:
             self.observations.append(event.observation)

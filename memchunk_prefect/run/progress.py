@@ -36,8 +36,8 @@ import time
 from typing import Any, Callable
 
 from memchunk_prefect.core.errors import format_bytes
-from memchunk_prefect.core.machine import KILLED, MEMORY_ERROR, OK, ChunkEnded, Submit
-from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart
+from memchunk_prefect.core.messages import KILLED, MEMORY_ERROR, OK
+from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart, TaskEnded, TaskSubmitted
 
 logger = logging.getLogger("memchunk_prefect.run.progress")
 
@@ -149,14 +149,14 @@ class TerminalProgress(MapObserver):
         if self.live:
             self._start_live(event)
 
-    def on_submit(self, event: Submit) -> None:
+    def on_submit(self, event: TaskSubmitted) -> None:
         n = math.prod(event.read_extents)
         self.blocks[event.id] = n
         self.last_block = n
         self.queued = max(self.queued, len(self.blocks))
         self._refresh()
 
-    def on_chunk_end(self, event: ChunkEnded) -> None:
+    def on_chunk_end(self, event: TaskEnded) -> None:
         self.blocks.pop(event.id, None)
         self.done_chunks, self.done_elements = event.done_chunks, event.done_elements
         self.queued = event.queued_chunks

@@ -53,8 +53,7 @@ from prefect.context import FlowRunContext
 from memchunk_prefect.core.chunks import Chunk, with_halo
 from memchunk_prefect.core.energy import energy_by_source, energy_text
 from memchunk_prefect.core.errors import format_bytes
-from memchunk_prefect.core.machine import ChunkEnded, DecisionRecord, Submit
-from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart
+from memchunk_prefect.run.observe import Decision, MapEnd, MapObserver, MapStart, TaskEnded, TaskSubmitted
 
 logger = logging.getLogger("memchunk_prefect.run.report")
 
@@ -532,11 +531,11 @@ class MapReporter(MapObserver):
         self._predict = event.predict
         self._halo = tuple(event.halo)  # type: ignore[assignment]
 
-    def on_decision(self, event: DecisionRecord) -> None:
+    def on_decision(self, event: Decision) -> None:
         if self.record is not None:
             self.record.decisions.append(event.to_dict())
 
-    def on_submit(self, event: Submit) -> None:
+    def on_submit(self, event: TaskSubmitted) -> None:
         r = self.record
         if r is None:
             return
@@ -550,7 +549,7 @@ class MapReporter(MapObserver):
         r.attempts.append(a)
         self._open[event.id] = a
 
-    def on_chunk_end(self, event: ChunkEnded) -> None:
+    def on_chunk_end(self, event: TaskEnded) -> None:
         r = self.record
         if r is None:
             return

@@ -111,12 +111,6 @@ logger = logging.getLogger("memchunk_prefect.run.runner")
 # less of every task's budget.
 
 
-# =========================================================================== the user-facing marker
-
-
-# =========================================================================== the result of a chunked map
-
-
 # =========================================================================== the runner
 
 

@@ -703,11 +703,11 @@ def write_instance(doc: Mapping[str, Any], output: str | os.PathLike,
 
 def simulated_instance(result: Any, steps: Sequence[Any], shape: Sequence[int], cluster: Any, *,
                        started_at: float | None = None) -> dict[str, Any]:
-    """The WfFormat instance of one simulated run (:func:`memchunk_prefect.sim.simulate.trace_records`), built
+    """The WfFormat instance of one simulated run (:func:`memchunk_prefect.sim.runs.trace_records`), built
     as a real run's is, so the two compare task by task (:func:`compare`)."""
     import time as _time
 
-    from memchunk_prefect.sim.simulate import trace_records
+    from memchunk_prefect.sim.runs import trace_records
 
     t0 = _time.time() if started_at is None else float(started_at)
     ni, nx, nt = (int(v) for v in shape)

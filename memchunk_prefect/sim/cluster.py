@@ -1,0 +1,239 @@
+"""A cluster simulated as discrete events: worker slots, the nanny's kill line, restarts, batch jobs' queue waits
+and walltimes, and each worker's high-water mark.
+
+Tasks are submitted with their drawn memory and seconds; :meth:`SimulatedCluster.next` advances the clock to
+the next task that ends (done, killed for memory, or lost with its job) and says which. Units: bytes, seconds
+(simulated, from 0).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from memchunk_prefect.core.chunks import Chunk
+from memchunk_prefect.core.errors import SimulationInputError
+from memchunk_prefect.sim.inputs import ClusterShape, _Task
+
+# Kinds of event, in the order events at the same time are handled: a task ends, a worker comes (back), a
+# worker leaves at its walltime. How a task ends: done, killed with its worker, lost with a worker that left.
+_END, _COME, _LEAVE = 0, 1, 2
+_DONE, _KILLED, _LOST = 0, 1, 2
+
+#: The pseudo-task :meth:`SimulatedCluster.next` returns when a worker comes (back) and tasks wait for it.
+_WAKE = _Task(-1, Chunk((0, 0, 0), (1, 1, 1)), (1, 1, 1), 0, 0.0, key=-1)
+
+
+@dataclass
+class _Ended:
+    task: _Task
+    at: float
+    killed: bool
+    lost: bool = False  # its worker left at walltime (not killed: nothing to learn about memory)
+
+
+class SimulatedCluster:
+    """Worker slots running tasks first come, first served; a worker whose tasks cross its kill line dies.
+
+    A task's memory is taken to rise through its run: a worker is killed when the
+    tasks running on it together need more than its headroom, at the moment the
+    newest of them has used half its time (every task on it then ends killed; no
+    task is placed on a worker due to die), and is back after ``restart_seconds``.
+    Each placed task gets its own key, so the events of one map never end another
+    map's task that reuses a submission id. A task that takes its worker above the
+    most it has held (``marks``: the most its tasks together held since the worker
+    started, 0 for a fresh or restarted one) runs longer by that growth at its
+    operator's learned kernel seconds per byte (``_Task.touch_seconds_per_byte``),
+    as a real worker faults that memory in. A task goes to the free worker of
+    lowest number (kept in a heap: O(log workers) per placement).
+
+    An HPC allocation (``ClusterShape.queue_wait`` / ``walltime_seconds``): each
+    worker is one batch job that joins after its queue wait (drawn from ``rng``
+    when the cluster is made) and leaves at its walltime, the tasks running on it
+    then lost (``_Ended.lost``: Dask reschedules them; nothing was learned about
+    their memory). Without them every worker is there from 0 to the end.
+    """
+
+    def __init__(self, shape: ClusterShape, rng: np.random.Generator | None = None):
+        self.shape = shape
+        self.now = 0.0
+        self.last_end = 0.0  # when the latest task ended: the makespan so far
+        self.pending: list[_Task] = []
+        self.running: dict[int, list[_Task]] = {w: [] for w in range(shape.workers)}
+        self.away_until: dict[int, float] = {}
+        self.dies_at: dict[int, float] = {}  # a worker over its kill line, and when it dies
+        self._events: list[tuple[float, int, int, int, int]] = []  # (time, kind, seq, task key or worker, how)
+        self._live: dict[int, _Task] = {}  # task key -> task, while it runs
+        self._keys = 0
+        self._seq = 0
+        self.busy_slot_seconds = 0.0
+        self.busy_joules = 0.0
+        self.lost_worker_seconds = 0.0
+        self.peak_bytes: dict[int, int] = {w: 0 for w in range(shape.workers)}
+        self.marks: dict[int, int] = {w: 0 for w in range(shape.workers)}  # each worker process's high-water mark
+        self.kills = 0
+        self.walltime_losses = 0  # tasks lost with a worker that left at its walltime
+        self.ended: list[_Ended] = []  # every task that ended, in order (what a trace of the run is made of)
+        if shape.queue_wait is not None:
+            if rng is None:
+                raise SimulationInputError("internal: a cluster with queue waits needs a random generator")
+            self.joins = [float(t) for t in shape.queue_wait.sample(rng, shape.workers)]
+        else:
+            self.joins = [0.0] * shape.workers
+        wall = shape.walltime_seconds
+        self.leaves = [j + float(wall) if wall is not None else math.inf for j in self.joins]
+        self.gone: set[int] = set()  # workers past their walltime
+        self._ready: list[int] = []  # heap of workers that may have a free slot (checked when taken)
+        self._in_ready: set[int] = set()
+        self._sorted_joins = sorted(self.joins)
+        for w in range(shape.workers):
+            if self.joins[w] <= 0.0:
+                self._offer(w)
+            else:
+                self._push(self.joins[w], _COME, w)
+            if math.isfinite(self.leaves[w]):
+                self._push(self.leaves[w], _LEAVE, w)
+
+    def submit(self, task: _Task) -> None:
+        self.pending.append(task)
+        self._dispatch()
+
+    def wait(self, seconds: float) -> None:
+        """The flow works for ``seconds`` while nothing runs (a map's own work): the clock and the makespan move,
+        the slots stay held (idle)."""
+        if seconds > 0:
+            self.now += float(seconds)
+            self.last_end = max(self.last_end, self.now)
+
+    def present_slots(self) -> int:
+        """Slots of the workers that have joined and not left: what the runner reads at a map's start."""
+        joined = bisect.bisect_right(self._sorted_joins, self.now)  # by the clock (await_worker moves it)
+        return (joined - len(self.gone)) * self.shape.threads_per_worker
+
+    def await_worker(self) -> bool:
+        """Move the clock to the first worker's arrival when none is there (the runner waits for one before a
+        map); False when none is there and none will come (every job past its walltime)."""
+        if self.present_slots():
+            return True
+        coming = [j for w, j in enumerate(self.joins) if j > self.now and w not in self.gone]
+        if not coming:
+            return False
+        self.now = min(coming)
+        return True
+
+    @property
+    def stranded(self) -> bool:
+        """Tasks wait and no worker is left to run them: every job has reached its walltime."""
+        return bool(self.pending) and len(self.gone) == self.shape.workers
+
+    def allocated_slot_seconds(self, end: float | None = None) -> float:
+        """Slot-seconds the allocation held until ``end`` (default: the makespan): each worker's slots from its
+        arrival until it left or the run ended (then the cluster is closed and queued jobs cancelled)."""
+        end = self.last_end if end is None else float(end)
+        return self.shape.threads_per_worker * sum(max(0.0, min(lv, end) - j)
+                                                   for j, lv in zip(self.joins, self.leaves))
+
+    def _available(self, w: int) -> bool:
+        return (len(self.running[w]) < self.shape.threads_per_worker and self.joins[w] <= self.now
+                and w not in self.gone and self.away_until.get(w, 0.0) <= self.now and w not in self.dies_at)
+
+    def _offer(self, w: int) -> None:
+        if w not in self._in_ready:
+            self._in_ready.add(w)
+            heapq.heappush(self._ready, w)
+
+    def _free_worker(self) -> int | None:
+        # Every available worker is in the heap (offered when it joins, comes back, or a task on it ends);
+        # one that is not available when it reaches the top is dropped until it is offered again.
+        while self._ready:
+            w = self._ready[0]
+            if self._available(w):
+                return w
+            heapq.heappop(self._ready)
+            self._in_ready.discard(w)
+        return None
+
+    def _dispatch(self) -> None:
+        while self.pending:
+            w = self._free_worker()
+            if w is None:
+                return
+            task = self.pending.pop(0)
+            self._keys += 1
+            task.key, task.started, task.worker = self._keys, self.now, w
+            self.running[w].append(task)
+            self._live[task.key] = task
+            load = sum(t.memory for t in self.running[w])
+            self.peak_bytes[w] = max(self.peak_bytes[w], load)
+            if load > self.marks[w]:
+                grow_seconds = (load - self.marks[w]) * task.touch_seconds_per_byte
+                if grow_seconds > 0 and task.seconds > 0:
+                    task.joules *= (task.seconds + grow_seconds) / task.seconds  # busy longer, at the same power
+                task.seconds += grow_seconds
+                self.marks[w] = load
+            if load > self.shape.headroom_bytes:
+                # The worker dies when the newest task is half way through; everything on it dies with it.
+                die = self.now + 0.5 * task.seconds
+                self.dies_at[w] = die
+                for t in self.running[w]:
+                    end = t.started + t.seconds
+                    self._push(min(die, end), _END, t.key, _KILLED if end > die else _DONE)
+            else:
+                self._push(self.now + task.seconds, _END, task.key, _DONE)
+
+    def _push(self, at: float, kind: int, ident: int, how: int = _DONE) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (at, kind, self._seq, ident, how))
+
+    @property
+    def idle(self) -> bool:
+        """Nothing runs and nothing waits (a pending restart alone does not count)."""
+        return not self._live and not self.pending
+
+    def next(self) -> _Ended:
+        """Advance to the next task end (or to a worker's arrival or return, when tasks wait for it)."""
+        while self._events:
+            at, kind, _, ident, how = heapq.heappop(self._events)
+            if kind == _COME:  # a worker joined or is back from a restart: start what waits
+                self.now = max(self.now, at)
+                self._offer(ident)
+                if not self.pending:
+                    continue
+                self._dispatch()
+                return _Ended(_WAKE, self.now, False)
+            if kind == _LEAVE:  # its job reached the walltime: what runs there is lost now
+                self.gone.add(ident)
+                self.now = max(self.now, at)
+                for t in self.running[ident]:
+                    self._push(self.now, _END, t.key, _LOST)
+                continue
+            task = self._live.pop(ident, None)
+            if task is None:  # already ended (its first event, or killed or lost with its worker)
+                continue
+            self.now = max(self.now, at)
+            self.last_end = max(self.last_end, self.now)
+            w = task.worker
+            self.running[w] = [t for t in self.running[w] if t.key != ident]
+            spent = self.now - task.started
+            self.busy_slot_seconds += spent
+            self.busy_joules += task.joules * (min(1.0, spent / task.seconds) if task.seconds > 0 else 1.0)
+            if how == _KILLED:
+                self.lost_worker_seconds += spent
+                if self.dies_at.pop(w, None) is not None:
+                    self.kills += 1
+                    self.marks[w] = 0  # the nanny starts a new process: it has held nothing
+                    self.away_until[w] = self.now + self.shape.restart_seconds
+                    self._push(self.away_until[w], _COME, w)  # back then
+            elif how == _LOST:
+                self.lost_worker_seconds += spent
+                self.walltime_losses += 1
+            self._offer(w)
+            self._dispatch()
+            ended = _Ended(task, self.now, how == _KILLED, how == _LOST)
+            self.ended.append(ended)
+            return ended
+        raise SimulationInputError("internal: the simulated cluster has nothing running")

@@ -1,0 +1,377 @@
+"""What a simulation is given: the cluster's shape, the steps, and the knowledge each chunk is drawn from.
+
+- :class:`ClusterShape`: workers, threads, memory limit, the nanny's kill line, per-task and per-map costs,
+  and an HPC allocation's queue wait and walltime;
+- :class:`Step`: one map of the pipeline (operator key, halo, whole traces);
+- :class:`Draws`: each chunk's peak memory, compute seconds and energy, drawn from the learned models;
+- the knowledge a simulated map plans with: the store's models (:func:`store_models`), stated priors
+  (:class:`PriorKnowledge`), or a model that learns from the simulated run itself (:class:`LearningKnowledge`).
+
+Units: bytes, seconds, elements.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from memchunk_prefect.core.chunks import Chunk, Shape
+from memchunk_prefect.core.errors import SimulationInputError, format_bytes
+from memchunk_prefect.core.machine import Knowledge
+from memchunk_prefect.core.records import Observation, Prediction
+from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
+from memchunk_prefect.learn.model import BankKnowledge, ModelBank
+from memchunk_prefect.sim.allocation import QueueWait
+
+MiB = 2**20
+
+
+#: z of the 95th percentile of a standard normal: the learned margin is a 95% quantile of needed / predicted.
+Z95 = 1.6448536269514722
+
+
+#: The 95% quantile of needed / predicted memory where the model has not learned its own (a stated figure: the
+#: largest recent error this project's models are held to).
+DEFAULT_MARGIN = 1.25
+
+
+#: Seconds a killed worker is away before its nanny's new process takes tasks (a stated figure).
+RESTART_SECONDS = 3.0
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """The cluster to simulate: ``workers`` processes of ``threads_per_worker`` threads and ``memory_limit_bytes``.
+
+    ``resting_bytes``: a worker's memory before a task (after the runner's
+    imports; ~250 MiB measured on the demo's workers); ``kill_fraction``: the
+    nanny's ``distributed.worker.memory.terminate``; ``per_task_overhead_seconds``:
+    slot time a task costs beyond its compute (Prefect + Dask); ``map_start_seconds`` /
+    ``map_end_seconds``: the runner's own work in the flow before a chunked map's first task
+    (reading the budget from the workers, opening the output, the decision) and after its last
+    (finalizing the output, the artifacts, reading pauses), while the slots wait: measured from a
+    store's runs by :func:`measured_map_work` (0 when not given; a chained map's wait for its upstream
+    is not in it). Only the ``memchunk``
+    strategy pays them: the baselines are plain flows without that work.
+
+    An HPC allocation: ``queue_wait`` (a :class:`~memchunk_prefect.sim.allocation.QueueWait`), each
+    worker a batch job joining after its own wait; ``walltime_seconds``, each job leaving that long
+    after it joined (None: no limit). Makespans then count from the jobs' submission. The runner
+    plans each map for the workers requested when it started the cluster itself (``cluster_class``
+    with ``scale`` or ``adapt``: it reads the cluster's plan); ``external``: the workers join a
+    scheduler started elsewhere, so a map plans for the workers that have joined and follows them
+    as more join or leave (``machine.SlotsChanged``).
+    """
+
+    workers: int
+    memory_limit_bytes: int
+    threads_per_worker: int = 1
+    resting_bytes: int = 256 * MiB
+    kill_fraction: float = 0.95
+    per_task_overhead_seconds: float = DEFAULT_SETTINGS.per_task_overhead_seconds
+    restart_seconds: float = RESTART_SECONDS
+    map_start_seconds: float = 0.0
+    map_end_seconds: float = 0.0
+    queue_wait: QueueWait | None = None
+    walltime_seconds: float | None = None
+    external: bool = False
+
+    def __post_init__(self) -> None:
+        if self.walltime_seconds is not None and not (float(self.walltime_seconds) > 0
+                                                      and math.isfinite(float(self.walltime_seconds))):
+            raise SimulationInputError(f"a walltime is a positive, finite number of seconds, got "
+                                       f"{self.walltime_seconds}")
+        if int(self.workers) < 1 or int(self.threads_per_worker) < 1:
+            raise SimulationInputError(f"a cluster needs at least one worker and one thread per worker, got "
+                                       f"workers={self.workers}, threads_per_worker={self.threads_per_worker}")
+        if min(float(self.map_start_seconds), float(self.map_end_seconds)) < 0:
+            raise SimulationInputError(f"a map's own work takes zero seconds or more, got map_start_seconds="
+                                       f"{self.map_start_seconds}, map_end_seconds={self.map_end_seconds}")
+        if not 0 < float(self.kill_fraction) <= 1:
+            raise SimulationInputError(f"kill_fraction must be in (0, 1], got {self.kill_fraction}")
+        if self.headroom_bytes <= 0:
+            raise SimulationInputError(
+                f"a worker of {format_bytes(self.memory_limit_bytes)} killed at {self.kill_fraction:g} of it has no "
+                f"room above its resting {format_bytes(self.resting_bytes)}: give workers more memory")
+
+    @property
+    def slots(self) -> int:
+        return int(self.workers) * int(self.threads_per_worker)
+
+    @property
+    def headroom_bytes(self) -> int:
+        """What a worker's tasks together may use above its resting memory before the nanny kills it."""
+        return int(self.kill_fraction * self.memory_limit_bytes) - int(self.resting_bytes)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The runner's budget per task: the headroom split among the worker's threads."""
+        return self.headroom_bytes // int(self.threads_per_worker)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One operator of the flow: its name, model key, halo and whether it keeps traces whole."""
+
+    operator: str
+    key: str
+    halo: Shape
+    whole_traces: bool = True
+
+    @classmethod
+    def of(cls, step: str | dict[str, Any]) -> "Step":
+        """From a built-in operator's name or ``{"name": ..., **params}`` (as ``attribute_pipeline`` takes)."""
+        from memchunk_prefect.operators.registry import OPERATORS
+        from memchunk_prefect.operators.spec import operator_key, spec_of
+
+        d = {"name": step} if isinstance(step, str) else dict(step)
+        name = str(d.pop("name", ""))
+        if name not in OPERATORS:
+            raise SimulationInputError(f"unknown operator {name!r}: choose from {', '.join(sorted(OPERATORS))}")
+        task = OPERATORS[name]
+        params = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()}
+        spec = spec_of(task)
+        return cls(name, operator_key(task, params, dtype="float32"), spec.halo_for(params), spec.whole_traces)
+
+
+class Draws:
+    """Memory and seconds of one chunk, drawn from one operator's learned models (see the module docstring)."""
+
+    def __init__(self, knowledge: Knowledge, key: str, per_task_overhead: float, time_sigma: float = 0.1,
+                 watts_per_core: float = DEFAULT_SETTINGS.watts_per_core):
+        self.knowledge = knowledge
+        self.key = key
+        self.per_task_overhead = float(per_task_overhead)
+        self.time_sigma = float(time_sigma)
+        self.watts_per_core = float(watts_per_core)
+        self._predictions: dict[Shape, Prediction] = {}
+        self.learned_energy = False  # whether any block's energy came from a learned figure
+
+    def prediction(self, extents: Shape) -> Prediction:
+        p = self._predictions.get(extents)
+        if p is None:
+            p = self._predictions[extents] = self.knowledge.predict(extents)
+            if not p.ready:
+                raise SimulationInputError(
+                    f"{self.key} has too little history to simulate ({p.reason}); run it once on a small survey "
+                    "(or `memchunk demo` for the demo's operators) so its memory and time are learned")
+        return p
+
+    def margin(self, p: Prediction) -> float:
+        """The 95% quantile of needed / predicted mean: the learned margin (a property of the operator, not of the
+        block's size); before it is learned, the tight bound's ratio where the block is within what was measured,
+        else :data:`DEFAULT_MARGIN`. (The upper bound beyond the measured sizes widens for what the model does not
+        know, not for how runs vary: drawn from, it would make every extrapolated chunk a gamble.)"""
+        learned = getattr(self.knowledge, "margin", None)
+        factor = learned() if callable(learned) else None
+        if factor is None and p.tight_bytes is not None and p.tight_bytes < p.upper_bytes:
+            factor = p.tight_bytes / max(p.mean_bytes, 1.0)
+        return max(1.0, float(factor if factor is not None else DEFAULT_MARGIN))
+
+    def memory(self, extents: Shape, rng: np.random.Generator) -> int:
+        p = self.prediction(extents)
+        sigma = math.log(self.margin(p)) / Z95
+        return int(p.mean_bytes * math.exp(sigma * rng.standard_normal()))
+
+    def compute_seconds(self, elements: int) -> float:
+        """The learned compute seconds of a block (no spread, no overhead)."""
+        compute = self.knowledge.seconds_for(elements)
+        if compute is None:
+            spe = self.knowledge.seconds_per_element()
+            if spe is None:
+                raise SimulationInputError(f"{self.key} has no measured compute time; run it once")
+            compute = elements * spe
+        return float(compute)
+
+    def seconds(self, elements: int, rng: np.random.Generator) -> float:
+        return self.compute_seconds(elements) * math.exp(self.time_sigma * rng.standard_normal()) + \
+            self.per_task_overhead
+
+    def joules(self, elements: int, seconds: float) -> float:
+        """Energy of a block that took ``seconds`` (drawn, overhead included), joules: see the module docstring."""
+        compute = max(0.0, seconds - self.per_task_overhead)
+        jf = self.knowledge.joules_for(elements)
+        expected = self.compute_seconds(elements)
+        if jf is not None and expected > 0:
+            self.learned_energy = True
+            busy = float(jf) * compute / expected
+        else:
+            busy = compute * self.watts_per_core
+        return busy + self.per_task_overhead * self.watts_per_core
+
+    def task(self, sid: int, chunk: Chunk, extents: Shape, rng: np.random.Generator) -> "_Task":
+        """A simulated task of ``chunk`` reading a block of ``extents``, its memory, seconds and energy drawn."""
+        elements = math.prod(extents)
+        memory = self.memory(extents, rng)  # drawn first, as before energy was simulated: the same seeds, the same runs
+        seconds = self.seconds(elements, rng)
+        return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds), operator_key=self.key,
+                     touch_seconds_per_byte=self.touch_seconds_per_byte)
+
+    @functools.cached_property
+    def touch_seconds_per_byte(self) -> float:
+        """Kernel seconds per byte a task pays where it takes its worker above the most it has held (the learned
+        figure, :meth:`memchunk_prefect.learn.model.OperatorModel.touch_seconds_per_byte`; 0 where none is)."""
+        return float(self.knowledge.touch_seconds_per_byte() or 0.0)
+
+
+class PriorKnowledge:
+    """A stated prior for an operator with no history: peak = ``multiple`` x its input bytes, ``seconds_per_element``
+    compute; a margin of :data:`DEFAULT_MARGIN`. What chunks are drawn from when nothing was learned (flagged)."""
+
+    def __init__(self, multiple: float, seconds_per_element: float, itemsize: int = ITEMSIZE):
+        if not multiple > 0 or not seconds_per_element > 0:
+            raise SimulationInputError(f"a prior needs a positive memory multiple and seconds per element, got "
+                                       f"{multiple} and {seconds_per_element}")
+        self.multiple, self.spe, self.itemsize = float(multiple), float(seconds_per_element), int(itemsize)
+
+    def predict(self, extents: Shape) -> Prediction:
+        mean = self.multiple * math.prod(extents) * self.itemsize
+        return Prediction(mean, mean * DEFAULT_MARGIN, 0, True, f"prior: {self.multiple:g}x the input",
+                          tight_bytes=mean * DEFAULT_MARGIN)
+
+    def predict_gpu(self, extents: Shape) -> Prediction:
+        raise SimulationInputError("a prior multiple is of host memory; the simulator plans host memory only "
+                                   "(a map on the GPU is simulated without its GPU budget)")
+
+    def seconds_per_element(self) -> float | None:
+        return self.spe
+
+    def seconds_for(self, elements: int) -> float | None:
+        return None
+
+    def joules_for(self, elements: int) -> float | None:
+        return None  # no energy is learned for a prior: the planner counts its seconds at watts_per_core
+
+    def touch_seconds_per_byte(self) -> float | None:
+        return None  # the simulated workers pay nothing for memory they never held: a plan counts none
+
+    def margin(self) -> float:
+        return DEFAULT_MARGIN
+
+    def choose_arm(self, groups: list[tuple[str, ...]]) -> Any:
+        raise SimulationInputError("internal: a prior is what chunks are drawn from, not what the runner plans with")
+
+
+KnowledgeFor = Callable[[str], Knowledge]
+
+
+class LearningKnowledge(BankKnowledge):
+    """The knowledge of an operator with no history in a simulation: an in-memory bank taught by the simulated
+    run's own chunks (the store is never written)."""
+
+    def learn(self, obs: Observation) -> None:
+        self.bank.learn(obs)
+
+
+@dataclass
+class StoreModels:
+    """What a simulation reads from a store: each key's knowledge (what the runner plans with) and truth (what
+    chunks are drawn from). A key with no usable history is simulated from a stated prior
+    (:class:`PriorKnowledge`) when ``prior`` is given: the runner then starts cold (probes) and learns from the
+    run's own chunks, as it would; such keys are listed in ``from_prior``. Without a prior it is an error."""
+
+    bank: Any
+    settings: PolicySettings = DEFAULT_SETTINGS
+    prior: PriorKnowledge | None = None
+    from_prior: set[str] = field(default_factory=set)
+
+    def _has_history(self, key: str) -> bool:
+        return bool(self.bank.predict(key, (1, 1, 1)).ready)
+
+    def map_work(self) -> MapWork | None:
+        """The runner's per-map work as this store's runs measured it (:func:`measured_map_work`)."""
+        return measured_map_work(self.bank.store) if self.bank.store is not None else None
+
+    def knowledge(self, key: str) -> Knowledge:
+        if self.prior is None or self._has_history(key):
+            return BankKnowledge(self.bank, key, self.settings)
+        self.from_prior.add(key)
+        return LearningKnowledge(ModelBank(None), key, self.settings)  # learns from this run's chunks only
+
+    def truth(self, key: str) -> Knowledge:
+        if self.prior is not None and not self._has_history(key):
+            self.from_prior.add(key)
+            return self.prior
+        return self.knowledge(key)
+
+
+def store_models(store_path: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS,
+                 prior: PriorKnowledge | None = None) -> StoreModels:
+    """The models of the store at ``store_path`` (default: the runner's default store), read as the runner reads
+    them. No observation or reward is written; opening the store is what a run does (an older schema is migrated,
+    a foreign file moved aside). A store that does not exist is an error, not a new empty store."""
+    from memchunk_prefect.learn.store import Store, default_store_path
+
+    path = default_store_path() if store_path is None else Path(store_path).expanduser()
+    if not path.is_file():
+        raise SimulationInputError(f"no observation store at {path}: run your flow (or `memchunk demo`) once so "
+                                   "there is something learned to simulate from, or pass --store")
+    return StoreModels(ModelBank(Store(path)), settings, prior)
+
+
+def store_knowledge(store_path: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS) -> KnowledgeFor:
+    """Each key's knowledge as the runner would read it from the store (see :func:`store_models`)."""
+    return store_models(store_path, settings).knowledge
+
+
+@dataclass
+class _Task:
+    sid: int  # the submitter's id (a map's submission id)
+    chunk: Chunk
+    extents: Shape
+    memory: int
+    seconds: float
+    joules: float = 0.0  # energy of the whole run, joules (a killed task is charged for the share it ran)
+    started: float = 0.0
+    worker: int = -1
+    key: int = 0  # the simulated cluster's own, unique over the whole run
+    operator_key: str = ""  # whose task it is (for traces of a simulated run)
+    touch_seconds_per_byte: float = 0.0  # what taking its worker above the most it has held costs it, s per byte
+
+
+@dataclass(frozen=True)
+class MapWork:
+    """The runner's own work per chunked map, seconds (medians over ``maps`` maps of a store): before its
+    first task starts and after its last ends (see :class:`ClusterShape`)."""
+
+    start_seconds: float
+    end_seconds: float
+    maps: int
+
+
+def measured_map_work(store: Any) -> MapWork | None:
+    """The runner's per-map work as a store's runs measured it: for every finished map whose observations
+    name it (``map_id``), its first task's start less the time it could start, and the map's end less its last
+    task's end; the medians. None when the store has no such map (runs before store v5).
+
+    A map over another map's result in the same flow run (its ``source`` is that map's ``output_path``) is
+    called while the upstream map still runs and waits for its writes: its time "before its first task" counts
+    from the upstream map's end, not from its own start, or the upstream's remaining work would be counted a
+    second time, as the runner's (the simulator runs chained maps one after another, so the upstream's work is
+    already in the makespan). A first task that started before the upstream ended (the maps overlapped) counts
+    0. On a store of three demo runs the median was 0.87 s per map with the upstream waits and 0.12 s without
+    (``memchunk simulate`` prints it)."""
+    maps = [m for m in store.maps() if m.map_id]
+    writers: dict[tuple[str, str], list[Any]] = {}  # (flow run, output path): the maps that wrote it
+    for m in maps:
+        writers.setdefault((m.flow_run_id, m.output_path), []).append(m)
+    before, after = [], []
+    for m in maps:
+        if m.outcome != "ok":
+            continue
+        obs = [o for o in store.run_observations(m.flow_run_id) if o.map_id == m.map_id and o.started_at]
+        if not obs:
+            continue
+        upstream = [u.ended_at for u in writers.get((m.flow_run_id, m.source), ())
+                    if u.map_id != m.map_id and u.started_at <= m.started_at] if m.source else []
+        could_start = max([m.started_at, *upstream])
+        before.append(max(0.0, min(float(o.started_at) for o in obs) - could_start))
+        after.append(max(0.0, m.ended_at - max(o.created_at for o in obs)))
+    if not before:
+        return None
+    return MapWork(float(np.median(before)), float(np.median(after)), len(before))
