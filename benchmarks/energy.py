@@ -135,7 +135,7 @@ def _cost_model(store_path: str, shape: tuple[int, int, int], slots: int) -> lis
     (halo included, clipped at the volume's edges), with the learned models, and whether the largest block's
     upper bound fits the budget its last map had."""
     from memchunk_prefect.core.chunks import Chunk, largest_read_extents
-    from memchunk_prefect.core.policy import estimate_joules, estimate_seconds
+    from memchunk_prefect.core.estimates import estimate_joules, estimate_seconds
     from memchunk_prefect.core.settings import PolicySettings
     from memchunk_prefect.learn.model import BankKnowledge, ModelBank
     from memchunk_prefect.learn.store import Store

@@ -145,9 +145,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.__main__ import _prefect_api
     from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
+    from memchunk_prefect.core.units import parse_bytes
     from memchunk_prefect.learn.store import Store
     from memchunk_prefect.operators import operator_key
-    from memchunk_prefect.run.runner import parse_bytes
     from memchunk_prefect.testing import memory_hog, seed_store, start_local_cluster
 
     budget = parse_bytes(args.budget) or 48 * MiB

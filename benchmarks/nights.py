@@ -144,13 +144,15 @@ def arm_summary(store: str) -> dict[str, list[dict]]:
 def _plan_of(knowledge: Any, run: Any, read_range: Any = None) -> Any:
     """The plan the planner makes for a stored map record from ``knowledge`` (None where nothing fits)."""
     from memchunk_prefect.core import policy
+    from memchunk_prefect.core.errors import BudgetError
+    from memchunk_prefect.core.estimates import Estimates
 
     try:
-        return policy.plan(tuple(run.shape), budget_bytes=int(run.budget_bytes), predict=knowledge.predict,
-                           halo=tuple(run.halo), slots=int(run.slots),
-                           seconds_per_element=knowledge.seconds_per_element(), seconds_for=knowledge.seconds_for,
-                           read_range=read_range)
-    except policy.BudgetError:
+        estimates = Estimates(predict=knowledge.predict, seconds_per_element=knowledge.seconds_per_element(),
+                              seconds_for=knowledge.seconds_for)
+        return policy.plan(tuple(run.shape), budget_bytes=int(run.budget_bytes), estimates=estimates,
+                           halo=tuple(run.halo), slots=int(run.slots), read_range=read_range)
+    except BudgetError:
         return None
 
 

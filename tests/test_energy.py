@@ -15,9 +15,10 @@ from memchunk_prefect.core.energy import (
     split_device_energy,
 )
 from memchunk_prefect.core.errors import EnergyInputError
-from memchunk_prefect.core.policy import Prediction, decide, plan
-from memchunk_prefect.core.policy import estimate_joules as plan_joules
-from memchunk_prefect.core.records import Observation
+from memchunk_prefect.core.estimates import Estimates
+from memchunk_prefect.core.estimates import estimate_joules as plan_joules
+from memchunk_prefect.core.policy import decide, plan
+from memchunk_prefect.core.records import Observation, Prediction
 from memchunk_prefect.core.settings import PolicySettings
 from memchunk_prefect.learn.model import OperatorModel
 
@@ -120,7 +121,8 @@ def _linear(bytes_per_element: float):
 
 def test_the_energy_objective_takes_fewer_chunks_where_halos_and_overhead_cost_more_than_an_idle_slot():
     shape, halo = (64, 64, 100), (8, 8, 8)
-    common = dict(budget_bytes=10**12, predict=_linear(10.0), halo=halo, slots=2, seconds_per_element=1e-6)
+    common = dict(budget_bytes=10**12, estimates=Estimates(_linear(10.0), seconds_per_element=1e-6), halo=halo,
+                  slots=2)
     by_time = plan(shape, **common, settings=PolicySettings())
     by_energy = plan(shape, **common, settings=PolicySettings(objective="energy"))
     assert by_time.n_chunks == 2  # one chunk per slot: the shortest run
@@ -136,7 +138,8 @@ def test_the_energy_objective_takes_fewer_chunks_where_halos_and_overhead_cost_m
 
 def test_a_deadline_rules_out_the_slow_low_energy_plan_and_a_missed_one_falls_back_to_the_fastest():
     shape, halo = (64, 64, 100), (8, 8, 8)
-    common = dict(budget_bytes=10**12, predict=_linear(10.0), halo=halo, slots=2, seconds_per_element=1e-6)
+    common = dict(budget_bytes=10**12, estimates=Estimates(_linear(10.0), seconds_per_element=1e-6), halo=halo,
+                  slots=2)
     fastest = plan(shape, **common, settings=PolicySettings())
     slow = plan(shape, **common, settings=PolicySettings(objective="energy"))
     between = (fastest.estimated_seconds + slow.estimated_seconds) / 2
@@ -153,9 +156,9 @@ def test_learned_joules_per_block_drive_the_energy_plan():
     shape = (64, 64, 100)
     def joules_for(elements):
         return 1e-5 * elements * (elements / 1e4)
-    common = dict(budget_bytes=10**12, predict=_linear(10.0), slots=2, seconds_per_element=1e-6)
-    plain = plan(shape, **common, settings=PolicySettings(objective="energy"))
-    learned = plan(shape, **common, settings=PolicySettings(objective="energy"), joules_for=joules_for)
+    common = dict(budget_bytes=10**12, slots=2, settings=PolicySettings(objective="energy"))
+    plain = plan(shape, **common, estimates=Estimates(_linear(10.0), seconds_per_element=1e-6))
+    learned = plan(shape, **common, estimates=Estimates(_linear(10.0), seconds_per_element=1e-6, joules_for=joules_for))
     assert learned.n_chunks > plain.n_chunks
 
 
@@ -164,7 +167,8 @@ def test_continue_gives_way_when_the_incoming_chunking_costs_much_more_energy():
 
     shape = (64, 64, 100)
     incoming = balanced_grid(shape, (8, 8, 1))  # 64 small chunks: 64 overheads
-    common = dict(budget_bytes=10**12, predict=_linear(10.0), slots=2, seconds_per_element=1e-6, halo=(0, 0, 0))
+    common = dict(budget_bytes=10**12, estimates=Estimates(_linear(10.0), seconds_per_element=1e-6), slots=2,
+                  halo=(0, 0, 0))
     d = decide(shape, incoming, **common, settings=PolicySettings(objective="energy", per_task_overhead_seconds=1.0))
     assert d.decision == "rechunk" and " J against " in d.reason
 

@@ -98,7 +98,7 @@ def good_history(store: Store) -> None:
 
 def chunk_elements(store: Store) -> int:
     bank = ModelBank(store)
-    p = plan(SHAPE, budget_bytes=BUDGET, predict=bank.predictor(KEY), halo=(3, 3, 3), slots=2, whole_traces=False)
+    p = plan(SHAPE, budget_bytes=BUDGET, estimates=bank.predictor(KEY), halo=(3, 3, 3), slots=2, whole_traces=False)
     assert not p.probe
     return int(np.prod(p.chunk_shape))
 

@@ -48,7 +48,9 @@ from memchunk_prefect.core.chunks import (
     with_halo,
 )
 from memchunk_prefect.core.errors import MemchunkError
-from memchunk_prefect.core.policy import Prediction, plan, probe_plan, split_chunk
+from memchunk_prefect.core.policy import plan, split_chunk
+from memchunk_prefect.core.probe import probe_plan
+from memchunk_prefect.core.records import Prediction
 from memchunk_prefect.core.units import parse_bytes
 from memchunk_prefect.io.segy import close_handles
 from memchunk_prefect.io.volume import open_segy
@@ -328,7 +330,7 @@ def test_plan_covers_the_region_exactly_or_says_the_budget_is_too_small(shape, d
     slots = data.draw(st.integers(-3, 12), label="slots")
     start = data.draw(st.tuples(*(st.integers(0, n - 1) for n in shape)), label="region start")
     region = Chunk(start, tuple(n for n in shape))
-    p = only_typed_errors(plan, shape, budget_bytes=budget, predict=linear_predictor(bpe), halo=halo,
+    p = only_typed_errors(plan, shape, budget_bytes=budget, estimates=linear_predictor(bpe), halo=halo,
                           slots=slots, whole_traces=whole, region=region)
     if p is None:
         return  # BudgetTooSmallError: fine when even the smallest chunk does not fit
@@ -378,10 +380,10 @@ def _call_everything(a, b, c) -> None:
         only_typed_errors(grid, (8, 8, 8), (a, b, c))
         only_typed_errors(balanced_grid, (8, 8, 8), (a, b, c))
     pred = linear_predictor(4.0)
-    only_typed_errors(plan, (8, 8, 8), budget_bytes=a, predict=pred, slots=b, halo=abs(c) % 10)
+    only_typed_errors(plan, (8, 8, 8), budget_bytes=a, estimates=pred, slots=b, halo=abs(c) % 10)
     if all(v > 0 for v in (a, b, c)) and a * b * c <= 10**8:
         # (a plan of a 10**12-element volume under a 1 MB budget is millions of Chunk objects: slow by nature)
-        only_typed_errors(plan, (a, b, c), budget_bytes=10**6, predict=pred)
+        only_typed_errors(plan, (a, b, c), budget_bytes=10**6, estimates=pred)
     else:
         only_typed_errors(check_shape, (a, b, c))
     only_typed_errors(probe_plan, (8, 8, 8), budget_bytes=a, slots=max(-5, min(b, 64)))  # huge slots: see below
@@ -410,9 +412,9 @@ def test_any_nonsense_argument_gives_only_typed_errors(x):
     only_typed_errors(split, okc, x)
     only_typed_errors(split_chunk, x)
     only_typed_errors(covers_exactly, x, (8, 8, 8))
-    only_typed_errors(plan, (8, 8, 8), budget_bytes=x, predict=pred)
-    only_typed_errors(plan, (8, 8, 8), budget_bytes=10**6, predict=pred, slots=x)
-    only_typed_errors(plan, (8, 8, 8), budget_bytes=10**6, predict=pred, halo=x)
+    only_typed_errors(plan, (8, 8, 8), budget_bytes=x, estimates=pred)
+    only_typed_errors(plan, (8, 8, 8), budget_bytes=10**6, estimates=pred, slots=x)
+    only_typed_errors(plan, (8, 8, 8), budget_bytes=10**6, estimates=pred, halo=x)
     only_typed_errors(probe_plan, (8, 8, 8), budget_bytes=x)
     only_typed_errors(probe_plan, (8, 8, 8), budget_bytes=10**6, slots=x)
     only_typed_errors(probe_plan, (8, 8, 8), budget_bytes=10**6, itemsize=x)
@@ -428,8 +430,8 @@ KNOWN_UNTYPED = [
     ("balanced_grid short counts", lambda: balanced_grid((8, 8, 8), (2, 2))),
     ("split on axis 5", lambda: split(Chunk((0, 0, 0), (4, 4, 4)), (5,))),
     ("covers_exactly non-chunks", lambda: covers_exactly([1], (8, 8, 8))),
-    ("plan budget nan", lambda: plan((8, 8, 8), budget_bytes=float("nan"), predict=linear_predictor(4.0))),
-    ("plan budget text", lambda: plan((8, 8, 8), budget_bytes="2GiB", predict=linear_predictor(4.0))),
+    ("plan budget nan", lambda: plan((8, 8, 8), budget_bytes=float("nan"), estimates=linear_predictor(4.0))),
+    ("plan budget text", lambda: plan((8, 8, 8), budget_bytes="2GiB", estimates=linear_predictor(4.0))),
     ("probe_plan itemsize 0", lambda: probe_plan((8, 8, 8), budget_bytes=10**6, itemsize=0)),
     ("parse_bytes 1e400", lambda: parse_bytes("1e400")),
 ]

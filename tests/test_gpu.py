@@ -22,6 +22,7 @@ from prefect import flow
 
 from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, operators
 from memchunk_prefect.core.errors import BudgetTooSmallError, ChunkMemoryError, DeviceError, VolumeError
+from memchunk_prefect.core.estimates import Estimates
 from memchunk_prefect.core.records import Observation
 from memchunk_prefect.learn.store import Store
 from memchunk_prefect.operators import device as dev
@@ -324,9 +325,8 @@ def test_a_bank_learns_host_and_gpu_memory_apart_and_rebuilds_both_from_the_stor
 
 
 def test_the_gpu_budget_is_a_share_of_what_each_worker_could_allocate_and_the_least_of_the_workers():
-    from memchunk_prefect.core.budget import gpu_budget
+    from memchunk_prefect.core.budget import gpu_budget, gpu_task_budget_bytes
     from memchunk_prefect.core.errors import BudgetError
-    from memchunk_prefect.core.policy import gpu_task_budget_bytes
 
     gib = 2**30
     statuses = {"tcp://a:1": dev.GpuStatus(True, "H100", total_bytes=80 * gib, free_bytes=79 * gib),
@@ -347,7 +347,8 @@ def test_the_gpu_budget_is_a_share_of_what_each_worker_could_allocate_and_the_le
 
 def test_incoming_chunks_that_overflow_the_gpu_are_rechunked_and_cold_probes_are_sized_for_the_gpu():
     from memchunk_prefect.core.chunks import Chunk
-    from memchunk_prefect.core.policy import GpuLimit, decide, plan
+    from memchunk_prefect.core.estimates import GpuLimit
+    from memchunk_prefect.core.policy import decide, plan
     from memchunk_prefect.core.records import Prediction
 
     def host(ext):  # 10 B per element
@@ -361,10 +362,10 @@ def test_incoming_chunks_that_overflow_the_gpu_are_rechunked_and_cold_probes_are
     vol = (16, 16, 50)
     incoming = [Chunk((0, 0, 0), (8, 16, 50)), Chunk((8, 0, 0), (16, 16, 50))]  # 6400 elements each
     limit = GpuLimit(gpu, 200_000)  # 120 B x 6400 = 768 KB: over; the host's 77 KB fits 1 MB
-    d = decide(vol, incoming, budget_bytes=10**6, predict=host, slots=2, gpu=limit)
+    d = decide(vol, incoming, budget_bytes=10**6, estimates=Estimates(predict=host, gpu=limit), slots=2)
     assert d.decision == "rechunk" and "GPU budget" in d.reason, d.reason
     assert d.plan.gpu_upper_bound_bytes <= 200_000 and d.plan.gpu_budget_bytes == 200_000
-    kept = decide(vol, incoming, budget_bytes=10**6, predict=host, slots=2, gpu=GpuLimit(gpu, 10**6))
+    kept = decide(vol, incoming, budget_bytes=10**6, estimates=Estimates(predict=host, gpu=GpuLimit(gpu, 10**6)), slots=2)
     assert kept.decision == "continue" and kept.plan.gpu_upper_bound_bytes == 120 * 6400
 
     def cold(ext):
@@ -373,13 +374,12 @@ def test_incoming_chunks_that_overflow_the_gpu_are_rechunked_and_cold_probes_are
     # The host cannot take the volume in one piece and the GPU's bound is too wide for any smaller chunk, though
     # its mean fits one trace: that is too little known of the GPU, so it probes (never the host's error).
     wide = GpuLimit(lambda ext: Prediction(100.0 * np.prod(ext), 1e9, 3, True), 200_000)
-    p = plan(vol, budget_bytes=100_000, predict=host, slots=2, gpu=wide)
+    p = plan(vol, budget_bytes=100_000, estimates=Estimates(predict=host, gpu=wide), slots=2)
     assert p.probe and "too few GPU runs" in p.reason, p.reason
     with pytest.raises(BudgetTooSmallError, match="of GPU memory, more than the GPU budget"):
-        plan(vol, budget_bytes=100_000, predict=host, slots=2,
-             gpu=GpuLimit(lambda ext: Prediction(1e9, 1e9, 3, True), 200_000))
-    on_cpu = plan(vol, budget_bytes=10**6, predict=cold, slots=2)
-    on_gpu = plan(vol, budget_bytes=10**6, predict=cold, slots=2, gpu=GpuLimit(cold, 100_000))
+        plan(vol, budget_bytes=100_000, estimates=Estimates(predict=host, gpu=GpuLimit(lambda ext: Prediction(1e9, 1e9, 3, True), 200_000)), slots=2)
+    on_cpu = plan(vol, budget_bytes=10**6, estimates=cold, slots=2)
+    on_gpu = plan(vol, budget_bytes=10**6, estimates=Estimates(predict=cold, gpu=GpuLimit(cold, 100_000)), slots=2)
     assert on_cpu.probe and on_gpu.probe
     assert max(c.elements for c in on_gpu.chunks) < max(c.elements for c in on_cpu.chunks)
 
@@ -496,9 +496,9 @@ def test_the_runner_asks_the_workers_which_device_a_map_runs_on(no_fake, tmp_pat
         with runner:
             if all(s.usable for s in runner.client.run(dev.gpu_status).values()):
                 pytest.skip("the workers have a usable GPU: the no-GPU answers cannot be checked here")
-            assert runner.map_device("auto") == "cpu" and runner.map_device("cpu") == "cpu"
+            assert runner.cluster_view.map_device("auto") == "cpu" and runner.cluster_view.map_device("cpu") == "cpu"
             with pytest.raises(DeviceError, match=r"1 of 1 worker\(s\) have no usable GPU"):
-                runner.map_device("cuda")
+                runner.cluster_view.map_device("cuda")
     finally:
         cluster.close()
 

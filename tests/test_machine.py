@@ -47,7 +47,7 @@ from memchunk_prefect.core.messages import (
     UpstreamWritten,
     WorkerDied,
 )
-from memchunk_prefect.core.policy import Plan
+from memchunk_prefect.core.plans import Plan
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward
 from memchunk_prefect.core.settings import PolicySettings
 from memchunk_prefect.run.observe import observer_event

@@ -8,22 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memchunk_prefect.core.budget import task_budget_bytes
 from memchunk_prefect.core.chunks import Chunk, covers_exactly, extents_with_halo, with_halo
 from memchunk_prefect.core.errors import BudgetError, BudgetTooSmallError
-from memchunk_prefect.core.policy import (
-    CONTINUE,
-    PROBE,
-    RECHUNK,
-    FirstTouch,
-    PolicySettings,
-    Prediction,
-    decide,
-    plan,
-    probe_plan,
-    remaining_boxes,
-    split_chunk,
-    task_budget_bytes,
-)
+from memchunk_prefect.core.estimates import Estimates, FirstTouch
+from memchunk_prefect.core.plans import CONTINUE, PROBE, RECHUNK
+from memchunk_prefect.core.policy import decide, plan, remaining_boxes, split_chunk
+from memchunk_prefect.core.probe import probe_plan
+from memchunk_prefect.core.records import Prediction
+from memchunk_prefect.core.settings import PolicySettings
 
 
 def linear(multiple: float, overhead: float = 0.0, ready: bool = True, spread: float = 1.1):
@@ -53,7 +46,7 @@ MiB = 2**20
     ],
 )
 def test_plan_picks_fewest_balanced_chunks_that_fit_and_fill_slots(shape, multiple, budget, slots, expect_chunks):
-    p = plan(shape, budget_bytes=budget, predict=linear(multiple), slots=slots)
+    p = plan(shape, budget_bytes=budget, estimates=linear(multiple), slots=slots)
     assert p.n_chunks == expect_chunks
     assert covers_exactly(p.chunks, shape)
     assert p.upper_bound_bytes <= budget
@@ -67,11 +60,9 @@ def test_a_plan_counts_growing_fresh_workers_memory_once_and_takes_smaller_chunk
     fresh worker grows ~295 MB for them at 1.5 s/GiB (0.41 s); smaller chunks grow less and overlap it."""
     shape, spe, spb = (192, 192, 100), 1e-6, 1.5 / 2**30
     s = PolicySettings(seconds_per_element=spe, per_task_overhead_seconds=0.05)
-    none = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=s)
-    fresh = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=s,
-                 first_touch=FirstTouch(touched_bytes=0, seconds_per_byte=spb))
-    held = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=s,
-                first_touch=FirstTouch(touched_bytes=2**30, seconds_per_byte=spb))
+    none = plan(shape, budget_bytes=4 * 2**30, estimates=linear(40), slots=2, settings=s)
+    fresh = plan(shape, budget_bytes=4 * 2**30, estimates=Estimates(predict=linear(40), first_touch=FirstTouch(touched_bytes=0, seconds_per_byte=spb)), slots=2, settings=s)
+    held = plan(shape, budget_bytes=4 * 2**30, estimates=Estimates(predict=linear(40), first_touch=FirstTouch(touched_bytes=2**30, seconds_per_byte=spb)), slots=2, settings=s)
     assert none.n_chunks == held.n_chunks == 2
     assert held.estimated_seconds == pytest.approx(none.estimated_seconds)
     assert fresh.n_chunks > 2, fresh.reason
@@ -83,8 +74,8 @@ def test_a_plan_counts_growing_fresh_workers_memory_once_and_takes_smaller_chunk
     # Energy: the kernel's growing time is busy on each slot the first wave fills.
     e = PolicySettings(seconds_per_element=spe, per_task_overhead_seconds=0.05, objective="energy")
     touch = FirstTouch(touched_bytes=0, seconds_per_byte=spb)
-    joules = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=e, first_touch=touch)
-    flat = plan(shape, budget_bytes=4 * 2**30, predict=linear(40), slots=2, settings=e)
+    joules = plan(shape, budget_bytes=4 * 2**30, estimates=Estimates(predict=linear(40), first_touch=touch), slots=2, settings=e)
+    flat = plan(shape, budget_bytes=4 * 2**30, estimates=linear(40), slots=2, settings=e)
     assert joules.n_chunks > flat.n_chunks == 2
     two = flat.estimated_joules + 2 * touch.seconds(flat.predicted_peak_bytes) * e.watts_per_core
     assert joules.estimated_joules < two
@@ -92,8 +83,8 @@ def test_a_plan_counts_growing_fresh_workers_memory_once_and_takes_smaller_chunk
 
 def test_plan_counts_the_halo_against_the_budget():
     shape = (64, 64, 100)
-    no_halo = plan(shape, budget_bytes=40 * MiB, predict=linear(60), slots=1)
-    with_h = plan(shape, budget_bytes=40 * MiB, predict=linear(60), slots=1, halo=(8, 8, 0))
+    no_halo = plan(shape, budget_bytes=40 * MiB, estimates=linear(60), slots=1)
+    with_h = plan(shape, budget_bytes=40 * MiB, estimates=linear(60), slots=1, halo=(8, 8, 0))
     assert with_h.n_chunks > no_halo.n_chunks
     for c in with_h.chunks:
         read, _ = with_halo(c, (8, 8, 0), shape)
@@ -102,7 +93,7 @@ def test_plan_counts_the_halo_against_the_budget():
 
 def test_per_task_overhead_makes_one_chunk_per_slot_win_when_memory_allows():
     shape = (256, 256, 100)
-    p = plan(shape, budget_bytes=10_000 * MiB, predict=linear(2), slots=2,
+    p = plan(shape, budget_bytes=10_000 * MiB, estimates=linear(2), slots=2,
              settings=PolicySettings(per_task_overhead_seconds=10.0, seconds_per_element=1e-9))
     assert p.n_chunks == 2
     assert p.estimated_seconds == pytest.approx(10.0 + 128 * 256 * 100 * 1e-9)
@@ -110,16 +101,16 @@ def test_per_task_overhead_makes_one_chunk_per_slot_win_when_memory_allows():
 
 def test_operator_that_may_cut_traces_gets_twt_cuts_only_when_needed():
     shape = (2, 2, 100_000)
-    p = plan(shape, budget_bytes=4 * 60 * 50_000, predict=linear(50, spread=1.0), slots=1, whole_traces=False)
+    p = plan(shape, budget_bytes=4 * 60 * 50_000, estimates=linear(50, spread=1.0), slots=1, whole_traces=False)
     assert p.n_chunks >= 4
     assert any(c.shape[2] < shape[2] for c in p.chunks)
     with pytest.raises(BudgetTooSmallError, match="whole traces"):
-        plan(shape, budget_bytes=4 * 60 * 50_000, predict=linear(50, spread=1.0), slots=1, whole_traces=True)
+        plan(shape, budget_bytes=4 * 60 * 50_000, estimates=linear(50, spread=1.0), slots=1, whole_traces=True)
 
 
 def test_impossible_budget_is_a_clear_error_naming_the_figures():
     with pytest.raises(BudgetTooSmallError) as err:
-        plan((10, 10, 1000), budget_bytes=1000, predict=linear(60), slots=1)
+        plan((10, 10, 1000), budget_bytes=1000, estimates=linear(60), slots=1)
     msg = str(err.value)
     assert "1000 B" in msg or "1000" in msg
     assert "budget" in msg and "memory_limit" in msg
@@ -128,12 +119,12 @@ def test_impossible_budget_is_a_clear_error_naming_the_figures():
 @pytest.mark.parametrize("bad", [0, -5, None])
 def test_non_positive_budget_is_refused(bad):
     with pytest.raises(BudgetError):
-        plan((4, 4, 4), budget_bytes=bad, predict=linear(1), slots=1)
+        plan((4, 4, 4), budget_bytes=bad, estimates=linear(1), slots=1)
 
 
 def test_no_history_gives_a_wave_of_equal_probes_one_per_slot_and_a_plannable_remainder():
     shape = (50, 40, 200)
-    p = plan(shape, budget_bytes=200 * MiB, predict=linear(5, ready=False), slots=3)
+    p = plan(shape, budget_bytes=200 * MiB, estimates=linear(5, ready=False), slots=3)
     assert p.probe and p.decision == PROBE
     widths = [c.shape[1] for c in p.chunks]
     assert len(p.chunks) == 3 and max(widths) - min(widths) <= 1, "one per slot, of one size (to a trace)"
@@ -149,7 +140,7 @@ def test_a_probe_is_never_a_size_the_model_already_bounds_over_the_budget(on_gpu
     """Found on an H100: a run after one whose chunks ran out of the GPU's memory, still short of history,
     probed again with chunks of the size that had run out. A block at least as large as one that ran out is
     bounded above the budget (the model's out-of-memory floor); the probes stay below that size."""
-    from memchunk_prefect.core.policy import GpuLimit
+    from memchunk_prefect.core.estimates import GpuLimit
 
     shape, budget, failed_at = (50, 40, 200), 200 * MiB, 2000  # blocks of >= 2000 elements ran out
 
@@ -159,10 +150,10 @@ def test_a_probe_is_never_a_size_the_model_already_bounds_over_the_budget(on_gpu
         return Prediction(mean_bytes=upper, upper_bytes=upper, n_observations=2, ready=False)
 
     unknown = linear(5, ready=False)
-    free = plan(shape, budget_bytes=budget, predict=unknown, slots=2)
+    free = plan(shape, budget_bytes=budget, estimates=unknown, slots=2)
     assert max(c.elements for c in free.chunks) >= failed_at, "without the floor the probes are larger"
-    p = (plan(shape, budget_bytes=budget, predict=unknown, slots=2, gpu=GpuLimit(with_floor, budget)) if on_gpu
-         else plan(shape, budget_bytes=budget, predict=with_floor, slots=2))
+    p = (plan(shape, budget_bytes=budget, estimates=Estimates(predict=unknown, gpu=GpuLimit(with_floor, budget)), slots=2) if on_gpu
+         else plan(shape, budget_bytes=budget, estimates=with_floor, slots=2))
     assert p.probe and len(p.chunks) >= 2
     assert max(c.elements for c in p.chunks) < failed_at
     assert covers_exactly(p.chunks + p.remainder, shape)
@@ -189,7 +180,7 @@ def test_probe_and_remainder_always_tile_the_volume(shape, budget, slots, whole,
 def test_any_plan_tiles_the_volume_and_fits_or_refuses(shape, multiple, budget_mib, slots):
     budget = int(budget_mib * MiB)
     try:
-        p = plan(shape, budget_bytes=budget, predict=linear(multiple), slots=slots)
+        p = plan(shape, budget_bytes=budget, estimates=linear(multiple), slots=slots)
     except BudgetTooSmallError:
         one_trace = linear(multiple)((1, 1, shape[2])).upper_bytes
         assert one_trace > budget
@@ -200,16 +191,16 @@ def test_any_plan_tiles_the_volume_and_fits_or_refuses(shape, multiple, budget_m
 
 def test_decide_continues_when_incoming_chunking_fits_and_is_near_best():
     shape = (64, 64, 100)
-    incoming = plan(shape, budget_bytes=1000 * MiB, predict=linear(2), slots=2).chunks
-    d = decide(shape, incoming, budget_bytes=1000 * MiB, predict=linear(3), slots=2)
+    incoming = plan(shape, budget_bytes=1000 * MiB, estimates=linear(2), slots=2).chunks
+    d = decide(shape, incoming, budget_bytes=1000 * MiB, estimates=linear(3), slots=2)
     assert d.decision == CONTINUE
     assert d.plan.chunks == incoming
 
 
 def test_decide_rechunks_for_a_heavy_operator_after_a_light_one():
     shape = (64, 64, 100)
-    incoming = plan(shape, budget_bytes=40 * MiB, predict=linear(2), slots=2).chunks
-    d = decide(shape, incoming, budget_bytes=40 * MiB, predict=linear(60), slots=2)
+    incoming = plan(shape, budget_bytes=40 * MiB, estimates=linear(2), slots=2).chunks
+    d = decide(shape, incoming, budget_bytes=40 * MiB, estimates=linear(60), slots=2)
     assert d.decision == RECHUNK
     assert "over the budget" in d.reason
     assert d.plan.upper_bound_bytes <= 40 * MiB
@@ -218,12 +209,12 @@ def test_decide_rechunks_for_a_heavy_operator_after_a_light_one():
 def test_decide_rechunks_when_incoming_is_much_slower_than_best():
     shape = (64, 64, 100)
     tiny = [Chunk((i, 0, 0), (i + 1, 64, 100)) for i in range(64)]
-    d = decide(shape, tiny, budget_bytes=1000 * MiB, predict=linear(2), slots=2)
+    d = decide(shape, tiny, budget_bytes=1000 * MiB, estimates=linear(2), slots=2)
     assert d.decision == RECHUNK and "estimated" in d.reason
 
 
 def test_decide_probes_without_history():
-    d = decide((16, 16, 50), None, budget_bytes=100 * MiB, predict=linear(2, ready=False), slots=2)
+    d = decide((16, 16, 50), None, budget_bytes=100 * MiB, estimates=linear(2, ready=False), slots=2)
     assert d.decision == PROBE
 
 
@@ -259,7 +250,7 @@ def test_budget_with_no_memory_limit_says_what_to_do():
 
 def test_remaining_boxes_merge_full_bands_and_keep_partial_ones():
     shape = (12, 10, 5)
-    p = plan(shape, budget_bytes=10 * MiB, predict=linear(1), slots=1)
+    p = plan(shape, budget_bytes=10 * MiB, estimates=linear(1), slots=1)
     full = [Chunk((i, 0, 0), (i + 2, 5, 5)) for i in range(0, 12, 2)] + [
         Chunk((i, 5, 0), (i + 2, 10, 5)) for i in range(0, 12, 2)]
     pending = [c for c in full if not (c.start[0] == 0 and c.start[1] == 0)]
@@ -272,8 +263,8 @@ def test_remaining_boxes_merge_full_bands_and_keep_partial_ones():
 def test_without_history_a_budget_smaller_than_one_trace_in_and_out_is_refused_before_probing():
     # 1 x 1 x 1000 float32 trace = 4000 B; input + output = 8000 B > 6000 B.
     with pytest.raises(BudgetTooSmallError, match="one trace"):
-        plan((10, 10, 1000), budget_bytes=6000, predict=linear(1, ready=False), slots=1)
-    assert plan((10, 10, 1000), budget_bytes=9000, predict=linear(1, ready=False), slots=1).probe
+        plan((10, 10, 1000), budget_bytes=6000, estimates=linear(1, ready=False), slots=1)
+    assert plan((10, 10, 1000), budget_bytes=9000, estimates=linear(1, ready=False), slots=1).probe
 
 
 def test_an_operator_whose_time_grows_with_the_square_of_the_chunk_is_cut_finer_than_one_slot_each():
@@ -282,9 +273,10 @@ def test_an_operator_whose_time_grows_with_the_square_of_the_chunk_is_cut_finer_
     shape = (64, 64, 100)
     cheap = lambda ext: Prediction(mean_bytes=10.0 * math.prod(ext), upper_bytes=12.0 * math.prod(ext),  # noqa: E731
                                    n_observations=10, ready=True)
-    proportional = make_plan(shape, budget_bytes=10**9, predict=cheap, slots=2, seconds_per_element=1e-6)
-    quadratic = make_plan(shape, budget_bytes=10**9, predict=cheap, slots=2, seconds_per_element=1e-6,
-                          seconds_for=lambda e: 1e-11 * e * e)
+    proportional = make_plan(shape, budget_bytes=10**9, estimates=Estimates(cheap, seconds_per_element=1e-6),
+                             slots=2)
+    quadratic = make_plan(shape, budget_bytes=10**9, slots=2,
+                          estimates=Estimates(cheap, seconds_per_element=1e-6, seconds_for=lambda e: 1e-11 * e * e))
     assert proportional.n_chunks == 2, "time proportional to size: one chunk per slot is best"
     assert quadratic.n_chunks > 2, "time quadratic in size: smaller chunks are cheaper per element"
     assert quadratic.estimated_seconds < 2 * (1e-11 * (32 * 64 * 100) ** 2 + 0.15)
@@ -298,7 +290,7 @@ def test_a_slab_is_bounded_by_the_block_it_reads_with_its_halo_clipped_at_the_vo
     per = lambda ext: Prediction(mean_bytes=100.0 * math.prod(ext), upper_bytes=100.0 * math.prod(ext),  # noqa: E731
                                  n_observations=10, ready=True)
     budget = 100 * 80 * 8 * 10
-    p = make_plan((128, 8, 10), budget_bytes=budget, predict=per, halo=(12, 12, 0), slots=2, whole_traces=False)
+    p = make_plan((128, 8, 10), budget_bytes=budget, estimates=per, halo=(12, 12, 0), slots=2, whole_traces=False)
     assert p.n_chunks == 2 and p.upper_bound_bytes == 100.0 * 76 * 8 * 10
 
 
@@ -306,24 +298,24 @@ def test_a_slab_is_bounded_by_the_block_it_reads_with_its_halo_clipped_at_the_vo
 
 
 def test_a_read_range_keeps_plans_to_blocks_of_that_size_and_says_when_none_fits():
-    from memchunk_prefect.core.policy import NoPlanInRangeError
+    from memchunk_prefect.core.plans import NoPlanInRangeError
 
     lin = lambda ext: Prediction(8.0 * math.prod(ext), 10.0 * math.prod(ext), 10, True)  # noqa: E731
-    free = plan((64, 64, 100), budget_bytes=10**9, predict=lin, slots=2)
+    free = plan((64, 64, 100), budget_bytes=10**9, estimates=lin, slots=2)
     largest = max(c.elements for c in free.chunks)
-    finer = plan((64, 64, 100), budget_bytes=10**9, predict=lin, slots=2, read_range=(0.0, largest / 1.5))
+    finer = plan((64, 64, 100), budget_bytes=10**9, estimates=lin, slots=2, read_range=(0.0, largest / 1.5))
     assert max(c.elements for c in finer.chunks) <= largest / 1.5 < largest
-    coarser = plan((64, 64, 100), budget_bytes=10**9, predict=lin, slots=4, read_range=(largest * 1.5, math.inf))
+    coarser = plan((64, 64, 100), budget_bytes=10**9, estimates=lin, slots=4, read_range=(largest * 1.5, math.inf))
     assert min(c.elements for c in coarser.chunks) >= largest * 1.5 / 2  # balanced pieces of a larger block
     with pytest.raises(NoPlanInRangeError) as info:
-        plan((64, 64, 100), budget_bytes=10**9, predict=lin, slots=2, read_range=(10.0**9, math.inf))
+        plan((64, 64, 100), budget_bytes=10**9, estimates=lin, slots=2, read_range=(10.0**9, math.inf))
     assert "fit the budget" in str(info.value) and "1,000,000,000" in str(info.value)
 
 
 def test_incoming_chunks_outside_the_read_range_are_rechunked_not_kept():
     lin = lambda ext: Prediction(8.0 * math.prod(ext), 10.0 * math.prod(ext), 10, True)  # noqa: E731
     incoming = [Chunk((0, 0, 0), (32, 64, 100)), Chunk((32, 0, 0), (64, 64, 100))]
-    kept = decide((64, 64, 100), incoming, budget_bytes=10**9, predict=lin, slots=2)
+    kept = decide((64, 64, 100), incoming, budget_bytes=10**9, estimates=lin, slots=2)
     assert kept.decision == CONTINUE
-    d = decide((64, 64, 100), incoming, budget_bytes=10**9, predict=lin, slots=2, read_range=(0.0, 32 * 64 * 100 / 1.5))
+    d = decide((64, 64, 100), incoming, budget_bytes=10**9, estimates=lin, slots=2, read_range=(0.0, 32 * 64 * 100 / 1.5))
     assert d.decision == RECHUNK and "outside the" in d.reason and len(d.plan.chunks) > 2

@@ -296,7 +296,8 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 @register("plan", "the chunking the runner would choose, without running anything")
 @arguments(_plan_arguments)
 def _plan(args: argparse.Namespace) -> int:
-    from memchunk_prefect.core.policy import FirstTouch, plan
+    from memchunk_prefect.core.estimates import Estimates, FirstTouch
+    from memchunk_prefect.core.policy import plan
     from memchunk_prefect.learn.model import ModelBank
 
     budget = parse_bytes(args.budget)
@@ -319,9 +320,10 @@ def _plan(args: argparse.Namespace) -> int:
         halo = spec.halo_for({}) if spec is not None else 0
     whole = args.whole_traces if args.whole_traces is not None else (spec.whole_traces if spec else True)
     # The learned time, as the runner plans with it (BankKnowledge): per element, and a curve where one is learned.
-    p = plan(tuple(args.shape), budget_bytes=budget, predict=lambda ext: model.predict(ext), halo=halo,
-             slots=args.slots, whole_traces=whole, seconds_per_element=model.seconds_per_element(),
-             seconds_for=model.seconds_for, first_touch=None if spb is None else FirstTouch(held, spb))
+    estimates = Estimates(predict=lambda ext: model.predict(ext), seconds_per_element=model.seconds_per_element(),
+                          seconds_for=model.seconds_for, first_touch=None if spb is None else FirstTouch(held, spb))
+    p = plan(tuple(args.shape), budget_bytes=budget, estimates=estimates, halo=halo, slots=args.slots,
+             whole_traces=whole)
     summary = model.summary()
     out = p.to_dict()
     out.update({

@@ -132,8 +132,8 @@ def demo_layout(workers: int, limit: int | None, env: Mapping[str, str] | None =
     (the GPU where every worker has a usable one, else the CPU). Otherwise ``workers`` CPU workers.
     ``limit`` (bytes per worker) None: :data:`DEFAULT_MEMORY_LIMIT`, or :data:`DEFAULT_GPU_MEMORY_LIMIT` on the GPU.
     """
+    from memchunk_prefect.core.units import parse_bytes
     from memchunk_prefect.run.pinning import PRELOAD, usable_gpus
-    from memchunk_prefect.run.runner import parse_bytes
 
     devices, found = usable_gpus(env)
     if limit is None:
@@ -159,9 +159,10 @@ def run(args: argparse.Namespace) -> int:
     # seconds, before a survey is generated or a cluster started.
     preflight(store=args.store, output_dir=directory / "runs")
 
+    from memchunk_prefect.core.units import parse_bytes
     from memchunk_prefect.operators.registry import DEFAULT_STEPS
     from memchunk_prefect.pipeline import attribute_pipeline
-    from memchunk_prefect.run.runner import MemoryAwareRunner, parse_bytes
+    from memchunk_prefect.run.runner import MemoryAwareRunner
 
     asked = None if args.memory_limit is None else parse_bytes(args.memory_limit, what="--memory-limit")
     survey = ensure_survey(directory, args.shape)

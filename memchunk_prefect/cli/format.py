@@ -11,7 +11,6 @@ from memchunk_prefect.core.errors import (
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
-from memchunk_prefect.core.units import BUDGET_FORMS, parse_bytes  # noqa: E402,F401  (re-exported: the CLI's budget parser)
 
 
 def pct(x: float | None) -> str:

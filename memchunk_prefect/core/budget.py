@@ -7,10 +7,10 @@ nanny kills it. All sizes are bytes.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from memchunk_prefect.core import policy
 from memchunk_prefect.core.errors import BudgetError, BudgetTooSmallError, format_bytes
 
 
@@ -102,7 +102,7 @@ def kill_headroom_bytes(workers: list[WorkerMemory]) -> int | None:
 
 def task_budget(workers: list[WorkerMemory], target_fraction: float) -> int:
     """Memory one task may use above its worker's resting level, ``target_fraction`` of each limit (bytes)."""
-    return min(policy.task_budget_bytes(w.memory_limit_bytes, w.nthreads, target_fraction=target_fraction,
+    return min(task_budget_bytes(w.memory_limit_bytes, w.nthreads, target_fraction=target_fraction,
                                         resting_bytes=w.resting_bytes, kill_fraction=w.kill_fraction)
                for w in workers)
 
@@ -144,7 +144,7 @@ class GpuBudget:
 def gpu_budget(statuses: Mapping[str, Any], nthreads: Mapping[str, int], *,
                target_fraction: float | None = None) -> GpuBudget:
     """The GPU budget per task: ``target_fraction`` of what each worker could allocate on its device now
-    (:func:`memchunk_prefect.core.policy.gpu_task_budget_bytes`), per thread; the smallest over the workers.
+    (:func:`memchunk_prefect.core.budget.gpu_task_budget_bytes`), per thread; the smallest over the workers.
 
     ``statuses``: each worker's :class:`memchunk_prefect.operators.device.GpuStatus` (by address), read at the
     map's start (what is not free to it is its CUDA context and other processes' use; its own pool counts as free). A
@@ -162,7 +162,7 @@ def gpu_budget(statuses: Mapping[str, Any], nthreads: Mapping[str, int], *,
     """
     if not statuses:
         raise BudgetError("no workers to derive a GPU budget from")
-    fraction = policy.GPU_TARGET_FRACTION if target_fraction is None else target_fraction
+    fraction = GPU_TARGET_FRACTION if target_fraction is None else target_fraction
     per_worker: list[tuple[int, str]] = []
     free: dict[str, int] = {}
     for address, st in sorted(statuses.items()):
@@ -172,7 +172,7 @@ def gpu_budget(statuses: Mapping[str, Any], nthreads: Mapping[str, int], *,
                               "a worker has no GPU, or restore the worker's GPU")
         threads = max(1, int(nthreads.get(address, 1)))
         free[address] = int(st.free_bytes)
-        b = policy.gpu_task_budget_bytes(st.free_bytes, threads, target_fraction=target_fraction)
+        b = gpu_task_budget_bytes(st.free_bytes, threads, target_fraction=target_fraction)
         held = max(0, int(st.total_bytes or st.free_bytes) - int(st.free_bytes))
         per_worker.append((b, f"GPU budget {format_bytes(b)} per task: {fraction:g} x {format_bytes(st.free_bytes)} "
                               f"free of the device's {format_bytes(st.total_bytes)} ({format_bytes(held)} held: CUDA "
@@ -226,7 +226,7 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
         headroom = int((line - w.resting_bytes) / threads)
         b = headroom
         if target_fraction is not None:
-            b = min(b, policy.task_budget_bytes(w.memory_limit_bytes, threads, target_fraction=target_fraction,
+            b = min(b, task_budget_bytes(w.memory_limit_bytes, threads, target_fraction=target_fraction,
                                                 resting_bytes=w.resting_bytes, kill_fraction=w.kill_fraction))
         per_worker.append((b, w, line, threads))
     b, w, line, threads = min(per_worker, key=lambda t: t[0])
@@ -261,3 +261,81 @@ def planned_slots(nthreads: dict[str, int], requested: int | None) -> int:
     if not requested or requested <= len(nthreads) or not nthreads:
         return present
     return max(present, int(round(requested * present / len(nthreads))))
+
+
+def task_budget_bytes(memory_limit_bytes: int, threads: int = 1, *, target_fraction: float = 0.75,
+                      resting_bytes: int = 0, kill_fraction: float | None = None) -> int:
+    """Memory one task may use above the worker's resting level, in bytes.
+
+    ``target_fraction`` of the worker's ``memory_limit`` shared among its threads,
+    minus what the idle worker process already holds. ``kill_fraction`` is the
+    fraction of the limit at which the worker's nanny kills it (Dask's
+    ``distributed.worker.memory.terminate``, read from the cluster; None when the
+    nanny does not kill): a target at or above it is refused. With Dask's defaults
+    (pause 0.80, terminate 0.95) the default 0.75 stays below both.
+
+    >>> task_budget_bytes(4 * 2**30, 1, target_fraction=0.75, resting_bytes=2**30)
+    2147483648
+    """
+    if not memory_limit_bytes or memory_limit_bytes <= 0:
+        raise BudgetError(
+            f"the workers have no memory limit (memory_limit={memory_limit_bytes!r}), so there is no budget to "
+            "plan for: give the cluster a memory_limit, or pass memory_budget= to MemoryAwareRunner"
+        )
+    ceiling = 1.0 if kill_fraction is None else float(kill_fraction)
+    if not 0 < target_fraction <= ceiling:
+        raise BudgetError(
+            f"target_fraction must be in (0, {ceiling:g}], got {target_fraction}"
+            + (f": the workers' nanny kills a worker at {ceiling:g} of its memory_limit "
+               "(distributed.worker.memory.terminate)" if kill_fraction is not None else ""))
+    threads = max(1, int(threads))
+    budget = int(memory_limit_bytes * target_fraction / threads) - int(resting_bytes)
+    if budget <= 0:
+        raise BudgetTooSmallError(
+            f"a worker's memory_limit of {format_bytes(memory_limit_bytes)} x target_fraction {target_fraction} "
+            f"/ {threads} threads leaves nothing above its resting {format_bytes(resting_bytes)}: give workers "
+            "more memory or fewer threads"
+        )
+    return budget
+
+
+#: The share of a GPU's free memory one worker's tasks may plan for when no ``target_fraction`` is set: the rest
+#: is left for what the model does not see (cuFFT plans and cuSOLVER workspaces made inside a call, the pool's
+#: fragmentation). A GPU has no nanny killing at a line, so the fraction is the only margin besides the model's.
+GPU_TARGET_FRACTION = 0.9
+
+
+def gpu_task_budget_bytes(free_bytes: int, threads: int = 1, *, target_fraction: float | None = None) -> int:
+    """What one task may use of a GPU's memory, bytes: ``target_fraction`` (default :data:`GPU_TARGET_FRACTION`)
+    of what the worker could allocate there (``free_bytes``: free memory plus its own pool, so its CUDA context
+    and other processes' use are left out), shared by the worker's ``threads``.
+
+    >>> gpu_task_budget_bytes(80 * 2**30) / 2**30
+    72.0
+    >>> gpu_task_budget_bytes(80 * 2**30, 2, target_fraction=0.5) / 2**30
+    20.0
+    """
+    fraction = GPU_TARGET_FRACTION if target_fraction is None else target_fraction
+    if (isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not 0 < fraction <= 1):
+        raise BudgetError(f"target_fraction must be a number in (0, 1], got {target_fraction!r}")
+    return int(fraction * max(0, int(free_bytes)) / max(1, int(threads)))
+
+
+def allowed_failures_warning(allowed_failures: int | None, address: str) -> str | None:
+    """What to tell the user about the scheduler's ``allowed-failures`` setting, or None when it is fine.
+
+    Dask retries a task whose worker died on another worker up to ``allowed-failures``
+    times (default 3) before reporting ``KilledWorker``. For a task killed for memory
+    each retry kills another worker, and the runner only learns of it (and splits the
+    chunk) after the last one. The runner sets 0 on clusters it starts; a scheduler
+    started elsewhere is a shared setting it reads but never changes.
+
+    >>> allowed_failures_warning(0, "tcp://s:8786") is None
+    True
+    """
+    if allowed_failures is None or allowed_failures <= 0:
+        return None
+    return (f"the Dask scheduler at {address} retries a task whose worker died up to {allowed_failures} times "
+            f"(allowed-failures={allowed_failures}): a chunk that runs out of memory kills up to "
+            f"{allowed_failures + 1} workers before memchunk can split it. Start that scheduler with "
+            "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0")

@@ -78,6 +78,14 @@ from memchunk_prefect.core.errors import (
     MemoryNotChunkSizeError,
     format_bytes,
 )
+from memchunk_prefect.core.estimates import (
+    Estimates,
+    FirstTouch,
+    GpuLimit,
+    ReadRange,
+    estimate_joules,
+    estimate_seconds,
+)
 from memchunk_prefect.core.messages import (
     KILLED,
     LOST,
@@ -116,7 +124,9 @@ from memchunk_prefect.core.messages import (
     WorkerDied,
 )
 from memchunk_prefect.core.plan_queue import Gate, Pending, PlanQueue
-from memchunk_prefect.core.policy import PROBE, RECHUNK, RETRY_SMALLER, Plan, remaining_boxes, split_chunk
+from memchunk_prefect.core.plans import PROBE, RECHUNK, RETRY_SMALLER, Plan
+from memchunk_prefect.core.policy import remaining_boxes, split_chunk
+from memchunk_prefect.core.probe import probe_budget, probe_plan
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward, first_use_bytes, paused_within
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 
@@ -264,11 +274,11 @@ class MapMachine:
         return bandit.arm_view(pred, self.arm.arm) if self.arm is not None else pred
 
     @property
-    def gpu_limit(self) -> policy.GpuLimit | None:
+    def gpu_limit(self) -> GpuLimit | None:
         """The GPU budget plans fit besides the host's (None on the CPU)."""
         if self.gpu_budget_bytes is None:
             return None
-        return policy.GpuLimit(self.predict_gpu, self.gpu_budget_bytes)
+        return GpuLimit(self.predict_gpu, self.gpu_budget_bytes)
 
     def _gpu_over(self, extents: Shape) -> str | None:
         """Why a block of ``extents`` does not fit the GPU budget, in words; None when it does (or on the CPU)."""
@@ -319,7 +329,7 @@ class MapMachine:
         self.arm = choice
         return results[choice.arm]
 
-    def _read_range(self) -> policy.ReadRange | None:
+    def _read_range(self) -> ReadRange | None:
         """The block sizes the map's arm plans within (None: any)."""
         if self.arm is None or self.safe_read_elements is None:
             return None
@@ -360,11 +370,9 @@ class MapMachine:
             return out
         def decide() -> policy.Decision:
             return policy.decide(self.spec.shape, self.spec.incoming, budget_bytes=self.budget_bytes,
-                                 predict=self.predict, halo=self.spec.halo, slots=self.slots,
-                                 whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE,
-                                 seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
-                                 seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
-                                 gpu=self.gpu_limit, read_range=self._read_range(), first_touch=self._first_touch())
+                                 estimates=self._estimates(), halo=self.spec.halo, slots=self.slots,
+                                 whole_traces=self.spec.whole_traces, itemsize=ITEMSIZE, settings=self.settings,
+                                 read_range=self._read_range())
 
         try:
             d = self._choose_arm(decide) if not _probes(decide) else decide()
@@ -651,7 +659,7 @@ class MapMachine:
         """
 
         def wave(box: Chunk) -> Plan:
-            return policy.probe_plan(self.spec.shape, budget_bytes=policy.probe_budget(self.budget_bytes,
+            return probe_plan(self.spec.shape, budget_bytes=probe_budget(self.budget_bytes,
                                                                                        self.gpu_limit),
                                      halo=self.spec.halo, slots=self.slots, whole_traces=self.spec.whole_traces,
                                      region=box, itemsize=ITEMSIZE, settings=self.settings, scale=self.probe_scale,
@@ -754,10 +762,10 @@ class MapMachine:
         if gpu_over:
             return f"the queued chunks of up to {largest.shape} no longer fit ({gpu_over})"
         k = self.knowledge
-        old_secs = policy.estimate_seconds(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
+        old_secs = estimate_seconds(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
                                            k.seconds_for, self._first_touch(), pred.mean_bytes)
         if self.settings.objective == "energy" and new.estimated_joules is not None:
-            old_j = policy.estimate_joules(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
+            old_j = estimate_joules(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
                                            k.seconds_for, k.joules_for, self._first_touch(), pred.mean_bytes)
             if new.estimated_joules < old_j * (1 - self.settings.replan_gain):
                 return f"estimated {old_j:.0f} J -> {new.estimated_joules:.0f} J"
@@ -777,20 +785,24 @@ class MapMachine:
     # ---------------------------------------------------------------- helpers
 
     def _plan(self, region: Chunk, slots: int | None = None) -> Plan:
-        return policy.plan(self.spec.shape, budget_bytes=self.budget_bytes, predict=self.predict, halo=self.spec.halo,
-                           slots=self.slots if slots is None else slots, whole_traces=self.spec.whole_traces,
-                           region=region, itemsize=ITEMSIZE,
-                           seconds_per_element=self.knowledge.seconds_per_element(), settings=self.settings,
-                           seconds_for=self.knowledge.seconds_for, joules_for=self.knowledge.joules_for,
-                           gpu=self.gpu_limit, read_range=self._read_range(), first_touch=self._first_touch())
+        return policy.plan(self.spec.shape, budget_bytes=self.budget_bytes, estimates=self._estimates(),
+                           halo=self.spec.halo, slots=self.slots if slots is None else slots,
+                           whole_traces=self.spec.whole_traces, region=region, itemsize=ITEMSIZE,
+                           settings=self.settings, read_range=self._read_range())
 
-    def _first_touch(self) -> policy.FirstTouch | None:
+    def _estimates(self) -> Estimates:
+        """What the planner asks of the operator's learned models now."""
+        k = self.knowledge
+        return Estimates(predict=self.predict, seconds_per_element=k.seconds_per_element(), seconds_for=k.seconds_for,
+                         joules_for=k.joules_for, first_touch=self._first_touch(), gpu=self.gpu_limit)
+
+    def _first_touch(self) -> FirstTouch | None:
         """What growing the workers' memory past their high-water marks costs a plan now: the least touched
         worker's mark and the operator's learned kernel seconds per byte (None where either is unknown)."""
         if not self.touched:
             return None
         spb = self.knowledge.touch_seconds_per_byte()
-        return None if spb is None else policy.FirstTouch(min(self.touched.values()), spb)
+        return None if spb is None else FirstTouch(min(self.touched.values()), spb)
 
     def _upper_for(self, chunk: Chunk) -> float | None:
         """Upper bound for the block this chunk reads (its halo clipped at the volume's edges); None while not ready."""

@@ -48,7 +48,7 @@ class Start:
     key, :meth:`Knowledge.predict_gpu`). None on the CPU.
     ``touched_bytes``: each worker's high-water mark less its resting memory, per thread, by address (what a
     task may use there without the kernel faulting in memory the process never held: plans count what
-    growing past it costs, :class:`memchunk_prefect.core.policy.FirstTouch`); None: not read, nothing counted.
+    growing past it costs, :class:`memchunk_prefect.core.estimates.FirstTouch`); None: not read, nothing counted.
     """
 
     slots: int

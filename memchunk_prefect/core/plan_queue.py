@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 
 from memchunk_prefect.core.chunks import Chunk, Shape, covers, with_halo
 from memchunk_prefect.core.messages import MapSpec
-from memchunk_prefect.core.policy import RETRY_SMALLER
+from memchunk_prefect.core.plans import RETRY_SMALLER
 
 
 @dataclass

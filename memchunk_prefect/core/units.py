@@ -16,11 +16,26 @@ BUDGET_FORMS = ("a number of bytes (2147483648) or a number with a unit: B, KB, 
                 "KiB, MiB, GiB, TiB (powers of 1024), e.g. 2GiB or 512MiB")
 
 
-def parse_bytes(text: str | int) -> int:
-    """``"2GiB" -> 2147483648``; ``"2GB" -> 2000000000``; plain integers are bytes.
+def parse_bytes(text: str | int | float, *, what: str | None = None) -> int:
+    """``"2GiB" -> 2147483648``; ``"2GB" -> 2000000000``; plain numbers are bytes.
 
-    Raises :class:`~memchunk_prefect.core.errors.BudgetError` quoting the value and the accepted forms.
+    Raises :class:`~memchunk_prefect.core.errors.BudgetError` quoting the value and the accepted forms, and
+    ``what`` was given it (an argument's name) where given.
+
+    >>> parse_bytes("2GiB"), parse_bytes("1.5 MiB"), parse_bytes(1000), parse_bytes(2e9)
+    (2147483648, 1572864, 1000, 2000000000)
     """
+    try:
+        return _parse_bytes(text)
+    except BudgetError as exc:
+        if what is None:
+            raise
+        raise BudgetError(f"`{what}`: {exc}") from None
+
+
+def _parse_bytes(text: str | int | float) -> int:
+    if isinstance(text, float) and math.isfinite(text):
+        text = int(text)
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:

@@ -757,7 +757,7 @@ class OperatorModel:
     def touch_seconds_per_byte(self) -> float | None:
         """Kernel seconds per byte the latest runs that grew their worker paid (:meth:`first_touch`): the cost of
         growing a worker's memory past the most it has held, which a plan pays once per worker
-        (:class:`memchunk_prefect.core.policy.FirstTouch`); None before such a run.
+        (:class:`memchunk_prefect.core.estimates.FirstTouch`); None before such a run.
 
         Their kernel time beyond what runs of their size pay below the mark (:meth:`growth_kernel_seconds`: a
         545 MiB trace_correlation block took 0.7-0.8 s growing 502 MiB, 0.1-0.15 s again) over the bytes they

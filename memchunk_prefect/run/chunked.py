@@ -12,8 +12,9 @@ from typing import Any, Iterable, Sequence
 from prefect.futures import PrefectFuture, PrefectFutureList
 
 from memchunk_prefect.core.chunks import Chunk, Shape, normalize_halo
+from memchunk_prefect.core.errors import UpstreamMapError
 from memchunk_prefect.core.records import Observation
-from memchunk_prefect.io.zarr_store import open_result
+from memchunk_prefect.io.zarr_store import ZarrSource, open_result
 from memchunk_prefect.run.executor import ChunkedMap
 from memchunk_prefect.run.observe import MapLog
 
@@ -200,3 +201,21 @@ def _wait_event(event: threading.Event, timeout: float | None = None) -> bool:
             return False
         event.wait(0.5 if left is None else min(0.5, left))
     return True
+
+
+def upstream_plan(upstream: ChunkedResult, task: Any) -> tuple[tuple[Chunk, ...], ChunkedMap | None, dict | None]:
+    """What a map over ``upstream`` decides from: its chunking (its plan so far, while it runs), the map to
+    follow (None: built from a finished one), and the identity of its output (its ``write_id``: the same
+    whether it is finished or still written, so a rerun resumes a downstream output either way)."""
+    up = upstream.map
+    if up is None:
+        return tuple(upstream.chunks), None, None
+    _wait_event(up.planned)  # its first decision (milliseconds to a second after its .map)
+    if up.out is None:  # it stopped before its output existed: nothing to read
+        raise UpstreamMapError(
+            f"cannot map {getattr(task, 'name', task)!r} over the result of {up.name}: that map stopped before "
+            f"it began ({type(up.error).__name__}: {up.error}); fix that error and rerun the flow") from up.error
+    identity = ZarrSource(up.output_path).identity(complete=False)
+    if upstream.done and up.error is None:
+        return tuple(upstream.chunks), up, identity
+    return up.plan_snapshot(), up, identity

@@ -37,7 +37,6 @@ from typing import Any, Callable, Sequence
 import dask
 
 from memchunk_prefect.core import budget as _budget
-from memchunk_prefect.core import policy
 from memchunk_prefect.core.budget import Budget, GpuBudget, WorkerMemory, memory_fraction
 from memchunk_prefect.core.errors import RunnerConfigError
 from memchunk_prefect.core.settings import RUNNER_SETTINGS, RunnerSettings
@@ -549,13 +548,13 @@ class ClusterView:
             logger.warning("could not record the cluster's machines: %r", exc)
 
     def _check_once(self) -> None:
-        """Warn once when the scheduler retries dead workers' tasks (:func:`policy.allowed_failures_warning`)."""
+        """Warn once when the scheduler retries dead workers' tasks (:func:`_budget.allowed_failures_warning`)."""
         with self._lock:  # two maps' threads read the budget at once
             if self._checked:
                 return
             self._checked = True
         client = self.client
-        message = policy.allowed_failures_warning(read_allowed_failures(client), client.scheduler.address)
+        message = _budget.allowed_failures_warning(read_allowed_failures(client), client.scheduler.address)
         if message:
             logger.warning("%s", message)
             flow_logger(logger).warning("memchunk: %s", message)

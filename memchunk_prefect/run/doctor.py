@@ -317,7 +317,7 @@ def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS) -
 
 
 def _cluster_checks(client: Any, address: str) -> list[Check]:
-    from memchunk_prefect.core.policy import allowed_failures_warning
+    from memchunk_prefect.core.budget import allowed_failures_warning
     from memchunk_prefect.run import cluster as _cluster
 
     checks: list[Check] = []

@@ -22,41 +22,21 @@ After::
         dip = gst3d_dip.map(chunked(env))        # continue or rechunk at this boundary
         return dip.result()                      # xarray.DataArray over a zarr store
 
-What happens at a chunked ``.map`` (in a thread of the flow's process: the
-``.map`` call returns a :class:`ChunkedResult` at once, as Prefect's does; a map
-over another map's result is decided from that map's plan and each of its chunks
-runs once the upstream chunks its block reads are written):
-
-1. the operator key and halo come from the task (``memchunk_prefect.operators``);
-   the budget per task and the slots are read from the live cluster
-   (:mod:`memchunk_prefect.run.cluster`); the output is created, resumed or replaced
-   (:mod:`memchunk_prefect.io.identity`);
-2. the map's state machine (:mod:`memchunk_prefect.core.machine`, pure) decides
-   ``continue``, ``rechunk`` or a cold-start ``probe``, what to submit, when to
-   re-plan, and what a failure means; its executor
-   (:mod:`memchunk_prefect.run.executor`) carries that out on Prefect and Dask;
-3. each chunk is an ordinary Prefect task run of the user's task (named after its
-   chunk, e.g. ``gst3d_dip[iline 64:96]``); on the worker it reads its block
-   (halo included) straight from the source, runs the task function, trims the
-   halo, writes its region of a zarr store and returns a small receipt with what
-   it measured (:mod:`memchunk_prefect.run.worker`);
-4. every receipt teaches the model; the unsubmitted remainder is re-planned
-   when the upper bound moved enough to matter;
-5. a chunk that ran out of memory (``MemoryError`` in the task, or its worker
-   killed → ``KilledWorker``) is recorded as a censored observation, its Prefect
-   task run is marked Crashed, and it is split in two and resubmitted
-   (``retry-smaller``); one that cannot be split fails the flow with
-   :class:`~memchunk_prefect.core.errors.ChunkOutOfMemoryError`.
-
-Watch maps with observers (:mod:`memchunk_prefect.run.observe`): the Prefect
-artifacts (:mod:`memchunk_prefect.run.report`) and ``ChunkedResult`` are two.
+At a chunked ``.map`` the runner reads the budget and slots from the live cluster
+(:mod:`~memchunk_prefect.run.cluster`), opens, resumes or replaces the output
+(:mod:`~memchunk_prefect.io.identity`), and starts the map in a thread of the flow's
+process (:mod:`~memchunk_prefect.run.maps`): the pure state machine
+(:mod:`~memchunk_prefect.core.machine`) decides probe, continue, rechunk or
+retry-smaller, and the executor (:mod:`~memchunk_prefect.run.executor`) carries that
+out as ordinary Prefect task runs on Dask, one per chunk
+(:mod:`~memchunk_prefect.run.worker` is what runs on the workers). Observers
+(:mod:`~memchunk_prefect.run.observe`) watch each map.
 
 Ordinary iterables map exactly as with ``DaskTaskRunner``.
 """
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import functools
 import logging
@@ -72,31 +52,28 @@ from prefect.futures import PrefectFuture
 from prefect.utilities.annotations import BaseAnnotation
 from prefect_dask import DaskTaskRunner
 
-from memchunk_prefect.core.chunks import Chunk
 from memchunk_prefect.core.errors import (
     BudgetError,
     EnergyInputError,
     EnvironmentProblemError,
     MemchunkError,
     RunnerConfigError,
-    UpstreamMapError,
 )
 from memchunk_prefect.core.records import STOP_DEATH_SECONDS, stop_deaths
 from memchunk_prefect.core.settings import RUNNER_SETTINGS, PolicySettings
-from memchunk_prefect.core.units import parse_bytes as _parse_bytes
-from memchunk_prefect.core.units import parse_seconds
+from memchunk_prefect.core.units import parse_bytes, parse_seconds
 from memchunk_prefect.operators.device import AUTO, CUDA, check_device
 from memchunk_prefect.run import cluster as _cluster
 from memchunk_prefect.run import doctor
-from memchunk_prefect.run.chunked import Chunked, ChunkedResult, _wait_event, chunked
-from memchunk_prefect.run.executor import ChunkedMap, MapContext, MapInterrupted, flow_logger
+from memchunk_prefect.run.chunked import Chunked, ChunkedResult, chunked, upstream_plan
+from memchunk_prefect.run.executor import ChunkedMap, MapContext
+from memchunk_prefect.run.maps import FlowMaps
 from memchunk_prefect.run.observe import MapLog, MapObserver
 from memchunk_prefect.run.outputs import default_output_dir, output_path_for
 from memchunk_prefect.run.pinning import local_gpu_cluster, usable_gpus
 from memchunk_prefect.run.prefect_api import (
     allow_slow_first_start,
     fail_flow_run,
-    flow_run_state,
     one_api_for_workers,
 )
 
@@ -112,20 +89,6 @@ logger = logging.getLogger("memchunk_prefect.run.runner")
 
 
 # =========================================================================== the runner
-
-
-def parse_bytes(value: int | float | str | None, *, what: str = "memory_budget") -> int | None:
-    """``"2GiB"``, ``"512 MB"``, ``2e9`` or ``None`` -> bytes; a bad value is a RunnerConfigError naming ``what``.
-
-    >>> parse_bytes("2GiB"), parse_bytes("1.5 MiB"), parse_bytes(1000), parse_bytes(None)
-    (2147483648, 1572864, 1000, None)
-    """
-    if value is None:
-        return None
-    try:
-        return _parse_bytes(int(value) if isinstance(value, float) else value)
-    except BudgetError as exc:
-        raise RunnerConfigError(f"`{what}`: {exc}") from exc
 
 
 class MemoryAwareRunner(DaskTaskRunner):
@@ -156,7 +119,7 @@ class MemoryAwareRunner(DaskTaskRunner):
       ``False`` for none;
     - ``objective``: ``"time"`` (default: the shortest estimated run) or ``"energy"``
       (the least estimated joules: busy slots, idle slots of a last wave, per-task
-      overhead; :func:`memchunk_prefect.core.policy.estimate_joules`);
+      overhead; :func:`memchunk_prefect.core.estimates.estimate_joules`);
     - ``deadline``: with ``objective="energy"``, the most seconds (or ``"10min"``)
       a chunked map may be estimated to take: the least energy that meets it;
     - ``watts_per_core`` / ``idle_watts_per_core``: power of a busy / an idle core,
@@ -217,35 +180,16 @@ class MemoryAwareRunner(DaskTaskRunner):
                          adapt_kwargs=adapt_kwargs, client_kwargs=client_kwargs,
                          performance_report_path=performance_report_path)
         if target_fraction is not None:
-            kill = _cluster.configured_kill_fraction() if address is None else None
-            ceiling = kill if kill is not None else 1.0
-            try:
-                ok = 0 < float(target_fraction) <= ceiling
-            except (TypeError, ValueError):
-                ok = False
-            if not ok:
-                raise RunnerConfigError(
-                    f"`target_fraction` must be in (0, {ceiling:g}], got {target_fraction!r}"
-                    + (f" (Dask's nanny kills a worker at {kill:g} of its memory_limit: "
-                       "distributed.worker.memory.terminate)" if kill is not None else ""))
-        self.memory_budget = parse_bytes(memory_budget)
+            _check_target_fraction(target_fraction, _cluster.configured_kill_fraction() if address is None else None)
+        try:
+            self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget, what="memory_budget")
+        except BudgetError as exc:
+            raise RunnerConfigError(str(exc)) from exc
         self.target_fraction = None if target_fraction is None else float(target_fraction)
         self.store = None if store is None else os.fspath(store)
         self.output_dir = None if output_dir is None else os.fspath(output_dir)
-        if policy is None:
-            policy = PolicySettings()
-        elif isinstance(policy, Mapping):
-            try:
-                policy = PolicySettings(**policy)
-            except TypeError as exc:
-                raise RunnerConfigError(f"`policy` has an unknown setting: {exc}") from exc
-        elif not isinstance(policy, PolicySettings):
-            raise RunnerConfigError(f"`policy` must be a PolicySettings or a dict, got {type(policy).__name__}")
-        energy: dict[str, Any] = {name: value for name, value in (
-            ("objective", objective), ("watts_per_core", watts_per_core), ("idle_watts_per_core", idle_watts_per_core),
-            ("deadline_seconds", None if deadline is None else _deadline_seconds(deadline))) if value is not None}
-        if energy:
-            policy = dataclasses.replace(policy, **energy)  # validated by PolicySettings (EnergyInputError)
+        policy = _policy_of(policy, objective=objective, watts_per_core=watts_per_core,
+                            idle_watts_per_core=idle_watts_per_core, deadline=deadline)
         self.policy = policy
         # The device of operators that take one (a `device` parameter) and were not given it: None leaves each
         # operator's own default (the CPU); "auto" runs them on the GPU where every worker has one.
@@ -260,8 +204,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         self._view: _cluster.ClusterView | None = None
         self._writer: Any = None  # report.ArtifactWriter of the flow run this runner is entered for
         self._lock = threading.RLock()  # what the maps' threads share: the bank, the writer, the list of maps
-        self._maps: list[ChunkedResult] = []  # the chunked maps of the flow run, running or ended
-        self._stop: BaseException | None = None  # set when the flow run stops around its maps
+        self._flow_maps = FlowMaps()  # the chunked maps of the flow run, running or ended
     # ---------------------------------------------------------------- Prefect plumbing
 
     def duplicate(self) -> "MemoryAwareRunner":
@@ -303,7 +246,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         state = self.__dict__.copy()
         state["_bank"] = None
         state["observers"] = ()
-        state["_lock"], state["_maps"], state["_stop"], state["_writer"] = None, [], None, None  # the flow's only
+        state["_lock"], state["_flow_maps"], state["_writer"] = None, None, None  # the flow's only
         state["_view"] = None
         return state
 
@@ -313,7 +256,7 @@ class MemoryAwareRunner(DaskTaskRunner):
 
     def __enter__(self):
         self._check_paths()  # before a cluster is started or anything submitted
-        self._maps, self._stop = [], None
+        self._flow_maps = FlowMaps()
         super().__enter__()
         self._exit_stack.enter_context(one_api_for_workers())
         return self
@@ -418,7 +361,7 @@ class MemoryAwareRunner(DaskTaskRunner):
 
         incoming, upstream_map, identity = None, None, None
         if upstream is not None:
-            incoming, upstream_map, identity = self._upstream_plan(upstream, task)
+            incoming, upstream_map, identity = upstream_plan(upstream, task)
         log = MapLog()
         cmap = ChunkedMap(self._map_context(), task, param,
                           source=upstream.output_path if upstream is not None else marker.source,
@@ -428,87 +371,17 @@ class MemoryAwareRunner(DaskTaskRunner):
                                      *_progress_observers(self.progress)],
                           upstream=upstream_map, source_identity=identity)
         result = ChunkedResult.running(cmap, log)
-        # The map runs in its own thread, in a copy of the flow's context (its flow run, settings and logger), so
-        # `.map` returns at once as Prefect's does; the runner waits for it at the flow's end (__exit__).
-        thread = threading.Thread(target=contextvars.copy_context().run, args=(self._run_map, result),
-                                  name=f"memchunk-map-{cmap.name}", daemon=True)
-        with self._lock:
-            self._maps.append(result)
-        thread.start()
+        self._flow_maps.start(result)
         return result
-
-    def _upstream_plan(self, upstream: ChunkedResult, task: Any) -> tuple[tuple[Chunk, ...], ChunkedMap | None,
-                                                                             dict | None]:
-        """What a map over ``upstream`` decides from: its chunking (its plan so far, while it runs), the map to
-        follow (None: built from a finished one), and the identity of its output (its ``write_id``: the same
-        whether it is finished or still written, so a rerun resumes a downstream output either way)."""
-        up = upstream.map
-        if up is None:
-            return tuple(upstream.chunks), None, None
-        _wait_event(up.planned)  # its first decision (milliseconds to a second after its .map)
-        if up.out is None:  # it stopped before its output existed: nothing to read
-            raise UpstreamMapError(
-                f"cannot map {getattr(task, 'name', task)!r} over the result of {up.name}: that map stopped before "
-                f"it began ({type(up.error).__name__}: {up.error}); fix that error and rerun the flow") from up.error
-        from memchunk_prefect.io.zarr_store import ZarrSource
-
-        identity = ZarrSource(up.output_path).identity(complete=False)
-        if upstream.done and up.error is None:
-            return tuple(upstream.chunks), up, identity
-        return up.plan_snapshot(), up, identity
-
-    def _run_map(self, result: ChunkedResult) -> None:
-        """A map's thread: run it; what stops it is kept on the map (``.result()`` and the flow's end raise it)."""
-        try:
-            result.map.run()  # type: ignore[union-attr]
-        except BaseException:  # noqa: BLE001 - kept in ChunkedMap.error, raised where the user looks
-            pass
-        finally:
-            result._finish()
 
     def stop_requested(self) -> BaseException | None:
         """What the maps' threads raise to stop (the flow run stopped around them), or None."""
-        return self._stop
+        return self._flow_maps.stop
 
     def finish_maps(self, flow_error: BaseException | None) -> ChunkedResult | None:
-        """Wait for every map this flow run started; the map whose error the flow run should end with, if any.
-
-        ``flow_error``: what stopped the flow (Ctrl-C, a cancellation, an error in the flow's own code): the maps
-        still running stop too, keeping what they wrote (their task runs in flight are marked Cancelled, or
-        Crashed after an error). Without one, a map that failed and whose error nobody has seen
-        (``.result()``) is what the flow run ends with: Prefect marks a flow run Completed when its function
-        returns, before it closes the task runner, so that map's error would otherwise be lost.
-        """
-        with self._lock:
-            maps = list(self._maps)
-        unseen = [r for r in maps if r.done and r.error is not None and not r.seen]
-        if flow_error is None and maps and (unseen or any(not r.done for r in maps)):
-            # An error in the flow's own code is handled by Prefect's engine before the task runner closes: the
-            # flow run's state says whether the flow failed around its maps.
-            state = flow_run_state(maps[0].map.flow_run_id if maps[0].map is not None else "")
-            if state is not None and state.is_final() and not state.is_completed():
-                flow_error = MemchunkError(f"the flow run ended {state.name}: {state.message}")
-        if flow_error is not None and any(not r.done for r in maps):
-            self._stop = (MapInterrupted(f"the flow run stopped ({type(flow_error).__name__})")
-                          if not isinstance(flow_error, Exception)
-                          else MemchunkError(f"the flow run failed around it ({type(flow_error).__name__}: "
-                                             f"{flow_error})"))
-        if flow_error is not None and not isinstance(flow_error, Exception) and maps:
-            self._forget_stop_deaths(maps[0].map.flow_run_id if maps[0].map is not None else "", time.time())
-        for r in maps:
-            _wait_event(r._ended)
-        unseen = [r for r in maps if r.error is not None and not r.seen]
-        if flow_error is not None:
-            for r in unseen:
-                logger.info("%s: stopped (%s: %s) as the flow run ended", r.operator, type(r.error).__name__, r.error)
-            return None
-        for r in unseen[1:]:
-            flow_logger().error("memchunk: the chunked map over %s failed and nothing waited for it: %r",
-                                 r.operator, r.error)
-        if not unseen:
-            return None
-        unseen[0].map.error_seen = True  # type: ignore[union-attr]
-        return unseen[0]
+        """Wait for every map this flow run started; the map whose error the flow run should end with, if any
+        (see :meth:`memchunk_prefect.run.maps.FlowMaps.finish`)."""
+        return self._flow_maps.finish(flow_error, self._forget_stop_deaths)
 
     def _forget_stop_deaths(self, flow_run_id: str, stopped_at: float) -> None:
         """Delete from the store the worker deaths this flow run learned as out of memory just before it was
@@ -588,3 +461,33 @@ def _progress_observers(on: bool) -> list[MapObserver]:
     return [TerminalProgress()]
 
 
+def _check_target_fraction(target_fraction: Any, kill: float | None) -> None:
+    """``target_fraction`` must be in (0, the nanny's kill fraction] (1 where it is unknown)."""
+    ceiling = kill if kill is not None else 1.0
+    try:
+        ok = 0 < float(target_fraction) <= ceiling
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise RunnerConfigError(
+            f"`target_fraction` must be in (0, {ceiling:g}], got {target_fraction!r}"
+            + (f" (Dask's nanny kills a worker at {kill:g} of its memory_limit: "
+               "distributed.worker.memory.terminate)" if kill is not None else ""))
+
+
+def _policy_of(policy: PolicySettings | Mapping[str, Any] | None, **energy: Any) -> PolicySettings:
+    """The runner's policy settings: ``policy`` (settings or a dict of their fields) with the energy arguments
+    given (``objective``, ``watts_per_core``, ``idle_watts_per_core``, ``deadline``) set over it."""
+    if policy is None:
+        policy = PolicySettings()
+    elif isinstance(policy, Mapping):
+        try:
+            policy = PolicySettings(**policy)
+        except TypeError as exc:
+            raise RunnerConfigError(f"`policy` has an unknown setting: {exc}") from exc
+    elif not isinstance(policy, PolicySettings):
+        raise RunnerConfigError(f"`policy` must be a PolicySettings or a dict, got {type(policy).__name__}")
+    if energy.get("deadline") is not None:
+        energy["deadline_seconds"] = _deadline_seconds(energy["deadline"])
+    given = {k: v for k, v in energy.items() if v is not None and k != "deadline"}
+    return dataclasses.replace(policy, **given) if given else policy  # validated by PolicySettings
