@@ -15,9 +15,10 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from memchunk_prefect.core.bandit import ArmLearner
+from memchunk_prefect.core.budget import is_memory_kill
 from memchunk_prefect.core.chunks import Chunk, covers_exactly
 from memchunk_prefect.core.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
-from memchunk_prefect.core.machine import MapMachine, MapStateError, is_memory_kill
+from memchunk_prefect.core.machine import MapMachine, MapStateError
 from memchunk_prefect.core.messages import (
     KILLED,
     LOST,

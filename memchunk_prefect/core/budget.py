@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from memchunk_prefect.core.errors import BudgetError, BudgetTooSmallError, format_bytes
+from memchunk_prefect.core.settings import DEFAULT_SETTINGS, PolicySettings
 
 
 @dataclass(frozen=True)
@@ -339,3 +340,21 @@ def allowed_failures_warning(allowed_failures: int | None, address: str) -> str 
             f"(allowed-failures={allowed_failures}): a chunk that runs out of memory kills up to "
             f"{allowed_failures + 1} workers before memchunk can split it. Start that scheduler with "
             "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES=0")
+
+
+def is_memory_kill(upper_bytes: float | None, kill_headroom_bytes: int, attempt: int,
+                   settings: PolicySettings = DEFAULT_SETTINGS) -> bool:
+    """Whether a worker's death while running a chunk is taken as the nanny killing it for memory.
+
+    Yes when the model had no ready bound for the chunk, when its bound was
+    above ``settings.memory_kill_fraction`` of the kill headroom (the chunk may
+    well have crossed the kill line), or when the same chunk already died once.
+    A chunk predicted far below the kill line whose worker died was most likely
+    lost for another reason (a node lost, a SIGKILL): it runs again once.
+
+    >>> is_memory_kill(None, 1000, 0), is_memory_kill(600.0, 1000, 0), is_memory_kill(100.0, 1000, 0)
+    (True, True, False)
+    >>> is_memory_kill(100.0, 1000, attempt=1)
+    True
+    """
+    return upper_bytes is None or upper_bytes > settings.memory_kill_fraction * kill_headroom_bytes or attempt > 0

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
+from memchunk_prefect.core.bandit import ArmChoice
 from memchunk_prefect.core.chunks import (
     Shape,
 )
@@ -184,3 +185,33 @@ class Estimates:
         """:func:`estimate_joules` of ``n_chunks`` chunks of ``extents`` with these estimates."""
         return estimate_joules(n_chunks, extents, slots, settings, self.seconds_per_element, self.seconds_for,
                                self.joules_for, self.first_touch, peak_bytes)
+
+
+class Knowledge(Protocol):
+    """What the machine reads of the learned model for its operator (read-only).
+
+    ``predict(extents)`` gives the memory figures for a block of ``extents``
+    (halo included); ``seconds_per_element()`` the recent compute time per
+    element, or None before any measurement; ``seconds_for(elements)`` a block's
+    compute seconds where time grows faster than size (None where proportional); ``joules_for(elements)`` a
+    block's learned energy in joules (None where none was learned: the planner then counts compute seconds at
+    ``PolicySettings.watts_per_core``); ``touch_seconds_per_byte()`` the kernel seconds per byte a run pays to
+    grow its worker past the most it has held (None before such a run: plans then count nothing for it);
+    ``choose_arm(groups)`` the learned policy's arm among ``groups``
+    (arms grouped by identical plans); ``predict_gpu(extents)`` the GPU-memory figures of a block (read only
+    for maps on a GPU).
+    """
+
+    def predict(self, extents: Shape) -> Prediction: ...
+
+    def predict_gpu(self, extents: Shape) -> Prediction: ...
+
+    def seconds_per_element(self) -> float | None: ...
+
+    def seconds_for(self, elements: int) -> float | None: ...
+
+    def joules_for(self, elements: int) -> float | None: ...
+
+    def touch_seconds_per_byte(self) -> float | None: ...
+
+    def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice: ...

@@ -12,20 +12,9 @@ and carries out the :data:`Instruction` objects it gets back. The same events gi
 the same instructions, so every rule is tested with a table and no cluster
 (``tests/test_machine.py``), the way distributed tests its worker state machine.
 
-The protocol (one map, in the flow's thread)::
-
-    m = MapMachine(spec, knowledge)
-    run(m.handle(Start(slots, budget_bytes, completed=..., at=now)))
-    while not m.finished:
-        run(m.advance(now))          # submit up to the cap, plan what is left, or finalize
-        if m.finished: break
-        run(m.handle(next_event()))  # a chunk finished / ran out of memory / its worker died ...
-    # on any exception (Ctrl-C, a cancellation, a Fail): run(m.handle(Stop(...)))
-
-``run`` must carry out :class:`Record` (persist and learn the observation)
-before the next :meth:`~MapMachine.advance`: plans are made from ``knowledge``,
-which reads what was learned. That is why handling an event and deciding what
-to do next are two calls: the machine never writes to the model itself.
+The loop that drives it is :func:`memchunk_prefect.core.drive.drive`. A world must carry out
+:class:`Record` (persist and learn the observation) before the next :meth:`~MapMachine.advance`: plans are
+made from ``knowledge``, which reads what was learned, and the machine never writes to the model itself.
 
 What happens when a worker dies mid-map (:class:`WorkerDied`), in order:
 
@@ -53,9 +42,7 @@ earned (its chunks' slot efficiency, less a penalty per chunk that ran out of
 memory and the share of slot time its workers spent paused) for the executor
 to persist and teach. A map that stops early or does not finalize teaches nothing,
 nor does one that probed: its arm planned only the box the probes left, on
-workers the probes had just grown, and rewards are compared arm against arm
-(measured on a cold start at 48 x 64 x 400: gaussian_smooth's remainder plan
-earned 0.11, whole-map plans 0.28, so the arm played cold looked worst).
+workers the probes had just grown, and rewards are compared arm against arm.
 
 Units: bytes, elements, seconds since the epoch (``at``, given by the executor).
 """
@@ -65,10 +52,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
 from memchunk_prefect.core import bandit, policy
+from memchunk_prefect.core.arms import chunks_of, near, probes, signature
 from memchunk_prefect.core.bandit import ArmChoice
+from memchunk_prefect.core.budget import is_memory_kill
 from memchunk_prefect.core.chunks import Chunk, Shape, uncovered_boxes, with_halo
 from memchunk_prefect.core.errors import (
     ChunkOutOfMemoryError,
@@ -82,9 +71,8 @@ from memchunk_prefect.core.estimates import (
     Estimates,
     FirstTouch,
     GpuLimit,
+    Knowledge,
     ReadRange,
-    estimate_joules,
-    estimate_seconds,
 )
 from memchunk_prefect.core.messages import (
     KILLED,
@@ -124,15 +112,11 @@ from memchunk_prefect.core.messages import (
     WorkerDied,
 )
 from memchunk_prefect.core.plan_queue import Gate, Pending, PlanQueue
-from memchunk_prefect.core.plans import PROBE, RECHUNK, RETRY_SMALLER, Plan
+from memchunk_prefect.core.plans import PROBE, RECHUNK, RETRY_SMALLER, Plan, overhead_warning
 from memchunk_prefect.core.policy import remaining_boxes, split_chunk
-from memchunk_prefect.core.probe import probe_budget, probe_plan
+from memchunk_prefect.core.probe import PROBE_SIZE_STEP, next_probe_scale, probe_budget, probe_plan
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward, first_use_bytes, paused_within
-from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
-
-#: A probe wave's blocks differ from the last wave's by at least this factor (smaller or larger): two sizes
-#: this far apart separate a fixed overhead from a slope.
-PROBE_SIZE_STEP = 1.5
+from memchunk_prefect.core.settings import ITEMSIZE, PolicySettings
 
 #: The machine's phases. ``failed``: a :class:`Fail` was issued and the executor is stopping.
 NEW, RUNNING, FINISHED, FAILED, STOPPED = "new", "running", "finished", "failed", "stopped"
@@ -140,36 +124,6 @@ NEW, RUNNING, FINISHED, FAILED, STOPPED = "new", "running", "finished", "failed"
 
 class MapStateError(RuntimeError):
     """An event the machine cannot take in its current state: a bug in the executor, not a user error."""
-
-
-class Knowledge(Protocol):
-    """What the machine reads of the learned model for its operator (read-only).
-
-    ``predict(extents)`` gives the memory figures for a block of ``extents``
-    (halo included); ``seconds_per_element()`` the recent compute time per
-    element, or None before any measurement; ``seconds_for(elements)`` a block's
-    compute seconds where time grows faster than size (None where proportional); ``joules_for(elements)`` a
-    block's learned energy in joules (None where none was learned: the planner then counts compute seconds at
-    ``PolicySettings.watts_per_core``); ``touch_seconds_per_byte()`` the kernel seconds per byte a run pays to
-    grow its worker past the most it has held (None before such a run: plans then count nothing for it);
-    ``choose_arm(groups)`` the learned policy's arm among ``groups``
-    (arms grouped by identical plans); ``predict_gpu(extents)`` the GPU-memory figures of a block (read only
-    for maps on a GPU).
-    """
-
-    def predict(self, extents: Shape) -> Prediction: ...
-
-    def predict_gpu(self, extents: Shape) -> Prediction: ...
-
-    def seconds_per_element(self) -> float | None: ...
-
-    def seconds_for(self, elements: int) -> float | None: ...
-
-    def joules_for(self, elements: int) -> float | None: ...
-
-    def touch_seconds_per_byte(self) -> float | None: ...
-
-    def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice: ...
 
 
 # =========================================================================== the machine
@@ -306,21 +260,21 @@ class MapMachine:
                 safe = results.get(bandit.SAFE)
                 if safe is None:
                     continue  # finer or coarser than nothing
-                self.safe_read_elements = self._largest_read(_chunks_of(safe))
+                self.safe_read_elements = self._largest_read(chunks_of(safe))
             self.arm = ArmChoice(arm, (arm,), None, 0, "")
             try:
                 results[arm] = make()
             except MemchunkError as exc:
                 errors[arm] = exc
                 continue
-            if arm in bandit.GRANULARITY_ARMS and not _near(results[arm], results[bandit.SAFE]):
+            if arm in bandit.GRANULARITY_ARMS and not near(results[arm], results[bandit.SAFE]):
                 del results[arm]
         self.arm = None
         if not results:
             raise errors[bandit.HEURISTIC_ARM]
         groups: dict[Any, tuple[str, ...]] = {}
         for arm, result in results.items():
-            sig = _signature(result)
+            sig = signature(result)
             groups[sig] = groups.get(sig, ()) + (arm,)
         if self.settings.learned_policy:
             choice = self.knowledge.choose_arm(list(groups.values()))
@@ -375,7 +329,7 @@ class MapMachine:
                                  read_range=self._read_range())
 
         try:
-            d = self._choose_arm(decide) if not _probes(decide) else decide()
+            d = self._choose_arm(decide) if not probes(decide) else decide()
         except MemchunkError as exc:
             return out + self._fail(exc)
         out.append(self._decided(d.decision, d.plan, d.reason, ev.at))
@@ -623,7 +577,7 @@ class MapMachine:
         largest = max(pending, key=lambda c: c.elements) if pending else None
         slots = [self.slots if r is largest else 1 for r in pending]
         chosen: list[Plan] | None = None  # the first real plans, made under the arm chosen for them
-        if self.arm is None and pending and not _probes(lambda: self._plan(pending[0], slots[0])):
+        if self.arm is None and pending and not probes(lambda: self._plan(pending[0], slots[0])):
             chosen = self._choose_arm(lambda: [self._plan(r, n) for r, n in zip(pending, slots)])
         for index, region in enumerate(pending):
             p = chosen[index] if chosen is not None else self._plan(region, slots[index])
@@ -684,22 +638,9 @@ class MapMachine:
         return min((math.prod(self.spec.read_extents(c)) for c in chunks), default=0)
 
     def _next_probe_scale(self) -> float:
-        """The next probe wave's blocks, as a share of the largest an operator needing ``probe_multiple`` x its
-        input fits: as far as the last wave's largest peak allows if memory grew with the square of the block
-        (within ``probe_growth_budget`` of the budget), up to that largest; 1.5x smaller where that is not 1.5x
-        larger (two sizes separate a fixed overhead from a slope); a quarter after a wave that measured nothing
-        (every probe ran out of memory). On the GPU the tighter of the two budgets against its own peak."""
-        s = self.settings
-        last = self.probe_scale or s.probe_first_share
-        if self.probe_peak <= 0:
-            return last / 4
-        room = self.budget_bytes / self.probe_peak
-        if self.gpu_budget_bytes is not None:
-            if self.probe_gpu_peak <= 0:  # the GPU measured nothing (every probe ran out of it)
-                return last / 4
-            room = min(room, self.gpu_budget_bytes / self.probe_gpu_peak)
-        up = min(1.0, last * math.sqrt(s.probe_growth_budget * room))
-        return up if up >= PROBE_SIZE_STEP * last else last / PROBE_SIZE_STEP
+        """The next probe wave's size (:func:`memchunk_prefect.core.probe.next_probe_scale`)."""
+        return next_probe_scale(self.probe_scale or self.settings.probe_first_share, self.budget_bytes,
+                                self.probe_peak, self.gpu_budget_bytes, self.probe_gpu_peak, self.settings)
 
     def _maybe_replan(self, at: float) -> list[Instruction]:
         """Mid-map: when the bound for what is queued moved enough, or the cluster's slots changed
@@ -761,12 +702,10 @@ class MapMachine:
         gpu_over = self._gpu_over(ext)
         if gpu_over:
             return f"the queued chunks of up to {largest.shape} no longer fit ({gpu_over})"
-        k = self.knowledge
-        old_secs = estimate_seconds(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
-                                           k.seconds_for, self._first_touch(), pred.mean_bytes)
+        est = self._estimates()
+        old_secs = est.seconds(len(queued), ext, self.slots, self.settings, pred.mean_bytes)
         if self.settings.objective == "energy" and new.estimated_joules is not None:
-            old_j = estimate_joules(len(queued), ext, self.slots, self.settings, k.seconds_per_element(),
-                                           k.seconds_for, k.joules_for, self._first_touch(), pred.mean_bytes)
+            old_j = est.joules(len(queued), ext, self.slots, self.settings, pred.mean_bytes)
             if new.estimated_joules < old_j * (1 - self.settings.replan_gain):
                 return f"estimated {old_j:.0f} J -> {new.estimated_joules:.0f} J"
             return None
@@ -878,25 +817,12 @@ class MapMachine:
             warning=self._overhead_warning(plan) if plan is not None and not plan.probe else None, **where))
 
     def _overhead_warning(self, plan: Plan) -> str | None:
-        """A plan of thousands of chunks whose task-run bookkeeping is most of its time: say what forces it.
-
-        Prefect + Dask cost ``per_task_overhead_seconds`` of slot time per task run whatever the chunk's size,
-        so where the budget forces tiny chunks the map spends its time on bookkeeping (and on the Prefect
-        API: one task run, several state changes each). The planner already weighs that cost; when the budget
-        leaves it no better choice, this says so, with the figures and what to change.
-        """
-        n, slots = plan.n_chunks, max(self.slots, 1)
-        overhead = n * self.settings.per_task_overhead_seconds / slots
-        if (self._overhead_warned or n < self.settings.many_chunks or not plan.estimated_seconds
-                or overhead < 0.5 * plan.estimated_seconds):
+        """:func:`memchunk_prefect.core.plans.overhead_warning`, said once a map."""
+        if self._overhead_warned:
             return None
-        self._overhead_warned = True
-        return (f"{n} chunks of {plan.chunk_shape}: at ~{self.settings.per_task_overhead_seconds:g} s of Prefect + "
-                f"Dask bookkeeping per task run that is ~{overhead / 60:.0f} min on {slots} slot(s), "
-                f"{overhead / plan.estimated_seconds:.0%} of this map's estimated {plan.estimated_seconds / 60:.0f} "
-                f"min: the budget of {format_bytes(self.budget_bytes)} per task forces chunks this small. Give each "
-                f"task more memory (a larger memory_budget or target_fraction, fewer threads per worker, or "
-                f"workers with more memory) for fewer, larger chunks")
+        warning = overhead_warning(plan, self.slots, self.budget_bytes, self.settings)
+        self._overhead_warned = warning is not None
+        return warning
 
     def _rewarded(self, pauses: tuple[Pause, ...] = ()) -> list[Instruction]:
         """What the arm's plan earned, once every chunk is written (nothing without an arm or a measured rate).
@@ -939,65 +865,6 @@ class MapMachine:
                            gpu_budget_bytes=self.gpu_budget_bytes)
 
 
-def _probes(make: Any) -> bool:
-    """Whether ``make()`` (a decision or a plan) is a cold-start probe; False when it raises (no arm fits yet)."""
-    try:
-        result = make()
-    except MemchunkError:
-        return False
-    return bool(result.decision == PROBE if isinstance(result, policy.Decision) else result.probe)
-
-
-def _chunks_of(result: Any) -> list[Chunk]:
-    """The chunks of a decision, a plan, or plans."""
-    plans = result if isinstance(result, list) else [result.plan if isinstance(result, policy.Decision) else result]
-    return [c for p in plans for c in p.chunks]
-
-
-def _estimated_seconds(result: Any) -> float | None:
-    """The planner's makespan estimate of a decision, a plan, or plans run side by side (their longest); None
-    where one has none."""
-    if isinstance(result, list):
-        secs = [_estimated_seconds(r) for r in result]
-        return None if not secs or any(x is None for x in secs) else max(x for x in secs if x is not None)
-    plan = result.plan if isinstance(result, policy.Decision) else result
-    return plan.estimated_seconds
-
-
-def _near(alternative: Any, safe: Any) -> bool:
-    """Whether a granularity arm's plan is estimated within ``bandit.ALTERNATIVE_TOLERANCE`` of the safe plan's
-    (True where either has no estimate: nothing says it loses)."""
-    alt, base = _estimated_seconds(alternative), _estimated_seconds(safe)
-    return alt is None or base is None or alt <= base * (1.0 + bandit.ALTERNATIVE_TOLERANCE)
-
-
-def _signature(result: Any) -> Any:
-    """What makes two plans the same: their decision and chunks (for a decision, a plan or a list of plans)."""
-    if isinstance(result, list):
-        return tuple(_signature(r) for r in result)
-    if isinstance(result, policy.Decision):
-        return (result.decision, _signature(result.plan))
-    return tuple(result.chunks)
-
-
-def is_memory_kill(upper_bytes: float | None, kill_headroom_bytes: int, attempt: int,
-                   settings: PolicySettings = DEFAULT_SETTINGS) -> bool:
-    """Whether a worker's death while running a chunk is taken as the nanny killing it for memory.
-
-    Yes when the model had no ready bound for the chunk, when its bound was
-    above ``settings.memory_kill_fraction`` of the kill headroom (the chunk may
-    well have crossed the kill line), or when the same chunk already died once.
-    A chunk predicted far below the kill line whose worker died was most likely
-    lost for another reason (a node lost, a SIGKILL): it runs again once.
-
-    >>> is_memory_kill(None, 1000, 0), is_memory_kill(600.0, 1000, 0), is_memory_kill(100.0, 1000, 0)
-    (True, True, False)
-    >>> is_memory_kill(100.0, 1000, attempt=1)
-    True
-    """
-    return upper_bytes is None or upper_bytes > settings.memory_kill_fraction * kill_headroom_bytes or attempt > 0
-
-
 _HANDLERS: dict[type, Any] = {
     Start: MapMachine._on_start,
     ChunkDone: MapMachine._on_done,
@@ -1013,4 +880,4 @@ _HANDLERS: dict[type, Any] = {
     UpstreamWritten: MapMachine._on_upstream,
 }
 
-__all__ = ["MapMachine", "Knowledge", "MapStateError", "is_memory_kill"]
+__all__ = ["MapMachine", "MapStateError"]

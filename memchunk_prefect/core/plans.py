@@ -15,7 +15,8 @@ from memchunk_prefect.core.chunks import (
     Chunk,
     Shape,
 )
-from memchunk_prefect.core.errors import BudgetError, VolumeError
+from memchunk_prefect.core.errors import BudgetError, VolumeError, format_bytes
+from memchunk_prefect.core.settings import PolicySettings
 
 CONTINUE = "continue"
 
@@ -118,3 +119,23 @@ def check_region(region: object, vol: Shape) -> Chunk:
     if not isinstance(region, Chunk) or not Chunk.whole(vol).contains(region):
         raise VolumeError(f"region must be a Chunk inside the volume of shape {vol}, got {region!r}")
     return region
+
+
+def overhead_warning(plan: Plan, slots: int, budget_bytes: int, settings: PolicySettings) -> str | None:
+    """A plan of thousands of chunks whose task-run bookkeeping is most of its time: what forces it, in words.
+
+    Prefect + Dask cost ``per_task_overhead_seconds`` of slot time per task run whatever the chunk's size,
+    so where the budget forces tiny chunks the map spends its time on bookkeeping (and on the Prefect
+    API: one task run, several state changes each). The planner already weighs that cost; when the budget
+    leaves it no better choice, this says so, with the figures and what to change. None otherwise.
+    """
+    n, slots = plan.n_chunks, max(slots, 1)
+    overhead = n * settings.per_task_overhead_seconds / slots
+    if n < settings.many_chunks or not plan.estimated_seconds or overhead < 0.5 * plan.estimated_seconds:
+        return None
+    return (f"{n} chunks of {plan.chunk_shape}: at ~{settings.per_task_overhead_seconds:g} s of Prefect + "
+            f"Dask bookkeeping per task run that is ~{overhead / 60:.0f} min on {slots} slot(s), "
+            f"{overhead / plan.estimated_seconds:.0%} of this map's estimated {plan.estimated_seconds / 60:.0f} "
+            f"min: the budget of {format_bytes(budget_bytes)} per task forces chunks this small. Give each "
+            f"task more memory (a larger memory_budget or target_fraction, fewer threads per worker, or "
+            f"workers with more memory) for fewer, larger chunks")

@@ -81,66 +81,15 @@ def probe_plan(
     slots = int(positive(slots, "slots"))
     itemsize = int(positive(itemsize, "itemsize"))
     scale = float(positive(settings.probe_first_share if scale is None else scale, "scale", integer=False))
-    # Without history nothing is known of the operator but this: it holds at least its input block and
-    # writes an output block as large. If even the smallest block allowed cannot do that, refuse now,
-    # before anything is submitted.
-    smallest = extents_with_halo((1, 1, r[2] if whole_traces else 1), h, vol)
-    floor_bytes = 2 * itemsize * math.prod(smallest)
-    if floor_bytes > budget_bytes:
-        smallest_name = "one trace" if whole_traces else "one sample"
-        raise BudgetTooSmallError(
-            f"the memory budget of {format_bytes(budget_bytes)} per task cannot hold even {smallest_name} column "
-            f"with its halo (extents {smallest}: {format_bytes(floor_bytes)} for its input and output alone). "
-            "Give workers more memory (memory_limit), fewer threads per worker, or a larger memory_budget")
+    _check_floor(vol, r, h, whole_traces, itemsize, budget_bytes)
     n = min(max(slots, 2), r[1])  # (more probes than trace columns cannot be cut)
     # Elements (halo included) a probe may hold: scale x what an operator needing probe_multiple x its input fits.
     max_elems = max(1.0, budget_bytes * scale / (settings.probe_multiple * itemsize))
-    i0, x0, t0 = region.start
-
-    def read(rows: int, widths: Sequence[int], t_len: int) -> float:
-        """Elements of the largest block the probes read, placed at the region's start (halos clipped at the
-        volume's edges, as they are read: a probe in a corner holds half the halo an interior block would);
-        infinite where one of them does not ``fits``."""
-        out, x = 0, x0
-        for w in widths:
-            block = with_halo(Chunk((i0, x, t0), (i0 + rows, x + w, t0 + t_len)), h, vol)[0]
-            if fits is not None and not fits(block.shape):
-                return math.inf
-            out = max(out, block.elements)
-            x += w
-        return out
-
-    t_len = r[2]
-    if not whole_traces:
-        while t_len > 1 and read(1, [1], t_len) > max_elems:
-            t_len = -(-t_len // 2)
-    cuts = [round(r[1] * k / n) for k in range(1, n + 1)]
-    widths = [b - a for a, b in zip([0] + cuts[:-1], cuts)]  # the probes across every xline, of one size
-    rows = 1
-    if read(1, widths, t_len) <= max_elems:  # a strip as thick as the probes allow
-        rows = _largest(1, r[0], lambda k: read(k, widths, t_len) <= max_elems)
-    else:  # even one iline across every xline is too much: the probes take part of the first iline
-        widths = [_largest(1, max(1, r[1] // n), lambda k: read(1, [k] * n, t_len) <= max_elems)] * n
+    strip = _Strip(region, h, vol, fits)
+    rows, widths, t_len = strip.size(n, max_elems, whole_traces)
     if rows >= r[0] and t_len == r[2] and r[1] >= 3 and not others_left:
-        # The wave takes the whole region and nothing else is left to plan, so it must teach two sizes itself:
-        # 2 units on half the slots, 1 unit twice on the others, the larger first (every slot holds 2 units).
-        sizes = [2] * -(-n // 2) + [1] * (2 * (n // 2))
-        while sum(sizes) > r[1] and len(sizes) > 2:
-            sizes.pop()
-        cuts = [round(r[1] * k / sum(sizes)) for k in itertools.accumulate(sizes)]
-        widths = [b - a for a, b in zip([0] + cuts[:-1], cuts)]
-    x = x0
-    chunks: list[Chunk] = []
-    for w in widths:
-        chunks.append(Chunk((i0, x, t0), (i0 + rows, x + w, t0 + t_len)))
-        x += w
-    remainder: list[Chunk] = []
-    if t0 + t_len < region.stop[2]:
-        remainder.append(Chunk((i0, region.start[1], t0 + t_len), (i0 + rows, x, region.stop[2])))
-    if x < region.stop[1]:
-        remainder.append(Chunk((i0, x, t0), (i0 + rows, region.stop[1], region.stop[2])))
-    if i0 + rows < region.stop[0]:
-        remainder.append(Chunk((i0 + rows, region.start[1], t0), region.stop))
+        widths = _two_sizes(n, r[1])
+    chunks, remainder = strip.cut(rows, widths, t_len)
     largest = max(chunks, key=lambda c: c.elements)
     return Plan(
         chunks=chunks,
@@ -157,6 +106,84 @@ def probe_plan(
     )
 
 
+def _check_floor(vol: Shape, r: Shape, h: Shape, whole_traces: bool, itemsize: int, budget_bytes: int) -> None:
+    """Without history nothing is known of the operator but this: it holds at least its input block and
+    writes an output block as large. If even the smallest block allowed cannot do that, refuse now, before
+    anything is submitted."""
+    smallest = extents_with_halo((1, 1, r[2] if whole_traces else 1), h, vol)
+    floor_bytes = 2 * itemsize * math.prod(smallest)
+    if floor_bytes > budget_bytes:
+        smallest_name = "one trace" if whole_traces else "one sample"
+        raise BudgetTooSmallError(
+            f"the memory budget of {format_bytes(budget_bytes)} per task cannot hold even {smallest_name} column "
+            f"with its halo (extents {smallest}: {format_bytes(floor_bytes)} for its input and output alone). "
+            "Give workers more memory (memory_limit), fewer threads per worker, or a larger memory_budget")
+
+
+def _two_sizes(n: int, xlines: int) -> list[int]:
+    """Widths of a wave that takes the whole region with nothing else left to plan, so it must teach two sizes
+    itself: 2 units on half the slots, 1 unit twice on the others, the larger first (every slot holds 2 units)."""
+    sizes = [2] * -(-n // 2) + [1] * (2 * (n // 2))
+    while sum(sizes) > xlines and len(sizes) > 2:
+        sizes.pop()
+    cuts = [round(xlines * k / sum(sizes)) for k in itertools.accumulate(sizes)]
+    return [b - a for a, b in zip([0] + cuts[:-1], cuts)]
+
+
+class _Strip:
+    """Probes side by side across a region's xlines, from its start: how large they may be, and the cut."""
+
+    def __init__(self, region: Chunk, halo: Shape, vol: Shape, fits: Callable[[Shape], bool] | None):
+        self.region, self.halo, self.vol, self.fits = region, halo, vol, fits
+
+    def read(self, rows: int, widths: Sequence[int], t_len: int) -> float:
+        """Elements of the largest block the probes read, placed at the region's start (halos clipped at the
+        volume's edges, as they are read: a probe in a corner holds half the halo an interior block would);
+        infinite where one of them does not ``fits``."""
+        i0, x, t0 = self.region.start
+        out = 0
+        for w in widths:
+            block = with_halo(Chunk((i0, x, t0), (i0 + rows, x + w, t0 + t_len)), self.halo, self.vol)[0]
+            if self.fits is not None and not self.fits(block.shape):
+                return math.inf
+            out = max(out, block.elements)
+            x += w
+        return out
+
+    def size(self, n: int, max_elems: float, whole_traces: bool) -> tuple[int, list[int], int]:
+        """(ilines, widths, samples) of ``n`` probes of one size reading at most ``max_elems`` each."""
+        r = self.region.shape
+        t_len = r[2]
+        if not whole_traces:
+            while t_len > 1 and self.read(1, [1], t_len) > max_elems:
+                t_len = -(-t_len // 2)
+        cuts = [round(r[1] * k / n) for k in range(1, n + 1)]
+        widths = [b - a for a, b in zip([0] + cuts[:-1], cuts)]  # the probes across every xline, of one size
+        rows = 1
+        if self.read(1, widths, t_len) <= max_elems:  # a strip as thick as the probes allow
+            rows = _largest(1, r[0], lambda k: self.read(k, widths, t_len) <= max_elems)
+        else:  # even one iline across every xline is too much: the probes take part of the first iline
+            widths = [_largest(1, max(1, r[1] // n), lambda k: self.read(1, [k] * n, t_len) <= max_elems)] * n
+        return rows, widths, t_len
+
+    def cut(self, rows: int, widths: Sequence[int], t_len: int) -> tuple[list[Chunk], list[Chunk]]:
+        """The probes, and what they leave of the region (at most three boxes)."""
+        region = self.region
+        i0, x, t0 = region.start
+        chunks: list[Chunk] = []
+        for w in widths:
+            chunks.append(Chunk((i0, x, t0), (i0 + rows, x + w, t0 + t_len)))
+            x += w
+        remainder: list[Chunk] = []
+        if t0 + t_len < region.stop[2]:
+            remainder.append(Chunk((i0, region.start[1], t0 + t_len), (i0 + rows, x, region.stop[2])))
+        if x < region.stop[1]:
+            remainder.append(Chunk((i0, x, t0), (i0 + rows, region.stop[1], region.stop[2])))
+        if i0 + rows < region.stop[0]:
+            remainder.append(Chunk((i0 + rows, region.start[1], t0), region.stop))
+        return chunks, remainder
+
+
 def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
     """The largest n in [lo, hi] with ``ok(n)``, for ``ok`` true up to some n and false beyond (``lo`` if none):
     by bisection, so a survey of a million ilines costs twenty checks.
@@ -171,3 +198,34 @@ def _largest(lo: int, hi: int, ok: Callable[[int], bool]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+#: A probe wave's blocks differ from the last wave's by at least this factor (smaller or larger): two sizes
+#: this far apart separate a fixed overhead from a slope.
+PROBE_SIZE_STEP = 1.5
+
+
+def next_probe_scale(last: float, budget_bytes: int, peak_bytes: float, gpu_budget_bytes: int | None,
+                     gpu_peak_bytes: float, settings: PolicySettings = DEFAULT_SETTINGS) -> float:
+    """The next probe wave's blocks, as a share of the largest an operator needing ``probe_multiple`` x its
+    input fits, after a wave of share ``last`` peaked at ``peak_bytes`` (``gpu_peak_bytes`` on the GPU).
+
+    As far as that peak allows if memory grew with the square of the block (within ``probe_growth_budget``
+    of the budget), up to the largest; 1.5x smaller where that is not 1.5x larger (two sizes separate a fixed
+    overhead from a slope); a quarter after a wave that measured nothing (every probe ran out of memory). On
+    the GPU the tighter of the two budgets against its own peak.
+
+    >>> next_probe_scale(0.125, 800, 10.0, None, 0.0)  # a light operator: as large as growth allows
+    1.0
+    >>> next_probe_scale(0.125, 800, 0.0, None, 0.0)  # nothing measured: a quarter
+    0.03125
+    """
+    if peak_bytes <= 0:
+        return last / 4
+    room = budget_bytes / peak_bytes
+    if gpu_budget_bytes is not None:
+        if gpu_peak_bytes <= 0:  # the GPU measured nothing (every probe ran out of it)
+            return last / 4
+        room = min(room, gpu_budget_bytes / gpu_peak_bytes)
+    up = min(1.0, last * math.sqrt(settings.probe_growth_budget * room))
+    return up if up >= PROBE_SIZE_STEP * last else last / PROBE_SIZE_STEP

@@ -22,7 +22,7 @@ import numpy as np
 
 from memchunk_prefect.core.chunks import Chunk, Shape
 from memchunk_prefect.core.errors import SimulationInputError, format_bytes
-from memchunk_prefect.core.machine import Knowledge
+from memchunk_prefect.core.estimates import Knowledge
 from memchunk_prefect.core.records import Observation, Prediction
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 from memchunk_prefect.learn.model import BankKnowledge, ModelBank

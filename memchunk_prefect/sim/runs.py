@@ -20,7 +20,8 @@ import numpy as np
 from memchunk_prefect.core.chunks import Chunk, Shape, balanced_grid, split, with_halo
 from memchunk_prefect.core.drive import drive, execute
 from memchunk_prefect.core.errors import SimulationInputError, format_bytes
-from memchunk_prefect.core.machine import Knowledge, MapMachine
+from memchunk_prefect.core.estimates import Knowledge
+from memchunk_prefect.core.machine import MapMachine
 from memchunk_prefect.core.messages import (
     ChunkDone,
     Decided,
