@@ -14,7 +14,6 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from memchunk_prefect.core.bandit import ArmLearner
 from memchunk_prefect.core.budget import is_memory_kill
 from memchunk_prefect.core.chunks import Chunk, covers_exactly
 from memchunk_prefect.core.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
@@ -51,6 +50,7 @@ from memchunk_prefect.core.messages import (
 from memchunk_prefect.core.plans import Plan
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward
 from memchunk_prefect.core.settings import PolicySettings
+from memchunk_prefect.learn.bandit import ArmLearner
 from memchunk_prefect.run.observe import observer_event
 from memchunk_prefect.run.taskruns import mark_runs
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from memchunk_prefect.cli import app as cli
-from memchunk_prefect.core.bandit import ArmLearner
 from memchunk_prefect.core.errors import SimulationInputError
 from memchunk_prefect.core.records import Prediction
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS
+from memchunk_prefect.learn.bandit import ArmLearner
 from memchunk_prefect.learn.store import Store
 from memchunk_prefect.sim.inputs import ClusterShape, Step
 from memchunk_prefect.sim.runs import run_strategy

@@ -594,7 +594,7 @@ def _simulated(tmp_path, seed=0):
             return None
 
         def choose_arm(self, groups):
-            from memchunk_prefect.core.bandit import ArmLearner
+            from memchunk_prefect.learn.bandit import ArmLearner
 
             return ArmLearner("k").choose(groups)
 

@@ -69,9 +69,9 @@ Efficiency is dimensionless, so surveys of different sizes teach the same arms
 (no context is needed to compare them; the plans themselves are re-made for
 each survey, slots and budget).
 
-The bandit is River's :class:`river.bandit.EpsilonGreedy` with a burn-in of
-one plan per arm: every arm whose plan differs from those already measured is
-played once, in the order of ``ARMS``, then the arm with the best mean reward,
+The bandit (:class:`memchunk_prefect.learn.bandit.ArmLearner`) is River's
+:class:`river.bandit.EpsilonGreedy` with a burn-in of one plan per arm: every arm whose plan differs
+from those already measured is played once, in the order of ``ARMS``, then the arm with the best mean reward,
 or a random one with probability ``epsilon`` (decaying with plans taught). A new
 operator plays bold first (its plan is never smaller than safe's, see
 ``tight_reach``); when bold runs out of memory its mean drops below 0. Without
@@ -99,15 +99,13 @@ with a seed drawn from the key and the number of rewards.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
 
-from memchunk_prefect.core.records import Prediction, Reward
+from memchunk_prefect.core.records import Prediction
 
 __all__ = ["ARMS", "BOLD", "MID", "SAFE", "FINER", "COARSER", "GRANULARITY_ARMS", "HEURISTIC_ARM", "WIDENING",
-           "SIZE_STEP", "ALTERNATIVE_TOLERANCE", "read_range", "arm_view", "reward_of", "ArmChoice", "ArmLearner"]
+           "SIZE_STEP", "ALTERNATIVE_TOLERANCE", "read_range", "arm_view", "reward_of", "ArmChoice"]
 
 BOLD, MID, SAFE, FINER, COARSER = "bold", "mid", "safe", "finer", "coarser"
 ARMS: tuple[str, ...] = (BOLD, MID, SAFE, FINER, COARSER)
@@ -205,77 +203,3 @@ class ArmChoice:
         return f"learned policy: arm {self.arm}{same}, {self.why}, {expected}"
 
 
-class ArmLearner:
-    """The bandit of one operator key: taught :class:`Reward` rows, asked which arm to play.
-
-    ``epsilon`` (probability of a random arm) decays as ``epsilon x exp(-decay x
-    pulls)``; ``burn_in``: pulls per arm before exploiting (1, see the module docstring).
-    """
-
-    def __init__(self, key: str, *, epsilon: float = 0.1, decay: float = 0.05, burn_in: int = 1):
-        if not 0.0 <= epsilon <= 1.0:
-            raise ValueError(f"epsilon must be in [0, 1], got {epsilon!r}")
-        self.key = key
-        self.epsilon = float(epsilon)
-        self.decay = float(decay)
-        self.burn_in = int(burn_in)
-        from river import stats  # here, not at import: workers import this module (via the machine), not River
-
-        self.rewards: list[Reward] = []
-        self._means: dict[str, Any] = {a: stats.Mean() for a in ARMS}
-        self._oom: dict[str, int] = dict.fromkeys(ARMS, 0)
-
-    def learn(self, reward: Reward) -> None:
-        """Teach every arm of ``reward.arms`` (they played the same plan) its reward."""
-        if reward.operator_key != self.key:
-            raise ValueError(f"reward for {reward.operator_key!r} given to the learner of {self.key!r}")
-        self.rewards.append(reward)
-        for arm in reward.arms:
-            if arm in self._means:
-                self._means[arm].update(reward.reward)
-                self._oom[arm] += int(reward.out_of_memory)
-
-    def _policy(self) -> Any:
-        from river import bandit
-
-        seed = int.from_bytes(hashlib.sha256(f"{self.key}|{len(self.rewards)}".encode()).digest()[:4], "big")
-        policy = bandit.EpsilonGreedy(epsilon=self.epsilon, decay=self.decay, burn_in=self.burn_in, seed=seed)
-        for r in self.rewards:
-            for arm in r.arms:
-                if arm in self._means:
-                    policy.update(arm, r.reward)
-        return policy
-
-    def pulls(self, arm: str) -> int:
-        return int(self._means[arm].n)
-
-    def expected(self, arm: str) -> float | None:
-        return float(self._means[arm].get()) if self._means[arm].n else None
-
-    def choose(self, groups: Sequence[Iterable[str]], *, explore: bool = True) -> ArmChoice:
-        """The arm to play among ``groups`` (arms grouped by identical plans); ``explore=False`` exploits only."""
-        grouped = [tuple(a for a in ARMS if a in set(g)) for g in groups]
-        grouped = [g for g in grouped if g]
-        if not grouped:
-            raise ValueError(f"no arm to choose from: {groups!r}")
-        group_of = {a: g for g in grouped for a in g}
-        playable = [a for a in ARMS if a in group_of]
-        if len(grouped) == 1:
-            arm, why = playable[0], "only plan"
-        elif not explore:
-            arm, why = max(playable, key=self._rank), "best"
-        else:
-            unburnt = [a for a in playable if self.pulls(a) < self.burn_in]
-            arm = str(self._policy().pull(list(playable)))
-            why = "burn-in" if unburnt else ("best" if arm == max(playable, key=self._rank) else "explore")
-        return ArmChoice(arm, group_of[arm], self.expected(arm), self.pulls(arm), why)
-
-    def _rank(self, arm: str) -> float:
-        """An arm's mean reward; 0 for one never played (as River's ``EpsilonGreedy`` ranks it)."""
-        expected = self.expected(arm)
-        return 0.0 if expected is None else expected
-
-    def summary(self) -> list[dict[str, Any]]:
-        """Per arm: plans taught, mean reward, out-of-memory events (for ``memchunk models``)."""
-        return [{"arm": a, "pulls": self.pulls(a), "mean_reward": self.expected(a), "out_of_memory": self._oom[a]}
-                for a in ARMS]

@@ -132,7 +132,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 import numpy as np
 from river import linear_model, metrics, stats, utils
 
-from memchunk_prefect.core.bandit import ArmChoice, ArmLearner
+from memchunk_prefect.core.bandit import ArmChoice
 from memchunk_prefect.core.chunks import Shape
 from memchunk_prefect.core.energy import ESTIMATE, DeviceRun, busy_weight, is_measured, split_among_devices
 from memchunk_prefect.core.records import (
@@ -144,6 +144,7 @@ from memchunk_prefect.core.records import (
     first_use_bytes,
 )
 from memchunk_prefect.core.settings import ITEMSIZE, PolicySettings
+from memchunk_prefect.learn.bandit import ArmLearner
 
 if TYPE_CHECKING:  # pragma: no cover
     from memchunk_prefect.learn.store import Store

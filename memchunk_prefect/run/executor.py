@@ -91,7 +91,7 @@ from memchunk_prefect.run import cluster as _cluster
 from memchunk_prefect.run import taskruns
 from memchunk_prefect.run.hydration import settings_serialized_once
 from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart, Observers, observer_event
-from memchunk_prefect.run.prefect_api import flow_logger, flow_run_id
+from memchunk_prefect.run.prefect_api import flow_logger, flow_run_id, keep_final_state
 from memchunk_prefect.run.worker import BlockFunction, BlockJob, chunk_task_run_name
 
 logger = logging.getLogger("memchunk_prefect.run.runner")
@@ -367,7 +367,7 @@ class ChunkedMap:
                 dask_future.release()  # completed results must not be recomputed if a worker dies later
         self.states[sid] = state
         if isinstance(state, State):
-            fut._final_state = state
+            keep_final_state(fut, state)
         if isinstance(state, State) and state.is_completed():
             self.writers.append((self.machine.in_flight[sid].chunk, fut.task_run_id))  # type: ignore[union-attr]
             return ChunkDone(sid, self.observed(state.result().observation), at=time.time())
@@ -689,8 +689,8 @@ class ChunkedMap:
     def finalize(self, settle_runs: bool) -> None:
         self.out.finalize()  # raises IncompleteOutputError unless every element was written
         if settle_runs:
-            taskruns.settle_completed(f.task_run_id for f in self.futures
-                                      if f._final_state is not None and f._final_state.is_completed())
+            taskruns.settle_completed(self.by_id[sid].task_run_id for sid, state in self.states.items()
+                                      if sid in self.by_id and isinstance(state, State) and state.is_completed())
         for f in self.futures:
             with contextlib.suppress(Exception):
                 f.wrapped_future.release()

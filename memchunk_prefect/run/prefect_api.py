@@ -127,3 +127,23 @@ def one_api_for_workers():
         return
     with temporary_settings(updates={PREFECT_API_URL: url}):
         yield
+
+
+def keep_final_state(future: Any, state: Any) -> None:
+    """Make a Prefect future answer ``.state`` and ``.result()`` from ``state`` without its Dask future.
+
+    A chunk's Dask future is released as soon as its result is read: a result kept on a worker is recomputed
+    when that worker dies later (prefect #15442). Prefect's futures cache their final state in
+    ``_final_state`` (``prefect.futures.PrefectWrappedFuture``) and offer no public way to set it: this is the
+    one place the runner sets it.
+    """
+    future._final_state = state
+
+
+def started_cluster(runner: Any) -> Any:
+    """The cluster object a ``DaskTaskRunner`` started (None on a scheduler it was given by address).
+
+    prefect-dask keeps it in ``_cluster`` with no public accessor; read here only, to count the workers it was
+    asked for (:func:`memchunk_prefect.run.cluster.requested_workers`).
+    """
+    return getattr(runner, "_cluster", None)

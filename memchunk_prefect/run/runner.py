@@ -75,6 +75,7 @@ from memchunk_prefect.run.prefect_api import (
     allow_slow_first_start,
     fail_flow_run,
     one_api_for_workers,
+    started_cluster,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -420,10 +421,8 @@ class MemoryAwareRunner(DaskTaskRunner):
         """What this runner's maps see of its cluster (made on first use, shared by the flow run's maps)."""
         with self._lock:
             if self._view is None:
-                # prefect-dask keeps the cluster it started in ``_cluster`` (None with an address): read only to
-                # count the workers it was asked for (see cluster.requested_workers).
                 self._view = _cluster.ClusterView(
-                    lambda: self.client, lambda: getattr(self, "_cluster", None),
+                    lambda: self.client, lambda: started_cluster(self),
                     target_fraction=self.target_fraction, memory_budget=self.memory_budget,
                     adaptive=bool(self.adapt_kwargs))
             return self._view
