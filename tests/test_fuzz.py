@@ -194,6 +194,33 @@ def test_random_garbage_files_raise_only_typed_errors(fuzz_dir):
     check()
 
 
+def _plain_files() -> dict[str, bytes]:
+    """Files that are not SEG-Y, as users rename them: text (the README), an image, an archive, nothing."""
+    import zipfile
+
+    archive = io.BytesIO()
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("survey.sgy", b"\x00" * 5000)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_bytes()
+    return {"readme": readme * 20, "png": b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40,
+            "zip": archive.getvalue(), "empty": b"", "json": b'{"zarr_format": 3}' * 300}
+
+
+@pytest.mark.parametrize("name", sorted(_plain_files()))
+@pytest.mark.parametrize("cut", [None, 3600, 5000])
+def test_plain_files_given_a_segy_name_say_what_is_wrong(fuzz_dir, name, cut):
+    """Whatever a file that is not SEG-Y holds (or the first bytes of it), the verdict is a typed error saying
+    so: never one read from a binary header that text filled with garbage."""
+    from memchunk_prefect.core.errors import NotSegyError, SegyTruncatedError
+
+    path = fuzz_dir / f"{name}.sgy"
+    close_handles()
+    path.write_bytes(_plain_files()[name][:cut])
+    with pytest.raises((NotSegyError, SegyTruncatedError)) as info:
+        read_a_few_values(path)
+    assert "not a SEG-Y file" in str(info.value), str(info.value)
+
+
 @pytest.mark.parametrize("iline", [0, -1, 2, 190, 238, 240, 2**40, "a", None])
 def test_bad_byte_locations_raise_a_typed_error(segy_dir, iline):
     with pytest.raises(MemchunkError, match="byte"):

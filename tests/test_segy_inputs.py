@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import segyio
@@ -9,6 +11,7 @@ import segyio
 import memchunk_prefect.io.segy as segy_mod
 from memchunk_prefect.core.chunks import Chunk
 from memchunk_prefect.core.errors import (
+    NotSegyError,
     SegyEmptyError,
     SegyError,
     SegyFileNotFoundError,
@@ -122,7 +125,47 @@ def _headers_inconsistent_halfway(path):
     return path
 
 
+def _readme_renamed(path):
+    """A text file given a SEG-Y name (the repository's README, 79 KB when this case was found)."""
+    path = path.with_name("README.sgy")
+    path.write_bytes((Path(__file__).resolve().parents[1] / "README.md").read_bytes() * 20)
+    return path
+
+
+def _png_renamed(path):
+    path = path.with_name("picture.sgy")
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40)
+    return path
+
+
+def _zip_renamed(path):
+    import zipfile
+
+    path = path.with_name("archive.sgy")
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("survey.sgy", bytes(range(256)) * 40)
+    return path
+
+
+def _empty(path):
+    path = path.with_name("empty.sgy")
+    path.write_bytes(b"")
+    return path
+
+
+def _zarr_directory_renamed(path):
+    path = path.with_name("store.sgy")
+    (path / "zarr.json").parent.mkdir()
+    (path / "zarr.json").write_text("{}")
+    return path
+
+
 BAD_INPUTS = [
+    (_readme_renamed, NotSegyError, ["README.sgy", "not a SEG-Y file", "sample format", "plain text"]),
+    (_png_renamed, NotSegyError, ["picture.sgy", "not a SEG-Y file", "a PNG image"]),
+    (_zip_renamed, NotSegyError, ["archive.sgy", "not a SEG-Y file", "a zip archive"]),
+    (_empty, SegyTruncatedError, ["empty.sgy", "0 bytes", "not a SEG-Y file"]),
+    (_zarr_directory_renamed, SegyError, ["store.sgy", "is a directory", "expected a SEG-Y file"]),
     # (file or builder, exception, words the message must contain)
     ("does-not-exist.sgy", SegyFileNotFoundError, ["does-not-exist.sgy", "no such file", "Expected a SEG-Y"]),
     ("broken.sgy", SegyTruncatedError, ["broken.sgy", "truncated", "4 samples", "68 bytes"]),

@@ -32,6 +32,11 @@ class SegyFileNotFoundError(SegyError, FileNotFoundError):
     """The SEG-Y path does not exist."""
 
 
+class NotSegyError(SegyError):
+    """The file is not SEG-Y at all: its binary header holds no SEG-Y sample format (a text, image or archive
+    file given a .sgy name)."""
+
+
 class SegyTruncatedError(SegyError):
     """The file is shorter than its headers say (a cut-off copy or download)."""
 

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from memchunk_prefect.core.errors import (
+    NotSegyError,
     SegyEmptyError,
     SegyError,
     SegyFileNotFoundError,
@@ -184,6 +185,15 @@ def check_file(path: str | os.PathLike) -> tuple[str, str]:
         )
     endian = detect_endian(p)
     bh = _binary_header(str(p), endian)
+    # The sample format first: it is what tells SEG-Y from anything else, and every other field of the binary
+    # header means nothing in a file that is not SEG-Y (text read as binary makes a huge extended-header count).
+    itemsize = FORMAT_ITEMSIZE.get(bh.get("format", 0))
+    if itemsize is None:
+        raise NotSegyError(
+            p, f"not a SEG-Y file: its binary header (bytes 3201-3600) holds no SEG-Y sample format (bytes "
+            f"3225-3226 read {bh.get('format')} either byte order; SEG-Y uses "
+            f"{', '.join(str(k) for k in sorted(FORMAT_ITEMSIZE))}){_looks_like(p)}. Give the path of a SEG-Y "
+            "file, or repair its binary header if it is one.")
     ext = max(0, bh.get("ext_headers", 0))
     first_trace = header_bytes + ext * TEXT_HEADER_BYTES
     if size <= first_trace:
@@ -191,12 +201,6 @@ def check_file(path: str | os.PathLike) -> tuple[str, str]:
             p, f"the file holds headers only ({size} bytes) and no traces: expected trace data after byte "
             f"{first_trace}. Nothing to process; check that the right file was exported."
         )
-    itemsize = FORMAT_ITEMSIZE.get(bh.get("format", 0))
-    if itemsize is None:
-        raise SegyError(
-            p, f"the binary header's sample format code (bytes 3225-3226, {endian}-endian) is {bh.get('format')}, "
-            f"which is not a SEG-Y format ({', '.join(str(k) for k in sorted(FORMAT_ITEMSIZE))}): the file is "
-            "damaged or not SEG-Y. Repair the binary header or export the file again.")
     ns = bh.get("samples", 0)
     if itemsize and ns > 0:
         trace_bytes = TRACE_HEADER_BYTES + ns * itemsize
@@ -209,6 +213,28 @@ def check_file(path: str | os.PathLike) -> tuple[str, str]:
                 "its binary header is wrong; copy it again or repair the header."
             )
     return str(p), endian
+
+
+#: What the first bytes of a file that is not SEG-Y say it is.
+_MAGIC = ((b"\x89PNG", "a PNG image"), (b"PK\x03\x04", "a zip archive"), (b"\x1f\x8b", "a gzip file"),
+          (b"%PDF", "a PDF document"), (b"\x89HDF", "an HDF5 file"), (b"{", "JSON text"))
+
+
+def _looks_like(path: Path) -> str:
+    """`` (it looks like ...)`` from the file's first bytes, or "" where they say nothing."""
+    with open(path, "rb") as fh:
+        head = fh.read(TEXT_HEADER_BYTES + BINARY_HEADER_BYTES)
+    for magic, what in _MAGIC:
+        if head.startswith(magic):
+            return f" (it starts like {what})"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        return ""
+    if text.isprintable() or all(c.isprintable() or c in "\r\n\t" for c in text):
+        first = text.strip().splitlines()[0][:40] if text.strip() else ""
+        return f" (it is plain text, starting {first!r})"
+    return ""
 
 
 def _open(path: str, endian: str):
