@@ -39,3 +39,41 @@ def test_quiet_turns_dask_info_and_task_run_lines_off_the_terminal_and_keeps_the
     assert got["task_runs_propagate"] is False
     assert got["task_runs_handlers"] == ["APILogHandler:NOTSET", "PrefectConsoleHandler:WARNING"]
     assert got["flow_runs_propagate"] is True
+
+
+def test_a_typed_error_is_logged_in_one_line_and_other_errors_keep_their_traceback():
+    import logging
+    import sys
+
+    from memchunk_prefect.core.errors import SegyFileNotFoundError
+    from memchunk_prefect.run.logs import TypedErrorsInOneLine
+
+    f = TypedErrorsInOneLine()
+
+    def record(exc: BaseException) -> logging.LogRecord:
+        try:
+            raise exc
+        except BaseException:
+            return logging.LogRecord("prefect.flow_runs", logging.ERROR, __file__, 1, "failed: %r", (exc,),
+                                     sys.exc_info())
+
+    typed = record(SegyFileNotFoundError("/x.sgy", "no such file"))
+    assert f.filter(typed) and typed.exc_info is None and "no such file" in typed.getMessage()
+    other = record(ValueError("a bug"))
+    assert f.filter(other) and other.exc_info is not None
+
+
+def test_the_temporary_server_gets_the_runners_defaults_unless_the_user_chose(monkeypatch):
+    from prefect.settings import get_current_settings
+
+    from memchunk_prefect.run import prefect_api
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "true")  # the user's own choice
+    if get_current_settings().api.url:
+        pytest.skip("a Prefect API is configured in this environment's profile")
+    changed = prefect_api.temporary_server_defaults()
+    assert changed == ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]
+    assert os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] == "true"
+    assert prefect_api.startup_timeout_seconds() == prefect_api.FIRST_START_TIMEOUT_SECONDS

@@ -65,7 +65,7 @@ def _no_telemetry() -> None:
     """No telemetry from the demo's temporary Prefect server unless the user asked for it: there may be no
     network to send it to, and its notice is noise in the demo's output. Set in the environment, which the
     server process inherits. (The server's startup timeout is raised by the runner itself:
-    :func:`memchunk_prefect.run.prefect_api.allow_slow_first_start`.)"""
+    :func:`memchunk_prefect.run.prefect_api.temporary_server_defaults`.)"""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 

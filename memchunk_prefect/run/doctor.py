@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 
 from memchunk_prefect.core.errors import EnvironmentProblemError, MemchunkError, format_bytes
 from memchunk_prefect.operators.device import INSTALL_HINT, gpu_status
+from memchunk_prefect.run.prefect_api import startup_timeout_seconds
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 DISTRIBUTION = "memchunk-prefect"
@@ -188,10 +189,10 @@ def check_prefect_api(settings: Any = None, timeout: float = REACH_TIMEOUT_SECON
                              f"cannot be written: {db.parent}: {problem}",
                              "set PREFECT_HOME to a writable directory, or point PREFECT_API_URL at a running server "
                              "(memchunk ui)")
-        timeout_s = settings.server.ephemeral.startup_timeout_seconds
+        timeout_s = startup_timeout_seconds()
         return Check("prefect api", OK,
                      f"no PREFECT_API_URL: each flow starts a temporary Prefect server ({where}, startup timeout "
-                     f"{timeout_s} s); to watch runs live, run `memchunk ui` and set "
+                     f"{timeout_s:g} s); to watch runs live, run `memchunk ui` and set "
                      "PREFECT_API_URL=http://127.0.0.1:4200/api")
     import httpx
 

@@ -122,3 +122,33 @@ def _quiet_dask() -> None:
     levels = {**(dask.config.get("logging", default={}) or {}), **QUIET_DASK_LEVELS}
     os.environ[DASK_ENV] = repr(levels)  # Dask reads environment values with ast.literal_eval
     dask.config.set({"logging": levels})
+
+
+class TypedErrorsInOneLine(logging.Filter):
+    """Log a memchunk error (:class:`~memchunk_prefect.core.errors.MemchunkError`) as its one line, not with its
+    traceback.
+
+    Prefect's flow engine logs a flow's exception with its traceback before re-raising it, so a typed error
+    whose message already says what was wrong and what to do reached the terminal twice in full (91 lines for
+    a missing file). The record keeps the exception's type and message; the traceback is still raised to the
+    caller, once. Other exceptions are left as they are: their traceback is what says where they came from.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from memchunk_prefect.core.errors import MemchunkError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, MemchunkError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_ONE_LINE = TypedErrorsInOneLine()
+
+
+def typed_errors_in_one_line(logger_name: str = "prefect.flow_runs") -> None:
+    """Install :class:`TypedErrorsInOneLine` on Prefect's flow-run logger, where the flow engine's records are
+    made (once; idempotent)."""
+    target = logging.getLogger(logger_name)
+    if _ONE_LINE not in target.filters:
+        target.addFilter(_ONE_LINE)

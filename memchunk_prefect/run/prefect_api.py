@@ -2,8 +2,10 @@
 
 - :func:`flow_run_id`, :func:`flow_logger`: the current flow run's id and logger (usable outside one);
 - :func:`flow_run_state`, :func:`fail_flow_run`: read a flow run's state, mark it Failed;
-- :func:`allow_slow_first_start`, :func:`fail_fast_without_a_database`, :func:`one_api_for_workers`: Prefect's
-  temporary server, given time to start, refused early where it cannot, and shared with the Dask workers.
+- :func:`temporary_server_defaults`, :func:`one_api_for_workers`: Prefect's temporary server, given time to
+  start and no telemetry to send, and shared with the Dask workers;
+- :func:`keep_final_state`, :func:`started_cluster`: the two reaches into Prefect's and prefect-dask's own
+  attributes, each with why.
 """
 
 from __future__ import annotations
@@ -73,34 +75,72 @@ def flow_run_id() -> str:
 #: holding the database ("database is locked").
 FIRST_START_TIMEOUT_SECONDS = 180
 
+#: What the runner sets for Prefect's temporary server, where the user chose nothing: (environment variable,
+#: the setting's path in Prefect's settings, value). Analytics off: the server's telemetry service posts a
+#: heartbeat to prefect.io every 10 minutes (every flow run on a machine without internet logs "Failed to send
+#: telemetry"), and on a fresh Prefect home its first heartbeat reads then writes a session row in one SQLite
+#: transaction while the server's other services are writing: SQLite refuses that upgrade at once ("database is
+#: locked", a 130-line traceback in the flow's output; prefect/server/services/telemetry.py,
+#: ``_fetch_or_set_telemetry_session``). A temporary server exists for one flow run; nothing is lost.
+TEMPORARY_SERVER_DEFAULTS = (
+    ("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", ("server", "ephemeral", "startup_timeout_seconds"),
+     str(FIRST_START_TIMEOUT_SECONDS)),
+    ("PREFECT_SERVER_ANALYTICS_ENABLED", ("server", "analytics_enabled"), "false"),
+)
 
-_STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 
+def temporary_server_defaults() -> list[str]:
+    """Set :data:`TEMPORARY_SERVER_DEFAULTS` for Prefect's temporary server, unless the user chose a value.
 
-def allow_slow_first_start() -> bool:
-    """Give Prefect's temporary server :data:`FIRST_START_TIMEOUT_SECONDS` to start, unless the user chose a timeout.
-
-    Called when a runner is made (at ``@flow(task_runner=MemoryAwareRunner())``,
-    before the flow starts the server). A value the user set in the environment
-    or a Prefect profile is left alone. Sets the environment variable (worker
-    processes started later inherit it) and refreshes Prefect's global settings,
-    which were read when Prefect was imported. Returns whether it changed anything.
+    Called when a runner is made (at ``@flow(task_runner=MemoryAwareRunner())``, before the flow starts the
+    server). Nothing where ``PREFECT_API_URL`` names a server (no temporary server starts). A value the user set
+    in the environment or a Prefect profile is left alone. Sets the environment variables (the server's process
+    and the workers started later inherit them) and refreshes Prefect's global settings, which were read when
+    Prefect was imported. Returns the variables it set.
     """
-    if _STARTUP_TIMEOUT_ENV in os.environ or get_current_settings().api.url:
-        return False  # the user's own timeout, or a configured server: no temporary server to wait for
-    try:
-        from prefect.context import refresh_global_settings_context
-        from prefect.settings.models.server.ephemeral import ServerEphemeralSettings
+    if get_current_settings().api.url:
+        return []
+    changed = []
+    for env, path, value in TEMPORARY_SERVER_DEFAULTS:
+        if env in os.environ or _chosen_in_profile(path):
+            continue
+        os.environ[env] = value
+        changed.append(env)
+    if changed:
+        try:
+            from prefect.context import refresh_global_settings_context
 
-        default = ServerEphemeralSettings.model_fields["startup_timeout_seconds"].default
-        if get_current_settings().server.ephemeral.startup_timeout_seconds != default:
-            return False  # chosen in a profile
-        os.environ[_STARTUP_TIMEOUT_ENV] = str(FIRST_START_TIMEOUT_SECONDS)
-        refresh_global_settings_context()
-    except Exception as exc:  # noqa: BLE001 - a Prefect without these: its own default applies
-        logger.debug("could not raise the temporary server's startup timeout: %r", exc)
-        return False
-    return True
+            refresh_global_settings_context()
+        except Exception as exc:  # noqa: BLE001 - a Prefect without it: the environment still reaches the server
+            logger.debug("could not refresh Prefect's settings: %r", exc)
+    return changed
+
+
+def _chosen_in_profile(path: tuple[str, ...]) -> bool:
+    """Whether the setting at ``path`` differs from Prefect's own default (a profile or .env chose it)."""
+    try:
+        from prefect.settings import Settings
+
+        default: Any = Settings.model_construct()
+        current: Any = get_current_settings()
+        for name in path:
+            default, current = _field_default(default, name), getattr(current, name)
+        return current != default
+    except Exception:  # noqa: BLE001 - settings moved: take it as the user's
+        return True
+
+
+def _field_default(model: Any, name: str) -> Any:
+    field = type(model).model_fields[name]
+    return field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+
+
+def startup_timeout_seconds() -> float:
+    """The seconds a flow here would wait for Prefect's temporary server: the user's choice, else the runner's."""
+    env, path, value = TEMPORARY_SERVER_DEFAULTS[0]
+    if env in os.environ or _chosen_in_profile(path):
+        return float(get_current_settings().server.ephemeral.startup_timeout_seconds)
+    return float(value)
 
 
 @contextlib.contextmanager

@@ -67,15 +67,16 @@ from memchunk_prefect.run import cluster as _cluster
 from memchunk_prefect.run import doctor
 from memchunk_prefect.run.chunked import Chunked, ChunkedResult, chunked, upstream_plan
 from memchunk_prefect.run.executor import ChunkedMap, MapContext
+from memchunk_prefect.run.logs import typed_errors_in_one_line
 from memchunk_prefect.run.maps import FlowMaps
 from memchunk_prefect.run.observe import MapLog, MapObserver
 from memchunk_prefect.run.outputs import default_output_dir, output_path_for
 from memchunk_prefect.run.pinning import local_gpu_cluster, usable_gpus
 from memchunk_prefect.run.prefect_api import (
-    allow_slow_first_start,
     fail_flow_run,
     one_api_for_workers,
     started_cluster,
+    temporary_server_defaults,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -175,7 +176,7 @@ class MemoryAwareRunner(DaskTaskRunner):
             gpus = usable_gpus()[0] if device in (CUDA, AUTO) else []
             cluster_class, cluster_kwargs = (local_gpu_cluster(gpus) if gpus
                                              else (None, _cluster.default_cluster_kwargs()))
-        allow_slow_first_start()
+        temporary_server_defaults()
         doctor.fail_fast_without_a_database()
         super().__init__(address=address, cluster_class=cluster_class, cluster_kwargs=cluster_kwargs,
                          adapt_kwargs=adapt_kwargs, client_kwargs=client_kwargs,
@@ -256,6 +257,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         self._lock = threading.RLock()
 
     def __enter__(self):
+        typed_errors_in_one_line()
         self._check_paths()  # before a cluster is started or anything submitted
         self._flow_maps = FlowMaps()
         super().__enter__()
