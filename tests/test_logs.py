@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 CHILD = r"""
 import ast, json, logging, os
 from memchunk_prefect.run.logs import quiet
