@@ -44,6 +44,8 @@ from memchunk_prefect.operators.device import GpuStatus, check_device, gpu_statu
 from memchunk_prefect.run.prefect_api import flow_logger
 
 logger = logging.getLogger("memchunk_prefect.run.cluster")
+#: What a user hears about a map's cluster goes out on the runner's logger, as the rest of what the runner says.
+runner_logger = logging.getLogger("memchunk_prefect.run.runner")
 
 TERMINATE_KEY = "distributed.worker.memory.terminate"
 
@@ -556,5 +558,5 @@ class ClusterView:
         client = self.client
         message = _budget.allowed_failures_warning(read_allowed_failures(client), client.scheduler.address)
         if message:
-            logger.warning("%s", message)
-            flow_logger(logger).warning("memchunk: %s", message)
+            runner_logger.warning("%s", message)
+            flow_logger(runner_logger).warning("memchunk: %s", message)
