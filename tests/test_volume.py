@@ -416,3 +416,19 @@ def test_a_chunks_trimmed_result_is_written_without_a_copy_of_the_whole_region(t
         assert not written[0].flags.c_contiguous, "the first chunk's trim cuts crosslines: a view, not contiguous"
     got = open_result(out.path, allow_incomplete=True).values
     np.testing.assert_array_equal(got, truth * 2)
+
+
+def test_a_synthetic_survey_can_be_written_as_the_field_keeps_them_ibm_floats_and_odd_line_steps(tmp_path):
+    path = synthetic_survey(tmp_path / "odd.sgy", (7, 9, 50), seed=3, line_step=(2, 4), sample_format=1,
+                            first_iline=1001)
+    da = open_segy(path)
+    assert da.coords["iline"].values.tolist() == list(range(1001, 1015, 2))
+    assert da.coords["xline"].values.tolist() == list(range(300, 336, 4))
+    import segyio
+
+    with segyio.open(str(path), ignore_geometry=True) as f:
+        assert int(f.bin[segyio.BinField.Format]) == 1
+    expected = synthetic_volume((7, 9, 50), seed=3)
+    assert np.max(np.abs(da.values - expected)) <= 1e-5 * np.max(np.abs(expected))  # IBM's 24-bit mantissa
+    with pytest.raises(ValueError, match="sample_format"):
+        synthetic_survey(tmp_path / "bad.sgy", (2, 2, 4), sample_format=3)

@@ -124,12 +124,14 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
                      sample_interval_ms: float = 4.0, first_iline: int = 100, first_xline: int = 300,
                      peak_hz: float = 25.0, origin_xy: tuple[float, float] = (620000.0, 6080000.0),
                      bin_size_m: tuple[float, float] = (25.0, 12.5), azimuth_deg: float = 30.0,
-                     sorting: str = "iline", endian: str = "big") -> Path:
+                     sorting: str = "iline", endian: str = "big", line_step: tuple[int, int] = (1, 1),
+                     sample_format: int = 5) -> Path:
     """Write :func:`synthetic_volume` as a real SEG-Y file and return its path.
 
-    Layout: IEEE float samples (format 5), ``endian`` byte order, inline numbers at
-    trace-header byte 189 and crossline numbers at 193 (starting at ``first_iline`` /
-    ``first_xline``), CDP_X/CDP_Y at 181/185 in centimetres (coordinate scalar -100 at
+    Layout: IEEE float samples (``sample_format`` 5; 1 writes IBM floats, as many surveys in the field are),
+    ``endian`` byte order, inline numbers at trace-header byte 189 and crossline numbers at 193 (starting at
+    ``first_iline`` / ``first_xline``, ``line_step`` apart: (2, 4) numbers inlines 100, 102, ... and crosslines
+    300, 304, ...), CDP_X/CDP_Y at 181/185 in centimetres (coordinate scalar -100 at
     byte 71) on a grid rotated by ``azimuth_deg`` with ``bin_size_m`` (inline, crossline
     spacing in metres) from ``origin_xy``; sample interval (µs) in the binary and every
     trace header. ``sorting="iline"`` (default) or ``"xline"`` chooses the trace order.
@@ -144,6 +146,11 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
     if sorting not in ("iline", "xline"):
         raise ValueError(f"sorting must be 'iline' or 'xline', got {sorting!r}")
     ni, nx, nt = s
+    if sample_format not in (1, 5):
+        raise ValueError(f"sample_format must be 1 (IBM float) or 5 (IEEE float), got {sample_format!r}")
+    il_step, xl_step = (int(v) for v in line_step)
+    if il_step < 1 or xl_step < 1:
+        raise ValueError(f"line_step must be two positive line-number steps, got {line_step!r}")
     dt_us = int(round(sample_interval_ms * 1000))
     if not 0 < dt_us < 2**16:
         raise ValueError(f"sample_interval_ms must be in (0, 65.5] ms to fit SEG-Y's 16-bit µs field, "
@@ -153,11 +160,11 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
     model = _model(s, seed)
     spec = segyio.spec()
     spec.iline, spec.xline = INLINE_BYTE, CROSSLINE_BYTE
-    spec.format = 5
+    spec.format = sample_format
     spec.endian = endian
     spec.samples = np.arange(nt) * sample_interval_ms
-    spec.ilines = np.arange(first_iline, first_iline + ni)
-    spec.xlines = np.arange(first_xline, first_xline + nx)
+    spec.ilines = first_iline + il_step * np.arange(ni)
+    spec.xlines = first_xline + xl_step * np.arange(nx)
     spec.offsets = [1]
     spec.sorting = segyio.TraceSortingFormat.INLINE_SORTING if sorting == "iline" else \
         segyio.TraceSortingFormat.CROSSLINE_SORTING
@@ -169,12 +176,13 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
             f.text[0] = segyio.tools.create_text_header({
                 1: "MEMCHUNK-PREFECT SYNTHETIC POST-STACK SURVEY",
                 2: f"SHAPE {ni} INLINES X {nx} CROSSLINES X {nt} SAMPLES, SEED {seed}",
-                3: f"SAMPLE INTERVAL {sample_interval_ms} MS, RICKER {peak_hz} HZ, IEEE FLOAT (FORMAT 5)",
+                3: f"SAMPLE INTERVAL {sample_interval_ms} MS, RICKER {peak_hz} HZ, "
+                   + ("IEEE FLOAT (FORMAT 5)" if sample_format == 5 else "IBM FLOAT (FORMAT 1)"),
                 4: f"INLINE BYTE {INLINE_BYTE}, CROSSLINE BYTE {CROSSLINE_BYTE}, CDP X/Y 181/185 SCALAR -100",
                 5: f"TRACES SORTED BY {sorting.upper()}",
             })
             f.bin.update({segyio.BinField.Interval: dt_us, segyio.BinField.Samples: nt,
-                          segyio.BinField.Format: 5, segyio.BinField.SortingCode: int(spec.sorting),
+                          segyio.BinField.Format: sample_format, segyio.BinField.SortingCode: int(spec.sorting),
                           segyio.BinField.MeasurementSystem: 1})
             for i in range(ni):
                 data = _synthetic_inline(model, i, s, seed, sample_interval_ms, peak_hz)
@@ -183,7 +191,7 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
                 tr = (i * nx + j) if sorting == "iline" else (j * ni + i)
                 headers = [{
                     TF.TRACE_SEQUENCE_FILE: int(t) + 1, TF.CDP: int(t) + 1,
-                    TF.INLINE_3D: first_iline + i, TF.CROSSLINE_3D: first_xline + int(jj),
+                    TF.INLINE_3D: first_iline + il_step * i, TF.CROSSLINE_3D: first_xline + xl_step * int(jj),
                     TF.CDP_X: int(round(x[jj] * 100)), TF.CDP_Y: int(round(y[jj] * 100)),
                     TF.SourceGroupScalar: -100, TF.offset: 1,
                     TF.TRACE_SAMPLE_COUNT: nt, TF.TRACE_SAMPLE_INTERVAL: dt_us,
