@@ -1,0 +1,251 @@
+"""``python -m benchmarks.family``: the runner against hand-tuned static chunking on workloads it has never seen.
+
+Each workload of the seeded family (:mod:`benchmarks.family.workloads`) runs the way a deployment runs it:
+every strategy in a fresh process on a fresh cluster (:mod:`benchmarks.family.child`), against one Prefect
+server started here. Per workload:
+
+1. the static sweep: the pipeline over N iline slabs for every N of ``--static``; the fastest that completes
+   is the workload's oracle ("best static": what a user who tried every chunk size would pick);
+2. memchunk cold: ``MemoryAwareRunner`` on an empty store;
+3. ``--pairs`` pairs of (best static, memchunk warm on the same store), in alternating order;
+4. with ``--external``, one more warm run on a cluster started by the child, given to the runner by address.
+
+Reported: per workload, the ratio of memchunk's wall to the best static's (warm: the median of the pairs'
+ratios; cold: against the sweep's best), kills cold and warm, and the seconds from each flow's start to its
+first task; over the family, the median and worst ratios. Written as JSON (``--json``) and as a table on
+standard output. ``--quick`` runs the family's smallest member with one pair (for CI: no timing is asserted).
+
+    python -m benchmarks.family --json family.json                 # 6 workloads, 3 pairs each
+    python -m benchmarks.family --seed 1 --workloads 10 --pairs 5   # another family, more pairs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.family.workloads import Workload, family, quick
+
+REPO = Path(__file__).resolve().parents[2]
+TARGETS = {"warm_median": 0.95, "warm_worst": 1.15, "cold_median": 1.20}
+
+
+def make_source(w: Workload, work: Path) -> str:
+    """The workload's input: a SEG-Y file with IBM floats and odd line steps, or a zarr store of the same."""
+    from memchunk_prefect import synthetic_survey
+
+    path = work / f"{w.name}-{w.scale}x.sgy"
+    if not path.exists():
+        synthetic_survey(path, w.survey_shape, seed=w.seed, sample_format=1, line_step=(2, 4), first_iline=1001)
+    if w.source == "segy":
+        return str(path)
+    zpath = work / f"{w.name}-{w.scale}x.zarr"
+    if not zpath.exists():
+        from memchunk_prefect.io.volume import as_source
+        from memchunk_prefect.io.zarr_store import ZarrOutput
+
+        src = as_source(str(path))
+        out = ZarrOutput.create(str(zpath), src.shape, src.coords())
+        for i in range(0, src.shape[0], 16):
+            from memchunk_prefect.core.chunks import Chunk
+
+            box = Chunk((i, 0, 0), (min(src.shape[0], i + 16), src.shape[1], src.shape[2]))
+            out.write(box, src.read(box))
+            out.mark_done(box)
+        out.finalize()
+    return str(zpath)
+
+
+def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run one strategy in a fresh process; its result, or a failed one saying why."""
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.family.child", json.dumps(spec)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"completed": False, "failed": f"timed out after {timeout:g} s", "wall_seconds": timeout}
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAMILY-RESULT ")), None)
+    if line is None:
+        return {"completed": False, "wall_seconds": time.perf_counter() - t,
+                "failed": f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return json.loads(line[len("FAMILY-RESULT "):])
+
+
+def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int], pairs: int, external: bool,
+                 timeout: float) -> dict[str, Any]:
+    source = make_source(w, work)
+    store = str(work / f"{w.name}.sqlite")
+    for p in Path(store).parent.glob(Path(store).name + "*"):
+        p.unlink()
+    out_dir = str(work / "out" / w.name)
+
+    def child(strategy: str, **extra: Any) -> dict[str, Any]:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        r = run_child({"workload": w.to_dict(), "strategy": strategy, "source": source, "store": store,
+                       "out_dir": out_dir, **extra}, env, timeout)
+        r["strategy"] = strategy
+        print(f"  {strategy:<12} {r.get('wall_seconds', 0):7.1f} s  "
+              + ("ok" if r.get("completed") else f"FAILED {r.get('failed', '')}")
+              + (f"  chunks {r['chunks']}" if r.get("chunks") else "") + (f"  kills {r['kills']}" if r.get("kills") else ""),
+              flush=True)
+        return r
+
+    print(f"{w.name}: {w.survey_shape} {w.source}, 2 workers x {w.memory_limit_mib} MiB x {w.threads} thread(s)",
+          flush=True)
+    sweep = [child(f"static-{n}") for n in statics]
+    ok = [r for r in sweep if r.get("completed")]
+    result: dict[str, Any] = {"workload": w.to_dict(), "sweep": sweep}
+    if not ok:
+        result["note"] = "no static chunking completed"
+    best = min(ok, key=lambda r: r["wall_seconds"]) if ok else None
+    result["cold"] = child("memchunk")
+    warm_pairs = []
+    for k in range(pairs):
+        order = ["static", "memchunk"] if k % 2 == 0 else ["memchunk", "static"]
+        pair: dict[str, Any] = {}
+        for s in order:
+            pair[s] = child(best["strategy"]) if s == "static" and best else (child("memchunk") if s == "memchunk"
+                                                                               else None)
+        warm_pairs.append(pair)
+    result["pairs"] = warm_pairs
+    if external:
+        result["external"] = child("memchunk", cluster="address")
+    result.update(summarize_workload(result, best))
+    return result
+
+
+def _ratio(a: dict | None, b: dict | None) -> float | None:
+    if not a or not b or not a.get("completed") or not b.get("completed"):
+        return None
+    return a["wall_seconds"] / b["wall_seconds"]
+
+
+def summarize_workload(result: dict[str, Any], best: dict | None) -> dict[str, Any]:
+    warm = [r for r in (_ratio(p.get("memchunk"), p.get("static")) for p in result["pairs"]) if r is not None]
+    return {
+        "best_static": best["strategy"] if best else None,
+        "best_static_seconds": best["wall_seconds"] if best else None,
+        "cold_ratio": _ratio(result["cold"], best),
+        "warm_ratios": warm,
+        "warm_ratio": statistics.median(warm) if warm else None,
+        "cold_kills": result["cold"].get("kills", 0),
+        "warm_kills": sum(p["memchunk"].get("kills", 0) for p in result["pairs"] if p.get("memchunk")),
+        "first_task_seconds": {
+            "static": [p["static"].get("first_task_seconds") for p in result["pairs"] if p.get("static")],
+            "memchunk_warm": [p["memchunk"].get("first_task_seconds") for p in result["pairs"] if p.get("memchunk")],
+        },
+    }
+
+
+def summarize_family(results: list[dict[str, Any]]) -> dict[str, Any]:
+    warm = [r["warm_ratio"] for r in results if r.get("warm_ratio") is not None]
+    cold = [r["cold_ratio"] for r in results if r.get("cold_ratio") is not None]
+    static_first = [x for r in results for x in r["first_task_seconds"]["static"] if x is not None]
+    runner_first = [x for r in results for x in r["first_task_seconds"]["memchunk_warm"] if x is not None]
+    s = {
+        "warm_median": statistics.median(warm) if warm else None, "warm_worst": max(warm) if warm else None,
+        "cold_median": statistics.median(cold) if cold else None, "cold_worst": max(cold) if cold else None,
+        "warm_kills": sum(r["warm_kills"] for r in results), "cold_kills": sum(r["cold_kills"] for r in results),
+        "first_task_static_median": statistics.median(static_first) if static_first else None,
+        "first_task_memchunk_median": statistics.median(runner_first) if runner_first else None,
+        "workloads": len(results), "measured": len(warm),
+    }
+    s["targets"] = {
+        "warm_median": _verdict(s["warm_median"], TARGETS["warm_median"]),
+        "warm_worst": _verdict(s["warm_worst"], TARGETS["warm_worst"]),
+        "cold_median": _verdict(s["cold_median"], TARGETS["cold_median"]),
+        "warm_kills": "met" if s["warm_kills"] == 0 else "missed",
+        "first_task_extra": _verdict(None if s["first_task_memchunk_median"] is None
+                                     or s["first_task_static_median"] is None
+                                     else s["first_task_memchunk_median"] - s["first_task_static_median"], 1.0),
+    }
+    return s
+
+
+def _verdict(value: float | None, limit: float) -> str:
+    return "not measured" if value is None else ("met" if value <= limit else "missed")
+
+
+def table(results: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    def f(x: Any, fmt: str = "{:.2f}") -> str:
+        return "-" if x is None else fmt.format(x)
+
+    rows = ["| workload | survey | workers | best static | warm / best (pairs) | cold / best | kills cold, warm |",
+            "|---|---|---|---|---|---|---|"]
+    for r in results:
+        w = r["workload"]
+        shape = "x".join(str(v) for v in Workload.from_dict(w).survey_shape)
+        pairs = ", ".join(f(x) for x in r["warm_ratios"])
+        rows.append(f"| {w['name']} | {shape} {w['source']} | 2 x {w['memory_limit_mib']} MiB x {w['threads']} | "
+                    f"{r['best_static'] or '-'} {f(r['best_static_seconds'], '{:.1f} s')} | "
+                    f"{f(r['warm_ratio'])}x ({pairs}) | {f(r['cold_ratio'])}x | {r['cold_kills']}, {r['warm_kills']} |")
+    t = summary["targets"]
+    rows += ["", f"warm: median {f(summary['warm_median'])}x ({t['warm_median']}, target <= 0.95), worst "
+                 f"{f(summary['warm_worst'])}x ({t['warm_worst']}, target <= 1.15); cold: median "
+                 f"{f(summary['cold_median'])}x ({t['cold_median']}, target <= 1.20); kills: cold "
+                 f"{summary['cold_kills']}, warm {summary['warm_kills']} ({t['warm_kills']}, target 0)",
+             f"flow start to first task (median): static {f(summary['first_task_static_median'])} s, memchunk warm "
+             f"{f(summary['first_task_memchunk_median'])} s ({t['first_task_extra']}, target <= 1.0 s more)"]
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.family", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workloads", type=int, default=6)
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--static", type=int, nargs="+", default=[2, 4, 8, 16, 32], help="slab counts of the sweep")
+    p.add_argument("--external", action="store_true", help="also one warm run on a cluster given by address")
+    p.add_argument("--quick", action="store_true", help="the smallest workload, one pair, slabs 2 and 4 (CI)")
+    p.add_argument("--only", nargs="*", default=None, help="run only workloads whose name starts with these")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one strategy may run")
+    p.add_argument("--work", default=None, help="where inputs, stores and outputs go (default: a temporary dir)")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    workloads = [quick()] if args.quick else family(args.seed, args.workloads)
+    if args.only:
+        workloads = [w for w in workloads if any(w.name.startswith(o) for o in args.only)]
+    statics, pairs = ([2, 4], 1) if args.quick else (args.static, args.pairs)
+    work = Path(args.work or tempfile.mkdtemp(prefix="memchunk-family-"))
+    work.mkdir(parents=True, exist_ok=True)
+    from deployments.local_server import local_server
+
+    results = []
+    started = time.time()
+    with local_server(work / "prefect-home") as srv:
+        env = {k: v for k, v in srv.env.items() if not k.startswith("MEMCHUNK_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        for w in workloads:
+            results.append(run_workload(w, work, env, statics, pairs, args.external, args.timeout))
+    summary = summarize_family(results)
+    print()
+    print(table(results, summary))
+    if args.json:
+        doc = {"benchmark": "family", "seed": args.seed, "quick": args.quick, "started": started,
+               "seconds": time.time() - started, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                                             "platform": platform.platform()},
+               "commit": _commit(), "summary": summary, "results": results}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:  # noqa: BLE001 - not a checkout
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

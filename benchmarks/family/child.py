@@ -1,0 +1,158 @@
+"""One strategy over one workload, in a process of its own: what a deployment's flow run does.
+
+``python -m benchmarks.family.child SPEC_JSON`` runs the workload's steps as one Prefect flow on a cluster
+started for it (the runner's own cluster from its arguments, or one started here whose scheduler address is
+passed: ``"cluster": "address"``), and prints one line of JSON with what it measured. Strategies:
+
+- ``static-N``: a plain ``DaskTaskRunner`` flow; every step over N iline slabs, one Prefect task per slab
+  (read the block with its halo, apply the operator's function, trim, write the region): what a user who
+  chose a chunk size by hand runs. A slab whose worker dies fails the run.
+- ``memchunk``: the same steps chained with ``MemoryAwareRunner`` and ``chunked(...)``, on ``store``.
+
+Measured: ``wall_seconds`` from the flow call to its return (the cluster's start included, as a
+deployment's run pays it); ``first_task_seconds`` from the flow function's first line to the first operator
+call on a worker (the fixed cost before any work); ``kills`` (chunks whose worker died, memchunk) and, per step,
+the chunks that ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.family.archetypes import ARCHETYPES
+from benchmarks.family.workloads import Workload
+
+
+def cluster_kwargs(w: Workload) -> dict[str, Any]:
+    return {"n_workers": w.workers, "threads_per_worker": w.threads, "processes": True,
+            "memory_limit": f"{w.memory_limit_mib}MiB", "dashboard_address": "127.0.0.1:0"}
+
+
+def _steps(w: Workload) -> list[tuple[Any, dict[str, Any]]]:
+    return [(ARCHETYPES[s["op"]], {k: v for k, v in s.items() if k != "op"}) for s in w.steps]
+
+
+def run_memchunk(w: Workload, source: str, out_dir: str, store: str, address: str | None) -> dict[str, Any]:
+    from prefect import flow
+
+    from memchunk_prefect import MemoryAwareRunner, chunked
+
+    runner = (MemoryAwareRunner(address=address, store=store, output_dir=out_dir, progress=False) if address
+              else MemoryAwareRunner(cluster_kwargs=cluster_kwargs(w), store=store, output_dir=out_dir,
+                                     progress=False))
+    started: list[float] = []
+
+    @flow(name=f"family-memchunk-{w.name}", task_runner=runner)
+    def pipeline(path: str) -> list[dict]:
+        started.append(time.time())
+        current: Any = path
+        results = []
+        for op, params in _steps(w):
+            current = op.map(chunked(current), **params)
+            results.append(current)
+        return [r.summary() for r in results]
+
+    t = time.perf_counter()
+    summaries = pipeline(source)
+    wall = time.perf_counter() - t
+    return {"wall_seconds": wall, "flow_started": started[0], "completed": True,
+            "kills": sum(s["oom_events"] for s in summaries), "chunks": [s["chunks"] for s in summaries],
+            "tasks": sum(s["tasks"] for s in summaries), "decisions": [s["decisions"] for s in summaries]}
+
+
+def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | None) -> dict[str, Any]:
+    from distributed import as_completed
+    from prefect import flow, task, unmapped
+    from prefect.cache_policies import NO_CACHE
+    from prefect_dask import DaskTaskRunner
+
+    from memchunk_prefect.core.chunks import balanced_grid
+    from memchunk_prefect.io.volume import as_source
+    from memchunk_prefect.io.zarr_store import ZarrOutput
+    from memchunk_prefect.operators import spec_of
+
+    @task(cache_policy=NO_CACHE)
+    def slab(src: Any, out_path: str, chunk: Any, halo: tuple, op_name: str, params: dict) -> int:
+        from memchunk_prefect.io.volume import read_block
+
+        block, trim = read_block(src, chunk, halo)
+        out = ARCHETYPES[op_name].fn(block, **params)
+        ZarrOutput.open(out_path).write(chunk, np.ascontiguousarray(np.asarray(out)[trim], dtype=np.float32))
+        return chunk.elements
+
+    runner = DaskTaskRunner(address=address) if address else DaskTaskRunner(cluster_kwargs=cluster_kwargs(w))
+    started: list[float] = []
+
+    @flow(name=f"family-static-{w.name}", task_runner=runner)
+    def pipeline(path: str) -> dict:
+        from prefect.context import get_run_context
+
+        started.append(time.time())
+        client = get_run_context().task_runner.client
+        current: Any = as_source(path)
+        for k, (op, params) in enumerate(_steps(w), start=1):
+            chunks = balanced_grid(current.shape, (min(n, current.shape[0]), 1, 1))
+            out = ZarrOutput.create(os.path.join(out_dir, f"{k:02d}-{op.name}.zarr"), current.shape,
+                                    current.coords(), overwrite=True)
+            futures = slab.map(unmapped(current), unmapped(out.path), chunks, unmapped(spec_of(op).halo_for(params)),
+                               unmapped(op.name), unmapped(params))
+            for df in as_completed([f.wrapped_future for f in futures], loop=client.loop):
+                try:
+                    state = df.result()
+                except Exception as exc:  # noqa: BLE001 - a worker killed under it: the run failed
+                    return {"completed": False, "failed": f"{op.name}: {type(exc).__name__}"}
+                if not state.is_completed():
+                    return {"completed": False, "failed": f"{op.name}: {state.name}"}
+            out.finalize()
+            current = out.to_source()
+        return {"completed": True}
+
+    t = time.perf_counter()
+    try:
+        result = pipeline(source)
+    except Exception as exc:  # noqa: BLE001 - a failed static run is a result, not a crash of the benchmark
+        result = {"completed": False, "failed": f"{type(exc).__name__}: {exc}"[:300]}
+    wall = time.perf_counter() - t
+    return {"wall_seconds": wall, "flow_started": started[0] if started else None, "kills": 0,
+            "chunks": [min(n, w.survey_shape[0])] * len(w.steps), **result}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    w = Workload.from_dict(spec["workload"])
+    marks = tempfile.mkdtemp(prefix="family-marks-")
+    os.environ["FAMILY_MARKS"] = marks  # inherited by the worker processes started below
+    out_dir = spec["out_dir"]
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    cluster = None
+    address = None
+    if spec.get("cluster") == "address":
+        from distributed import LocalCluster
+
+        cluster = LocalCluster(**cluster_kwargs(w))
+        address = cluster.scheduler_address
+    try:
+        if spec["strategy"] == "memchunk":
+            out = run_memchunk(w, spec["source"], out_dir, spec["store"], address)
+        else:
+            out = run_static(w, spec["source"], out_dir, int(spec["strategy"].split("-")[1]), address)
+    finally:
+        if cluster is not None:
+            cluster.close()
+    starts = sorted(int(p.name.split("-")[1]) / 1e9 for p in Path(marks).iterdir())
+    if starts and out.get("flow_started"):
+        out["first_task_seconds"] = starts[0] - out["flow_started"]
+    print("FAMILY-RESULT " + json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
