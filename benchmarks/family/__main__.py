@@ -96,8 +96,8 @@ def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int
         r["strategy"] = strategy
         print(f"  {strategy:<12} {r.get('wall_seconds', 0):7.1f} s  "
               + ("ok" if r.get("completed") else f"FAILED {r.get('failed', '')}")
-              + (f"  chunks {r['chunks']}" if r.get("chunks") else "") + (f"  kills {r['kills']}" if r.get("kills") else ""),
-              flush=True)
+              + (f"  chunks {r['chunks']}" if r.get("chunks") else "")
+              + (f"  kills {r['kills']}" if r.get("kills") else ""), flush=True)
         return r
 
     print(f"{w.name}: {w.survey_shape} {w.source}, 2 workers x {w.memory_limit_mib} MiB x {w.threads} thread(s)",
@@ -232,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results, summary))
     if args.json:
         doc = {"benchmark": "family", "seed": args.seed, "quick": args.quick, "started": started,
-               "seconds": time.time() - started, "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                                                             "platform": platform.platform()},
+               "seconds": time.time() - started,
+               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
                "commit": _commit(), "summary": summary, "results": results}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
