@@ -233,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {"benchmark": "family", "seed": args.seed, "quick": args.quick, "started": started,
                "seconds": time.time() - started,
-               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                           "platform": platform.platform()},
                "commit": _commit(), "summary": summary, "results": results}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
