@@ -14,6 +14,19 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _outputs_in_a_temporary_directory(tmp_path_factory):
+    """Chunked outputs a test does not place go to a temporary directory, not ``./memchunk-outputs`` in the
+    checkout (the default a user gets). Tests of the default set their own working directory."""
+    previous = os.environ.get("MEMCHUNK_OUTPUT_DIR")
+    os.environ["MEMCHUNK_OUTPUT_DIR"] = str(tmp_path_factory.mktemp("outputs"))
+    yield
+    if previous is None:
+        os.environ.pop("MEMCHUNK_OUTPUT_DIR", None)
+    else:
+        os.environ["MEMCHUNK_OUTPUT_DIR"] = previous
+
+
 SEGY_SOURCE = ("segyio's test data (https://github.com/equinor/segyio, test-data/: f3.sgy, small.sgy, ...); "
                "this project's CI keeps them in ../shared/data/segy beside the repository")
 

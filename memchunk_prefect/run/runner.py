@@ -110,7 +110,8 @@ class MemoryAwareRunner(DaskTaskRunner):
     - ``store``: path of the observation store (default ``$MEMCHUNK_STORE`` or
       under the Prefect home);
     - ``output_dir``: where chunked outputs go when ``chunked(..., output=)`` is not
-      given (default ``$MEMCHUNK_OUTPUT_DIR`` or a per-user temporary directory);
+      given (default ``$MEMCHUNK_OUTPUT_DIR``, else ``memchunk-outputs`` in the working directory;
+      :mod:`memchunk_prefect.run.outputs`);
     - ``policy``: a :class:`~memchunk_prefect.core.settings.PolicySettings` (or a dict of its fields);
     - ``observers``: :class:`~memchunk_prefect.run.observe.MapObserver` objects told about
       every chunked map (in the flow's process, from each map's own thread, maps side by
@@ -439,10 +440,12 @@ class MemoryAwareRunner(DaskTaskRunner):
         """A fresh path for ``operator``'s output under the output directory: ``<flow run>/<n>-<operator>.zarr``."""
         ctx = FlowRunContext.get()
         run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
+        run = ({"flow": ctx.flow.name if ctx.flow else "", "flow_run": ctx.flow_run.name, "flow_run_id": run_id}
+               if ctx and ctx.flow_run else {"flow_run_id": run_id})
         with self._lock:
             self._map_count += 1
             n = self._map_count
-        return output_path_for(default_output_dir(self.output_dir), run_id, n, operator)
+        return output_path_for(default_output_dir(self.output_dir), run_id, n, operator, run)
 
 
 def _deadline_seconds(deadline: float | str) -> float:
