@@ -17,14 +17,17 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True, scope="session")
 def _outputs_in_a_temporary_directory(tmp_path_factory):
     """Chunked outputs a test does not place go to a temporary directory, not ``./memchunk-outputs`` in the
-    checkout (the default a user gets). Tests of the default set their own working directory."""
-    previous = os.environ.get("MEMCHUNK_OUTPUT_DIR")
+    checkout (the default a user gets), and so does the SEG-Y geometry cache. Tests of the defaults set their
+    own."""
+    previous = {k: os.environ.get(k) for k in ("MEMCHUNK_OUTPUT_DIR", "MEMCHUNK_CACHE_DIR")}
     os.environ["MEMCHUNK_OUTPUT_DIR"] = str(tmp_path_factory.mktemp("outputs"))
+    os.environ["MEMCHUNK_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))  # SEG-Y geometries, per run
     yield
-    if previous is None:
-        os.environ.pop("MEMCHUNK_OUTPUT_DIR", None)
-    else:
-        os.environ["MEMCHUNK_OUTPUT_DIR"] = previous
+    for k, v in previous.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
 SEGY_SOURCE = ("segyio's test data (https://github.com/equinor/segyio, test-data/: f3.sgy, small.sgy, ...); "

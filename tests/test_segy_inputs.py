@@ -233,3 +233,29 @@ def test_header_scan_never_reads_samples(segy_dir, monkeypatch):
     monkeypatch.setattr(segy_mod, "read_traces", no_samples)
     da = open_segy(segy_dir / "f3.sgy")
     assert da.shape == (23, 18, 75)
+
+
+def test_a_files_geometry_is_scanned_once_per_identity_and_kept_across_processes(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from memchunk_prefect.io import segy_cache
+
+    monkeypatch.setenv("MEMCHUNK_CACHE_DIR", str(tmp_path / "cache"))
+    path = synthetic_survey(tmp_path / "s.sgy", (6, 5, 20), seed=1)
+    settled = time.time() - 60
+    os.utime(path, (settled, settled))
+    scans = []
+    real = segy_cache.scan
+    monkeypatch.setattr(segy_cache, "scan", lambda *a, **k: scans.append(a) or real(*a, **k))
+    first = SegySource(path)
+    again = SegySource(path)
+    assert len(scans) == 1 and again.shape == first.shape == (6, 5, 20)
+    assert np.array_equal(again.coords()["cdp_x"], first.coords()["cdp_x"])
+    segy_cache._MEMORY.clear()  # a new process: the disk keeps it
+    third = SegySource(path)
+    assert len(scans) == 1 and np.array_equal(third.coords()["cdp_y"], first.coords()["cdp_y"])
+    synthetic_survey(path, (6, 5, 20), seed=2)  # rewritten: a new identity
+    os.utime(path, (settled + 1, settled + 1))
+    SegySource(path)
+    assert len(scans) == 2

@@ -23,6 +23,7 @@ Byte-level SEG-Y work (headers, geometry) is in :mod:`memchunk_prefect.io.segy`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -44,6 +45,7 @@ from memchunk_prefect.core.errors import (
 )
 from memchunk_prefect.io import segy as _segy
 from memchunk_prefect.io.segy import SegyGeometry
+from memchunk_prefect.io.segy_cache import cached_scan
 from memchunk_prefect.io.source import ArraySource, Source
 from memchunk_prefect.io.zarr_store import DATA_NAME, ZarrSource
 
@@ -69,7 +71,7 @@ class SegySource(Source):
     def __init__(self, path: str | os.PathLike, iline: int = _segy.INLINE_BYTE, xline: int = _segy.CROSSLINE_BYTE,
                  *, endian: str | None = None, geometry: SegyGeometry | None = None):
         self.path = os.path.abspath(os.fspath(path))
-        self.geometry = geometry or _segy.scan(self.path, iline, xline, endian)
+        self.geometry = geometry or cached_scan(self.path, iline, xline, endian)
         self.iline = self.geometry.iline_byte
         self.xline = self.geometry.xline_byte
         self.endian = self.geometry.endian
@@ -77,7 +79,8 @@ class SegySource(Source):
 
     def __getstate__(self) -> dict:
         d = self.__dict__.copy()
-        d["_coords"] = None  # cdp_x/cdp_y are per trace: re-read them where needed, never ship them
+        d["_coords"] = None  # cdp_x/cdp_y are per trace: never shipped to workers (they read samples only)
+        d["geometry"] = dataclasses.replace(self.geometry, cdp=None)
         return d
 
     def __repr__(self) -> str:
@@ -99,9 +102,10 @@ class SegySource(Source):
             g = self.geometry
             c = {"iline": g.ilines.copy(), "xline": g.xlines.copy(), "twt": g.samples_ms.copy(),
                  "sample_interval_ms": g.sample_interval_ms}
-            cdp = _segy.scan_cdp(self.path, g)
-            if cdp is not None:
-                c["cdp_x"], c["cdp_y"] = cdp
+            if g.cdp is None:  # unpickled without them (or none recorded): the cache has them, or knows there are none
+                g = cached_scan(self.path, self.iline, self.xline, self.endian)
+            if g.cdp is not None:
+                c["cdp_x"], c["cdp_y"] = g.cdp
             self._coords = c
         return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self._coords.items()}
 
