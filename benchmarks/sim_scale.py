@@ -60,10 +60,10 @@ def demo_store(workdir: Path) -> Path:
 
 
 def _clear_caches() -> None:
-    from memchunk_prefect.core import chunks, machine
+    from memchunk_prefect.core import chunks, messages
 
     chunks._largest_read_extents.cache_clear()
-    machine._read_extents.cache_clear()
+    messages._read_extents.cache_clear()
 
 
 def _slope(xs: list[float], ys: list[float]) -> float | None:
