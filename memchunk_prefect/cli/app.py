@@ -600,7 +600,8 @@ def _compare_arguments(p: argparse.ArgumentParser) -> None:
 @arguments(_compare_arguments)
 def _compare_traces(args: argparse.Namespace) -> int:
     from memchunk_prefect.core.errors import TraceExportError
-    from memchunk_prefect.sim.trace import compare, validate
+    from memchunk_prefect.sim.trace import validate
+    from memchunk_prefect.sim.trace_compare import compare
 
     docs = []
     for path in (args.a, args.b):

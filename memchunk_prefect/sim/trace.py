@@ -61,7 +61,6 @@ from typing import Any, Mapping, Sequence
 from memchunk_prefect.core.chunks import Chunk, with_halo
 from memchunk_prefect.core.energy import (
     ESTIMATE,
-    JOULES_PER_KWH,
     DeviceRun,
     busy_weight,
     is_measured,
@@ -771,7 +770,7 @@ def write_instance(doc: Mapping[str, Any], output: str | os.PathLike,
 def simulated_instance(result: Any, steps: Sequence[Any], shape: Sequence[int], cluster: Any, *,
                        started_at: float | None = None) -> dict[str, Any]:
     """The WfFormat instance of one simulated run (:func:`memchunk_prefect.sim.runs.trace_records`), built
-    as a real run's is, so the two compare task by task (:func:`compare`)."""
+    as a real run's is, so the two compare task by task (:func:`memchunk_prefect.sim.trace_compare.compare`)."""
     import time as _time
 
     from memchunk_prefect.sim.runs import trace_records
@@ -795,64 +794,3 @@ def summary(doc: Mapping[str, Any]) -> dict[str, Any]:
             "energy_kwh": sum(float(t.get("energyInKWh", 0.0)) for t in tasks),
             "energy_sources": sorted({str(t["energySource"]) for t in tasks if t.get("energySource")}),
             "schema_version": doc.get("schemaVersion")}
-
-
-# --------------------------------------------------------------------------- comparing two traces
-
-
-def _when(value: Any) -> float | None:
-    try:
-        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-def per_category(doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per task category (the operator) of a WfFormat instance: tasks, failed attempts, summed and mean
-    runtime (seconds), span (first start to last end, seconds), energy (joules) and its sources."""
-    spec = {t["id"]: t for t in doc["workflow"]["specification"]["tasks"]}
-    out: dict[str, dict[str, Any]] = {}
-    for t in doc["workflow"].get("execution", {}).get("tasks", []):
-        s = spec.get(t["id"], {})
-        cat = str(t.get("category") or s.get("category") or s.get("name") or "?")
-        c = out.setdefault(cat, {"tasks": 0, "failed": 0, "runtime_seconds": 0.0, "energy_joules": 0.0,
-                                 "energy_sources": set(), "first": None, "last": None})
-        runtime = float(t.get("runtimeInSeconds", 0.0))
-        c["tasks"] += 1
-        c["failed"] += t.get("outcome", "ok") != "ok"
-        c["runtime_seconds"] += runtime
-        c["energy_joules"] += float(t.get("energyInKWh", 0.0)) * JOULES_PER_KWH
-        if t.get("energySource"):
-            c["energy_sources"].add(str(t["energySource"]))
-        start = _when(t.get("executedAt"))
-        if start is not None:
-            c["first"] = start if c["first"] is None else min(c["first"], start)
-            c["last"] = start + runtime if c["last"] is None else max(c["last"], start + runtime)
-    for c in out.values():
-        c["mean_runtime_seconds"] = c["runtime_seconds"] / c["tasks"] if c["tasks"] else 0.0
-        c["span_seconds"] = None if c["first"] is None else c["last"] - c["first"]
-        c["energy_sources"] = sorted(c.pop("energy_sources"))
-        del c["first"], c["last"]
-    return out
-
-
-def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    """Two traces of the same work side by side (e.g. a real run and its simulation), per operator and
-    whole: each figure of :func:`per_category` for both, and ``b``'s relative difference from ``a``
-    (``(b - a) / a``; None where ``a`` is 0 or unknown). Makespan is each instance's ``makespanInSeconds``."""
-    ca, cb = per_category(a), per_category(b)
-
-    def rel(x: Any, y: Any) -> float | None:
-        return None if x in (None, 0) or y is None else (float(y) - float(x)) / float(x)
-
-    rows = []
-    for cat in sorted(set(ca) | set(cb)):
-        x, y = ca.get(cat, {}), cb.get(cat, {})
-        row: dict[str, Any] = {"category": cat}
-        for f in ("tasks", "failed", "runtime_seconds", "mean_runtime_seconds", "span_seconds", "energy_joules"):
-            row[f] = (x.get(f), y.get(f), rel(x.get(f), y.get(f)))
-        row["energy_sources"] = (x.get("energy_sources", []), y.get("energy_sources", []))
-        rows.append(row)
-    ma = a["workflow"].get("execution", {}).get("makespanInSeconds")
-    mb = b["workflow"].get("execution", {}).get("makespanInSeconds")
-    return {"a": a.get("name"), "b": b.get("name"), "makespan_seconds": (ma, mb, rel(ma, mb)), "operators": rows}
