@@ -101,14 +101,14 @@ def resting_after_imports(modules: Sequence[str]) -> int:
     on a worker another map is using) mid-peak on its other threads. Their memory
     is theirs, budgeted in their own slots, not the worker's resting level: while
     tracked runs are open the level read when none was is returned, plus what
-    these imports added (:func:`memchunk_prefect.run.monitor.process_resting_bytes`).
+    these imports added (:func:`memchunk_prefect.run.process_memory.process_resting_bytes`).
     """
     import ctypes
     import importlib
 
     import psutil
 
-    from memchunk_prefect.run.monitor import process_resting_bytes
+    from memchunk_prefect.run.process_memory import process_resting_bytes
 
     before = int(psutil.Process().memory_info().rss)
     for name in modules:
@@ -130,9 +130,9 @@ def resting_after_imports(modules: Sequence[str]) -> int:
 
 def marks_after_imports(modules: Sequence[str]) -> tuple[int, int]:
     """Run on a worker: its resting memory after importing ``modules`` (:func:`resting_after_imports`) and the
-    most its process has held (:func:`memchunk_prefect.run.monitor.high_water_bytes`, at least the resting memory),
-    bytes: one call, so a map's start pays one round trip for both."""
-    from memchunk_prefect.run.monitor import high_water_bytes
+    most its process has held (:func:`memchunk_prefect.run.process_memory.high_water_bytes`, at least the resting
+    memory), bytes: one call, so a map's start pays one round trip for both."""
+    from memchunk_prefect.run.process_memory import high_water_bytes
 
     resting = resting_after_imports(modules)
     return resting, max(resting, high_water_bytes() or 0)
