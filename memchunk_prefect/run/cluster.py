@@ -226,9 +226,9 @@ def wait_for_workers(client: Any, settings: RunnerSettings = RUNNER_SETTINGS) ->
 # the nanny starts a new one). The nanny may not be there to do it: distributed's SpecCluster (LocalCluster) closes
 # a worker's nanny when no worker of that name is registered `distributed.deploy.lost-worker-timeout` (15 s) after
 # one was removed, and that timer does not look at later removals; a worker restarted twice within 15 s can have
-# its nanny closed in the gap of the second restart (seen on an H100, distributed 2026.8). A deployment that stops
-# a nanny, or a lost host, looks the same. Waiting for such a worker the whole timeout, then failing the map while
-# other workers are there, would throw away a run that can go on.
+# its nanny closed in the gap of the second restart. A deployment that stops a nanny, or a lost host, looks the
+# same. Waiting for such a worker the whole timeout, then failing the map while other workers are there, would
+# throw away a run that can go on.
 
 
 @dataclass(frozen=True)
