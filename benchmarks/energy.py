@@ -44,7 +44,7 @@ def _run(bench: Any, survey: str, steps: list[dict], store_path: str, tag: str, 
     from benchmarks import strategies as st
     from memchunk_prefect.core.settings import PolicySettings
     from memchunk_prefect.learn.store import Store
-    from memchunk_prefect.run.monitor import _rapl
+    from memchunk_prefect.run.gpu_energy import _rapl
 
     with Store(store_path) as s:
         last = max((i for i, _ in s.rows()), default=0)

@@ -4,7 +4,7 @@
 
 The runner records a GPU chunk's peak as what CuPy's memory pool grew by while
 the task ran (:meth:`memchunk_prefect.operators.device.Backend.track`); NVML's per-process
-figure (:mod:`memchunk_prefect.run.monitor`) is the other candidate. Both are taken
+figure (:mod:`memchunk_prefect.run.gpu_energy`) is the other candidate. Both are taken
 here, in one process on the GPU, around:
 
 - allocations of known size (the truth is the most held at once): one array;
@@ -48,7 +48,7 @@ class _NvmlPoll:
     """The most NVML reported for this process while the block ran, bytes (None without NVML)."""
 
     def __init__(self) -> None:
-        from memchunk_prefect.run.monitor import _nvml
+        from memchunk_prefect.run.gpu_energy import _nvml
 
         self.nvml = _nvml()
         self.pid = os.getpid()

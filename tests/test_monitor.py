@@ -19,15 +19,12 @@ import pytest
 
 import memchunk_prefect
 from memchunk_prefect.core.errors import MeasurementError
+from memchunk_prefect.run import gpu_energy, probes
 from memchunk_prefect.run import monitor as mon
-from memchunk_prefect.run.monitor import (
-    Measurement,
-    MemoryProbe,
-    Monitor,
-    SamplingProbe,
-    SharedMeasurementWarning,
-    VmHWMProbe,
-)
+from memchunk_prefect.run import process_memory as pm
+from memchunk_prefect.run.monitor import Measurement, Monitor
+from memchunk_prefect.run.probes import MemoryProbe, SamplingProbe, VmHWMProbe
+from memchunk_prefect.run.process_memory import SharedMeasurementWarning
 
 MiB = 2**20
 
@@ -73,11 +70,11 @@ class FakeProbe:
 @pytest.fixture(autouse=True)
 def fresh_process_state(monkeypatch):
     """Each test sees a process that has not warned yet, has no NVML decision cached, and no worker."""
-    monkeypatch.setattr(mon, "_WARNED_SHARED", set())
-    monkeypatch.setattr(mon, "_NVML", {})
-    monkeypatch.setattr(mon, "_RAPL", {})
-    monkeypatch.setattr(mon, "_dask_nthreads", lambda: None)
-    monkeypatch.setattr(mon._ACTIVE, "high_water", None)  # each test's probe is its own process's memory
+    monkeypatch.setattr(pm, "_WARNED_SHARED", set())
+    monkeypatch.setattr(gpu_energy, "_NVML", {})
+    monkeypatch.setattr(gpu_energy, "_RAPL", {})
+    monkeypatch.setattr(pm, "_dask_nthreads", lambda: None)
+    monkeypatch.setattr(pm._ACTIVE, "high_water", None)  # each test's probe is its own process's memory
 
 
 def quiet_monitor(probe: MemoryProbe, **kw) -> Monitor:
@@ -280,15 +277,15 @@ def test_a_run_started_beside_another_records_what_the_other_held_and_the_restin
     monitor = quiet_monitor(probe)
     with monitor.track() as a:
         probe.allocate(300 * MiB)  # A mid-peak when B starts
-        assert mon.process_resting_bytes(probe.rss) == 100 * MiB  # the level before A, not A's memory
-        assert mon.process_resting_bytes(probe.rss, grown_bytes=5 * MiB) == 105 * MiB  # plus known growth
+        assert pm.process_resting_bytes(probe.rss) == 100 * MiB  # the level before A, not A's memory
+        assert pm.process_resting_bytes(probe.rss, grown_bytes=5 * MiB) == 105 * MiB  # plus known growth
         with monitor.track() as b:
             probe.allocate(10 * MiB)
         probe.free(310 * MiB)
     assert a.measurement.others_bytes == 0 and a.measurement.baseline_bytes == 100 * MiB
     assert b.measurement.others_bytes == 300 * MiB and b.measurement.baseline_bytes == 400 * MiB
     assert b.measurement.observation_fields()["others_bytes"] == 300 * MiB
-    assert mon.process_resting_bytes(probe.rss) == 100 * MiB  # nothing open: the RSS is the level
+    assert pm.process_resting_bytes(probe.rss) == 100 * MiB  # nothing open: the RSS is the level
 
 
 def test_shared_warning_is_said_once_per_process(recwarn):
@@ -315,7 +312,7 @@ def test_a_run_alone_after_shared_runs_is_clean_again(recwarn):
 
 
 def test_a_dask_worker_with_several_threads_marks_every_run_shared(monkeypatch):
-    monkeypatch.setattr(mon, "_dask_nthreads", lambda: 4)
+    monkeypatch.setattr(pm, "_dask_nthreads", lambda: 4)
     monitor = quiet_monitor(FakeProbe())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -330,7 +327,7 @@ def test_a_dask_worker_with_several_threads_marks_every_run_shared(monkeypatch):
 
 
 def test_a_dask_worker_with_one_thread_gives_clean_figures(monkeypatch):
-    monkeypatch.setattr(mon, "_dask_nthreads", lambda: 1)
+    monkeypatch.setattr(pm, "_dask_nthreads", lambda: 1)
     with quiet_monitor(FakeProbe()).track() as run:
         pass
     assert not run.measurement.shared
@@ -351,10 +348,10 @@ def test_settings_are_checked_and_errors_quote_the_values():
 
 
 def test_vmhwm_is_refused_where_clear_refs_is_not_writable(monkeypatch):
-    monkeypatch.setattr(mon, "_CLEAR_REFS_OK", {os.getpid(): False})
+    monkeypatch.setattr(probes, "_CLEAR_REFS_OK", {os.getpid(): False})
     with pytest.raises(MeasurementError, match="clear_refs.*method='psutil'"):
         VmHWMProbe()
-    assert mon.make_probe("auto").method == "psutil"
+    assert probes.make_probe("auto").method == "psutil"
 
 
 def test_configure_replaces_the_default_monitor_and_restores_it():
@@ -367,7 +364,7 @@ def test_configure_replaces_the_default_monitor_and_restores_it():
     assert mon.default_monitor() == Monitor()
 
 
-needs_vmhwm = pytest.mark.skipif(not mon.clear_refs_writable(), reason="/proc/self/clear_refs not writable here")
+needs_vmhwm = pytest.mark.skipif(not probes.clear_refs_writable(), reason="/proc/self/clear_refs not writable here")
 
 
 @needs_vmhwm
@@ -517,7 +514,7 @@ def test_rapl_energy_sums_packages_handles_wrap_around_and_skips_subzones(monkey
     p0 = write_zone(tmp_path, "intel-rapl:0", 990_000)
     p1 = write_zone(tmp_path, "intel-rapl:1", 100)
     sub = write_zone(tmp_path, "intel-rapl:0:0", 5)  # core sub-zone of package 0: already counted in it
-    monkeypatch.setattr(mon, "_RAPL_GLOB", str(tmp_path / "intel-rapl:*"))
+    monkeypatch.setattr(gpu_energy, "_RAPL_GLOB", str(tmp_path / "intel-rapl:*"))
     with Monitor(probe=FakeProbe()).track() as run:
         (p0 / "energy_uj").write_text("20000\n")  # wrapped: 10_000 + 20_000 µJ
         (p1 / "energy_uj").write_text("1000100\n")  # +1_000_000 µJ
@@ -530,6 +527,6 @@ def test_unreadable_rapl_gives_no_energy(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pynvml", None)
     zone = tmp_path / "intel-rapl:0"
     zone.mkdir()  # a zone with no readable counter (as for non-root users on Linux >= 5.10)
-    monkeypatch.setattr(mon, "_RAPL_GLOB", str(tmp_path / "intel-rapl:*"))
+    monkeypatch.setattr(gpu_energy, "_RAPL_GLOB", str(tmp_path / "intel-rapl:*"))
     _, m = Monitor(probe=FakeProbe()).measure(lambda: None)
     assert (m.energy_joules, m.energy_source) == (None, None)

@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from memchunk_prefect.run import monitor as mon
-from memchunk_prefect.run.monitor import Monitor, SharedMeasurementWarning
+from memchunk_prefect.run import probes
+from memchunk_prefect.run import process_memory as pm
+from memchunk_prefect.run.monitor import Monitor
+from memchunk_prefect.run.process_memory import SharedMeasurementWarning
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -60,7 +63,7 @@ def allocate_and_use(mib: int, method: str):
 @pytest.mark.parametrize("method, tolerance", [("vmhwm", 0.05), ("psutil", 0.10)])
 @pytest.mark.parametrize("mib", [64, 256, 1024])
 def test_a_worker_task_allocating_numpy_is_measured_within_tolerance(client, mib, method, tolerance):
-    if method == "vmhwm" and not client.run(mon.clear_refs_writable).popitem()[1]:
+    if method == "vmhwm" and not client.run(probes.clear_refs_writable).popitem()[1]:
         pytest.skip("/proc/self/clear_refs is not writable on the worker")
     m = client.submit(allocate_and_use, mib, method, pure=False).result()
     expected = mib * MiB
@@ -87,7 +90,7 @@ def test_a_memory_error_on_the_worker_brings_its_measurement_to_the_caller(clien
 
 def test_a_worker_with_two_threads_marks_figures_shared(monkeypatch):
     distributed = pytest.importorskip("distributed")
-    monkeypatch.setattr(mon, "_WARNED_SHARED", set())
+    monkeypatch.setattr(pm, "_WARNED_SHARED", set())
     # processes=False: the worker runs in this process, so its warning reaches pytest.
     with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False,
                                   dashboard_address=":0", silence_logs=50) as cluster, \

@@ -30,7 +30,7 @@ from memchunk_prefect.core.energy import kwh
 from memchunk_prefect.core.errors import TraceExportError
 from memchunk_prefect.core.records import MapRun, Observation
 from memchunk_prefect.learn.store import Store
-from memchunk_prefect.sim import trace
+from memchunk_prefect.sim import trace, trace_compare
 
 with warnings.catch_warnings():  # importing wfcommons runs warnings.filterwarnings("ignore") for the whole process
     import wfcommons  # the `trace` extra, in the `test` extra too
@@ -627,13 +627,13 @@ def test_a_simulated_run_exports_to_the_same_format_and_loads_with_wfcommons(tmp
 def test_comparing_a_trace_with_itself_and_with_another_run(tmp_path, capsys):
     result, steps, shape, cluster = _simulated(tmp_path)
     a = trace.simulated_instance(result, steps, shape, cluster, started_at=1000.0)
-    same = trace.compare(a, a)
+    same = trace_compare.compare(a, a)
     assert same["makespan_seconds"][2] == 0.0
     assert all(r[f][2] in (0.0, None) for r in same["operators"] for f in ("tasks", "runtime_seconds",
                                                                             "energy_joules"))
     other, *_ = _simulated(tmp_path, seed=1)
     b = trace.simulated_instance(other, steps, shape, cluster, started_at=1000.0)
-    c = trace.compare(a, b)
+    c = trace_compare.compare(a, b)
     env = next(r for r in c["operators"] if r["category"] == "envelope")
     x, y, rel = env["runtime_seconds"]
     assert rel == pytest.approx((y - x) / x) and x != y  # another seed draws other times

@@ -103,14 +103,14 @@ def resting_after_imports(modules: Sequence[str]) -> int:
     on a worker another map is using) mid-peak on its other threads. Their memory
     is theirs, budgeted in their own slots, not the worker's resting level: while
     tracked runs are open the level read when none was is returned, plus what
-    these imports added (:func:`memchunk_prefect.run.monitor.process_resting_bytes`).
+    these imports added (:func:`memchunk_prefect.run.process_memory.process_resting_bytes`).
     """
     import ctypes
     import importlib
 
     import psutil
 
-    from memchunk_prefect.run.monitor import process_resting_bytes
+    from memchunk_prefect.run.process_memory import process_resting_bytes
 
     before = int(psutil.Process().memory_info().rss)
     for name in modules:
@@ -132,9 +132,9 @@ def resting_after_imports(modules: Sequence[str]) -> int:
 
 def marks_after_imports(modules: Sequence[str]) -> tuple[int, int]:
     """Run on a worker: its resting memory after importing ``modules`` (:func:`resting_after_imports`) and the
-    most its process has held (:func:`memchunk_prefect.run.monitor.high_water_bytes`, at least the resting memory),
-    bytes: one call, so a map's start pays one round trip for both."""
-    from memchunk_prefect.run.monitor import high_water_bytes
+    most its process has held (:func:`memchunk_prefect.run.process_memory.high_water_bytes`, at least the resting
+    memory), bytes: one call, so a map's start pays one round trip for both."""
+    from memchunk_prefect.run.process_memory import high_water_bytes
 
     resting = resting_after_imports(modules)
     return resting, max(resting, high_water_bytes() or 0)
@@ -228,9 +228,9 @@ def wait_for_workers(client: Any, settings: RunnerSettings = RUNNER_SETTINGS) ->
 # the nanny starts a new one). The nanny may not be there to do it: distributed's SpecCluster (LocalCluster) closes
 # a worker's nanny when no worker of that name is registered `distributed.deploy.lost-worker-timeout` (15 s) after
 # one was removed, and that timer does not look at later removals; a worker restarted twice within 15 s can have
-# its nanny closed in the gap of the second restart (seen on an H100, distributed 2026.8). A deployment that stops
-# a nanny, or a lost host, looks the same. Waiting for such a worker the whole timeout, then failing the map while
-# other workers are there, would throw away a run that can go on.
+# its nanny closed in the gap of the second restart. A deployment that stops a nanny, or a lost host, looks the
+# same. Waiting for such a worker the whole timeout, then failing the map while other workers are there, would
+# throw away a run that can go on.
 
 
 @dataclass(frozen=True)

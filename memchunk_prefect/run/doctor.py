@@ -409,7 +409,7 @@ def check_energy() -> Check:
     """RAPL (Linux powercap) readable: the CPU package energy counter per task."""
     import glob
 
-    from memchunk_prefect.run.monitor import _RAPL_GLOB
+    from memchunk_prefect.run.gpu_energy import _RAPL_GLOB
 
     zones = sorted(glob.glob(_RAPL_GLOB))
     readable = [z for z in zones if os.access(os.path.join(z, "energy_uj"), os.R_OK)]

@@ -15,6 +15,7 @@ Large arrays never travel through the flow process or the Prefect API.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import inspect
@@ -22,7 +23,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 from distributed import get_worker
@@ -152,11 +153,7 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     host one is. Runs on the worker.
     """
     read_chunk, trim = with_halo(job.chunk, job.halo, job.volume_shape)
-    base: dict[str, Any] = dict(
-        operator_key=job.operator_key, elements=read_chunk.elements, extents=read_chunk.shape,
-        bytes_in=read_chunk.elements * ITEMSIZE, worker=_worker_name(), chunk=job.chunk.key(),
-        budget_bytes=job.budget_bytes, started_at=time.time(), task_run_id=_task_run_id(),
-        host=socket.gethostname(), gpu_budget_bytes=job.gpu_budget_bytes)
+    base = _observation_base(job, read_chunk)
     gpu = GpuUse()
     param = job_param_name(bound, job)
     if job.device == CUDA:
@@ -167,49 +164,15 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
         with default_monitor().track() as run:
             block = job.source.read(read_chunk)
             bound.arguments[param] = block
-            if job.device == CUDA:
-                with backend(CUDA).track() as gpu:
-                    out = np.asarray(fn(*bound.args, **bound.kwargs))
-            else:
+            with _on_device(job) as gpu:
                 out = np.asarray(fn(*bound.args, **bound.kwargs))
-            if out.shape != block.shape:
-                raise VolumeError(
-                    f"operator {job.operator} returned a block of shape {out.shape} for an input block of shape "
-                    f"{block.shape}: chunked operators must return a block of the same shape as their input"
-                )
-            output = ZarrOutput.open(job.output_path)
-            try:
-                # The trimmed view goes to zarr as it is: zarr copies it one storage chunk at a time. A contiguous
-                # copy of the whole region first (where the trim cuts crosslines the view is not contiguous) is
-                # memory set by where the chunk's edges fall, not by the block, and the model cannot learn it:
-                # gaussian_smooth's 157 x 120 x 100 block peaked 23.2 MiB with it, 19.0 without, while a larger
-                # 120 x 192 x 100 iline slab (a contiguous trim) peaked 22.3-22.4 either way
-                # (python -m benchmarks.task_memory).
-                output.write(job.chunk, out[trim].astype(DTYPE, copy=False), mark_done=False)
-            except OSError as exc:
-                raise write_error(job, exc) from exc
+            output = _write_region(job, block, out, trim)
             # Nothing of the chunk outlives the measurement: what the process still holds at its end is what the
             # run left behind (Observation.retained_bytes), not this block.
             bound.arguments[param] = job
             del block, out
     except MemoryError as exc:
-        m = getattr(exc, "memchunk_measurement", None)
-        fields = m.observation_fields() if m is not None else {"peak_bytes": 0, "outcome": "memory_error",
-                                                                "censored": True}
-        fields.update(outcome="memory_error", censored=True, gpu_out_of_memory=is_gpu_out_of_memory(exc))
-        if gpu.peak_bytes is not None:
-            fields["gpu_peak_bytes"] = gpu.peak_bytes
-        obs = Observation(**base, **fields)
-        if is_gpu_out_of_memory(exc):
-            reached = (f"on the GPU after reaching {format_bytes(gpu.peak_bytes)} there" if gpu.peak_bytes
-                       else "on the GPU (peak not measured)")
-        else:
-            reached = f"after reaching {format_bytes(obs.peak_bytes)}" if obs.peak_bytes else "(peak not measured)"
-        budget = (f"GPU budget {format_bytes(job.gpu_budget_bytes)}" if is_gpu_out_of_memory(exc)
-                  and job.gpu_budget_bytes is not None else f"budget {format_bytes(job.budget_bytes)}")
-        raise ChunkMemoryError(
-            f"{job.operator}[{job.label}] ran out of memory {reached} ({budget}): {exc!r}", obs.to_dict(),
-            gpu=is_gpu_out_of_memory(exc)) from exc
+        raise _out_of_memory(job, base, gpu, exc) from exc
     except Exception as exc:
         if not is_gpu_context_error(exc):
             raise
@@ -217,11 +180,79 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
             f"{job.operator}[{job.label}] hit a CUDA error that leaves the GPU context of worker {base['worker']} "
             f"unusable ({exc!r})", worker=base["worker"]) from exc
     assert run.measurement is not None  # set when the track() block exits
-    fields = run.measurement.observation_fields()
+    return _receipt(job, output, _observation(base, run.measurement.observation_fields(), gpu))
+
+
+def _observation_base(job: BlockJob, read_chunk: Chunk) -> dict[str, Any]:
+    """The observation's fields known before the run: the chunk read (halo included, bytes), where, when, budgets."""
+    return dict(
+        operator_key=job.operator_key, elements=read_chunk.elements, extents=read_chunk.shape,
+        bytes_in=read_chunk.elements * ITEMSIZE, worker=_worker_name(), chunk=job.chunk.key(),
+        budget_bytes=job.budget_bytes, started_at=time.time(), task_run_id=_task_run_id(),
+        host=socket.gethostname(), gpu_budget_bytes=job.gpu_budget_bytes)
+
+
+@contextlib.contextmanager
+def _on_device(job: BlockJob) -> Iterator[GpuUse]:
+    """Around the operator's call: its GPU memory measured on a GPU; on the CPU an empty :class:`GpuUse`."""
+    if job.device == CUDA:
+        with backend(CUDA).track() as gpu:
+            yield gpu
+    else:
+        yield GpuUse()
+
+
+def _write_region(job: BlockJob, block: np.ndarray, out: np.ndarray,
+                  trim: tuple[slice, slice, slice]) -> ZarrOutput:
+    """Check the operator's block, then write its trimmed region to the output store (not yet marked done)."""
+    if out.shape != block.shape:
+        raise VolumeError(
+            f"operator {job.operator} returned a block of shape {out.shape} for an input block of shape "
+            f"{block.shape}: chunked operators must return a block of the same shape as their input"
+        )
+    output = ZarrOutput.open(job.output_path)
+    try:
+        # The trimmed view goes to zarr as it is: zarr copies it one storage chunk at a time. A contiguous copy of
+        # the whole region first (where the trim cuts crosslines the view is not contiguous) would be memory set by
+        # where the chunk's edges fall, not by the block, which the model cannot learn
+        # (python -m benchmarks.task_memory measures it).
+        output.write(job.chunk, out[trim].astype(DTYPE, copy=False), mark_done=False)
+    except OSError as exc:
+        raise write_error(job, exc) from exc
+    return output
+
+
+def _observation(base: dict[str, Any], fields: dict[str, Any], gpu: GpuUse) -> Observation:
+    """The run's observation: ``base`` and the measured ``fields``, the device's peak (bytes) where measured."""
     if gpu.peak_bytes is not None:
         fields["gpu_peak_bytes"] = gpu.peak_bytes
-    obs = Observation(**base, **fields)
-    # The marker carries the observation: a flow stopped before collecting this receipt loses no measurement.
+    return Observation(**base, **fields)
+
+
+def _out_of_memory(job: BlockJob, base: dict[str, Any], gpu: GpuUse, exc: MemoryError) -> ChunkMemoryError:
+    """A ChunkMemoryError carrying the censored observation: the peak reached is a lower bound of the need."""
+    m = getattr(exc, "memchunk_measurement", None)
+    fields = m.observation_fields() if m is not None else {"peak_bytes": 0, "outcome": "memory_error",
+                                                            "censored": True}
+    fields.update(outcome="memory_error", censored=True, gpu_out_of_memory=is_gpu_out_of_memory(exc))
+    obs = _observation(base, fields, gpu)
+    if is_gpu_out_of_memory(exc):
+        reached = (f"on the GPU after reaching {format_bytes(gpu.peak_bytes)} there" if gpu.peak_bytes
+                   else "on the GPU (peak not measured)")
+    else:
+        reached = f"after reaching {format_bytes(obs.peak_bytes)}" if obs.peak_bytes else "(peak not measured)"
+    budget = (f"GPU budget {format_bytes(job.gpu_budget_bytes)}" if is_gpu_out_of_memory(exc)
+              and job.gpu_budget_bytes is not None else f"budget {format_bytes(job.budget_bytes)}")
+    return ChunkMemoryError(
+        f"{job.operator}[{job.label}] ran out of memory {reached} ({budget}): {exc!r}", obs.to_dict(),
+        gpu=is_gpu_out_of_memory(exc))
+
+
+def _receipt(job: BlockJob, output: ZarrOutput, obs: Observation) -> Receipt:
+    """Mark the chunk done, its marker carrying the observation, and return the receipt for the flow.
+
+    The marker carries the observation so that a flow stopped before collecting this receipt loses no measurement.
+    """
     try:
         output.mark_done(job.chunk, record=obs.to_dict())
     except OSError as exc:

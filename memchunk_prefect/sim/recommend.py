@@ -7,7 +7,7 @@ more; the objective is core-hours, energy or time. :func:`frontier` is the Paret
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -88,35 +88,8 @@ def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, 
         raise SimulationInputError(f"confidence must be in (0, 1], got {confidence}")
     if not memory_options:
         raise SimulationInputError("give at least one memory size per worker to try")
-    tried: list[Candidate] = []
-
-    # A shape fails once more runs miss the deadline than the confidence allows: its remaining runs are not
-    # simulated, and no run is simulated past the deadline (what the search needs is only whether it is met).
-    allowed_misses = int(math.floor((1.0 - confidence) * int(runs) + 1e-9))
-
-    def trial(workers: int, memory: int, n: int = int(runs)) -> Candidate:
-        cluster = ClusterShape(workers=workers, memory_limit_bytes=memory, threads_per_worker=threads_per_worker,
-                               **cluster_kw)
-        results: list[SimResult] = []
-        for i in range(n):
-            results.append(run_strategy("memchunk", steps, shape, cluster, knowledge_for,
-                                        np.random.default_rng(seed + i), truth_for=truth_for, settings=settings,
-                                        stop_after=deadline_seconds))
-            if sum(not r.completed or r.makespan_seconds > deadline_seconds for r in results) > allowed_misses:
-                break
-        c = Candidate(workers, memory, threads_per_worker, summarize("memchunk", results, deadline_seconds),
-                      screened=n < int(runs))
-        tried.append(c)
-        return c
-
-    def ok(c: Candidate) -> bool:
-        return c.summary.p_deadline is not None and c.summary.p_deadline >= confidence
-
-    def screen(workers: int, memory: int) -> bool:
-        """One run (seed ``seed``) meets the deadline: the search's cheap question."""
-        s = trial(workers, memory, 1).summary
-        return s.completed == 1 and s.p_deadline == 1.0
-
+    search = _Search(steps, shape, knowledge_for, deadline_seconds, threads_per_worker, confidence, int(runs), seed,
+                     truth_for, settings, cluster_kw)
     best: Candidate | None = None
     start = 1  # where the search for the next memory size begins: the previous size's answer
     for memory in sorted(set(int(m) for m in memory_options)):
@@ -124,46 +97,112 @@ def recommend(steps: Sequence[Step], shape: Shape, knowledge_for: KnowledgeFor, 
             ClusterShape(workers=1, memory_limit_bytes=memory, **cluster_kw)
         except SimulationInputError:
             continue  # no room above the resting memory: not a candidate
-        # Bracket the fewest workers whose first run meets the deadline in (lo, hi]: gallop down from the start
-        # while it passes, or up (doubling) while it fails; then bisect.
-        hi: int | None
-        if screen(start, memory):
-            hi, lo = start, start // 2
-            while lo >= 1 and screen(lo, memory):
-                hi, lo = lo, lo // 2
-        else:
-            lo, hi = start, None
-            while hi is None and lo < max_workers:
-                nxt = min(max_workers, lo * 2)
-                if screen(nxt, memory):
-                    hi = nxt
-                else:
-                    lo = nxt
-            if hi is None:
-                continue
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if screen(mid, memory):
-                hi = mid
-            else:
-                lo = mid
-        # Confirm with every run (the asked confidence), a few percent more workers at a time where it falls short.
-        found: Candidate | None = None
-        while True:
-            c = trial(hi, memory)
-            if ok(c):
-                found = c
-                break
-            if hi >= max_workers:
-                break
-            hi = min(max_workers, hi + max(1, hi // 20))
+        hi = search.fewest_screened(start, memory, max_workers)
+        if hi is None:
+            continue
+        found = search.confirm(hi, memory, max_workers)
         if found is None:
             continue
         start = found.workers
         if best is None or _cost(found, objective) < _cost(best, objective):
             best = found
-    return Recommendation(best, tried, float(deadline_seconds), float(confidence), objective,
+    return Recommendation(best, search.tried, float(deadline_seconds), float(confidence), objective,
                           cluster_kw.get("walltime_seconds"))
+
+
+@dataclass
+class _Search:
+    """The simulated trials :func:`recommend` runs, and every candidate they tried (in the order tried)."""
+
+    steps: Sequence[Step]
+    shape: Shape
+    knowledge_for: KnowledgeFor
+    deadline_seconds: float
+    threads_per_worker: int
+    confidence: float
+    runs: int
+    seed: int
+    truth_for: KnowledgeFor | None
+    settings: PolicySettings
+    cluster_kw: dict[str, Any]
+    tried: list[Candidate] = field(default_factory=list)
+
+    @property
+    def allowed_misses(self) -> int:
+        """Runs that may miss the deadline before a shape fails the confidence.
+
+        A shape fails once more runs miss the deadline than the confidence allows: its remaining runs are not
+        simulated, and no run is simulated past the deadline (what the search needs is only whether it is met).
+        """
+        return int(math.floor((1.0 - self.confidence) * self.runs + 1e-9))
+
+    def trial(self, workers: int, memory: int, n: int | None = None) -> Candidate:
+        """Up to ``n`` simulated runs (default ``runs``; seeds ``seed``, ``seed + 1``...) of one cluster shape."""
+        n = self.runs if n is None else n
+        cluster = ClusterShape(workers=workers, memory_limit_bytes=memory, threads_per_worker=self.threads_per_worker,
+                               **self.cluster_kw)
+        allowed_misses = self.allowed_misses
+        results: list[SimResult] = []
+        for i in range(n):
+            results.append(run_strategy("memchunk", self.steps, self.shape, cluster, self.knowledge_for,
+                                        np.random.default_rng(self.seed + i), truth_for=self.truth_for,
+                                        settings=self.settings, stop_after=self.deadline_seconds))
+            if sum(not r.completed or r.makespan_seconds > self.deadline_seconds for r in results) > allowed_misses:
+                break
+        c = Candidate(workers, memory, self.threads_per_worker,
+                      summarize("memchunk", results, self.deadline_seconds), screened=n < self.runs)
+        self.tried.append(c)
+        return c
+
+    def ok(self, c: Candidate) -> bool:
+        """The candidate met the deadline with the asked confidence."""
+        return c.summary.p_deadline is not None and c.summary.p_deadline >= self.confidence
+
+    def screen(self, workers: int, memory: int) -> bool:
+        """One run (seed ``seed``) meets the deadline: the search's cheap question."""
+        s = self.trial(workers, memory, 1).summary
+        return s.completed == 1 and s.p_deadline == 1.0
+
+    def fewest_screened(self, start: int, memory: int, max_workers: int) -> int | None:
+        """The fewest workers (up to ``max_workers``) whose first run meets the deadline; None when none does.
+
+        Brackets the answer in (lo, hi]: gallops down from ``start`` (halving) while it passes, or up (doubling)
+        while it fails; then bisects.
+        """
+        hi: int | None
+        if self.screen(start, memory):
+            hi, lo = start, start // 2
+            while lo >= 1 and self.screen(lo, memory):
+                hi, lo = lo, lo // 2
+        else:
+            lo, hi = start, None
+            while hi is None and lo < max_workers:
+                nxt = min(max_workers, lo * 2)
+                if self.screen(nxt, memory):
+                    hi = nxt
+                else:
+                    lo = nxt
+            if hi is None:
+                return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.screen(mid, memory):
+                hi = mid
+            else:
+                lo = mid
+        return hi
+
+    def confirm(self, workers: int, memory: int, max_workers: int) -> Candidate | None:
+        """The first shape from ``workers`` up that meets the confidence with every run, adding a few percent of
+        workers at a time where it falls short; None when ``max_workers`` does not."""
+        hi = workers
+        while True:
+            c = self.trial(hi, memory)
+            if self.ok(c):
+                return c
+            if hi >= max_workers:
+                return None
+            hi = min(max_workers, hi + max(1, hi // 20))
 
 
 def frontier(rec: Recommendation) -> list[Candidate]:

@@ -61,7 +61,6 @@ from typing import Any, Mapping, Sequence
 from memchunk_prefect.core.chunks import Chunk, with_halo
 from memchunk_prefect.core.energy import (
     ESTIMATE,
-    JOULES_PER_KWH,
     DeviceRun,
     busy_weight,
     is_measured,
@@ -345,6 +344,32 @@ def build_instance(maps: Sequence[MapRun], observations: Sequence[Observation],
     Not validated here: :func:`validate` does that.
     """
     wfc = _wfcommons()
+    _check_instance_inputs(maps, observations, flow_run, author, email)
+    if schema_version is None:
+        schema_version = schema_version_of(load_schema())
+    span = (_epoch(flow_run.get("start_time")), _epoch(flow_run.get("end_time")))
+    attempts, ambiguous = _place_attempts(maps, observations)
+    files = _Files(wfc)
+    ok_by_map = files.outputs(maps, attempts)
+    _link_upstream(maps, attempts, ok_by_map, files)
+    machine_objs = _machines_of(wfc, machines, attempts)
+    wf = _workflow(wfc, maps, attempts, flow_run, span, _instance_description(maps, attempts, flow_run, ambiguous),
+                   author=author, email=email, created_at=created_at)
+    wf.schema_version = schema_version
+    wf.machines = machine_objs  # declared in host order (else in the order tasks first use them)
+    wf.runtime_system_url = None  # WfCommons would name its own documentation
+    if author is None:
+        wf.author_name = None  # WfCommons would make one up (the login name, its support address)
+    by_id = _add_tasks(wfc, wf, maps, attempts, files.files, machine_objs)
+    wf.generate_json()
+    doc: dict[str, Any] = wf.workflow_json
+    _finish_instance(doc, by_id, machines)
+    return doc
+
+
+def _check_instance_inputs(maps: Sequence[MapRun], observations: Sequence[Observation], flow_run: Mapping[str, Any],
+                           author: str | None, email: str | None) -> None:
+    """TraceExportError unless there is something to trace and the author is whole (a name and an email, or neither)."""
     if not maps:
         raise TraceExportError(f"flow run {flow_run.get('id', '?')} has no chunked maps to trace")
     if not observations:
@@ -354,13 +379,11 @@ def build_instance(maps: Sequence[MapRun], observations: Sequence[Observation],
     if (author is None) != (email is None) or author == "" or email == "":
         raise TraceExportError("an author needs both a name and an email (WfFormat requires both): give --author "
                                "and --email together, or neither")
-    if schema_version is None:
-        schema_version = schema_version_of(load_schema())
-    flow_id = str(flow_run.get("id", ""))
-    run_start = _epoch(flow_run.get("start_time"))
-    run_end = _epoch(flow_run.get("end_time"))
 
-    # Place every attempt: its map, chunk, read box (chunk plus halo, clipped to the volume).
+
+def _place_attempts(maps: Sequence[MapRun], observations: Sequence[Observation]) -> tuple[list[_Attempt], int]:
+    """Every attempt placed: its map, chunk, read box (chunk plus halo, clipped to the volume), energy share
+    (joules) and task id, in map order then start time; and how many matched several maps (see :func:`_assign_maps`)."""
     owners, ambiguous = _assign_maps(maps, observations)
     attempts: list[_Attempt] = []
     for o, mi in zip(observations, owners):
@@ -376,48 +399,66 @@ def build_instance(maps: Sequence[MapRun], observations: Sequence[Observation],
     shares = _energy_shares([a.obs for a in attempts])
     for a, j in zip(attempts, shares):
         a.joules = j
-
-    task_ids, file_ids, output_names = _Ids(), _Ids(), _Ids()  # output names: prefixes of chunk file ids
+    task_ids = _Ids()
     for a in attempts:
         base = task_id_base(maps[a.map_index].operator, a.chunk.key())
         a.task_id = task_ids.get(id(a), [base])
+    return attempts, ambiguous
 
-    # Files: the sources no map of the run wrote, and every ok chunk's output region.
-    files: dict[str, Any] = {}
 
-    def file_of(fid: str, size: int) -> Any:
-        if fid not in files:
-            files[fid] = wfc.File(fid, int(max(0, size)), logger=_QUIET)
-        return files[fid]
+class _Files:
+    """The instance's files, by id (WfCommons ``File`` objects, sizes in bytes), and the ids given so far."""
 
-    def volume_bytes(m: MapRun) -> int:
-        return m.shape[0] * m.shape[1] * m.shape[2] * int(m.itemsize)
+    def __init__(self, wfc: Any) -> None:
+        self.wfc = wfc
+        self.files: dict[str, Any] = {}
+        self.ids = _Ids()
+        self.output_names = _Ids()  # prefixes of chunk file ids
 
-    def source_file(m: MapRun) -> str:
-        fid = file_ids.get(("path", m.source), _path_candidates(m.source))
-        file_of(fid, m.source_bytes if m.source_bytes is not None else volume_bytes(m))
+    def file_of(self, fid: str, size: int) -> Any:
+        """The file ``fid``, declared with ``size`` bytes the first time it is named."""
+        if fid not in self.files:
+            self.files[fid] = self.wfc.File(fid, int(max(0, size)), logger=_QUIET)
+        return self.files[fid]
+
+    def source(self, m: MapRun) -> str:
+        """The id of ``m``'s source file (its recorded size, else the volume's bytes)."""
+        fid = self.ids.get(("path", m.source), _path_candidates(m.source))
+        volume_bytes = m.shape[0] * m.shape[1] * m.shape[2] * int(m.itemsize)
+        self.file_of(fid, m.source_bytes if m.source_bytes is not None else volume_bytes)
         return fid
 
-    ok_by_map: dict[int, list[_Attempt]] = {}
-    for a in attempts:
-        m = maps[a.map_index]
-        if a.obs.outcome == "ok":
-            base = output_names.get(m.output_path or ("operator", m.operator, a.map_index),
-                                _path_candidates(m.output_path) if m.output_path else [m.operator])
-            fid = file_ids.get(("chunk", a.map_index, a.chunk.key()), [f"{base}.{a.chunk.key()}"])
-            file_of(fid, a.chunk.elements * int(m.itemsize))
-            a.output = fid
-            ok_by_map.setdefault(a.map_index, []).append(a)
+    def outputs(self, maps: Sequence[MapRun], attempts: Sequence[_Attempt]) -> dict[int, list[_Attempt]]:
+        """Declare every ok attempt's output region (``<output>.<chunk key>``) as its output file; the ok
+        attempts by map index."""
+        ok_by_map: dict[int, list[_Attempt]] = {}
+        for a in attempts:
+            m = maps[a.map_index]
+            if a.obs.outcome == "ok":
+                base = self.output_names.get(m.output_path or ("operator", m.operator, a.map_index),
+                                             _path_candidates(m.output_path) if m.output_path else [m.operator])
+                fid = self.ids.get(("chunk", a.map_index, a.chunk.key()), [f"{base}.{a.chunk.key()}"])
+                self.file_of(fid, a.chunk.elements * int(m.itemsize))
+                a.output = fid
+                ok_by_map.setdefault(a.map_index, []).append(a)
+        return ok_by_map
 
-    # Upstream: the map that wrote this map's source, the last to end before this one (maps are in the order
-    # they ended; one that ended later cannot have fed this one).
+
+def _link_upstream(maps: Sequence[MapRun], attempts: Sequence[_Attempt], ok_by_map: Mapping[int, list[_Attempt]],
+                   files: _Files) -> None:
+    """Each attempt's input files and parents: the upstream map's output chunks its read box overlaps, else
+    (and for what no upstream chunk covers) its source file.
+
+    The upstream map of a map is the one that wrote its source, the last to end before it (maps are in the
+    order they ended; one that ended later cannot have fed this one).
+    """
     for mi, m in enumerate(maps):
         mine = [a for a in attempts if a.map_index == mi]
         if not m.source:
             continue  # an array in memory: nothing read from a file
         ui = next((ui for ui in range(mi - 1, -1, -1) if maps[ui].output_path == m.source), None)
         if ui is None:  # a file no map of the run wrote first (a SEG-Y survey, an output of an earlier run)
-            fid = source_file(m)
+            fid = files.source(m)
             for a in mine:
                 a.inputs.append(fid)
             continue
@@ -427,21 +468,29 @@ def build_instance(maps: Sequence[MapRun], observations: Sequence[Observation],
         for a in mine:
             lo = bisect.bisect_left(starts, a.read.start[0] - longest + 1)
             hi = bisect.bisect_left(starts, a.read.stop[0])
-            covered, seen = 0, set()
-            for p in producers[lo:hi]:
-                box = p.chunk.intersect(a.read)
-                if box is None:
-                    continue
-                a.parents.append(p)
-                if p.output not in seen:
-                    seen.add(p.output)
-                    a.inputs.append(p.output)  # type: ignore[arg-type]
-                    covered += box.elements
-            if covered < a.read.elements:
+            if _link_producers(a, producers[lo:hi]) < a.read.elements:
                 # Part of the read box was written by an earlier flow run (a resumed output): the store itself.
-                a.inputs.append(source_file(m))
+                a.inputs.append(files.source(m))
 
-    # Machines: the hosts tasks ran on, described as the store has them.
+
+def _link_producers(a: _Attempt, producers: Sequence[_Attempt]) -> int:
+    """Make each producer whose output chunk overlaps ``a``'s read box a parent, its output an input; returns
+    the elements of the read box they cover (each output counted once)."""
+    covered, seen = 0, set()
+    for p in producers:
+        box = p.chunk.intersect(a.read)
+        if box is None:
+            continue
+        a.parents.append(p)
+        if p.output not in seen:
+            seen.add(p.output)
+            a.inputs.append(p.output)  # type: ignore[arg-type]
+            covered += box.elements
+    return covered
+
+
+def _machines_of(wfc: Any, machines: Mapping[str, Mapping[str, Any]], attempts: Sequence[_Attempt]) -> dict[str, Any]:
+    """WfCommons ``Machine`` objects of the hosts tasks ran on, in host order, described as the store has them."""
     machine_objs: dict[str, Any] = {}
     for host in sorted({a.obs.host for a in attempts if a.obs.host}):
         info = dict(machines.get(host, {}) or {})
@@ -453,15 +502,17 @@ def build_instance(maps: Sequence[MapRun], observations: Sequence[Observation],
                                          architecture=info.get("architecture") or None,
                                          memory=info.get("memoryInBytes") or None,
                                          release=info.get("release") or None, logger=_QUIET)
+    return machine_objs
 
-    first = min(a.start for a in attempts)
-    last = max(max(a.start + float(a.obs.seconds or 0.0), float(a.obs.created_at)) for a in attempts)
-    start = run_start if run_start is not None else min(first, min(m.started_at for m in maps))
-    end = run_end if run_end is not None else max(last, max(m.ended_at for m in maps))
+
+def _instance_description(maps: Sequence[MapRun], attempts: Sequence[_Attempt], flow_run: Mapping[str, Any],
+                          ambiguous: int) -> str:
+    """The instance's description: what the tasks, files, parents, memory and energy figures are."""
+    flow_id = str(flow_run.get("id", ""))
     flow_name, run_name = str(flow_run.get("flow_name") or "flow"), str(flow_run.get("name") or flow_id)
     operators = ", ".join(dict.fromkeys(m.operator for m in maps))
     state = f", {flow_run['state']}" if flow_run.get("state") else ""
-    description = (
+    return (
         f"Chunk task runs of Prefect flow run {flow_id} (flow {flow_name}, run {run_name}{state}), chunked by "
         f"memchunk-prefect: one task per chunk task-run attempt of its {len(maps)} chunked map(s) ({operators}), "
         "failed attempts included (outcome on each task; they have no children and no output files). Files are the "
@@ -472,17 +523,30 @@ def build_instance(maps: Sequence[MapRun], observations: Sequence[Observation],
         + (f" {ambiguous} task run(s) matched more than one map of the same operator key and were given to the "
            "first." if ambiguous else ""))
 
-    wf = wfc.Workflow(name=f"{flow_name}/{run_name}", description=description, runtime_system_name=RUNTIME_SYSTEM,
-                      runtime_system_version=_version(), executed_at=rfc3339(start),
-                      makespan=max(0.0, end - start), author_name=author, author_email=email,
-                      created_at=rfc3339(created_at if created_at is not None else datetime.now(timezone.utc)
-                                         .timestamp()), logger=_QUIET)
-    wf.schema_version = schema_version
-    wf.machines = machine_objs  # declared in host order (else in the order tasks first use them)
-    wf.runtime_system_url = None  # WfCommons would name its own documentation
-    if author is None:
-        wf.author_name = None  # WfCommons would make one up (the login name, its support address)
 
+def _workflow(wfc: Any, maps: Sequence[MapRun], attempts: Sequence[_Attempt], flow_run: Mapping[str, Any],
+              span: tuple[float | None, float | None], description: str, *, author: str | None, email: str | None,
+              created_at: float | None) -> Any:
+    """The WfCommons ``Workflow``: named ``<flow>/<run>``, executed from the flow run's start (else the first
+    attempt's or map's) for a makespan to its end (else the last attempt's or map's), seconds."""
+    run_start, run_end = span
+    first = min(a.start for a in attempts)
+    last = max(max(a.start + float(a.obs.seconds or 0.0), float(a.obs.created_at)) for a in attempts)
+    start = run_start if run_start is not None else min(first, min(m.started_at for m in maps))
+    end = run_end if run_end is not None else max(last, max(m.ended_at for m in maps))
+    flow_id = str(flow_run.get("id", ""))
+    flow_name, run_name = str(flow_run.get("flow_name") or "flow"), str(flow_run.get("name") or flow_id)
+    return wfc.Workflow(name=f"{flow_name}/{run_name}", description=description, runtime_system_name=RUNTIME_SYSTEM,
+                        runtime_system_version=_version(), executed_at=rfc3339(start),
+                        makespan=max(0.0, end - start), author_name=author, author_email=email,
+                        created_at=rfc3339(created_at if created_at is not None else datetime.now(timezone.utc)
+                                           .timestamp()), logger=_QUIET)
+
+
+def _add_tasks(wfc: Any, wf: Any, maps: Sequence[MapRun], attempts: Sequence[_Attempt], files: Mapping[str, Any],
+               machine_objs: Mapping[str, Any]) -> dict[str, _Attempt]:
+    """One WfCommons ``Task`` per attempt (seconds, bytes, kWh, watts, percent of one core), then the
+    dependencies on its parents; returns the attempts by task id."""
     by_id: dict[str, _Attempt] = {}
     for a in attempts:
         o, m = a.obs, maps[a.map_index]
@@ -503,10 +567,13 @@ def build_instance(maps: Sequence[MapRun], observations: Sequence[Observation],
     for a in attempts:
         for parent in dict.fromkeys(p.task_id for p in a.parents):
             wf.add_dependency(parent, a.task_id)
-    wf.generate_json()
-    doc: dict[str, Any] = wf.workflow_json
+    return by_id
 
-    # Post-process: stable order of edges, extension fields, the CPU model the Machine class drops.
+
+def _finish_instance(doc: dict[str, Any], by_id: Mapping[str, _Attempt],
+                     machines: Mapping[str, Mapping[str, Any]]) -> None:
+    """WfCommons' JSON made final, in place: edges in a stable order, the extension fields
+    (:data:`EXTENSION_FIELDS`) on each execution task, the CPU model the ``Machine`` class drops."""
     for t in doc["workflow"]["specification"]["tasks"]:
         t["parents"] = sorted(t.get("parents", []))
         t["children"] = sorted(t.get("children", []))
@@ -523,7 +590,6 @@ def build_instance(maps: Sequence[MapRun], observations: Sequence[Observation],
         model = ((machines.get(mdoc.get("nodeName", ""), {}) or {}).get("cpu") or {}).get("model")
         if model:
             mdoc.setdefault("cpu", {})["model"] = str(model)
-    return doc
 
 
 def _version() -> str:
@@ -704,7 +770,7 @@ def write_instance(doc: Mapping[str, Any], output: str | os.PathLike,
 def simulated_instance(result: Any, steps: Sequence[Any], shape: Sequence[int], cluster: Any, *,
                        started_at: float | None = None) -> dict[str, Any]:
     """The WfFormat instance of one simulated run (:func:`memchunk_prefect.sim.runs.trace_records`), built
-    as a real run's is, so the two compare task by task (:func:`compare`)."""
+    as a real run's is, so the two compare task by task (:func:`memchunk_prefect.sim.trace_compare.compare`)."""
     import time as _time
 
     from memchunk_prefect.sim.runs import trace_records
@@ -728,64 +794,3 @@ def summary(doc: Mapping[str, Any]) -> dict[str, Any]:
             "energy_kwh": sum(float(t.get("energyInKWh", 0.0)) for t in tasks),
             "energy_sources": sorted({str(t["energySource"]) for t in tasks if t.get("energySource")}),
             "schema_version": doc.get("schemaVersion")}
-
-
-# --------------------------------------------------------------------------- comparing two traces
-
-
-def _when(value: Any) -> float | None:
-    try:
-        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
-    except (TypeError, ValueError):
-        return None
-
-
-def per_category(doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per task category (the operator) of a WfFormat instance: tasks, failed attempts, summed and mean
-    runtime (seconds), span (first start to last end, seconds), energy (joules) and its sources."""
-    spec = {t["id"]: t for t in doc["workflow"]["specification"]["tasks"]}
-    out: dict[str, dict[str, Any]] = {}
-    for t in doc["workflow"].get("execution", {}).get("tasks", []):
-        s = spec.get(t["id"], {})
-        cat = str(t.get("category") or s.get("category") or s.get("name") or "?")
-        c = out.setdefault(cat, {"tasks": 0, "failed": 0, "runtime_seconds": 0.0, "energy_joules": 0.0,
-                                 "energy_sources": set(), "first": None, "last": None})
-        runtime = float(t.get("runtimeInSeconds", 0.0))
-        c["tasks"] += 1
-        c["failed"] += t.get("outcome", "ok") != "ok"
-        c["runtime_seconds"] += runtime
-        c["energy_joules"] += float(t.get("energyInKWh", 0.0)) * JOULES_PER_KWH
-        if t.get("energySource"):
-            c["energy_sources"].add(str(t["energySource"]))
-        start = _when(t.get("executedAt"))
-        if start is not None:
-            c["first"] = start if c["first"] is None else min(c["first"], start)
-            c["last"] = start + runtime if c["last"] is None else max(c["last"], start + runtime)
-    for c in out.values():
-        c["mean_runtime_seconds"] = c["runtime_seconds"] / c["tasks"] if c["tasks"] else 0.0
-        c["span_seconds"] = None if c["first"] is None else c["last"] - c["first"]
-        c["energy_sources"] = sorted(c.pop("energy_sources"))
-        del c["first"], c["last"]
-    return out
-
-
-def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
-    """Two traces of the same work side by side (e.g. a real run and its simulation), per operator and
-    whole: each figure of :func:`per_category` for both, and ``b``'s relative difference from ``a``
-    (``(b - a) / a``; None where ``a`` is 0 or unknown). Makespan is each instance's ``makespanInSeconds``."""
-    ca, cb = per_category(a), per_category(b)
-
-    def rel(x: Any, y: Any) -> float | None:
-        return None if x in (None, 0) or y is None else (float(y) - float(x)) / float(x)
-
-    rows = []
-    for cat in sorted(set(ca) | set(cb)):
-        x, y = ca.get(cat, {}), cb.get(cat, {})
-        row: dict[str, Any] = {"category": cat}
-        for f in ("tasks", "failed", "runtime_seconds", "mean_runtime_seconds", "span_seconds", "energy_joules"):
-            row[f] = (x.get(f), y.get(f), rel(x.get(f), y.get(f)))
-        row["energy_sources"] = (x.get("energy_sources", []), y.get("energy_sources", []))
-        rows.append(row)
-    ma = a["workflow"].get("execution", {}).get("makespanInSeconds")
-    mb = b["workflow"].get("execution", {}).get("makespanInSeconds")
-    return {"a": a.get("name"), "b": b.get("name"), "makespan_seconds": (ma, mb, rel(ma, mb)), "operators": rows}

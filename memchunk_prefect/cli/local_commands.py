@@ -1,0 +1,75 @@
+"""The ``memchunk`` subcommands on this machine: ``demo`` (the demo flow), ``ui`` (Prefect's server), ``doctor``.
+
+Each runs or checks something locally: the demo pipeline on a synthetic survey
+(:mod:`memchunk_prefect.cli.demo`), the Prefect server and UI, and what the runner relies on
+(:mod:`memchunk_prefect.run.doctor`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from memchunk_prefect.cli.registry import EXIT_FAILURE, EXIT_OK, arguments, emit, register
+
+# --------------------------------------------------------------------------- demo and ui
+
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    from memchunk_prefect.cli.demo import add_arguments
+
+    add_arguments(p)
+
+
+@register("demo", "run the demo flow (envelope -> gaussian_smooth -> gst3d_dip) on a synthetic survey, locally")
+@arguments(_demo_arguments)
+def _demo(args: argparse.Namespace) -> int:
+    from memchunk_prefect.cli.demo import run
+
+    return run(args)
+
+
+def _ui_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, default=4200, help="port of the Prefect server (default 4200)")
+
+
+@register("ui", "start the Prefect server and UI on 127.0.0.1 (prefect server start); Ctrl-C stops it")
+@arguments(_ui_arguments)
+def _ui(args: argparse.Namespace) -> int:
+    import subprocess
+
+    url = f"http://127.0.0.1:{args.port}"
+    emit(f"Prefect UI at {url}; to send flow runs to it: export PREFECT_API_URL={url}/api")
+    # `python -m prefect`: this interpreter's Prefect, wherever its console scripts were installed.
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+           "--port", str(args.port)]
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+def _doctor_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", help="a Dask scheduler to check (default: what the runner would start locally)")
+    p.add_argument("--output-dir", help="where chunked outputs go (default: $MEMCHUNK_OUTPUT_DIR or a temporary dir)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+@register("doctor", "check what the runner relies on (versions, Prefect API, store, cluster, GPU, energy counters)")
+@arguments(_doctor_arguments)
+def _doctor(args: argparse.Namespace) -> int:
+    from memchunk_prefect.run.doctor import FAIL, run_checks
+
+    checks = run_checks(address=args.address, store=args.store, output_dir=args.output_dir)
+    failed = [c for c in checks if c.status == FAIL]
+    if args.json:
+        emit(json.dumps({"ok": not failed, "checks": [c.to_dict() for c in checks]}, indent=1))
+    else:
+        emit("\n".join(c.line() for c in checks))
+        emit(f"{len(failed)} problem(s) stop a run" if failed else "nothing stops a run")
+    return EXIT_FAILURE if failed else EXIT_OK
+
