@@ -21,7 +21,8 @@ from memchunk_prefect.run.chunked import chunked
 from memchunk_prefect.run.runner import MemoryAwareRunner
 
 
-@flow(name="attribute-pipeline", task_runner=MemoryAwareRunner(), log_prints=True)
+# Prefect types a flow's task runner as TaskRunner[PrefectFuture]; prefect-dask's is TaskRunner[PrefectDaskFuture].
+@flow(name="attribute-pipeline", task_runner=MemoryAwareRunner(), log_prints=True)  # type: ignore[arg-type]
 def attribute_pipeline(segy_path: str, steps: list[dict[str, Any]] | None = None,
                        output_dir: str | None = None) -> list[dict[str, Any]]:
     """Run ``steps`` in a chain over ``segy_path``; return each step's summary (decisions, events, output).

@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +65,7 @@ def cached_scan(path: str | os.PathLike, iline: int = INLINE_BYTE, xline: int = 
 def _save(file: Path, g: SegyGeometry) -> None:
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        arrays = {"ilines": g.ilines, "xlines": g.xlines, "samples_ms": g.samples_ms,
+        arrays: dict[str, Any] = {"ilines": g.ilines, "xlines": g.xlines, "samples_ms": g.samples_ms,
                   "meta": np.array([g.iline_byte, g.xline_byte, g.format_code, g.tracecount], dtype=np.int64),
                   "text": np.array([g.endian, g.sorting])}
         if g.trace_map is not None:

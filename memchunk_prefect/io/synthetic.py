@@ -168,9 +168,6 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
     spec.offsets = [1]
     spec.sorting = segyio.TraceSortingFormat.INLINE_SORTING if sorting == "iline" else \
         segyio.TraceSortingFormat.CROSSLINE_SORTING
-    az = np.deg2rad(azimuth_deg)
-    j = np.arange(nx)
-    TF = segyio.TraceField
     with atomic_path(path) as tmp:
         with segyio.create(str(tmp), spec) as f:
             f.text[0] = segyio.tools.create_text_header({
@@ -184,18 +181,11 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
             f.bin.update({segyio.BinField.Interval: dt_us, segyio.BinField.Samples: nt,
                           segyio.BinField.Format: sample_format, segyio.BinField.SortingCode: int(spec.sorting),
                           segyio.BinField.MeasurementSystem: 1})
+            grid = _Grid(s, sorting, first_iline, first_xline, il_step, xl_step, dt_us, origin_xy, bin_size_m,
+                         np.deg2rad(azimuth_deg))
             for i in range(ni):
                 data = _synthetic_inline(model, i, s, seed, sample_interval_ms, peak_hz)
-                x = origin_xy[0] + i * bin_size_m[0] * np.cos(az) - j * bin_size_m[1] * np.sin(az)
-                y = origin_xy[1] + i * bin_size_m[0] * np.sin(az) + j * bin_size_m[1] * np.cos(az)
-                tr = (i * nx + j) if sorting == "iline" else (j * ni + i)
-                headers = [{
-                    TF.TRACE_SEQUENCE_FILE: int(t) + 1, TF.CDP: int(t) + 1,
-                    TF.INLINE_3D: first_iline + il_step * i, TF.CROSSLINE_3D: first_xline + xl_step * int(jj),
-                    TF.CDP_X: int(round(x[jj] * 100)), TF.CDP_Y: int(round(y[jj] * 100)),
-                    TF.SourceGroupScalar: -100, TF.offset: 1,
-                    TF.TRACE_SAMPLE_COUNT: nt, TF.TRACE_SAMPLE_INTERVAL: dt_us,
-                } for jj, t in enumerate(tr.tolist())]
+                tr, headers = grid.inline_headers(i)
                 if sorting == "iline":
                     a = i * nx
                     f.header[a:a + nx] = headers
@@ -205,3 +195,38 @@ def synthetic_survey(path: str | os.PathLike, shape: Sequence[int], seed: int = 
                         f.header[t] = headers[jj]
                         f.trace[t] = data[jj]
     return path
+
+
+@dataclass(frozen=True)
+class _Grid:
+    """Where each trace of a synthetic survey goes in the file, and its trace header fields."""
+
+    shape: tuple[int, int, int]
+    sorting: str
+    first_iline: int
+    first_xline: int
+    il_step: int
+    xl_step: int
+    dt_us: int
+    origin_xy: tuple[float, float]
+    bin_size_m: tuple[float, float]
+    azimuth: float  # radians
+
+    def inline_headers(self, i: int) -> tuple[np.ndarray, list[dict]]:
+        """Inline ``i``'s trace indices in the file and their headers (line numbers, CDP X/Y in centimetres)."""
+        segyio = _segyio()
+        ni, nx, nt = self.shape
+        j = np.arange(nx)
+        az, (bi, bx) = self.azimuth, self.bin_size_m
+        x = self.origin_xy[0] + i * bi * np.cos(az) - j * bx * np.sin(az)
+        y = self.origin_xy[1] + i * bi * np.sin(az) + j * bx * np.cos(az)
+        tr = (i * nx + j) if self.sorting == "iline" else (j * ni + i)
+        TF = segyio.TraceField
+        headers = [{
+            TF.TRACE_SEQUENCE_FILE: int(t) + 1, TF.CDP: int(t) + 1,
+            TF.INLINE_3D: self.first_iline + self.il_step * i, TF.CROSSLINE_3D: self.first_xline + self.xl_step * jj,
+            TF.CDP_X: int(round(x[jj] * 100)), TF.CDP_Y: int(round(y[jj] * 100)),
+            TF.SourceGroupScalar: -100, TF.offset: 1,
+            TF.TRACE_SAMPLE_COUNT: nt, TF.TRACE_SAMPLE_INTERVAL: self.dt_us,
+        } for jj, t in enumerate(tr.tolist())]
+        return tr, headers

@@ -20,6 +20,8 @@ or ``"auto"``; see :mod:`memchunk_prefect.operators.device`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from prefect.cache_policies import NO_CACHE
 
@@ -29,7 +31,7 @@ from memchunk_prefect.operators.spec import operator
 
 #: Blocks are large arrays: hashing them for Prefect's input cache would cost time and memory
 #: for no benefit (the runner writes results by region and never re-uses a cached block).
-TASK_OPTIONS = {"cache_policy": NO_CACHE}
+TASK_OPTIONS: dict[str, Any] = {"cache_policy": NO_CACHE}
 
 _PI32 = np.float32(np.pi)
 

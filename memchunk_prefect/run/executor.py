@@ -534,8 +534,8 @@ class ChunkedMap:
         params = dict(self.static)
         params[self.param] = job
         fut = self.ctx.submit(self.wrapped, params,
-                                    wait_for=self.wait_for,  # type: ignore[arg-type]  # any PrefectFuture works
-                                    dependencies=self.dependencies(ins.chunk))
+                              wait_for=self.wait_for,
+                              dependencies=self.dependencies(ins.chunk))
         self.futures.append(fut)
         self.by_id[ins.id] = fut
         self.ids[fut.wrapped_future.key] = ins.id

@@ -132,7 +132,7 @@ def _chosen_in_profile(path: tuple[str, ...]) -> bool:
 
 def _field_default(model: Any, name: str) -> Any:
     field = type(model).model_fields[name]
-    return field.default_factory() if field.default_factory is not None else field.default  # type: ignore[call-arg]
+    return field.default_factory() if field.default_factory is not None else field.default
 
 
 def startup_timeout_seconds() -> float:
