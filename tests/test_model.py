@@ -764,7 +764,7 @@ def test_a_form_fit_from_running_sums_and_a_press_window_equals_the_fit_over_eve
     """The residual sum of squares comes from running sums (O(1) per refit); PRESS from the latest window."""
     import numpy as np
 
-    from memchunk_prefect.learn import model as m
+    from memchunk_prefect.learn import forms as m
 
     rng = np.random.default_rng(4)
     us = rng.uniform(0.01, 4.0, 60)

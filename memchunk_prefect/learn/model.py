@@ -123,14 +123,12 @@ Units: bytes (``*_bytes``), elements (counts), MiB / Mi-elements inside only.
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-import numpy as np
-from river import linear_model, metrics, stats, utils
+from river import metrics, stats, utils
 
 from memchunk_prefect.core.bandit import ArmChoice
 from memchunk_prefect.core.chunks import Shape
@@ -145,272 +143,35 @@ from memchunk_prefect.core.records import (
 )
 from memchunk_prefect.core.settings import ITEMSIZE, PolicySettings
 from memchunk_prefect.learn.bandit import ArmLearner
+from memchunk_prefect.learn.forms import (
+    _POWERS,
+    CURVED,
+    LINEAR,
+    METRIC_WINDOW,
+    MIB,
+    MIN_NOISE,
+    MIN_SIZE_RATIO,
+    PRIOR_NOISE,
+    PRIOR_VARIANCE,
+    QUADRATIC,
+    RATE_HISTORY,
+    SUPERLINEAR_GAIN,
+    _Fit,
+    _Form,
+    _loo_weight,
+    _rate_ratio,
+    _rolling_count,
+    _t_quantile,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from memchunk_prefect.learn.store import Store
 
-MIB = 2**20
-"""Scale of features (elements per Mi-element) and targets (bytes per MiB) inside the model."""
-RATE_HISTORY = 256
-"""Latest ``ok`` runs whose seconds per element a model keeps (more than any ``time_window`` needs)."""
 TOUCH_POOL_BYTES = 256 * MIB
 """Bytes an operator's own runs must have grown their workers by, in all, before the cost of growing one is
 taken from them alone (:meth:`ModelBank.touch_seconds_per_byte`): a cold start's probes grow a few tens of MiB,
 whose kernel time is mostly what any run pays (:meth:`OperatorModel.touch_seconds_per_byte`); half a large
 chunk's growth (trace_correlation's 545 MiB blocks grew their workers ~500 MiB) is the operator's own."""
-PRESS_WINDOW = 1000
-"""Latest rows over which a form's leave-one-out error (PRESS, which picks the form) is computed: all of them
-up to this many; beyond, a window keeps each refit O(1) in the rows learned (replaying 8,000 rows took 20 s
-when every refit went over all of them)."""
-
-LINEAR = "linear"
-SUPERLINEAR = "superlinear"
-QUADRATIC = "quadratic"
-REFIT_GROWTH = 1.25
-"""A form is refitted in new units when a block this many times its unit (the largest block learned) arrives."""
-_POWERS = {LINEAR: (0.0, 1.0), SUPERLINEAR: (0.0, 1.0, 1.5), QUADRATIC: (0.0, 1.0, 2.0)}
-CURVED = (SUPERLINEAR, QUADRATIC)
-MIN_WEIGHT_RATIO = 0.01
-"""Blocks under this fraction of the largest learned all count as one of this size in the fit (``_Form.weight``):
-the noise a bound reads for a tiny block stays within ``MIN_WEIGHT_RATIO ** -size_weight`` (10x at 0.5) of the
-largest's."""
-_FEATURE_NAMES = {0.0: "const", 1.0: "u", 1.5: "u^1.5", 2.0: "u^2"}
-
-
-@dataclass
-class _Fit:
-    """The posterior of one form read back from River, plus the learned noise scale."""
-
-    coef: np.ndarray  # (p,) MiB per feature unit
-    cov: np.ndarray  # (p, p) posterior covariance in the scaled (relative) space, beta = 1
-    s: float  # relative noise scale
-    dof: float  # Student-t degrees of freedom of the bound
-    press: float  # mean squared leave-one-out relative residual
-    n: int
-
-
-class _Form:
-    """One candidate form (linear or curved) fitted by a River BayesianLinearRegression.
-
-    Fitted in units of the largest block learned (``u_ref`` Mi-elements, and ``y_ref``
-    MiB or seconds: that row's scale), so every coefficient is of order one whatever
-    the operator and the prior means the same for a light operator and a heavy one.
-    In MiB per Mi-element it did not: three clean probes of an operator needing
-    3.8 KiB per element on blocks of ~10,000 elements carry a data precision of
-    ~2e-7 for the slope, below a 1e6-variance prior's 1e-6, and the posterior
-    shrank the slope to 113 bytes per element with a 30 MiB fixed part (the cold
-    many-chunks run failed on it). When a block more than twice ``u_ref`` arrives
-    the form is refitted from its rows in the new units (so O(log size range)
-    refits over a key's life).
-
-    The prior: weak (variance ``prior_variance``) on the fixed and per-element
-    coefficients; on a curved form's curvature, a normal of standard deviation
-    ``curvature_sd`` in these units, i.e. in multiples of the peak at the largest
-    block measured (2.5: the default scale of a weakly informative prior on a
-    standardized coefficient, Gelman, Jakulin, Pittau and Su, Ann. Appl. Stat.
-    2008). The data decide wherever they can; the prior keeps a curvature the
-    noise hides from swinging the bound of a block 4x larger than any seen by
-    an order of magnitude. (The old prior, variance 1e6 in MiB per Mi-element
-    to the power, was strong for blocks of ~0.1 Mi-elements and absent for
-    blocks of 10: its strength depended on the unit.)
-
-    The regressor's noise precision is fixed at ``beta = 1`` (targets are
-    relative, each row divided by its own scale), so its posterior mean is the
-    ridge solution ``(X'X + alpha D)^-1 X'y`` and every prior variance acts as a
-    multiple of the noise variance (the conjugate normal-inverse-gamma prior):
-    a curvature prior of sd ``c`` behaves as ``c x sigma`` peaks when the
-    measured relative noise is ``sigma``. :class:`OperatorModel` therefore passes
-    ``curvature_sd / min_noise``, the prior's width at the least noise the fit
-    admits. Stated as 2.5 directly it was 2.5 x 0.028 = 0.07 peaks for
-    trace_correlation's clean cold runs (noise 2.8%, repeats within 0.05%): the
-    fitted quadratic read a curvature of 0.003 where the data held ~1, a line in
-    all but name, and the bound at 1.11x the largest block came in 4% under the
-    peak measured there.
-    """
-
-    def __init__(self, name: str, prior_variance: float, curvature_sd: float, size_weight: float = 0.0,
-                 *, nonnegative_constant: bool = False):
-        self.name = name
-        self.size_weight = float(size_weight)
-        self.nonnegative_constant = bool(nonnegative_constant)
-        self.powers = _POWERS[name]
-        self.names = [_FEATURE_NAMES[p] for p in self.powers]
-        self.prior_variance = float(prior_variance)
-        # River's prior is one variance for every coefficient; the curvature's own variance (curvature_sd^2)
-        # comes from scaling its feature: a coefficient of a feature multiplied by k has k^2 times the variance.
-        self._feature_scale = np.array([1.0 if k <= 1.0 else curvature_sd / math.sqrt(self.prior_variance)
-                                        for k in self.powers])
-        self._rows: list[tuple[float, float, float]] = []  # (u, target, scale) of every row, to refit in new units
-        self.u_ref = 0.0
-        self.y_ref = 0.0
-        self.max_per_u = 0.0  # the largest target / u seen (MiB or seconds per Mi-element), for a not-ready guess
-        self._reset()
-
-    def _reset(self) -> None:
-        # River's alpha is the prior *precision* (Bishop's notation): 1 / prior variance.
-        self.regressor = linear_model.BayesianLinearRegression(alpha=1.0 / self.prior_variance, beta=1.0)
-        self.n = 0  # rows learned
-        # Sums over every row (scaled features x, scaled targets y): the residual sum of squares of any
-        # coefficients follows from them in O(p^2), so a fit costs the same after 50,000 rows as after 5.
-        self._xtx = np.zeros((self.p, self.p))
-        self._xty = np.zeros(self.p)
-        self._yty = 0.0
-        # The latest PRESS_WINDOW rows (a ring), for leave-one-out residuals, which need each row's leverage.
-        self._x = np.zeros((PRESS_WINDOW, self.p))
-        self._y = np.zeros(PRESS_WINDOW)
-        self._fit: _Fit | None = None
-
-    @property
-    def p(self) -> int:
-        return len(self.powers)
-
-    def raw(self, u: float) -> np.ndarray:
-        """The form's features of a block of ``u`` Mi-elements, in the form's units."""
-        v = u / self.u_ref if self.u_ref > 0 else u
-        return np.array([v**k for k in self.powers]) * self._feature_scale
-
-    def design(self, u: float, scale: float) -> np.ndarray:
-        """The row a block of ``u`` Mi-elements with target scale ``scale`` (MiB or seconds) makes in the fit."""
-        return self.raw(u) * (self.y_ref / scale)
-
-    def weight(self, u: float) -> float:
-        """How much a block of ``u`` Mi-elements counts in the fit, relative to the largest: ``min(1, u / u_ref)
-        ** size_weight`` (1 with ``size_weight`` 0). Its noise scale is the row's scale over this weight."""
-        if self.size_weight <= 0.0 or self.u_ref <= 0.0 or u >= self.u_ref:
-            return 1.0
-        return max(u / self.u_ref, MIN_WEIGHT_RATIO) ** self.size_weight
-
-    def learn(self, u: float, y: float, scale: float) -> None:
-        self._rows.append((u, y, scale))
-        if u > 0:
-            self.max_per_u = max(self.max_per_u, y / u)
-        if self.n == 0 or u > REFIT_GROWTH * self.u_ref:
-            self.u_ref = u if u > 0 else 1.0
-            self.y_ref = scale if scale > 0 else 1.0
-            self._reset()
-            for row in self._rows:
-                self._learn_row(*row)
-        else:
-            self._learn_row(u, y, scale)
-
-    def _learn_row(self, u: float, y: float, scale: float) -> None:
-        scale = scale / self.weight(u)
-        x = self.design(u, scale)
-        y = y / scale
-        self.regressor.learn_one(dict(zip(self.names, x)), y)
-        self._xtx += np.outer(x, x)
-        self._xty += x * y
-        self._yty += y * y
-        self._x[self.n % PRESS_WINDOW] = x
-        self._y[self.n % PRESS_WINDOW] = y
-        self.n += 1
-        self._fit = None
-
-    def mean(self, u: float, fit: "_Fit") -> float:
-        """The fitted target (MiB or seconds) of a block of ``u`` Mi-elements."""
-        return float(self.raw(u) @ fit.coef) * self.y_ref
-
-    def coefficients(self, fit: "_Fit") -> np.ndarray:
-        """The fitted coefficients in MiB (or seconds) per Mi-element to each power (``powers``)."""
-        u_ref = self.u_ref if self.u_ref > 0 else 1.0
-        return np.array([c * f * self.y_ref / u_ref**k for c, f, k in zip(fit.coef, self._feature_scale, self.powers)])
-
-    def fit(self, prior_s: float, prior_dof: float, min_s: float) -> _Fit:
-        """Read coefficients and covariance back from River through ``predict_one``, then residuals."""
-        if self._fit is not None:
-            return self._fit
-        p = self.p
-        basis = [dict.fromkeys(self.names, 0.0) for _ in range(p)]
-        for j in range(p):
-            basis[j][self.names[j]] = 1.0
-        coef = np.array([self.regressor.predict_one(e) for e in basis])
-        var = np.empty((p, p))
-        for j in range(p):
-            var[j, j] = self.regressor.predict_one(basis[j], with_dist=True).sigma ** 2 - 1.0
-        for j in range(p):
-            for k in range(j + 1, p):
-                e = {self.names[j]: 1.0, self.names[k]: 1.0}
-                v = self.regressor.predict_one(e, with_dist=True).sigma ** 2 - 1.0
-                var[j, k] = var[k, j] = (v - var[j, j] - var[k, k]) / 2.0
-        # Coefficients no operator has are held at 0 (the least-squares optimum under ``>= 0`` lies on the
-        # boundary of each constraint the free fit breaks): a curve's per-element slope (_without), and for time
-        # the constant where the form asks (compute seconds, whose per-task part is the planner's own term).
-        # Holding one can push the other below 0, so each is checked again under the first.
-        held: list[int] = []
-        for _ in range(2):
-            broken = [j for j in self._nonnegative() if j not in held and coef[j] < 0.0]
-            if not broken:
-                break
-            held.append(broken[0])
-            coef, var = self._without(held)
-        n = self.n
-        if n:
-            # Over every row: sum (y - x.coef)^2 = y'y - 2 coef'X'y + coef'X'X coef (clamped: rounding).
-            rss = max(float(self._yty - 2.0 * coef @ self._xty + coef @ self._xtx @ coef), 0.0)
-            # Leave-one-out (PRESS) residuals of the latest rows, each with its leverage under the full fit:
-            # exact while n <= PRESS_WINDOW, a sample of the same quantity beyond (it is O(rows) per fit, and a
-            # model refits after every observation).
-            m = min(n, PRESS_WINDOW)
-            X, y = self._x[:m], self._y[:m]
-            resid = y - X @ coef
-            lev = np.einsum("ij,jk,ik->i", X, var, X)
-            loo = resid / np.maximum(1.0 - lev, 1e-3)
-            press = float(loo @ loo) / m
-        else:
-            rss, press = 0.0, math.inf
-        dof = prior_dof + max(n - p, 0)
-        s = math.sqrt((prior_dof * prior_s**2 + rss) / dof)
-        self._fit = _Fit(coef=coef, cov=var, s=max(s, min_s), dof=dof, press=press, n=n)
-        return self._fit
-
-    def _nonnegative(self) -> list[int]:
-        """The features whose coefficient is held at 0 or above: a curved form's per-element slope (index 1), and
-        the constant (index 0) where the form was made with ``nonnegative_constant``."""
-        return ([0] if self.nonnegative_constant else []) + ([1] if self.p == 3 else [])
-
-    def _without(self, held: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """The posterior with the coefficients of the features ``held`` at 0: (coef, covariance).
-
-        A curve ``a + b u + c u^k`` with ``c > 0`` and ``b < 0`` falls from
-        its fixed part before it rises: more bytes (or seconds) for a smaller
-        block, which no operator does. Such fits come from sizes close together
-        whose peaks differ by more than their sizes (trace_correlation's 824,500
-        and 843,900-element blocks, 5.6% apart in peak for 2.4% in size; or two
-        block shapes of one size): the curvature follows the local noise and the
-        slope compensates, and the mean read 330 MiB for a 900-element block.
-        Compute seconds with a negative constant are the same impossibility for
-        time: a block of a few hundred thousand elements that takes no time (see
-        :meth:`OperatorModel.time_form`). The least-squares fit under ``>= 0``
-        has, when the free fit breaks the constraint, that coefficient at 0 (the
-        optimum is on its boundary). It is the same conjugate update River
-        computes (prior precision ``1 / prior_variance`` on every scaled
-        feature, ``beta = 1``), restricted to the features kept and read from
-        the sums this form keeps.
-        """
-        p = self.p
-        keep = [j for j in range(p) if j not in held]
-        precision = self._xtx[np.ix_(keep, keep)] + np.eye(len(keep)) / self.prior_variance
-        cov_kept = np.linalg.inv(precision)
-        coef = np.zeros(p)
-        coef[keep] = cov_kept @ self._xty[keep]
-        var = np.zeros((p, p))
-        var[np.ix_(keep, keep)] = cov_kept
-        return coef, var
-
-
-def _loo_weight(press_curve: float, press_line: float, n: int) -> float:
-    """How much a curved form counts beside the line (0..1), from their leave-one-out errors over ``n`` runs.
-
-    The leave-one-out likelihood ratio of two Gaussian fits, ``1 / (1 + (PRESS_curved / PRESS_lin) ** (n / 2))``
-    (pseudo-Bayesian model averaging, Yao et al. 2018, "Using stacking to average Bayesian predictive
-    distributions", section 3.1): 1/2 while the runs cannot tell the forms apart, towards 1 as they show the
-    curve, towards 0 as they show the line. 0 where the line's error is 0 (nothing left to explain).
-    """
-    if press_line <= 0 or not math.isfinite(press_curve):
-        return 0.0
-    exponent = min(n / 2.0 * math.log(max(press_curve / press_line, 1e-12)), 700.0)
-    return 1.0 / (1.0 + math.exp(exponent))
-
 
 @dataclass(frozen=True)
 class _TimeChoice:
@@ -494,16 +255,16 @@ class OperatorModel:
     censored_margin: float = 0.05
     censored_block_factor: float = 2.0
     noise_floor_bytes: float = 4 * MIB
-    prior_noise: float = 0.05
-    min_noise: float = 0.01
-    superlinear_gain: float = 0.9
-    metric_window: int = 20
-    prior_variance: float = 1e6
+    prior_noise: float = PRIOR_NOISE
+    min_noise: float = MIN_NOISE
+    superlinear_gain: float = SUPERLINEAR_GAIN
+    metric_window: int = METRIC_WINDOW
+    prior_variance: float = PRIOR_VARIANCE
     curvature_sd: float = 2.5
     conformal_window: int = 20
     tight_reach: float = 2.0
     time_floor_seconds: float = 0.01
-    min_size_ratio: float = 1.5
+    min_size_ratio: float = MIN_SIZE_RATIO
     first_touch_bytes: float = FIRST_USE_BYTES
     first_touch_share: float = FIRST_USE_SHARE
     size_weight: float = 0.5
@@ -1601,27 +1362,6 @@ def _split_by_device(runs: Sequence[_EnergyRun]) -> list[float]:
                                [DeviceRun(r.start, r.end, r.joules, r.weight) for r in runs])
 
 
-def _rolling_count(rolling: Any) -> int:
-    try:
-        return len(rolling.window)
-    except Exception:  # pragma: no cover - river internals changed
-        return 0
-
-
-_T_CACHE: dict[tuple[float, float], float] = {}
-
-
-def _t_quantile(confidence: float, dof: float) -> float:
-    key = (confidence, dof)
-    t = _T_CACHE.get(key)
-    if t is None:
-        from scipy.stats import t as student_t
-
-        t = float(student_t.ppf(confidence, dof))
-        _T_CACHE[key] = t
-    return t
-
-
 class ModelBank:
     """One :class:`OperatorModel` per key, rebuilt by replaying the store's rows (never unpickled).
 
@@ -1831,19 +1571,3 @@ class BankKnowledge:
 
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice:
         return self.bank.choose_arm(self.key, groups)
-
-
-def _rate_ratio(runs: Iterable[tuple[int, float]], min_size_ratio: float) -> float | None:
-    """The median value per element of the largest blocks of ``runs`` (``(elements, value)``, within
-    ``min_size_ratio`` of the largest size) over the smallest blocks'; None before two sizes that far apart."""
-    runs = list(runs)
-    if not runs:
-        return None
-    smallest = min(e for e, _ in runs)
-    largest = max(e for e, _ in runs)
-    if largest < smallest * min_size_ratio:
-        return None
-    small = [v / e for e, v in runs if e <= smallest * min_size_ratio]
-    large = [v / e for e, v in runs if e >= largest / min_size_ratio]
-    low = statistics.median(small)
-    return statistics.median(large) / low if low > 0 else None
