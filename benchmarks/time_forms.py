@@ -173,7 +173,7 @@ def fit_lines(stores: list[str], **options: Any) -> list[str]:
         model = OperatorModel(key, **options)
         for obs in history:
             model.learn(obs)
-        runs = sorted(model._time_runs)  # (elements, compute seconds) the time forms were fitted on
+        runs = sorted(model.time._runs)  # (elements, compute seconds) the time forms were fitted on
         if not runs:
             continue
         sizes = sorted({e for e, _ in runs})

@@ -9,8 +9,10 @@ import statistics
 
 import pytest
 
-from memchunk_prefect.core.records import Observation
-from memchunk_prefect.learn.model import MIB, ModelBank, OperatorModel, Prediction, _Form, _loo_weight, repeatability
+from memchunk_prefect.core.records import Observation, Prediction
+from memchunk_prefect.learn.forms import MIB, _Form, _loo_weight
+from memchunk_prefect.learn.model import ModelBank, repeatability
+from memchunk_prefect.learn.operator import OperatorModel
 from memchunk_prefect.learn.store import Store
 
 KEY = "op|float32|cpu"
@@ -177,7 +179,7 @@ def test_censored_observation_raises_the_bound_above_what_was_needed():
 
 def before_small(m, ext):
     # the uncensored bound, recomputed from the fit directly
-    return m._predict_u(elements(ext) / MIB, apply_censored=False).upper_bytes
+    return m.memory._predict_u(elements(ext) / MIB, apply_censored=False).upper_bytes
 
 
 def test_censored_is_not_fitted_as_a_point():
@@ -212,6 +214,16 @@ def test_cold_model_guesses_the_block_itself_and_is_not_ready():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         OperatorModel(KEY, **kwargs)
+
+
+def test_unknown_settings_are_refused_by_name_and_shared_ones_reach_every_model_that_takes_them():
+    with pytest.raises(TypeError, match="min_sise_ratio"):
+        OperatorModel(KEY, min_sise_ratio=2.0)
+    m = OperatorModel(KEY, min_size_ratio=2.0, first_touch_bytes=2**20, metric_window=5, time_window=7, energy_window=3)
+    assert m.memory.min_size_ratio == m.time.min_size_ratio == 2.0
+    assert m.memory.first_touch_bytes == m.time.first_touch_bytes == 2**20
+    assert m.memory.metric_window == m.energy.metric_window == 5
+    assert m.time.time_window == 7 and m.energy.energy_window == 3
 
 
 def test_wrong_key_is_refused():
@@ -319,7 +331,7 @@ def test_the_conformal_margin_is_the_quantile_of_what_runs_needed_over_what_was_
         ext = SIZES[k % len(SIZES)]
         m.learn(obs(ext, gst(elements(ext)) * rng.uniform(0.9, 1.15)))
     q = m.conformal_factor()
-    ratios = sorted(m._ratios)
+    ratios = sorted(m.memory._ratios)
     assert q == ratios[math.ceil((len(ratios) + 1) * 0.95) - 1]
     assert 1.0 < q < 1.2, "runs up to 15% over a mean near the middle: the factor lands in between"
     p = m.predict((64, 64, 400))
@@ -411,7 +423,7 @@ def test_the_tight_bound_is_the_mean_times_the_learned_margin_up_to_twice_the_la
     assert inside.tight_bytes == pytest.approx(inside.mean_bytes * q) and inside.tight_bytes <= inside.upper_bytes
     # Beyond the largest block the line and the superlinear curve the runs cannot rule out part: the tight bound
     # holds the curve by its weight (the truth here), below the widened upper bound.
-    w, other = m._curved_weight()
+    w, other = m.memory._curved_weight()
     assert other is not None and w > 0.5
     assert reach.mean_bytes * q < reach.tight_bytes and superlinear(elements((32, 32, 400))) <= reach.tight_bytes
     assert reach.tight_bytes < reach.upper_bytes, "twice the largest block: the bold bet, below the widened bound"
@@ -424,7 +436,7 @@ def test_the_tight_bound_is_the_mean_times_the_learned_margin_up_to_twice_the_la
 def test_before_a_margin_is_learned_the_tight_bound_is_the_in_data_prediction_interval():
     m = trained(linear, n=6)
     assert m.conformal_factor() is None
-    largest = max(m._sizes)
+    largest = max(m.memory._sizes)
     p = m.predict((1, 1, largest))  # the largest block measured: no extrapolation
     assert p.mean_bytes < p.tight_bytes <= p.upper_bytes
     assert p.tight_bytes < 1.3 * p.mean_bytes
@@ -460,10 +472,10 @@ def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
         m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
     assert not m.rates_rise() and not m.curve_supported()  # 343,200 -> 3,891,200: an 11x gap
     assert m.time_form() == "linear" and m.seconds_for(2_252_800) is None
-    curved = dataclasses.replace(m)  # the same rows, the rates left unchecked: what the planner was told
+    curved = OperatorModel(KEY)  # the same rows, the rates left unchecked: what the planner was told
     for e, ext, secs, sys_secs, grew, peak in rows:
         curved.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
-    curved.curve_supported = lambda: True  # type: ignore[method-assign]
+    curved.time.curve_supported = lambda: True  # type: ignore[method-assign]
     assert curved.time_form() == "quadratic"
     assert curved.seconds_for(2_252_800) < 0.7 * 2_252_800 / 3_891_200 * curved.seconds_for(3_891_200)
     with pytest.raises(ValueError, match="time_curve_margin"):
@@ -939,7 +951,7 @@ def test_an_unsupported_memory_curve_holds_the_tight_bound_where_the_operator_do
         m.learn(obs(extents, peak, key=key))
     p = m.predict((128, 128, 200))
     measured = 69959680
-    assert m.form() == "linear" and m._unsupported_curve() == "superlinear"
+    assert m.form() == "linear" and m.memory._unsupported_curve() == "superlinear"
     assert p.mean_bytes < 0.9 * measured, p  # the line's mean under-reads
     assert measured <= p.tight_bytes <= 1.25 * measured, p
 
