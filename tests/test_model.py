@@ -9,9 +9,10 @@ import statistics
 
 import pytest
 
+from benchmarks.quality import repeatability
 from memchunk_prefect.core.records import Observation, Prediction
+from memchunk_prefect.learn.bank import ModelBank
 from memchunk_prefect.learn.forms import MIB, _Form, _loo_weight
-from memchunk_prefect.learn.model import ModelBank, repeatability
 from memchunk_prefect.learn.operator import OperatorModel
 from memchunk_prefect.learn.store import Store
 
@@ -403,7 +404,7 @@ def test_what_a_first_use_left_held_is_the_workers_and_the_block_is_learned_with
 
 
 def test_a_gpu_model_never_takes_the_hosts_first_use_off_a_gpu_peak():
-    from memchunk_prefect.learn.model import gpu_view
+    from memchunk_prefect.learn.bank import gpu_view
 
     o = obs((8, 16, 400), 200 * MIB)
     o.retained_bytes, o.gpu_peak_bytes, o.gpu_budget_bytes = 150 * MIB, 2 * 2**30, 40 * 2**30
@@ -1042,7 +1043,7 @@ def test_no_repeated_block_gives_no_floor():
 
 def test_replay_quality_tells_extrapolated_runs_from_runs_inside_the_sizes_learned():
     """Runs are counted beyond when their block is larger than every block learned before them (by 5%)."""
-    from memchunk_prefect.learn.model import replay_quality
+    from benchmarks.quality import replay_quality
 
     key = "op|float32|cpu"
     sizes = [10, 20, 30, 40, 50, 60, 30, 40, 120, 50, 240]  # 60, 120 and 240 are beyond; 30, 40, 50 inside

@@ -1,14 +1,15 @@
-"""Every operator key's models, rebuilt from the store, and the figures of how well they learned.
+"""Every operator key's models, rebuilt from the store, and the view the decision core reads them through.
 
-The models themselves: :class:`~memchunk_prefect.learn.operator.OperatorModel` (memory, time and energy).
+:class:`ModelBank` keeps one :class:`~memchunk_prefect.learn.operator.OperatorModel` per key, and a second one
+learned from the GPU's view of the same runs (:func:`gpu_view`) for maps on a GPU, plus each key's learned-policy
+bandit. Models are rebuilt by replaying the store's rows, never unpickled, so what a model knows is always on disk.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from memchunk_prefect.core.bandit import ArmChoice
 from memchunk_prefect.core.chunks import Shape
@@ -24,8 +25,8 @@ if TYPE_CHECKING:  # pragma: no cover
 TOUCH_POOL_BYTES = 256 * MIB
 """Bytes an operator's own runs must have grown their workers by, in all, before the cost of growing one is
 taken from them alone (:meth:`ModelBank.touch_seconds_per_byte`): a cold start's probes grow a few tens of MiB,
-whose kernel time is mostly what any run pays (:meth:`OperatorModel.touch_seconds_per_byte`); half a large
-chunk's growth (trace_correlation's 545 MiB blocks grew their workers ~500 MiB) is the operator's own."""
+whose kernel time is mostly what any run pays; a large chunk's growth is the operator's own."""
+
 
 def gpu_view(obs: Observation) -> Observation | None:
     """``obs`` as the GPU model of its key learns it: the GPU peak in place of the host's; None when it says
@@ -37,7 +38,7 @@ def gpu_view(obs: Observation) -> Observation | None:
     held when it failed, or the GPU budget where that is more; nothing from a host out-of-memory or a killed
     worker (the device's figure then is wherever the run stopped, neither a peak nor a bound), or an error.
     The host's fields the GPU does not have (what the worker held before, energy) are cleared. The host's
-    model ignores a GPU out-of-memory (:meth:`OperatorModel.learn`).
+    model ignores a GPU out-of-memory (:meth:`memchunk_prefect.learn.memory.MemoryModel.learn`).
     """
     if obs.gpu_budget_bytes is None or not obs.usable:
         return None  # not a map on the GPU (a CPU run's NVML figure is another process's business)
@@ -52,118 +53,6 @@ def gpu_view(obs: Observation) -> Observation | None:
     return replace(obs, peak_bytes=peak, outcome=outcome, censored=censored, gpu_out_of_memory=False,
                    budget_bytes=obs.gpu_budget_bytes, baseline_bytes=None, resting_bytes=None, others_bytes=None,
                    grew_bytes=None, retained_bytes=None, energy_joules=None, energy_source=None, shared=False)
-
-
-#: A scored run whose block has more than this many times the elements of every block learned before it was
-#: predicted by extrapolation (:func:`replay_quality` reports its error apart).
-BEYOND_RATIO = 1.05
-
-
-def replay_quality(rows: Iterable[Observation], key: str, *, after: int = 5, **options: Any) -> dict[str, Any]:
-    """How well ``key``'s model predicted its own history: each ``ok`` run scored before it is learned.
-
-    ``rows``: the key's observations in the order they were stored. A run is
-    scored once the model is ready and has learned ``after`` usable runs: the
-    absolute error of the predicted mean (``mape``, a fraction), whether the peak
-    was within the upper bound (``coverage``, a share) and the upper bound over
-    the peak (``bound_over_peak``, mean). The issue's goals for a real run:
-    coverage >= 0.95, mape <= 0.10 after 5 runs, bound_over_peak <= 1.25.
-    The error is also split by where the run lay: ``mape_beyond`` over the
-    ``scored_beyond`` runs whose block was larger than ``BEYOND_RATIO`` x every
-    block learned before it (the model extrapolated), ``mape_within`` over the rest.
-
-    >>> rows = [Observation("k|float32|cpu", n, (1, 1, n), 4 * n, 2**20 + 100 * n)
-    ...         for n in range(10_000, 90_000, 5_000)]
-    >>> q = replay_quality(rows, "k|float32|cpu")
-    >>> q["scored"], q["coverage"], q["mape"] < 0.01
-    (11, 1.0, True)
-    """
-    m = OperatorModel(key, **options)
-    errors: list[float] = []
-    covered: list[bool] = []
-    ratios: list[float] = []
-    beyond: list[bool] = []
-    largest = 0  # elements of the largest ok block learned so far
-    for o in rows:
-        if (o.operator_key == key and o.outcome == "ok" and o.usable and o.peak_bytes > 0 and o.elements > 0
-                and m.n_observations >= after):
-            p = m.predict(o.extents)
-            if p.ready:
-                peak = m.working_bytes(o)
-                errors.append(abs(p.mean_bytes / peak - 1))
-                covered.append(peak <= p.upper_bytes)
-                ratios.append(p.upper_bytes / peak)
-                beyond.append(o.elements > BEYOND_RATIO * largest)
-        if o.operator_key == key:
-            m.learn(o)
-            if o.outcome == "ok" and o.usable:
-                largest = max(largest, int(o.elements))
-    n = len(errors)
-    far = [e for e, b in zip(errors, beyond) if b]
-    near = [e for e, b in zip(errors, beyond) if not b]
-    return {"key": key, "observations": m.n_observations, "scored": n,
-            "mape": sum(errors) / n if n else None, "coverage": sum(covered) / n if n else None,
-            "bound_over_peak": sum(ratios) / n if n else None,
-            "scored_beyond": len(far), "mape_beyond": sum(far) / len(far) if far else None,
-            "mape_within": sum(near) / len(near) if near else None}
-
-
-def repeatability(rows: Iterable[Observation], key: str, *, coverage: float = 0.95,
-                  min_repeats: int = 2) -> dict[str, Any]:
-    """What no memory model that sees only the block's shape can beat on ``key``'s runs: the spread of blocks run again.
-
-    A model predicts a chunk's peak from the extents of the block it reads, so
-    two runs of the same extents get the same prediction, whatever each really
-    peaked at. Their spread is measurement noise to the model (the allocator
-    reusing memory a previous task freed, a storage library decompressing
-    several chunks at once, other threads of the worker allocating during the
-    run): it sets a floor under the learning-quality figures of
-    :func:`replay_quality`, in the same units.
-
-    Runs are grouped by extents; groups of at least ``min_repeats`` usable
-    ``ok`` runs count. Per group, in sample (the lowest any predictor of the
-    group's runs reaches, knowing them all in advance):
-
-    - the best constant's mean absolute percentage error: the constant is the
-      median weighted by 1 / peak, which minimises ``sum |c - y| / y``;
-    - the tightest constant bound that covers ``coverage`` of the group's
-      peaks, over each peak (mean of bound / peak, as ``bound_over_peak``).
-
-    Returned run-weighted over the groups: ``floor_mape`` (a fraction),
-    ``floor_bound_over_peak``, ``runs`` and ``groups`` counted; the floors are
-    None when no extents repeat ``min_repeats`` times.
-
-    >>> MiB = 2**20
-    >>> rows = [Observation("k|float32|cpu", 1000, (1, 10, 100), 4000, p * MiB) for p in (15, 15, 15, 20)]
-    >>> r = repeatability(rows, "k|float32|cpu")
-    >>> r["groups"], r["runs"], round(r["floor_mape"], 4), round(r["floor_bound_over_peak"], 4)
-    (1, 4, 0.0625, 1.25)
-    """
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for o in rows:
-        if o.operator_key == key and o.outcome == "ok" and o.usable and o.peak_bytes > 0:
-            groups.setdefault(tuple(o.extents), []).append(int(o.peak_bytes))
-    mape_sum = bound_sum = 0.0
-    runs = n_groups = 0
-    for peaks in groups.values():
-        if len(peaks) < min_repeats:
-            continue
-        ys = sorted(peaks)
-        weights = [1.0 / y for y in ys]
-        half, acc = 0.5 * sum(weights), 0.0
-        for y, w in zip(ys, weights):  # the weighted median minimises sum(w * |c - y|) with w = 1 / y
-            acc += w
-            if acc >= half:
-                best = y
-                break
-        bound = ys[max(0, math.ceil(coverage * len(ys) - 1e-9) - 1)]
-        mape_sum += sum(abs(best - y) / y for y in ys)
-        bound_sum += sum(bound / y for y in ys)
-        runs += len(ys)
-        n_groups += 1
-    return {"key": key, "runs": runs, "groups": n_groups,
-            "floor_mape": mape_sum / runs if runs else None,
-            "floor_bound_over_peak": bound_sum / runs if runs else None}
 
 
 class ModelBank:
@@ -293,23 +182,26 @@ class ModelBank:
             return self.gpu_model(key).predict(extents, itemsize)
 
     def seconds_per_element(self, key: str, window: int = 20) -> float | None:
-        """``key``'s recent compute seconds per element (see :meth:`OperatorModel.seconds_per_element`)."""
+        """``key``'s recent compute seconds per element
+        (:meth:`memchunk_prefect.learn.time.TimeModel.seconds_per_element`)."""
         with self._lock:
             return self.model(key).seconds_per_element(window)
 
     def seconds_for(self, key: str, elements: int) -> float | None:
-        """``key``'s compute seconds for a block, when not proportional (see :meth:`OperatorModel.seconds_for`)."""
+        """``key``'s compute seconds for a block, when not proportional
+        (:meth:`memchunk_prefect.learn.time.TimeModel.seconds_for`)."""
         with self._lock:
             return self.model(key).seconds_for(elements)
 
     def joules_for(self, key: str, elements: int, window: int = 20) -> float | None:
-        """``key``'s learned energy of a block (see :meth:`OperatorModel.joules_for`), joules; None if none."""
+        """``key``'s learned energy of a block (:meth:`memchunk_prefect.learn.energy.EnergyModel.joules_for`),
+        joules; None if none."""
         with self._lock:
             return self.model(key).joules_for(elements, window)
 
     def touch_seconds_per_byte(self, key: str) -> float | None:
         """What growing a worker's memory costs ``key``'s runs, kernel seconds per byte
-        (:meth:`OperatorModel.touch_seconds_per_byte`); where its own runs grew less than
+        (:meth:`memchunk_prefect.learn.time.TimeModel.touch_seconds_per_byte`); where its own runs grew less than
         ``TOUCH_POOL_BYTES`` in all, every model this bank has loaded, pooled: the cost is the kernel's,
         paid alike by any operator on the machine, and an operator's first map has none of its own.
         None before any such run."""
@@ -333,7 +225,8 @@ class ModelBank:
 
 
 class BankKnowledge:
-    """The state machine's read-only view of one key's model in a :class:`~memchunk_prefect.learn.model.ModelBank`."""
+    """The state machine's read-only view of one key's models in a :class:`ModelBank`
+    (:class:`memchunk_prefect.core.machine.Knowledge`); ``settings`` give the per-task overhead of a block's time."""
 
     def __init__(self, bank: "ModelBank", key: str, settings: PolicySettings):
         self.bank = bank
