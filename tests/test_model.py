@@ -227,6 +227,24 @@ def test_unknown_settings_are_refused_by_name_and_shared_ones_reach_every_model_
     assert m.time.time_window == 7 and m.energy.energy_window == 3
 
 
+def test_the_windows_a_plan_reads_rates_over_are_the_models_own():
+    """The median of seconds (and joules) per element a plan reads is over the model's time_window (energy_window)
+    latest runs: one home for each, set through the bank's model options."""
+    from memchunk_prefect.core.settings import DEFAULT_SETTINGS
+    from memchunk_prefect.learn.bank import BankKnowledge
+
+    def bank(**options):
+        b = ModelBank(None, **options)
+        for i, seconds in enumerate((1.0, 2.0, 9.0)):
+            b.learn(Observation(KEY, 1000, (1, 10, 100), 4000, 2**20, seconds=seconds, created_at=10.0 * i,
+                                energy_joules=seconds, energy_source="estimate"))
+        return BankKnowledge(b, KEY, DEFAULT_SETTINGS)
+
+    median, latest = bank(), bank(time_window=1, energy_window=1)
+    assert median.seconds_per_element() == pytest.approx(2.0 / 1000) and median.joules_for(1000) == pytest.approx(2.0)
+    assert latest.seconds_per_element() == pytest.approx(9.0 / 1000) and latest.joules_for(1000) == pytest.approx(9.0)
+
+
 def test_wrong_key_is_refused():
     with pytest.raises(ValueError, match="other"):
         OperatorModel(KEY).learn(obs((8, 8, 8), 100, key="other"))

@@ -181,9 +181,9 @@ class ModelBank:
         with self._lock:
             return self.gpu_model(key).predict(extents, itemsize)
 
-    def seconds_per_element(self, key: str, window: int = 20) -> float | None:
-        """``key``'s recent compute seconds per element
-        (:meth:`memchunk_prefect.learn.time.TimeModel.seconds_per_element`)."""
+    def seconds_per_element(self, key: str, window: int | None = None) -> float | None:
+        """``key``'s recent compute seconds per element over ``window`` runs (default: the model's ``time_window``,
+        :meth:`memchunk_prefect.learn.time.TimeModel.seconds_per_element`)."""
         with self._lock:
             return self.model(key).seconds_per_element(window)
 
@@ -193,9 +193,9 @@ class ModelBank:
         with self._lock:
             return self.model(key).seconds_for(elements)
 
-    def joules_for(self, key: str, elements: int, window: int = 20) -> float | None:
-        """``key``'s learned energy of a block (:meth:`memchunk_prefect.learn.energy.EnergyModel.joules_for`),
-        joules; None if none."""
+    def joules_for(self, key: str, elements: int, window: int | None = None) -> float | None:
+        """``key``'s learned energy of a block, joules, over ``window`` runs (default: the model's ``energy_window``,
+        :meth:`memchunk_prefect.learn.energy.EnergyModel.joules_for`); None if none."""
         with self._lock:
             return self.model(key).joules_for(elements, window)
 
@@ -240,13 +240,13 @@ class BankKnowledge:
         return self.bank.predict_gpu(self.key, extents, ITEMSIZE)
 
     def seconds_per_element(self) -> float | None:
-        return self.bank.seconds_per_element(self.key, self.settings.time_window)
+        return self.bank.seconds_per_element(self.key)
 
     def seconds_for(self, elements: int) -> float | None:
         return self.bank.seconds_for(self.key, elements)
 
     def joules_for(self, elements: int) -> float | None:
-        return self.bank.joules_for(self.key, elements, self.settings.time_window)
+        return self.bank.joules_for(self.key, elements)
 
     def touch_seconds_per_byte(self) -> float | None:
         return self.bank.touch_seconds_per_byte(self.key)
