@@ -55,9 +55,10 @@ class MemoryModel:
     bound is blended towards the best curve's by their leave-one-out weight: inside
     the data they agree, outside it a line under-predicts a curve the noise hid.
     Rows are divided by ``hypot(peak, noise_floor_bytes)`` (memory noise is a few
-    percent of the peak) and count ``(size / the largest's) ** size_weight``, so a
-    cold start's small probes, where a "fixed" part is not yet fixed, do not bend
-    the line the large blocks follow.
+    percent of the peak; the floor keeps tiny blocks, mostly allocator noise, from
+    dominating) and count ``(size / the largest's) ** size_weight``, so a cold
+    start's small probes, where a "fixed" part is not yet fixed, do not bend the
+    line the large blocks follow.
 
     *Bounds.* The upper bound is the Student-t prediction interval at
     ``confidence``, widening with extrapolation. Once ``conformal_window`` scored
@@ -151,8 +152,7 @@ class MemoryModel:
         self._seen = 0
         self._n_censored = 0
         self._n_quarantined = 0
-        # River's rolling metrics over the latest metric_window scored runs (typed Any: River's own typing of
-        # Rolling is its wrapped object's).
+        # River's rolling metrics over the latest metric_window scored runs (Any: River types Rolling loosely).
         self._mape: Any = utils.Rolling(metrics.MAPE, window_size=metric_window)
         self._coverage: Any = utils.Rolling(stats.Mean, window_size=metric_window)
         self._bound_ratio: Any = utils.Rolling(stats.Mean, window_size=metric_window)
@@ -204,7 +204,7 @@ class MemoryModel:
         self._learn_point(obs)
         return "learned"
 
-    def _score(self, obs: Observation, pred: Prediction) -> None:
+    def _score(self, obs: Observation, pred: Prediction) -> None:  # the rolling figures of summary()
         self._mape.update(obs.peak_bytes, pred.mean_bytes)
         self._coverage.update(1.0 if obs.peak_bytes <= pred.upper_bytes else 0.0)
         self._bound_ratio.update(pred.upper_bytes / obs.peak_bytes)
@@ -525,9 +525,7 @@ class MemoryModel:
         (:meth:`memory_curve_supported`); ``times_largest``, the block over the largest measured. The fit's
         figures are None while the model is not ready.
         """
-        elements = 1
-        for e in extents:
-            elements *= int(e)
+        elements = math.prod(int(e) for e in extents)
         p = self.predict(extents)
         out: dict[str, Any] = {"elements": elements, "ready": p.ready, "form": self.form(),
                                "mean_bytes": p.mean_bytes, "upper_bytes": p.upper_bytes, "tight_bytes": p.tight_bytes,

@@ -28,8 +28,8 @@ class OperatorModel:
 
     ``options`` are the sub-models' hyperparameters, each given to every model
     that takes it (``min_size_ratio``, ``prior_noise`` or ``first_touch_bytes`` to
-    memory and time alike); a name none takes is a TypeError. The methods the
-    planner and reports call are here and delegate; the rest is on the sub-models.
+    memory and time alike); a name none takes is a TypeError. The methods callers
+    use are here too, each delegating to the model that owns it.
     Not thread-safe on its own; :class:`~memchunk_prefect.learn.bank.ModelBank`
     serializes ``learn`` and ``predict``. ``shared`` observations (other tasks ran
     in the same process) are learned as they are: their peak over-states this
@@ -60,7 +60,8 @@ class OperatorModel:
         return f"OperatorModel({self.key!r}, n_observations={self.n_observations})"
 
     def learn(self, obs: Observation) -> str:
-        """Teach every model ``obs``; returns what memory did with it (see :meth:`MemoryModel.learn`)."""
+        """Teach every model ``obs``; returns what memory did with it
+        (:meth:`memchunk_prefect.learn.memory.MemoryModel.learn`)."""
         if obs.operator_key != self.key:
             raise ValueError(f"observation for {obs.operator_key!r} given to the model of {self.key!r}")
         self.energy.learn(obs)
