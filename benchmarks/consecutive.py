@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else FULL
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
     from benchmarks import strategies as st
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
     from memchunk_prefect.learn.store import Store
     from memchunk_prefect.operators.registry import DEFAULT_STEPS
     from memchunk_prefect.run import executor
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def night_state(store: str, work: Path) -> dict[str, Any]:
     """After a run: the store's size and rows, each model's recent error, and what this process holds."""
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
     from memchunk_prefect.learn.store import Store
 
     size = os.path.getsize(store)

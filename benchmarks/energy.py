@@ -137,7 +137,7 @@ def _cost_model(store_path: str, shape: tuple[int, int, int], slots: int) -> lis
     from memchunk_prefect.core.chunks import Chunk, largest_read_extents
     from memchunk_prefect.core.estimates import estimate_joules, estimate_seconds
     from memchunk_prefect.core.settings import PolicySettings
-    from memchunk_prefect.learn.model import BankKnowledge, ModelBank
+    from memchunk_prefect.learn.bank import BankKnowledge, ModelBank
     from memchunk_prefect.learn.store import Store
 
     settings = PolicySettings(objective="energy")

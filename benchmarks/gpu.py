@@ -395,7 +395,7 @@ def run_memchunk(bench: Any, survey: str, store: str, tag: str, cfg: GpuConfig, 
 def one_piece(store: str, key: str, shape: Sequence[int], total_bytes: int | None) -> dict:
     """The GPU model's prediction for the whole survey in one piece (halo clipped at the edges: none), against
     the device's memory."""
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
     from memchunk_prefect.learn.store import Store
 
     with Store(store) as st:

@@ -17,7 +17,7 @@ the trace; the others are cut along time too. Observations are cached in
 ``~/.cache/memchunk-prefect/model_observations.json`` (``--cache`` moves it).
 
 Replay. For each operator the observations are fed in ``--orders`` random
-orders through :class:`memchunk_prefect.learn.model.OperatorModel`; before learning
+orders through :class:`memchunk_prefect.learn.operator.OperatorModel`; before learning
 the (k+1)-th observation the model predicts it from the first k. Columns:
 
 - ``MAPE@k``: mean absolute percentage error of the mean prediction for the
@@ -156,7 +156,7 @@ def collect(names: Sequence[str], n_blocks: int, seed: int) -> list[dict[str, An
 def replay(rows: list[dict[str, Any]], orders: int, seed: int) -> dict[str, dict[str, Any]]:
     """Per operator key: MAPE@k, coverage, bound/truth over ``orders`` random orders."""
     from memchunk_prefect.core.records import Observation
-    from memchunk_prefect.learn.model import OperatorModel
+    from memchunk_prefect.learn.operator import OperatorModel
 
     by_key: dict[str, list[Observation]] = {}
     for r in rows:

@@ -133,7 +133,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def arm_summary(store: str) -> dict[str, list[dict]]:
     """Per operator key of the learned store: each arm's plans taught, mean reward and out-of-memory events."""
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
     from memchunk_prefect.learn.store import Store
 
     with Store(store) as s:
@@ -173,7 +173,7 @@ def replay_rewards(store: str) -> list[dict]:
     from memchunk_prefect.core import bandit
     from memchunk_prefect.core.chunks import with_halo
     from memchunk_prefect.core.settings import DEFAULT_SETTINGS
-    from memchunk_prefect.learn.model import BankKnowledge, ModelBank
+    from memchunk_prefect.learn.bank import BankKnowledge, ModelBank
     from memchunk_prefect.learn.store import Store
 
     out: list[dict] = []

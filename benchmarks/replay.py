@@ -47,7 +47,7 @@ def make_store(path: Path, rows: int, seed: int = 0) -> None:
 
 def time_replay(path: Path) -> tuple[float, int]:
     """Seconds to rebuild KEY's model from the store at ``path`` (what a flow run's first map does)."""
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
     from memchunk_prefect.learn.store import Store
 
     with Store(path) as s:

@@ -5,12 +5,12 @@
                                       [--memory-gap-gain G] [--explain OPERATOR | --tight | --gap] [--json PATH]
 
 Each store's keys are replayed in the order their observations were stored
-(:func:`memchunk_prefect.learn.model.replay_quality`): every ``ok`` run is predicted before
+(:func:`benchmarks.quality.replay_quality`): every ``ok`` run is predicted before
 it is learned, once the model is ready and has ``--after`` runs. Per operator (the
 key's name before its parameters), over all the stores: runs scored, the share
 within the upper bound (the worst store's share beside it), the mean absolute error
 of the predicted mean, and the mean bound over the measured peak; beside them the
-floor of blocks of one shape run again (:func:`memchunk_prefect.learn.model.repeatability`:
+floor of blocks of one shape run again (:func:`benchmarks.quality.repeatability`:
 what no model predicting from the block's shape beats on these runs). The stores of the
 benchmarks are kept with ``--workdir`` (``python -m benchmarks --workdir DIR``:
 ``DIR/memchunk-store.sqlite``; ``python -m benchmarks.heterogeneous --workdir DIR``:
@@ -18,7 +18,7 @@ one per survey). ``--superlinear-gain`` replays with another threshold for choos
 curved memory form, ``--noise-floor-mib`` with another noise floor added to each peak
 when scaling rows, ``--size-weight`` with another weight of small blocks against the
 largest, ``--memory-gap-ratio`` with another widest step in size that supports a curved memory form (``inf``:
-any step, as before that test) (:class:`memchunk_prefect.learn.model.OperatorModel`), to compare.
+any step, as before that test) (:class:`memchunk_prefect.learn.operator.OperatorModel`), to compare.
 
 Below that table, per operator: how much more a worker's first run of a key needed than its later
 runs of a block of the same size (:func:`first_run_excess`), over the sizes where both kinds ran.
@@ -88,9 +88,9 @@ def first_run_excess(rows: Iterable[Any]) -> list[float]:
 
 def explain_runs(rows: Iterable[Any], key: str, **options: Any) -> list[dict[str, Any]]:
     """Per ``ok`` run of ``key`` in ``rows`` (stored order), once the model is ready: the run's block and
-    peak (bytes) beside :meth:`memchunk_prefect.learn.model.OperatorModel.explain` of its block, read before the
+    peak (bytes) beside :meth:`memchunk_prefect.learn.memory.MemoryModel.explain` of its block, read before the
     run is learned."""
-    from memchunk_prefect.learn.model import OperatorModel
+    from memchunk_prefect.learn.operator import OperatorModel
 
     m = OperatorModel(key, **options)
     out = []
@@ -170,7 +170,7 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
     """Per operator name: ``scored``, ``coverage``, ``worst_coverage``, ``mape``, ``bound_over_peak``, ``stores``,
     ``mape_within`` / ``mape_beyond`` (runs inside the sizes learned / beyond them, ``scored_beyond`` of them),
     and the repeated blocks' ``floor_mape`` / ``floor_bound_over_peak`` over ``repeated_runs`` (None if none)."""
-    from memchunk_prefect.learn.model import repeatability, replay_quality
+    from benchmarks.quality import repeatability, replay_quality
 
     per_op: dict[str, list[dict]] = {}
     excess: dict[str, list[float]] = {}

@@ -879,13 +879,13 @@ of the replayed runs fell outside it)."""
 
 def learning_quality(store: str, chosen: dict | None = None) -> list[dict]:
     """Per operator key in ``store``: its whole history replayed in order, each run scored before it is learned
-    (:func:`memchunk_prefect.learn.model.replay_quality`: coverage, and MAPE after 5 runs), and the upper bound over
+    (:func:`benchmarks.quality.replay_quality`: coverage, and MAPE after 5 runs), and the upper bound over
     the measured peak at the chunks a run chose (``chosen``: a memchunk strategy's result, whose maps recorded
     the model's figures when each chunk was submitted; else the replay's figure). ``met`` holds the goals.
     ``floor_mape`` and ``floor_bound_over_peak``: the same figures for blocks of one shape run again
-    (:func:`memchunk_prefect.learn.model.repeatability`), which no model that predicts from the block's shape can
+    (:func:`benchmarks.quality.repeatability`), which no model that predicts from the block's shape can
     beat: a goal under its floor is out of reach on these measurements, whatever the model."""
-    from memchunk_prefect.learn.model import repeatability, replay_quality
+    from benchmarks.quality import repeatability, replay_quality
     from memchunk_prefect.learn.store import Store
 
     by_key = {op["operator_key"]: (name, op) for name, op in ((chosen or {}).get("extra", {})

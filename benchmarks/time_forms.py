@@ -5,10 +5,10 @@
 
 A curved time form (``superlinear``, ``quadratic``) makes the planner cut smaller
 chunks for speed; a line leaves it to the median seconds per element
-(:meth:`memchunk_prefect.learn.model.OperatorModel.time_form`). Each store's keys are
+(:meth:`memchunk_prefect.learn.time.TimeModel.time_form`). Each store's keys are
 replayed in the order their observations were stored, and after each flow run's
 rows the form is read, with the measured ratio of the largest blocks' seconds per
-element to the smallest blocks' (:meth:`~memchunk_prefect.learn.model.OperatorModel.rate_ratio`; above
+element to the smallest blocks' (:meth:`~memchunk_prefect.learn.time.TimeModel.rate_ratio`; above
 ``1 + time_curve_margin`` it supports a curve). Per operator (the key's name before its
 parameters), over all the stores: how many flow runs left a curve, after the first
 flow run (a cold start) and after later ones, and how many left the line named while a curve still
@@ -34,10 +34,10 @@ def forms(stores: list[str], **options: Any) -> dict[str, dict[str, Any]]:
     """Per operator name: ``cold`` / ``later`` (flow runs replayed, first in their store / after it),
     ``cold_curved`` / ``later_curved`` (of those, runs after which the form was curved), ``cold_partial`` /
     ``later_partial`` (runs after which the line was named yet a curve counted in part,
-    :meth:`~memchunk_prefect.learn.model.OperatorModel.time_curve_weight`), ``weights`` (that weight after each such
+    :meth:`~memchunk_prefect.learn.time.TimeModel.time_curve_weight`), ``weights`` (that weight after each such
     run, in store order) and ``ratios`` (the largest blocks' rate over the smallest's after each flow run, in
     store order)."""
-    from memchunk_prefect.learn.model import OperatorModel
+    from memchunk_prefect.learn.operator import OperatorModel
 
     out: dict[str, dict[str, Any]] = {}
     for _, key, history in stored_keys(stores):
@@ -123,14 +123,14 @@ def plan_costs(stores: list[str], **options: Any) -> dict[str, dict[int, dict[st
     chunk where the benchmarks map each operator once and nothing was retried or split), and the medians
     over them of the map's task seconds summed
     (``task_seconds``: slot-seconds), of the kernel CPU seconds of its first touches (``first_touch_seconds``:
-    runs that grew their worker, :meth:`~memchunk_prefect.learn.model.OperatorModel.first_touch`, whose time the model
+    runs that grew their worker, :meth:`~memchunk_prefect.learn.time.TimeModel.first_touch`, whose time the model
     learns less their kernel time) and of the MiB its runs grew their workers by (``grew_mib``).
 
     What a plan cost, beside what the planner counts: compute by the learned time, per-task overhead, and no
     first touch, though a plan of larger chunks takes each fresh worker higher."""
     import statistics
 
-    from memchunk_prefect.learn.model import OperatorModel
+    from memchunk_prefect.learn.operator import OperatorModel
 
     maps: dict[str, dict[int, list[tuple[float, float, float]]]] = {}
     for _, key, history in stored_keys(stores):
@@ -166,14 +166,14 @@ def fit_lines(stores: list[str], **options: Any) -> list[str]:
     what the planner counts for a line (elements x the median seconds per element)."""
     import statistics
 
-    from memchunk_prefect.learn.model import OperatorModel
+    from memchunk_prefect.learn.operator import OperatorModel
 
     lines = []
     for store, key, history in stored_keys(stores):
         model = OperatorModel(key, **options)
         for obs in history:
             model.learn(obs)
-        runs = sorted(model._time_runs)  # (elements, compute seconds) the time forms were fitted on
+        runs = sorted(model.time._runs)  # (elements, compute seconds) the time forms were fitted on
         if not runs:
             continue
         sizes = sorted({e for e, _ in runs})

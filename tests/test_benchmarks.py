@@ -495,6 +495,16 @@ def test_gap_counts_the_runs_a_curve_taken_across_a_gap_predicted_beside_the_lin
     assert "trace_pairs" in capsys.readouterr().out
 
 
+def test_the_examples_of_the_learning_quality_figures_hold():
+    """benchmarks/ is outside the doctest paths: the examples of replay_quality and repeatability run here."""
+    import doctest
+
+    from benchmarks import quality
+
+    result = doctest.testmod(quality)
+    assert result.attempted >= 2 and result.failed == 0
+
+
 def test_explain_takes_each_runs_bound_apart_as_the_model_read_it_before_the_run(tmp_path, capsys):
     """Per run once the model is ready: the block, its peak and what the bound was made of; the blended bound
     is never under the chosen form's own, and the command prints one line per run."""
@@ -505,7 +515,7 @@ def test_explain_takes_each_runs_bound_apart_as_the_model_read_it_before_the_run
     key = "envelope|float32|cpu"
     rows = [Observation(key, n, (1, 1, n), 4 * n, 2**20 + 30 * n) for n in
             (10_000, 20_000, 40_000, 40_000, 80_000, 160_000, 160_000)]
-    from memchunk_prefect.learn.model import OperatorModel
+    from memchunk_prefect.learn.operator import OperatorModel
 
     cold = OperatorModel(key).explain((1, 1, 100))
     assert not cold["ready"] and cold["form_upper_bytes"] is None and cold["times_largest"] is None

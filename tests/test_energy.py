@@ -20,7 +20,7 @@ from memchunk_prefect.core.estimates import estimate_joules as plan_joules
 from memchunk_prefect.core.policy import decide, plan
 from memchunk_prefect.core.records import Observation, Prediction
 from memchunk_prefect.core.settings import PolicySettings
-from memchunk_prefect.learn.model import OperatorModel
+from memchunk_prefect.learn.operator import OperatorModel
 
 KEY = "op|float32|cpu"
 

@@ -24,7 +24,7 @@ from memchunk_prefect import MemoryAwareRunner, chunked, operators, synthetic_su
 from memchunk_prefect.core.errors import BudgetTooSmallError
 from memchunk_prefect.core.policy import plan
 from memchunk_prefect.core.records import Observation
-from memchunk_prefect.learn.model import ModelBank
+from memchunk_prefect.learn.bank import ModelBank
 from memchunk_prefect.learn.store import Store, StoreMovedAsideWarning
 from memchunk_prefect.operators import operator_key
 from memchunk_prefect.testing import seed_store, start_local_cluster

@@ -279,7 +279,7 @@ def _run(elements: int, host: int, gpu: int | None, outcome: str = "ok", gpu_oom
     (dataclasses.replace(_run(8000, 5 << 20, 0), gpu_budget_bytes=None), None),  # a CPU run's NVML figure
 ], ids=["ok", "gpu-out-of-memory", "host-out-of-memory", "killed", "unmeasured", "at-once", "cpu-map"])
 def test_the_gpu_model_learns_the_gpu_peak_of_finished_runs_and_the_gpus_own_out_of_memory(run, learned):
-    from memchunk_prefect.learn.model import gpu_view
+    from memchunk_prefect.learn.bank import gpu_view
 
     view = gpu_view(run)
     if learned is None:
@@ -287,7 +287,7 @@ def test_the_gpu_model_learns_the_gpu_peak_of_finished_runs_and_the_gpus_own_out
         return
     assert (view.outcome, view.censored, view.peak_bytes) == learned
     assert view.budget_bytes == 64 << 20 and view.unseen_bytes == 0, "the host's resting memory is not the GPU's"
-    from memchunk_prefect.learn.model import OperatorModel
+    from memchunk_prefect.learn.operator import OperatorModel
 
     assert OperatorModel(GKEY).learn(view) == ("censored" if view.censored else "learned")
     assert OperatorModel(GKEY).learn(run) == ("ignored" if run.gpu_out_of_memory else "learned"), \
@@ -295,7 +295,7 @@ def test_the_gpu_model_learns_the_gpu_peak_of_finished_runs_and_the_gpus_own_out
 
 
 def test_a_bank_learns_host_and_gpu_memory_apart_and_rebuilds_both_from_the_store(tmp_path):
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
 
     # GPU memory 40x the input, host memory 5x: after the same runs each model predicts its own.
     runs = [_run(e, 5 * 4 * e, 40 * 4 * e) for e in (8000, 27000, 64000, 125000, 216000, 343000, 512000)]

@@ -9,8 +9,11 @@ import statistics
 
 import pytest
 
-from memchunk_prefect.core.records import Observation
-from memchunk_prefect.learn.model import MIB, ModelBank, OperatorModel, Prediction, _Form, _loo_weight, repeatability
+from benchmarks.quality import repeatability
+from memchunk_prefect.core.records import Observation, Prediction
+from memchunk_prefect.learn.bank import ModelBank
+from memchunk_prefect.learn.forms import MIB, _Form, _loo_weight
+from memchunk_prefect.learn.operator import OperatorModel
 from memchunk_prefect.learn.store import Store
 
 KEY = "op|float32|cpu"
@@ -177,7 +180,7 @@ def test_censored_observation_raises_the_bound_above_what_was_needed():
 
 def before_small(m, ext):
     # the uncensored bound, recomputed from the fit directly
-    return m._predict_u(elements(ext) / MIB, apply_censored=False).upper_bytes
+    return m.memory._predict_u(elements(ext) / MIB, apply_censored=False).upper_bytes
 
 
 def test_censored_is_not_fitted_as_a_point():
@@ -212,6 +215,34 @@ def test_cold_model_guesses_the_block_itself_and_is_not_ready():
 def test_bad_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         OperatorModel(KEY, **kwargs)
+
+
+def test_unknown_settings_are_refused_by_name_and_shared_ones_reach_every_model_that_takes_them():
+    with pytest.raises(TypeError, match="min_sise_ratio"):
+        OperatorModel(KEY, min_sise_ratio=2.0)
+    m = OperatorModel(KEY, min_size_ratio=2.0, first_touch_bytes=2**20, metric_window=5, time_window=7, energy_window=3)
+    assert m.memory.min_size_ratio == m.time.min_size_ratio == 2.0
+    assert m.memory.first_touch_bytes == m.time.first_touch_bytes == 2**20
+    assert m.memory.metric_window == m.energy.metric_window == 5
+    assert m.time.time_window == 7 and m.energy.energy_window == 3
+
+
+def test_the_windows_a_plan_reads_rates_over_are_the_models_own():
+    """The median of seconds (and joules) per element a plan reads is over the model's time_window (energy_window)
+    latest runs: one home for each, set through the bank's model options."""
+    from memchunk_prefect.core.settings import DEFAULT_SETTINGS
+    from memchunk_prefect.learn.bank import BankKnowledge
+
+    def bank(**options):
+        b = ModelBank(None, **options)
+        for i, seconds in enumerate((1.0, 2.0, 9.0)):
+            b.learn(Observation(KEY, 1000, (1, 10, 100), 4000, 2**20, seconds=seconds, created_at=10.0 * i,
+                                energy_joules=seconds, energy_source="estimate"))
+        return BankKnowledge(b, KEY, DEFAULT_SETTINGS)
+
+    median, latest = bank(), bank(time_window=1, energy_window=1)
+    assert median.seconds_per_element() == pytest.approx(2.0 / 1000) and median.joules_for(1000) == pytest.approx(2.0)
+    assert latest.seconds_per_element() == pytest.approx(9.0 / 1000) and latest.joules_for(1000) == pytest.approx(9.0)
 
 
 def test_wrong_key_is_refused():
@@ -319,7 +350,7 @@ def test_the_conformal_margin_is_the_quantile_of_what_runs_needed_over_what_was_
         ext = SIZES[k % len(SIZES)]
         m.learn(obs(ext, gst(elements(ext)) * rng.uniform(0.9, 1.15)))
     q = m.conformal_factor()
-    ratios = sorted(m._ratios)
+    ratios = sorted(m.memory._ratios)
     assert q == ratios[math.ceil((len(ratios) + 1) * 0.95) - 1]
     assert 1.0 < q < 1.2, "runs up to 15% over a mean near the middle: the factor lands in between"
     p = m.predict((64, 64, 400))
@@ -391,7 +422,7 @@ def test_what_a_first_use_left_held_is_the_workers_and_the_block_is_learned_with
 
 
 def test_a_gpu_model_never_takes_the_hosts_first_use_off_a_gpu_peak():
-    from memchunk_prefect.learn.model import gpu_view
+    from memchunk_prefect.learn.bank import gpu_view
 
     o = obs((8, 16, 400), 200 * MIB)
     o.retained_bytes, o.gpu_peak_bytes, o.gpu_budget_bytes = 150 * MIB, 2 * 2**30, 40 * 2**30
@@ -411,7 +442,7 @@ def test_the_tight_bound_is_the_mean_times_the_learned_margin_up_to_twice_the_la
     assert inside.tight_bytes == pytest.approx(inside.mean_bytes * q) and inside.tight_bytes <= inside.upper_bytes
     # Beyond the largest block the line and the superlinear curve the runs cannot rule out part: the tight bound
     # holds the curve by its weight (the truth here), below the widened upper bound.
-    w, other = m._curved_weight()
+    w, other = m.memory._curved_weight()
     assert other is not None and w > 0.5
     assert reach.mean_bytes * q < reach.tight_bytes and superlinear(elements((32, 32, 400))) <= reach.tight_bytes
     assert reach.tight_bytes < reach.upper_bytes, "twice the largest block: the bold bet, below the widened bound"
@@ -424,7 +455,7 @@ def test_the_tight_bound_is_the_mean_times_the_learned_margin_up_to_twice_the_la
 def test_before_a_margin_is_learned_the_tight_bound_is_the_in_data_prediction_interval():
     m = trained(linear, n=6)
     assert m.conformal_factor() is None
-    largest = max(m._sizes)
+    largest = max(m.memory._sizes)
     p = m.predict((1, 1, largest))  # the largest block measured: no extrapolation
     assert p.mean_bytes < p.tight_bytes <= p.upper_bytes
     assert p.tight_bytes < 1.3 * p.mean_bytes
@@ -460,10 +491,10 @@ def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
         m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
     assert not m.rates_rise() and not m.curve_supported()  # 343,200 -> 3,891,200: an 11x gap
     assert m.time_form() == "linear" and m.seconds_for(2_252_800) is None
-    curved = dataclasses.replace(m)  # the same rows, the rates left unchecked: what the planner was told
+    curved = OperatorModel(KEY)  # the same rows, the rates left unchecked: what the planner was told
     for e, ext, secs, sys_secs, grew, peak in rows:
         curved.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
-    curved.curve_supported = lambda: True  # type: ignore[method-assign]
+    curved.time.curve_supported = lambda: True  # type: ignore[method-assign]
     assert curved.time_form() == "quadratic"
     assert curved.seconds_for(2_252_800) < 0.7 * 2_252_800 / 3_891_200 * curved.seconds_for(3_891_200)
     with pytest.raises(ValueError, match="time_curve_margin"):
@@ -764,7 +795,7 @@ def test_a_form_fit_from_running_sums_and_a_press_window_equals_the_fit_over_eve
     """The residual sum of squares comes from running sums (O(1) per refit); PRESS from the latest window."""
     import numpy as np
 
-    from memchunk_prefect.learn import model as m
+    from memchunk_prefect.learn import forms as m
 
     rng = np.random.default_rng(4)
     us = rng.uniform(0.01, 4.0, 60)
@@ -939,7 +970,7 @@ def test_an_unsupported_memory_curve_holds_the_tight_bound_where_the_operator_do
         m.learn(obs(extents, peak, key=key))
     p = m.predict((128, 128, 200))
     measured = 69959680
-    assert m.form() == "linear" and m._unsupported_curve() == "superlinear"
+    assert m.form() == "linear" and m.memory._unsupported_curve() == "superlinear"
     assert p.mean_bytes < 0.9 * measured, p  # the line's mean under-reads
     assert measured <= p.tight_bytes <= 1.25 * measured, p
 
@@ -1030,7 +1061,7 @@ def test_no_repeated_block_gives_no_floor():
 
 def test_replay_quality_tells_extrapolated_runs_from_runs_inside_the_sizes_learned():
     """Runs are counted beyond when their block is larger than every block learned before them (by 5%)."""
-    from memchunk_prefect.learn.model import replay_quality
+    from benchmarks.quality import replay_quality
 
     key = "op|float32|cpu"
     sizes = [10, 20, 30, 40, 50, 60, 30, 40, 120, 50, 240]  # 60, 120 and 240 are beyond; 30, 40, 50 inside

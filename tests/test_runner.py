@@ -664,7 +664,7 @@ def test_workers_unpickling_the_runner_do_not_import_the_model_or_the_report():
     budget on every worker if the runner's module imported them.
     """
     code = ("import sys, cloudpickle; import memchunk_prefect.run.runner as r; cloudpickle.loads(cloudpickle.dumps("
-            "r.MemoryAwareRunner())); print(sorted(m for m in ('river', 'memchunk_prefect.learn.model', "
+            "r.MemoryAwareRunner())); print(sorted(m for m in ('river', 'memchunk_prefect.learn.bank', 'memchunk_prefect.learn.forms', "
             "'memchunk_prefect.run.report', 'memchunk_prefect.learn.store') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

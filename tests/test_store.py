@@ -481,7 +481,7 @@ def test_compact_keeps_the_sizes_a_model_needs_and_every_arms_latest_rewards(tmp
     """Once warm, nights repeat one chunk size: the newest rows alone would leave the model one size (not ready)
     and the arms played early no reward (untried again)."""
     from memchunk_prefect.core.records import Reward
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
     from memchunk_prefect.testing import seed_store
 
     key = "envelope|float32|cpu"

@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     gst = next((s for s in summaries if s["operator"] == "gst3d_dip"), None)
     if gst:
         # What the learned model now says the whole survey would need in one piece.
-        from memchunk_prefect.learn.model import ModelBank
+        from memchunk_prefect.learn.bank import ModelBank
         from memchunk_prefect.learn.store import Store
 
         with Store(args.store) as store:

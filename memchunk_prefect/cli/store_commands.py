@@ -33,7 +33,7 @@ from memchunk_prefect.core.units import parse_bytes
                     "energy per element")
 @arguments(lambda p: p.add_argument("--json", action="store_true", help="print JSON instead of a table"))
 def _models(args: argparse.Namespace) -> int:
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
 
     with open_store(args) as store:
         bank = ModelBank(store)
@@ -222,7 +222,7 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
 def _plan(args: argparse.Namespace) -> int:
     from memchunk_prefect.core.estimates import Estimates, FirstTouch
     from memchunk_prefect.core.policy import plan
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
 
     budget = parse_bytes(args.budget)
     held = parse_bytes(args.held) if args.held is not None else 0

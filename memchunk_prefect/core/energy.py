@@ -21,7 +21,7 @@ Sources (``Observation.energy_source``):
 
 Measured and estimated joules are never mixed: the model learns one kind per
 operator key (measured once any measured run exists, see
-:class:`memchunk_prefect.learn.model.OperatorModel`), and reports say which it is.
+:class:`memchunk_prefect.learn.energy.EnergyModel`), and reports say which it is.
 
 >>> estimate_joules(cpu_seconds=2.0, watts_per_core=10.0)
 20.0

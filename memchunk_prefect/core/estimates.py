@@ -59,7 +59,7 @@ class FirstTouch:
     ``touched_bytes``: what a task may use above its worker's resting memory without growing it, on the least
     touched worker, per thread (:attr:`memchunk_prefect.core.budget.WorkerMemory.touched_bytes`), bytes;
     ``seconds_per_byte``: the kernel seconds this operator's runs paid per byte they grew their worker
-    (:meth:`memchunk_prefect.learn.model.OperatorModel.touch_seconds_per_byte`).
+    (:meth:`memchunk_prefect.learn.time.TimeModel.touch_seconds_per_byte`).
     """
 
     touched_bytes: int

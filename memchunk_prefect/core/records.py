@@ -118,7 +118,7 @@ class Observation:
     #: Memory the run left held in its worker process at its end, above its start, bytes; None if unknown (records
     #: older than schema v10, runs that shared their process with another). Where large, it is a first use (a CUDA
     #: context, a library loaded, a cache): paid once per worker process, not per block
-    #: (:meth:`memchunk_prefect.learn.model.OperatorModel.first_use_bytes`).
+    #: (:meth:`memchunk_prefect.learn.memory.MemoryModel.first_use_bytes`).
     retained_bytes: int | None = None
     flow_run_id: str = ""
     created_at: float = field(default_factory=time.time)
@@ -141,7 +141,7 @@ class Observation:
     gpu_out_of_memory: bool = False
     #: Kernel CPU time of the run's thread (page faults and zeroing of the memory it touched), seconds; None if
     #: unknown (records older than schema v9, platforms without a per-thread figure). Of ``seconds``, the part
-    #: a first touch inflates: see :meth:`memchunk_prefect.learn.model.OperatorModel.compute_seconds`.
+    #: a first touch inflates: see :meth:`memchunk_prefect.learn.time.TimeModel.compute_seconds`.
     sys_seconds: float | None = None
 
     def __post_init__(self) -> None:
@@ -191,7 +191,7 @@ class Prediction:
       the sizes seen); None means the same as ``upper_bytes``. The learned policy
       (``bandit.py``) chooses how far between this and ``upper_bytes`` to plan.
 
-    The one prediction type: the model (``model.py``) returns it, the policy
+    The one prediction type: the memory model (``learn/memory.py``) returns it, the policy
     (``policy.py``) and the map state machine read it, tests build it by hand.
     """
 

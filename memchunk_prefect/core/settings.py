@@ -89,9 +89,6 @@ class PolicySettings:
       is at least half its estimated time is logged as a warning naming the
       budget that forces it and what to change (the planner already weighs the
       overhead: this is for when the budget leaves it no better choice).
-    - ``time_window``: seconds per element is the median over this many latest
-      ``ok`` observations of the operator (a median: one slow run on a busy
-      machine does not move it).
     - ``learned_policy``: choose the risk level a plan is fitted at with the
       learned bandit (``bandit.py``); False plays the fixed heuristic (the
       model's full upper bound) every time, for ablations and for users who
@@ -141,7 +138,6 @@ class PolicySettings:
     memory_error_splits: int = 4
     gpu_context_restarts: int = 2
     many_chunks: int = 1000
-    time_window: int = 20
     learned_policy: bool = True
     granularity_arms: bool = False
     oom_penalty: float = 1.0

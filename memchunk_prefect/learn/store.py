@@ -2,7 +2,7 @@
 
 What it covers: where the store lives, its schema (versioned, migrated
 forward), concurrent writers, recovery from a corrupt or foreign file, export.
-What it does not: learning (``model.py`` replays these rows; nothing here is
+What it does not: learning (``bank.py`` replays these rows; nothing here is
 ever pickled or unpickled).
 
 Where: ``$MEMCHUNK_STORE`` if set, else ``<PREFECT_HOME>/memchunk/observations.sqlite``

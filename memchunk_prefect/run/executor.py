@@ -265,7 +265,7 @@ class ChunkedMap:
             logger.info("%s: %s", self.name, gpu.reason)
         self.out, completed, action = open_output(self.output_path, self.identity, self.shape, self.source.coords(),
                                                   operator=self.name, replace_any=self.replace_any)
-        from memchunk_prefect.learn.model import (
+        from memchunk_prefect.learn.bank import (
             BankKnowledge,  # flow process only (River): see the note at the top of runner.py
         )
 

@@ -80,7 +80,7 @@ from memchunk_prefect.run.prefect_api import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from memchunk_prefect.learn.model import ModelBank
+    from memchunk_prefect.learn.bank import ModelBank
 
 logger = logging.getLogger("memchunk_prefect.run.runner")
 
@@ -411,7 +411,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         """The model bank over this runner's store (opened once per flow run)."""
         with self._lock:  # maps run in threads of their own
             if self._bank is None:
-                from memchunk_prefect.learn.model import (
+                from memchunk_prefect.learn.bank import (
                     ModelBank,  # flow process only: see the note at the top of the module
                 )
                 from memchunk_prefect.learn.store import Store

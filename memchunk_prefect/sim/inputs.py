@@ -25,7 +25,7 @@ from memchunk_prefect.core.errors import SimulationInputError, format_bytes
 from memchunk_prefect.core.estimates import Knowledge
 from memchunk_prefect.core.records import Observation, Prediction
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
-from memchunk_prefect.learn.model import BankKnowledge, ModelBank
+from memchunk_prefect.learn.bank import BankKnowledge, ModelBank
 from memchunk_prefect.sim.allocation import QueueWait
 
 MiB = 2**20
@@ -215,7 +215,7 @@ class Draws:
     @functools.cached_property
     def touch_seconds_per_byte(self) -> float:
         """Kernel seconds per byte a task pays where it takes its worker above the most it has held (the learned
-        figure, :meth:`memchunk_prefect.learn.model.OperatorModel.touch_seconds_per_byte`; 0 where none is)."""
+        figure, :meth:`memchunk_prefect.learn.time.TimeModel.touch_seconds_per_byte`; 0 where none is)."""
         return float(self.knowledge.touch_seconds_per_byte() or 0.0)
 
 

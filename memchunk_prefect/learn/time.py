@@ -1,0 +1,349 @@
+"""The time model of one operator key: compute seconds of a block, and what growing a worker's memory costs."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from memchunk_prefect.core.records import FIRST_USE_BYTES, FIRST_USE_SHARE, Observation
+from memchunk_prefect.learn.forms import (
+    _POWERS,
+    CURVED,
+    LINEAR,
+    MIB,
+    MIN_NOISE,
+    MIN_SIZE_RATIO,
+    PRIOR_NOISE,
+    PRIOR_VARIANCE,
+    RATE_HISTORY,
+    SUPERLINEAR_GAIN,
+    _Form,
+    _loo_weight,
+    _rate_ratio,
+)
+
+
+@dataclass(frozen=True)
+class _TimeChoice:
+    """What time is planned by: the form named (:meth:`TimeModel.time_form`), the curve whose mean counts in a
+    block's seconds (None: the line alone) and how much it counts (0..1; the fitted line counts the rest)."""
+
+    form: str
+    curve: str | None
+    weight: float
+
+
+class TimeModel:
+    """Compute seconds of one operator's blocks: a rate per element, and a curve where time grows faster.
+
+    Time proportional to size is planned by :meth:`seconds_per_element`, a
+    median of the latest runs' rates (one run slowed by a busy machine does not
+    move it). Where time grows faster than size (all pairs of traces), smaller
+    chunks are cheaper per element, and :meth:`seconds_for` says so: the same
+    forms as memory (:mod:`memchunk_prefect.learn.forms`), fitted on relative
+    residuals of seconds with every constant held at 0 or above, and a curve
+    counted only where the runs support it (:meth:`time_form`,
+    :meth:`time_curve_weight`).
+
+    *First touch.* A run that took its worker well above the most it had held
+    (``Observation.grew_bytes`` over ``first_touch_bytes`` and ``first_touch_share``
+    of its peak) paid the kernel to fault in and zero that memory, once per worker
+    and growth, not per element. It teaches time without its kernel seconds
+    (:meth:`compute_seconds`), and what the growth cost is learned apart
+    (:meth:`touch_seconds_per_byte`) for the planner to count once per worker.
+
+    Parameters (public, as constructed): ``time_window``, the latest runs a
+    median rate is over; ``time_floor_seconds``, added in quadrature to each
+    run's seconds when fitting (runs of milliseconds are mostly scheduling
+    noise); ``first_touch_bytes`` / ``first_touch_share``, what makes a run a
+    first touch; ``superlinear_gain``, the fraction of the line's leave-one-out
+    error a curve must reach; ``time_rising_gain``, the same where the measured
+    rates rise (the rise is evidence of a curve already); ``time_curve_margin``,
+    how much the largest blocks' rate must exceed the smallest's to count as
+    rising; ``time_gap_ratio``, the widest step between consecutive sizes that
+    still tests a curve where the planner uses it; ``min_size_ratio``, sizes this
+    far apart compare rates; ``prior_variance``, ``prior_noise``, ``min_noise``:
+    the forms' prior and noise scale (:class:`~memchunk_prefect.learn.forms._Form`).
+
+    Units: seconds, elements, bytes.
+
+    >>> from memchunk_prefect.core.records import Observation
+    >>> t = TimeModel()
+    >>> for n in (2**18, 2**19, 2**20, 2**21) * 2:  # seconds grow with the square of the block
+    ...     t.learn(Observation("k|float32|cpu", n, (1, 1, n), 4 * n, 2**20, seconds=0.1 * (n / 2**20) ** 2))
+    >>> t.time_form(), round(t.seconds_for(2**21), 3)
+    ('quadratic', 0.4)
+    >>> round(t.seconds_per_element() * 2**21, 3)  # the median rate, which a line would plan by
+    0.2
+    """
+
+    def __init__(self, time_window: int = 20, time_floor_seconds: float = 0.01,
+                 first_touch_bytes: float = FIRST_USE_BYTES, first_touch_share: float = FIRST_USE_SHARE,
+                 superlinear_gain: float = SUPERLINEAR_GAIN, time_rising_gain: float = 1.0,
+                 time_curve_margin: float = 0.1, time_gap_ratio: float = 3.0, min_size_ratio: float = MIN_SIZE_RATIO,
+                 prior_variance: float = PRIOR_VARIANCE, prior_noise: float = PRIOR_NOISE,
+                 min_noise: float = MIN_NOISE):
+        if not time_curve_margin >= 0.0:
+            raise ValueError(f"time_curve_margin must be a fraction of at least 0, got {time_curve_margin!r}")
+        if not time_gap_ratio > 1.0:
+            raise ValueError(f"time_gap_ratio must be above 1, got {time_gap_ratio!r}")
+        if not 0.0 < time_rising_gain <= 1.0:
+            raise ValueError(f"time_rising_gain must be in (0, 1] (a fraction of the line's leave-one-out error), "
+                             f"got {time_rising_gain!r}")
+        self.time_window = time_window
+        self.time_floor_seconds = time_floor_seconds
+        self.first_touch_bytes = first_touch_bytes
+        self.first_touch_share = first_touch_share
+        self.superlinear_gain = superlinear_gain
+        self.time_rising_gain = time_rising_gain
+        self.time_curve_margin = time_curve_margin
+        self.time_gap_ratio = time_gap_ratio
+        self.min_size_ratio = min_size_ratio
+        self.prior_variance = prior_variance
+        self.prior_noise = prior_noise
+        self.min_noise = min_noise
+        # Time has no bound to hedge, only a form chosen by held-out error: its curvature keeps the weak prior.
+        self._forms = {name: _Form(name, prior_variance, math.sqrt(prior_variance), nonnegative_constant=True)
+                       for name in _POWERS}
+        self._sizes: set[int] = set()  # block sizes the forms learned, elements
+        self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
+        self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
+        self._rates: deque[float] = deque(maxlen=RATE_HISTORY)  # compute seconds per element of ok runs
+        self._first_touch_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # first touches of unknown kernel time
+        self._touch_costs: deque[tuple[float, float, int]] = deque(maxlen=RATE_HISTORY)  # (sys s, grew B, elements)
+        self._sys_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # kernel s per element of runs that did not grow
+
+    def learn(self, obs: Observation) -> None:
+        """Learn an ``ok`` run's seconds and kernel time (other outcomes say nothing of time)."""
+        if obs.gpu_out_of_memory or obs.outcome != "ok" or obs.elements <= 0:
+            return
+        if obs.sys_seconds is not None:
+            if self.first_touch(obs):
+                self._touch_costs.append((float(obs.sys_seconds), float(obs.grew_bytes or 0), int(obs.elements)))
+            else:
+                self._sys_rates.append(float(obs.sys_seconds) / obs.elements)
+        seconds = self.compute_seconds(obs)
+        if seconds is None:
+            self._first_touch_rates.append(obs.seconds / obs.elements)
+            return
+        self._rates.append(seconds / obs.elements)
+        if seconds > 0:
+            u = obs.elements / MIB
+            for form in self._forms.values():
+                form.learn(u, seconds, math.hypot(seconds, self.time_floor_seconds))
+            self._sizes.add(obs.elements)
+            self._runs.append((int(obs.elements), seconds))
+            self._memo = None
+
+    # ------------------------------------------------------------------ first touch
+
+    def first_touch(self, obs: Observation) -> bool:
+        """Whether ``obs`` took its worker well above the most it had held (``first_touch_bytes`` and
+        ``first_touch_share`` of its peak): its wall time then includes faulting that memory in.
+        False when unknown (records older than schema v7)."""
+        grew = obs.grew_bytes
+        return grew is not None and grew > max(self.first_touch_bytes, self.first_touch_share * obs.peak_bytes)
+
+    def compute_seconds(self, obs: Observation) -> float | None:
+        """The seconds an ``ok`` run teaches time: its wall seconds; for a first touch (:meth:`first_touch`), its
+        wall seconds less its kernel CPU time (``sys_seconds``), or None where that is unknown.
+
+        A first touch's extra cost is the kernel's (``python -m benchmarks.first_touch``): wall less system
+        time of a first call is what the next call costs to within the next's own system time, so a cold
+        start's probes, each larger than any before on its worker, still teach how time grows with the block.
+        """
+        if not self.first_touch(obs):
+            return float(obs.seconds)
+        if obs.sys_seconds is None:
+            return None
+        return max(0.0, float(obs.seconds) - float(obs.sys_seconds))
+
+    def resting_sys_per_element(self, window: int | None = None) -> float | None:
+        """Kernel seconds per element a run pays that does not grow its worker: the median over the latest
+        ``window`` such runs (default ``time_window``; None before one)."""
+        if not self._sys_rates:
+            return None
+        window = self.time_window if window is None else window
+        rates = sorted(list(self._sys_rates)[-max(1, int(window)):])
+        return rates[len(rates) // 2]
+
+    def growth_kernel_seconds(self, sys_seconds: float, elements: int, rest: float | None = None) -> float:
+        """Of a first touch's kernel seconds, what growing its worker cost: all of them, less what a run of
+        ``elements`` pays below the mark (``rest`` per element, default :meth:`resting_sys_per_element`;
+        nothing while none is known)."""
+        rest = self.resting_sys_per_element() if rest is None else rest
+        return max(0.0, float(sys_seconds) - (rest or 0.0) * int(elements))
+
+    def touch_costs(self) -> tuple[float, float]:
+        """(kernel seconds growing cost, bytes grown) summed over the latest runs that grew their worker
+        (:meth:`first_touch`) and measured their kernel time (:meth:`growth_kernel_seconds`): what
+        :meth:`touch_seconds_per_byte` divides."""
+        rest = self.resting_sys_per_element() or 0.0
+        return (sum(self.growth_kernel_seconds(c[0], c[2], rest) for c in self._touch_costs),
+                sum(c[1] for c in self._touch_costs))
+
+    def touch_seconds_per_byte(self) -> float | None:
+        """Kernel seconds per byte the latest runs that grew their worker paid (:meth:`first_touch`): the cost of
+        growing a worker's memory past the most it has held, which a plan pays once per worker
+        (:class:`memchunk_prefect.core.estimates.FirstTouch`); None before such a run.
+
+        Summed over the runs (not a median of ratios), so the large growths, which cost what a plan pays,
+        decide. Time is fitted to first touches less their kernel time (:meth:`compute_seconds`), so the two
+        add up to what such a run took.
+        """
+        sys_seconds, grew = self.touch_costs()
+        return sys_seconds / grew if grew > 0 else None
+
+    # ------------------------------------------------------------------ rates and forms
+
+    def seconds_per_element(self, window: int | None = None) -> float | None:
+        """Compute seconds per element (halo included): the median of the latest ``window`` ``ok`` runs (default
+        ``time_window``; the upper middle value for an even count). Runs that paid a first touch of unknown
+        kernel time (:meth:`compute_seconds`) count only while no other run has been learned. None before any."""
+        source = self._rates or self._first_touch_rates
+        if not source:
+            return None
+        window = self.time_window if window is None else window
+        rates = sorted(list(source)[-max(1, int(window)):])
+        return rates[len(rates) // 2]
+
+    def time_form(self) -> str:
+        """The form of compute seconds against block size: a curved one only where it predicts held-out runs better.
+
+        A curve is named when it has at least ``p + 2`` runs at two sizes or
+        more, rises over every size measured (one that falls at the smallest block
+        fits noise: a larger block never costs less), and either the measured
+        rates rise (:meth:`rates_rise`) and its leave-one-out error is within
+        ``time_rising_gain`` of the line's, or it is below ``superlinear_gain`` of
+        the line's and the runs support it (:meth:`curve_supported`). A named
+        curve makes the planner cut smaller for speed, so it must be where the
+        planner cuts; the tests named ``test_*time_curve*`` and ``test_rates_that_rise_*`` pin each rule.
+
+        Every form's constant is held at 0 or above (:meth:`_Form._without`): a
+        negative one reads a block that takes no time, and a line with one fits
+        rising rates about as well as a curve, while the planner plans a line
+        through zero. Held, a curve has two free terms, so two clusters of sizes
+        (a cold start's probes, then the rest of the map) already test it.
+        """
+        return self._choice().form
+
+    def time_curve_weight(self) -> tuple[float, str | None]:
+        """How much a curved time form counts in a block's seconds (0..1), and which form (None: none does).
+
+        A curve named counts whole (shrunk towards the line, it read larger
+        blocks cheaper than they ran). Where the measured rates rise but the line
+        is named, the best curve still counts by its leave-one-out weight against
+        the line (:func:`_loo_weight`): rising rates say the line is wrong at both
+        ends, and which of two forms predicts held-out runs better is then often
+        one noisy probe's say. Where the rates do not rise, a curve is all or
+        nothing: its weight would be about 1/2 on noise alone.
+        """
+        choice = self._choice()
+        return choice.weight, choice.curve
+
+    def _choice(self) -> _TimeChoice:
+        if self._memo is None:  # seconds_for asks once per candidate plan: choose once per run learned
+            self._memo = self._fitted_choice()
+        return self._memo
+
+    def _fitted_choice(self) -> _TimeChoice:
+        """The form the leave-one-out test of :meth:`time_form` picks, and the curve's weight
+        (:meth:`time_curve_weight`)."""
+        line = _TimeChoice(LINEAR, None, 0.0)
+        if len(self._sizes) < 2:
+            return line
+        fits = {name: f.fit(self.prior_noise, 1.0, self.min_noise) for name, f in self._forms.items()}
+        u0 = min(self._sizes) / MIB
+        # With positive curvature the slope only grows with size: rising at the smallest block is rising everywhere.
+        ok = [name for name in CURVED
+              if fits[name].n >= len(_POWERS[name]) + 2 and math.isfinite(fits[name].press) and fits[name].coef[-1] > 0
+              and self._forms[name].mean(1.01 * u0, fits[name]) > self._forms[name].mean(u0, fits[name])]
+        best = min(ok, key=lambda name: fits[name].press) if ok else None
+        if best is None:
+            return line
+        if self.rates_rise():
+            if fits[best].press <= self.time_rising_gain * fits[LINEAR].press:
+                return _TimeChoice(best, best, 1.0)
+            return _TimeChoice(LINEAR, best, _loo_weight(fits[best].press, fits[LINEAR].press, fits[LINEAR].n))
+        if fits[best].press < self.superlinear_gain * fits[LINEAR].press and self.curve_supported():
+            return _TimeChoice(best, best, 1.0)
+        return line
+
+    def time_fits(self, elements: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
+        """Per time form: runs fitted, leave-one-out error (``press``, on relative residuals) and the compute
+        seconds it predicts for blocks of ``elements`` (halo included): what :meth:`time_form` chooses between,
+        for diagnosis (``python -m benchmarks.time_forms --fits``). Empty before any timed run."""
+        if not self._sizes:
+            return {}
+        out: dict[str, dict[str, Any]] = {}
+        for name, form in self._forms.items():
+            fit = form.fit(self.prior_noise, 1.0, self.min_noise)
+            out[name] = {"n": int(fit.n), "press": float(fit.press),
+                         "seconds": [float(form.mean(int(e) / MIB, fit)) for e in elements]}
+        return out
+
+    def curve_supported(self) -> bool:
+        """Whether the runs measured support a curved time form: no gap between consecutive sizes wider than
+        ``time_gap_ratio`` (so leave-one-out tested the curve where the planner will use it), or seconds per
+        element that rise with size by more than ``time_curve_margin`` (:meth:`rates_rise`).
+
+        A curve through two clusters of sizes is free in the gap between them,
+        where the next plan cuts, and leave-one-out does not see it: each wave runs
+        one chunk per slot at one size, and the twin of a chunk left out stays in
+        the fit. A cold start's waves step 3.3-3.9x in size, so they alone never
+        stand a curve at the default 3x
+        (``test_a_cold_start_s_waves_alone_do_not_stand_a_time_curve_on_leave_one_out``).
+        """
+        sizes = sorted({e for e, _ in self._runs})
+        if len(sizes) >= 2 and all(b <= self.time_gap_ratio * a for a, b in zip(sizes, sizes[1:])):
+            return True
+        return self.rates_rise()
+
+    def rates_rise(self) -> bool:
+        """True when :meth:`rate_ratio` is above ``1 + time_curve_margin``."""
+        ratio = self.rate_ratio()
+        return ratio is not None and ratio > 1.0 + self.time_curve_margin
+
+    def rate_ratio(self) -> float | None:
+        """The median measured seconds per element of the largest blocks (within ``min_size_ratio`` of the
+        largest size) over the smallest blocks'; None before two sizes that far apart were timed. Above 1:
+        larger blocks cost more per element; below: per-task costs weigh on small blocks."""
+        return _rate_ratio(self._runs, self.min_size_ratio)
+
+    def seconds_for(self, elements: int) -> float | None:
+        """Compute seconds for a block of ``elements`` (halo included) when time grows faster than its size.
+
+        None while no curve counts: then time is proportional to size and the
+        planner uses :meth:`seconds_per_element`. Where a curve counts only in
+        part (:meth:`time_curve_weight`), the rest is the fitted line held at no
+        constant it was weighed against.
+        """
+        weight, curve = self.time_curve_weight()
+        if curve is None or weight <= 0.0:
+            return None
+        u = int(elements) / MIB
+        seconds = max(0.0, self._mean(curve, u))
+        return seconds if weight >= 1.0 else weight * seconds + (1.0 - weight) * max(0.0, self._mean(LINEAR, u))
+
+    def _mean(self, form: str, u: float) -> float:
+        """The fitted compute seconds of time form ``form`` for a block of ``u`` Mi-elements."""
+        f = self._forms[form]
+        return f.mean(u, f.fit(self.prior_noise, 1.0, self.min_noise))
+
+    def summary(self) -> dict[str, Any]:
+        """Plain figures for reports: seconds per element, the form and the curve counted (and how much), the
+        rate ratio, runs learned and set aside, and the kernel seconds per GiB a worker's growth cost."""
+        weight, curve = self.time_curve_weight()
+        spb = self.touch_seconds_per_byte()
+        return {
+            "seconds_per_element": self.seconds_per_element(),
+            "time_form": self.time_form(),
+            "time_curve": curve,  # the curve counted in a block's seconds, if any
+            "time_curve_weight": weight,  # how much (0..1; the fitted line, the rest)
+            "time_rate_ratio": self.rate_ratio(),  # seconds per element, largest blocks over smallest
+            "time_runs": len(self._rates),  # ok runs time is learned from (the latest RATE_HISTORY)
+            "first_touch_runs": len(self._first_touch_rates),  # ok runs set aside: they grew their worker
+            "touch_seconds_per_gib": None if spb is None else spb * 2**30,  # kernel seconds per GiB grown
+        }
