@@ -85,15 +85,6 @@ An arm whose plan is the same chunking as the chosen one is taught the same
 reward (its outcome would have been this one), so arms that agree cost no
 exploration. The choice is reproducible: the policy is rebuilt from the rewards
 with a seed drawn from the key and the number of rewards.
-
->>> from memchunk_prefect.core.records import Reward
->>> learner = ArmLearner("gst3d_dip|float32|cpu")
->>> learner.choose([("bold",), ("mid", "safe")]).arm  # nothing learned yet: bold first
-'bold'
->>> learner.learn(Reward("gst3d_dip|float32|cpu", "bold", ("bold",), -0.2, 0.8, 100, 1.0, 2, out_of_memory=1))
->>> learner.learn(Reward("gst3d_dip|float32|cpu", "mid", ("mid", "safe"), 0.6, 0.6, 100, 1.0, 2))
->>> learner.choose([("bold",), ("mid", "safe")], explore=False).arm
-'mid'
 """
 
 from __future__ import annotations

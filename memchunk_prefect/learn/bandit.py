@@ -3,6 +3,15 @@
 :class:`ArmLearner` keeps the rewards (:class:`~memchunk_prefect.core.records.Reward` rows, replayed from the
 store) and picks the arm a map's first plan is fitted under with River's
 :class:`river.bandit.EpsilonGreedy`; the arms and the reward are defined in :mod:`memchunk_prefect.core.bandit`.
+
+>>> from memchunk_prefect.core.records import Reward
+>>> learner = ArmLearner("gst3d_dip|float32|cpu")
+>>> learner.choose([("bold",), ("mid", "safe")]).arm  # nothing learned yet: bold first
+'bold'
+>>> learner.learn(Reward("gst3d_dip|float32|cpu", "bold", ("bold",), -0.2, 0.8, 100, 1.0, 2, out_of_memory=1))
+>>> learner.learn(Reward("gst3d_dip|float32|cpu", "mid", ("mid", "safe"), 0.6, 0.6, 100, 1.0, 2))
+>>> learner.choose([("bold",), ("mid", "safe")], explore=False).arm
+'mid'
 """
 
 from __future__ import annotations
