@@ -133,6 +133,30 @@ class MapContext:
     submit: Callable[..., PrefectDaskFuture]
 
 
+@dataclasses.dataclass
+class _SlowWatch:
+    """What a map keeps to tell slow workers from the others: its ok runs, the workers found slow (each said
+    once) and when it last looked (``time.monotonic()`` seconds)."""
+
+    finished_runs: list[Observation] = dataclasses.field(default_factory=list)
+    slow: dict[str, SlowWorker] = dataclasses.field(default_factory=dict)
+    slow_checked: float = 0.0
+
+
+@dataclasses.dataclass
+class _PauseWatch:
+    """What a map keeps to tell workers stuck at Dask's pause line: since when each has been paused with nothing
+    running (monotonic seconds), those said (each once), when it last looked, whether the scheduler answers,
+    its transition count then, and the stuck workers' pause line (a fraction of ``memory_limit``)."""
+
+    idle: dict[str, float] = dataclasses.field(default_factory=dict)
+    said: set[str] = dataclasses.field(default_factory=set)
+    checked: float = 0.0
+    checkable: bool = True
+    transitions_seen: int | None = None
+    fraction: float | None = None
+
+
 class ChunkedMap:
     """One chunked ``.map`` from decision to finished output: a thin executor of a :class:`MapMachine`.
 
@@ -196,15 +220,8 @@ class ChunkedMap:
         self.started_at: float | None = None  # when the map began (epoch seconds), for its MapRun record
         self.flow_run_id = flow_run_id()
         self.map_id = uuid.uuid4().hex  # ties the map's observations to its MapRun record (traces)
-        self.finished_runs: list[Observation] = []  # the map's ok runs, to tell slow workers from the others
-        self.slow: dict[str, SlowWorker] = {}  # workers found slow during the map (each said once)
-        self.slow_checked = 0.0  # time.monotonic() of the last look for slow workers
-        self.paused_idle: dict[str, float] = {}  # worker -> since when (monotonic s) paused with nothing running
-        self.paused_said: set[str] = set()  # workers said stuck paused during the map (each once)
-        self.pauses_checked = 0.0  # time.monotonic() of the last look at the workers' pauses
-        self.pauses_checkable = True  # False once the scheduler refused the look
-        self.transitions_seen: int | None = None  # the scheduler's transition count at that look
-        self.pause_fraction: float | None = None  # the stuck workers' pause line (fraction of memory_limit)
+        self.slow_watch = _SlowWatch()
+        self.pause_watch = _PauseWatch()
         # What other threads read of a map that runs in the background (runner.MemoryAwareRunner.map): set once
         # its first decision is made (a downstream map plans from this one's plan) and once it ended; the error
         # it ended with; who wrote which chunk (the task run ids a downstream chunk's task run depends on).
@@ -345,7 +362,7 @@ class ChunkedMap:
             self.look_for_stuck_pauses()
             with self.ac.thread_condition:  # notified by our futures' completions and by the upstream map
                 self.ac.thread_condition.wait(timeout=_WAIT_SECONDS)
-        self.paused_idle.clear()  # a chunk came back: the workers are not stuck, whatever the polls between saw
+        self.pause_watch.idle.clear()  # a chunk came back: the workers are not stuck, whatever the polls between saw
         dask_future = next(self.ac)
         sid = self.ids[dask_future.key]
         fut = self.by_id[sid]
@@ -436,52 +453,40 @@ class ChunkedMap:
         execute(self.machine, self, instructions)
 
     def carry_out(self, ins: Instruction) -> Event | None:
-        if isinstance(ins, Submit):
-            self.submit(ins)
-        elif isinstance(ins, Record):
-            self.record(ins.observation)
-        elif isinstance(ins, Decided):
-            r = ins.record
-            logger.info("%s: %s — %s", self.name, r.decision, r.reason)
-            flow_logger(logger).info("memchunk %s: %s — %s", self.name, r.decision, r.reason)
-            if r.warning:
-                logger.warning("%s: %s", self.name, r.warning)
-                flow_logger(logger).warning("memchunk %s: %s", self.name, r.warning)
-            self.tell_observers(ins)
-        elif isinstance(ins, ChunkEnded):
-            self.tell_observers(ins)
-        elif isinstance(ins, MarkRuns):
-            # A submission interrupted before it reached Dask (Ctrl-C or a cancellation during submit) has no
-            # future and no task run: nothing to mark or cancel.
-            marks = [(self.by_id[sid].task_run_id, state, msg) for sid, state, msg in ins.marks if sid in self.by_id]
-            taskruns.mark_runs(marks, look_again_seconds=RUNNER_SETTINGS.settle_missing_seconds if ins.look_again
-                               else 0.0)
-        elif isinstance(ins, Cancel):
-            for sid in ins.ids:
-                with contextlib.suppress(BaseException):
-                    if sid in self.by_id:
-                        self.by_id[sid].wrapped_future.cancel()
-        elif isinstance(ins, RecoverMarkers):
-            return self.recover_markers(ins.chunks)
-        elif isinstance(ins, Fail):
-            raise ins.error
-        elif isinstance(ins, Finalize):
-            self.finalize(ins.settle_runs)
-        elif isinstance(ins, Rewarded):
-            self.rewarded(ins.reward)
-        elif isinstance(ins, ReadPauses):
-            return self.read_pauses(ins.since, ins.until)
-        elif isinstance(ins, RestartWorker):
-            self.restart_worker(ins)
-        elif isinstance(ins, Stopped):
-            with contextlib.suppress(BaseException):
-                logger.warning("%s: stopped early (%s); %d chunks are marked written in %s (kept: a rerun resumes "
-                               "there); %d were collected while stopping", self.name, ins.error,
-                               len(self.out.completed_chunks()) if self.out is not None else 0, self.output_path,
-                               ins.kept)
-        else:  # pragma: no cover - a new instruction type without an executor
+        """Carry out one instruction (its handler by type, :data:`_CARRY_OUT`); an answer goes back to the machine."""
+        handler = _CARRY_OUT.get(type(ins))
+        if handler is None:  # pragma: no cover - a new instruction type without an executor
             raise MemchunkError(f"internal: no executor for {ins!r}")
-        return None
+        return handler(self, ins)
+
+    def decided(self, ins: Decided) -> None:
+        r = ins.record
+        logger.info("%s: %s — %s", self.name, r.decision, r.reason)
+        flow_logger(logger).info("memchunk %s: %s — %s", self.name, r.decision, r.reason)
+        if r.warning:
+            logger.warning("%s: %s", self.name, r.warning)
+            flow_logger(logger).warning("memchunk %s: %s", self.name, r.warning)
+        self.tell_observers(ins)
+
+    def mark_runs(self, ins: MarkRuns) -> None:
+        # A submission interrupted before it reached Dask (Ctrl-C or a cancellation during submit) has no
+        # future and no task run: nothing to mark or cancel.
+        marks = [(self.by_id[sid].task_run_id, state, msg) for sid, state, msg in ins.marks if sid in self.by_id]
+        taskruns.mark_runs(marks, look_again_seconds=RUNNER_SETTINGS.settle_missing_seconds if ins.look_again
+                           else 0.0)
+
+    def cancel(self, ins: Cancel) -> None:
+        for sid in ins.ids:
+            with contextlib.suppress(BaseException):
+                if sid in self.by_id:
+                    self.by_id[sid].wrapped_future.cancel()
+
+    def stopped(self, ins: Stopped) -> None:
+        with contextlib.suppress(BaseException):
+            logger.warning("%s: stopped early (%s); %d chunks are marked written in %s (kept: a rerun resumes "
+                           "there); %d were collected while stopping", self.name, ins.error,
+                           len(self.out.completed_chunks()) if self.out is not None else 0, self.output_path,
+                           ins.kept)
 
     def tell_observers(self, ins: Instruction) -> None:
         told = observer_event(ins)
@@ -573,7 +578,7 @@ class ChunkedMap:
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not record an observation for %s: %r", self.key, exc)
         if obs.outcome == "ok":
-            self.finished_runs.append(obs)
+            self.slow_watch.finished_runs.append(obs)
             self.look_for_slow_workers()
 
     def look_for_slow_workers(self) -> None:
@@ -585,15 +590,15 @@ class ChunkedMap:
         one would leave chunks waiting for ever once the other workers leave.
         """
         s = self.ctx.policy
-        if s.slow_worker_factor is None or time.monotonic() - self.slow_checked < 1.0:
+        if s.slow_worker_factor is None or time.monotonic() - self.slow_watch.slow_checked < 1.0:
             return
-        self.slow_checked = time.monotonic()
+        self.slow_watch.slow_checked = time.monotonic()
         found = [dataclasses.replace(w, at=time.time())
-                 for w in slow_workers(self.finished_runs, factor=s.slow_worker_factor,
+                 for w in slow_workers(self.slow_watch.finished_runs, factor=s.slow_worker_factor,
                                        min_runs=s.slow_worker_runs, min_seconds=s.slow_worker_seconds)
-                 if w.worker not in self.slow]
+                 if w.worker not in self.slow_watch.slow]
         for w in found:
-            self.slow[w.worker] = w
+            self.slow_watch.slow[w.worker] = w
             self.observers.emit("on_slow_worker", w)
             msg = (f"{w.describe()}: a node slow rather than dead (CPU throttled, swapping, a busy neighbour); "
                    "the map waits on each chunk it holds. Look at that machine, or leave it out of the cluster")
@@ -607,29 +612,29 @@ class ChunkedMap:
         than any patience), only said. Asks the scheduler at most every ``pause_poll_seconds``; a scheduler that
         refuses turns the check off for the map; the rule is ``records.paused_idle_since`` / ``stuck_paused``."""
         s = RUNNER_SETTINGS
-        if not self.pauses_checkable or time.monotonic() - self.pauses_checked < s.pause_poll_seconds:
+        if not self.pause_watch.checkable or time.monotonic() - self.pause_watch.checked < s.pause_poll_seconds:
             return
-        self.pauses_checked = time.monotonic()
+        self.pause_watch.checked = time.monotonic()
         read = _cluster.read_paused_idle(self.ctx.cluster.client)
         if read is None:
-            self.pauses_checkable = False
+            self.pause_watch.checkable = False
             return
         now = time.monotonic()
-        self.paused_idle = paused_idle_since(self.paused_idle, read, self.transitions_seen, now)
-        self.transitions_seen = read.transitions
-        stuck, every = stuck_paused(self.paused_idle, read, now, s.paused_stall_seconds)
-        new = [w for w in stuck if w.address not in self.paused_said]
+        self.pause_watch.idle = paused_idle_since(self.pause_watch.idle, read, self.pause_watch.transitions_seen, now)
+        self.pause_watch.transitions_seen = read.transitions
+        stuck, every = stuck_paused(self.pause_watch.idle, read, now, s.paused_stall_seconds)
+        new = [w for w in stuck if w.address not in self.pause_watch.said]
         adaptive = self.ctx.cluster.adaptive
         if not (every and not adaptive) and not new:
             return
-        if self.pause_fraction is None:
-            self.pause_fraction = _cluster.read_pause_fraction(self.ctx.cluster.client, stuck[0].address)
+        if self.pause_watch.fraction is None:
+            self.pause_watch.fraction = _cluster.read_pause_fraction(self.ctx.cluster.client, stuck[0].address)
         if every and not adaptive and not self.ac.has_ready():  # a chunk that came back meanwhile: not stuck
-            raise WorkersPausedError(stuck_paused_message(self.name, stuck, read.n_workers, self.pause_fraction,
+            raise WorkersPausedError(stuck_paused_message(self.name, stuck, read.n_workers, self.pause_watch.fraction,
                                                           s.paused_stall_seconds, self.budget or 0))
         if new:
-            self.paused_said.update(w.address for w in new)
-            msg = stuck_paused_message(self.name, new, read.n_workers, self.pause_fraction,
+            self.pause_watch.said.update(w.address for w in new)
+            msg = stuck_paused_message(self.name, new, read.n_workers, self.pause_watch.fraction,
                                        s.paused_stall_seconds, self.budget or 0)
             logger.warning("%s", msg)
             flow_logger(logger).warning("memchunk %s", msg)
@@ -765,6 +770,29 @@ class ChunkedMap:
                             self.key, ", ".join(f"{n} {t}" for t, n in deleted.items()))
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not compact the store for %s: %r", self.key, exc)
+
+
+
+def _fail(_: ChunkedMap, ins: Fail) -> None:
+    raise ins.error
+
+
+#: How the executor carries out each instruction of the map machine (:mod:`memchunk_prefect.core.messages`).
+_CARRY_OUT: dict[type, Callable[[ChunkedMap, Any], Event | None]] = {
+    Submit: ChunkedMap.submit,
+    Record: lambda m, ins: m.record(ins.observation),
+    Decided: ChunkedMap.decided,
+    ChunkEnded: ChunkedMap.tell_observers,
+    MarkRuns: ChunkedMap.mark_runs,
+    Cancel: ChunkedMap.cancel,
+    RecoverMarkers: lambda m, ins: m.recover_markers(ins.chunks),
+    Fail: _fail,
+    Finalize: lambda m, ins: m.finalize(ins.settle_runs),
+    Rewarded: lambda m, ins: m.rewarded(ins.reward),
+    ReadPauses: lambda m, ins: m.read_pauses(ins.since, ins.until),
+    RestartWorker: ChunkedMap.restart_worker,
+    Stopped: ChunkedMap.stopped,
+}
 
 
 def _size_on_disk(path: str) -> int | None:
