@@ -1178,3 +1178,26 @@ def test_a_map_restarts_at_most_gpu_context_restarts_workers_then_fails():
     assert len(restarts) == 2
     (fail,) = of(Fail, m.handle(GpuContextLost(subs[2].id, "tcp://w:9", GpuContextError("x", "tcp://w:9"))))
     assert "gpu_context_restarts=2" in str(fail.error)
+
+
+def test_a_worker_of_several_threads_stands_where_the_least_of_its_recent_starts_says():
+    """Runs that share their process start above what the other threads hold or just freed: one high start must
+    not take the whole headroom (it left a 600 MiB worker no room for one trace), a lasting one does."""
+    m = machine((64, 8, 10), max_counts=64)
+    m.handle(Start(2, 100 * 1024, headroom_bytes=100 * 1024))
+    subs = of(Submit, m.advance(0.0))
+
+    def shared(chunk, above):
+        o = drifted(chunk, "w1", above)
+        o.shared = True
+        return o
+
+    m.handle(ChunkDone(subs[0].id, shared(subs[0].chunk, 10 * 1024), at=1.0))
+    m.handle(ChunkDone(subs[1].id, shared(subs[1].chunk, 95 * 1024), at=1.0))  # the other thread's memory
+    assert m.budget_bytes == 90 * 1024, "one high start of a shared process is not where the worker stands"
+    running = list(m.in_flight)
+    for k in range(4):  # four more runs, each starting 30 KiB up
+        sid = running.pop(0) if running else of(Submit, m.advance(2.0 + k))[0].id
+        m.handle(ChunkDone(sid, shared(m.in_flight[sid].chunk, 30 * 1024), at=2.0 + k))
+        running = [s for s in m.in_flight if s not in running] + running
+    assert m.budget_bytes == 70 * 1024, "every recent start 30 KiB up or more: the worker holds that"

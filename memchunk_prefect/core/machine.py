@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
@@ -118,6 +119,9 @@ from memchunk_prefect.core.probe import PROBE_SIZE_STEP, next_probe_scale, probe
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward, first_use_bytes, paused_within
 from memchunk_prefect.core.settings import ITEMSIZE, PolicySettings
 
+#: Runs per worker whose starts say where a worker of several threads stands (see MapMachine._follow_drift).
+DRIFT_RUNS = 4
+
 #: The machine's phases. ``failed``: a :class:`Fail` was issued and the executor is stopping.
 NEW, RUNNING, FINISHED, FAILED, STOPPED = "new", "running", "finished", "failed", "stopped"
 
@@ -142,7 +146,8 @@ class MapMachine:
     headroom_bytes: int | None = None  # Start.headroom_bytes
     gpu_budget_bytes: int | None = None  # Start.gpu_budget_bytes: on a GPU, the device's budget per task
     drift_estimate: int = 0  # Start.drift_bytes, until runs report where their workers stood
-    drift: dict[str, int] = field(default_factory=dict)  # each worker's latest start above the resting memory read
+    drift: dict[str, int] = field(default_factory=dict)  # each worker's start above the resting memory read
+    recent_drift: dict[str, deque] = field(default_factory=dict)  # each worker's last DRIFT_RUNS of those
     # Each worker's high-water mark above its resting memory (Start.touched_bytes), raised by the peaks its runs
     # report; None: not read, so plans count nothing for growing the workers' memory.
     touched: dict[str, int] | None = None
@@ -371,10 +376,20 @@ class MapMachine:
     def _follow_drift(self, obs: Observation) -> None:
         """Note where ``obs``'s worker stands now: where its run started, plus what the run left held there (a
         first use: a CUDA context, a library; ``Observation.retained_bytes``), which the worker's next run starts
-        above. The budget follows."""
+        above. The budget follows.
+
+        A run alone in its process reads that exactly: the latest run says where the worker stands. Runs that
+        shared their process with others (a worker of several threads) start above whatever the others held or
+        had just freed and the allocator not yet returned: one such start read 234 MiB above the resting memory
+        on a 600 MiB worker, which left the budget no room for a single trace. Memory the worker really holds
+        shows under every run's start, so there the least of its last ``DRIFT_RUNS`` starts is where it stands.
+        """
         if obs.baseline_bytes is None or obs.resting_bytes is None or not obs.worker:
             return
-        self.drift[obs.worker] = obs.unseen_bytes + int(obs.retained_bytes or 0)
+        now = obs.unseen_bytes + int(obs.retained_bytes or 0)
+        recent = self.recent_drift.setdefault(obs.worker, deque(maxlen=DRIFT_RUNS))
+        recent.append(now)
+        self.drift[obs.worker] = min(recent) if obs.shared else now
         self.budget_bytes = self._budget()
 
     def _on_out_of_memory(self, ev: ChunkOutOfMemory) -> list[Instruction]:
