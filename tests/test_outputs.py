@@ -62,3 +62,19 @@ def test_a_name_that_matches_no_run_removes_nothing_and_says_so(tmp_path):
     with pytest.raises(OutputPathError, match="no flow run's outputs named nope"):
         remove_runs(tmp_path, ["aaa", "nope"])
     assert (tmp_path / "aaa").exists()
+
+
+def test_the_outputs_command_lists_and_removes_what_the_user_names(tmp_path, capsys):
+    from memchunk_prefect.cli.app import main
+
+    _run(tmp_path, "aaa", finished=True, age_seconds=10 * 86400, name="old-run")
+    _run(tmp_path, "bbb", finished=False, age_seconds=60, name="busy-run")
+    assert main(["outputs", "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 flow run(s)" in out and "old-run" in out and "1 (1 unfinished)" in out
+    assert main(["outputs", "--dir", str(tmp_path), "--older-than", "7d", "--dry-run"]) == 0
+    assert "would remove" in capsys.readouterr().out and (tmp_path / "aaa").exists()
+    assert main(["outputs", "--dir", str(tmp_path), "--older-than", "7d"]) == 0
+    assert not (tmp_path / "aaa").exists()
+    assert main(["outputs", "--dir", str(tmp_path), "--remove", "busy-run"]) == 1
+    assert "may still be being written" in capsys.readouterr().out and (tmp_path / "bbb").exists()

@@ -86,7 +86,7 @@ __all__ = [
 
 #: The order ``memchunk --help`` lists the built-in subcommands in; others follow in the order registered.
 LISTED = ("models", "forget", "compact", "export", "plan", "demo", "ui", "simulate", "compare-traces", "recommend",
-          "doctor")
+          "doctor", "outputs")
 
 
 def _listed(name: str) -> int:

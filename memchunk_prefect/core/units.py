@@ -52,10 +52,10 @@ def _parse_bytes(text: str | int | float) -> int:
 
 
 def parse_seconds(text: str | float | int) -> float:
-    """A duration: seconds (``"3600"``), with a unit (``"90s"``, ``"45min"``, ``"6h"``) or ``"HH:MM[:SS]"``.
+    """A duration: seconds (``"3600"``), with a unit (``"90s"``, ``"45min"``, ``"6h"``, ``"7d"``) or ``"HH:MM[:SS]"``.
 
-    >>> parse_seconds("6h"), parse_seconds("45min"), parse_seconds("06:30"), parse_seconds(90)
-    (21600.0, 2700.0, 23400.0, 90.0)
+    >>> parse_seconds("6h"), parse_seconds("45min"), parse_seconds("06:30"), parse_seconds(90), parse_seconds("2d")
+    (21600.0, 2700.0, 23400.0, 90.0, 172800.0)
     """
     from memchunk_prefect.core.errors import VolumeError
 
@@ -70,14 +70,14 @@ def parse_seconds(text: str | float | int) -> float:
                     raise ValueError(t)
                 value = parts[0] * 3600 + parts[1] * 60 + (parts[2] if len(parts) == 3 else 0.0)
             else:
-                for unit, scale in (("min", 60.0), ("h", 3600.0), ("s", 1.0)):
+                for unit, scale in (("min", 60.0), ("h", 3600.0), ("d", 86400.0), ("s", 1.0)):
                     if t.endswith(unit):
                         value = float(t[: -len(unit)]) * scale
                         break
                 else:
                     value = float(t)
         except ValueError:
-            raise VolumeError(f"cannot read {text!r} as a duration: give seconds (3600), 90s, 45min, 6h or "
+            raise VolumeError(f"cannot read {text!r} as a duration: give seconds (3600), 90s, 45min, 6h, 7d or "
                               "HH:MM[:SS]") from None
     if not (value > 0 and math.isfinite(value)):
         raise VolumeError(f"a duration must be a positive, finite number of seconds, got {text!r}")
