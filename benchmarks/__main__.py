@@ -209,14 +209,14 @@ GPU_SHAPES = ((32, 32, 200), (128, 128, 400))
 
 
 def gpu_section(quick: bool, workdir: Path) -> dict:
-    """Every operator on the CPU and on the GPU side by side (``benchmarks.operator_memory --device both``: each
+    """Every operator on the CPU and on the GPU side by side (``benchmarks.studies.operator_memory --device both``: each
     in a fresh process, seconds and memory multiples, the GPU's own peak beside the host's), then gst3d_dip over a
     survey too large for the GPU in one piece (``benchmarks.gpu``: dask-auto, a static sweep, memchunk cold and
     warm, checked against the CPU; in ``survey``), where this machine has a GPU work can run on
     (:func:`memchunk_prefect.run.pinning.usable_gpus`); ``{"skipped": why}`` elsewhere. The strategies above run on
     the CPU either way."""
     from benchmarks import gpu as gpu_survey
-    from benchmarks import operator_memory
+    from benchmarks.studies import operator_memory
     from memchunk_prefect.run.pinning import usable_gpus
 
     devices, found = usable_gpus()
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {verdict} {label}: {v['figure']}")
     gpu = result["gpu"]
     if gpu.get("rows"):
-        from benchmarks.operator_memory import format_table
+        from benchmarks.studies.operator_memory import format_table
 
         print(f"\nevery operator on the CPU and on the GPU ({gpu['found']}), one {' x '.join(map(str, gpu['shape']))} "
               "float32 block each, in a fresh process:")

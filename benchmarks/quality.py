@@ -1,6 +1,6 @@
 """How well a key's memory model predicted its own history, and the floor no shape-only model beats.
 
-The figures ``python -m benchmarks.store_quality`` and the learning-quality goals of
+The figures ``python -m benchmarks.studies.store_quality`` and the learning-quality goals of
 ``python -m benchmarks.strategies`` are read from: :func:`replay_quality` replays a key's
 rows through :class:`~memchunk_prefect.learn.operator.OperatorModel`, scoring each run
 before it is learned; :func:`repeatability` is the spread of blocks run again.

@@ -320,7 +320,7 @@ class Bench:
         (a 120 s timeout), or came back and vanished before the next strategy's
         first task, which then waited forever; starting a new cluster never did.
         Its phases' seconds (close, start, warm imports, heartbeat wait) are left in ``fresh_seconds``
-        (``python -m benchmarks.setup_costs`` prints them).
+        (``python -m benchmarks.studies.setup_costs`` prints them).
         """
         self.fresh_seconds = {}
         for attempt in range(3):

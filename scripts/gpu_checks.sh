@@ -7,9 +7,9 @@
 #   info       nvidia-smi and CuPy's configuration
 #   tests      the tests marked gpu (pytest -m gpu tests/test_gpu.py): CuPy against the CPU, real GPU
 #              out-of-memory split, a real broken CUDA context restarted, memory measured on the device
-#   memory     python -m benchmarks.gpu_memory: CuPy's pool and NVML against known allocations, per operator
+#   memory     python -m benchmarks.studies.gpu_memory: CuPy's pool and NVML against known allocations, per operator
 #   bench      python -m benchmarks.gpu: gst3d_dip over a survey too large for the GPU in one piece
-#   operators  python -m benchmarks.operator_memory --device both: every operator on the CPU and the GPU
+#   operators  python -m benchmarks.studies.operator_memory --device both: every operator on the CPU and the GPU
 #   demo       memchunk demo (on the GPU where there is one)
 #   dask-cuda  the runner's own cluster as dask-cuda's LocalCUDACluster (the gpu-cluster extra): the gpu test that
 #              runs a map on it; DASK_CUDA_SITE, where set, is a folder put first on PYTHONPATH for this stage
@@ -44,9 +44,9 @@ for stage in $stages; do
     info) run info 60 bash -c 'nvidia-smi; python3 -c "import cupy; cupy.show_config()"' ;;
     tests) run tests "${TESTS_LIMIT:-240}" python3 -m pytest -v --durations=0 -m gpu tests/test_gpu.py -p no:cacheprovider -rs \
              ${TESTS_K:+-k "$TESTS_K"} ;;
-    memory) run memory 120 python3 -m benchmarks.gpu_memory --json "$out/gpu_memory.json" ;;
+    memory) run memory 120 python3 -m benchmarks.studies.gpu_memory --json "$out/gpu_memory.json" ;;
     bench) run bench "${BENCH_LIMIT:-330}" python3 -m benchmarks.gpu ${BENCH_ARGS:-} --json "$out/gpu_bench.json" ;;
-    operators) run operators 180 python3 -m benchmarks.operator_memory --device both --shape 128 128 400 \
+    operators) run operators 180 python3 -m benchmarks.studies.operator_memory --device both --shape 128 128 400 \
                  --json "$out/operators.json" ;;
     demo) run demo "${DEMO_LIMIT:-180}" python3 -m memchunk_prefect.cli.main demo ;;
     dask-cuda) run dask-cuda "${TESTS_LIMIT:-240}" env PYTHONPATH="${DASK_CUDA_SITE:+$DASK_CUDA_SITE:}${PYTHONPATH:-}" \

@@ -144,7 +144,7 @@ def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp
 
 def test_quick_nights_benchmark_runs_both_policies_night_after_night_on_their_own_stores(tmp_path, api_url):
     out = tmp_path / "nights.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.nights", "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.nights", "--quick", "--json", str(out)],
                           cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -163,7 +163,7 @@ def test_quick_nights_benchmark_runs_both_policies_night_after_night_on_their_ow
 
 
 def test_the_nights_summary_compares_settled_nights_and_counts_exploration_in_the_totals():
-    from benchmarks.nights import summarize
+    from benchmarks.studies.nights import summarize
 
     def run(wall, why):
         return {"completed": True, "wall_seconds": wall, "oom_events": 0,
@@ -172,7 +172,7 @@ def test_the_nights_summary_compares_settled_nights_and_counts_exploration_in_th
     rows = []
     for night, (learned, heuristic, why) in enumerate([(9.0, 5.0, "burn-in"), (6.0, 5.0, "burn-in"),
                                                         (4.0, 5.0, "best"), (4.5, 5.0, "best"), (6.0, 5.0, "explore")]):
-        from benchmarks.nights import exploring
+        from benchmarks.studies.nights import exploring
 
         row = {"night": night, "learned": run(learned, why), "heuristic": run(heuristic, "")}
         row["learning"] = exploring(row["learned"])
@@ -183,13 +183,13 @@ def test_the_nights_summary_compares_settled_nights_and_counts_exploration_in_th
     assert s["settled_median_ratio"] == pytest.approx(statistics_median([0.8, 0.9]))
     assert s["warm_total_ratio"] == pytest.approx(round(20.5 / 20.0, 3)), "exploration is paid for in the totals"
     assert s["settled_same_plans"] == [2], "night 2 ran the heuristic's plan: its ratio is the host's"
-    from benchmarks.nights import verdict
+    from benchmarks.studies.nights import verdict
 
     assert "the same plans as the heuristic on 1 of them ([2])" in verdict(s)
 
 
 def test_replaying_a_kept_nights_store_lists_every_reward_beside_the_plans_the_model_offered():
-    from benchmarks.nights import replay_rewards
+    from benchmarks.studies.nights import replay_rewards
     from memchunk_prefect.learn.store import Store
 
     store = REPO / "benchmarks/runs/stores-2026-11-26/nights-d0186c0-granularity-learned-192x192x100.sqlite"
@@ -271,7 +271,7 @@ def test_quick_allocation_benchmark_sets_the_model_beside_the_simulated_runs(tmp
 
 def test_replay_benchmark_times_each_history_length(tmp_path):
     out = tmp_path / "replay.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.replay", "--rows", "50", "200", "--repeat", "1",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.replay", "--rows", "50", "200", "--repeat", "1",
                            "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -283,7 +283,7 @@ def test_replay_benchmark_times_each_history_length(tmp_path):
 
 def test_write_memory_benchmark_measures_each_read_and_write_concurrency_on_every_slab_shape(tmp_path):
     out = tmp_path / "write.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.write_memory", "--repeat", "1", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.write_memory", "--repeat", "1", "--json", str(out)],
                           cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -301,7 +301,7 @@ def test_write_memory_benchmark_measures_each_read_and_write_concurrency_on_ever
 
 def test_task_memory_measures_each_chunks_whole_task_beside_its_operator_alone(tmp_path):
     out = tmp_path / "task.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.task_memory", "--operator", "envelope", "--survey", "64",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.task_memory", "--operator", "envelope", "--survey", "64",
                            "48", "200", "--chunk", "0", "32", "0", "48", "--chunk", "32", "64", "16", "48", "--repeat",
                            "1", "--json", str(out)],
                           cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=300)
@@ -314,7 +314,7 @@ def test_task_memory_measures_each_chunks_whole_task_beside_its_operator_alone(t
         # The task holds the block it read on top of what the operator alone holds.
         assert r["task_peaks_mib"][0] >= r["operator_peaks_mib"][0]
     assert "task adds" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "benchmarks.task_memory", "--survey", "32", "24", "100", "--chunk",
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.studies.task_memory", "--survey", "32", "24", "100", "--chunk",
                           "0", "40", "0", "24"], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 2 and "not inside the survey's 32 ilines x 24 xlines" in bad.stderr
@@ -322,7 +322,7 @@ def test_task_memory_measures_each_chunks_whole_task_beside_its_operator_alone(t
 
 def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
     out = tmp_path / "touch.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.first_touch", "--calls", "2", "--processes", "1",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.first_touch", "--calls", "2", "--processes", "1",
                            "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -334,14 +334,14 @@ def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
     # ~270, so the floor is set below that).
     assert calls[0]["minor_faults"] > 100
     assert "first call" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "benchmarks.first_touch", "--calls", "1"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.studies.first_touch", "--calls", "1"], cwd=REPO,
                          env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--calls must be at least 2" in bad.stderr
 
 
 def test_task_start_benchmark_times_both_modes_and_the_kept_mode_reuses_settings_and_clients(tmp_path, api_url):
     out = tmp_path / "start.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.task_start", "--tasks", "4", "--rounds", "1", "--json",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.task_start", "--tasks", "4", "--rounds", "1", "--json",
                            str(out)], cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -356,14 +356,14 @@ def test_task_start_benchmark_times_both_modes_and_the_kept_mode_reuses_settings
     # Installed before the first task run: it opens the worker thread's client, the other three are given it.
     assert by_mode["kept"]["worker_clients"] == {"opened": 1, "reused": 3, "open": 1}
     assert "median over rounds" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "benchmarks.task_start", "--tasks", "2"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.studies.task_start", "--tasks", "2"], cwd=REPO,
                          env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--tasks must be at least 3" in bad.stderr
 
 
 def test_chunk_body_benchmark_runs_both_sides_on_the_same_chunk_and_both_write_it(tmp_path):
     out = tmp_path / "body.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.chunk_body", "--pairs", "1", "--operator", "envelope",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.chunk_body", "--pairs", "1", "--operator", "envelope",
                            "--shape", "16", "12", "50", "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -377,14 +377,14 @@ def test_chunk_body_benchmark_runs_both_sides_on_the_same_chunk_and_both_write_i
     assert result["runs"]["static"][0]["written_sum"] != 0
     assert set(result["summary"]) == {"wall_seconds", "cpu_seconds", "operator_seconds"}
     assert "median of the pairs' differences" in proc.stdout
-    bad = subprocess.run([sys.executable, "-m", "benchmarks.chunk_body", "--operator", "nope"], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.studies.chunk_body", "--operator", "nope"], cwd=REPO,
                          env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--operator 'nope' is not one of" in bad.stderr
 
 
 def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_plans_settled(tmp_path, api_url):
     out = tmp_path / "nights.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.consecutive", "--runs", "2", "--keep", "4", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.consecutive", "--runs", "2", "--keep", "4", "--quick",
                            "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -437,7 +437,7 @@ def test_compare_runs_reads_each_kept_run_and_sets_its_ratios_against_that_runs_
 
 def test_store_quality_replays_every_store_given_and_names_a_missing_one(tmp_path):
     """Per operator over several stores: runs scored add up, and a linear operator is predicted closely."""
-    from benchmarks import store_quality
+    from benchmarks.studies import store_quality
     from memchunk_prefect.core.records import Observation
     from memchunk_prefect.learn.store import Store
 
@@ -471,7 +471,7 @@ def test_gap_counts_the_runs_a_curve_taken_across_a_gap_predicted_beside_the_lin
     """An operator quadratic in its traces with a fixed cost, measured at probes and then 18x larger blocks: the
     curve is taken across the gap on leave-one-out alone, and --gap scores it beside the line, within the sizes
     measured and on the next, larger block (where the line under-reads a quadratic)."""
-    from benchmarks import store_quality
+    from benchmarks.studies import store_quality
     from memchunk_prefect.core.records import Observation
     from memchunk_prefect.learn.store import Store
 
@@ -508,7 +508,7 @@ def test_the_examples_of_the_learning_quality_figures_hold():
 def test_explain_takes_each_runs_bound_apart_as_the_model_read_it_before_the_run(tmp_path, capsys):
     """Per run once the model is ready: the block, its peak and what the bound was made of; the blended bound
     is never under the chosen form's own, and the command prints one line per run."""
-    from benchmarks import store_quality
+    from benchmarks.studies import store_quality
     from memchunk_prefect.core.records import Observation
     from memchunk_prefect.learn.store import Store
 
@@ -560,7 +560,7 @@ def test_a_bound_under_the_peak_at_the_chunks_chosen_misses_the_learning_goal(tm
 
 def test_first_run_excess_compares_a_worker_s_first_run_with_its_later_runs_of_the_same_size():
     """Only sizes where both kinds ran count; a worker is new once per key, and an unknown worker never is."""
-    from benchmarks.store_quality import first_run_excess
+    from benchmarks.studies.store_quality import first_run_excess
     from memchunk_prefect.core.records import Observation
 
     def run(worker: str, n: int, extra_mib: float = 0.0) -> Observation:
@@ -575,9 +575,9 @@ def test_first_run_excess_compares_a_worker_s_first_run_with_its_later_runs_of_t
 
 
 def test_map_overhead_profiles_the_maps_submissions_and_the_runners_steps(tmp_path, api_url):
-    """Smoke test of ``python -m benchmarks.map_overhead``: the steps it reports are the map's own."""
+    """Smoke test of ``python -m benchmarks.studies.map_overhead``: the steps it reports are the map's own."""
     out = tmp_path / "mo.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.map_overhead", "--runs", "1", "--chunks", "2",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.map_overhead", "--runs", "1", "--chunks", "2",
                            "--shape", "8", "8", "40", "--top", "3", "--json", str(out)],
                           cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -699,7 +699,7 @@ def test_the_per_operator_best_takes_each_steps_least_median_wall_failed_statics
 def test_cold_start_reads_each_operators_map_from_the_store(tmp_path):
     """benchmarks/cold_start.py: a map's seconds run from its first chunk's start to its last chunk's end; chunks
     and traces read (halo included) are summed; failed runs are not the map's work."""
-    from benchmarks import cold_start
+    from benchmarks.studies import cold_start
     from memchunk_prefect.core.records import Observation
     from memchunk_prefect.learn.store import Store
 
@@ -720,10 +720,10 @@ def test_cold_start_reads_each_operators_map_from_the_store(tmp_path):
 
 
 def test_time_forms_replays_each_flow_run_and_the_support_test_can_be_turned_off(tmp_path, capsys):
-    """benchmarks.time_forms: the form after each flow run, cold (first in its store) and later; with
+    """benchmarks.studies.time_forms: the form after each flow run, cold (first in its store) and later; with
     ``--time-gap-ratio inf`` every curve counts as supported, as before the support test. The rows are one
     benchmark round's gst3d_dip cold map (tests/test_model.py) and a warm run of 2 chunks after it."""
-    from benchmarks import time_forms
+    from benchmarks.studies import time_forms
     from memchunk_prefect.core.records import Observation
     from memchunk_prefect.learn.store import Store
 
@@ -763,7 +763,7 @@ def test_time_forms_plans_sum_what_each_warm_map_cost_by_its_chunk_count(tmp_pat
     """--plans: per chunk count of the maps after a store's first flow run, the task seconds summed, the kernel
     seconds of first touches (runs that grew their worker past the threshold) and the MiB they grew. The warm
     rows are trace_correlation's 4- and 8-chunk maps on 192 x 192 x 100 (benchmarks.heterogeneous at cacbee3)."""
-    from benchmarks import time_forms
+    from benchmarks.studies import time_forms
     from memchunk_prefect.core.records import Observation
     from memchunk_prefect.learn.store import Store
 
@@ -794,7 +794,7 @@ def test_time_forms_plans_sum_what_each_warm_map_cost_by_its_chunk_count(tmp_pat
 def test_time_forms_counts_the_runs_that_named_the_line_while_a_curve_counted(tmp_path, capsys):
     """A cold trace_correlation map whose noisy probes left the line named (tests/test_model.py's
     ``test_a_noisy_probe_leaves_the_curve_counting...``, the same rows): counted as partial, with its weight."""
-    from benchmarks import time_forms
+    from benchmarks.studies import time_forms
     from memchunk_prefect.core.records import Observation
     from memchunk_prefect.learn.store import Store
 
@@ -842,12 +842,12 @@ def test_quick_gpu_benchmark_runs_every_strategy_on_the_fake_device_and_checks_a
 
 
 def test_gpu_memory_benchmark_measures_known_allocations_exactly_on_the_fake_device(tmp_path):
-    """``python -m benchmarks.gpu_memory --quick`` on the fake device: its figure for each allocation of known size
+    """``python -m benchmarks.studies.gpu_memory --quick`` on the fake device: its figure for each allocation of known size
     is the size (NVML columns empty: no GPU); each operator is measured twice."""
     env = benchmark_env(tmp_path)
     env["MEMCHUNK_FAKE_GPU_BYTES"] = str(4 << 30)
     out = tmp_path / "m.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_memory", "--quick", "--json", str(out)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.gpu_memory", "--quick", "--json", str(out)], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]

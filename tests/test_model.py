@@ -744,7 +744,7 @@ def test_first_touches_teach_time_less_their_kernel_time_so_a_cold_start_finds_t
     repeats grows its worker (a first touch). Set aside, they left trace_correlation's time a line (two clean
     sizes in the heterogeneous benchmark's store) and the planner cut it in 4 where 8 halves of a quarter the
     time each were faster. Less their kernel CPU time (``sys_seconds``, where the faulting lands:
-    benchmarks.first_touch), they teach the quadratic."""
+    benchmarks.studies.first_touch), they teach the quadratic."""
     rng = random.Random(5)
 
     def run(e: int, first: bool) -> Observation:

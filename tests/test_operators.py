@@ -291,7 +291,7 @@ def test_bad_parameters_are_refused_by_name(call, message):
 
 
 def test_operator_memory_table_measures_each_operator_in_a_fresh_process(tmp_path):
-    from benchmarks import operator_memory
+    from benchmarks.studies import operator_memory
 
     out = tmp_path / "rows.json"
     assert operator_memory.main(["--shape", "6", "5", "40", "--operators", "gaussian_smooth,semblance",
@@ -306,7 +306,7 @@ def test_operator_memory_table_measures_each_operator_in_a_fresh_process(tmp_pat
 
 
 def test_operator_memory_measures_with_the_parameters_given_and_refuses_params_that_are_not_an_object(tmp_path):
-    from benchmarks import operator_memory
+    from benchmarks.studies import operator_memory
 
     out = tmp_path / "rows.json"
     assert operator_memory.main(["--shape", "6", "5", "40", "--operators", "gaussian_smooth",
@@ -320,7 +320,7 @@ def test_operator_memory_measures_with_the_parameters_given_and_refuses_params_t
 
 def test_operator_memory_puts_each_operator_on_the_cpu_and_the_gpu_side_by_side(tmp_path, monkeypatch):
     """On the (fake) GPU each row has the device's own peak beside the host's; the CPU row has none."""
-    from benchmarks import operator_memory
+    from benchmarks.studies import operator_memory
 
     monkeypatch.setenv("MEMCHUNK_FAKE_GPU_BYTES", str(1 << 30))  # the children inherit it
     out = tmp_path / "rows.json"

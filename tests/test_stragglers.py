@@ -24,7 +24,7 @@ def test_a_worker_ten_times_slower_over_two_chunks_is_found_with_its_figures():
 
 
 def test_one_slow_first_run_is_the_kernel_paying_for_new_memory_not_a_slow_worker():
-    # benchmarks.first_touch: a process's first large call took up to 1.42 s where later ones took 0.30 s.
+    # benchmarks.studies.first_touch: a process's first large call took up to 1.42 s where later ones took 0.30 s.
     assert slow_workers(runs("fresh", 1.42) + runs("a", 0.3, 0.3, 0.3), **RULE) == []
     assert slow_workers(runs("fresh", 1.42, 0.30) + runs("a", 0.3, 0.3, 0.3), **RULE) == []
 

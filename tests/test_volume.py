@@ -380,7 +380,7 @@ def test_a_chunks_trimmed_result_is_written_without_a_copy_of_the_whole_region(t
     (zarr copies one storage chunk at a time), not as a contiguous copy of the whole region first: that copy is
     memory the operator never asked for, its size set by where the chunk's edges fall rather than by the block
     (gaussian_smooth, sigma 6, on a 157 x 120 x 100 block cut in crosslines peaked 23.2 MiB with it and 19.0 MiB
-    without; an iline slab's trim was already contiguous: ``python -m benchmarks.task_memory``). An operator
+    without; an iline slab's trim was already contiguous: ``python -m benchmarks.studies.task_memory``). An operator
     returning another dtype is still written as float32, and the result equals the operator on the whole volume."""
     import inspect
 

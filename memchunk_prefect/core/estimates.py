@@ -52,7 +52,7 @@ class FirstTouch:
 
     Memory a worker process holds for the first time is faulted in and zeroed by the kernel during the task that
     first uses it: one trace_correlation block of 545 MiB took 0.8-1.4 s the first time in a process and 0.3 s
-    the next (``python -m benchmarks.first_touch``), ~1.2-1.5 s of kernel time per GiB grown. Paid once per
+    the next (``python -m benchmarks.studies.first_touch``), ~1.2-1.5 s of kernel time per GiB grown. Paid once per
     worker, not per chunk, so a time model per element cannot carry it, and a plan of a few large chunks on
     fresh workers is slower than its compute alone says.
 

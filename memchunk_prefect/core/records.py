@@ -113,7 +113,7 @@ class Observation:
     #: How far the run took the worker process's memory above the most it had held before (its high-water
     #: mark), bytes; None if unknown (records older than schema v7). Memory a process holds for the first time
     #: is faulted in and zeroed by the kernel during the run: a first large call took 0.8-1.4 s where later
-    #: ones took 0.3 s (``python -m benchmarks.first_touch``), a cost paid once per growth, not per element.
+    #: ones took 0.3 s (``python -m benchmarks.studies.first_touch``), a cost paid once per growth, not per element.
     grew_bytes: int | None = None
     #: Memory the run left held in its worker process at its end, above its start, bytes; None if unknown (records
     #: older than schema v10, runs that shared their process with another). Where large, it is a first use (a CUDA

@@ -5,14 +5,14 @@ every task several times slower than its peers without ever dying, so nothing in
 Dask's failure handling notices it; a map then waits on every chunk it holds. This
 module only decides (pure functions over observations); the executor names the
 worker in the flow's log and the map's summary. Steering later chunks away from it
-was tried and measured no better (``python -m benchmarks.straggler``; see
+was tried and measured no better (``python -m benchmarks.studies.straggler``; see
 ``ChunkedMap.look_for_slow_workers``).
 
 The figure compared is seconds per element (halo included) of the map's finished
 runs, each worker's median against the median of every other worker's runs: one
 map's chunks are of one operator and similar size, so a ratio far above 1 is the
 worker, not the chunk. A worker's first run of an operator pays the kernel for
-memory the process never had (``python -m benchmarks.first_touch``: 0.8-1.4 s
+memory the process never had (``python -m benchmarks.studies.first_touch``: 0.8-1.4 s
 against 0.3 s for the same block later, up to 4.7x), so one run never flags a
 worker: ``min_runs`` of them must agree (their median), and the excess must be
 worth acting on (``min_seconds`` a chunk).

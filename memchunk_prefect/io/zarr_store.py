@@ -87,7 +87,7 @@ def _read_region(arr: Any, chunk: Chunk) -> np.ndarray:
     peak from run to run, which the model learns from: 16 x 128 x 400 slabs of a
     store in 36 x 36 x 400 storage chunks, each read 5 times (three runs), peaked at 8-28 MiB
     above resting memory at 10, 6-11 MiB at 2 in the same time, 3-8 MiB at 1 but
-    ~40% slower (``python -m benchmarks.write_memory``, its reads-only rows). As
+    ~40% slower (``python -m benchmarks.studies.write_memory``, its reads-only rows). As
     for writes, the setting is the process's while it is set: with several
     threads per worker another thread's read may run at either concurrency (its
     memory, not its result, differs).
@@ -373,7 +373,7 @@ class ZarrOutput:
             # One storage chunk at a time: zarr otherwise reads, decompresses, merges and compresses all of them
             # at once (async.concurrency, 10), and how many were alive together moved a chunk's measured peak
             # by tens of MiB from run to run (gaussian_smooth on 72 x 128 x 400: 49-60 MiB; one at a time
-            # 33 MiB every time, in the same time: python -m benchmarks.write_memory). The model learns from
+            # 33 MiB every time, in the same time: python -m benchmarks.studies.write_memory). The model learns from
             # those peaks. The setting is the process's while it is set: with several threads per worker another
             # thread's write may run at either concurrency (its memory, not its result, differs).
             stack.enter_context(zarr.config.set({"async.concurrency": WRITE_CONCURRENCY}))

@@ -699,7 +699,7 @@ class Store:
         Why not just the newest rows: once warm, a nightly plan repeats one chunk size, and the newest rows
         would all be of that size; the model needs two sizes to separate a fixed overhead from a per-element
         cost, so it would go back to "not ready" and probe again (seen on the 21st night of
-        ``benchmarks.consecutive --keep 20``); an arm of the learned policy whose rewards all went would look
+        ``benchmarks.studies.consecutive --keep 20``); an arm of the learned policy whose rewards all went would look
         untried and be explored again. SQLite reuses the freed pages, so the file stops growing once every
         key is at its cap (it does not shrink: ``VACUUM`` would need every other connection closed).
         """

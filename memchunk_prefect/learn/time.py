@@ -150,7 +150,7 @@ class TimeModel:
         """The seconds an ``ok`` run teaches time: its wall seconds; for a first touch (:meth:`first_touch`), its
         wall seconds less its kernel CPU time (``sys_seconds``), or None where that is unknown.
 
-        A first touch's extra cost is the kernel's (``python -m benchmarks.first_touch``): wall less system
+        A first touch's extra cost is the kernel's (``python -m benchmarks.studies.first_touch``): wall less system
         time of a first call is what the next call costs to within the next's own system time, so a cold
         start's probes, each larger than any before on its worker, still teach how time grows with the block.
         """
@@ -274,7 +274,7 @@ class TimeModel:
     def time_fits(self, elements: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
         """Per time form: runs fitted, leave-one-out error (``press``, on relative residuals) and the compute
         seconds it predicts for blocks of ``elements`` (halo included): what :meth:`time_form` chooses between,
-        for diagnosis (``python -m benchmarks.time_forms --fits``). Empty before any timed run."""
+        for diagnosis (``python -m benchmarks.studies.time_forms --fits``). Empty before any timed run."""
         if not self._sizes:
             return {}
         out: dict[str, dict[str, Any]] = {}

@@ -31,7 +31,7 @@ outside the pool); then the blocks are freed again.
 NVML's per-process figure (:mod:`memchunk_prefect.run.monitor`) is absolute,
 includes the context and sees the pool's high-water until it is freed, so it is
 kept beside this one, not instead. Both against allocations of known size, on an
-NVIDIA H100 with CuPy 14.2 (``python -m benchmarks.gpu_memory``): the pool's
+NVIDIA H100 with CuPy 14.2 (``python -m benchmarks.studies.gpu_memory``): the pool's
 figure was exact (1 GiB at once, 256 + 768 MiB together, 1 GiB freed then
 512 MiB, 64 x 16 MiB: error 0.00%); NVML's read 0-2 MiB over (its 2 MiB steps).
 Around the operators NVML read more than the pool only on a process's first call

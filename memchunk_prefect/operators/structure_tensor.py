@@ -11,7 +11,7 @@ Steps, per voxel, all in float64:
 
 This is the straightforward implementation the reference study profiled: the
 float64 tensor stack and its eigenvectors make its peak memory tens of times the
-float32 input (see ``python -m benchmarks.operator_memory``).
+float32 input (see ``python -m benchmarks.studies.operator_memory``).
 
 Units and conventions — axes are in **samples**, not metres or milliseconds: a
 reflector that moves one sample down per inline has a dip of 45 degrees. To get

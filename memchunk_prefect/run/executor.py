@@ -585,7 +585,7 @@ class ChunkedMap:
         """Find workers slow rather than dead (at most once a second) and say so, naming each once per map.
 
         Only said, not acted on: steering the map's later chunks to the other workers (a loose Dask worker
-        restriction) was measured no better (``python -m benchmarks.straggler``): Dask's work stealing hands a
+        restriction) was measured no better (``python -m benchmarks.studies.straggler``): Dask's work stealing hands a
         chunk queued behind a busy worker to the idle slow one, which a loose restriction allows, and a strict
         one would leave chunks waiting for ever once the other workers leave.
         """

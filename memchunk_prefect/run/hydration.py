@@ -11,7 +11,7 @@ pydantic-settings: some fifty nested settings models, each reading the environme
 ``prefect.toml`` sources, for values that the dict already fixes. Under cProfile that was 120 ms of the 178 ms
 each task run spent on the worker before its function ran (Prefect 3.9, prefect-dask 0.3); unprofiled, a task's
 submit-to-start latency on a local cluster was 0.12-0.13 s with it and 0.09 s without (``python -m
-benchmarks.task_start``). A chunked map pays that latency at every probe wave and every re-plan, in series, and
+benchmarks.studies.task_start``). A chunked map pays that latency at every probe wave and every re-plan, in series, and
 every chunk pays it in worker CPU.
 
 :func:`install` wraps the task engine's ``hydrated_context`` in this worker process so that a serialized
@@ -259,7 +259,7 @@ def settings_serialized_once() -> Iterator[None]:
     it submits (``prefect.context.serialize_context``), and the settings part, a
     pydantic dump of every Prefect setting walked by ``visit_collection``, is most
     of a submission's cost in the flow: serializing the context took 88 ms of each 122 ms submit under
-    cProfile, 11 ms once memoized (``python -m benchmarks.map_overhead``), paid in the flow's thread, between
+    cProfile, 11 ms once memoized (``python -m benchmarks.studies.map_overhead``), paid in the flow's thread, between
     chunk completions, for an answer that cannot change during a map (settings are
     fixed once a context is entered; cf. prefect#18191 on slow Dask task creation).
     ``SettingsContext.serialize`` is memoized per context object and secrets flag

@@ -43,7 +43,7 @@ starts (BLAS/FFT pools); ``process_cpu_seconds`` is the whole process's CPU time
 process did. ``sys_seconds`` is the part of the calling thread's CPU time spent in the
 kernel (``getrusage(RUSAGE_THREAD)``, Linux; None elsewhere): page faults and zeroing of
 memory the run touched. Memory a process holds for the first time costs far more kernel
-time than memory it held before, at the same user time (``python -m benchmarks.first_touch``
+time than memory it held before, at the same user time (``python -m benchmarks.studies.first_touch``
 measures it), and that cost lands in this figure, not in user time.
 
 **Failures**: the measurement is filled in even when the body raises (MemoryError

@@ -7,7 +7,7 @@ compares with ``memory_limit`` when it kills a worker; the monitor
 - :class:`VmHWMProbe` (``method="vmhwm"``, Linux): writing ``5`` to
   ``/proc/self/clear_refs`` resets the kernel's high-water mark of RSS (``VmHWM`` in
   ``/proc/self/status``); reading it after the run gives the exact peak, with no
-  sampling gap, at well under a millisecond per run (``python -m benchmarks.measure_overhead``).
+  sampling gap, at well under a millisecond per run (``python -m benchmarks.studies.measure_overhead``).
 - :class:`SamplingProbe` (``method="psutil"``, anywhere): psutil RSS sampled on a
   background thread every ``interval_seconds`` (default 5 ms). It can miss a spike
   shorter than the interval (allocate, touch, free within 5 ms) and a peak reached

@@ -88,7 +88,7 @@ def high_water_bytes() -> int | None:
 
     A run that takes the process above it pays the kernel for faulting in and zeroing the new pages
     (``Observation.grew_bytes``); one that stays under it does not, though the memory was handed back between
-    (``python -m benchmarks.first_touch`` measures both).
+    (``python -m benchmarks.studies.first_touch`` measures both).
 
     >>> v = high_water_bytes()
     >>> v is None or v > 0

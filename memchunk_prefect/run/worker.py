@@ -215,7 +215,7 @@ def _write_region(job: BlockJob, block: np.ndarray, out: np.ndarray,
         # The trimmed view goes to zarr as it is: zarr copies it one storage chunk at a time. A contiguous copy of
         # the whole region first (where the trim cuts crosslines the view is not contiguous) would be memory set by
         # where the chunk's edges fall, not by the block, which the model cannot learn
-        # (python -m benchmarks.task_memory measures it).
+        # (python -m benchmarks.studies.task_memory measures it).
         output.write(job.chunk, out[trim].astype(DTYPE, copy=False), mark_done=False)
     except OSError as exc:
         raise write_error(job, exc) from exc

@@ -1,6 +1,7 @@
 """What the runner's worker side costs one chunk: ``worker.run_block`` against the static baseline's task body.
 
-    python -m benchmarks.chunk_body [--pairs 5] [--operator gst3d_dip] [--chunks 2] [--shape IL XL T] [--json PATH]
+    python -m benchmarks.studies.chunk_body [--pairs 5] [--operator gst3d_dip] [--chunks 2] [--shape IL XL T] \
+        [--json PATH]
 
 The full run's memchunk-warm row plans the same chunks as static-2 (2 iline slabs per operator) and still ran
 4-12% slower than it in rounds side by side. This separates the worker's share of that gap from the flow's:
@@ -8,7 +9,7 @@ one chunk (the first of ``--chunks`` iline slabs of a ``--shape`` synthetic surv
 operator's halo) is run by the static baseline's body (``benchmarks.strategies.slab_task``: read, compute, trim,
 write a contiguous copy) and by the runner's (``memchunk_prefect.run.worker.run_block``: the same, measured by the
 monitor, the view written, the completion marker with its observation), each in a fresh worker-like process
-(``benchmarks.children``: first touches paid, as on the benchmark's fresh workers), the two alternating
+(``benchmarks.studies.children``: first touches paid, as on the benchmark's fresh workers), the two alternating
 ``--pairs`` times. Both children import everything they use before the clock starts (a worker has imported
 Prefect and the operator modules before its first task). Per run: wall and CPU seconds of the body, and the
 operator's own call; the medians of each side, and the medians of the pairs' differences. Each child reads back
@@ -28,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.children import run_child
+from benchmarks.studies.children import run_child
 
 SIDES = ("static", "memchunk")
 
@@ -77,7 +78,7 @@ def child(side: str, source_path: str, output_path: str, operator: str, chunks: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.chunk_body", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.chunk_body", description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=5, help="runs of each side, alternating (default 5)")
     p.add_argument("--operator", default="gst3d_dip", help="an operator of operators.OPERATORS (default gst3d_dip)")
     p.add_argument("--chunks", type=int, default=2, help="iline slabs; the first is run (default 2, static-2's)")
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             for side in SIDES:
                 out = str(work / f"out-{side}.zarr")
                 ZarrOutput.create(out, shape, as_source(src).coords(), attrs={}, overwrite=True)
-                r = run_child("benchmarks.chunk_body", ["--child", side, src, out, "--operator", args.operator,
+                r = run_child("benchmarks.studies.chunk_body", ["--child", side, src, out, "--operator", args.operator,
                                                         "--chunks", str(args.chunks)])
                 runs[side].append(r)
                 print(f"{i + 1:>4d} {side:<9s} {r['wall_seconds']:>7.2f} {r['cpu_seconds']:>7.2f} "

@@ -1,6 +1,6 @@
 """What a worker process pays the first time an operator's working memory grows: seconds and kernel time per call.
 
-    python -m benchmarks.first_touch [--calls 3] [--processes 2] [--json PATH]
+    python -m benchmarks.studies.first_touch [--calls 3] [--processes 2] [--json PATH]
 
 trace_correlation on one 86 x 97 x 100 float32 block (its Gram matrix: ~545 MiB of float64), called
 ``--calls`` times in each of ``--processes`` fresh Python processes, as a fresh Dask worker runs it
@@ -23,7 +23,7 @@ import json
 import resource
 import time
 
-from benchmarks.children import run_child
+from benchmarks.studies.children import run_child
 
 BLOCK = (86, 97, 100)
 
@@ -48,7 +48,7 @@ def child(calls: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.first_touch", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.first_touch", description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--json", metavar="PATH")
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps(child(args.calls)))
         return 0
-    runs = [run_child("benchmarks.first_touch", ["--child", "--calls", str(args.calls)])
+    runs = [run_child("benchmarks.studies.first_touch", ["--child", "--calls", str(args.calls)])
             for _ in range(args.processes)]
     print(f"trace_correlation on one {' x '.join(map(str, BLOCK))} float32 block, {args.calls} calls in each of "
           f"{args.processes} fresh processes")

@@ -1,6 +1,6 @@
 """Consecutive runs of the pipeline on one store: plans, arms, walls and the store, night after night.
 
-    python -m benchmarks.consecutive [--runs N] [--heuristic] [--keep ROWS] [--quick] [--json PATH]
+    python -m benchmarks.studies.consecutive [--runs N] [--heuristic] [--keep ROWS] [--quick] [--json PATH]
 
 The cluster and survey of ``python -m benchmarks`` (2 single-thread workers x
 1 GiB, 128 x 128 x 400; ``--quick``: its quick form, 640 MiB workers and 64 x
@@ -38,7 +38,7 @@ from benchmarks.__main__ import FULL, QUICK, _prefect_api
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.consecutive", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.consecutive", description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5, help="how many runs on the one store (default 5)")
     p.add_argument("--heuristic", action="store_true", help="the learned policy off (the fixed heuristic)")
     p.add_argument("--keep", type=int, metavar="ROWS",
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tasks` and `flows` beside the package
     from benchmarks import strategies as st
     from memchunk_prefect.learn.bank import ModelBank
     from memchunk_prefect.learn.store import Store

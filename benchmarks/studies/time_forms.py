@@ -1,6 +1,6 @@
 """The time form each operator's model read after each flow run, replayed from observation stores.
 
-    python -m benchmarks.time_forms STORE [STORE ...] [--time-gap-ratio R] [--time-curve-margin M]
+    python -m benchmarks.studies.time_forms STORE [STORE ...] [--time-gap-ratio R] [--time-curve-margin M]
         [--time-rising-gain G] [--fits] [--plans] [--json PATH]
 
 A curved time form (``superlinear``, ``quadratic``) makes the planner cut smaller
@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.store_quality import operator_name, stored_keys
+from benchmarks.studies.store_quality import operator_name, stored_keys
 
 
 def forms(stores: list[str], **options: Any) -> dict[str, dict[str, Any]]:
@@ -71,7 +71,7 @@ def _read(model: Any, row: dict[str, Any], first: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.time_forms", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.time_forms", description=__doc__.split("\n\n")[0])
     p.add_argument("stores", nargs="+", metavar="STORE")
     p.add_argument("--time-gap-ratio", type=float, default=None,
                    help="widest gap between consecutive sizes for a curve to stand on leave-one-out alone "

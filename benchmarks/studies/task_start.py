@@ -1,6 +1,6 @@
 """How long a Prefect task run takes to start on a Dask worker: Prefect's own hydration against the settings kept.
 
-    python -m benchmarks.task_start [--tasks 40] [--rounds 2] [--json PATH]
+    python -m benchmarks.studies.task_start [--tasks 40] [--rounds 2] [--json PATH]
 
 A flow on prefect-dask's DaskTaskRunner submits ``--tasks`` trivial task runs one after another (each waits
 for the last), on a fresh local cluster of one single-thread worker, with a local Prefect server. Each task
@@ -79,7 +79,7 @@ def run_mode(mode: str, n: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.task_start", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.task_start", description=__doc__.splitlines()[0])
     p.add_argument("--tasks", type=int, default=40, help="task runs per mode and round (default 40)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of both modes, alternating (default 2)")
     p.add_argument("--json", metavar="PATH")

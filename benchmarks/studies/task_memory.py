@@ -1,12 +1,12 @@
 """Peak memory of one chunk's whole task (read with its halo, the operator, trim, write) against the operator alone.
 
-    python -m benchmarks.task_memory --operator gaussian_smooth --params '{"sigma": [6, 6, 6]}' \\
+    python -m benchmarks.studies.task_memory --operator gaussian_smooth --params '{"sigma": [6, 6, 6]}' \\
         --survey 192 192 100 --chunk 1 133 96 192 --chunk 96 192 0 192 [--repeat 3] [--json PATH]
 
 A chunk's measured peak, what the model learns from, covers its whole task on
 the worker (:func:`memchunk_prefect.run.worker.run_block`): the block read with its
 halo from the source, the operator, the halo trimmed off, the region written.
-``python -m benchmarks.operator_memory`` measures the operator alone. This
+``python -m benchmarks.studies.operator_memory`` measures the operator alone. This
 measures both on the same block, so what the task adds around the operator can
 be seen per chunk: the source a zarr store of the synthetic survey's values (as
 an upstream operator's output is), the output a fresh ``ZarrOutput`` of the
@@ -14,7 +14,7 @@ survey's shape, both in default storage chunks.
 
 Each ``--chunk I0 I1 X0 X1`` (whole traces, survey indices; the survey's edges
 clip the halo, as in a flow) is measured ``--repeat`` times, each in a fresh
-process set up as a Dask worker's (:mod:`benchmarks.children`): the operator's
+process set up as a Dask worker's (:mod:`benchmarks.studies.children`): the operator's
 first call and one whole task on a small chunk first (lazy imports, zarr's and
 the codecs' first use), freed heap returned to the OS, then one ``run_block``
 measured as the runner measures it (``peak_bytes``: the peak RSS during the task
@@ -35,7 +35,7 @@ import statistics
 import tempfile
 from typing import Any, Sequence
 
-from benchmarks.children import run_child
+from benchmarks.studies.children import run_child
 
 MIB = 2**20
 
@@ -52,7 +52,7 @@ def _measure(work: str, operator: str, params: dict, shape: tuple[int, ...], chu
     then the operator alone on the measured block."""
     import inspect
 
-    from benchmarks.operator_memory import _release_free_heap
+    from benchmarks.studies.operator_memory import _release_free_heap
     from memchunk_prefect import operators
     from memchunk_prefect.core.chunks import Chunk, with_halo
     from memchunk_prefect.io import zarr_store as volume
@@ -101,7 +101,7 @@ def spread(values: list[float]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.task_memory", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.task_memory", description=__doc__.splitlines()[0])
     p.add_argument("--operator", default="gaussian_smooth")
     p.add_argument("--params", metavar="JSON", default="{}", help="the operator's parameters (a JSON object)")
     p.add_argument("--survey", type=int, nargs=3, metavar=("IL", "XL", "NT"), default=[192, 192, 100])
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "I0 < I1 <= IL and X0 < X1 <= XL")
     rows: list[dict[str, Any]] = []
     for c in chunks:
-        runs = [run_child("benchmarks.task_memory", ["--child", json.dumps(
+        runs = [run_child("benchmarks.studies.task_memory", ["--child", json.dumps(
             {"operator": args.operator, "params": params, "survey": args.survey, "chunk": c})])
             for _ in range(args.repeat)]
         rows.append({**{k: runs[0][k] for k in ("chunk", "read", "written", "block_mib", "written_mib")},

@@ -1,6 +1,6 @@
 """How well a task's GPU memory is measured: CuPy's pool and NVML against known allocations, then per operator.
 
-    python -m benchmarks.gpu_memory [--json PATH] [--shapes IL XL NT ...]
+    python -m benchmarks.studies.gpu_memory [--json PATH] [--shapes IL XL NT ...]
 
 The runner records a GPU chunk's peak as what CuPy's memory pool grew by while
 the task ran (:meth:`memchunk_prefect.operators.device.Backend.track`); NVML's per-process
@@ -164,7 +164,7 @@ def _row_text(r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_memory", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.gpu_memory", description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path, help="write the rows as JSON here")
     p.add_argument("--quick", action="store_true", help="one small block per operator (the fake device, CI)")
     p.add_argument("--no-known", action="store_true", help="skip the known allocations (1 GiB each)")

@@ -1,8 +1,8 @@
 """How well the online memory model predicts real operators: error of the mean, coverage of the bound.
 
-    python -m benchmarks.model_accuracy                 # collect (if no cached run) and replay
-    python -m benchmarks.model_accuracy --collect       # measure again, overwrite the cache
-    python -m benchmarks.model_accuracy --json out.json --markdown
+    python -m benchmarks.studies.model_accuracy                 # collect (if no cached run) and replay
+    python -m benchmarks.studies.model_accuracy --collect       # measure again, overwrite the cache
+    python -m benchmarks.studies.model_accuracy --json out.json --markdown
 
 Collect. For each operator in ``operators.OPERATORS`` (default parameters) a fresh
 Python subprocess (this module with ``--child``) builds the synthetic survey
@@ -137,7 +137,7 @@ def collect(names: Sequence[str], n_blocks: int, seed: int) -> list[dict[str, An
         while pending and len(procs) < 2:
             name = pending.pop(0)
             procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.model_accuracy", "--child", name, "--blocks", str(n_blocks),
+                [sys.executable, "-m", "benchmarks.studies.model_accuracy", "--child", name, "--blocks", str(n_blocks),
                  "--seed", str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(0.1)
         for name, p in list(procs.items()):
@@ -219,7 +219,8 @@ def format_table(results: dict[str, dict[str, Any]], markdown: bool = False) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.model_accuracy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.model_accuracy",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--collect", action="store_true", help="measure again even if a cached run exists")
     parser.add_argument("--cache", default=str(CACHE), help="observations cache (JSON); default %(default)s")
     parser.add_argument("--operators", default="", help="comma-separated names (default: every operator)")

@@ -1,6 +1,6 @@
 """A worker slow rather than dead: what it costs a map, and when the runner names it.
 
-    python -m benchmarks.straggler [--shape 480 50 500] [--duty 0.1] [--busy 0.2] [--budget 24MiB] [--json PATH]
+    python -m benchmarks.studies.straggler [--shape 480 50 500] [--duty 0.1] [--busy 0.2] [--budget 24MiB] [--json PATH]
 
 A local cluster of 2 single-thread worker processes (1 GiB each) and a local
 Prefect server. The operator is the ``memory_hog`` test helper spending ``--busy``
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def one_run(survey: str, store: str, out: Path, *, duty: float | None, busy: float, budget: str) -> dict:
@@ -74,7 +74,7 @@ def one_run(survey: str, store: str, out: Path, *, duty: float | None, busy: flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.straggler", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.straggler", description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs=3, default=[480, 50, 500], metavar=("IL", "XL", "T"))
     p.add_argument("--duty", type=float, default=0.1, help="share of the time the slow worker runs (default 0.1)")
     p.add_argument("--busy", type=float, default=0.2, help="CPU seconds per chunk (default 0.2)")

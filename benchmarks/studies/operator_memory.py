@@ -1,9 +1,10 @@
 """Peak memory of every operator in ``tasks`` as a multiple of its input block's bytes.
 
-    python -m benchmarks.operator_memory                      # 64 x 64 x 400 float32 block, text table
-    python -m benchmarks.operator_memory --shape 128 128 400 --markdown
-    python -m benchmarks.operator_memory --operators envelope,gst3d_dip --json out.json
-    python -m benchmarks.operator_memory --operators gaussian_smooth --params '{"sigma": [6, 6, 6]}' --shape 157 120 100
+    python -m benchmarks.studies.operator_memory                      # 64 x 64 x 400 float32 block, text table
+    python -m benchmarks.studies.operator_memory --shape 128 128 400 --markdown
+    python -m benchmarks.studies.operator_memory --operators envelope,gst3d_dip --json out.json
+    python -m benchmarks.studies.operator_memory --operators gaussian_smooth --params '{"sigma": [6, 6, 6]}' \
+        --shape 157 120 100
 
 Each operator runs in a **fresh Python subprocess** (this module with ``--child``),
 so one operator's peak never carries into another's: the child builds the input
@@ -104,7 +105,7 @@ def measure_operator(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, 
 def run_in_subprocess(name: str, shape: Sequence[int], seed: int = DEFAULT_SEED, device: str = "cpu",
                       params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Measure one operator in a fresh interpreter; ``{"operator", "error"}`` if it failed."""
-    cmd = [sys.executable, "-m", "benchmarks.operator_memory", "--child", name,
+    cmd = [sys.executable, "-m", "benchmarks.studies.operator_memory", "--child", name,
            "--shape", *map(str, shape), "--seed", str(seed), "--device", device, "--params", json.dumps(params or {})]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_SECONDS)
@@ -145,7 +146,8 @@ def format_table(rows: list[dict[str, Any]], markdown: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.operator_memory", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.studies.operator_memory",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--shape", type=int, nargs=3, metavar=("IL", "XL", "T"), default=list(DEFAULT_SHAPE),
                         help="block shape (iline, xline, twt); default %(default)s")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="synthetic volume seed")
@@ -186,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = " x ".join(map(str, args.shape))
     print(f"Peak memory per operator on one {shape} float32 block "
           f"({'parameters ' + json.dumps(params) if params else 'default parameters'}; "
-          "each in a fresh process; `python -m benchmarks.operator_memory"
+          "each in a fresh process; `python -m benchmarks.studies.operator_memory"
           f"{'' if tuple(args.shape) == DEFAULT_SHAPE else ' --shape ' + ' '.join(map(str, args.shape))}"
           f"{' --params ' + repr(json.dumps(params)) if params else ''}`):\n")
     print(format_table(rows, args.markdown))

@@ -1,6 +1,6 @@
 """What a long history costs a flow run's start: a model rebuilt by replaying its key's stored rows.
 
-    python -m benchmarks.replay [--rows 1000 5000 20000 50000] [--json PATH]
+    python -m benchmarks.studies.replay [--rows 1000 5000 20000 50000] [--json PATH]
 
 A model (``ModelBank``) is rebuilt at a flow run's first map of each operator
 by replaying every row the store holds for its key; every nightly map adds as
@@ -58,13 +58,13 @@ def time_replay(path: Path) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.replay", description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1000, 5000, 20000, 50000],
                    help="history lengths to time (default 1000 5000 20000 50000)")
     p.add_argument("--repeat", type=int, default=3, help="replays per length; the median is reported (default 3)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from memchunk_prefect.core.settings import RUNNER_SETTINGS
 
     keep = getattr(RUNNER_SETTINGS, "store_keep_per_key", None)  # None on commits before the cap

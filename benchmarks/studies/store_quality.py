@@ -1,6 +1,7 @@
 """How well the memory model predicted the runs in observation stores, replayed: per operator, over every store given.
 
-    python -m benchmarks.store_quality STORE [STORE ...] [--after 5] [--superlinear-gain G] [--noise-floor-mib M]
+    python -m benchmarks.studies.store_quality STORE [STORE ...] [--after 5] [--superlinear-gain G] \
+        [--noise-floor-mib M]
                                       [--size-weight W] [--memory-gap-ratio R]
                                       [--memory-gap-gain G] [--explain OPERATOR | --tight | --gap] [--json PATH]
 
@@ -208,7 +209,7 @@ def quality(stores: list[str], after: int = 5, **options: Any) -> dict[str, dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.store_quality", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.store_quality", description=__doc__.splitlines()[0])
     p.add_argument("stores", nargs="+", metavar="STORE")
     p.add_argument("--after", type=int, default=5, help="runs learned before one is scored (default 5)")
     p.add_argument("--superlinear-gain", type=float, default=None)

@@ -1,6 +1,6 @@
 """Per-run overhead of the monitor: milliseconds added to a task run by ``track()``.
 
-    python -m benchmarks.measure_overhead [--runs 2000] [--json PATH]
+    python -m benchmarks.studies.measure_overhead [--runs 2000] [--json PATH]
 
 Times ``with monitor.track(): pass`` (a no-op body) against a bare no-op loop, for the
 exact path (VmHWM, where /proc/self/clear_refs is writable) and the sampling path

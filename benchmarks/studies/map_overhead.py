@@ -1,6 +1,6 @@
 """Where a chunked map's own time goes in the flow process: a profile of the overhead pair's map.
 
-    python -m benchmarks.map_overhead [--runs 5] [--chunks 8] [--top 25] [--json PATH]
+    python -m benchmarks.studies.map_overhead [--runs 5] [--chunks 8] [--top 25] [--json PATH]
 
 The overhead row of ``python -m benchmarks`` compares MemoryAwareRunner with a plain
 DaskTaskRunner on identical chunks (envelope over the survey cut into ``--chunks``
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: The runner's steps of one map (ChunkedMap and what it calls), reported whatever their rank.
 STEPS = ("executor.py:*(_run)", "runner.py:*(budget)", "cluster.py:*(read_marks)", "runner.py:*(record_machines)",
@@ -35,7 +35,7 @@ STEPS = ("executor.py:*(_run)", "runner.py:*(budget)", "cluster.py:*(read_marks)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.map_overhead", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.map_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5, help="profiled maps (default 5)")
     p.add_argument("--chunks", type=int, default=8, help="iline slabs (default 8)")
     p.add_argument("--shape", type=int, nargs=3, default=[128, 128, 400], metavar=("IL", "XL", "T"))

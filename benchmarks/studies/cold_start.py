@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--runs must be at least 1, got {args.runs}")
     if args.survey and min(args.survey) < 1:
         p.error(f"--survey needs three positive extents, got {args.survey}")
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     sys.path.append(str(repo))  # `tasks`, `flows` and `benchmarks` where PYTHONPATH does not name them first
     import memchunk_prefect
     from benchmarks import strategies as st

@@ -1,6 +1,6 @@
 """What a benchmark pays before its flows run: a Prefect server's start, and a new cluster per strategy.
 
-    python -m benchmarks.setup_costs [--fresh N] [--json PATH]
+    python -m benchmarks.studies.setup_costs [--fresh N] [--json PATH]
 
 Starts one local Prefect server (``prefect_test_harness``, as every benchmark
 does without ``PREFECT_API_URL``) and times it; then the quick benchmark's
@@ -29,13 +29,13 @@ os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.setup_costs", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.setup_costs", description=__doc__.splitlines()[0])
     p.add_argument("--fresh", type=int, default=3, metavar="N", help="new clusters to time (default 3)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
     if args.fresh < 1:
         p.error(f"--fresh must be at least 1, got {args.fresh}")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` beside the package (warm_worker)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tasks` beside the package (warm_worker)
     from prefect.testing.utilities import prefect_test_harness
 
     from benchmarks import strategies as st

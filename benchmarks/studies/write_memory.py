@@ -1,6 +1,6 @@
 """What reading and writing a chunk's region cost in memory and time, a few storage chunks at a time vs zarr's default.
 
-    python -m benchmarks.write_memory [--repeat 3] [--json PATH]
+    python -m benchmarks.studies.write_memory [--repeat 3] [--json PATH]
 
 A chunk's measured peak covers its read, its operator and its write
 (``memchunk_prefect.run.worker.run_block``), and the model learns from it. This
@@ -27,7 +27,7 @@ import statistics
 import tempfile
 import time
 
-from benchmarks.children import run_child
+from benchmarks.studies.children import run_child
 
 SHAPE = (128, 128, 400)
 SLABS = {"72+56 ilines": (72, 56), "9+36 ilines": (9, 36)}
@@ -89,7 +89,7 @@ def child(concurrency: int, repeat: int, read_concurrency: int = 1) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.write_memory", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.write_memory", description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--child", type=int, nargs=2, default=None, help=argparse.SUPPRESS)
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child[0], args.repeat, args.child[1])))
         return 0
     # Each in a fresh process: the allocator's state is part of what is measured.
-    results = [run_child("benchmarks.write_memory", ["--child", str(w), str(r), "--repeat", str(args.repeat)])
+    results = [run_child("benchmarks.studies.write_memory", ["--child", str(w), str(r), "--repeat", str(args.repeat)])
                for w, r in ((10, 10), (1, 10), (1, 2), (1, 1))]
     first = results[0]
     print(f"reads alone: {SHAPE[0] // READ_SLAB} slabs of {READ_SLAB} ilines x {READ_ROUNDS} rounds from a store in "

@@ -1,6 +1,6 @@
 """The learned policy against the fixed heuristic over many nights: does what it learns from rewards pay?
 
-    python -m benchmarks.nights [--workload heterogeneous|pipeline] [--quick] [--nights N] [--survey IL XL NT]
+    python -m benchmarks.studies.nights [--workload heterogeneous|pipeline] [--quick] [--nights N] [--survey IL XL NT]
                                 [--json PATH] [--workdir DIR]
 
 A workload on each of its surveys: ``heterogeneous`` (the default: ``python -m
@@ -231,7 +231,7 @@ def verdict(s: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.nights", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.nights", description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=("heterogeneous", "pipeline"), default="heterogeneous",
                    help="python -m benchmarks.heterogeneous's chain and surveys (default), or python -m benchmarks'")
     p.add_argument("--granularity", action="store_true",
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--survey needs three positive extents, got {args.survey}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="memchunk-nights-")).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `tasks` and `flows` beside the package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `tasks` and `flows` beside the package
     from benchmarks import strategies as st
     from benchmarks.__main__ import _prefect_api, finish, machine_info
 
