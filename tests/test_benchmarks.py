@@ -188,11 +188,12 @@ def test_the_nights_summary_compares_settled_nights_and_counts_exploration_in_th
     assert "the same plans as the heuristic on 1 of them ([2])" in verdict(s)
 
 
-def test_replaying_a_kept_nights_store_lists_every_reward_beside_the_plans_the_model_offered():
+def test_replaying_a_kept_nights_store_lists_every_reward_beside_the_plans_the_model_offered(tmp_path):
     from benchmarks.studies.nights import replay_rewards
     from memchunk_prefect.learn.store import Store
+    from tests.fixtures import store_from_json
 
-    store = REPO / "benchmarks/runs/stores-2026-11-26/nights-d0186c0-granularity-learned-192x192x100.sqlite"
+    store = store_from_json("nights-store.json", tmp_path / "nights.sqlite")
     rows = replay_rewards(str(store))
     with Store(store) as s:
         stored = [(k, r.arm, r.n_chunks) for k in s.keys() for r in s.rewards(k)]
@@ -418,7 +419,7 @@ def test_compare_runs_reads_each_kept_run_and_sets_its_ratios_against_that_runs_
     """The rows in BENCHMARKS.md come from the kept JSONs; each ratio is over that run's own fastest static-N."""
     from benchmarks import compare_runs
 
-    paths = sorted((REPO / "benchmarks" / "runs").glob("side_by_side-*.json"))
+    paths = sorted((REPO / "tests" / "data").glob("side_by_side-*.json"))
     assert len(paths) >= 2
     for path in paths:
         result = json.loads(path.read_text())
