@@ -319,3 +319,15 @@ def test_incoming_chunks_outside_the_read_range_are_rechunked_not_kept():
     assert kept.decision == CONTINUE
     d = decide((64, 64, 100), incoming, budget_bytes=10**9, estimates=lin, slots=2, read_range=(0.0, 32 * 64 * 100 / 1.5))
     assert d.decision == RECHUNK and "outside the" in d.reason and len(d.plan.chunks) > 2
+
+
+def test_a_bound_over_the_budget_where_the_mean_fits_is_too_little_known_so_it_probes_instead_of_failing():
+    """Few or noisy runs (a worker of several threads measures its tasks mixed) can bound even one trace over the
+    budget while its mean fits: that is not too little memory. Probe with chunks sized for the budget; fail only
+    on the mean."""
+    wide = lambda ext: Prediction(mean_bytes=100.0 * math.prod(ext), upper_bytes=400.0 * math.prod(ext),  # noqa: E731
+                                  n_observations=5, ready=True)
+    p = plan((16, 16, 10), budget_bytes=300 * 10, estimates=wide, slots=2)
+    assert p.probe and "too little known" in p.reason and "its mean" in p.reason
+    with pytest.raises(BudgetTooSmallError, match="even the smallest chunk"):
+        plan((16, 16, 10), budget_bytes=90 * 10, estimates=wide, slots=2)

@@ -327,6 +327,17 @@ def _no_plan(found: _Search, est: Estimates, vol: Shape, h: Shape, region: Chunk
         raise NoPlanInRangeError(
             f"{found.out_of_range} chunking(s) of {region.shape} fit the budget of {format_bytes(budget_bytes)} but "
             f"none reads a block of {read_range[0]:,.0f} to {read_range[1]:,.0f} elements")  # type: ignore[index]
+    if found.out_of_range == 0 and probe_pred.mean_bytes < budget_bytes and (
+            gpu is None or gpu.predict(smallest).mean_bytes < gpu.budget_bytes):
+        # The bound is over the budget for even the smallest chunk while the mean fits: that is too little known
+        # (few runs, noisy ones: a worker of several threads measures its tasks' peaks mixed), not too little
+        # memory. Probe with chunks sized for the budget (kept), which is how the bound narrows; fail only on
+        # the mean, or when the probes themselves run out of memory.
+        return probe_plan(vol, budget_bytes=probe_budget(budget_bytes, gpu), halo=h, slots=slots,
+                          whole_traces=whole_traces, region=region, itemsize=itemsize, settings=settings,
+                          reason=(f"the model's bound for {unit} ({format_bytes(probe_pred.upper_bytes)}) is over "
+                                  f"the budget {format_bytes(budget_bytes)} though its mean "
+                                  f"({format_bytes(probe_pred.mean_bytes)}) fits: too little known to plan with"))
     worst_case = found.smallest_over[0] if found.smallest_over else probe_pred.upper_bytes
     raise BudgetTooSmallError(
         f"even the smallest chunk allowed ({unit} column with halo {h}, extents {smallest}) is predicted to "
