@@ -442,12 +442,27 @@ def test_the_remainder_is_replanned_when_the_bound_moved_more_than_the_threshold
     know = Linear()
     m = _running_with_queue(know)
     n_before = len(m.queue)
-    know.bytes_per_element = 50.0  # measured: half what was planned with
+    know.bytes_per_element = 50.0  # the model moved: half what was planned with
     sid = next(iter(m.in_flight))
-    out = m.handle(ChunkDone(sid, obs(m.in_flight[sid].chunk))) + m.advance()
+    chunk = m.in_flight[sid].chunk
+    # A run past the bound it was submitted with: the model was wrong about this map, so its plan is remade.
+    out = m.handle(ChunkDone(sid, obs(chunk, peak=2 * 120 * chunk.elements))) + m.advance()
     replans = [d.record for d in of(Decided, out)]
     assert replans and all(r.reason.startswith("mid-map re-plan: the upper bound moved") for r in replans)
     assert len(m.queue) < n_before, "larger chunks now fit"
+
+
+def test_a_map_planned_from_history_keeps_its_plan_while_every_run_stays_inside_its_bound():
+    """The same survey and store give the same plan: a bound that moves while the runs stay within what they were
+    submitted with is the model refining, not a reason to cut again mid-map."""
+    know = Linear()
+    m = _running_with_queue(know)
+    queued = [q.chunk for q in m.queue]
+    know.bytes_per_element = 50.0  # the model moved by half
+    sid = next(iter(m.in_flight))
+    out = m.handle(ChunkDone(sid, obs(m.in_flight[sid].chunk))) + m.advance()
+    assert not of(Decided, out)
+    assert [q.chunk for q in m.queue] == queued[len(of(Submit, out)):]
 
 
 def test_a_bound_within_the_threshold_keeps_the_planned_chunks():

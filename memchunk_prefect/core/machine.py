@@ -148,6 +148,9 @@ class MapMachine:
     drift_estimate: int = 0  # Start.drift_bytes, until runs report where their workers stood
     drift: dict[str, int] = field(default_factory=dict)  # each worker's start above the resting memory read
     recent_drift: dict[str, deque] = field(default_factory=dict)  # each worker's last DRIFT_RUNS of those
+    warm: bool = False  # the map's first plan came from history (no probe)
+    surprised: bool = False  # a run of this map peaked past the bound it was submitted with (or had none)
+    submitted_upper: dict[int, float] = field(default_factory=dict)  # each submission's upper bound, bytes
     # Each worker's high-water mark above its resting memory (Start.touched_bytes), raised by the peaks its runs
     # report; None: not read, so plans count nothing for growing the workers' memory.
     touched: dict[str, int] | None = None
@@ -338,6 +341,7 @@ class MapMachine:
         except MemchunkError as exc:
             return out + self._fail(exc)
         out.append(self._decided(d.decision, d.plan, d.reason, ev.at))
+        self.warm = not d.plan.probe
         self.queue.extend(Pending(c, d.decision, armed=self.arm is not None) for c in d.plan.chunks)
         self.regions.extend(d.plan.remainder)
         if d.plan.probe:
@@ -346,6 +350,10 @@ class MapMachine:
         return out
 
     def _on_done(self, ev: ChunkDone) -> list[Instruction]:
+        upper = self.submitted_upper.pop(ev.id, None)
+        own = int(ev.observation.peak_bytes) - first_use_bytes(ev.observation)
+        if upper is None or own > upper:
+            self.surprised = True  # a run the model had no bound for, or one past its bound
         item = self._take(ev.id)
         self.done.append(item.chunk)
         self._check_replan = True
@@ -667,7 +675,10 @@ class MapMachine:
         box's new plan replaces its queued chunks only when those no longer fit the
         budget, or when its estimated time is shorter by ``settings.replan_gain``:
         a bound that wanders within a plan's slack changes nothing, and a re-plan
-        is never undone by the next observation.
+        is never undone by the next observation. A map planned from history (not a
+        cold start's probes) re-plans on a moved bound only once one of its runs
+        peaked past the bound it was submitted with: the same survey and store then
+        run the same plan unless the model was wrong about this one.
         """
         slots_moved, self._slots_moved = self._slots_moved, None
         if not self.queue or self.planned_upper is None or self.queue.has_split_pieces:
@@ -675,7 +686,11 @@ class MapMachine:
         new_upper = self.queue_bound()
         if new_upper is None:
             return []
-        if policy.bound_moved(self.planned_upper, new_upper, self.settings):
+        if policy.bound_moved(self.planned_upper, new_upper, self.settings) and (
+                self.surprised or not self.warm or new_upper > self.budget_bytes):
+            # A map planned from history re-plans on its model only once a run fell outside its bound, or when
+            # the queued chunks no longer fit: a bound that moves while every run stays inside it is the model
+            # refining what the plan already allows.
             what = f"the upper bound moved from {format_bytes(self.planned_upper)} to {format_bytes(new_upper)}"
         elif policy.bound_moved(self.planned_budget, self.budget_bytes, self.settings):
             what = (f"the budget moved from {format_bytes(self.planned_budget)} to {format_bytes(self.budget_bytes)} "
@@ -775,6 +790,8 @@ class MapMachine:
         extents = self.spec.read_extents(item.chunk)
         pred = self.predict(extents)
         mean, upper = (float(pred.mean_bytes), float(pred.upper_bytes)) if pred.ready else (None, None)
+        if upper is not None:
+            self.submitted_upper[sid] = upper
         return Submit(sid, item.chunk, item.decision, item.attempt, self.spec.label(item.chunk), extents,
                       mean, upper, at)
 
