@@ -13,9 +13,10 @@ from memchunk_prefect.core.chunks import Chunk, covers_exactly, extents_with_hal
 from memchunk_prefect.core.errors import BudgetError, BudgetTooSmallError
 from memchunk_prefect.core.estimates import Estimates, FirstTouch
 from memchunk_prefect.core.plans import CONTINUE, PROBE, RECHUNK
-from memchunk_prefect.core.policy import decide, plan, remaining_boxes, split_chunk
+from memchunk_prefect.core.policy import decide, plan, split_chunk
 from memchunk_prefect.core.probe import probe_plan
 from memchunk_prefect.core.records import Prediction
+from memchunk_prefect.core.replan import remaining_boxes
 from memchunk_prefect.core.settings import PolicySettings
 
 

@@ -17,6 +17,7 @@ from memchunk_prefect.core.chunks import (
     Shape,
 )
 from memchunk_prefect.core.energy import plan_energy_joules
+from memchunk_prefect.core.errors import format_bytes
 from memchunk_prefect.core.records import Prediction
 from memchunk_prefect.core.settings import PolicySettings
 
@@ -44,6 +45,14 @@ class GpuLimit:
         """The GPU prediction of a block of ``extents`` when its upper bound exceeds the GPU budget, else None."""
         pred = self.predict(extents)
         return pred if pred.upper_bytes > self.budget_bytes else None
+
+    def why_over(self, extents: Shape) -> str | None:
+        """Why a block of ``extents`` does not fit the GPU budget, in words; None when it does."""
+        over = self.over(extents)
+        if over is None:
+            return None
+        return (f"{format_bytes(over.upper_bytes)} of GPU memory over the GPU budget "
+                f"{format_bytes(self.budget_bytes)}")
 
 
 @dataclass(frozen=True)

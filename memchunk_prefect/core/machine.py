@@ -114,9 +114,10 @@ from memchunk_prefect.core.messages import (
 )
 from memchunk_prefect.core.plan_queue import Gate, Pending, PlanQueue
 from memchunk_prefect.core.plans import PROBE, RECHUNK, RETRY_SMALLER, Plan, overhead_warning
-from memchunk_prefect.core.policy import remaining_boxes, split_chunk
+from memchunk_prefect.core.policy import split_chunk
 from memchunk_prefect.core.probe import PROBE_SIZE_STEP, next_probe_scale, probe_budget, probe_plan
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward, first_use_bytes, paused_within
+from memchunk_prefect.core.replan import bound_moved, remaining_boxes, replan_pays
 from memchunk_prefect.core.settings import ITEMSIZE, PolicySettings
 
 #: Runs per worker whose starts say where a worker of several threads stands (see MapMachine._follow_drift).
@@ -245,10 +246,7 @@ class MapMachine:
     def _gpu_over(self, extents: Shape) -> str | None:
         """Why a block of ``extents`` does not fit the GPU budget, in words; None when it does (or on the CPU)."""
         limit = self.gpu_limit
-        over = limit.over(extents) if limit is not None else None
-        if limit is None or over is None:
-            return None
-        return f"{format_bytes(over.upper_bytes)} of GPU memory over the GPU budget {format_bytes(limit.budget_bytes)}"
+        return limit.why_over(extents) if limit is not None else None
 
     def _choose_arm(self, make: Any) -> Any:
         """Make the first real plan under every arm (``make()`` plans with :meth:`predict`), choose one, keep it.
@@ -686,13 +684,13 @@ class MapMachine:
         new_upper = self.queue_bound()
         if new_upper is None:
             return []
-        if policy.bound_moved(self.planned_upper, new_upper, self.settings) and (
+        if bound_moved(self.planned_upper, new_upper, self.settings) and (
                 self.surprised or not self.warm or new_upper > self.budget_bytes):
             # A map planned from history re-plans on its model only once a run fell outside its bound, or when
             # the queued chunks no longer fit: a bound that moves while every run stays inside it is the model
             # refining what the plan already allows.
             what = f"the upper bound moved from {format_bytes(self.planned_upper)} to {format_bytes(new_upper)}"
-        elif policy.bound_moved(self.planned_budget, self.budget_bytes, self.settings):
+        elif bound_moved(self.planned_budget, self.budget_bytes, self.settings):
             what = (f"the budget moved from {format_bytes(self.planned_budget)} to {format_bytes(self.budget_bytes)} "
                     f"(the workers start tasks {format_bytes(max(self.drift.values(), default=0))} above the "
                     "resting memory read at the map's start)")
@@ -722,26 +720,11 @@ class MapMachine:
         return out
 
     def _replan_pays(self, queued: list[Pending], new: Plan) -> str | None:
-        """Why ``new`` should replace the ``queued`` chunks of its box (in words), or None to keep them."""
+        """Why ``new`` should replace the ``queued`` chunks of its box (:func:`.replan.replan_pays`)."""
         largest = max(queued, key=lambda q: math.prod(self.spec.read_extents(q.chunk))).chunk
-        ext = self.spec.read_extents(largest)
-        pred = self.predict(ext)
-        if pred.upper_bytes > self.budget_bytes:
-            return (f"the queued chunks of up to {largest.shape} no longer fit "
-                    f"({format_bytes(pred.upper_bytes)} over {format_bytes(self.budget_bytes)})")
-        gpu_over = self._gpu_over(ext)
-        if gpu_over:
-            return f"the queued chunks of up to {largest.shape} no longer fit ({gpu_over})"
-        est = self._estimates()
-        old_secs = est.seconds(len(queued), ext, self.slots, self.settings, pred.mean_bytes)
-        if self.settings.objective == "energy" and new.estimated_joules is not None:
-            old_j = est.joules(len(queued), ext, self.slots, self.settings, pred.mean_bytes)
-            if new.estimated_joules < old_j * (1 - self.settings.replan_gain):
-                return f"estimated {old_j:.0f} J -> {new.estimated_joules:.0f} J"
-            return None
-        if new.estimated_seconds is not None and new.estimated_seconds < old_secs * (1 - self.settings.replan_gain):
-            return f"estimated {old_secs:.2f} s -> {new.estimated_seconds:.2f} s"
-        return None
+        return replan_pays(len(queued), largest.shape, self.spec.read_extents(largest), new,
+                           budget_bytes=self.budget_bytes, estimates=self._estimates(), slots=self.slots,
+                           settings=self.settings)
 
     def queue_bound(self) -> float | None:
         """The model's upper bound (bytes) for the largest block a queued chunk reads; None while not ready."""

@@ -88,9 +88,7 @@ from memchunk_prefect.core.plans import (
 from memchunk_prefect.core.probe import probe_budget, probe_plan
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 
-__all__ = ["Decision", "plan", "decide", "split_chunk", "bound_moved", "remaining_boxes"]
-
-
+__all__ = ["Decision", "plan", "decide", "split_chunk"]
 
 
 # --------------------------------------------------------------------------- checks
@@ -126,9 +124,6 @@ def _largest_piece(n: int, count: int) -> int:
 def _offset(chunks: Iterable[Chunk], origin: Sequence[int]) -> list[Chunk]:
     return [Chunk(tuple(a + o for a, o in zip(c.start, origin)), tuple(b + o for b, o in zip(c.stop, origin)))  # type: ignore[arg-type]
             for c in chunks]
-
-
-
 
 
 # --------------------------------------------------------------------------- plan
@@ -496,58 +491,3 @@ def split_chunk(chunk: Chunk, *, whole_traces: bool = True) -> list[Chunk]:
     return split(chunk, axes=(0, 1) if whole_traces else (0, 1, 2))
 
 
-def bound_moved(old_upper: float | None, new_upper: float | None, settings: PolicySettings = DEFAULT_SETTINGS) -> bool:
-    """Whether a new upper bound differs enough from the one a plan used to re-plan the remainder.
-
-    >>> bound_moved(100.0, 130.0), bound_moved(100.0, 110.0), bound_moved(None, 5.0)
-    (True, False, True)
-    """
-    if old_upper is None or new_upper is None:
-        return old_upper is not new_upper
-    if old_upper <= 0:
-        return True
-    return abs(new_upper - old_upper) / old_upper > settings.replan_threshold
-
-
-def remaining_boxes(chunks: Sequence[Chunk]) -> tuple[list[Chunk], list[Chunk]]:
-    """Group unsubmitted chunks into boxes that can be re-planned, and the chunks to keep as they are.
-
-    Chunks are grouped in bands of equal iline range; a band whose chunks fill
-    the whole xline/twt extent of all the chunks is a box, and adjacent full
-    bands merge. Chunks of partial bands are kept unchanged.
-
-    >>> cs = [Chunk((0, 5, 0), (2, 10, 4)), Chunk((2, 0, 0), (4, 5, 4)), Chunk((2, 5, 0), (4, 10, 4)),
-    ...       Chunk((4, 0, 0), (6, 10, 4))]
-    >>> boxes, kept = remaining_boxes(cs)
-    >>> boxes, kept
-    ([Chunk(start=(2, 0, 0), stop=(6, 10, 4))], [Chunk(start=(0, 5, 0), stop=(2, 10, 4))])
-    """
-    if not chunks:
-        return [], []
-    x0 = min(c.start[1] for c in chunks)
-    x1 = max(c.stop[1] for c in chunks)
-    t0 = min(c.start[2] for c in chunks)
-    t1 = max(c.stop[2] for c in chunks)
-    bands: dict[tuple[int, int], list[Chunk]] = {}
-    for c in chunks:
-        bands.setdefault((c.start[0], c.stop[0]), []).append(c)
-    boxes: list[Chunk] = []
-    kept: list[Chunk] = []
-    current: list[int] | None = None
-    for (i0, i1) in sorted(bands):
-        members = bands[(i0, i1)]
-        full = sum(c.elements for c in members) == (i1 - i0) * (x1 - x0) * (t1 - t0)
-        if full and current is not None and current[1] == i0:
-            current[1] = i1
-        elif full:
-            if current is not None:
-                boxes.append(Chunk((current[0], x0, t0), (current[1], x1, t1)))
-            current = [i0, i1]
-        else:
-            if current is not None:
-                boxes.append(Chunk((current[0], x0, t0), (current[1], x1, t1)))
-                current = None
-            kept.extend(members)
-    if current is not None:
-        boxes.append(Chunk((current[0], x0, t0), (current[1], x1, t1)))
-    return boxes, kept

@@ -20,8 +20,11 @@ nanny's kill line (``distributed.worker.memory.terminate``; see
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from memchunk_prefect.core.energy import (
     DEFAULT_IDLE_WATTS_PER_CORE,
@@ -29,7 +32,8 @@ from memchunk_prefect.core.energy import (
     check_objective,
     check_watts,
 )
-from memchunk_prefect.core.errors import EnergyInputError, RunnerConfigError
+from memchunk_prefect.core.errors import EnergyInputError, MemchunkError, RunnerConfigError
+from memchunk_prefect.core.units import parse_seconds
 
 #: Every volume is processed as float32 (``DTYPE``); ``ITEMSIZE`` bytes per element.
 DTYPE = "float32"
@@ -152,8 +156,10 @@ class PolicySettings:
     def __post_init__(self) -> None:
         check_objective(self.objective)
         if self.slow_worker_factor is not None and not float(self.slow_worker_factor) > 1:
-            raise RunnerConfigError(f"`slow_worker_factor` must be above 1 (a worker's seconds per element over the "
-                                    f"others') or None to never look for slow workers, got {self.slow_worker_factor!r}")
+            raise RunnerConfigError(
+                f"`slow_worker_factor` must be above 1 (a worker's seconds per element over the "
+                f"others') or None to never look for slow workers, got {self.slow_worker_factor!r}"
+            )
         check_watts(self.watts_per_core, "watts_per_core")
         check_watts(self.idle_watts_per_core, "idle_watts_per_core")
         if self.deadline_seconds is not None:
@@ -162,8 +168,9 @@ class PolicySettings:
             except (TypeError, ValueError):
                 ok = False
             if not ok:
-                raise EnergyInputError(f"`deadline_seconds` must be a positive number of seconds or None, got "
-                                       f"{self.deadline_seconds!r}")
+                raise EnergyInputError(
+                    f"`deadline_seconds` must be a positive number of seconds or None, got {self.deadline_seconds!r}"
+                )
 
     def in_flight_cap(self, slots: int) -> int:
         """Most chunks in flight at once for ``slots`` worker slots."""
@@ -231,3 +238,49 @@ class RunnerSettings:
 
 
 RUNNER_SETTINGS = RunnerSettings()
+
+
+def deadline_seconds(deadline: float | str) -> float:
+    """A map deadline in seconds from ``90``, ``"90s"``, ``"10min"``; EnergyInputError for anything else."""
+    try:
+        return parse_seconds(deadline)
+    except (MemchunkError, TypeError, ValueError) as exc:
+        raise EnergyInputError(
+            f"`deadline` must be seconds (90) or a duration ('90s', '10min', '2h'), got {deadline!r}: {exc}"
+        ) from exc
+
+
+def check_target_fraction(target_fraction: Any, kill: float | None) -> None:
+    """``target_fraction`` must be in (0, the nanny's kill fraction] (1 where it is unknown)."""
+    ceiling = kill if kill is not None else 1.0
+    try:
+        ok = 0 < float(target_fraction) <= ceiling
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise RunnerConfigError(
+            f"`target_fraction` must be in (0, {ceiling:g}], got {target_fraction!r}"
+            + (
+                f" (Dask's nanny kills a worker at {kill:g} of its memory_limit: distributed.worker.memory.terminate)"
+                if kill is not None
+                else ""
+            )
+        )
+
+
+def policy_settings(policy: PolicySettings | Mapping[str, Any] | None, **energy: Any) -> PolicySettings:
+    """The runner's policy settings: ``policy`` (settings or a dict of their fields) with the energy arguments
+    given (``objective``, ``watts_per_core``, ``idle_watts_per_core``, ``deadline``) set over it."""
+    if policy is None:
+        policy = PolicySettings()
+    elif isinstance(policy, Mapping):
+        try:
+            policy = PolicySettings(**policy)
+        except TypeError as exc:
+            raise RunnerConfigError(f"`policy` has an unknown setting: {exc}") from exc
+    elif not isinstance(policy, PolicySettings):
+        raise RunnerConfigError(f"`policy` must be a PolicySettings or a dict, got {type(policy).__name__}")
+    if energy.get("deadline") is not None:
+        energy["deadline_seconds"] = deadline_seconds(energy["deadline"])
+    given = {k: v for k, v in energy.items() if v is not None and k != "deadline"}
+    return dataclasses.replace(policy, **given) if given else policy  # validated by PolicySettings

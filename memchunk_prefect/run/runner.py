@@ -37,7 +37,6 @@ Ordinary iterables map exactly as with ``DaskTaskRunner``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -54,14 +53,12 @@ from prefect_dask import DaskTaskRunner
 
 from memchunk_prefect.core.errors import (
     BudgetError,
-    EnergyInputError,
     EnvironmentProblemError,
-    MemchunkError,
     RunnerConfigError,
 )
 from memchunk_prefect.core.records import STOP_DEATH_SECONDS, stop_deaths
-from memchunk_prefect.core.settings import RUNNER_SETTINGS, PolicySettings
-from memchunk_prefect.core.units import parse_bytes, parse_seconds
+from memchunk_prefect.core.settings import RUNNER_SETTINGS, PolicySettings, check_target_fraction, policy_settings
+from memchunk_prefect.core.units import parse_bytes
 from memchunk_prefect.operators.device import AUTO, CUDA, check_device
 from memchunk_prefect.run import cluster as _cluster
 from memchunk_prefect.run import doctor
@@ -175,15 +172,21 @@ class MemoryAwareRunner(DaskTaskRunner):
         if address is None and cluster_class is None and not cluster_kwargs:
             # On the GPU, one single-thread worker per GPU (each plans for its own GPU's memory); else one per core.
             gpus = usable_gpus()[0] if device in (CUDA, AUTO) else []
-            cluster_class, cluster_kwargs = (local_gpu_cluster(gpus) if gpus
-                                             else (None, _cluster.default_cluster_kwargs()))
+            cluster_class, cluster_kwargs = (
+                local_gpu_cluster(gpus) if gpus else (None, _cluster.default_cluster_kwargs())
+            )
         temporary_server_defaults()
         doctor.fail_fast_without_a_database()
-        super().__init__(address=address, cluster_class=cluster_class, cluster_kwargs=cluster_kwargs,
-                         adapt_kwargs=adapt_kwargs, client_kwargs=client_kwargs,
-                         performance_report_path=performance_report_path)
+        super().__init__(
+            address=address,
+            cluster_class=cluster_class,
+            cluster_kwargs=cluster_kwargs,
+            adapt_kwargs=adapt_kwargs,
+            client_kwargs=client_kwargs,
+            performance_report_path=performance_report_path,
+        )
         if target_fraction is not None:
-            _check_target_fraction(target_fraction, _cluster.configured_kill_fraction() if address is None else None)
+            check_target_fraction(target_fraction, _cluster.configured_kill_fraction() if address is None else None)
         try:
             self.memory_budget = None if memory_budget is None else parse_bytes(memory_budget, what="memory_budget")
         except BudgetError as exc:
@@ -191,8 +194,13 @@ class MemoryAwareRunner(DaskTaskRunner):
         self.target_fraction = None if target_fraction is None else float(target_fraction)
         self.store = None if store is None else os.fspath(store)
         self.output_dir = None if output_dir is None else os.fspath(output_dir)
-        policy = _policy_of(policy, objective=objective, watts_per_core=watts_per_core,
-                            idle_watts_per_core=idle_watts_per_core, deadline=deadline)
+        policy = policy_settings(
+            policy,
+            objective=objective,
+            watts_per_core=watts_per_core,
+            idle_watts_per_core=idle_watts_per_core,
+            deadline=deadline,
+        )
         self.policy = policy
         # The device of operators that take one (a `device` parameter) and were not given it: None leaves each
         # operator's own default (the CPU); "auto" runs them on the GPU where every worker has one.
@@ -206,8 +214,11 @@ class MemoryAwareRunner(DaskTaskRunner):
         self._map_count = 0
         self._view: _cluster.ClusterView | None = None
         self._writer: Any = None  # report.ArtifactWriter of the flow run this runner is entered for
-        self._lock = threading.RLock()  # what the maps' threads share: the bank, the writer, the list of maps
+        self._lock = threading.RLock()  # what the maps' threads share: the client, the writer, the cluster view
+        self._bank_lock = threading.Lock()  # apart: the bank is opened beside the cluster's start, not after it
+        self._warming: threading.Thread | None = None
         self._flow_maps = FlowMaps()  # the chunked maps of the flow run, running or ended
+
     # ---------------------------------------------------------------- Prefect plumbing
 
     def duplicate(self) -> "MemoryAwareRunner":
@@ -250,12 +261,14 @@ class MemoryAwareRunner(DaskTaskRunner):
         state["_bank"] = None
         state["observers"] = ()
         state["_lock"], state["_flow_maps"], state["_writer"] = None, None, None  # the flow's only
+        state["_bank_lock"], state["_warming"] = None, None
         state["_view"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._bank_lock = threading.Lock()
 
     def __enter__(self):
         typed_errors_in_one_line()
@@ -271,6 +284,8 @@ class MemoryAwareRunner(DaskTaskRunner):
         (a scheduler loop, a notebook, `python -m benchmarks.studies.consecutive`) kept one SQLite connection (2 file
         descriptors) per flow run open until it exited. A map that failed unseen fails the flow run here."""
         failed: BaseException | None = None
+        if self._warming is not None:
+            self._warming.join(60)  # the bank it may still be opening is closed below
         try:
             unseen = self.finish_maps(exc_info[1] if len(exc_info) > 1 else None)
             if unseen is not None:
@@ -302,8 +317,12 @@ class MemoryAwareRunner(DaskTaskRunner):
         t = time.perf_counter()
         done = writer.close(limit) if close else writer.wait(limit)
         if not done:
-            logger.warning("memchunk: %d artifact call(s) to the Prefect API were still unfinished after %.0f s; "
-                           "left behind (the run's results are not affected)", writer.pending, limit)
+            logger.warning(
+                "memchunk: %d artifact call(s) to the Prefect API were still unfinished after %.0f s; "
+                "left behind (the run's results are not affected)",
+                writer.pending,
+                limit,
+            )
         return time.perf_counter() - t
 
     def _report_writer(self) -> Any:
@@ -325,8 +344,9 @@ class MemoryAwareRunner(DaskTaskRunner):
 
         failed = [c for c in (check_store(self.store),) if c.status == FAIL]
         if failed:
-            raise EnvironmentProblemError("MemoryAwareRunner cannot start, nothing was run:\n"
-                                          + "\n".join(f"  {c.line()}" for c in failed))
+            raise EnvironmentProblemError(
+                "MemoryAwareRunner cannot start, nothing was run:\n" + "\n".join(f"  {c.line()}" for c in failed)
+            )
 
     @property
     def client(self):
@@ -337,8 +357,7 @@ class MemoryAwareRunner(DaskTaskRunner):
             with self._lock:
                 if self._client is None:
                     # Report a worker's death on the first death instead of retrying it on (and killing) others.
-                    with dask.config.set({"distributed.scheduler.allowed-failures":
-                                          RUNNER_SETTINGS.allowed_failures}):
+                    with dask.config.set({"distributed.scheduler.allowed-failures": RUNNER_SETTINGS.allowed_failures}):
                         return super().client
         return self._client
 
@@ -353,13 +372,13 @@ class MemoryAwareRunner(DaskTaskRunner):
                 f"a map over {task.name} has {len(chunked_params)} chunked arguments ({', '.join(chunked_params)}); "
                 "a chunked map cuts one volume: pass the others unchunked (for example as a path read inside the task)"
             )
-        (param, marker), = chunked_params.items()
+        ((param, marker),) = chunked_params.items()
+        self._warm_up()
         if isinstance(marker, ChunkedResult):
             marker = chunked(marker)
         # Every other argument goes whole to each chunk (a chunked map does not zip with iterables:
         # a sigma of (2, 2, 2) is one parameter, not three).
-        static = {k: (v.unwrap() if isinstance(v, BaseAnnotation) else v)
-                  for k, v in parameters.items() if k != param}
+        static = {k: (v.unwrap() if isinstance(v, BaseAnnotation) else v) for k, v in parameters.items() if k != param}
         upstream = marker.source if isinstance(marker.source, ChunkedResult) else None
         from memchunk_prefect.run import report  # flow process only: see the note at the top of the module
 
@@ -367,13 +386,26 @@ class MemoryAwareRunner(DaskTaskRunner):
         if upstream is not None:
             incoming, upstream_map, identity = upstream_plan(upstream, task)
         log = MapLog()
-        cmap = ChunkedMap(self._map_context(), task, param,
-                          source=upstream.output_path if upstream is not None else marker.source,
-                          incoming=incoming, halo=marker.halo, output_path=marker.output,
-                          replace_any=marker.replace_any, static=static, wait_for=wait_for,
-                          observers=[log, report.MapReporter(self._report_writer()), *self.observers,
-                                     *_progress_observers(self.progress)],
-                          upstream=upstream_map, source_identity=identity)
+        cmap = ChunkedMap(
+            self._map_context(),
+            task,
+            param,
+            source=upstream.output_path if upstream is not None else marker.source,
+            incoming=incoming,
+            halo=marker.halo,
+            output_path=marker.output,
+            replace_any=marker.replace_any,
+            static=static,
+            wait_for=wait_for,
+            observers=[
+                log,
+                report.MapReporter(self._report_writer()),
+                *self.observers,
+                *_progress_observers(self.progress),
+            ],
+            upstream=upstream_map,
+            source_identity=identity,
+        )
         result = ChunkedResult.running(cmap, log)
         self._flow_maps.start(result)
         return result
@@ -395,13 +427,18 @@ class MemoryAwareRunner(DaskTaskRunner):
         if bank is None or bank.store is None or not flow_run_id:
             return
         try:
-            gone = stop_deaths(bank.store.run_observations(flow_run_id), stopped_at,
-                               _cluster.read_memory_kills(self.client) or ())
+            gone = stop_deaths(
+                bank.store.run_observations(flow_run_id), stopped_at, _cluster.read_memory_kills(self.client) or ()
+            )
             if gone:
                 n = bank.store.retract(gone)
-                logger.warning("the flow run stopped: %d worker death(s) of the last %g s before it are not kept as "
-                               "out of memory (no nanny memory kill was logged for them): %s", n, STOP_DEATH_SECONDS,
-                               ", ".join(f"{o.operator_key} {o.chunk}" for o in gone))
+                logger.warning(
+                    "the flow run stopped: %d worker death(s) of the last %g s before it are not kept as "
+                    "out of memory (no nanny memory kill was logged for them): %s",
+                    n,
+                    STOP_DEATH_SECONDS,
+                    ", ".join(f"{o.operator_key} {o.chunk}" for o in gone),
+                )
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not look for worker deaths caused by the stop: %r", exc)
 
@@ -409,7 +446,7 @@ class MemoryAwareRunner(DaskTaskRunner):
 
     def model_bank(self) -> "ModelBank":
         """The model bank over this runner's store (opened once per flow run)."""
-        with self._lock:  # maps run in threads of their own
+        with self._bank_lock:  # maps run in threads of their own
             if self._bank is None:
                 from memchunk_prefect.learn.bank import (
                     ModelBank,  # flow process only: see the note at the top of the module
@@ -419,42 +456,58 @@ class MemoryAwareRunner(DaskTaskRunner):
                 self._bank = ModelBank(Store(self.store))
             return self._bank
 
+    def _warm_up(self) -> None:
+        """At the flow run's first chunked map, open the model bank (River and the store: ~0.7 s) in a thread of
+        its own, beside the cluster's start that the map waits for first, instead of after it."""
+        if self._warming is None:
+            self._warming = threading.Thread(target=self._open_bank_quietly, name="memchunk-warm-up", daemon=True)
+            self._warming.start()
+
+    def _open_bank_quietly(self) -> None:
+        try:
+            self.model_bank()
+        except Exception as exc:  # noqa: BLE001 - the map opens it again and says what went wrong
+            logger.debug("could not open the model bank ahead of the first map: %r", exc)
+
     @property
     def cluster_view(self) -> _cluster.ClusterView:
         """What this runner's maps see of its cluster (made on first use, shared by the flow run's maps)."""
         with self._lock:
             if self._view is None:
                 self._view = _cluster.ClusterView(
-                    lambda: self.client, lambda: started_cluster(self),
-                    target_fraction=self.target_fraction, memory_budget=self.memory_budget,
-                    adaptive=bool(self.adapt_kwargs))
+                    lambda: self.client,
+                    lambda: started_cluster(self),
+                    target_fraction=self.target_fraction,
+                    memory_budget=self.memory_budget,
+                    adaptive=bool(self.adapt_kwargs),
+                )
             return self._view
 
     def _map_context(self) -> MapContext:
         """What a chunked map of this runner is given (the executor never reaches back into the runner)."""
-        return MapContext(cluster=self.cluster_view, bank=self.model_bank, policy=self.policy, device=self.device,
-                          stop=self.stop_requested, output_path=self.next_output_path,
-                          submit=functools.partial(DaskTaskRunner.submit, self))
+        return MapContext(
+            cluster=self.cluster_view,
+            bank=self.model_bank,
+            policy=self.policy,
+            device=self.device,
+            stop=self.stop_requested,
+            output_path=self.next_output_path,
+            submit=functools.partial(DaskTaskRunner.submit, self),
+        )
 
     def next_output_path(self, operator: str) -> str:
         """A fresh path for ``operator``'s output under the output directory: ``<flow run>/<n>-<operator>.zarr``."""
         ctx = FlowRunContext.get()
         run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
-        run = ({"flow": ctx.flow.name if ctx.flow else "", "flow_run": ctx.flow_run.name, "flow_run_id": run_id}
-               if ctx and ctx.flow_run else {"flow_run_id": run_id})
+        run = (
+            {"flow": ctx.flow.name if ctx.flow else "", "flow_run": ctx.flow_run.name, "flow_run_id": run_id}
+            if ctx and ctx.flow_run
+            else {"flow_run_id": run_id}
+        )
         with self._lock:
             self._map_count += 1
             n = self._map_count
         return output_path_for(default_output_dir(self.output_dir), run_id, n, operator, run)
-
-
-def _deadline_seconds(deadline: float | str) -> float:
-    """A map deadline in seconds from ``90``, ``"90s"``, ``"10min"``; EnergyInputError for anything else."""
-    try:
-        return parse_seconds(deadline)
-    except (MemchunkError, TypeError, ValueError) as exc:
-        raise EnergyInputError(f"`deadline` must be seconds (90) or a duration ('90s', '10min', '2h'), got "
-                               f"{deadline!r}: {exc}") from exc
 
 
 def _progress_observers(on: bool) -> list[MapObserver]:
@@ -463,35 +516,3 @@ def _progress_observers(on: bool) -> list[MapObserver]:
     from memchunk_prefect.run.progress import TerminalProgress  # flow process only
 
     return [TerminalProgress()]
-
-
-def _check_target_fraction(target_fraction: Any, kill: float | None) -> None:
-    """``target_fraction`` must be in (0, the nanny's kill fraction] (1 where it is unknown)."""
-    ceiling = kill if kill is not None else 1.0
-    try:
-        ok = 0 < float(target_fraction) <= ceiling
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise RunnerConfigError(
-            f"`target_fraction` must be in (0, {ceiling:g}], got {target_fraction!r}"
-            + (f" (Dask's nanny kills a worker at {kill:g} of its memory_limit: "
-               "distributed.worker.memory.terminate)" if kill is not None else ""))
-
-
-def _policy_of(policy: PolicySettings | Mapping[str, Any] | None, **energy: Any) -> PolicySettings:
-    """The runner's policy settings: ``policy`` (settings or a dict of their fields) with the energy arguments
-    given (``objective``, ``watts_per_core``, ``idle_watts_per_core``, ``deadline``) set over it."""
-    if policy is None:
-        policy = PolicySettings()
-    elif isinstance(policy, Mapping):
-        try:
-            policy = PolicySettings(**policy)
-        except TypeError as exc:
-            raise RunnerConfigError(f"`policy` has an unknown setting: {exc}") from exc
-    elif not isinstance(policy, PolicySettings):
-        raise RunnerConfigError(f"`policy` must be a PolicySettings or a dict, got {type(policy).__name__}")
-    if energy.get("deadline") is not None:
-        energy["deadline_seconds"] = _deadline_seconds(energy["deadline"])
-    given = {k: v for k, v in energy.items() if v is not None and k != "deadline"}
-    return dataclasses.replace(policy, **given) if given else policy  # validated by PolicySettings
