@@ -855,3 +855,23 @@ def test_gpu_memory_benchmark_measures_known_allocations_exactly_on_the_fake_dev
     known = [r for r in rows if "truth_bytes" in r]
     assert len(known) == 4 and all(abs(r["pool_error"]) < 0.01 and r["nvml_end_bytes"] is None for r in known)
     assert sorted(r["call"] for r in rows if r.get("operator") == "gst3d_dip") == ["first", "second"]
+
+
+def test_quick_family_runs_every_strategy_in_its_own_process_and_scores_the_runner_against_the_best_static(
+        tmp_path, api_url):
+    out = tmp_path / "family.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.family", "--quick", "--json", str(out), "--work",
+                           str(tmp_path / "work")], cwd=REPO, env=benchmark_env(tmp_path, api_url),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    [w] = doc["results"]
+    assert [r["strategy"] for r in w["sweep"]] == ["static-2", "static-4"]
+    assert w["cold"]["strategy"] == "memchunk" and w["cold"]["completed"], w["cold"]
+    [pair] = w["pairs"]
+    assert set(pair) == {"static", "memchunk"} and pair["memchunk"]["completed"], pair
+    assert w["best_static"] in {"static-2", "static-4"} and w["cold_ratio"] > 0 and w["warm_ratio"] > 0
+    # Each child is its own process: every run reports when its flow started its first task.
+    assert all(x is not None and x > 0 for x in w["first_task_seconds"]["static"] + w["first_task_seconds"]["memchunk_warm"])
+    assert set(doc["summary"]["targets"]) == {"warm_median", "warm_worst", "cold_median", "warm_kills", "first_task_extra"}
+    assert "| workload |" in proc.stdout and w["workload"]["name"] in proc.stdout

@@ -2,7 +2,7 @@
 
 Each workload of the seeded family (:mod:`benchmarks.family.workloads`) runs the way a deployment runs it:
 every strategy in a fresh process on a fresh cluster (:mod:`benchmarks.family.child`), against one Prefect
-server started here. Per workload:
+server (``PREFECT_API_URL`` when set, else one started here). Per workload:
 
 1. the static sweep: the pipeline over N iline slabs for every N of ``--static``; the fastest that completes
    is the workload's oracle ("best static": what a user who tried every chunk size would pick);
@@ -22,6 +22,7 @@ standard output. ``--quick`` runs the family's smallest member with one pair (fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from benchmarks.family.workloads import Workload, family, quick
 
@@ -218,13 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     statics, pairs = ([2, 4], 1) if args.quick else (args.static, args.pairs)
     work = Path(args.work or tempfile.mkdtemp(prefix="memchunk-family-"))
     work.mkdir(parents=True, exist_ok=True)
-    from deployments.local_server import local_server
-
     results = []
     started = time.time()
-    with local_server(work / "prefect-home") as srv:
-        env = {k: v for k, v in srv.env.items() if not k.startswith("MEMCHUNK_")}
+    with _server(work) as server_env:
+        env = {k: v for k, v in server_env.items() if not k.startswith("MEMCHUNK_")}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["MEMCHUNK_CACHE_DIR"] = str(work / "cache")  # the SEG-Y scans every strategy shares, kept with the run
         for w in workloads:
             results.append(run_workload(w, work, env, statics, pairs, args.external, args.timeout))
     summary = summarize_family(results)
@@ -238,6 +238,19 @@ def main(argv: list[str] | None = None) -> int:
                "commit": _commit(), "summary": summary, "results": results}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
+
+
+@contextlib.contextmanager
+def _server(work: Path) -> Iterator[dict[str, str]]:
+    """The environment of the children: the Prefect server of ``PREFECT_API_URL`` when one is set, else a local
+    server started here for the whole family (and stopped after it)."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield dict(os.environ)
+        return
+    from deployments.local_server import local_server
+
+    with local_server(work / "prefect-home") as srv:
+        yield dict(srv.env)
 
 
 def _commit() -> str:
