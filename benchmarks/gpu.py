@@ -84,7 +84,7 @@ class GpuConfig:
 
 #: 1024 x 1024 x 600 float32 = 2.34 GiB: gst3d_dip holds ~8.6 GiB + ~56x its block on the GPU (CuPy 14.2 on an
 #: H100); the GPU model learned on it predicted 148 GiB in one piece, over the 79.2 GiB card (static-1 ran out
-#: after 60 GB, asking for 45 GB more). 2026-11-26: the full benchmark took ~290 s of an H100 machine.
+#: after 60 GB, asking for 45 GB more). The full benchmark takes ~290 s of an H100 machine.
 FULL = GpuConfig(shape=(1024, 1024, 600), statics=(1, 2, 4, 8, 16), memory_limit="48GiB", regions=2,
                  region_shape=(24, 24))
 #: The fake device (CI): a 96 x 24 x 128 survey (1.1 MiB); gst3d_dip holds ~43x its block at once on it, and its
@@ -92,7 +92,7 @@ FULL = GpuConfig(shape=(1024, 1024, 600), statics=(1, 2, 4, 8, 16), memory_limit
 QUICK = GpuConfig(shape=(96, 24, 128), statics=(1, 6), memory_limit="1GiB", regions=2, region_shape=(8, 8))
 #: The fake device's capacity in --quick where none is set: one piece (~48 MiB on it) does not fit, six slabs do.
 QUICK_FAKE_BYTES = 32 * MIB
-#: Warm within this multiple of the fastest static (the issue's target).
+#: Warm within this multiple of the fastest static (the project's target).
 WARM_WITHIN = 1.2
 #: GPU against CPU (numpy / scipy): float32 tolerance, dips in degrees.
 RTOL, ATOL_DEGREES = 1e-4, 1e-3

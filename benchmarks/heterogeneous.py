@@ -28,7 +28,7 @@ behind the fastest run once: ``benchmarks.strategies.in_rounds``), each round's
 cold runs on empty stores of their own. Each survey gets fresh stores: what is learned on one survey is not
 carried to the next (that is ``python -m benchmarks``'s scaling rows).
 
-Targets (issue: "a learned decision policy that beats hand tuning"):
+Targets (a learned decision policy that beats hand tuning):
 memchunk-warm <= 0.85x static-best on every survey; memchunk-cold <= 1.10x;
 the learned policy no slower than the heuristic (within 5%) on either.
 """

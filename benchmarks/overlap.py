@@ -17,7 +17,7 @@ Rows:
   memory ``--hold`` seconds a chunk (a sleep: no CPU, so 4 slots on 2 cores are
   real slots); the two maps use different memory multiples (two operator keys).
 - ``independent-real``: ``envelope`` and ``semblance`` over one survey on 2 workers
-  x 1 thread (the flow of issue 19's measurement; each map fills every slot).
+  x 1 thread (each map fills every slot).
 - ``chain-hold``: three ``memory_hog`` maps chained, with different memory multiples
   (so different chunkings), a 2-iline halo on the second and third, on 2 workers x
   2 threads, ``--hold`` seconds a chunk.

@@ -26,7 +26,7 @@ def replay_quality(rows: Iterable[Observation], key: str, *, after: int = 5, **o
     scored once the model is ready and has learned ``after`` usable runs: the
     absolute error of the predicted mean (``mape``, a fraction), whether the peak
     was within the upper bound (``coverage``, a share) and the upper bound over
-    the peak (``bound_over_peak``, mean). The issue's goals for a real run:
+    the peak (``bound_over_peak``, mean). The goals for a real run:
     coverage >= 0.95, mape <= 0.10 after 5 runs, bound_over_peak <= 1.25.
     The error is also split by where the run lay: ``mape_beyond`` over the
     ``scored_beyond`` runs whose block was larger than ``BEYOND_RATIO`` x every

@@ -10,7 +10,7 @@ else two ``memchunk demo`` runs (cold, then warm) made here in a temporary
 directory, so the models are the ones this machine learned. Rows:
 
 - **target**: 1,000 workers of 8 GiB (1 thread each) on 2,000 x 2,000 x 1,500
-  float32 (24 GB): the issue's figure is under 30 s on 2 cores; also timed end
+  float32 (24 GB): the target is under 30 s on 2 cores; also timed end
   to end as a user runs it (``memchunk simulate ... --runs 1``, a new process:
   imports and reading the store included);
 - **workers**: 10 to 1,000 (4,000 without ``--quick``) workers on that survey;

@@ -871,7 +871,7 @@ def run_memchunk(bench: Bench, survey: str, steps: list[dict], store: str, tag: 
 
 
 QUALITY_GOALS = {"coverage": 0.95, "mape": 0.10, "bound_over_peak": 1.25}
-"""The issue's goals for what was learned on real runs: share of next runs within the upper bound, mean absolute
+"""The goals for what was learned on real runs: share of next runs within the upper bound, mean absolute
 error of the predicted mean after 5 runs, upper bound over the measured peak at the chunk size chosen (at most
 this, and at least 1: a bound under the peak at the chunks chosen did not hold what they needed, however few
 of the replayed runs fell outside it)."""

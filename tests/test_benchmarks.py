@@ -875,3 +875,15 @@ def test_quick_family_runs_every_strategy_in_its_own_process_and_scores_the_runn
     assert all(x is not None and x > 0 for x in w["first_task_seconds"]["static"] + w["first_task_seconds"]["memchunk_warm"])
     assert set(doc["summary"]["targets"]) == {"warm_median", "warm_worst", "cold_median", "warm_kills", "first_task_extra"}
     assert "| workload |" in proc.stdout and w["workload"]["name"] in proc.stdout
+
+
+def test_segy_scan_study_times_the_scan_the_first_kept_read_and_a_later_one_in_fresh_processes(tmp_path):
+    out = tmp_path / "scan.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.segy_scan", "--ilines", "60", "--xlines", "40",
+                           "--samples", "10", "--work", str(tmp_path / "work"), "--json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["traces"] == 60 * 40 and [r["mode"] for r in doc["rows"]] == ["scan", "first", "kept"]
+    assert all(r["traces"] == 2400 and r["shape"] == [60, 40] and r["seconds"] > 0 for r in doc["rows"])
+    assert len(list((tmp_path / "work" / "cache").glob("*.npz"))) == 1  # the first read kept the geometry

@@ -16,6 +16,7 @@ question again.
 | ``nights`` | Does the learned policy beat the fixed heuristic over many nights? |
 | ``operator_memory`` | What is each built-in operator's peak memory as a multiple of its input? |
 | ``replay`` | What does a long history cost a flow run's start? |
+| ``segy_scan`` | What does reading a SEG-Y file's geometry cost, scanned and kept, at 2 million traces? |
 | ``setup_costs`` | What does a benchmark pay before its flows run (a server, a cluster)? |
 | ``store_quality`` | How well did the memory model predict the runs kept in stores, replayed? |
 | ``straggler`` | What does a worker slow rather than dead cost a map? |

@@ -5,7 +5,7 @@
 The cluster and survey of ``python -m benchmarks`` (2 single-thread workers x
 1 GiB, 128 x 128 x 400; ``--quick``: its quick form, 640 MiB workers and 64 x
 96 x 400, a smoke test), the pipeline run ``--runs`` times (default 5; the
-issue's "thirty nights" is ``--runs 30``) on one fresh store, a fresh cluster
+"thirty nights" is ``--runs 30``) on one fresh store, a fresh cluster
 each night; ``--heuristic`` switches the learned policy off. Prints, per run,
 the wall, out-of-memory events, each operator's chunks and the arm it played,
 each model's recent relative error, the store's size (the database file, and

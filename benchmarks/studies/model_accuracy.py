@@ -26,7 +26,7 @@ the (k+1)-th observation the model predicts it from the first k. Columns:
   the upper bound;
 - ``bound/truth``: mean ratio of the upper bound to the measured peak there.
 
-Goals (issue 4): MAPE@5 <= 10 %, coverage >= 95 %, bound/truth <= 1.25.
+Goals: MAPE@5 <= 10 %, coverage >= 95 %, bound/truth <= 1.25.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def tight_beyond(stores: list[str], **options: Any) -> dict[str, dict[str, Any]]
     """Per operator name, over every ``ok`` run of a block larger than any its model had measured (replayed in
     stored order, each read before it is learned): ``runs``, ``under`` (runs whose tight bound, what the
     learned policy's ``bold`` arm plans to, was below the measured peak), and tight / peak's ``median``,
-    ``p10`` and ``over_1_25`` (runs above the issue's 1.25x). Beyond the largest block is where the bold bet
+    ``p10`` and ``over_1_25`` (runs above the 1.25x goal). Beyond the largest block is where the bold bet
     is taken and where the forms part."""
     ratios: dict[str, list[float]] = {}
     for _, key, history in stored_keys(stores):

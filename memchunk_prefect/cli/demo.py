@@ -25,8 +25,8 @@ from memchunk_prefect.core.settings import ITEMSIZE
 DEFAULT_SHAPE = (128, 128, 400)
 DEFAULT_WORKERS = 2
 #: Below what gst3d_dip needs in one piece: the budget per task is the kill line (0.95 x 1 GiB) less the
-#: worker's resting memory, ~0.7 GiB. (It was 1.5 GiB while the budget was 0.75 x the limit; with the kill-line
-#: budget, ~1.2 GiB at 1.5 GiB, the whole survey fit and the demo no longer showed chunking by necessity.)
+#: worker's resting memory, ~0.7 GiB. At 1.5 GiB the budget is ~1.2 GiB, the whole survey fits in one piece and
+#: the demo would not show chunking by necessity.
 DEFAULT_MEMORY_LIMIT = "1GiB"
 #: On the GPU the host limit is not what the demo shows (the GPU's memory is the budget there), and a GPU worker's
 #: process keeps CUDA's host libraries once its first chunk has used them: on an NVIDIA H100 with an empty CuPy

@@ -113,7 +113,7 @@ ALTERNATIVE_TOLERANCE = 0.5
 """A granularity arm is offered only while the planner estimates its plan at most this much slower than the
 ``safe`` plan: a neighbour, not a plan the model expects to lose by far (one chunk per slot against a slot
 left idle, a whole wave more of halo). Not tighter, because the arm exists to test that same estimate: in
-``python -m benchmarks.studies.nights`` (192 x 192 x 100, 2026-11-26) trace_correlation's time model, read as linear
+``python -m benchmarks.studies.nights`` (192 x 192 x 100) trace_correlation's time model, read as linear
 on some nights, estimated 4 chunks at 1.15-1.25 s and 8 at 1.26-1.28x that; the 4 chunks took 2.52-2.62 s (a
 reward of 0.02-0.14 against 0.38-0.51 for 10 chunks on the other nights), and at 0.25 the finer plan was not
 offered on those nights, so the policy could not leave the plan it had measured worst."""

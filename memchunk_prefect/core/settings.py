@@ -100,7 +100,7 @@ class PolicySettings:
     - ``granularity_arms``: with ``learned_policy``, also offer the bandit the
       ``finer`` and ``coarser`` plans (a chunk count either side of the one the
       time model chose). Off by default: rewards are per map, and in
-      ``python -m benchmarks.studies.nights`` (2026-11-26) a finer trace_correlation,
+      ``python -m benchmarks.studies.nights`` a finer trace_correlation,
       as efficient in its own map, left the growth of each fresh worker's
       memory to the gst3d_dip after it (440 MiB grown per chunk instead of
       333, ~1 s more per chunk), so the flow ran 1.04-1.13x the heuristic's
