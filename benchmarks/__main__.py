@@ -1,6 +1,7 @@
 """Side by side: Dask auto-chunking, hand-tuned static chunks, split-on-failure and MemoryAwareRunner.
 
     python -m benchmarks [--quick] [--json PATH] [--plot PATH] [--workdir DIR] [--repeats N]
+    python -m benchmarks report RUN.json... [--out BENCHMARKS.md]   # the results page (benchmarks.report)
 
 On one local Dask cluster of single-thread worker processes with a real,
 nanny-enforced ``memory_limit`` (``allowed-failures`` 0), every strategy runs
@@ -96,7 +97,24 @@ def machine_info() -> dict[str, Any]:
         "gpu": None,
         "loadavg_start": list(os.getloadavg()),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": commit(),
     }
+
+
+def commit() -> str:
+    """The checkout's commit (short hash, ``+dirty`` with uncommitted changes to tracked files), or "" outside
+    a git checkout: which code a result JSON measured."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("+dirty" if dirty else "")
 
 
 def evaluate(strategies: list[dict], overhead: dict, scaling: list[dict], n_operators: int) -> dict[str, dict]:
@@ -339,6 +357,11 @@ def _prefect_api():
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:  # python -m benchmarks report RUN.json...: the results page
+        from benchmarks.report import main as report
+
+        return report(argv[1:])
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller survey and sweep, fewer paired runs (CI smoke test)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")

@@ -875,6 +875,10 @@ def test_quick_family_runs_every_strategy_in_its_own_process_and_scores_the_runn
     assert all(x is not None and x > 0 for x in w["first_task_seconds"]["static"] + w["first_task_seconds"]["memchunk_warm"])
     assert set(doc["summary"]["targets"]) == {"warm_median", "warm_worst", "cold_median", "warm_kills", "first_task_extra"}
     assert "| workload |" in proc.stdout and w["workload"]["name"] in proc.stdout
+    page = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert page.returncode == 0, page.stderr
+    assert "## A family of workloads the runner never saw" in page.stdout and "| family | memchunk warm: 0 kills |" in page.stdout
 
 
 def test_segy_scan_study_times_the_scan_the_first_kept_read_and_a_later_one_in_fresh_processes(tmp_path):
@@ -887,3 +891,24 @@ def test_segy_scan_study_times_the_scan_the_first_kept_read_and_a_later_one_in_f
     assert doc["traces"] == 60 * 40 and [r["mode"] for r in doc["rows"]] == ["scan", "first", "kept"]
     assert all(r["traces"] == 2400 and r["shape"] == [60, 40] and r["seconds"] > 0 for r in doc["rows"])
     assert len(list((tmp_path / "work" / "cache").glob("*.npz"))) == 1  # the first read kept the geometry
+
+
+def test_the_results_page_lists_every_target_of_every_run_and_reruns_each_from_its_command(tmp_path):
+    run = REPO / "tests" / "data" / "side_by_side-2026-11-24T1619.json"
+    page = tmp_path / "BENCHMARKS.md"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(run), "--out", str(page)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = page.read_text()
+    doc = json.loads(run.read_text())
+    for label, v in doc["targets"].items():
+        verdict = {True: "met", False: "**missed**", None: "not measured"}[v["met"]]
+        assert f"| side by side | {label} | {v['figure']} | {verdict} |" in text
+    assert "Rerun: `python -m benchmarks --json side_by_side.json`" in text and doc["machine"]["date"] in text
+    assert "| memchunk-warm | yes | 8.3 | 0 | 6 | 0.0 | 0.86 |" in text  # the run's own row, as the JSON holds it
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": []}))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(bad)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "not the JSON of a suite benchmark" in proc.stderr and "['rows']" in proc.stderr

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -219,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     statics, pairs = ([2, 4], 1) if args.quick else (args.static, args.pairs)
     work = Path(args.work or tempfile.mkdtemp(prefix="memchunk-family-"))
     work.mkdir(parents=True, exist_ok=True)
+    from benchmarks.__main__ import machine_info
+
     results = []
     started = time.time()
+    machine = machine_info()
     with _server(work) as server_env:
         env = {k: v for k, v in server_env.items() if not k.startswith("MEMCHUNK_")}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -228,14 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         for w in workloads:
             results.append(run_workload(w, work, env, statics, pairs, args.external, args.timeout))
     summary = summarize_family(results)
+    machine["loadavg_end"] = list(os.getloadavg())
     print()
     print(table(results, summary))
     if args.json:
         doc = {"benchmark": "family", "seed": args.seed, "quick": args.quick, "started": started,
                "seconds": time.time() - started,
-               "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                           "platform": platform.platform()},
-               "commit": _commit(), "summary": summary, "results": results}
+               "machine": machine, "summary": summary, "results": results}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 
@@ -251,14 +252,6 @@ def _server(work: Path) -> Iterator[dict[str, str]]:
 
     with local_server(work / "prefect-home") as srv:
         yield dict(srv.env)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:  # noqa: BLE001 - not a checkout
-        return ""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,221 @@
+"""The results page: BENCHMARKS.md, written from the JSON of benchmark runs, never by hand.
+
+    python -m benchmarks report RUN.json... [--out BENCHMARKS.md]
+
+Each JSON is one run of a suite benchmark, as its ``--json`` writes it: ``python -m benchmarks`` (side by side),
+``python -m benchmarks.heterogeneous``, ``python -m benchmarks.family`` or
+``python -m benchmarks.studies.segy_scan``. The page opens with every target of every run and its verdict; then
+one section per run: the command that reruns it, the machine, the date and the commit it measured, and its
+tables. How each figure is measured is in each benchmark's module docstring (linked), not repeated here.
+
+A run JSON that is none of these is refused with what was expected. Figures are printed as the JSON holds
+them; nothing is typed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+HEADER = """# Benchmarks
+
+Where memchunk-prefect stands against hand-tuned static chunking, from the runs listed below. This page is
+written from the runs' JSON (kept in `benchmarks/results/`) by
+
+    python -m benchmarks report {files} --out BENCHMARKS.md
+
+Rerun a benchmark with the command in its section, then regenerate the page. What changed between versions is in
+[CHANGELOG.md](CHANGELOG.md).
+"""
+
+
+@dataclass(frozen=True)
+class Section:
+    """One run's part of the page: its title, the short name its targets go by, the command that reruns it,
+    its targets (label -> ``{"met": bool | None, "figure": str}``) and its lines of markdown."""
+
+    title: str
+    short: str
+    command: str
+    targets: dict[str, dict[str, Any]]
+    lines: list[str]
+
+
+def _verdict(met: Any) -> str:
+    return {True: "met", False: "**missed**", None: "not measured"}.get(met, str(met))
+
+
+def _machine(doc: dict[str, Any]) -> str:
+    m = doc.get("machine", {})
+    mem = f", {m['memory_bytes'] / 2**30:.1f} GiB" if m.get("memory_bytes") else ""
+    versions = ", ".join(f"{k} {v}" for k, v in (m.get("versions") or {}).items())
+    load = ""
+    if m.get("loadavg_start") and m.get("loadavg_end"):
+        load = f"; load average {m['loadavg_start'][0]:.2f} at the start, {m['loadavg_end'][0]:.2f} at the end"
+    return (f"{m.get('date', '?')}, commit `{m.get('commit') or 'unknown'}`; {m.get('cpus', '?')} CPUs{mem}, "
+            f"{m.get('platform', '?')}, Python {m.get('python', '?')}" + (f"; {versions}" if versions else "")
+            + load)
+
+
+def _targets_rows(targets: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
+    return [(label, str(v.get("figure", "")), _verdict(v.get("met"))) for label, v in targets.items()]
+
+
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
+    return out
+
+
+def _strategy_rows(strategies: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for s in strategies:
+        peak = "-" if s.get("peak_memory_fraction") is None else f"{s['peak_memory_fraction']:.2f}"
+        rows.append([s["name"], "yes" if s["completed"] else "no", f"{s['wall_seconds']:.1f}", str(s["oom_events"]),
+                     str(s["tasks"]), f"{s['lost_worker_seconds']:.1f}", peak])
+    return rows
+
+
+STRATEGY_HEAD = ["strategy", "completed", "wall s", "out-of-memory", "tasks", "lost worker-s", "peak / limit"]
+
+
+def side_by_side(doc: dict[str, Any]) -> Section:
+    cfg = doc.get("config", {})
+    shape = " x ".join(map(str, cfg.get("shape", [])))
+    what = (f"envelope -> gaussian_smooth -> gst3d_dip over a {shape} float32 survey on {cfg.get('n_workers')} "
+            f"workers x {cfg.get('memory_limit')} x 1 thread, every strategy on one cluster from one process; rows "
+            f"are medians of {cfg.get('repeats', 1)} round(s). Measured as [benchmarks/strategies.py]"
+            "(benchmarks/strategies.py) says.")
+    lines = _table(STRATEGY_HEAD, _strategy_rows(doc["strategies"]))
+    if doc.get("overhead"):
+        o = doc["overhead"]
+        lines += ["", f"Overhead (MemoryAwareRunner / DaskTaskRunner on {o['chunks']} identical chunks of envelope): "
+                      f"{o['overhead_ratio']:.3f}, median of {len(o['ratios'])} pairs "
+                      f"({', '.join(f'{r:.3f}' for r in o['ratios'])})."]
+    if doc.get("scaling"):
+        lines += ["", "Scaling (memchunk-warm): " + "; ".join(
+            f"{s['factor']}x {s['wall_seconds']:.1f} s, {s['seconds_per_element'] * 1e6:.3f} µs per element"
+            for s in doc["scaling"]) + "."]
+    if doc.get("learning_quality"):
+        lines += ["", *_table(["operator", "within the bound", "MAPE after 5 runs", "bound / peak at the chunks chosen",
+                               "met"],
+                              [[q["operator"], f"{q['coverage'] * 100:.0f}%", f"{q['mape'] * 100:.1f}%",
+                               f"{q['bound_at_chosen']:.2f}x", _verdict(q["met"])]
+                               for q in doc["learning_quality"]])]
+    return Section("Side by side: Dask auto-chunking, static chunks, split-on-failure and the runner", "side by side",
+                   "python -m benchmarks --json side_by_side.json", doc["targets"], [what, "", *lines])
+
+
+def heterogeneous(doc: dict[str, Any]) -> Section:
+    steps = " -> ".join(s.get("op", "?") for s in doc.get("steps", []))
+    lines = [f"{steps} on {doc.get('n_workers')} workers x {doc.get('memory_limit')}, static sweep "
+             f"{doc.get('static_counts')}, rows medians of {doc.get('repeats')} rounds; measured as "
+             "[benchmarks/heterogeneous.py](benchmarks/heterogeneous.py) says."]
+    for s in doc["surveys"]:
+        lines += ["", f"Survey {' x '.join(map(str, s['shape']))}:", "", *_table(STRATEGY_HEAD,
+                                                                                 _strategy_rows(s["strategies"]))]
+    return Section("A pipeline no single static chunking suits", "heterogeneous",
+                   "python -m benchmarks.heterogeneous --json hetero.json", doc["targets"], lines)
+
+
+def family(doc: dict[str, Any]) -> Section:
+    from benchmarks.family.__main__ import TARGETS as FAMILY_TARGETS
+    from benchmarks.family.__main__ import table as family_table
+
+    s = doc["summary"]
+    t = s["targets"]
+
+    def verdict(key: str) -> bool | None:
+        return {"met": True, "missed": False}.get(t[key])
+
+    def f(x: Any, unit: str = "x") -> str:
+        return "-" if x is None else f"{x:.2f}{unit}"
+
+    targets = {
+        f"memchunk warm: median <= {FAMILY_TARGETS['warm_median']}x the best static": {
+            "met": verdict("warm_median"), "figure": f(s["warm_median"])},
+        f"memchunk warm: worst <= {FAMILY_TARGETS['warm_worst']}x the best static": {
+            "met": verdict("warm_worst"), "figure": f(s["warm_worst"])},
+        f"memchunk cold: median <= {FAMILY_TARGETS['cold_median']}x the best static": {
+            "met": verdict("cold_median"), "figure": f"{f(s['cold_median'])} (worst {f(s['cold_worst'])})"},
+        "memchunk warm: 0 kills": {"met": verdict("warm_kills"),
+                                    "figure": f"{s['warm_kills']} warm, {s['cold_kills']} cold"},
+        "runner's flow start to first task <= 1.0 s beyond a plain flow's": {
+            "met": verdict("first_task_extra"),
+            "figure": f"{f(s['first_task_memchunk_median'], ' s')} against {f(s['first_task_static_median'], ' s')}"},
+    }
+    seed, n = doc.get("seed", 0), s.get("workloads")
+    what = (f"{n} workloads drawn from seed {seed}: user-style operators none of which ships with the project, on "
+            "odd SEG-Y geometries and zarr, 2 workers of 600 MiB to 2 GiB, each strategy in a fresh process on a "
+            "fresh cluster; measured as [benchmarks/family](benchmarks/family/__main__.py) says. Ratios are "
+            "memchunk's wall over the workload's best static chunking (the fastest of the sweep).")
+    cmd = "python -m benchmarks.family --json family.json" + (f" --seed {seed}" if seed else "")
+    if doc.get("quick"):
+        cmd = "python -m benchmarks.family --quick --json family.json"
+    return Section("A family of workloads the runner never saw", "family", cmd, targets,
+                   [what, "", *family_table(doc["results"], s).splitlines()])
+
+
+def segy_scan(doc: dict[str, Any]) -> Section:
+    traces = doc["traces"]
+    rows = [[r["mode"], f"{r['seconds']:.2f}", f"{r['seconds'] / traces * 1e6:.2f}"] for r in doc["rows"]]
+    what = (f"{traces:,} traces ({doc['bytes'] / 2**20:,.0f} MiB), each read in a fresh process: `scan` reads every "
+            "trace header, `first` also keeps the geometry, `kept` reads what was kept; measured as "
+            "[benchmarks/studies/segy_scan.py](benchmarks/studies/segy_scan.py) says.")
+    return Section("Reading a SEG-Y file's geometry", "SEG-Y scan",
+                   "python -m benchmarks.studies.segy_scan --json scan.json", {},
+                   [what, "", *_table(["read", "seconds", "seconds per million traces"], rows)])
+
+
+def kind_of(doc: dict[str, Any]) -> Callable[[dict[str, Any]], Section]:
+    """The section writer for one run JSON; ValueError naming what was expected when it is none of them."""
+    if doc.get("benchmark") == "family":
+        return family
+    if "surveys" in doc and "targets" in doc:
+        return heterogeneous
+    if "strategies" in doc and "targets" in doc:
+        return side_by_side
+    if "traces" in doc and "rows" in doc:
+        return segy_scan
+    raise ValueError("not the JSON of a suite benchmark: expected the --json of python -m benchmarks, "
+                     "benchmarks.heterogeneous, benchmarks.family or benchmarks.studies.segy_scan; "
+                     f"its top-level keys are {sorted(doc)[:12]}")
+
+
+def render(docs: list[tuple[str, dict[str, Any]]]) -> str:
+    """The page for these ``(file name, run JSON)`` pairs."""
+    sections = [(name, kind_of(doc)(doc), doc) for name, doc in docs]
+    out = [HEADER.format(files=" ".join(name for name, _ in docs)), "## Every target", ""]
+    rows = [[sec.short, label, figure, verdict] for _, sec, _ in sections
+            for label, figure, verdict in _targets_rows(sec.targets)]
+    out += _table(["benchmark", "target", "figure", "verdict"], rows) if rows else ["No run here sets a target."]
+    for name, sec, doc in sections:
+        out += ["", f"## {sec.title}", "", f"Rerun: `{sec.command}`. This run: {_machine(doc)}. From `{name}`.", "",
+                *sec.lines]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks report", description=__doc__.splitlines()[0])
+    p.add_argument("runs", nargs="+", metavar="RUN.json", help="the --json of benchmark runs")
+    p.add_argument("--out", metavar="PATH", help="write the page here (default: standard output)")
+    args = p.parse_args(argv)
+    docs = []
+    for path in args.runs:
+        try:
+            docs.append((path, json.loads(Path(path).read_text())))
+        except (OSError, json.JSONDecodeError) as exc:
+            p.error(f"cannot read the run {path}: {exc}")
+    try:
+        page = render(docs)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.out:
+        Path(args.out).write_text(page)
+        print(f"wrote {args.out} from {len(docs)} run(s)")
+    else:
+        print(page, end="")
+    return 0
