@@ -280,9 +280,10 @@ class MemoryAwareRunner(DaskTaskRunner):
 
     def __exit__(self, *exc_info: Any) -> None:
         """Wait for the flow run's chunked maps (stopping them if the flow stopped), finish the reports' artifact
-        calls, then close the store this flow run opened, whatever happened: a process that runs flow after flow
-        (a scheduler loop, a notebook, `python -m benchmarks.studies.consecutive`) kept one SQLite connection (2 file
-        descriptors) per flow run open until it exited. A map that failed unseen fails the flow run here."""
+        calls, then close the store this flow run opened, whatever happened: left open, a process that runs flow
+        after flow (a scheduler loop, a notebook, `python -m benchmarks.studies.consecutive`) would keep one SQLite
+        connection (2 file descriptors) per flow run until it exited. A map that failed unseen fails the flow run
+        here."""
         failed: BaseException | None = None
         if self._warming is not None:
             self._warming.join(60)  # the bank it may still be opening is closed below
