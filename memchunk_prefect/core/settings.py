@@ -156,10 +156,8 @@ class PolicySettings:
     def __post_init__(self) -> None:
         check_objective(self.objective)
         if self.slow_worker_factor is not None and not float(self.slow_worker_factor) > 1:
-            raise RunnerConfigError(
-                f"`slow_worker_factor` must be above 1 (a worker's seconds per element over the "
-                f"others') or None to never look for slow workers, got {self.slow_worker_factor!r}"
-            )
+            raise RunnerConfigError(f"`slow_worker_factor` must be above 1 (a worker's seconds per element over the "
+                                    f"others') or None to never look for slow workers, got {self.slow_worker_factor!r}")
         check_watts(self.watts_per_core, "watts_per_core")
         check_watts(self.idle_watts_per_core, "idle_watts_per_core")
         if self.deadline_seconds is not None:

@@ -172,19 +172,13 @@ class MemoryAwareRunner(DaskTaskRunner):
         if address is None and cluster_class is None and not cluster_kwargs:
             # On the GPU, one single-thread worker per GPU (each plans for its own GPU's memory); else one per core.
             gpus = usable_gpus()[0] if device in (CUDA, AUTO) else []
-            cluster_class, cluster_kwargs = (
-                local_gpu_cluster(gpus) if gpus else (None, _cluster.default_cluster_kwargs())
-            )
+            cluster_class, cluster_kwargs = (local_gpu_cluster(gpus) if gpus
+                                             else (None, _cluster.default_cluster_kwargs()))
         temporary_server_defaults()
         doctor.fail_fast_without_a_database()
-        super().__init__(
-            address=address,
-            cluster_class=cluster_class,
-            cluster_kwargs=cluster_kwargs,
-            adapt_kwargs=adapt_kwargs,
-            client_kwargs=client_kwargs,
-            performance_report_path=performance_report_path,
-        )
+        super().__init__(address=address, cluster_class=cluster_class, cluster_kwargs=cluster_kwargs,
+                         adapt_kwargs=adapt_kwargs, client_kwargs=client_kwargs,
+                         performance_report_path=performance_report_path)
         if target_fraction is not None:
             check_target_fraction(target_fraction, _cluster.configured_kill_fraction() if address is None else None)
         try:
@@ -318,12 +312,8 @@ class MemoryAwareRunner(DaskTaskRunner):
         t = time.perf_counter()
         done = writer.close(limit) if close else writer.wait(limit)
         if not done:
-            logger.warning(
-                "memchunk: %d artifact call(s) to the Prefect API were still unfinished after %.0f s; "
-                "left behind (the run's results are not affected)",
-                writer.pending,
-                limit,
-            )
+            logger.warning("memchunk: %d artifact call(s) to the Prefect API were still unfinished after %.0f s; "
+                           "left behind (the run's results are not affected)", writer.pending, limit)
         return time.perf_counter() - t
 
     def _report_writer(self) -> Any:
@@ -345,9 +335,8 @@ class MemoryAwareRunner(DaskTaskRunner):
 
         failed = [c for c in (check_store(self.store),) if c.status == FAIL]
         if failed:
-            raise EnvironmentProblemError(
-                "MemoryAwareRunner cannot start, nothing was run:\n" + "\n".join(f"  {c.line()}" for c in failed)
-            )
+            raise EnvironmentProblemError("MemoryAwareRunner cannot start, nothing was run:\n"
+                                          + "\n".join(f"  {c.line()}" for c in failed))
 
     @property
     def client(self):
@@ -358,7 +347,8 @@ class MemoryAwareRunner(DaskTaskRunner):
             with self._lock:
                 if self._client is None:
                     # Report a worker's death on the first death instead of retrying it on (and killing) others.
-                    with dask.config.set({"distributed.scheduler.allowed-failures": RUNNER_SETTINGS.allowed_failures}):
+                    with dask.config.set({"distributed.scheduler.allowed-failures":
+                                          RUNNER_SETTINGS.allowed_failures}):
                         return super().client
         return self._client
 
@@ -379,7 +369,8 @@ class MemoryAwareRunner(DaskTaskRunner):
             marker = chunked(marker)
         # Every other argument goes whole to each chunk (a chunked map does not zip with iterables:
         # a sigma of (2, 2, 2) is one parameter, not three).
-        static = {k: (v.unwrap() if isinstance(v, BaseAnnotation) else v) for k, v in parameters.items() if k != param}
+        static = {k: (v.unwrap() if isinstance(v, BaseAnnotation) else v)
+                  for k, v in parameters.items() if k != param}
         upstream = marker.source if isinstance(marker.source, ChunkedResult) else None
         from memchunk_prefect.run import report  # flow process only: see the note at the top of the module
 
@@ -387,26 +378,13 @@ class MemoryAwareRunner(DaskTaskRunner):
         if upstream is not None:
             incoming, upstream_map, identity = upstream_plan(upstream, task)
         log = MapLog()
-        cmap = ChunkedMap(
-            self._map_context(),
-            task,
-            param,
-            source=upstream.output_path if upstream is not None else marker.source,
-            incoming=incoming,
-            halo=marker.halo,
-            output_path=marker.output,
-            replace_any=marker.replace_any,
-            static=static,
-            wait_for=wait_for,
-            observers=[
-                log,
-                report.MapReporter(self._report_writer()),
-                *self.observers,
-                *_progress_observers(self.progress),
-            ],
-            upstream=upstream_map,
-            source_identity=identity,
-        )
+        cmap = ChunkedMap(self._map_context(), task, param,
+                          source=upstream.output_path if upstream is not None else marker.source,
+                          incoming=incoming, halo=marker.halo, output_path=marker.output,
+                          replace_any=marker.replace_any, static=static, wait_for=wait_for,
+                          observers=[log, report.MapReporter(self._report_writer()), *self.observers,
+                                     *_progress_observers(self.progress)],
+                          upstream=upstream_map, source_identity=identity)
         result = ChunkedResult.running(cmap, log)
         self._flow_maps.start(result)
         return result
@@ -428,18 +406,13 @@ class MemoryAwareRunner(DaskTaskRunner):
         if bank is None or bank.store is None or not flow_run_id:
             return
         try:
-            gone = stop_deaths(
-                bank.store.run_observations(flow_run_id), stopped_at, _cluster.read_memory_kills(self.client) or ()
-            )
+            gone = stop_deaths(bank.store.run_observations(flow_run_id), stopped_at,
+                               _cluster.read_memory_kills(self.client) or ())
             if gone:
                 n = bank.store.retract(gone)
-                logger.warning(
-                    "the flow run stopped: %d worker death(s) of the last %g s before it are not kept as "
-                    "out of memory (no nanny memory kill was logged for them): %s",
-                    n,
-                    STOP_DEATH_SECONDS,
-                    ", ".join(f"{o.operator_key} {o.chunk}" for o in gone),
-                )
+                logger.warning("the flow run stopped: %d worker death(s) of the last %g s before it are not kept as "
+                               "out of memory (no nanny memory kill was logged for them): %s", n, STOP_DEATH_SECONDS,
+                               ", ".join(f"{o.operator_key} {o.chunk}" for o in gone))
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not look for worker deaths caused by the stop: %r", exc)
 
@@ -476,35 +449,23 @@ class MemoryAwareRunner(DaskTaskRunner):
         with self._lock:
             if self._view is None:
                 self._view = _cluster.ClusterView(
-                    lambda: self.client,
-                    lambda: started_cluster(self),
-                    target_fraction=self.target_fraction,
-                    memory_budget=self.memory_budget,
-                    adaptive=bool(self.adapt_kwargs),
-                )
+                    lambda: self.client, lambda: started_cluster(self),
+                    target_fraction=self.target_fraction, memory_budget=self.memory_budget,
+                    adaptive=bool(self.adapt_kwargs))
             return self._view
 
     def _map_context(self) -> MapContext:
         """What a chunked map of this runner is given (the executor never reaches back into the runner)."""
-        return MapContext(
-            cluster=self.cluster_view,
-            bank=self.model_bank,
-            policy=self.policy,
-            device=self.device,
-            stop=self.stop_requested,
-            output_path=self.next_output_path,
-            submit=functools.partial(DaskTaskRunner.submit, self),
-        )
+        return MapContext(cluster=self.cluster_view, bank=self.model_bank, policy=self.policy, device=self.device,
+                          stop=self.stop_requested, output_path=self.next_output_path,
+                          submit=functools.partial(DaskTaskRunner.submit, self))
 
     def next_output_path(self, operator: str) -> str:
         """A fresh path for ``operator``'s output under the output directory: ``<flow run>/<n>-<operator>.zarr``."""
         ctx = FlowRunContext.get()
         run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
-        run = (
-            {"flow": ctx.flow.name if ctx.flow else "", "flow_run": ctx.flow_run.name, "flow_run_id": run_id}
-            if ctx and ctx.flow_run
-            else {"flow_run_id": run_id}
-        )
+        run = ({"flow": ctx.flow.name if ctx.flow else "", "flow_run": ctx.flow_run.name, "flow_run_id": run_id}
+               if ctx and ctx.flow_run else {"flow_run_id": run_id})
         with self._lock:
             self._map_count += 1
             n = self._map_count
