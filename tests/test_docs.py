@@ -196,8 +196,8 @@ def shell_commands(block: Block) -> list[list[str]]:
 
 
 def program(argv0: str) -> str:
-    """``.venv/bin/memchunk`` -> ``memchunk``; ``python3`` -> ``python``."""
-    name = Path(argv0).name if "/" in argv0 and not (REPO / argv0).is_file() else argv0
+    """``.venv/bin/memchunk`` -> ``memchunk``; ``python3`` -> ``python``; a repository script (``.ci/run``) as is."""
+    name = Path(argv0).name if "/bin/" in f"/{argv0}" else argv0
     return "python" if name in ("python", "python3") else name
 
 
@@ -351,6 +351,8 @@ def test_the_command_checks_catch_what_does_not_exist():
     assert check_command(["python", "no_such_script.py"], titles)
     assert check_command(["frobnicate"], titles)
     assert check_command([".venv/bin/memchunk", "models", "--json"], titles) is None
+    assert check_command([".venv/bin/memchunk", "models", "--no-such-option"], titles)
+    assert check_command([".venv/bin/python", "-m", "pytest", "-m", "not no_such_marker"], titles)
     assert commands("A=1 memchunk demo && memchunk models  # the store\nexport X=$(mktemp -d)") == \
         [["memchunk", "demo"], ["memchunk", "models"], ["export", "X=SUBSTITUTED"]]
 
