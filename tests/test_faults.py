@@ -208,10 +208,10 @@ def test_every_error_class_is_in_the_table_of_errors_a_user_can_meet():
     from memchunk_prefect.core import errors
     from memchunk_prefect.run import runner
 
-    table = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
+    table = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "errors.md").read_text()
     classes = {name for mod in (errors, runner) for name, obj in inspect.getmembers(mod, inspect.isclass)
                if issubclass(obj, errors.MemchunkError) and obj is not errors.MemchunkError
                and obj.__module__ == mod.__name__}
     assert "ClusterLostError" in classes and "OutputWriteError" in classes
     missing = sorted(c for c in classes if f"`{c}`" not in table)
-    assert not missing, f"docs/errors.md does not list {missing}"
+    assert not missing, f"docs/reference/errors.md does not list {missing}"

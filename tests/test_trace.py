@@ -554,7 +554,7 @@ def test_the_documented_example_is_a_valid_trace_of_a_real_demo_run():
     trace.validate(doc)
     inst = wfcommons.Instance(path, schema_file=str(trace.SCHEMA_FILE))
     s = trace.summary(doc)
-    docs = (REPO / "docs" / "traces.md").read_text()
+    docs = (REPO / "docs" / "how-to" / "traces.md").read_text()
     assert (f"WfFormat 1.5, validated; {s['tasks']} tasks ({s['failed']} failed attempts),\n{s['files']} files, "
             f"{s['edges']} dependencies, energy {s['energy_kwh'] * 3.6e6:.1f} J (estimate)") in docs
     assert ".venv/bin/memchunk export --format wfcommons --flow-run latest -o docs/examples/demo.wfcommons.json" in docs

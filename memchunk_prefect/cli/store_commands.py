@@ -103,7 +103,7 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", choices=("csv", "json", "wfcommons"), default="csv",
                    help="csv or json: every observation in the store (default csv); wfcommons: a WfFormat trace of "
                         "one flow run (--flow-run), validated before it is written (needs `pip install "
-                        "'memchunk-prefect[trace]'`; docs/traces.md)")
+                        "'memchunk-prefect[trace]'`; docs/how-to/traces.md)")
     p.add_argument("--output", "-o",
                    help="write to this file (replaced atomically: never half-written) instead of standard output; "
                         "for wfcommons the default is ./<flow run id>.wfcommons.json")

@@ -7,7 +7,7 @@ one for a caller (a missing file is a ``FileNotFoundError``; a bad argument is a
 ``ValueError``) the exception inherits from it as well, so existing handlers keep
 working.
 
-The README's error table (docs/errors.md) lists each one with what to do.
+The table of errors in docs/reference/errors.md lists each one with what to do.
 """
 
 from __future__ import annotations

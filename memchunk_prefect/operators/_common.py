@@ -1,6 +1,6 @@
 """Small helpers shared by the operators: block checks, per-axis parameters, non-finite handling.
 
-Every operator in :mod:`tasks` follows one rule for NaN/Inf input (see each
+Every built-in operator follows one rule for NaN/Inf input (see each
 docstring for the detail): a non-finite sample never crashes an operator and
 never leaks into numerical kernels (``eigh``, FFTs) — it is replaced by zero for
 the computation, and the outputs it could have influenced come back as NaN.

@@ -10,7 +10,7 @@ are the operator's (they are part of what a GPU chunk holds).
 A :class:`Backend` gives an operator the array module (``xp``), the
 ``ndimage`` functions, the Hilbert transform and a batched ``eigh``. The same
 operator code runs on both: the scipy and ``cupyx.scipy`` functions used here
-have the same signatures and, for the operators of :mod:`tasks`, results equal
+have the same signatures and, for the built-in operators, results equal
 to float32 tolerance (measured on an NVIDIA H100 with CuPy 14.2: gst3d_dip's
 dip differed by 0.0 degrees on 64 x 64 x 400 and 128 x 128 x 400 blocks).
 ``cupy.linalg.eigh`` on millions of 3 x 3 matrices in one call fails in

@@ -129,7 +129,7 @@ class MemoryAwareRunner(DaskTaskRunner):
     These four set the same fields of ``policy``.
 
     - ``device``: where operators that take a ``device`` parameter (every one in
-      :mod:`tasks`) run when a map does not give it: ``"cpu"``, ``"cuda"`` (every
+      :mod:`memchunk_prefect.operators`) run when a map does not give it: ``"cpu"``, ``"cuda"`` (every
       worker must have a usable GPU through CuPy, one worker per GPU) or ``"auto"``
       (the GPU when every worker has one, else the CPU); default None: each
       operator's own default, the CPU. The operator key carries the device a map

@@ -28,7 +28,7 @@ writes the ``schemaVersion`` that schema accepts. The instance WfCommons
 generates is otherwise unchanged except for extension fields the schema allows
 on each execution task: ``energySource``, ``outcome``, ``operatorKey``,
 ``peakAboveRestingBytes`` and ``taskRunId`` (:data:`EXTENSION_FIELDS`), and the
-CPU ``model`` of each machine. ``docs/traces.md`` describes every field.
+CPU ``model`` of each machine. ``docs/how-to/traces.md`` describes every field.
 
 Units: seconds, bytes, kWh (``energyInKWh``), watts (``avgPowerInW``), percent
 (``avgCPU``: 100 = one core busy for the whole run); times are RFC 3339 in UTC.
