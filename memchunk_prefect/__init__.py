@@ -22,6 +22,7 @@ _LAZY = {
     "operator": "memchunk_prefect.operators",
     "Chunk": "memchunk_prefect.core.chunks",
     "Observation": "memchunk_prefect.core.records",
+    "quiet": "memchunk_prefect.run.logs",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
