@@ -395,6 +395,7 @@ class MemoryAwareRunner(DaskTaskRunner):
             incoming=incoming,
             halo=marker.halo,
             output_path=marker.output,
+            output_format=marker.output_format,
             replace_any=marker.replace_any,
             static=static,
             wait_for=wait_for,
@@ -496,8 +497,9 @@ class MemoryAwareRunner(DaskTaskRunner):
             submit=functools.partial(DaskTaskRunner.submit, self),
         )
 
-    def next_output_path(self, operator: str) -> str:
-        """A fresh path for ``operator``'s output under the output directory: ``<flow run>/<n>-<operator>.zarr``."""
+    def next_output_path(self, operator: str, suffix: str = ".zarr") -> str:
+        """A fresh path for ``operator``'s output under the output directory: ``<flow run>/<n>-<operator>.zarr``
+        (``.mdio`` for an MDIO output)."""
         ctx = FlowRunContext.get()
         run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
         run = (
@@ -508,7 +510,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         with self._lock:
             self._map_count += 1
             n = self._map_count
-        return output_path_for(default_output_dir(self.output_dir), run_id, n, operator, run)
+        return output_path_for(default_output_dir(self.output_dir), run_id, n, operator, run, suffix=suffix)
 
 
 def _progress_observers(on: bool) -> list[MapObserver]:
