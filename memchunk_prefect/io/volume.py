@@ -175,6 +175,10 @@ def _source_from_attrs(da: Any) -> Source | None:
     return src if _describes(da, src) else None
 
 
+#: Dask layers xarray gives a variable it opened lazily with ``chunks=`` (``mdio.open_mdio(path, chunks={})``).
+_OPENED_LAYERS = ("original-open_dataset-", "open_dataset-")
+
+
 def _describes(da: Any, src: Source) -> bool:
     """Whether ``da`` is still ``src``'s whole volume, untouched: same dims, shape and coordinates, and its data
     still the lazy file array (:func:`_still_backed_by_file`), or xarray's dask array over it as opened."""
@@ -187,10 +191,6 @@ def _describes(da: Any, src: Source) -> bool:
                for role, dim in zip(AXES, src.dims) if dim in da.coords)
 
 
-#: Dask layers xarray gives a variable it opened lazily with ``chunks=`` (``mdio.open_mdio(path, chunks={})``).
-_OPENED_LAYERS = ("original-open_dataset-", "open_dataset-")
-
-
 def _dataset_source(ds: xr.Dataset) -> Source:
     """An ``xarray.Dataset`` (an MDIO dataset, e.g. from ``mdio.open_mdio``) as a source of its data variable.
 
@@ -199,11 +199,11 @@ def _dataset_source(ds: xr.Dataset) -> Source:
     identity hold); anything else is read from the Dataset as an array (:class:`ArraySource`).
     """
     meta = ds.attrs.get("attributes")
-    name = str((meta or {}).get("defaultVariableName") or MDIO_VARIABLE) if isinstance(meta, Mapping) else \
-        MDIO_VARIABLE
+    name = str(meta.get("defaultVariableName") or MDIO_VARIABLE) if isinstance(meta, Mapping) else MDIO_VARIABLE
     if name not in ds.data_vars:
-        raise MdioError(f"the Dataset has no data variable {name!r} (its data variables: {sorted(map(str, ds.data_vars))}); "
-                        "pass the volume itself, e.g. chunked(ds['<name>']), or an MDIO dataset's path")
+        have = sorted(map(str, ds.data_vars))
+        raise MdioError(f"the Dataset has no data variable {name!r} (its data variables: {have}); pass the volume "
+                        "itself, e.g. chunked(ds['<name>']), or an MDIO dataset's path")
     da = ds[name]
     path = ds.encoding.get("source")
     if isinstance(path, str) and is_mdio_store(path):
