@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +22,8 @@ from prefect import flow
 
 from memchunk_prefect import MemoryAwareRunner, chunked, open_segy, operators
 from memchunk_prefect.core.chunks import Chunk
-from memchunk_prefect.core.errors import MdioError, MdioNotFoundError, RunnerConfigError
-from memchunk_prefect.io.identity import FoundOutput, OutputIdentity, output_action
+from memchunk_prefect.core.errors import MdioError, MdioNotFoundError, OutputPathError, RunnerConfigError
+from memchunk_prefect.io.identity import FoundOutput, OutputIdentity, open_output, output_action
 from memchunk_prefect.io.mdio import MdioSource, create_mdio_output
 from memchunk_prefect.io.source import ArraySource
 from memchunk_prefect.io.volume import as_source
@@ -162,6 +163,23 @@ def test_an_output_of_the_other_format_is_replaced_not_resumed():
     assert output_action("/o", zarr_there, want, (4, 4, 8)).action == "resume"
     act = output_action("/o", zarr_there, want, (4, 4, 8), output_format="mdio")
     assert act.action == "restart" and act.reason == "it was written as zarr, and mdio is asked for"
+
+
+def test_an_mdio_survey_named_as_an_output_is_refused_and_left_as_it_was(f3_mdio):
+    before = sorted((p.relative_to(f3_mdio), p.stat().st_mtime_ns) for p in f3_mdio.rglob("*"))
+    want = OutputIdentity("envelope|float32|cpu", {"kind": "mdio", "path": str(f3_mdio)}, "c", "p", (0, 0, 0))
+    for replace_any in (False, True):
+        with pytest.raises(OutputPathError, match="not a store written by memchunk; refusing to replace it"):
+            open_output(str(f3_mdio), want, (23, 18, 75), {}, operator="envelope", output_format="mdio",
+                        replace_any=replace_any)
+    assert sorted((p.relative_to(f3_mdio), p.stat().st_mtime_ns) for p in f3_mdio.rglob("*")) == before
+
+
+def test_writing_mdio_without_mdio_says_which_extra_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "mdio", None)  # as where multidimio is not installed
+    with pytest.raises(MdioError, match=r"needs mdio.*pip install 'memchunk-prefect\[mdio\]'.*Or write zarr"):
+        create_mdio_output(tmp_path / "o.mdio", (2, 2, 4))
+    assert not (tmp_path / "o.mdio").exists()
 
 
 def test_a_seismic_depth_array_becomes_an_mdio_depth_dataset(tmp_path):
