@@ -24,11 +24,13 @@ from memchunk_prefect.run.runner import MemoryAwareRunner
 # Prefect types a flow's task runner as TaskRunner[PrefectFuture]; prefect-dask's is TaskRunner[PrefectDaskFuture].
 @flow(name="attribute-pipeline", task_runner=MemoryAwareRunner(), log_prints=True)  # type: ignore[arg-type]
 def attribute_pipeline(segy_path: str, steps: list[dict[str, Any]] | None = None,
-                       output_dir: str | None = None) -> list[dict[str, Any]]:
-    """Run ``steps`` in a chain over ``segy_path``; return each step's summary (decisions, events, output).
+                       output_dir: str | None = None, output_format: str = "zarr") -> list[dict[str, Any]]:
+    """Run ``steps`` in a chain over ``segy_path`` (a SEG-Y file, or an MDIO or zarr store); return each step's
+    summary (decisions, events, output).
 
-    Outputs are zarr stores named after their step under ``output_dir`` (default:
-    the runner's output directory).
+    Outputs are stores named after their step under ``output_dir`` (default: the
+    runner's output directory): zarr stores, or MDIO v1 datasets with
+    ``output_format="mdio"``.
     """
     log = get_run_logger()
     steps = steps or DEFAULT_STEPS
@@ -38,8 +40,9 @@ def attribute_pipeline(segy_path: str, steps: list[dict[str, Any]] | None = None
     # Every step is submitted before any is waited for: each step's chunks start as soon as the chunks of the
     # step before that they read are written (a chunked .map returns at once).
     for n, (op, params) in enumerate(resolved, start=1):
-        out = os.path.join(output_dir, f"{n:02d}-{op.name}.zarr") if output_dir else None
-        current = op.map(chunked(current, output=out), **params)
+        suffix = ".mdio" if output_format == "mdio" else ".zarr"
+        out = os.path.join(output_dir, f"{n:02d}-{op.name}{suffix}") if output_dir else None
+        current = op.map(chunked(current, output=out, output_format=output_format), **params)
         maps.append((op, current))
     summaries = []
     for op, result in maps:

@@ -57,6 +57,15 @@ class SegyGeometryError(SegyError):
     """The header geometry disagrees with the trace count or with itself."""
 
 
+class MdioError(MemchunkError):
+    """An MDIO store that cannot be read as a post-stack 3D volume (not MDIO v1, no such variable, other
+    dimensions), or an MDIO output that cannot be written (the ``mdio`` extra is not installed)."""
+
+
+class MdioNotFoundError(MdioError, FileNotFoundError):
+    """The MDIO path does not exist."""
+
+
 class VolumeError(MemchunkError, ValueError):
     """A volume, a block request or a halo that cannot be used (zero size, bad shape, bad region)."""
 

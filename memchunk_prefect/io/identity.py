@@ -14,7 +14,8 @@ digest of every other parameter, and the halo.
   code, parameters and halo: ``resume`` (completed chunks are kept; only what
   they do not cover is computed, nothing when it is complete);
 - a memchunk store of this operator and shape computed from anything else, or
-  from an input that cannot be identified (an array in memory): ``restart``
+  from an input that cannot be identified (an array in memory), or written in
+  the other format (zarr where MDIO is asked, or MDIO where zarr is): ``restart``
   (replaced, never mixed);
 - a memchunk store of another operator or shape: ``refuse``, unless the caller
   owns the path (``replace_any=True``, as the ``seismic-attributes`` flow does
@@ -44,12 +45,17 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import zarr
 
-from memchunk_prefect.core.chunks import Chunk, Shape
+from memchunk_prefect.core.chunks import AXES, Chunk, Shape
 from memchunk_prefect.core.errors import OutputPathError
 from memchunk_prefect.core.settings import DTYPE
-from memchunk_prefect.io.zarr_store import ZarrOutput
+from memchunk_prefect.io.mdio import create_mdio_output
+from memchunk_prefect.io.zarr_store import ZarrOutput, output_layout
 
 CREATE, RESUME, RESTART, REFUSE = "create", "resume", "restart", "refuse"
+
+#: The output formats: a zarr store in the input's dims (the default), or an MDIO v1 dataset.
+ZARR, MDIO = "zarr", "mdio"
+OUTPUT_FORMATS = (ZARR, MDIO)
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class FoundOutput:
     shape: Shape | None = None
     operator_key: str | None = None
     identity: dict | None = None
+    layout: str = ZARR
 
 
 @dataclass(frozen=True)
@@ -92,7 +99,7 @@ _WHAT_DIFFERS = {"input": "another input (or the input changed since)", "code": 
 
 
 def output_action(path: str, found: FoundOutput | None, want: OutputIdentity, shape: Shape, *,
-                  replace_any: bool = False) -> OutputAction:
+                  replace_any: bool = False, output_format: str = ZARR) -> OutputAction:
     """Create, resume, restart or refuse the output at ``path`` (pure; see the module docstring)."""
     if found is None:
         return OutputAction(CREATE)
@@ -107,6 +114,8 @@ def output_action(path: str, found: FoundOutput | None, want: OutputIdentity, sh
         return OutputAction(REFUSE, f"{path}: already holds {held}, not {want.operator_key!r} with shape {shape}; "
                                     "choose another output path")
     identity = want.to_json()
+    if found.layout != output_format:
+        return OutputAction(RESTART, f"it was written as {found.layout}, and {output_format} is asked for")
     if identity["input"] is None:
         return OutputAction(RESTART, "its input (an array in memory, or a zarr store not written by memchunk) "
                                      "cannot be identified without reading it all")
@@ -131,29 +140,42 @@ def inspect_output(path: str | os.PathLike) -> FoundOutput | None:
         return FoundOutput(memchunk=False)
     key, identity = attrs.get("operator_key"), attrs.get("memchunk_identity")
     return FoundOutput(memchunk=True, shape=existing.shape, operator_key=key if isinstance(key, str) else None,
-                       identity=dict(identity) if isinstance(identity, dict) else None)
+                       identity=dict(identity) if isinstance(identity, dict) else None, layout=output_layout(p))
 
 
 def open_output(path: str, want: OutputIdentity, shape: Shape, coords: Mapping[str, Any], *, operator: str,
-                replace_any: bool = False) -> tuple[Any, list[Chunk], OutputAction]:
+                replace_any: bool = False, output_format: str = ZARR, dims: Sequence[str] = AXES,
+                carry_from: str | None = None) -> tuple[Any, list[Chunk], OutputAction]:
     """Create, resume or replace the store at ``path`` for a map computing ``want``; refuse with OutputPathError.
 
-    Returns the :class:`~memchunk_prefect.io.zarr_store.ZarrOutput`, the chunks it
+    ``output_format``: ``zarr`` (a :class:`~memchunk_prefect.io.zarr_store.ZarrOutput` store in the input's
+    ``dims``) or ``mdio`` (an MDIO v1 dataset, :func:`~memchunk_prefect.io.mdio.create_mdio_output`, carrying
+    ``carry_from``'s trace headers where that is an MDIO input). Returns the
+    :class:`~memchunk_prefect.io.zarr_store.ZarrOutput` (either format is written through it), the chunks it
     already holds (on resume), and the action taken.
     """
     attrs = {"operator": operator, "operator_key": want.operator_key, "memchunk_identity": want.to_json()}
-    act = output_action(path, inspect_output(path), want, shape, replace_any=replace_any)
+
+    def decide() -> OutputAction:
+        return output_action(path, inspect_output(path), want, shape, replace_any=replace_any,
+                             output_format=output_format)
+
+    act = decide()
     if act.action == REFUSE:
         raise OutputPathError(act.reason)
     if act.action == RESUME:
         out = ZarrOutput.open(path)
         return out, out.completed_chunks(), act
     try:
-        out = ZarrOutput.create(path, shape, coords, dtype=DTYPE, attrs=attrs,
-                                overwrite=act.action == RESTART)
+        if output_format == MDIO:
+            out = create_mdio_output(path, shape, coords, dims=dims, attrs=attrs, overwrite=act.action == RESTART,
+                                     carry_from=carry_from)
+        else:
+            out = ZarrOutput.create(path, shape, coords, dtype=DTYPE, attrs=attrs, overwrite=act.action == RESTART,
+                                    dims=dims)
     except OutputPathError:
         # Created by someone else between the look and the create: decide again on what is there now.
-        act = output_action(path, inspect_output(path), want, shape, replace_any=replace_any)
+        act = decide()
         if act.action != RESUME:
             raise
         out = ZarrOutput.open(path)

@@ -3,7 +3,19 @@
 A *source* is a small picklable object the runner ships to Dask workers — a path
 and a few numbers, never the samples (except :class:`ArraySource`, which holds an
 in-memory array). On the worker, ``source.read(chunk)`` reads exactly one box,
-as float32 (iline, xline, twt). :func:`read_block` adds the halo by the package's
+as float32, its axes in the order (inline, crossline, vertical).
+
+Two dimension conventions name those axes: segysak's ``iline``/``xline``/``twt`` and MDIO's
+``inline``/``crossline``/``time`` (or ``depth``). A source keeps the names its volume uses
+(:attr:`Source.dims`), and outputs are written with them; :meth:`Source.coords` keys the axes by
+their role (``iline``, ``xline``, ``twt``) whatever they are named.
+
+>>> dims_convention(("inline", "crossline", "depth"))
+('inline', 'crossline', 'depth')
+>>> dims_convention(("x", "y", "z")) is None
+True
+
+:func:`~memchunk_prefect.io.volume.read_block` adds the halo by the package's
 one edge rule (:func:`memchunk_prefect.core.chunks.with_halo`: clipped at the volume's
 edges) and returns the slices that trim it off the operator's result.
 
@@ -25,6 +37,7 @@ import numpy as np
 import xarray as xr
 
 from memchunk_prefect.core.chunks import (
+    AXES,
     Chunk,
     check_shape,
 )
@@ -34,6 +47,25 @@ from memchunk_prefect.core.errors import (
 
 #: Sample interval given to arrays that carry none (ms), the common seismic default.
 DEFAULT_SAMPLE_INTERVAL_MS = 4.0
+
+#: The lateral dimension names of the two conventions: segysak's and MDIO's.
+LATERAL_DIMS = (("iline", "xline"), ("inline", "crossline"))
+
+#: Names of the vertical (sample) dimension either convention uses: two-way time (ms) or depth.
+VERTICAL_DIMS = ("twt", "time", "depth", "samples", "sample")
+
+
+def dims_convention(dims: Sequence[Any]) -> tuple[str, str, str] | None:
+    """``dims`` as (inline, crossline, vertical) names when they follow a known convention, else None.
+
+    The order is the one the runner reads in; ``dims`` may hold the names in any order.
+    """
+    names = [str(d) for d in dims]
+    vertical = next((d for d in names if d in VERTICAL_DIMS), None)
+    for il, xl in LATERAL_DIMS:
+        if il in names and xl in names and vertical is not None and len(names) == 3:
+            return (il, xl, vertical)
+    return None
 
 
 def _as_f32(a: np.ndarray) -> np.ndarray:
@@ -65,9 +97,22 @@ class Source(abc.ABC):
         ni, nx, nt = self.shape
         return ni * nx * nt * 4
 
+    @property
+    def dims(self) -> tuple[str, str, str]:
+        """The names of the volume's (inline, crossline, vertical) axes, as its outputs are written."""
+        return AXES
+
     @abc.abstractmethod
     def coords(self) -> dict[str, Any]:
-        """``iline``, ``xline``, ``twt`` (ms) arrays, ``sample_interval_ms``, and ``cdp_x``/``cdp_y`` when known."""
+        """``iline``, ``xline``, ``twt`` (ms) arrays, ``sample_interval_ms``, and ``cdp_x``/``cdp_y`` when known.
+
+        Keyed by the axes' roles whatever :attr:`dims` names them: a depth volume's depths are under ``twt``
+        and its depth step under ``sample_interval_ms``, in the volume's depth unit.
+        """
+
+    def chunking(self) -> tuple[Chunk, ...] | None:
+        """The volume's storage chunks where they are worth keeping as a map's incoming chunking, else None."""
+        return None
 
     @abc.abstractmethod
     def read(self, chunk: Chunk) -> np.ndarray:
@@ -91,14 +136,12 @@ class Source(abc.ABC):
         return None
 
 
-_THIRD_DIMS = ("twt", "time", "depth", "samples", "sample")
-
-
 class ArraySource(Source):
     """An array in memory: numpy (axes read as iline, xline, twt) or an ``xarray.DataArray``.
 
-    A DataArray with dims named ``iline``/``xline`` and one of ``twt``/``time``/``depth``
-    is transposed to that order; other 3D DataArrays are taken positionally.
+    A DataArray whose dims follow a convention (``iline``/``xline`` or ``inline``/``crossline``, and one
+    of ``twt``/``time``/``depth``) is read in (inline, crossline, vertical) order, and its outputs keep
+    its names; other 3D DataArrays are taken positionally and named ``iline``/``xline``/``twt``.
     ``coords`` overrides the coordinates (numpy arrays get indices 0..n-1 and
     ``sample_interval_ms``, 4 ms unless given). A lazily-backed DataArray (e.g. a slice of
     :func:`open_segy`) stays lazy: only the box read is loaded.
@@ -113,10 +156,10 @@ class ArraySource(Source):
             if array.ndim != 3:
                 raise VolumeError(f"expected a 3D DataArray (iline, xline, twt), got dims {array.dims} "
                                   f"of shape {array.shape}")
-            dims = list(array.dims)
-            third = next((d for d in dims if d in _THIRD_DIMS), None)
-            if "iline" in dims and "xline" in dims and third is not None:
-                array = array.transpose("iline", "xline", third)
+            named = dims_convention(array.dims)
+            if named is not None:
+                array = array.transpose(*named)
+            self._dims = named or AXES
             check_shape(array.shape)
             dt = sample_interval_ms or array.attrs.get("sample_interval_ms")
             c = _default_coords(array.shape, dt or DEFAULT_SAMPLE_INTERVAL_MS)
@@ -136,6 +179,7 @@ class ArraySource(Source):
                 raise VolumeError(f"expected a 3D array (iline, xline, twt), got shape {arr.shape}")
             check_shape(arr.shape)
             self._coords = _default_coords(arr.shape, sample_interval_ms or DEFAULT_SAMPLE_INTERVAL_MS)
+            self._dims = AXES
             self.array = arr
         if coords:
             self._coords.update(coords)
@@ -146,6 +190,10 @@ class ArraySource(Source):
     @property
     def shape(self) -> tuple[int, int, int]:
         return tuple(int(s) for s in self.array.shape)  # type: ignore[return-value]
+
+    @property
+    def dims(self) -> tuple[str, str, str]:
+        return self._dims
 
     def coords(self) -> dict[str, Any]:
         return {k: (np.array(v) if isinstance(v, np.ndarray) else v) for k, v in self._coords.items()}

@@ -42,17 +42,22 @@ from memchunk_prefect.core.chunks import (
 )
 from memchunk_prefect.core.errors import (
     ChunkedSourceError,
+    MdioError,
 )
 from memchunk_prefect.io import segy as _segy
+from memchunk_prefect.io.mdio import MDIO_VARIABLE, MdioSource, is_mdio_store
 from memchunk_prefect.io.segy import SegyGeometry
 from memchunk_prefect.io.segy_cache import cached_scan
 from memchunk_prefect.io.source import ArraySource, Source
 from memchunk_prefect.io.zarr_store import DATA_NAME, ZarrSource
 
-__all__ = ["SegySource", "as_source", "read_block", "open_segy"]
+__all__ = ["SegySource", "MdioSource", "as_source", "read_block", "open_segy"]
 
 
 SEGY_SUFFIXES = (".sgy", ".segy")
+
+#: The suffix MDIO datasets are given (``survey.mdio``); any MDIO v1 directory is recognised by its metadata too.
+MDIO_SUFFIX = ".mdio"
 
 
 # --------------------------------------------------------------------------- sources
@@ -161,17 +166,54 @@ def _source_from_attrs(da: Any) -> Source | None:
                                      desc.get("xline", _segy.CROSSLINE_BYTE))
         elif desc.get("kind") == "zarr":
             src = ZarrSource(desc["path"], desc.get("name", DATA_NAME))
+        elif desc.get("kind") == "mdio":
+            src = MdioSource(desc["path"], desc.get("name"))
         else:
             return None
     except Exception:
         return None  # the file moved or changed: fall back to the array itself
-    if tuple(da.shape) != src.shape or tuple(da.dims) != AXES or not _still_backed_by_file(da):
-        return None
+    return src if _describes(da, src) else None
+
+
+#: Dask layers xarray gives a variable it opened lazily with ``chunks=`` (``mdio.open_mdio(path, chunks={})``).
+_OPENED_LAYERS = ("original-open_dataset-", "open_dataset-")
+
+
+def _describes(da: Any, src: Source) -> bool:
+    """Whether ``da`` is still ``src``'s whole volume, untouched: same dims, shape and coordinates, and its data
+    still the lazy file array (:func:`_still_backed_by_file`), or xarray's dask array over it as opened."""
+    data = da.variable._data
+    opened = hasattr(data, "dask") and all(str(k).startswith(_OPENED_LAYERS) for k in data.dask.layers)
+    if tuple(da.shape) != src.shape or tuple(da.dims) != src.dims or not (opened or _still_backed_by_file(da)):
+        return False
     c = src.coords()
-    for name in AXES:
-        if name in da.coords and not np.array_equal(np.asarray(da.coords[name].values), c[name]):
-            return None
-    return src
+    return all(np.array_equal(np.asarray(da.coords[dim].values), c[role])
+               for role, dim in zip(AXES, src.dims) if dim in da.coords)
+
+
+def _dataset_source(ds: xr.Dataset) -> Source:
+    """An ``xarray.Dataset`` (an MDIO dataset, e.g. from ``mdio.open_mdio``) as a source of its data variable.
+
+    The variable is the one its ``attributes.defaultVariableName`` names (``amplitude`` for MDIO). Opened from
+    an MDIO store and untouched, the store itself is the source (workers read it; its storage chunking and
+    identity hold); anything else is read from the Dataset as an array (:class:`ArraySource`).
+    """
+    meta = ds.attrs.get("attributes")
+    name = str(meta.get("defaultVariableName") or MDIO_VARIABLE) if isinstance(meta, Mapping) else MDIO_VARIABLE
+    if name not in ds.data_vars:
+        have = sorted(map(str, ds.data_vars))
+        raise MdioError(f"the Dataset has no data variable {name!r} (its data variables: {have}); pass the volume "
+                        "itself, e.g. chunked(ds['<name>']), or an MDIO dataset's path")
+    da = ds[name]
+    path = ds.encoding.get("source")
+    if isinstance(path, str) and is_mdio_store(path):
+        try:
+            src = MdioSource(path, name)
+        except MdioError:
+            return ArraySource(da)  # not a post-stack volume as stored: ArraySource says what is wrong with it
+        if _describes(da, src):
+            return src
+    return ArraySource(da)
 
 
 def as_source(obj: Any, **kw: Any) -> Source:
@@ -179,9 +221,13 @@ def as_source(obj: Any, **kw: Any) -> Source:
 
     - a :class:`Source` → itself;
     - a ``str``/``Path`` ending ``.sgy``/``.segy`` → :class:`SegySource` (``iline=``, ``xline=`` pass through);
+    - an MDIO v1 dataset's directory (or a path ending ``.mdio``) → :class:`~memchunk_prefect.io.mdio.MdioSource`
+      (``variable=`` passes through);
     - a zarr directory (or a path ending ``.zarr``) → :class:`ZarrSource`;
     - an ``xarray.DataArray`` from :func:`open_segy` / :func:`open_result`, unmodified → the file it
-      names (so workers read the file); any other DataArray or a numpy array → :class:`ArraySource`.
+      names (so workers read the file); any other DataArray or a numpy array → :class:`ArraySource`;
+    - an ``xarray.Dataset`` (``mdio.open_mdio(path)``) → its ``amplitude`` variable: the store it was opened
+      from while untouched, else that variable as an array.
 
     Anything else raises :class:`~memchunk_prefect.core.errors.ChunkedSourceError`.
     """
@@ -191,25 +237,30 @@ def as_source(obj: Any, **kw: Any) -> Source:
         p = Path(obj)
         if p.suffix.lower() in SEGY_SUFFIXES:
             return SegySource(p, **kw)
+        if p.suffix.lower() == MDIO_SUFFIX or is_mdio_store(p):
+            return MdioSource(p, **kw)
         if p.is_dir() and any((p / m).exists() for m in ("zarr.json", ".zarray", ".zgroup")):
             return ZarrSource(p, **kw)
         if p.suffix.lower() == ".zarr":
             return ZarrSource(p, **kw)
         raise ChunkedSourceError(
             f"cannot tell what volume the path {os.fspath(obj)!r} holds: expected a SEG-Y file ending "
-            f"{' or '.join(SEGY_SUFFIXES)} or a zarr store directory"
+            f"{' or '.join(SEGY_SUFFIXES)}, an MDIO dataset or a zarr store directory"
             + ("" if p.exists() else " (and it does not exist)")
         )
 
     if isinstance(obj, xr.DataArray):
         mapped = None if kw else _source_from_attrs(obj)
         return mapped if mapped is not None else ArraySource(obj, **kw)
+    if isinstance(obj, xr.Dataset) and not kw:
+        return _dataset_source(obj)
     if isinstance(obj, np.ndarray):
         return ArraySource(obj, **kw)
     raise ChunkedSourceError(
         f"cannot read a volume from a {type(obj).__module__}.{type(obj).__qualname__}: expected a SEG-Y path "
-        "(.sgy/.segy), a zarr store path, an xarray.DataArray, a numpy array (iline, xline, twt), or a "
-        "memchunk_prefect.io.volume source (SegySource, ZarrSource, ArraySource)"
+        "(.sgy/.segy), an MDIO or zarr store path, an xarray.DataArray or MDIO xarray.Dataset, a numpy array "
+        "(iline, xline, twt), or a memchunk_prefect.io.volume source (SegySource, MdioSource, ZarrSource, "
+        "ArraySource)"
     )
 
 

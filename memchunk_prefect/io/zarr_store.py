@@ -28,6 +28,7 @@ import zarr
 from memchunk_prefect.core.chunks import (
     AXES,
     Chunk,
+    Shape,
     check_shape,
     covers_exactly,
     uncovered_boxes,
@@ -39,7 +40,7 @@ from memchunk_prefect.core.errors import (
     VolumeError,
 )
 from memchunk_prefect.io.files import atomic_write_text
-from memchunk_prefect.io.source import Source, _as_f32, _default_coords
+from memchunk_prefect.io.source import Source, _as_f32, _default_coords, dims_convention
 
 #: Target size of one zarr storage chunk when none is given (bytes); 1-4 MiB suits local disks and object stores.
 TARGET_STORAGE_CHUNK_BYTES = 2 * 2**20
@@ -106,6 +107,9 @@ def _find_zarr_array(path: str) -> str | None:
     if isinstance(node, zarr.Array):
         return None
     names = [n for n, a in node.arrays() if a.ndim == 3]
+    written = _root_attrs(path).get("memchunk_data")
+    if written in names:
+        return str(written)
     if DATA_NAME in names:
         return DATA_NAME
     if len(names) == 1:
@@ -114,11 +118,29 @@ def _find_zarr_array(path: str) -> str | None:
                              f"found {names or 'none'}")
 
 
-class ZarrSource(Source):
-    """A 3D zarr array on disk: a :class:`ZarrOutput` store (the ``data`` array) or any store holding one 3D array.
+def _root_attrs(path: str) -> dict:
+    """The root group's attributes (empty for a root array or an unreadable store): read from its zarr.json."""
+    try:
+        doc = json.loads((Path(path) / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    attrs = doc.get("attributes") if doc.get("node_type") == "group" else None
+    return dict(attrs) if isinstance(attrs, dict) else {}
 
-    Coordinates come from the store's ``iline``/``xline``/``twt`` (and ``cdp_x``/``cdp_y``)
-    arrays when present, else indices and a 4 ms interval.
+
+def _data_name(attrs: Mapping[str, Any]) -> str:
+    """The data array of a store memchunk wrote: ``memchunk_data`` in its root attributes (``data`` by default)."""
+    name = attrs.get("memchunk_data")
+    return name if isinstance(name, str) and name else DATA_NAME
+
+
+class ZarrSource(Source):
+    """A 3D zarr array on disk: a :class:`ZarrOutput` store (its data array) or any store holding one 3D array.
+
+    Coordinates come from the store's coordinate arrays named after its dims (``iline``/``xline``/``twt``,
+    or ``inline``/``crossline``/``time``, and ``cdp_x``/``cdp_y``) when present, else indices and a 4 ms
+    interval. Its dims are those its memchunk metadata or its array's ``dimension_names`` give, when they
+    follow a convention (:func:`~memchunk_prefect.io.source.dims_convention`), else ``iline``/``xline``/``twt``.
     """
 
     kind = "zarr"
@@ -132,12 +154,18 @@ class ZarrSource(Source):
         if arr.ndim != 3:
             raise VolumeError(f"{self.path}: expected a 3D array (iline, xline, twt), found shape {arr.shape}")
         self._shape = check_shape(arr.shape)
+        attrs = _root_attrs(self.path) if self.name is not None else {}
+        self._dims = dims_convention(attrs.get("dims") or ()) or dims_convention(
+            getattr(arr.metadata, "dimension_names", None) or ()) or AXES
+        #: A memchunk output's data array: read under its write locks until the store is complete.
+        self._memchunk_output = bool(attrs.get("memchunk_store")) and self.name == _data_name(attrs)
 
     def __repr__(self) -> str:
-        return f"ZarrSource({self.path!r})"
+        return f"{type(self).__name__}({self.path!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, ZarrSource) and (self.path, self.name) == (other.path, other.name)
+        return isinstance(other, ZarrSource) and (type(self), self.path, self.name) == (
+            type(other), other.path, other.name)
 
     def __hash__(self) -> int:
         return hash((self.path, self.name))
@@ -145,6 +173,10 @@ class ZarrSource(Source):
     @property
     def shape(self) -> tuple[int, int, int]:
         return self._shape
+
+    @property
+    def dims(self) -> tuple[str, str, str]:
+        return self._dims
 
     def coords(self) -> dict[str, Any]:
         c = _default_coords(self.shape)
@@ -155,23 +187,28 @@ class ZarrSource(Source):
         if isinstance(attrs.get("sample_interval_ms"), (int, float)):
             c = _default_coords(self.shape, float(attrs["sample_interval_ms"]))  # type: ignore[arg-type]
         members = {n for n, _ in g.arrays()}
-        for k in ("iline", "xline", "twt", "cdp_x", "cdp_y"):
+        for role, dim in zip(AXES, self.dims):
+            if dim in members:
+                c[role] = np.asarray(g[dim][...])  # type: ignore[index]  # zarr's Group typing misses array slicing
+        if "sample_interval_ms" not in attrs and len(c["twt"]) > 1:
+            c["sample_interval_ms"] = float(c["twt"][1] - c["twt"][0])
+        for k in ("cdp_x", "cdp_y"):
             if k in members:
-                c[k] = np.asarray(g[k][...])  # type: ignore[index]  # zarr's Group typing misses array slicing
+                c[k] = np.asarray(g[k][...])  # type: ignore[index]
         return c
 
     def read(self, chunk: Chunk) -> np.ndarray:
         """The region's values as float32, a few storage chunks decompressed at a time (:func:`_read_region`)."""
         self._check_chunk(chunk)
-        if self.name == DATA_NAME and not zarr.open_group(self.path, mode="r").attrs.get("complete"):
+        if self._memchunk_output and not zarr.open_group(self.path, mode="r").attrs.get("complete"):
             # A memchunk output another map is still writing (chained maps run side by side): the region asked
             # for is written, but a storage chunk it shares with a region being written now is rewritten in
             # place (zarr reads, merges and rewrites it, under that chunk's lock): read it under the same lock.
-            return ZarrOutput(self.path, name=self.name).read_locked(chunk)
+            return ZarrOutput(self.path, name=self.name).read_locked(chunk)  # type: ignore[arg-type]
         return _read_region(_zarr_array(self.path, self.name), chunk)
 
     def memchunk_source(self) -> dict:
-        return {"kind": "zarr", "path": self.path, "name": self.name}
+        return {"kind": self.kind, "path": self.path, "name": self.name}
 
     def identity(self, complete: bool = True) -> dict | None:
         """A memchunk store's ``write_id`` (new each time it is created) and ``completed_at``; None for others.
@@ -229,6 +266,78 @@ def _json_coords(coords: Mapping[str, Any]) -> dict:
     return {k: v for k, v in coords.items() if not isinstance(v, np.ndarray) and isinstance(v, (int, float, str))}
 
 
+def clear_output_path(path: str | os.PathLike, overwrite: bool) -> Path:
+    """The absolute path where a new store may be created: nothing there, or (``overwrite``) a store removed.
+
+    :class:`~memchunk_prefect.core.errors.OutputPathError` for something there without ``overwrite``, and for
+    anything there that is not a zarr store (never deleted).
+    """
+    p = Path(path).absolute()
+    if p.exists():
+        if not overwrite:
+            raise OutputPathError(f"{p}: already exists. Use ZarrOutput.open({str(p)!r}) to resume writing it, "
+                                  "pass overwrite=True to replace it, or choose another path.")
+        if not (p / "zarr.json").exists() and not (p.is_dir() and not any(p.iterdir())):
+            raise OutputPathError(f"{p}: exists and is not a zarr store; refusing to delete it with overwrite=True")
+        shutil.rmtree(p)
+    return p
+
+
+def output_coords(shape: Shape, coords: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The input's coordinates (keyed by role, see :meth:`Source.coords`) over defaults, checked against
+    ``shape``: :class:`~memchunk_prefect.core.errors.VolumeError` for a coordinate of another length."""
+    c = dict(_default_coords(shape))
+    if coords:
+        c.update({k: v for k, v in coords.items() if v is not None})
+    for k, n in zip(AXES, shape):
+        if len(np.asarray(c[k])) != n:
+            raise VolumeError(f"coordinate {k!r} has {len(np.asarray(c[k]))} values for an axis of {n}")
+    return c
+
+
+def output_storage_chunks(shape: Shape, zarr_chunks: Sequence[int] | None, dtype: str) -> Shape:
+    """``zarr_chunks`` (default :func:`default_zarr_chunks`), each clipped to the volume."""
+    zc = tuple(int(z) for z in (zarr_chunks or default_zarr_chunks(shape, np.dtype(dtype).itemsize)))
+    return tuple(min(z, n) for z, n in zip(check_shape(zc), shape))  # type: ignore[return-value]
+
+
+def memchunk_attrs(shape: Shape, zarr_chunks: Shape, dims: Sequence[str], coords: Mapping[str, Any],
+                   attrs: Mapping[str, Any] | None, data_name: str = DATA_NAME, layout: str = "zarr") -> dict[str, Any]:
+    """The root attributes that make a store a memchunk output: its layout (``zarr``, or ``mdio`` with
+    ``memchunk_data`` naming its data variable), ``complete`` (False until :meth:`ZarrOutput.finalize`), a fresh
+    ``write_id``, the input's scalar coordinates and ``attrs`` (JSON-able, else
+    :class:`~memchunk_prefect.core.errors.VolumeError`)."""
+    try:
+        json.dumps(dict(attrs or {}))
+    except TypeError as exc:
+        raise VolumeError(f"attrs must be JSON-able (plain numbers, strings, lists, dicts): {exc}") from exc
+    doc = {"dims": list(dims), "shape": list(shape), "zarr_chunks": list(zarr_chunks), "complete": False,
+           "memchunk_store": 1, "write_id": uuid.uuid4().hex, **_json_coords(coords), **dict(attrs or {})}
+    if data_name != DATA_NAME:
+        doc["memchunk_data"] = data_name
+    if layout != "zarr":
+        doc["memchunk_layout"] = layout
+    return doc
+
+
+def output_layout(path: str | os.PathLike) -> str:
+    """How a memchunk output at ``path`` is laid out: ``zarr`` (:class:`ZarrOutput`'s own) or ``mdio``."""
+    layout = _root_attrs(os.fspath(path)).get("memchunk_layout")
+    return layout if isinstance(layout, str) else "zarr"
+
+
+def init_bookkeeping(p: Path) -> None:
+    """Create the store's bookkeeping group (completion markers, write locks), as zarr groups."""
+    meta = p / META_GROUP
+    for sub in (meta, meta / "done", meta / "locks"):
+        sub.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(sub / "zarr.json", _group_json({}))
+    atomic_write_text(meta / "zarr.json", _group_json({
+        "about": "memchunk-prefect bookkeeping: done/<chunk key> marks a written chunk; "
+                 "locks/<storage chunk> serialises partial storage-chunk writes"}))
+    _ZARR.arrays.clear()
+
+
 class ZarrOutput:
     """A zarr (format 3) store that many worker processes fill by region, with per-chunk completion markers.
 
@@ -275,66 +384,46 @@ class ZarrOutput:
     @classmethod
     def create(cls, path: str | os.PathLike, shape: Sequence[int], coords: Mapping[str, Any] | None = None, *,
                dtype: str = "float32", attrs: Mapping[str, Any] | None = None,
-               zarr_chunks: Sequence[int] | None = None, overwrite: bool = False) -> "ZarrOutput":
+               zarr_chunks: Sequence[int] | None = None, overwrite: bool = False,
+               dims: Sequence[str] = AXES) -> "ZarrOutput":
         """Create an empty store for a volume of ``shape`` with the input's ``coords`` (see :meth:`Source.coords`).
 
-        ``attrs`` must be JSON-able; they go on the data array and the root group.
-        An existing store raises :class:`~memchunk_prefect.core.errors.OutputPathError`
-        unless ``overwrite=True`` (which deletes it, markers included); open an existing
-        store with :meth:`open` to resume it.
+        ``dims``: the names of the (inline, crossline, vertical) axes, the input's (:attr:`Source.dims`); the
+        data array and the coordinate arrays are named after them. ``attrs`` must be JSON-able; they go on the
+        data array and the root group. An existing store raises
+        :class:`~memchunk_prefect.core.errors.OutputPathError` unless ``overwrite=True`` (which deletes it,
+        markers included); open an existing store with :meth:`open` to resume it.
         """
         shape = check_shape(shape)
-        p = Path(path).absolute()
-        if p.exists():
-            if not overwrite:
-                raise OutputPathError(f"{p}: already exists. Use ZarrOutput.open({str(p)!r}) to resume writing it, "
-                                      "pass overwrite=True to replace it, or choose another path.")
-            if not (p / "zarr.json").exists() and not (p.is_dir() and not any(p.iterdir())):
-                raise OutputPathError(f"{p}: exists and is not a zarr store; refusing to delete it with overwrite=True")
-            shutil.rmtree(p)
-        c = dict(_default_coords(shape))
-        if coords:
-            c.update({k: v for k, v in coords.items() if v is not None})
-        for k, n in zip(AXES, shape):
-            if len(np.asarray(c[k])) != n:
-                raise VolumeError(f"coordinate {k!r} has {len(np.asarray(c[k]))} values for an axis of {n}")
-        zc = tuple(int(z) for z in (zarr_chunks or default_zarr_chunks(shape, np.dtype(dtype).itemsize)))
-        zc = tuple(min(z, n) for z, n in zip(check_shape(zc), shape))
-        try:
-            json.dumps(dict(attrs or {}))
-        except TypeError as exc:
-            raise VolumeError(f"attrs must be JSON-able (plain numbers, strings, lists, dicts): {exc}") from exc
-        root_attrs = {"dims": list(AXES), "shape": list(shape), "zarr_chunks": list(zc), "complete": False,
-                      "memchunk_store": 1, "write_id": uuid.uuid4().hex, **_json_coords(c), **dict(attrs or {})}
+        p = clear_output_path(path, overwrite)
+        c = output_coords(shape, coords)
+        zc = output_storage_chunks(shape, zarr_chunks, dtype)
+        dims = tuple(str(d) for d in dims)
+        root_attrs = memchunk_attrs(shape, zc, dims, c, attrs)
         g = zarr.open_group(str(p), mode="w", attributes=root_attrs)
         os.chmod(p, 0o700)  # results are the user's: a user-only root hides everything inside it
         fill = np.nan if np.dtype(dtype).kind == "f" else 0
         a = g.create_array(DATA_NAME, shape=shape, chunks=zc, dtype=dtype, fill_value=fill,
-                           dimension_names=AXES)
+                           dimension_names=dims)
         a.attrs.update({"sample_interval_ms": float(c["sample_interval_ms"]), **dict(attrs or {})})
-        for k in AXES:
-            g.create_array(k, data=np.asarray(c[k]), dimension_names=(k,))
-        g["twt"].attrs["units"] = "ms"
+        for role, dim in zip(AXES, dims):
+            g.create_array(dim, data=np.asarray(c[role]), dimension_names=(dim,))
+        if dims[2] in ("twt", "time"):
+            g[dims[2]].attrs["units"] = "ms"
         for k in ("cdp_x", "cdp_y"):
             if k in c and np.shape(c[k]) == shape[:2]:
-                g.create_array(k, data=np.asarray(c[k], dtype=np.float64), dimension_names=("iline", "xline"))
-        meta = p / META_GROUP
-        for sub in (meta, meta / "done", meta / "locks"):
-            sub.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(sub / "zarr.json", _group_json({}))
-        atomic_write_text(meta / "zarr.json", _group_json({
-            "about": "memchunk-prefect bookkeeping: done/<chunk key> marks a written chunk; "
-                     "locks/<storage chunk> serialises partial storage-chunk writes"}))
-        _ZARR.arrays.clear()
+                g.create_array(k, data=np.asarray(c[k], dtype=np.float64), dimension_names=dims[:2])
+        init_bookkeeping(p)
         return cls(p)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "ZarrOutput":
-        """Open an existing store (to resume writing it, or to check it)."""
+        """Open an existing store (to resume writing it, or to check it): a zarr or an MDIO output of memchunk."""
         p = Path(path)
-        if not (p / "zarr.json").exists() or not (p / DATA_NAME / "zarr.json").exists():
-            raise OutputPathError(f"{p.absolute()}: not a store written by ZarrOutput (no {DATA_NAME}/zarr.json)")
-        return cls(p)
+        name = _data_name(_root_attrs(str(p)))
+        if not (p / "zarr.json").exists() or not (p / name / "zarr.json").exists():
+            raise OutputPathError(f"{p.absolute()}: not a store written by ZarrOutput (no {name}/zarr.json)")
+        return cls(p, name=name)
 
     # ---- writing
 
@@ -518,7 +607,10 @@ def _uncovered(chunks: Iterable[Chunk], shape: Sequence[int]) -> int:
 
 
 def open_result(path: str | os.PathLike, allow_incomplete: bool = False):
-    """A ZarrOutput store as a lazy ``xarray.DataArray`` (iline, xline, twt) with the input's coordinates.
+    """A memchunk output as a lazy ``xarray.DataArray`` with the input's coordinates.
+
+    Its dims are the store's: the input's names for a zarr output (``iline``/``xline``/``twt`` or
+    ``inline``/``crossline``/``time``), MDIO's for an MDIO output (whose variable is ``amplitude``).
 
     Raises :class:`~memchunk_prefect.core.errors.IncompleteOutputError` when the store was
     not finalized (not every element written), unless ``allow_incomplete=True``
@@ -535,10 +627,10 @@ def open_result(path: str | os.PathLike, allow_incomplete: bool = False):
             "ZarrOutput.open(path).finalize()), or pass allow_incomplete=True to inspect it anyway."
         )
     ds = xr.open_dataset(p, engine="zarr", consolidated=False, chunks=None, mask_and_scale=False)
-    da = ds[DATA_NAME]
+    da = ds[out.name]
     for k in ("cdp_x", "cdp_y"):
-        if k in ds:
+        if k in ds and k not in da.coords:
             da = da.assign_coords({k: ds[k]})
     da.attrs.update({k: v for k, v in attrs.items() if k not in da.attrs})
-    da.attrs["memchunk_source"] = {"kind": "zarr", "path": p, "name": DATA_NAME}
+    da.attrs["memchunk_source"] = {"kind": output_layout(p), "path": p, "name": out.name}
     return da

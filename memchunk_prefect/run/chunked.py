@@ -12,8 +12,10 @@ from typing import Any, Iterable, Sequence
 from prefect.futures import PrefectFuture, PrefectFutureList
 
 from memchunk_prefect.core.chunks import Chunk, Shape, normalize_halo
-from memchunk_prefect.core.errors import UpstreamMapError
+from memchunk_prefect.core.errors import RunnerConfigError, UpstreamMapError
 from memchunk_prefect.core.records import Observation
+from memchunk_prefect.io.identity import MDIO, OUTPUT_FORMATS, ZARR
+from memchunk_prefect.io.volume import as_source
 from memchunk_prefect.io.zarr_store import ZarrSource, open_result
 from memchunk_prefect.run.executor import ChunkedMap
 from memchunk_prefect.run.observe import MapLog
@@ -27,6 +29,7 @@ class Chunked:
     halo: Shape | None = None
     output: str | None = None
     replace_any: bool = False
+    output_format: str = ZARR
 
     def __iter__(self):  # pragma: no cover - a guard, not an API
         raise TypeError(
@@ -36,22 +39,44 @@ class Chunked:
 
 
 def chunked(source: Any, halo: int | Sequence[int] | None = None, *, output: str | os.PathLike | None = None,
-            replace_any: bool = False) -> Chunked:
+            replace_any: bool = False, output_format: str | None = None) -> Chunked:
     """Mark ``source`` as a volume the runner may cut for the mapped task.
 
-    ``source``: a SEG-Y path, a zarr store path, a numpy array or ``xarray.DataArray``
-    (axes iline, xline, twt), or the result of an earlier chunked map.
-    ``halo``: extra samples read around each chunk, an int (every axis) or
-    (iline, xline, twt); default: what the operator declares. ``output``: where
-    the result's zarr store goes (default: under the runner's ``output_dir``).
+    ``source``: a SEG-Y path, an MDIO dataset or zarr store path, a numpy array or
+    ``xarray.DataArray`` (dims iline, xline, twt or inline, crossline, time/depth),
+    an MDIO ``xarray.Dataset`` (``mdio.open_mdio(path)``), or the result of an
+    earlier chunked map. ``halo``: extra samples read around each chunk, an int
+    (every axis) or (inline, crossline, vertical); default: what the operator
+    declares. ``output``: where the result goes (default: under the runner's
+    ``output_dir``). ``output_format``: ``"zarr"`` (the default; a zarr store
+    with the input's dim names) or ``"mdio"`` (an MDIO v1 dataset that
+    ``mdio.open_mdio`` opens, dims inline, crossline, time/depth); unset, an
+    ``output`` ending ``.mdio`` means MDIO.
     An output already there is resumed when it was computed from the same input,
-    code and parameters, replaced when it is this operator's output of something
-    else, and refused when it is another operator's (or not memchunk's at all);
-    ``replace_any=True`` says the path is yours: another operator's memchunk
-    output there is replaced too (a store memchunk did not write never is).
+    code and parameters (and in the same format), replaced when it is this
+    operator's output of something else, and refused when it is another
+    operator's (or not memchunk's at all); ``replace_any=True`` says the path is
+    yours: another operator's memchunk output there is replaced too (a store
+    memchunk did not write never is).
     """
-    return Chunked(source=source, halo=None if halo is None else normalize_halo(halo),
-                   output=None if output is None else os.fspath(output), replace_any=bool(replace_any))
+    out = None if output is None else os.fspath(output)
+    return Chunked(source=source, halo=None if halo is None else normalize_halo(halo), output=out,
+                   replace_any=bool(replace_any), output_format=_output_format(output_format, out))
+
+
+def _output_format(output_format: str | None, output: str | None) -> str:
+    """The format asked for, or the one the output path's suffix names; RunnerConfigError for an unknown format or
+    an output path ending ``.mdio`` written as zarr (it would be read back as MDIO)."""
+    mdio_path = output is not None and output.lower().rstrip("/").endswith(".mdio")
+    if output_format is None:
+        return MDIO if mdio_path else ZARR
+    if output_format not in OUTPUT_FORMATS:
+        raise RunnerConfigError(f"chunked(..., output_format={output_format!r}): expected one of "
+                                f"{', '.join(map(repr, OUTPUT_FORMATS))}")
+    if output_format == ZARR and mdio_path:
+        raise RunnerConfigError(f"chunked(..., output={output!r}, output_format='zarr'): a path ending .mdio is read "
+                                "back as an MDIO dataset; pass output_format='mdio', or name the zarr store .zarr")
+    return output_format
 
 
 class ChunkedResult(PrefectFutureList):
@@ -215,7 +240,8 @@ def upstream_plan(upstream: ChunkedResult, task: Any) -> tuple[tuple[Chunk, ...]
         raise UpstreamMapError(
             f"cannot map {getattr(task, 'name', task)!r} over the result of {up.name}: that map stopped before "
             f"it began ({type(up.error).__name__}: {up.error}); fix that error and rerun the flow") from up.error
-    identity = ZarrSource(up.output_path).identity(complete=False)
+    src = as_source(up.output_path)  # a ZarrSource, or an MdioSource for an MDIO output
+    identity = src.identity(complete=False) if isinstance(src, ZarrSource) else src.identity()
     if upstream.done and up.error is None:
         return tuple(upstream.chunks), up, identity
     return up.plan_snapshot(), up, identity

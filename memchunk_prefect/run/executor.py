@@ -83,7 +83,16 @@ from memchunk_prefect.core.records import (
 )
 from memchunk_prefect.core.settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS, PolicySettings
 from memchunk_prefect.core.stragglers import SlowWorker, slow_workers
-from memchunk_prefect.io.identity import RESTART, OutputIdentity, code_digest, open_output, params_digest
+from memchunk_prefect.io.identity import (
+    MDIO,
+    RESTART,
+    ZARR,
+    OutputIdentity,
+    code_digest,
+    open_output,
+    params_digest,
+)
+from memchunk_prefect.io.mdio import MdioSource
 from memchunk_prefect.io.volume import as_source
 from memchunk_prefect.operators.device import CUDA
 from memchunk_prefect.operators.spec import operator_key, operator_name, spec_of
@@ -121,7 +130,8 @@ class MapContext:
     ``policy``: the settings the decision core weighs; ``device``: the runner's device for operators
     that take one (None: each operator's own default); ``stop``: what the map's thread should raise
     to stop (the flow run stopped around it), or None; ``output_path``: a fresh default output path
-    for an operator; ``submit``: submits a task run on Dask (prefect-dask's own ``submit``).
+    for an operator, ending in the suffix given (``.zarr``, ``.mdio``); ``submit``: submits a task run on
+    Dask (prefect-dask's own ``submit``).
     """
 
     cluster: _cluster.ClusterView
@@ -129,7 +139,7 @@ class MapContext:
     policy: PolicySettings
     device: str | None
     stop: Callable[[], BaseException | None]
-    output_path: Callable[[str], str]
+    output_path: Callable[[str, str], str]
     submit: Callable[..., PrefectDaskFuture]
 
 
@@ -161,16 +171,18 @@ class ChunkedMap:
     """One chunked ``.map`` from decision to finished output: a thin executor of a :class:`MapMachine`.
 
     ``source``: anything :func:`~memchunk_prefect.io.volume.as_source` reads;
-    ``incoming``: the upstream map's chunks when the source is its result;
-    ``halo``: None for the operator's own; ``output_path``: where the zarr store
-    goes; ``replace_any``: the caller owns that path (see :mod:`memchunk_prefect.io.identity`).
+    ``incoming``: the upstream map's chunks when the source is its result (else the
+    source's own storage chunks where it has chunks worth keeping: an MDIO survey's);
+    ``halo``: None for the operator's own; ``output_path``: where the output store
+    goes, written as ``output_format`` (``zarr`` or ``mdio``); ``replace_any``: the
+    caller owns that path (see :mod:`memchunk_prefect.io.identity`).
     """
 
     def __init__(self, ctx: MapContext, task: Any, param: str, *, source: Any,
                  incoming: Iterable[Chunk] | None, halo: Shape | None, output_path: str | None,
                  replace_any: bool, static: dict[str, Any], wait_for: Iterable[PrefectFuture] | None,
                  observers: Iterable[MapObserver] = (), upstream: "ChunkedMap | None" = None,
-                 source_identity: dict | None = None):
+                 source_identity: dict | None = None, output_format: str = ZARR):
         self.ctx = ctx
         self.task = task
         self.param = param
@@ -178,8 +190,10 @@ class ChunkedMap:
         self.wait_for = list(wait_for) if wait_for else None
         self.spec = spec_of(task)
         self.name = operator_name(task)
-        self.incoming = tuple(incoming) if incoming is not None else None
         self.source = as_source(source)
+        if incoming is None:
+            incoming = self.source.chunking()
+        self.incoming = tuple(incoming) if incoming is not None else None
         self.shape: Shape = tuple(int(s) for s in self.source.shape)  # type: ignore[assignment]
         if "sample_interval_ms" in inspect.signature(task.fn).parameters and "sample_interval_ms" not in static:
             # Operators that need the sample interval get the volume's own, from its headers.
@@ -195,7 +209,8 @@ class ChunkedMap:
             requested = static.get("device", ctx.device) or self.spec.defaults.get("device") or self.spec.device
             self.device = static["device"] = ctx.cluster.map_device(requested)
         self.key = operator_key(task, static, dtype=DTYPE, device=self.device)
-        self.output_path = output_path or ctx.output_path(self.name)
+        self.output_format = output_format
+        self.output_path = output_path or ctx.output_path(self.name, ".mdio" if output_format == MDIO else ".zarr")
         self.replace_any = replace_any
         # What an existing output must have been computed from to be resumed rather than recomputed: the
         # operator key holds only memory parameters, so every parameter and the halo are added here.
@@ -280,8 +295,10 @@ class ChunkedMap:
             gpu = self.ctx.cluster.gpu_budget()
             self.gpu_budget = gpu.budget_bytes
             logger.info("%s: %s", self.name, gpu.reason)
-        self.out, completed, action = open_output(self.output_path, self.identity, self.shape, self.source.coords(),
-                                                  operator=self.name, replace_any=self.replace_any)
+        self.out, completed, action = open_output(
+            self.output_path, self.identity, self.shape, self.source.coords(), operator=self.name,
+            replace_any=self.replace_any, output_format=self.output_format, dims=self.source.dims,
+            carry_from=self.source.path if isinstance(self.source, MdioSource) else None)
         from memchunk_prefect.learn.bank import (
             BankKnowledge,  # flow process only (River): see the note at the top of runner.py
         )

@@ -2,7 +2,8 @@
 
 The default output directory is ``./memchunk-outputs`` in the flow's working directory (for a Prefect
 deployment, the project's directory), unless ``MEMCHUNK_OUTPUT_DIR`` or the runner's ``output_dir=`` names
-another. Each flow run gets a folder there (its run id) holding one zarr store per chunked map and a small
+another. Each flow run gets a folder there (its run id) holding one store per chunked map (zarr, or MDIO where
+asked) and a small
 ``memchunk-run.json`` saying which flow run wrote it and when. Nothing is ever removed by the runner itself:
 :func:`list_runs` and :func:`remove_runs` (``memchunk outputs``) leave keep-or-clean to the user, and never
 remove a folder whose outputs may still be being written.
@@ -64,9 +65,14 @@ def _user() -> str:
         return str(os.getuid())
 
 
-def output_path_for(base: Path, run_id: str, n: int, operator: str, run: dict | None = None) -> str:
-    """``base/<run_id>/<n>-<operator>.zarr``, the directories made user-only; :class:`OutputPathError` where the
-    operator's name would lead outside ``base``.
+#: The suffixes of the stores chunked maps write: zarr stores and MDIO datasets.
+STORE_SUFFIXES = (".zarr", ".mdio")
+
+
+def output_path_for(base: Path, run_id: str, n: int, operator: str, run: dict | None = None,
+                    suffix: str = ".zarr") -> str:
+    """``base/<run_id>/<n>-<operator><suffix>`` (``.zarr`` or ``.mdio``), the directories made user-only;
+    :class:`OutputPathError` where the operator's name would lead outside ``base``.
 
     A task name is free text: it is kept to one safe path component, and the result is checked to stay inside.
     """
@@ -78,7 +84,7 @@ def output_path_for(base: Path, run_id: str, n: int, operator: str, run: dict | 
         from memchunk_prefect.io.files import atomic_write_text
 
         atomic_write_text(manifest, json.dumps({**run, "created": time.time()}, indent=1))
-    path = base / run_id / f"{n:02d}-{safe}.zarr"
+    path = base / run_id / f"{n:02d}-{safe}{suffix}"
     if not path.resolve().is_relative_to(base.resolve()):
         raise OutputPathError(f"{path}: the output for {operator!r} would leave the output directory {base}")
     return str(path)
@@ -89,7 +95,8 @@ class RunOutputs:
     """One flow run's folder in the output directory.
 
     ``size_bytes``: everything under it; ``modified``: its newest file's time (seconds since the epoch);
-    ``outputs``: its zarr stores; ``unfinished``: those not finalized (a run stopped early, or still running);
+    ``outputs``: its stores (zarr and MDIO); ``unfinished``: those not finalized (a run stopped early, or still
+    running);
     ``flow`` / ``flow_run``: the flow's and the run's names where its ``memchunk-run.json`` says them.
     """
 
@@ -118,7 +125,7 @@ def list_runs(base: str | os.PathLike) -> list[RunOutputs]:
     runs = []
     for d in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink()):
         files = [f for f in d.rglob("*") if f.is_file() and not f.is_symlink()]
-        stores = sorted(s for s in d.iterdir() if s.is_dir() and s.suffix == ".zarr")
+        stores = sorted(s for s in d.iterdir() if s.is_dir() and s.suffix in STORE_SUFFIXES)
         unfinished = tuple(s.name for s in stores if not _finished(s))
         meta = _manifest(d)
         runs.append(RunOutputs(path=d, size_bytes=sum(f.stat().st_size for f in files),

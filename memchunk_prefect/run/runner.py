@@ -381,7 +381,8 @@ class MemoryAwareRunner(DaskTaskRunner):
         cmap = ChunkedMap(self._map_context(), task, param,
                           source=upstream.output_path if upstream is not None else marker.source,
                           incoming=incoming, halo=marker.halo, output_path=marker.output,
-                          replace_any=marker.replace_any, static=static, wait_for=wait_for,
+                          output_format=marker.output_format, replace_any=marker.replace_any, static=static,
+                          wait_for=wait_for,
                           observers=[log, report.MapReporter(self._report_writer()), *self.observers,
                                      *_progress_observers(self.progress)],
                           upstream=upstream_map, source_identity=identity)
@@ -460,8 +461,9 @@ class MemoryAwareRunner(DaskTaskRunner):
                           stop=self.stop_requested, output_path=self.next_output_path,
                           submit=functools.partial(DaskTaskRunner.submit, self))
 
-    def next_output_path(self, operator: str) -> str:
-        """A fresh path for ``operator``'s output under the output directory: ``<flow run>/<n>-<operator>.zarr``."""
+    def next_output_path(self, operator: str, suffix: str = ".zarr") -> str:
+        """A fresh path for ``operator``'s output under the output directory: ``<flow run>/<n>-<operator>.zarr``
+        (``.mdio`` for an MDIO output)."""
         ctx = FlowRunContext.get()
         run_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
         run = ({"flow": ctx.flow.name if ctx.flow else "", "flow_run": ctx.flow_run.name, "flow_run_id": run_id}
@@ -469,7 +471,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         with self._lock:
             self._map_count += 1
             n = self._map_count
-        return output_path_for(default_output_dir(self.output_dir), run_id, n, operator, run)
+        return output_path_for(default_output_dir(self.output_dir), run_id, n, operator, run, suffix=suffix)
 
 
 def _progress_observers(on: bool) -> list[MapObserver]:
