@@ -22,6 +22,10 @@ _LAZY = {
     "operator": "memchunk_prefect.operators",
     "Chunk": "memchunk_prefect.core.chunks",
     "Observation": "memchunk_prefect.core.records",
+    # A recorded flow run simulated on another survey or cluster: will it finish by the deadline?
+    "from_flow_run": "memchunk_prefect.sim.plan",
+    "recommend_flow_run": "memchunk_prefect.sim.plan",
+    "FlowPlan": "memchunk_prefect.sim.plan",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
