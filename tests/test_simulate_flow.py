@@ -223,3 +223,25 @@ def test_a_deadline_is_seconds_a_duration_a_datetime_or_a_time_of_day():
     assert deadline_seconds("45min", now=now) == 2700 and deadline_seconds(None) is None
     with pytest.raises(SimulationInputError, match="give one in the future"):
         deadline_seconds(dt.datetime(2029, 1, 1), now=now)
+
+
+@pytest.mark.cluster
+@pytest.mark.server
+@pytest.mark.slow
+def test_the_how_to_runs_its_commands_and_its_python_as_written(recorded_store, monkeypatch, capsys):
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "simulate-a-flow.md").read_text()
+    marked = re.findall(r"<!-- tests/test_simulate_flow.py runs [^\n]*\n```(\w+)\n(.*?)```", text, flags=re.S)
+    assert [kind for kind, _ in marked] == ["bash", "python"]
+    monkeypatch.setenv("MEMCHUNK_STORE", str(recorded_store))
+    commands = [shlex.split(line) for line in marked[0][1].splitlines() if line.strip()]
+    assert len(commands) == 3 and all(c[0] == "memchunk" for c in commands)
+    for argv in commands:
+        assert cli.main(argv[1:]) == cli.EXIT_OK, (argv, capsys.readouterr())
+    capsys.readouterr()
+    scope: dict = {}
+    exec(compile(marked[1][1], "simulate-a-flow.md", "exec"), scope)
+    assert scope["plan"].completes and "meets the deadline: " in capsys.readouterr().out
