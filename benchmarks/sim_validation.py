@@ -20,8 +20,8 @@ them; static and split: from the first step's start to the last step's end), whe
 of simulated runs that failed, mean kills and median chunks per step.
 
 Also measured: the seconds a worker killed by its nanny is away before its new process runs a task like the
-runner's (:func:`measure_restart`, against the simulator's stated
-:data:`memchunk_prefect.sim.inputs.RESTART_SECONDS`; the predictions use the measured figure), and the
+runner's (:func:`measure_restart`, beside the simulator's default
+:data:`memchunk_prefect.sim.inputs.RESTART_SECONDS`; the predictions use the figure measured here), and the
 seconds a 1,000-worker simulation of a recorded flow run takes, in this process and end to end as
 ``memchunk simulate --flow-run`` (a new process: imports and the store included).
 
@@ -291,7 +291,7 @@ def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
         "completed_predicted_completed": sum(bool(r["outcome_predicted"]) for r in done),
         "kills_real": sum(int(r["real"].get("kills") or 0) for r in rows if r["predicted"] is not None),
         "kills_predicted": sum(r["predicted"]["kills_mean"] for r in rows if r["predicted"] is not None),
-        "restart_stated_seconds": RESTART_SECONDS,
+        "restart_default_seconds": RESTART_SECONDS,
         "restart_measured_seconds": restart["first_task_seconds"] if restart else None,
         "thousand_workers_seconds": scale["seconds"] if scale else None,
         "thousand_workers_end_to_end_seconds": scale["end_to_end_seconds"] if scale else None,
@@ -345,7 +345,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             f"{s['completed_predicted_completed']} of {s['completed_in_reality']} "
             f"({t['completed_predicted_completed']}, target: each in >= 90%); kills: {s['kills_real']} happened, "
             f"{s['kills_predicted']:.2f} predicted (sum of means)",
-            f"restart of a killed worker: stated {s['restart_stated_seconds']:g} s, measured "
+            f"restart of a killed worker: the simulator's default {s['restart_default_seconds']:g} s, measured here "
             f"{_s(s['restart_measured_seconds']).strip()} to a task like the runner's (used in the predictions)",
             f"1,000 workers: {_s(s['thousand_workers_seconds']).strip()} in process, "
             f"{_s(s['thousand_workers_end_to_end_seconds']).strip()} end to end ({t['thousand_workers']}, "
