@@ -5,12 +5,13 @@
 run's maps, with their operators, parameters, halos and chaining as recorded
 (:func:`memchunk_prefect.sim.recorded.recorded_flow`), simulated ``runs`` times on the survey and cluster
 given (each figure not given is the recorded run's), with the learned models of the store, the runner's own
-state machine and its measured per-map work. :func:`recommend_flow_run` gives the cluster to ask for.
+state machine and its measured per-map work. :func:`recommend_flow_run` gives the cluster to ask for::
 
->>> from memchunk_prefect.sim import from_flow_run            # doctest: +SKIP
->>> plan = from_flow_run(flow_run="latest", shape=(2000, 2000, 1500), workers=40, memory_limit="16GiB",
-...                      deadline=datetime.time(6, 0))         # doctest: +SKIP
->>> plan.meets_deadline, plan.makespan_seconds, plan.kills, plan.chunks_per_step   # doctest: +SKIP
+    from memchunk_prefect.sim import from_flow_run
+
+    plan = from_flow_run(flow_run="latest", shape=(2000, 2000, 1500), workers=40, memory_limit="16GiB",
+                         deadline=datetime.time(6, 0))
+    plan.meets_deadline, plan.makespan_seconds, plan.kills, plan.chunks_per_step
 
 A deadline is seconds, a duration (``"6h"``, ``"HH:MM"``), a ``datetime`` (seconds from now to it) or a
 ``datetime.time`` (the next such time of day). Units: bytes, seconds.
