@@ -3,8 +3,8 @@
     python -m benchmarks report RUN.json... [--out BENCHMARKS.md]
 
 Each JSON is one run of a suite benchmark, as its ``--json`` writes it: ``python -m benchmarks`` (side by side),
-``python -m benchmarks.heterogeneous``, ``python -m benchmarks.family`` or
-``python -m benchmarks.studies.segy_scan``. The page opens with every target of every run and its verdict; then
+``python -m benchmarks.heterogeneous``, ``python -m benchmarks.family``, ``python -m benchmarks.sim_validation``
+or ``python -m benchmarks.studies.segy_scan``. The page opens with every target of every run and its verdict; then
 one section per run: the command that reruns it, the machine, the date and the commit it measured, and its
 tables. How each figure is measured is in each benchmark's module docstring (linked), not repeated here.
 
@@ -159,6 +159,42 @@ def family(doc: dict[str, Any]) -> Section:
                    [what, "", *family_table(doc["results"], s).splitlines()])
 
 
+def sim_validation(doc: dict[str, Any]) -> Section:
+    from benchmarks.sim_validation import table as validation_table
+
+    s, t = doc["summary"], doc["summary"]["targets"]
+
+    def verdict(key: str) -> bool | None:
+        return {"met": True, "missed": False}.get(t[key])
+
+    def pct(x: Any) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    targets = {
+        "simulated makespan: median absolute error <= 10%": {"met": verdict("median_abs_error"),
+                                                             "figure": pct(s["median_abs_error"])},
+        "simulated makespan: worst absolute error <= 25%": {"met": verdict("worst_abs_error"),
+                                                            "figure": pct(s["worst_abs_error"])},
+        "a run that failed predicted to fail (>= 90% of simulated runs)": {
+            "met": verdict("failed_predicted_failed"),
+            "figure": f"{s['failed_predicted_failed']} of {s['failed_in_reality']}"},
+        "a run that completed predicted to complete (>= 90%)": {
+            "met": verdict("completed_predicted_completed"),
+            "figure": f"{s['completed_predicted_completed']} of {s['completed_in_reality']}"},
+        "1,000-worker simulation of a recorded flow run < 30 s": {
+            "met": verdict("thousand_workers"),
+            "figure": f"{s['thousand_workers_seconds'] or 0:.1f} s in process, "
+                      f"{s['thousand_workers_end_to_end_seconds'] or 0:.1f} s end to end"},
+    }
+    what = (f"{len(doc['workloads'])} workload(s) of the family (seed {doc.get('seed', 0)}), each strategy run for "
+            "real beside the simulator's prediction of the same flow run, cluster and store; measured as "
+            "[benchmarks/sim_validation.py](benchmarks/sim_validation.py) says.")
+    cmd = ("python -m benchmarks.sim_validation --quick --json sim-validation.json" if doc.get("quick")
+           else "python -m benchmarks.sim_validation --json sim-validation.json")
+    return Section("The simulator against real runs", "simulator", cmd, targets,
+                   [what, "", *validation_table(doc["rows"], s).splitlines()])
+
+
 def segy_scan(doc: dict[str, Any]) -> Section:
     traces = doc["traces"]
     rows = [[r["mode"], f"{r['seconds']:.2f}", f"{r['seconds'] / traces * 1e6:.2f}"] for r in doc["rows"]]
@@ -174,6 +210,8 @@ def kind_of(doc: dict[str, Any]) -> Callable[[dict[str, Any]], Section]:
     """The section writer for one run JSON; ValueError naming what was expected when it is none of them."""
     if doc.get("benchmark") == "family":
         return family
+    if doc.get("benchmark") == "sim_validation":
+        return sim_validation
     if "surveys" in doc and "targets" in doc:
         return heterogeneous
     if "strategies" in doc and "targets" in doc:
@@ -181,7 +219,8 @@ def kind_of(doc: dict[str, Any]) -> Callable[[dict[str, Any]], Section]:
     if "traces" in doc and "rows" in doc:
         return segy_scan
     raise ValueError("not the JSON of a suite benchmark: expected the --json of python -m benchmarks, "
-                     "benchmarks.heterogeneous, benchmarks.family or benchmarks.studies.segy_scan; "
+                     "benchmarks.heterogeneous, benchmarks.family, benchmarks.sim_validation or "
+                     "benchmarks.studies.segy_scan; "
                      f"its top-level keys are {sorted(doc)[:12]}")
 
 

@@ -23,6 +23,10 @@ _LAZY = {
     "Chunk": "memchunk_prefect.core.chunks",
     "Observation": "memchunk_prefect.core.records",
     "quiet": "memchunk_prefect.run.logs",
+    # A recorded flow run simulated on another survey or cluster: will it finish by the deadline?
+    "from_flow_run": "memchunk_prefect.sim.plan",
+    "recommend_flow_run": "memchunk_prefect.sim.plan",
+    "FlowPlan": "memchunk_prefect.sim.plan",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

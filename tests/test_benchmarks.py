@@ -881,6 +881,31 @@ def test_quick_family_runs_every_strategy_in_its_own_process_and_scores_the_runn
     assert "## A family of workloads the runner never saw" in page.stdout and "| family | memchunk warm: 0 kills |" in page.stdout
 
 
+def test_quick_sim_validation_sets_every_real_run_beside_the_simulators_prediction_of_it(tmp_path, api_url):
+    out = tmp_path / "validation.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sim_validation", "--quick", "--json", str(out), "--work",
+                           str(tmp_path / "work")], cwd=REPO, env=benchmark_env(tmp_path, api_url),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [r["kind"] for r in doc["rows"]] == ["memchunk cold", "static-2", "split", "memchunk warm"]
+    for r in doc["rows"]:
+        assert {"makespan_seconds", "completed", "wall_seconds"} <= set(r["real"]), r
+        assert {"makespan_p50", "failed_fraction", "kills_mean", "chunks"} <= set(r["predicted"]), r
+        assert isinstance(r["outcome_predicted"], bool)
+    # The memchunk runs are read back from the store by their flow run; every strategy reports chunks per step.
+    assert all(len(r["real"]["chunks"]) == 2 for r in doc["rows"] if r["real"]["completed"])
+    assert set(doc["summary"]["targets"]) == {"median_abs_error", "worst_abs_error", "failed_predicted_failed",
+                                              "completed_predicted_completed", "thousand_workers"}
+    assert doc["restart"]["first_task_seconds"] > doc["restart"]["rejoin_seconds"] > 0
+    assert doc["thousand_workers"]["workers"] == 1000 and doc["thousand_workers"]["end_to_end_seconds"] > 0
+    assert "| workload | run |" in proc.stdout and "restart of a killed worker: the simulator's default" in proc.stdout
+    page = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert page.returncode == 0, page.stderr
+    assert "## The simulator against real runs" in page.stdout
+
+
 def test_segy_scan_study_times_the_scan_the_first_kept_read_and_a_later_one_in_fresh_processes(tmp_path):
     out = tmp_path / "scan.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.segy_scan", "--ilines", "60", "--xlines", "40",

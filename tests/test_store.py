@@ -274,7 +274,7 @@ def test_the_v9_column_keeps_a_runs_kernel_time_and_old_rows_do_not_know_it(tmp_
 def test_the_v10_column_keeps_what_a_run_left_held_and_old_rows_do_not_know_it(tmp_path):
     path = v2_store(tmp_path)
     with Store(path) as s:
-        assert s.schema_version() == SCHEMA_VERSION == 10
+        assert s.schema_version() == SCHEMA_VERSION
         (old,) = s.observations()
         s.add(make_obs(retained_bytes=150 * 2**20))
         s.add(make_obs(retained_bytes=0))
@@ -302,6 +302,40 @@ def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_
         (new,) = s.run_observations("fr1")
     assert (new.energy_joules, new.energy_source, new.started_at, new.task_run_id, new.host, new.map_id) == (
         3.5, "estimate", 9.0, "t1", "h", "m1")
+
+
+def v10_store_with_a_map(tmp_path, run):
+    """A schema-v10 store (migrated forward from v2 as an older version did) holding ``run`` in its v5 map columns."""
+    from memchunk_prefect.learn.store import MIGRATIONS
+
+    path = v2_store(tmp_path)
+    con = sqlite3.connect(path, isolation_level=None)
+    for version in range(2, 10):
+        MIGRATIONS[version](con)
+    con.execute("PRAGMA user_version = 10")
+    columns = [c for c in run.to_dict() if c in {r[1] for r in con.execute("PRAGMA table_info(maps)")}]
+    row = {**run.to_dict(), "shape": ",".join(map(str, run.shape)), "halo": ",".join(map(str, run.halo))}
+    con.execute(f"INSERT INTO maps ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                [row[c] for c in columns])
+    con.close()
+    return path
+
+
+def test_the_v11_map_columns_keep_what_a_simulation_needs_and_old_maps_do_not_know_it(tmp_path):
+    from memchunk_prefect.core.records import MapRun
+
+    old = MapRun("fr0", "envelope", "envelope|float32|cpu", "/s.sgy", "/o.zarr", (4, 5, 6), (0, 1, 2), 4, 2,
+                 1000, 10.0, 12.5, map_id="m0")
+    path = v10_store_with_a_map(tmp_path, old)
+    new = MapRun("fr1", "box", "box[r=2]|float32|cpu", "", "/b.zarr", (4, 5, 6), (2, 2, 2), 4, 4, 1000, 13.0, 14.0,
+                 map_id="m1", params='{"r": 2}', whole_traces=False, workers=2, threads_per_worker=2,
+                 memory_limit_bytes=2**30, kill_fraction=0.95, resting_bytes=250 * 2**20)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        s.add_map(new)
+        got_old, got_new = s.maps()
+    assert got_old == old and (got_old.params, got_old.whole_traces, got_old.workers) == (None, None, None)
+    assert got_new == new and got_new.whole_traces is False
 
 
 def test_policy_rewards_round_trip_and_are_forgotten_with_their_key(tmp_path):

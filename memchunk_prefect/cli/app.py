@@ -12,10 +12,12 @@
     memchunk demo [--dir DIR] [--shape IL XL T] [--workers N] [--memory-limit 1.5GiB]
     memchunk ui [--port 4200]
     memchunk doctor [--address tcp://HOST:8786] [--json]
-    memchunk simulate --shape IL XL T --workers N --memory-limit 8GiB [--steps OP ...] [--runs 20] [--deadline S]
-                      [--trace FILE]
+    memchunk simulate --shape IL XL T --workers N --memory-limit 8GiB [--steps OP|KEY ...] [--runs 20]
+                      [--deadline S] [--trace FILE]
+    memchunk simulate --flow-run ID|latest [--shape IL XL T] [--workers N] [--memory-limit 8GiB] [--cold]
     memchunk recommend --shape IL XL T --deadline 6h [--memory 4GiB 8GiB ...] [--max-workers 256]
                        [--objective time|energy]
+    memchunk recommend --flow-run ID|latest --deadline 6h [--shape IL XL T] [--memory 4GiB 8GiB ...]
 
 Watch runs in the Prefect UI: ``memchunk ui`` (or ``prefect server start``), then
 open http://127.0.0.1:4200; flows started with ``PREFECT_API_URL`` pointing at it

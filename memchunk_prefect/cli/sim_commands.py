@@ -22,12 +22,20 @@ from memchunk_prefect.core.units import parse_bytes
 
 def _flow_arguments(p: argparse.ArgumentParser) -> None:
     """What `simulate` and `recommend` both take: the flow's steps, the survey, the workers' threads and rest."""
+    p.add_argument("--flow-run", metavar="ID",
+                   help="simulate a recorded flow run's maps (same operators, parameters, halos and chaining): its "
+                        "id, the start of it, or `latest`; survey and cluster default to the recorded ones")
     p.add_argument("--steps", nargs="+", metavar="OPERATOR",
-                   help="operators in the flow's order, default parameters (default: the demo pipeline)")
-    p.add_argument("--steps-json", help='steps with parameters, as the flows take them: \'[{"name": "gst3d_dip"}]\'')
-    p.add_argument("--shape", required=True, nargs=3, type=int, metavar=("IL", "XL", "T"), help="survey shape")
-    p.add_argument("--threads", type=int, default=1, help="threads per worker (default 1)")
-    p.add_argument("--resting", default="256MiB", help="a worker's memory before any task (default 256MiB)")
+                   help="operators in the flow's order: built-in names (default parameters) or any operator key the "
+                        "store holds, as `memchunk models` lists them (default: the demo pipeline)")
+    p.add_argument("--steps-json", help='steps with parameters, as the flows take them: \'[{"name": "gst3d_dip"}]\', '
+                                        'or by key: \'[{"key": "my_box[r=2]|float32|cpu", "halo": [2, 2, 2]}]\'')
+    p.add_argument("--shape", nargs=3, type=int, metavar=("IL", "XL", "T"),
+                   help="survey shape (needed without --flow-run; with it, default the recorded survey's)")
+    p.add_argument("--threads", type=int, help="threads per worker (default: the recorded run's with --flow-run, "
+                                               "else 1)")
+    p.add_argument("--resting", help="a worker's memory before any task (default: the recorded run's with "
+                                     "--flow-run, else 256MiB)")
     p.add_argument("--prior-multiple", type=float,
                    help="simulate an operator with no history from a stated prior: peak = this x its input "
                         "(flagged in the output); without it such an operator is an error")
@@ -47,8 +55,11 @@ def _flow_arguments(p: argparse.ArgumentParser) -> None:
 
 def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     _flow_arguments(p)
-    p.add_argument("--workers", required=True, type=int, help="worker processes")
-    p.add_argument("--memory-limit", required=True, help="memory limit per worker, e.g. 8GiB")
+    p.add_argument("--workers", type=int, help="worker processes (needed without --flow-run)")
+    p.add_argument("--memory-limit", help="memory limit per worker, e.g. 8GiB (needed without --flow-run)")
+    p.add_argument("--cold", action="store_true",
+                   help="plan as a first run on an empty store would (probing, learning from its own chunks), "
+                        "chunks still drawn from the store's models: what a run on a new site's store costs")
     p.add_argument("--strategies", nargs="+", default=["memchunk", "split", "dask-auto", "static-1", "static-2",
                                                        "static-4", "static-8"],
                    help="memchunk, split, dask-auto, static-N (default: all of these, N = 1 2 4 8)")
@@ -104,7 +115,57 @@ def _sim_models(args: argparse.Namespace) -> Any:
 
     prior = (PriorKnowledge(args.prior_multiple, args.prior_seconds_per_element)
              if args.prior_multiple is not None else None)
-    return store_models(args.store, prior=prior)
+    return store_models(args.store, prior=prior, cold=bool(getattr(args, "cold", False)))
+
+
+def _flow_inputs(args: argparse.Namespace, models: Any) -> tuple[list[Any], tuple[int, int, int], Any]:
+    """The steps, the survey shape and the recorded flow run (None without --flow-run) to simulate; every
+    step's key checked for enough history first (:class:`TooLittleHistoryError` names the one that lacks it)."""
+    from memchunk_prefect.sim.recorded import recorded_flow, step_for
+
+    store = models.bank.store
+    if args.flow_run is not None:
+        if args.steps or args.steps_json:
+            raise SimulationInputError("give either --flow-run (its maps are the steps) or --steps / --steps-json, "
+                                       "not both")
+        recorded = recorded_flow(store, args.flow_run)
+        steps, shape = recorded.steps, tuple(args.shape) if args.shape else recorded.shape
+    else:
+        if args.shape is None:
+            raise SimulationInputError("give the survey's shape (--shape IL XL T), or --flow-run ID|latest to "
+                                       "simulate a recorded flow run on its own survey")
+        recorded, steps, shape = None, [step_for(s, store) for s in _steps_of(args)], tuple(args.shape)
+    models.check_history([s.key for s in steps])
+    return steps, shape, recorded
+
+
+def _sim_cluster(args: argparse.Namespace, recorded: Any, work: Any) -> Any:
+    """The cluster ``simulate`` runs on: the recorded flow run's with each figure given replaced, else the
+    figures given (--workers and --memory-limit needed)."""
+    from memchunk_prefect.sim.inputs import ClusterShape
+
+    memory = parse_bytes(args.memory_limit) if args.memory_limit is not None else None
+    resting = parse_bytes(args.resting) if args.resting is not None else None
+    kw = {**_map_work_kwargs(work), **_allocation_kwargs(args)}
+    if recorded is not None:
+        return recorded.cluster_shape(workers=args.workers, memory_limit_bytes=memory,
+                                      threads_per_worker=args.threads, resting_bytes=resting, **kw)
+    if args.workers is None or memory is None:
+        raise SimulationInputError("give the cluster: --workers N and --memory-limit SIZE (or --flow-run ID|latest "
+                                   "for the cluster a recorded flow run had)")
+    return ClusterShape(workers=args.workers, memory_limit_bytes=memory, threads_per_worker=args.threads or 1,
+                        resting_bytes=resting if resting is not None else parse_bytes("256MiB"), **kw)
+
+
+def _recorded_note(recorded: Any, shape: Any) -> list[str]:
+    """What a simulated flow run was, as recorded, and what had to be assumed."""
+    if recorded is None:
+        return []
+    c = recorded.cluster
+    ran = f"; it ran on {c.describe()}" if c is not None else ""
+    return [f"flow run {recorded.flow_run_id}: {recorded.describe_steps()}; recorded on "
+            f"{' x '.join(map(str, recorded.shape))} in {recorded.makespan_seconds:.1f} s (first map's start to last "
+            f"one's end){ran}; simulated on {' x '.join(map(str, shape))}", *recorded.notes]
 
 
 def _prior_note(models: Any, args: argparse.Namespace) -> str | None:
@@ -140,48 +201,35 @@ def _opt(x: float | None, fmt: str) -> str:
 @arguments(_simulate_arguments)
 def _simulate(args: argparse.Namespace) -> int:
     from memchunk_prefect.core.units import parse_seconds
-    from memchunk_prefect.sim.inputs import ClusterShape, Step
     from memchunk_prefect.sim.simulate import simulate
 
-    steps = [Step.of(s) for s in _steps_of(args)]
     models = _sim_models(args)
+    steps, shape, recorded = _flow_inputs(args, models)
     work = models.map_work()
-    cluster = ClusterShape(workers=args.workers, memory_limit_bytes=parse_bytes(args.memory_limit),
-                           threads_per_worker=args.threads, resting_bytes=parse_bytes(args.resting),
-                           **_map_work_kwargs(work), **_allocation_kwargs(args))
+    cluster = _sim_cluster(args, recorded, work)
     deadline = parse_seconds(args.deadline) if args.deadline is not None else None
     window = parse_seconds(args.window) if args.window is not None else deadline
     if args.utilisation is not None and window is None:
         raise SimulationInputError(f"--utilisation {args.utilisation:g} needs a window: give --window (or "
                                    "--deadline), e.g. --window 6h")
-    summaries = simulate(args.strategies, steps, tuple(args.shape), cluster, models.knowledge, runs=args.runs,
+    summaries = simulate(args.strategies, steps, shape, cluster, models.knowledge, runs=args.runs,
                          seed=args.seed, deadline=deadline, truth_for=models.truth,
                          window=window if args.utilisation is not None else None,
                          target_utilisation=args.utilisation)
     note = _prior_note(models, args)
-    traced = _simulated_trace(args, steps, cluster, models) if args.trace else None
+    traced = _simulated_trace(args, steps, shape, cluster, models) if args.trace else None
+    recorded_notes = _recorded_note(recorded, shape)
     if args.json:
-        emit(json.dumps({"shape": list(args.shape), "cluster": dataclasses.asdict(cluster),
+        emit(json.dumps({"shape": list(shape), "cluster": dataclasses.asdict(cluster),
                           "steps": [dataclasses.asdict(s) for s in steps], "runs": args.runs,
+                          "flow_run": recorded.flow_run_id if recorded is not None else None,
+                          "params": recorded.params if recorded is not None else None, "notes": recorded_notes,
                           "deadline": deadline, "from_prior": sorted(models.from_prior), "prior_note": note,
                           "trace": traced, "strategies": [s.to_dict() for s in summaries]}, indent=1))
         return EXIT_OK
-    header = ["strategy", "completed", "makespan p50 s", "p90 s", "P(deadline)", "OOM/run", "lost worker-s",
-              "utilisation", "core-hours", "energy p50", "peak/worker"]
-    rows = [[s.strategy, f"{s.completed}/{s.runs}", _opt(s.makespan_p50, ".1f"), _opt(s.makespan_p90, ".1f"),
-             _opt(s.p_deadline, ".2f"), f"{s.out_of_memory_mean:.2f}", f"{s.lost_worker_seconds_mean:.1f}",
-             _opt(s.slot_utilisation_p50, ".2f"), _opt(s.core_hours_p50, ".3f"), _joules(s.energy_joules_p50),
-             format_bytes(s.peak_bytes_max)] for s in summaries]
-    emit(f"{' -> '.join(s.operator for s in steps)} on {' x '.join(map(str, args.shape))}: {args.workers} workers x "
-          f"{args.threads} thread(s), {format_bytes(cluster.memory_limit_bytes)} each (kill line less resting: "
-          f"{format_bytes(cluster.headroom_bytes)}); {args.runs} simulated runs per strategy")
-    emit(table(header, rows))
-    for s in summaries:
-        if s.failure and s.completed < s.runs:
-            emit(f"{s.strategy} failed {s.runs - s.completed} of {s.runs} runs: {s.failure}")
-    basis = next((s.energy_basis for s in summaries if s.energy_basis), "")
-    if basis:
-        emit(_energy_note(basis))
+    for line in recorded_notes:
+        emit(line)
+    _emit_summaries(args, steps, shape, cluster, summaries)
     emit(_map_work_note(work))
     allocation = _allocation_note(cluster, summaries)
     if allocation:
@@ -196,16 +244,37 @@ def _simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _simulated_trace(args: argparse.Namespace, steps: list[Any], cluster: Any, models: Any) -> str:
+def _emit_summaries(args: argparse.Namespace, steps: list[Any], shape: Any, cluster: Any, summaries: list[Any]) -> None:
+    """The table of strategies, its failures and what its energy rests on."""
+    header = ["strategy", "completed", "makespan p50 s", "p90 s", "P(deadline)", "OOM/run", "lost worker-s",
+              "utilisation", "core-hours", "energy p50", "peak/worker", "chunks per map"]
+    rows = [[s.strategy, f"{s.completed}/{s.runs}", _opt(s.makespan_p50, ".1f"), _opt(s.makespan_p90, ".1f"),
+             _opt(s.p_deadline, ".2f"), f"{s.out_of_memory_mean:.2f}", f"{s.lost_worker_seconds_mean:.1f}",
+             _opt(s.slot_utilisation_p50, ".2f"), _opt(s.core_hours_p50, ".3f"), _joules(s.energy_joules_p50),
+             format_bytes(s.peak_bytes_max), " ".join(f"{c:g}" for c in s.chunks_per_map) or "-"] for s in summaries]
+    emit(f"{' -> '.join(s.operator for s in steps)} on {' x '.join(map(str, shape))}: {cluster.workers} workers x "
+         f"{cluster.threads_per_worker} thread(s), {format_bytes(cluster.memory_limit_bytes)} each (kill line less "
+         f"resting: {format_bytes(cluster.headroom_bytes)}); {args.runs} simulated runs per strategy"
+         + ("; planned as on an empty store (--cold)" if getattr(args, "cold", False) else ""))
+    emit(table(header, rows))
+    for s in summaries:
+        if s.failure and s.completed < s.runs:
+            emit(f"{s.strategy} failed {s.runs - s.completed} of {s.runs} runs: {s.failure}")
+    basis = next((s.energy_basis for s in summaries if s.energy_basis), "")
+    if basis:
+        emit(_energy_note(basis))
+
+
+def _simulated_trace(args: argparse.Namespace, steps: list[Any], shape: Any, cluster: Any, models: Any) -> str:
     """Write the memchunk strategy's run of seed ``args.seed`` (the summaries' first) as a validated trace."""
     import numpy as np
 
     from memchunk_prefect.sim.runs import run_strategy
     from memchunk_prefect.sim.trace import simulated_instance, write_instance
 
-    result = run_strategy("memchunk", steps, tuple(args.shape), cluster, models.knowledge,
+    result = run_strategy("memchunk", steps, shape, cluster, models.knowledge,
                           np.random.default_rng(args.seed), truth_for=models.truth)
-    return str(write_instance(simulated_instance(result, steps, args.shape, cluster), args.trace))
+    return str(write_instance(simulated_instance(result, steps, shape, cluster), args.trace))
 
 
 def _compare_arguments(p: argparse.ArgumentParser) -> None:
@@ -310,28 +379,39 @@ def _recommend_arguments(p: argparse.ArgumentParser) -> None:
 @arguments(_recommend_arguments)
 def _recommend(args: argparse.Namespace) -> int:
     from memchunk_prefect.core.units import parse_seconds
-    from memchunk_prefect.sim.inputs import Step
     from memchunk_prefect.sim.recommend import recommend
 
-    steps = [Step.of(s) for s in _steps_of(args)]
     deadline = parse_seconds(args.deadline)
     models = _sim_models(args)
+    steps, shape, recorded = _flow_inputs(args, models)
     work = models.map_work()
-    rec = recommend(steps, tuple(args.shape), models.knowledge, deadline_seconds=deadline,
+    c = recorded.cluster if recorded is not None else None
+    threads = args.threads or (c.threads_per_worker if c is not None else 1)
+    resting = (parse_bytes(args.resting) if args.resting is not None else
+               c.resting_bytes if c is not None and c.resting_bytes is not None else parse_bytes("256MiB"))
+    extra = {"kill_fraction": c.kill_fraction} if c is not None and c.kill_fraction is not None else {}
+    rec = recommend(steps, shape, models.knowledge, deadline_seconds=deadline,
                     memory_options=[parse_bytes(m) for m in args.memory], max_workers=args.max_workers,
-                    threads_per_worker=args.threads, confidence=args.confidence, runs=args.runs,
-                    truth_for=models.truth, resting_bytes=parse_bytes(args.resting), objective=args.objective,
-                    **_map_work_kwargs(work), **_allocation_kwargs(args))
+                    threads_per_worker=threads, confidence=args.confidence, runs=args.runs,
+                    truth_for=models.truth, resting_bytes=resting, objective=args.objective,
+                    **_map_work_kwargs(work), **_allocation_kwargs(args), **extra)
     note = _prior_note(models, args)
     if args.json:
         emit(json.dumps({"best": rec.best.to_dict() if rec.best else None, "jobqueue": rec.jobqueue_kwargs(),
-                          "deadline_seconds": deadline, "confidence": args.confidence,
+                          "deadline_seconds": deadline, "confidence": args.confidence, "shape": list(shape),
+                          "flow_run": recorded.flow_run_id if recorded is not None else None,
+                          "notes": _recorded_note(recorded, shape),
                           "from_prior": sorted(models.from_prior), "prior_note": note,
                           "tried": [c.to_dict() for c in rec.tried]}, indent=1))
         return EXIT_OK if rec.best else EXIT_FAILURE
-    if note:
-        emit(note)
-    survey = " x ".join(map(str, args.shape))
+    for line in [*_recorded_note(recorded, shape), *([note] if note else [])]:
+        emit(line)
+    return _emit_recommendation(args, rec, steps, shape, deadline)
+
+
+def _emit_recommendation(args: argparse.Namespace, rec: Any, steps: list[Any], shape: Any, deadline: float) -> int:
+    """The recommended cluster in words, its dask-jobqueue arguments, and what was tried."""
+    survey = " x ".join(map(str, shape))
     if rec.best is None:
         emit(f"no cluster of up to {args.max_workers} workers with {', '.join(args.memory)} each finishes "
               f"{' -> '.join(s.operator for s in steps)} on {survey} within {deadline:.0f} s with probability "
@@ -355,8 +435,8 @@ def _recommend(args: argparse.Namespace) -> int:
     if args.queue_wait is not None or args.walltime is not None:
         from memchunk_prefect.sim.inputs import ClusterShape
 
-        shape = ClusterShape(workers=b.workers, memory_limit_bytes=b.memory_limit_bytes, **_allocation_kwargs(args))
-        emit("  " + str(_allocation_note(shape, [s])))
+        jobs = ClusterShape(workers=b.workers, memory_limit_bytes=b.memory_limit_bytes, **_allocation_kwargs(args))
+        emit("  " + str(_allocation_note(jobs, [s])))
     if args.plot:
         from memchunk_prefect.sim.recommend import plot_recommendation
 

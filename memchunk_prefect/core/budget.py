@@ -118,7 +118,9 @@ class Budget:
     line less its resting memory, per thread (what a task killed there had, so
     what it needed more than); ``touched_bytes``: each worker's high-water mark less its resting memory, per
     thread, where it was read (what a task may use there without the kernel faulting in new memory:
-    :attr:`WorkerMemory.touched_bytes`); ``reason``: the derivation in words.
+    :attr:`WorkerMemory.touched_bytes`); ``reason``: the derivation in words. The cluster's shape as the
+    budget read it, for a simulation of the run on another cluster: ``memory_limit_bytes``,
+    ``threads_per_worker`` and ``kill_fraction`` of the worker that sets the budget (None where unknown).
     """
 
     slots: int
@@ -127,6 +129,9 @@ class Budget:
     reason: str
     headroom_bytes: dict[str, int] = field(default_factory=dict)
     touched_bytes: dict[str, int] = field(default_factory=dict)
+    memory_limit_bytes: int | None = None
+    threads_per_worker: int | None = None
+    kill_fraction: float | None = None
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,7 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
     touched = {x.address: t for x in workers if (t := x.touched_bytes) is not None}
     if memory_budget is not None and not all(w.memory_limit_bytes for w in workers):
         return Budget(slots=slots(workers), budget_bytes=int(memory_budget), resting_bytes=resting,
-                      headroom_bytes=headrooms, touched_bytes=touched,
+                      headroom_bytes=headrooms, touched_bytes=touched, threads_per_worker=max(1, workers[0].nthreads),
                       reason=f"budget {format_bytes(memory_budget)} per task (memory_budget; workers without a "
                              "memory_limit have no line to derive one from)")
     per_worker = []
@@ -246,7 +251,8 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
         b = int(memory_budget)
         reason = f"budget {format_bytes(b)} per task (memory_budget; the cluster's line allows more)"
     return Budget(slots=slots(workers), budget_bytes=int(b), resting_bytes=resting, reason=reason,
-                  headroom_bytes=headrooms, touched_bytes=touched)
+                  headroom_bytes=headrooms, touched_bytes=touched, memory_limit_bytes=int(w.memory_limit_bytes),
+                  threads_per_worker=threads, kill_fraction=w.kill_fraction)
 
 
 def planned_slots(nthreads: dict[str, int], requested: int | None) -> int:

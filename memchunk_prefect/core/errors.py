@@ -210,6 +210,26 @@ class SimulationInputError(MemchunkError, ValueError):
     """A simulation was asked of something that cannot be simulated (the message says what and what to do)."""
 
 
+class UnknownStepError(UnknownOperatorError, SimulationInputError):
+    """A step of a simulation names neither a registered operator nor an operator key the store has seen; the
+    message lists the keys the store holds. Both a ``KeyError`` and a :class:`SimulationInputError`."""
+
+
+class TooLittleHistoryError(SimulationInputError):
+    """An operator key the store holds too little of to simulate: ``key``, the flow ``runs`` and
+    ``observations`` behind it (finished, usable ones), and the model's ``reason`` it is not ready."""
+
+    def __init__(self, message: str, *, key: str, runs: int, observations: int, reason: str = ""):
+        self.key, self.runs, self.observations, self.reason = key, int(runs), int(observations), reason
+        super().__init__(message)
+
+
+class FlowRunRecordError(SimulationInputError):
+    """A flow run that cannot be simulated from what the store recorded of it: an id the store does not hold,
+    a run with no chunked map, or one recorded before the store kept what a simulation needs (the message
+    names what is missing and the flags that supply it)."""
+
+
 class EnergyInputError(MemchunkError, ValueError):
     """A power figure or an energy objective that cannot be used (not a positive number, an unknown objective)."""
 

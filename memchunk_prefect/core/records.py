@@ -265,6 +265,13 @@ class MapRun:
     - ``source``: the path read (a SEG-Y file, a zarr store) or "" for an array in memory;
     - ``source_bytes``: the size of that file on disk (a directory's files summed), or None;
     - ``outcome``: "ok" (every chunk written), "failed" or "interrupted".
+
+    What a simulation of the run on another survey or cluster needs besides (None for maps recorded before
+    store schema v11): ``params``, the map's other arguments as JSON (arrays by shape and dtype);
+    ``whole_traces``, whether the operator keeps traces whole (the planner never cuts ``twt``); and the
+    cluster the budget was read from: ``workers`` (the slots planned for, over the threads), ``threads_per_worker``,
+    ``memory_limit_bytes`` and ``kill_fraction`` of the worker that set the budget, and ``resting_bytes``, the
+    workers' median resting memory then.
     """
 
     flow_run_id: str
@@ -283,10 +290,19 @@ class MapRun:
     source_bytes: int | None = None
     #: This map's id, unique per chunked map: its observations carry it (``Observation.map_id``).
     map_id: str = ""
+    params: str | None = None
+    whole_traces: bool | None = None
+    workers: int | None = None
+    threads_per_worker: int | None = None
+    memory_limit_bytes: int | None = None
+    kill_fraction: float | None = None
+    resting_bytes: int | None = None
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(v) for v in self.shape)  # type: ignore[assignment]
         self.halo = tuple(int(v) for v in self.halo)  # type: ignore[assignment]
+        if self.whole_traces is not None:
+            self.whole_traces = bool(self.whole_traces)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

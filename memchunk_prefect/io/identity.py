@@ -40,7 +40,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import zarr
@@ -186,20 +186,44 @@ def open_output(path: str, want: OutputIdentity, shape: Shape, coords: Mapping[s
 # --------------------------------------------------------------------------- digests
 
 
+def _plain(v: Any, array: Callable[[np.ndarray], Any], scalars: bool = False) -> Any:
+    """``v`` as JSON-able values: containers element by element, arrays as ``array`` says, numpy scalars as
+    numbers where ``scalars`` (else by repr, as digests of existing outputs were taken), others by repr."""
+    if isinstance(v, np.ndarray):
+        return array(v)
+    if isinstance(v, (list, tuple)):
+        return [_plain(x, array, scalars) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x, array, scalars) for k, x in v.items()}
+    if scalars and isinstance(v, np.generic):
+        return v.item()
+    return v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+
+
 def params_digest(params: Mapping[str, Any]) -> str:
     """SHA-256 of a map's other arguments (JSON where possible, else their repr; arrays by content)."""
 
-    def plain(v: Any) -> Any:
-        if isinstance(v, np.ndarray):
-            return {"ndarray": hashlib.sha256(np.ascontiguousarray(v).tobytes()).hexdigest(), "dtype": str(v.dtype),
-                    "shape": list(v.shape)}
-        if isinstance(v, (list, tuple)):
-            return [plain(x) for x in v]
-        if isinstance(v, dict):
-            return {str(k): plain(x) for k, x in v.items()}
-        return v if isinstance(v, (str, int, float, bool, type(None))) else repr(v)
+    def by_content(a: np.ndarray) -> dict[str, Any]:
+        return {"ndarray": hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest(), "dtype": str(a.dtype),
+                "shape": list(a.shape)}
 
-    return hashlib.sha256(json.dumps(plain(dict(params)), sort_keys=True).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(_plain(dict(params), by_content), sort_keys=True).encode()).hexdigest()
+
+
+#: The longest parameter record kept with a map (characters): a long list or repr is cut there.
+PARAMS_RECORD_CHARS = 4000
+
+
+def params_record(params: Mapping[str, Any]) -> str:
+    """A map's other arguments as the store keeps them, to show and to re-simulate the map: JSON, sorted, arrays
+    by shape and dtype (not content), anything else by its repr; at most :data:`PARAMS_RECORD_CHARS` characters.
+
+    >>> params_record({"sigma": (1, 2), "w": np.zeros((3, 4), "float32"), "name": "x"})
+    '{"name": "x", "sigma": [1, 2], "w": {"dtype": "float32", "ndarray": [3, 4]}}'
+    """
+    text = json.dumps(_plain(dict(params), lambda a: {"ndarray": list(a.shape), "dtype": str(a.dtype)}, True),
+                      sort_keys=True)
+    return text[:PARAMS_RECORD_CHARS]
 
 
 def code_digest(fn: Any) -> str:

@@ -55,13 +55,14 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from memchunk_prefect.core.errors import StoreError, StoreSchemaTooNewError
 from memchunk_prefect.core.records import MapRun, Observation, Reward
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
 v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table). v5: what a
 trace needs (energy's source, start, task run, host; ``maps`` and ``machines`` tables). v6: what other runs on the
 worker held when a run started. v7: how far a run took the worker above the most it had held (``grew_bytes``).
 v8: a GPU map's device budget and GPU out-of-memory. v9: a run's kernel CPU time (``sys_seconds``). v10: what a
-run left held in its worker (``retained_bytes``)."""
+run left held in its worker (``retained_bytes``). v11: what a simulation of a map on another cluster needs (its
+parameters, whether it keeps traces whole, the cluster's shape: ``maps`` columns)."""
 
 APPLICATION = "memchunk-prefect"
 BUSY_TIMEOUT_MS = 30_000
@@ -228,11 +229,23 @@ _MAP_COLUMNS: list[tuple[str, str]] = [
     ("ended_at", "REAL NOT NULL"),
     ("outcome", "TEXT NOT NULL"),
     ("map_id", "TEXT NOT NULL DEFAULT ''"),
+    ("params", "TEXT"),
+    ("whole_traces", "INTEGER"),
+    ("workers", "INTEGER"),
+    ("threads_per_worker", "INTEGER"),
+    ("memory_limit_bytes", "INTEGER"),
+    ("kill_fraction", "REAL"),
+    ("resting_bytes", "INTEGER"),
 ]
 MAP_COLUMN_NAMES = [c for c, _ in _MAP_COLUMNS]
-_CREATE_V5 = (_table_sql("maps", _MAP_COLUMNS, "maps_run", "flow_run_id")
-              # What each host that ran a task is (CPU, memory, system), for traces: one row per host name.
-              + "CREATE TABLE machines (host TEXT PRIMARY KEY, info TEXT NOT NULL, updated_at REAL NOT NULL);\n")
+#: ``maps`` columns added in schema version 11 (what a simulation of the map on another cluster needs).
+_ADDED_MAPS_V11 = ("params", "whole_traces", "workers", "threads_per_worker", "memory_limit_bytes", "kill_fraction",
+                   "resting_bytes")
+# What each host that ran a task is (CPU, memory, system), for traces: one row per host name.
+_CREATE_MACHINES = "CREATE TABLE machines (host TEXT PRIMARY KEY, info TEXT NOT NULL, updated_at REAL NOT NULL);\n"
+# The v5 layout of maps and machines (what migrate_4_to_5 writes; migrate_10_to_11 adds the v11 columns to maps).
+_CREATE_V5 = (_table_sql("maps", [c for c in _MAP_COLUMNS if c[0] not in _ADDED_MAPS_V11], "maps_run", "flow_run_id")
+              + _CREATE_MACHINES)
 
 
 def _create_table(columns: list[tuple[str, str]]) -> str:
@@ -240,7 +253,8 @@ def _create_table(columns: list[tuple[str, str]]) -> str:
             + "CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);\n")
 
 
-_CREATE = _create_table(_COLUMNS) + _CREATE_REWARDS + _CREATE_V5
+_CREATE = (_create_table(_COLUMNS) + _CREATE_REWARDS + _table_sql("maps", _MAP_COLUMNS, "maps_run", "flow_run_id")
+           + _CREATE_MACHINES)
 # The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
 _CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5 + _ADDED_V6 + _ADDED_V7
                                                                  + _ADDED_V8 + _ADDED_V9 + _ADDED_V10])
@@ -328,6 +342,14 @@ def _migrate_9_to_10(con: sqlite3.Connection) -> None:
     _add_columns(con, _ADDED_V10)
 
 
+def _migrate_10_to_11(con: sqlite3.Connection) -> None:
+    """v11 adds to each map what a simulation of it on another cluster needs: its parameters, whether it keeps
+    traces whole and the cluster's shape (NULL for older maps: a simulation asks for what it lacks)."""
+    for name, kind in _MAP_COLUMNS:
+        if name in _ADDED_MAPS_V11:
+            con.execute(f"ALTER TABLE maps ADD COLUMN {name} {kind}")
+
+
 def _add_columns(con: sqlite3.Connection, names: tuple[str, ...]) -> None:
     for name, kind in _COLUMNS:
         if name in names:
@@ -338,7 +360,7 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_
                                                               3: _migrate_3_to_4, 4: _migrate_4_to_5,
                                                               5: _migrate_5_to_6, 6: _migrate_6_to_7,
                                                               7: _migrate_7_to_8, 8: _migrate_8_to_9,
-                                                              9: _migrate_9_to_10}
+                                                              9: _migrate_9_to_10, 10: _migrate_10_to_11}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 

@@ -34,6 +34,7 @@ from prefect.futures import PrefectFuture
 from prefect.states import State
 from prefect_dask.task_runners import PrefectDaskFuture
 
+from memchunk_prefect.core.budget import Budget
 from memchunk_prefect.core.chunks import Chunk, Shape, with_halo
 from memchunk_prefect.core.drive import drive, execute
 from memchunk_prefect.core.energy import ESTIMATE, estimate_joules
@@ -91,6 +92,7 @@ from memchunk_prefect.io.identity import (
     code_digest,
     open_output,
     params_digest,
+    params_record,
 )
 from memchunk_prefect.io.mdio import MdioSource
 from memchunk_prefect.io.volume import as_source
@@ -219,6 +221,11 @@ class ChunkedMap:
                                        else self.source.identity(), code_digest(task.fn), params_digest(static),
                                        self.halo)
         self.observers = Observers(observers)
+        self._init_run_state()
+
+    def _init_run_state(self) -> None:
+        """What the map holds while it runs: its futures, the machine, the cluster's figures it planned with, and
+        what other threads read of it."""
         self.futures: list[PrefectDaskFuture] = []
         self.by_id: dict[int, PrefectDaskFuture] = {}
         self.ids: dict[Any, int] = {}  # Dask key -> submission id
@@ -228,6 +235,7 @@ class ChunkedMap:
         self.budget = 0
         self.gpu_budget: int | None = None  # on the GPU: what one task may use of the device's memory, bytes
         self.slots = 0
+        self.budget_read: Budget | None = None  # what the cluster said when the map started (its MapRun records it)
         self.resting: dict[str, int] = {}  # each worker's resting memory the budget assumed
         self.headroom: dict[str, int] = {}  # each worker's kill line less that, per thread
         self.reward: Reward | None = None  # what the learned policy's arm earned, once the map is finalized
@@ -289,6 +297,7 @@ class ChunkedMap:
         budget = self.ctx.cluster.budget([getattr(self.task.fn, "__module__", "") or "tasks"])
         self.slots, self.budget, self.resting = budget.slots, budget.budget_bytes, budget.resting_bytes
         self.headroom = budget.headroom_bytes
+        self.budget_read = budget
         self.started_at = time.time()
         logger.info("%s: %s", self.name, budget.reason)
         if self.device == CUDA:
@@ -766,7 +775,8 @@ class ChunkedMap:
                      source_bytes=_size_on_disk(path) if path else None, output_path=self.output_path,
                      shape=self.shape, halo=self.halo, itemsize=ITEMSIZE, slots=self.slots,
                      budget_bytes=int(self.budget), started_at=self.started_at, ended_at=time.time(),
-                     outcome=outcome, map_id=self.map_id)
+                     outcome=outcome, map_id=self.map_id, params=params_record(self.static),
+                     whole_traces=self.spec.whole_traces, **_cluster_shape(self.budget_read, self.slots))
         try:
             store = self.ctx.bank().store
             if store is not None:
@@ -810,6 +820,19 @@ _CARRY_OUT: dict[type, Callable[[ChunkedMap, Any], Event | None]] = {
     RestartWorker: ChunkedMap.restart_worker,
     Stopped: ChunkedMap.stopped,
 }
+
+
+def _cluster_shape(budget: Budget | None, slots: int) -> dict[str, Any]:
+    """What a map's record keeps of the cluster its budget was read from (``MapRun``'s cluster fields): the
+    workers planned for (its slots over the threads per worker), their threads, memory limit and kill fraction
+    (of the worker that set the budget) and their median resting memory, bytes."""
+    if budget is None:
+        return {}
+    threads = max(1, int(budget.threads_per_worker or 1))
+    resting = sorted(budget.resting_bytes.values())
+    return {"workers": max(1, int(slots) // threads), "threads_per_worker": threads,
+            "memory_limit_bytes": budget.memory_limit_bytes, "kill_fraction": budget.kill_fraction,
+            "resting_bytes": int(resting[len(resting) // 2]) if resting else None}
 
 
 def _size_on_disk(path: str) -> int | None:

@@ -16,12 +16,12 @@ import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from memchunk_prefect.core.chunks import Chunk, Shape
-from memchunk_prefect.core.errors import SimulationInputError, format_bytes
+from memchunk_prefect.core.errors import SimulationInputError, TooLittleHistoryError, format_bytes
 from memchunk_prefect.core.estimates import Knowledge
 from memchunk_prefect.core.records import Observation, Prediction
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
@@ -40,8 +40,11 @@ Z95 = 1.6448536269514722
 DEFAULT_MARGIN = 1.25
 
 
-#: Seconds a killed worker is away before its nanny's new process takes tasks (a stated figure).
-RESTART_SECONDS = 3.0
+#: Seconds a killed worker is away before its nanny's new process runs a task as before: measured by
+#: ``python -m benchmarks.sim_validation`` (a worker killed for memory on a 2-core machine rejoined the scheduler
+#: 0.4-0.6 s after it was seen to go, and a task importing what a Prefect task run of the runner imports ended
+#: there 1.9-2.4 s after); ``ClusterShape(restart_seconds=...)`` for another machine's figure.
+RESTART_SECONDS = 2.0
 
 
 @dataclass(frozen=True)
@@ -116,12 +119,25 @@ class ClusterShape:
 
 @dataclass(frozen=True)
 class Step:
-    """One operator of the flow: its name, model key, halo and whether it keeps traces whole."""
+    """One operator of the flow: its name, model key, halo and whether it keeps traces whole.
+
+    ``upstream``: the step whose output this one reads, whose chunking the runner then plans from (its
+    ``incoming``): an index into the steps, negative counting back from this one (``-1``, the default: the step
+    before, a chain); None: it reads the survey itself.
+    """
 
     operator: str
     key: str
     halo: Shape
     whole_traces: bool = True
+    upstream: int | None = -1
+
+    def upstream_index(self, position: int) -> int | None:
+        """The index of the step this one (at ``position``) reads, or None (the survey)."""
+        if self.upstream is None:
+            return None
+        i = position + int(self.upstream) if int(self.upstream) < 0 else int(self.upstream)
+        return i if 0 <= i < position else None
 
     @classmethod
     def of(cls, step: str | dict[str, Any]) -> "Step":
@@ -279,29 +295,57 @@ class StoreModels:
     settings: PolicySettings = DEFAULT_SETTINGS
     prior: PriorKnowledge | None = None
     from_prior: set[str] = field(default_factory=set)
+    #: Plan as a first run would (an empty store: the runner probes and learns from the simulated run's own
+    #: chunks) while chunks are still drawn from the store's models: what a run on a fresh store costs.
+    cold: bool = False
 
     def _has_history(self, key: str) -> bool:
         return bool(self.bank.predict(key, (1, 1, 1)).ready)
+
+    def history(self, key: str) -> tuple[int, int]:
+        """``(flow runs, finished observations)`` of ``key`` in the store: what a model is learned from."""
+        store = self.bank.store
+        if store is None:
+            return 0, 0
+        obs = [o for o in store.observations(key) if o.outcome == "ok"]
+        return len({o.flow_run_id for o in obs if o.flow_run_id}), len(obs)
+
+    def check_history(self, keys: Sequence[str]) -> None:
+        """Raise :class:`TooLittleHistoryError` for the first of ``keys`` whose model is not ready to plan with
+        (and no prior stands in for it), saying how many runs it has and what to do."""
+        for key in keys:
+            if self.prior is not None or self._has_history(key):
+                continue
+            runs, n = self.history(key)
+            reason = self.bank.predict(key, (1, 1, 1)).reason
+            where = f" in {self.bank.store.path}" if self.bank.store is not None else ""
+            raise TooLittleHistoryError(
+                f"{key} has too little history to simulate: {runs} flow run(s) and {n} finished chunk(s) of it"
+                f"{where} ({reason}); run a flow that maps it once more, on a small survey if you like (a cold "
+                "run probes two chunk sizes, which is what its memory and time are learned from), or simulate it "
+                "cold from a stated prior (--prior-multiple, prior= in Python)",
+                key=key, runs=runs, observations=n, reason=reason)
 
     def map_work(self) -> MapWork | None:
         """The runner's per-map work as this store's runs measured it (:func:`measured_map_work`)."""
         return measured_map_work(self.bank.store) if self.bank.store is not None else None
 
     def knowledge(self, key: str) -> Knowledge:
-        if self.prior is None or self._has_history(key):
+        if not self.cold and (self.prior is None or self._has_history(key)):
             return BankKnowledge(self.bank, key, self.settings)
-        self.from_prior.add(key)
+        if not self.cold:
+            self.from_prior.add(key)
         return LearningKnowledge(ModelBank(None), key, self.settings)  # learns from this run's chunks only
 
     def truth(self, key: str) -> Knowledge:
         if self.prior is not None and not self._has_history(key):
             self.from_prior.add(key)
             return self.prior
-        return self.knowledge(key)
+        return BankKnowledge(self.bank, key, self.settings)
 
 
-def store_models(store_path: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS,
-                 prior: PriorKnowledge | None = None) -> StoreModels:
+def store_models(store_path: str | Path | None = None, settings: PolicySettings = DEFAULT_SETTINGS,
+                 prior: PriorKnowledge | None = None, *, cold: bool = False) -> StoreModels:
     """The models of the store at ``store_path`` (default: the runner's default store), read as the runner reads
     them. No observation or reward is written; opening the store is what a run does (an older schema is migrated,
     a foreign file moved aside). A store that does not exist is an error, not a new empty store."""
@@ -311,7 +355,7 @@ def store_models(store_path: str | None = None, settings: PolicySettings = DEFAU
     if not path.is_file():
         raise SimulationInputError(f"no observation store at {path}: run your flow (or `memchunk demo`) once so "
                                    "there is something learned to simulate from, or pass --store")
-    return StoreModels(ModelBank(Store(path)), settings, prior)
+    return StoreModels(ModelBank(Store(path)), settings, prior, cold=cold)
 
 
 def store_knowledge(store_path: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS) -> KnowledgeFor:

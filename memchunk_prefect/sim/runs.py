@@ -120,7 +120,8 @@ def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, kno
                  rng: np.random.Generator, *, settings: PolicySettings = DEFAULT_SETTINGS,
                  time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None,
                  stop_after: float | None = None) -> SimResult:
-    """The runner's own state machine over the steps, chained (each map's chunking is the next one's incoming).
+    """The runner's own state machine over the steps, one map after another; a step that reads another's output
+    (:attr:`Step.upstream`) plans from that map's chunking (its incoming), as the runner's chained maps do.
 
     ``truth_for``: where chunks' memory and time are drawn from, when it is not
     what the runner plans with (what if the model is 30% low?); default the same.
@@ -129,12 +130,14 @@ def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, kno
     """
     sim = SimulatedCluster(cluster, rng.spawn(1)[0])  # queue waits from their own stream: the same chunks' draws
     maps: list[MapResult] = []
-    incoming: tuple[Chunk, ...] | None = None
+    chunkings: list[tuple[Chunk, ...]] = []  # each finished map's chunks: what a map reading its output plans from
     failure = ""
     draws: list[Draws] = []
-    for step in steps:
+    for i, step in enumerate(steps):
         knowledge = knowledge_for(step.key)
         truth = truth_for(step.key) if truth_for is not None else knowledge
+        j = step.upstream_index(i)
+        incoming = chunkings[j] if j is not None else None
         run = _MachineRun(step, shape, cluster, knowledge, truth, sim, rng, incoming, settings, time_sigma)
         run.stop_after = stop_after
         maps.append(run.run())
@@ -142,7 +145,7 @@ def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, kno
         failure = run.failure
         if failure:
             break
-        incoming = tuple(run.machine.done)
+        chunkings.append(tuple(run.machine.done))
     return _result("memchunk", sim, cluster, maps, failure, draws, settings)
 
 
@@ -406,12 +409,13 @@ def trace_records(result: SimResult, steps: Sequence[Step], shape: Shape, cluste
     for i, step in enumerate(steps):
         if i not in spans:
             continue
+        j = step.upstream_index(i)
         maps.append(MapRun(flow_run_id=run_id, operator=step.operator, operator_key=step.key,
-                           source="survey" if i == 0 else outputs[i - 1], output_path=outputs[i], shape=shape,
+                           source="survey" if j is None else outputs[j], output_path=outputs[i], shape=shape,
                            halo=step.halo, itemsize=ITEMSIZE, slots=cluster.slots, budget_bytes=cluster.budget_bytes,
                            started_at=t0 + spans[i][0], ended_at=t0 + spans[i][1],
                            outcome="ok" if result.completed or i < len(spans) - 1 else "failed",
-                           source_bytes=math.prod(shape) * ITEMSIZE if i == 0 else None))
+                           source_bytes=math.prod(shape) * ITEMSIZE if j is None else None))
     machines = {f"sim-worker-{w}": {"nodeName": f"sim-worker-{w}", "memoryInBytes": int(cluster.memory_limit_bytes),
                                     "cpu": {"coreCount": int(cluster.threads_per_worker)}}
                 for w in sorted({int(o.host.rsplit("-", 1)[1]) for o in observations})}

@@ -51,7 +51,7 @@ seconds (simulated, from 0), elements.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Sequence
 
 import numpy as np
@@ -86,6 +86,8 @@ class Summary:
     walltime_losses_mean: float = 0.0  # tasks lost per run with a worker that reached its walltime
     #: The allocation's utilisation over a window, simulated and by the model (:func:`allocation_check`).
     allocation: AllocationCheck | None = None
+    #: Per map of the flow, in order: the median of the chunks it wrote over the runs that finished it.
+    chunks_per_map: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "allocation"}
@@ -139,7 +141,20 @@ def summarize(strategy: str, results: Sequence[SimResult], deadline: float | Non
                    max((r.peak_bytes for r in results), default=0),
                    next((r.failure for r in results if r.failure), ""), pct(energy, 50),
                    next((r.energy_basis for r in results if r.energy_basis), ""),
-                   float(np.mean([r.walltime_losses for r in results])))
+                   float(np.mean([r.walltime_losses for r in results])),
+                   chunks_per_map=_chunks_per_map(results))
+
+
+def _chunks_per_map(results: Sequence[SimResult]) -> list[float]:
+    """Per map position, the median chunks written over the runs that finished that map."""
+    out: list[float] = []
+    for i in range(max((len(r.maps) for r in results), default=0)):
+        done = [r.maps[i].chunks for r in results
+                if len(r.maps) > i and (r.completed or i < len(r.maps) - 1)]
+        if not done:
+            break
+        out.append(float(np.median(done)))
+    return out
 
 
 def simulate(strategies: Sequence[str], steps: Sequence[Step], shape: Shape, cluster: ClusterShape,

@@ -1,0 +1,410 @@
+"""``python -m benchmarks.sim_validation``: the simulator's predictions beside real runs of workloads it never saw.
+
+Over the seeded workload family (:mod:`benchmarks.family.workloads`: user operators of different memory and
+compute growth, surveys and clusters drawn from a seed), each strategy runs for real in a fresh process on a
+fresh cluster (:mod:`benchmarks.family.child`, against one Prefect server), and beside each real run the
+simulator predicts the same flow run, on the same cluster, from the store as it stood before that run
+(:func:`memchunk_prefect.sim.from_flow_run`, ``--runs`` simulated runs each):
+
+1. ``memchunk cold`` on an empty store; predicted afterwards with ``cold=True`` (the runner probing and
+   learning from its own chunks, as on an empty store) and the chunks drawn from the models that run taught:
+   nothing else can say what a first run's chunks need;
+2. ``static-N`` for each N of ``--static`` and ``split`` (split-on-failure), plain Prefect flows with
+   ``allowed-failures`` 0 as the simulator assumes; predicted from the store the cold run left, with the steps
+   of its flow run;
+3. ``--warm`` runs of ``memchunk`` on that store, each predicted from a copy of the store taken just before it.
+
+Per real run: its makespan (memchunk: from its first map's start to its last map's end, as the store recorded
+them; static and split: from the first step's start to the last step's end), whether it completed, its kills
+(workers killed or ``MemoryError`` s) and chunks per step, beside the prediction's median makespan, the share
+of simulated runs that failed, mean kills and median chunks per step.
+
+Also measured: the seconds a worker killed by its nanny is away before its new process runs a task like the
+runner's (:func:`measure_restart`, beside the simulator's default
+:data:`memchunk_prefect.sim.inputs.RESTART_SECONDS`; the predictions use the figure measured here), and the
+seconds a 1,000-worker simulation of a recorded flow run takes, in this process and end to end as
+``memchunk simulate --flow-run`` (a new process: imports and the store included).
+
+Targets (reported, never adjusted): median absolute makespan error <= 10% and worst <= 25% over the runs that
+completed; a strategy that failed in reality predicted to fail in >= 90% of its simulated runs, one that
+completed predicted to complete in >= 90%; a 1,000-worker simulation under 30 s. Written as JSON (``--json``)
+and as a table. ``--quick``: the family's smallest member, static-2, split, cold and one warm run, 5 simulated
+runs per prediction (for CI: no timing is asserted).
+
+    python -m benchmarks.sim_validation --json sim-validation.json     # 6 workloads of seed 0
+    python -m benchmarks.sim_validation --quick --json quick.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.family.workloads import Workload, family, quick
+
+REPO = Path(__file__).resolve().parents[1]
+TARGETS = {"median_abs_error": 0.10, "worst_abs_error": 0.25, "failed_predicted_failed": 0.90,
+           "completed_predicted_completed": 0.90, "thousand_workers_seconds": 30.0}
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------- the restart of a killed worker
+
+
+def _imports() -> float:
+    """On a worker: what a Prefect task run of the runner imports there; returns when it is done (epoch s)."""
+    import prefect  # noqa: F401
+
+    import memchunk_prefect.run.worker  # noqa: F401
+
+    return time.time()
+
+
+def _hog() -> None:
+    """On a worker: touch memory 32 MiB at a time until the nanny kills the process."""
+    held = []
+    while True:
+        block = bytearray(32 * MiB)
+        block[::4096] = b"x" * len(block[::4096])
+        held.append(block)
+        time.sleep(0.005)
+
+
+def _addresses(client: Any) -> set[str]:
+    return set(client.scheduler_info(n_workers=-1)["workers"])
+
+
+def _wait(predicate: Any, timeout: float, step: float = 0.02) -> float:
+    """Poll ``predicate`` until it holds; the time it first held (epoch s). TimeoutError after ``timeout`` s."""
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return time.time()
+        time.sleep(step)
+    raise TimeoutError(f"not within {timeout:g} s")
+
+
+def measure_restart(memory_limit_mib: int = 600, repeats: int = 3) -> dict[str, Any]:
+    """Kill a worker for memory ``repeats`` times (a nanny-managed LocalCluster of one worker); each time, the
+    seconds from the scheduler seeing it go to its new process joining (``rejoin``) and to a task that imports
+    what a Prefect task run of the runner imports finishing there (``first_task``: when the slot takes work as
+    before). The medians, and every sample."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        cluster = LocalCluster(n_workers=1, threads_per_worker=1, processes=True,
+                               memory_limit=f"{memory_limit_mib}MiB", dashboard_address="127.0.0.1:0")
+    client = Client(cluster)
+    samples = []
+    try:
+        for _ in range(repeats):
+            client.submit(_imports, pure=False).result(timeout=120)  # the worker as a run leaves it: imports done
+            old = _addresses(client)
+            fut = client.submit(_hog, pure=False)
+            gone = _wait(lambda old=old: not (old & _addresses(client)), 120)
+            back = _wait(lambda old=old: bool(_addresses(client) - old), 120)
+            ready = client.submit(_imports, pure=False).result(timeout=120)
+            fut.cancel()
+            samples.append({"rejoin_seconds": back - gone, "first_task_seconds": ready - gone})
+    finally:
+        client.close()
+        cluster.close()
+    return {"memory_limit_mib": memory_limit_mib, "samples": samples,
+            "rejoin_seconds": statistics.median(s["rejoin_seconds"] for s in samples),
+            "first_task_seconds": statistics.median(s["first_task_seconds"] for s in samples)}
+
+
+# --------------------------------------------------------------------------- real runs and their predictions
+
+
+def snapshot(store: str, to: Path) -> str:
+    """A copy of the store as it stands (SQLite's backup: consistent while WAL files exist)."""
+    to.unlink(missing_ok=True)
+    src, dst = sqlite3.connect(store), sqlite3.connect(to)
+    try:
+        src.backup(dst)
+    finally:
+        src.close()
+        dst.close()
+    return str(to)
+
+
+def real_makespan(store: str, flow_run_id: str) -> float | None:
+    """A memchunk run's makespan as its store recorded it: its first map's start to its last map's end."""
+    from memchunk_prefect.learn.store import Store
+
+    with Store(store) as s:
+        maps = s.maps(flow_run_id)
+    return max(m.ended_at for m in maps) - min(m.started_at for m in maps) if maps else None
+
+
+def predict(store: str, flow_run: str, w: Workload, strategy: str, *, runs: int, restart: float | None,
+            cold: bool = False, seed: int = 0) -> dict[str, Any]:
+    """The simulator's prediction of one strategy's run of ``flow_run``'s steps on the workload's survey and
+    cluster, from ``store``."""
+    from memchunk_prefect.sim import from_flow_run
+
+    kw = {"restart_seconds": restart} if restart is not None else {}
+    t = time.perf_counter()
+    plan = from_flow_run(store, flow_run, shape=w.survey_shape, workers=w.workers,
+                         memory_limit=w.memory_limit_mib * MiB, threads_per_worker=w.threads, strategies=[strategy],
+                         runs=runs, seed=seed, cold=cold, **kw)
+    s = plan.summary()
+    return {"makespan_p50": s.makespan_p50, "makespan_p90": s.makespan_p90,
+            "failed_fraction": 1.0 - s.completed / s.runs, "kills_mean": s.out_of_memory_mean,
+            "chunks": s.chunks_per_map, "failure": s.failure, "runs": s.runs,
+            "simulation_seconds": time.perf_counter() - t}
+
+
+def compare(real: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
+    """One real run beside its prediction: the makespan error (relative to the real one; where both completed)
+    and whether the outcome was predicted (a failure in >= 90% of simulated runs, a completion in >= 90%)."""
+    completed = bool(real.get("completed"))
+    span = real.get("makespan_seconds")
+    error = None
+    if completed and span and pred["makespan_p50"] is not None:
+        error = (pred["makespan_p50"] - span) / span
+    outcome_ok = (pred["failed_fraction"] <= 1 - TARGETS["completed_predicted_completed"] if completed
+                  else pred["failed_fraction"] >= TARGETS["failed_predicted_failed"])
+    return {"error": error, "outcome_predicted": outcome_ok}
+
+
+def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int], warm: int, runs: int,
+                 restart: float | None, timeout: float) -> list[dict[str, Any]]:
+    """Every real run of one workload beside its prediction (see the module docstring)."""
+    from benchmarks.family.__main__ import make_source, run_child
+
+    source = make_source(w, work)
+    store = str(work / f"{w.name}.sqlite")
+    for p in Path(store).parent.glob(Path(store).name + "*"):
+        p.unlink()
+    out_dir = str(work / "out" / w.name)
+    rows: list[dict[str, Any]] = []
+
+    def child(strategy: str) -> dict[str, Any]:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        r = run_child({"workload": w.to_dict(), "strategy": strategy, "source": source, "store": store,
+                       "out_dir": out_dir, "allowed_failures": 0}, env, timeout)
+        if strategy == "memchunk" and r.get("flow_run_id"):
+            r["makespan_seconds"] = real_makespan(store, r["flow_run_id"])
+        else:
+            r["makespan_seconds"] = r.get("maps_seconds")
+        return r
+
+    def row(kind: str, strategy: str, real: dict[str, Any], pred: dict[str, Any]) -> None:
+        r = {"workload": w.name, "kind": kind, "strategy": strategy, "real": real, "predicted": pred,
+             **compare(real, pred)}
+        rows.append(r)
+        err = "-" if r["error"] is None else f"{100 * r['error']:+.0f}%"
+        print(f"  {kind:<12} real {_s(real.get('makespan_seconds'))} {'ok' if real.get('completed') else 'FAILED'} "
+              f"kills {real.get('kills', 0)}  predicted {_s(pred['makespan_p50'])} failed "
+              f"{100 * pred['failed_fraction']:.0f}% kills {pred['kills_mean']:.2f}  error {err}", flush=True)
+
+    print(f"{w.name}: {w.survey_shape} {w.source}, {w.workers} workers x {w.memory_limit_mib} MiB x {w.threads} "
+          "thread(s)", flush=True)
+    cold = child("memchunk")
+    if not cold.get("flow_run_id"):
+        print(f"  memchunk cold did not finish ({cold.get('failed')}): nothing recorded to predict from", flush=True)
+        rows.append({"workload": w.name, "kind": "memchunk cold", "strategy": "memchunk", "real": cold,
+                     "predicted": None, "error": None, "outcome_predicted": None})
+        return rows
+    flow_run = cold["flow_run_id"]
+    row("memchunk cold", "memchunk", cold, predict(store, flow_run, w, "memchunk", runs=runs, restart=restart,
+                                                   cold=True))
+    after_cold = snapshot(store, work / f"{w.name}-after-cold.sqlite")
+    for strategy in [f"static-{n}" for n in statics] + ["split"]:
+        row(strategy, strategy, child(strategy), predict(after_cold, flow_run, w, strategy, runs=runs,
+                                                         restart=restart))
+    for k in range(warm):
+        before = snapshot(store, work / f"{w.name}-before-warm-{k}.sqlite")
+        pred = predict(before, "latest", w, "memchunk", runs=runs, restart=restart)
+        row("memchunk warm", "memchunk", child("memchunk"), pred)
+    return rows
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:6.1f} s"
+
+
+# --------------------------------------------------------------------------- 1,000 workers
+
+
+def thousand_workers(store: str, flow_run: str, samples: int, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    """A 1,000-worker simulation (8 GiB each) of a recorded flow run on a 2,000 x 2,000 survey of its samples:
+    seconds in this process (one run) and end to end as ``memchunk simulate --flow-run`` in a new process."""
+    from memchunk_prefect.sim import from_flow_run
+
+    shape = (2000, 2000, int(samples))
+    t = time.perf_counter()
+    plan = from_flow_run(store, flow_run, shape=shape, workers=1000, memory_limit="8GiB", runs=1)
+    in_process = time.perf_counter() - t
+    argv = [sys.executable, "-m", "memchunk_prefect", "simulate", "--store", store, "--flow-run", flow_run,
+            "--shape", *map(str, shape), "--workers", "1000", "--memory-limit", "8GiB", "--runs", "1",
+            "--strategies", "memchunk", "--json"]
+    t = time.perf_counter()
+    proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    end_to_end = time.perf_counter() - t
+    s = plan.summary()
+    return {"shape": list(shape), "workers": 1000, "memory_limit": "8GiB", "seconds": in_process,
+            "end_to_end_seconds": end_to_end if proc.returncode == 0 else None,
+            "end_to_end_error": None if proc.returncode == 0 else proc.stderr.strip()[-500:],
+            "command": " ".join(argv[1:]), "makespan_seconds": s.makespan_p50, "completed": s.completed == s.runs,
+            "chunks": s.chunks_per_map}
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
+              scale: dict[str, Any] | None) -> dict[str, Any]:
+    """The error distribution over every row, per strategy kind, and each target's verdict."""
+    from memchunk_prefect.sim.inputs import RESTART_SECONDS
+
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
+    failed = [r for r in rows if r["predicted"] is not None and not r["real"].get("completed")]
+    done = [r for r in rows if r["predicted"] is not None and r["real"].get("completed")]
+    errors_by_kind: dict[str, list[float]] = {}
+    for r in rows:
+        if r["error"] is not None:
+            kind = "static-N" if r["kind"].startswith("static") else r["kind"]
+            errors_by_kind.setdefault(kind, []).append(abs(r["error"]))
+    by_kind = {k: {"runs": len(v), "median_abs_error": statistics.median(v), "worst_abs_error": max(v)}
+               for k, v in errors_by_kind.items()}
+    s: dict[str, Any] = {
+        "rows": len(rows), "with_error": len(errors),
+        "median_abs_error": statistics.median(errors) if errors else None,
+        "worst_abs_error": max(errors) if errors else None,
+        "by_kind": by_kind,
+        "failed_in_reality": len(failed), "failed_predicted_failed": sum(bool(r["outcome_predicted"]) for r in failed),
+        "completed_in_reality": len(done),
+        "completed_predicted_completed": sum(bool(r["outcome_predicted"]) for r in done),
+        "kills_real": sum(int(r["real"].get("kills") or 0) for r in rows if r["predicted"] is not None),
+        "kills_predicted": sum(r["predicted"]["kills_mean"] for r in rows if r["predicted"] is not None),
+        "restart_default_seconds": RESTART_SECONDS,
+        "restart_measured_seconds": restart["first_task_seconds"] if restart else None,
+        "thousand_workers_seconds": scale["seconds"] if scale else None,
+        "thousand_workers_end_to_end_seconds": scale["end_to_end_seconds"] if scale else None,
+    }
+    s["targets"] = {
+        "median_abs_error": _verdict(s["median_abs_error"], TARGETS["median_abs_error"]),
+        "worst_abs_error": _verdict(s["worst_abs_error"], TARGETS["worst_abs_error"]),
+        "failed_predicted_failed": "not measured" if not failed else (
+            "met" if s["failed_predicted_failed"] == len(failed) else "missed"),
+        "completed_predicted_completed": "not measured" if not done else (
+            "met" if s["completed_predicted_completed"] == len(done) else "missed"),
+        "thousand_workers": _verdict(max(filter(None, [s["thousand_workers_seconds"],
+                                                       s["thousand_workers_end_to_end_seconds"]]), default=None),
+                                     TARGETS["thousand_workers_seconds"]),
+    }
+    return s
+
+
+def _verdict(value: float | None, limit: float) -> str:
+    return "not measured" if value is None else ("met" if value <= limit else "missed")
+
+
+def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:+.0f}%"
+
+    def size(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    def chunks(c: Any) -> str:
+        return "-" if not c else " ".join(f"{x:g}" for x in c)
+
+    out = ["| workload | run | real makespan | predicted (p50) | error | real outcome | predicted failed | "
+           "kills real / predicted | chunks real / predicted |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        real, pred = r["real"], r["predicted"] or {}
+        outcome = "completed" if real.get("completed") else f"failed ({str(real.get('failed', ''))[:40]})"
+        failed = "-" if not pred else f"{100 * pred['failed_fraction']:.0f}%"
+        kills = "-" if not pred else f"{pred['kills_mean']:.2f}"
+        out.append(f"| {r['workload']} | {r['kind']} | {_s(real.get('makespan_seconds')).strip()} | "
+                   f"{_s(pred.get('makespan_p50')).strip()} | {pct(r['error'])} | {outcome} | {failed} | "
+                   f"{real.get('kills', 0)} / {kills} | {chunks(real.get('chunks'))} / {chunks(pred.get('chunks'))} |")
+    s, t = summary, summary["targets"]
+    kinds = "; ".join(f"{k}: median {size(v['median_abs_error'])}, worst {size(v['worst_abs_error'])} ({v['runs']})"
+                      for k, v in s["by_kind"].items())
+    out += ["", f"absolute makespan error over {s['with_error']} completed runs: median {size(s['median_abs_error'])} "
+                f"({t['median_abs_error']}, target <= 10%), worst {size(s['worst_abs_error'])} "
+                f"({t['worst_abs_error']}, target <= 25%); by run: {kinds}",
+            f"failures predicted: {s['failed_predicted_failed']} of {s['failed_in_reality']} that failed "
+            f"({t['failed_predicted_failed']}, target: each in >= 90% of its simulated runs); completions: "
+            f"{s['completed_predicted_completed']} of {s['completed_in_reality']} "
+            f"({t['completed_predicted_completed']}, target: each in >= 90%); kills: {s['kills_real']} happened, "
+            f"{s['kills_predicted']:.2f} predicted (sum of means)",
+            f"restart of a killed worker: the simulator's default {s['restart_default_seconds']:g} s, measured here "
+            f"{_s(s['restart_measured_seconds']).strip()} to a task like the runner's (used in the predictions)",
+            f"1,000 workers: {_s(s['thousand_workers_seconds']).strip()} in process, "
+            f"{_s(s['thousand_workers_end_to_end_seconds']).strip()} end to end ({t['thousand_workers']}, "
+            "target < 30 s)"]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim_validation", description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workloads", type=int, default=6)
+    p.add_argument("--static", type=int, nargs="+", default=[2, 8, 32], help="slab counts of the static runs")
+    p.add_argument("--warm", type=int, default=2, help="warm memchunk runs per workload")
+    p.add_argument("--runs", type=int, default=20, help="simulated runs per prediction")
+    p.add_argument("--quick", action="store_true", help="the smallest workload, static-2, split, cold, one warm (CI)")
+    p.add_argument("--only", nargs="*", default=None, help="run only workloads whose name starts with these")
+    p.add_argument("--restart-repeats", type=int, default=3, help="worker kills timed for the restart figure")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds one strategy may run")
+    p.add_argument("--work", default=None, help="where inputs, stores and outputs go (default: a temporary dir)")
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    workloads = [quick()] if args.quick else family(args.seed, args.workloads)
+    if args.only:
+        workloads = [w for w in workloads if any(w.name.startswith(o) for o in args.only)]
+    statics, warm, runs = ([2], 1, 5) if args.quick else (args.static, args.warm, args.runs)
+    work = Path(args.work or tempfile.mkdtemp(prefix="memchunk-sim-validation-"))
+    work.mkdir(parents=True, exist_ok=True)
+    from benchmarks.__main__ import machine_info
+    from benchmarks.family.__main__ import _server
+
+    started, machine = time.time(), machine_info()
+    restart = measure_restart(repeats=1 if args.quick else args.restart_repeats)
+    print(f"restart of a killed worker: rejoined in {restart['rejoin_seconds']:.2f} s, ran a task like the "
+          f"runner's in {restart['first_task_seconds']:.2f} s (median of {len(restart['samples'])})", flush=True)
+    rows: list[dict[str, Any]] = []
+    scale = None
+    with _server(work) as server_env:
+        env = {k: v for k, v in server_env.items() if not k.startswith("MEMCHUNK_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["MEMCHUNK_CACHE_DIR"] = str(work / "cache")
+        for w in workloads:
+            rows += run_workload(w, work, env, statics, warm, runs, restart["first_task_seconds"], args.timeout)
+        recorded = next((r for r in reversed(rows) if r["kind"] == "memchunk cold" and r["predicted"]), None)
+        if recorded is not None:
+            w = next(x for x in workloads if x.name == recorded["workload"])
+            scale = thousand_workers(str(work / f"{w.name}.sqlite"), recorded["real"]["flow_run_id"],
+                                     w.survey_shape[2], work, env)
+    summary = summarize(rows, restart, scale)
+    machine["loadavg_end"] = list(os.getloadavg())
+    print()
+    print(table(rows, summary))
+    if args.json:
+        doc = {"benchmark": "sim_validation", "seed": args.seed, "quick": args.quick, "started": started,
+               "seconds": time.time() - started, "machine": machine, "targets": TARGETS, "summary": summary,
+               "restart": restart, "thousand_workers": scale, "rows": rows,
+               "workloads": [w.to_dict() for w in workloads]}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""A recorded flow run of a user's own operators, simulated on another survey and cluster: CLI and Python.
+
+The operators are user-style ones (``benchmarks/family/archetypes.py``, none of them registered built-ins),
+run by a real flow on a real Prefect server and LocalCluster; the store the run left is what the simulator
+reads. Stores of older schemas and keys with too little history are built by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from memchunk_prefect.cli import app as cli
+from memchunk_prefect.core.errors import (
+    FlowRunRecordError,
+    SimulationInputError,
+    TooLittleHistoryError,
+    UnknownStepError,
+)
+from memchunk_prefect.core.records import MapRun, Observation
+from memchunk_prefect.learn.store import Store
+from memchunk_prefect.sim import from_flow_run, recommend_flow_run, recorded_flow, step_for
+from memchunk_prefect.testing import seed_store
+
+GiB = 2**30
+MiB = 2**20
+BOX = "my_box[r=2]|float32|cpu"
+
+
+# =========================================================================== a real flow run, recorded
+
+
+@pytest.fixture(scope="module")
+def recorded_store(tmp_path_factory, prefect_server):
+    """The store of one real flow run of user operators: fam_linear -> fam_gram over its output, and fam_linear
+    again over the survey (not chained), on 2 workers of 1 GiB."""
+    from prefect import flow
+
+    from benchmarks.family.archetypes import fam_gram, fam_linear
+    from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
+    from memchunk_prefect.testing import start_local_cluster
+
+    tmp = tmp_path_factory.mktemp("recorded")
+    survey = tmp / "survey.sgy"
+    synthetic_survey(survey, (24, 20, 60), seed=3)
+    store = tmp / "store.sqlite"
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
+    try:
+        runner = MemoryAwareRunner(address=cluster.scheduler_address, store=str(store), output_dir=str(tmp / "out"),
+                                   progress=False)
+
+        @flow(name="user-operators", task_runner=runner)
+        def user_flow(path: str) -> list[dict]:
+            boxed = fam_linear.map(chunked(path), k=4.0, h=1, passes=1)
+            gram = fam_gram.map(chunked(boxed), h=0)
+            plain = fam_linear.map(chunked(path), k=2.0, h=0, passes=1)
+            return [r.summary() for r in (boxed, gram, plain)]
+
+        user_flow(str(survey))
+    finally:
+        cluster.close()
+    return store
+
+
+@pytest.mark.cluster
+@pytest.mark.server
+@pytest.mark.slow
+def test_a_recorded_flow_of_user_operators_is_simulated_on_another_survey_and_cluster(recorded_store, capsys):
+    with Store(recorded_store) as s:
+        maps = s.maps()
+        rec = recorded_flow(s, "latest")
+    # What the store kept of each map: its parameters, whole traces and the cluster it ran on.
+    assert {(m.workers, m.threads_per_worker, m.memory_limit_bytes) for m in maps} == {(2, 1, GiB)}
+    assert all(m.whole_traces is True and m.params and m.resting_bytes for m in maps)
+    assert [s.operator for s in rec.steps] == ["fam_linear", "fam_gram", "fam_linear"]
+    assert [s.upstream_index(i) for i, s in enumerate(rec.steps)] == [None, 0, None]  # chaining as it ran
+    assert rec.steps[0].key == "fam_linear[k=4]|float32|cpu" and rec.steps[0].halo == (1, 1, 0)
+    assert rec.params[0] == {"h": 1, "k": 4.0, "passes": 1} and rec.shape == (24, 20, 60)
+
+    # The CLI, on a survey 4x the traces and a cluster of 4 workers of 2 GiB.
+    argv = ["simulate", "--store", str(recorded_store), "--flow-run", "latest", "--shape", "48", "40", "60",
+            "--workers", "4", "--memory-limit", "2GiB", "--runs", "3", "--strategies", "memchunk", "static-2"]
+    assert cli.main([*argv, "--json"]) == cli.EXIT_OK
+    got = json.loads(capsys.readouterr().out)
+    assert got["flow_run"] == rec.flow_run_id and got["shape"] == [48, 40, 60] and got["cluster"]["workers"] == 4
+    assert [s["upstream"] for s in got["steps"]] == [None, 0, None]
+    memchunk = got["strategies"][0]
+    assert memchunk["completed"] == 3 and len(memchunk["chunks_per_map"]) == 3 and memchunk["makespan_p50"] > 0
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert f"flow run {rec.flow_run_id}: fam_linear(h=1, k=4.0, passes=1) -> fam_gram(h=0); fam_linear" in out, out
+
+    # The same question from Python, with a deadline: what a deployment asks before it starts.
+    plan = from_flow_run(recorded_store, "latest", shape=(48, 40, 60), workers=4, memory_limit="2GiB", runs=3,
+                         deadline=3600)
+    assert plan.completes and plan.meets_deadline is True and len(plan.chunks_per_step) == 3
+    assert plan.kills == 0 and plan.makespan_seconds is not None and plan.makespan_seconds < 3600
+    assert from_flow_run(recorded_store, runs=3, deadline=1e-3).meets_deadline is False
+    # Every figure not given is the recorded run's.
+    same = from_flow_run(recorded_store, runs=1)
+    assert (same.shape, same.cluster.workers, same.cluster.memory_limit_bytes) == ((24, 20, 60), 2, GiB)
+    json.dumps(plan.to_dict())
+
+    # The cluster to ask for, by CLI and by Python.
+    assert cli.main(["recommend", "--store", str(recorded_store), "--flow-run", "latest", "--shape", "48", "40", "60",
+                     "--deadline", "1h", "--memory", "1GiB", "2GiB", "--runs", "3", "--max-workers", "8",
+                     "--json"]) == cli.EXIT_OK
+    assert json.loads(capsys.readouterr().out)["best"]["workers"] >= 1
+    assert recommend_flow_run(recorded_store, deadline="1h", memory_options=["1GiB"], runs=3, max_workers=4).best
+
+    # Steps by operator key work for any key in the store; a name with two keys must be given exactly.
+    assert cli.main(["simulate", "--store", str(recorded_store), "--steps", "fam_linear[k=4]|float32|cpu", "fam_gram",
+                     "--shape", "48", "40", "60", "--workers", "2", "--memory-limit", "1GiB", "--runs", "2",
+                     "--strategies", "memchunk"]) == cli.EXIT_OK
+    assert "fam_linear -> fam_gram on 48 x 40 x 60" in capsys.readouterr().out
+    assert cli.main(["simulate", "--store", str(recorded_store), "--steps", "fam_linear", "--shape", "8", "8", "8",
+                     "--workers", "2", "--memory-limit", "1GiB"]) == cli.EXIT_USAGE
+    assert "'fam_linear' names 2 operator keys in the store" in capsys.readouterr().err
+
+
+# =========================================================================== stores built by hand
+
+
+def _observation(key: str, n: int, flow_run: str = "fr1", peak_per_element: float = 40.0) -> Observation:
+    return Observation(key, n, (1, n // 100, 100), 4 * n, int(peak_per_element * n), seconds=1e-6 * n,
+                       flow_run_id=flow_run, method="seeded")
+
+
+def _map(flow_run: str, key: str, **kw) -> MapRun:
+    d = dict(flow_run_id=flow_run, operator=key.split("[")[0].split("|")[0], operator_key=key, source="/s.sgy",
+             output_path=f"/out/{key.split('[')[0]}.zarr", shape=(64, 64, 100), halo=(2, 2, 2), itemsize=4, slots=2,
+             budget_bytes=700 * MiB, started_at=100.0, ended_at=110.0, map_id=f"{flow_run}-{key}")
+    d.update(kw)
+    return MapRun(**d)
+
+
+def test_a_key_with_too_little_history_is_a_typed_error_saying_how_many_runs_it_has(tmp_path, capsys):
+    path = tmp_path / "s.sqlite"
+    with Store(path) as s:
+        s.add_many([_observation(BOX, 20_000), _observation(BOX, 20_000)])  # one flow run, one size
+        s.add_map(_map("fr1", BOX, workers=2, threads_per_worker=1, memory_limit_bytes=GiB, whole_traces=False))
+    with pytest.raises(TooLittleHistoryError) as err:
+        from_flow_run(path, "latest", runs=1)
+    assert (err.value.key, err.value.runs, err.value.observations) == (BOX, 1, 2)
+    assert "1 flow run(s) and 2 finished chunk(s)" in str(err.value) and "--prior-multiple" in str(err.value)
+    assert isinstance(err.value, SimulationInputError)
+    argv = ["simulate", "--store", str(path), "--flow-run", "latest", "--runs", "1"]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert f"{BOX} has too little history to simulate: 1 flow run(s)" in capsys.readouterr().err
+    # With a stated prior it is simulated cold, and says so.
+    from memchunk_prefect.sim.inputs import PriorKnowledge
+
+    plan = from_flow_run(path, "latest", runs=1, prior=PriorKnowledge(40.0, 1e-6))
+    assert plan.completes and "stated prior" in plan.notes[0]
+
+
+def test_an_unknown_key_or_flow_run_is_a_typed_error_listing_what_the_store_holds(tmp_path, capsys):
+    path = tmp_path / "s.sqlite"
+    with Store(path) as s:
+        seed_store(s, BOX, 40.0)
+        s.add_map(_map("3f2a9c1e-0000", BOX, workers=2, threads_per_worker=1, memory_limit_bytes=GiB))
+        with pytest.raises(UnknownStepError, match=r"unknown operator 'my_bxo'.*it holds: my_box\[r=2\]") as err:
+            step_for("my_bxo", s)
+        assert isinstance(err.value, KeyError) and isinstance(err.value, SimulationInputError)
+        step = step_for("my_box", s)  # the one key of that operator, its halo from its recorded map
+        assert (step.key, step.halo, step.whole_traces) == (BOX, (2, 2, 2), True)
+        assert step_for({"key": BOX, "halo": [0, 0, 3], "whole_traces": False}, s).halo == (0, 0, 3)
+        assert recorded_flow(s, "3f2a").flow_run_id == "3f2a9c1e-0000"  # the start of an id is enough
+        with pytest.raises(FlowRunRecordError, match="no flow run 'nope' is recorded.*the most recent: 3f2a9c1e"):
+            recorded_flow(s, "nope")
+    argv = ["simulate", "--store", str(path), "--steps", "my_bxo", "--shape", "8", "8", "8", "--workers", "2",
+            "--memory-limit", "1GiB"]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    assert "unknown operator 'my_bxo'" in capsys.readouterr().err
+    assert cli.main([*argv[:3], "--flow-run", "latest", "--steps", "my_box"]) == cli.EXIT_USAGE
+    assert "not both" in capsys.readouterr().err
+
+
+def _v10_store(path, maps: list[MapRun]) -> None:
+    """A schema-v10 store, as an older version left it: its maps without the v11 columns."""
+    from memchunk_prefect.learn.store import _CREATE_V2, MIGRATIONS, _execute_script
+
+    con = sqlite3.connect(path, isolation_level=None)
+    _execute_script(con, _CREATE_V2)
+    con.execute("INSERT INTO meta VALUES ('application', 'memchunk-prefect')")
+    for version in range(2, 10):
+        MIGRATIONS[version](con)
+    con.execute("PRAGMA user_version = 10")
+    columns = [r[1] for r in con.execute("PRAGMA table_info(maps)") if r[1] != "id"]
+    for m in maps:
+        row = {**m.to_dict(), "shape": ",".join(map(str, m.shape)), "halo": ",".join(map(str, m.halo))}
+        con.execute(f"INSERT INTO maps ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
+                    [row[c] for c in columns])
+    con.close()
+
+
+def test_a_flow_run_in_an_old_store_says_what_it_lacks_and_runs_once_it_is_given(tmp_path):
+    path = tmp_path / "old.sqlite"
+    other = "my_gram|float32|cpu"
+    _v10_store(path, [_map("fr1", BOX), _map("fr1", other, source="/out/my_box.zarr", started_at=101.0)])
+    with Store(path) as s:  # opened by this version: migrated to v11, the old maps' new columns unknown
+        seed_store(s, BOX, 40.0)
+        seed_store(s, other, 12.0)
+        assert s.maps()[0].workers is None
+    with pytest.raises(FlowRunRecordError, match=r"recorded without the cluster.*give --workers \(workers=\) and "
+                                                 r"--memory-limit \(memory_limit=\)"):
+        from_flow_run(path, "fr1", runs=1)
+    plan = from_flow_run(path, "fr1", workers=2, memory_limit="1GiB", runs=2, shape=(32, 32, 100))
+    assert plan.completes and [s.upstream_index(i) for i, s in enumerate(plan.steps)] == [None, 0]
+    # Not a built-in operator and not recorded: whether it keeps traces whole is assumed, and said.
+    assert any("my_box: whether it keeps traces whole was not recorded" in n for n in plan.recorded.notes)
+
+
+def test_a_deadline_is_seconds_a_duration_a_datetime_or_a_time_of_day():
+    import datetime as dt
+
+    from memchunk_prefect.sim.plan import deadline_seconds
+
+    now = dt.datetime(2030, 1, 1, 22, 0).timestamp()
+    assert deadline_seconds(dt.time(6, 0), now=now) == 8 * 3600  # 6 am tomorrow
+    assert deadline_seconds("45min", now=now) == 2700 and deadline_seconds(None) is None
+    with pytest.raises(SimulationInputError, match="give one in the future"):
+        deadline_seconds(dt.datetime(2029, 1, 1), now=now)
+
+
+@pytest.mark.cluster
+@pytest.mark.server
+@pytest.mark.slow
+def test_the_how_to_runs_its_commands_and_its_python_as_written(recorded_store, monkeypatch, capsys):
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "simulate-a-flow.md").read_text()
+    marked = re.findall(r"<!-- tests/test_simulate_flow.py runs [^\n]*\n```(\w+)\n(.*?)```", text, flags=re.S)
+    assert [kind for kind, _ in marked] == ["bash", "python"]
+    monkeypatch.setenv("MEMCHUNK_STORE", str(recorded_store))
+    commands = [shlex.split(line) for line in marked[0][1].splitlines() if line.strip()]
+    assert len(commands) == 3 and all(c[0] == "memchunk" for c in commands)
+    for argv in commands:
+        assert cli.main(argv[1:]) == cli.EXIT_OK, (argv, capsys.readouterr())
+    capsys.readouterr()
+    scope: dict = {}
+    exec(compile(marked[1][1], "simulate-a-flow.md", "exec"), scope)
+    assert scope["plan"].completes and "meets the deadline: " in capsys.readouterr().out
