@@ -37,7 +37,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", *sorted(DOCS.rglob("*.md"))]
-README_MARKER = "<!-- tests/test_readme.py runs this block"
+#: A block under this comment is run as written by the test module it names (with what that test sets up first).
+RUN_BY = re.compile(r"<!-- (tests/[\w/]+\.py) runs this block")
 
 OUTPUT = {"", "text", "console"}
 SHELL = {"bash", "sh"}
@@ -56,7 +57,7 @@ class Block:
     lang: str
     title: str | None
     body: str
-    readme_run: bool  # one of the README blocks tests/test_readme.py runs
+    run_by: str | None  # the test module that runs this block as written (named in a comment just above it)
 
     @property
     def id(self) -> str:
@@ -78,14 +79,15 @@ def blocks(page: Path) -> list[Block]:
         while j < len(lines) and not re.match(rf"^\s*{fence}\s*$", lines[j]):
             j += 1
         body = textwrap.dedent("\n".join(lines[i + 1:j])) + "\n"
-        marked = i > 0 and lines[i - 1].startswith(README_MARKER)
-        out.append(Block(page, i + 1, lang.lower(), title.group(1) if title else None, body, marked))
+        marked = RUN_BY.match(lines[i - 1]) if i > 0 else None
+        out.append(Block(page, i + 1, lang.lower(), title.group(1) if title else None, body,
+                         marked.group(1) if marked else None))
         i = j + 1
     return out
 
 
 ALL = [b for page in PAGES for b in blocks(page)]
-PYTHON = [b for b in ALL if b.lang == "python" and not b.readme_run]
+PYTHON = [b for b in ALL if b.lang == "python" and b.run_by is None]
 SHELL_BLOCKS = [b for b in ALL if b.lang in SHELL or (b.lang == "console" and "\n$ " in "\n" + b.body)]
 YAML = [b for b in ALL if b.lang == "yaml"]
 
@@ -95,7 +97,12 @@ def test_every_code_block_is_run_checked_or_marked_as_output():
     assert not unknown, f"code blocks of a kind no test runs or checks: {unknown}; use python, bash, yaml, or " \
                         f"text/console for output"
     assert PYTHON and SHELL_BLOCKS, "the docs lost their code"
-    assert sum(b.readme_run for b in ALL) == 2, "README.md marks two blocks for tests/test_readme.py"
+    readme = [b for b in ALL if b.page.name == "README.md" and b.run_by == "tests/test_readme.py"]
+    assert len(readme) == 2, "README.md marks two blocks for tests/test_readme.py"
+    for b in ALL:
+        if b.run_by is not None:  # the test it names exists and reads this page
+            runner = REPO / b.run_by
+            assert runner.exists() and b.page.name in runner.read_text(), f"{b.id}: {b.run_by} does not run it"
 
 
 # =========================================================================== python blocks
