@@ -208,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--external", action="store_true", help="also one warm run on a cluster given by address")
     p.add_argument("--quick", action="store_true", help="the smallest workload, one pair, slabs 2 and 4 (CI)")
     p.add_argument("--only", nargs="*", default=None, help="run only workloads whose name starts with these")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one strategy may run")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds one strategy may run; past it the run counts as failed (a worker paused over its "
+                        "memory never finishes)")
     p.add_argument("--work", default=None, help="where inputs, stores and outputs go (default: a temporary dir)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
