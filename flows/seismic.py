@@ -214,7 +214,7 @@ def up_to_date(segy_path: str | os.PathLike, out_dir: str | os.PathLike, params_
 
 
 def _source_for(segy_path: str, iline: int, xline: int):
-    from memchunk_prefect.io.volume import SegySource
+    from memchunk_prefect.io.segy_source import SegySource
 
     return SegySource(segy_path, iline, xline)
 

@@ -15,7 +15,7 @@ _LAZY = {
     "MemoryAwareRunner": "memchunk_prefect.run.runner",
     "chunked": "memchunk_prefect.run.chunked",
     "ChunkedResult": "memchunk_prefect.run.chunked",
-    "open_segy": "memchunk_prefect.io.volume",
+    "open_segy": "memchunk_prefect.io.segy_xarray",
     "synthetic_survey": "memchunk_prefect.io.synthetic",
     "measure": "memchunk_prefect.run.monitor",
     "Measurement": "memchunk_prefect.run.monitor",

@@ -74,7 +74,7 @@ def test_a_corrupt_store_is_moved_aside_with_a_warning_and_the_flow_still_runs(c
         warnings.simplefilter("always")
         result = envelope_of(survey)
     assert any(issubclass(w.category, StoreMovedAsideWarning) for w in caught), [str(w.message) for w in caught]
-    from memchunk_prefect.io.volume import open_segy
+    from memchunk_prefect.io.segy_xarray import open_segy
 
     np.testing.assert_allclose(result, operators.envelope.fn(open_segy(survey).values), rtol=1e-5, atol=1e-6)
     aside = list(tmp_path.glob("obs.sqlite.corrupt-*"))

@@ -53,7 +53,7 @@ from memchunk_prefect.core.probe import probe_plan
 from memchunk_prefect.core.records import Prediction
 from memchunk_prefect.core.units import parse_bytes
 from memchunk_prefect.io.segy import close_handles
-from memchunk_prefect.io.volume import open_segy
+from memchunk_prefect.io.segy_xarray import open_segy
 from memchunk_prefect.learn.store import Store
 from memchunk_prefect.testing import seed_store
 
@@ -233,7 +233,7 @@ from pathlib import Path
 warnings.simplefilter("ignore")
 from memchunk_prefect.core.errors import MemchunkError
 from memchunk_prefect.io.segy import close_handles
-from memchunk_prefect.io.volume import open_segy
+from memchunk_prefect.io.segy_xarray import open_segy
 src, out, seed, n = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = random.Random(seed)
 names = ["small.sgy", "f3.sgy", "tiny.sgy", "small-lsb.sgy", "Format8msb.sgy", "long.sgy", "broken.sgy"]

@@ -29,7 +29,7 @@ from prefect import flow
 from memchunk_prefect import MemoryAwareRunner, chunked, synthetic_survey
 from memchunk_prefect.core.chunks import Chunk, covers_exactly
 from memchunk_prefect.core.errors import ClusterLostError, OutputWriteError
-from memchunk_prefect.io.volume import open_segy
+from memchunk_prefect.io.segy_xarray import open_segy
 from memchunk_prefect.io.zarr_store import ZarrOutput, open_result
 from memchunk_prefect.learn.store import Store
 from memchunk_prefect.operators import operator_key

@@ -5,6 +5,8 @@ pyproject.toml (``lint-imports``, run by .ci/run)."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,12 @@ def test_an_install_puts_only_the_library_on_the_path():
     packages = find_packages(str(REPO), include=find["include"], exclude=find.get("exclude", ()))
     assert packages and all(p == "memchunk_prefect" or p.startswith("memchunk_prefect.") for p in packages), packages
     assert {"memchunk_prefect.core", "memchunk_prefect.run", "memchunk_prefect.operators"} <= set(packages)
+
+
+def test_what_a_worker_imports_to_run_a_chunk_leaves_xarray_and_pandas_out():
+    """~40 MiB of every worker's memory: a worker reads SEG-Y or zarr blocks and writes zarr regions without them."""
+    code = ("import sys; import memchunk_prefect.run.worker, memchunk_prefect.run.runner, memchunk_prefect.io.volume, "
+            "memchunk_prefect.io.segy_source, memchunk_prefect.io.zarr_store, memchunk_prefect.io.mdio; "
+            "print(sorted(m for m in ('xarray', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

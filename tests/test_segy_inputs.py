@@ -20,8 +20,9 @@ from memchunk_prefect.core.errors import (
     SegyPrestackError,
     SegyTruncatedError,
 )
+from memchunk_prefect.io.segy_source import SegySource
+from memchunk_prefect.io.segy_xarray import open_segy
 from memchunk_prefect.io.synthetic import synthetic_survey
-from memchunk_prefect.io.volume import SegySource, open_segy
 
 F3_ILINES = np.arange(111, 134)
 F3_XLINES = np.arange(875, 893)

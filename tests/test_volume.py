@@ -26,9 +26,11 @@ from memchunk_prefect.core.errors import (
     VolumeError,
 )
 from memchunk_prefect.io.export import to_segy
+from memchunk_prefect.io.segy_source import SegySource
+from memchunk_prefect.io.segy_xarray import open_segy
 from memchunk_prefect.io.source import ArraySource
 from memchunk_prefect.io.synthetic import synthetic_survey, synthetic_volume
-from memchunk_prefect.io.volume import SegySource, as_source, open_segy, read_block
+from memchunk_prefect.io.volume import as_source, read_block
 from memchunk_prefect.io.zarr_store import ZarrOutput, ZarrSource, default_zarr_chunks, open_result
 
 SHAPE = (9, 11, 40)

@@ -23,15 +23,12 @@ Byte-level SEG-Y work (headers, geometry) is in :mod:`memchunk_prefect.io.segy`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-import xarray as xr
-from xarray.backends import BackendArray
-from xarray.core import indexing
 
 from memchunk_prefect.core.chunks import (
     AXES,
@@ -46,86 +43,27 @@ from memchunk_prefect.core.errors import (
 )
 from memchunk_prefect.io import segy as _segy
 from memchunk_prefect.io.mdio import MDIO_VARIABLE, MdioSource, is_mdio_store
-from memchunk_prefect.io.segy import SegyGeometry
-from memchunk_prefect.io.segy_cache import cached_scan
+from memchunk_prefect.io.segy_source import SEGY_SUFFIXES, SegySource
 from memchunk_prefect.io.source import ArraySource, Source
 from memchunk_prefect.io.zarr_store import DATA_NAME, ZarrSource
 
-__all__ = ["SegySource", "MdioSource", "as_source", "read_block", "open_segy"]
+__all__ = ["SegySource", "MdioSource", "as_source", "read_block"]
 
 
-SEGY_SUFFIXES = (".sgy", ".segy")
+def __getattr__(name: str) -> Any:
+    """``open_segy`` from :mod:`memchunk_prefect.io.segy_xarray`, imported on first use (it loads xarray)."""
+    if name == "open_segy":
+        from memchunk_prefect.io.segy_xarray import open_segy
+
+        return open_segy
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 #: The suffix MDIO datasets are given (``survey.mdio``); any MDIO v1 directory is recognised by its metadata too.
 MDIO_SUFFIX = ".mdio"
 
 
 # --------------------------------------------------------------------------- sources
-
-
-class SegySource(Source):
-    """A post-stack SEG-Y file read trace by trace on whichever process calls :meth:`read`.
-
-    Pickles as the path, the byte locations and a small geometry (inline/crossline
-    numbers and sample times; no per-trace data for sorted files), so workers do not
-    rescan headers. Each worker thread keeps its own open segyio handle.
-    """
-
-    kind = "segy"
-
-    def __init__(self, path: str | os.PathLike, iline: int = _segy.INLINE_BYTE, xline: int = _segy.CROSSLINE_BYTE,
-                 *, endian: str | None = None, geometry: SegyGeometry | None = None):
-        self.path = os.path.abspath(os.fspath(path))
-        self.geometry = geometry or cached_scan(self.path, iline, xline, endian)
-        self.iline = self.geometry.iline_byte
-        self.xline = self.geometry.xline_byte
-        self.endian = self.geometry.endian
-        self._coords: dict | None = None
-
-    def __getstate__(self) -> dict:
-        d = self.__dict__.copy()
-        d["_coords"] = None  # cdp_x/cdp_y are per trace: never shipped to workers (they read samples only)
-        d["geometry"] = dataclasses.replace(self.geometry, cdp=None)
-        return d
-
-    def __repr__(self) -> str:
-        return f"SegySource({self.path!r}, iline={self.iline}, xline={self.xline})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SegySource) and (self.path, self.iline, self.xline) == (
-            other.path, other.iline, other.xline)
-
-    def __hash__(self) -> int:
-        return hash((self.path, self.iline, self.xline))
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        return self.geometry.shape
-
-    def coords(self) -> dict[str, Any]:
-        if self._coords is None:
-            g = self.geometry
-            c = {"iline": g.ilines.copy(), "xline": g.xlines.copy(), "twt": g.samples_ms.copy(),
-                 "sample_interval_ms": g.sample_interval_ms}
-            if g.cdp is None:  # unpickled without them (or none recorded): the cache has them, or knows there are none
-                g = cached_scan(self.path, self.iline, self.xline, self.endian)
-            if g.cdp is not None:
-                c["cdp_x"], c["cdp_y"] = g.cdp
-            self._coords = c
-        return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in self._coords.items()}
-
-    def read(self, chunk: Chunk) -> np.ndarray:
-        self._check_chunk(chunk)
-        return _segy.read_traces(self.geometry, np.arange(chunk.start[0], chunk.stop[0]),
-                                 np.arange(chunk.start[1], chunk.stop[1]), slice(chunk.start[2], chunk.stop[2]))
-
-    def memchunk_source(self) -> dict:
-        return {"kind": "segy", "path": self.path, "iline": self.iline, "xline": self.xline}
-
-    def identity(self) -> dict:
-        """Path, header byte locations, size and modification time (ns): a rewritten file is a new input."""
-        st = os.stat(self.path)
-        return {**self.memchunk_source(), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
 def _still_backed_by_file(da: Any) -> bool:
@@ -136,6 +74,8 @@ def _still_backed_by_file(da: Any) -> bool:
     Walk xarray's wrapper chain instead: every lazy indexer must select everything and
     the innermost array must be a backend array (SEG-Y or zarr), not numpy.
     """
+    from xarray.backends import BackendArray  # given a DataArray, xarray is loaded
+
     d = getattr(da.variable, "_data", None)
     for _ in range(16):
         key = getattr(d, "key", None)
@@ -191,7 +131,7 @@ def _describes(da: Any, src: Source) -> bool:
                for role, dim in zip(AXES, src.dims) if dim in da.coords)
 
 
-def _dataset_source(ds: xr.Dataset) -> Source:
+def _dataset_source(ds: Any) -> Source:
     """An ``xarray.Dataset`` (an MDIO dataset, e.g. from ``mdio.open_mdio``) as a source of its data variable.
 
     The variable is the one its ``attributes.defaultVariableName`` names (``amplitude`` for MDIO). Opened from
@@ -249,10 +189,11 @@ def as_source(obj: Any, **kw: Any) -> Source:
             + ("" if p.exists() else " (and it does not exist)")
         )
 
-    if isinstance(obj, xr.DataArray):
+    xr = sys.modules.get("xarray")  # an xarray object means xarray is loaded; a worker never loads it for a path
+    if xr is not None and isinstance(obj, xr.DataArray):
         mapped = None if kw else _source_from_attrs(obj)
         return mapped if mapped is not None else ArraySource(obj, **kw)
-    if isinstance(obj, xr.Dataset) and not kw:
+    if xr is not None and isinstance(obj, xr.Dataset) and not kw:
         return _dataset_source(obj)
     if isinstance(obj, np.ndarray):
         return ArraySource(obj, **kw)
@@ -265,78 +206,6 @@ def as_source(obj: Any, **kw: Any) -> Source:
 
 
 # --------------------------------------------------------------------------- open_segy (lazy xarray)
-
-
-class SegyBackendArray(BackendArray):
-    """Lazy SEG-Y samples for xarray (the way xarray's own backends do it).
-
-    xarray wraps it in ``indexing.LazilyIndexedArray``; selections compose lazily and
-    only the final outer-indexed read reaches :meth:`_raw_indexing_method`, which reads
-    just the traces selected. Picklable: it holds only a :class:`SegySource`.
-    """
-
-    def __init__(self, source: SegySource):
-        self.source = source
-        self.shape = source.shape
-        self.dtype = np.dtype("float32")
-
-    def __getitem__(self, key):
-        return indexing.explicit_indexing_adapter(key, self.shape, indexing.IndexingSupport.OUTER,
-                                                  self._raw_indexing_method)
-
-    def _raw_indexing_method(self, key: tuple) -> np.ndarray:
-        idx, squeeze = [], []
-        for axis, (k, n) in enumerate(zip(key, self.shape)):
-            if isinstance(k, (int, np.integer)):
-                idx.append(np.array([int(k) % n]))
-                squeeze.append(axis)
-            elif isinstance(k, slice):
-                idx.append(np.arange(n)[k])
-            else:
-                idx.append(np.asarray(k, dtype=np.int64) % n)
-        ii, jj, tt = idx
-        if 0 in (len(ii), len(jj), len(tt)):
-            out = np.empty((len(ii), len(jj), len(tt)), dtype=np.float32)
-        else:
-            contiguous = np.array_equal(tt, np.arange(tt[0], tt[0] + len(tt)))
-            out = _segy.read_traces(self.source.geometry, ii, jj,
-                                    slice(int(tt[0]), int(tt[0]) + len(tt)) if contiguous else tt)
-        return out.squeeze(axis=tuple(squeeze)) if squeeze else out
-
-
-def open_segy(path: str | os.PathLike, iline: int = _segy.INLINE_BYTE, xline: int = _segy.CROSSLINE_BYTE, *,
-              endian: str | None = None, name: str | None = None):
-    """A post-stack SEG-Y file as a lazy ``xarray.DataArray`` with dims ``(iline, xline, twt)``.
-
-    Only headers are read here; samples are read when values are asked for, and
-    then only the traces selected (``da.isel(iline=3).values`` reads one inline).
-    Values are float32 for every sample format segyio reads (IBM and IEEE floats,
-    1/2/4-byte integers; either byte order, detected from the binary header).
-
-    Coordinates: ``iline``/``xline`` are the header numbers at bytes ``iline``/``xline``,
-    ``twt`` the sample times in ms (``f.samples``), and ``cdp_x``/``cdp_y`` (2-D over
-    iline, xline; scalar at byte 71 applied) when the file records them.
-    ``attrs`` carry ``sample_interval_ms``, ``source`` (the path), the byte locations,
-    ``sorting``, ``format_code`` and ``memchunk_source`` (how the runner maps the
-    DataArray back to the file so workers read it directly).
-
-    Bad files raise a typed :class:`~memchunk_prefect.core.errors.SegyError` naming the file.
-    """
-    src = SegySource(path, iline, xline, endian=endian)
-    c = src.coords()
-    backend = SegyBackendArray(src)
-    var = xr.Variable(AXES, indexing.LazilyIndexedArray(backend))
-    coords: dict[str, Any] = {"iline": c["iline"], "xline": c["xline"], "twt": ("twt", c["twt"], {"units": "ms"})}
-    if "cdp_x" in c:
-        coords["cdp_x"] = (("iline", "xline"), c["cdp_x"])
-        coords["cdp_y"] = (("iline", "xline"), c["cdp_y"])
-    g = src.geometry
-    attrs = {
-        "sample_interval_ms": g.sample_interval_ms, "source": src.path, "iline_byte": src.iline,
-        "xline_byte": src.xline, "sorting": g.sorting, "format_code": g.format_code, "endian": g.endian,
-        "memchunk_source": src.memchunk_source(),
-    }
-    return xr.DataArray(var, coords=coords, name=name or Path(src.path).stem, attrs=attrs)
 
 
 # --------------------------------------------------------------------------- zarr output

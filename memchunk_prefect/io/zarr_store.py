@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-import xarray as xr
 import zarr
 
 from memchunk_prefect.core.chunks import (
@@ -626,6 +625,8 @@ def open_result(path: str | os.PathLike, allow_incomplete: bool = False):
             f"completed chunks{'; it was never finalized' if missing == 0 else ''}). Finish the run (or call "
             "ZarrOutput.open(path).finalize()), or pass allow_incomplete=True to inspect it anyway."
         )
+    import xarray as xr  # the flow's side only: workers write regions with zarr and never need it
+
     ds = xr.open_dataset(p, engine="zarr", consolidated=False, chunks=None, mask_and_scale=False)
     da = ds[out.name]
     for k in ("cdp_x", "cdp_y"):
