@@ -151,6 +151,9 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     NVML's absolute figure), and a GPU out-of-memory is a censored observation as a
     host one is. Runs on the worker.
     """
+    written = already_written(job)
+    if written is not None:
+        return written
     read_chunk, trim = with_halo(job.chunk, job.halo, job.volume_shape)
     base: dict[str, Any] = dict(
         operator_key=job.operator_key, elements=read_chunk.elements, extents=read_chunk.shape,
@@ -227,6 +230,26 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     except OSError as exc:
         raise write_error(job, exc) from exc
     return Receipt(chunk=job.chunk, output_path=job.output_path, observation=obs.to_dict())
+
+
+def already_written(job: BlockJob) -> Receipt | None:
+    """The receipt of a chunk whose completion marker is there already (None: it is not; it runs).
+
+    The flow submits a chunk once unless its run died before writing it; but Dask runs a task again by itself
+    when the worker that holds its finished result leaves before the flow gathered it ("lost already computed
+    task(s), which will be recomputed elsewhere": a batch job cancelled, preempted or at its walltime just after
+    writing a chunk). The chunk's data and marker (with the first run's measurement) are in the output already:
+    they are kept and the measurement returned, so nothing written is computed again."""
+    try:
+        output = ZarrOutput.open(job.output_path)
+        if not output.is_done(job.chunk):
+            return None
+        records = output.done_records([job.chunk])
+    except (OSError, ValueError):  # no output to read yet: the chunk runs
+        return None
+    if not records or records[0].get("operator_key") != job.operator_key:
+        return None
+    return Receipt(chunk=job.chunk, output_path=job.output_path, observation=dict(records[0]))
 
 
 _WRITE_HINTS = {errno.ENOSPC: "the disk is full: free space there",
