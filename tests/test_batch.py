@@ -20,6 +20,7 @@ from memchunk_prefect.core.records import Prediction
 from memchunk_prefect.run import batch
 from memchunk_prefect.run.cluster import (
     NO_LIMIT_BYTES,
+    ClusterView,
     job_memory,
     jobqueue_job,
     memory_cgroup_dirs,
@@ -234,10 +235,29 @@ def test_a_local_clusters_workers_and_nannies_answer_the_job_reading():
         nanny = client.scheduler_info()["workers"][address]["nanny"]
         at_nanny = run_on_nanny(client, nanny, job_memory)
         assert at_nanny["oom_kills"] == read["oom_kills"], (at_nanny, read)
-        evidence, now = batch.death_evidence(client, address, read, nanny, read["oom_kills"], wait_seconds=0)
-        assert evidence.nanny_memory_kill is False and evidence.job_state is None
-        assert now == read["oom_kills"] and death_cause(evidence)[0] == UNKNOWN
-        assert batch.death_evidence(client, address, None, "tcp://127.0.0.1:9", None, wait_seconds=0)[1] is None
+        view = ClusterView(lambda: client, lambda: None)
+        view.workers()  # what a map's start reads: each worker's job, its nanny, its cgroup's OOM count
+        evidence = view.death_evidence(address)
+        assert evidence.nanny_memory_kill is False and evidence.job_state is None and view.death_evidence(address) \
+            is evidence, "read once per dead worker"
+        assert death_cause(evidence)[0] == UNKNOWN
+        gone = lambda: run_on_nanny(client, "tcp://127.0.0.1:9", job_memory, timeout_s=1)  # noqa: E731
+        assert batch.death_evidence(address, lambda: [], gone, None, None, wait_seconds=0)[1] is None
+
+
+def test_a_death_read_from_a_job_that_ended_waits_for_its_final_state_and_names_it():
+    states = iter([("COMPLETING", "scontrol"), ("OUT_OF_MEMORY", "scontrol")])
+    evidence, now = batch.death_evidence("tcp://w:1", lambda: None, None, {"job_id": "12", "batch": "slurm"}, None,
+                                         wait_seconds=5, job_state=lambda job: next(states))
+    assert now is None and death_cause(evidence) == (MEMORY, "its batch job 12 ended OUT_OF_MEMORY (scontrol)")
+    evidence, now = batch.death_evidence("tcp://w:1", lambda: ["tcp://w:1"], lambda: {"oom_kills": 3, "job_id": "12",
+                                                                                     "batch": "slurm"}, None, 2,
+                                         job_state=lambda job: ("RUNNING", "scontrol"))
+    assert (evidence.oom_kills, evidence.nanny_memory_kill, evidence.job_state, now) == (1, True, None, 3), \
+        "the nanny's kill says why: the batch system is not asked"
+    logs = iter([[], [], ["tcp://w:1"]])  # the nanny's event reaches the scheduler's log after the death
+    evidence, _ = batch.death_evidence("tcp://w:1", lambda: next(logs), lambda: {"oom_kills": 0}, None, 0)
+    assert death_cause(evidence)[0] == MEMORY and evidence.oom_kills == 0
 
 
 def test_a_worker_memory_without_a_job_keeps_its_old_line():

@@ -35,6 +35,10 @@ COMMAND_TIMEOUT_SECONDS = 10.0
 #: Seconds to wait for the final state of a job whose nanny is gone as well (its end is being reported).
 JOB_STATE_WAIT_SECONDS = 10.0
 
+#: Seconds to wait for a live nanny's memory-kill event to reach the scheduler's log (it is sent as the nanny
+#: kills its worker, on another connection than the one whose closing tells the scheduler of the death).
+NANNY_EVENT_WAIT_SECONDS = 2.0
+
 
 def _run(cmd: list[str], timeout: float) -> str | None:
     if shutil.which(cmd[0]) is None:
@@ -62,44 +66,48 @@ def slurm_job_state(job_id: str, timeout: float = COMMAND_TIMEOUT_SECONDS) -> tu
     return None, ""
 
 
-def death_evidence(client: Any, worker: str, job: dict[str, Any] | None, nanny: str | None, oom_seen: int | None,
-                   *, job_id: str | None = None, batch: str | None = None,
-                   wait_seconds: float = JOB_STATE_WAIT_SECONDS,
+def death_evidence(worker: str, kills: Callable[[], list[str] | None], at_nanny: Callable[[], dict[str, Any]] | None,
+                   job: dict[str, Any] | None, oom_seen: int | None, *, job_id: str | None = None,
+                   batch: str | None = None, wait_seconds: float = JOB_STATE_WAIT_SECONDS,
                    job_state: Callable[[str], tuple[str | None, str]] = slurm_job_state,
                    ) -> tuple[DeathEvidence, int | None]:
     """What can be read about the death of the worker at ``worker``, and the OOM count its nanny reads now.
 
-    ``job``: what :func:`memchunk_prefect.run.cluster.job_memory` read on that worker earlier (None where it was
-    not: a worker that joined mid-map); ``nanny``: its nanny's address, asked for the same reading now (it
-    lives in the same job and cgroup); ``oom_seen``: the OOM count last read for that nanny (the increase since is
-    the evidence; 0 where it was never read: a count there then is this death's); ``job_id`` / ``batch``: the
-    job as the cluster object knows it, where neither reading gives it. ``job_state`` is the batch system's
-    reader.
+    ``kills``: reads the workers the nannies logged as killed for memory (None: the log could not be read; a
+    nanny that answers and whose cgroup saw no OOM kill is given up to :data:`NANNY_EVENT_WAIT_SECONDS` for its
+    event to reach the scheduler, which it may after Dask reported the death);
+    ``at_nanny``: reads :func:`memchunk_prefect.run.cluster.job_memory` in the dead worker's nanny, which lives
+    in the same job and cgroup (raises where the nanny does not answer; None: no nanny known); ``job``: what
+    that reading gave on the worker earlier (None: a worker that joined mid-map); ``oom_seen``: the OOM count
+    last read for that nanny (the increase since is the evidence; 0 where never read: a count there then is this
+    death's); ``job_id`` / ``batch``: the job as the cluster object knows it, where neither reading gives it.
+    ``job_state`` is the batch system's reader.
     """
-    from memchunk_prefect.run.cluster import job_memory, read_memory_kills, run_on_nanny
-
-    kills = read_memory_kills(client)
-    nanny_kill = None if kills is None else worker in kills
     now: dict[str, Any] = {}
-    if nanny:
+    if at_nanny is not None:
         try:
-            now = run_on_nanny(client, nanny, job_memory)
+            now = at_nanny()
         except Exception as exc:  # noqa: BLE001 - the job is gone with its nanny: the batch system may say why
-            logger.info("the nanny %s of the dead worker %s does not answer: %r", nanny, worker, exc)
+            logger.info("the nanny of the dead worker %s does not answer: %r", worker, exc)
     oom_now = now.get("oom_kills")
     base = oom_seen if oom_seen is not None else (job or {}).get("oom_kills", 0)
     rose = None if oom_now is None or base is None else max(0, int(oom_now) - int(base))
     known = {**(job or {}), **{k: v for k, v in now.items() if v is not None}}
     job_id = known.get("job_id") or job_id
     batch = known.get("batch") or batch
+    killed = kills()
+    deadline = time.monotonic() + (NANNY_EVENT_WAIT_SECONDS if now and not rose else 0.0)
+    while killed is not None and worker not in killed and time.monotonic() < deadline:
+        time.sleep(0.2)
+        killed = kills()
     state, source = (None, "")
-    if job_id and batch == "slurm":
+    if job_id and batch == "slurm" and not (killed and worker in killed):
         state, source = job_state(str(job_id))
         deadline = time.monotonic() + (0.0 if now or rose else wait_seconds)
         while state in LIVE_STATES and time.monotonic() < deadline:
             time.sleep(0.5)
             state, source = job_state(str(job_id))
-    evidence = DeathEvidence(nanny_memory_kill=nanny_kill, oom_kills=rose, job_state=state,
-                             job_id=str(job_id) if job_id else None, source=source)
+    evidence = DeathEvidence(nanny_memory_kill=None if killed is None else worker in killed, oom_kills=rose,
+                             job_state=state, job_id=str(job_id) if job_id else None, source=source)
     logger.info("death of %s: %s", worker, evidence)
     return evidence, None if oom_now is None else int(oom_now)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import math
@@ -42,6 +43,7 @@ from memchunk_prefect.core.deaths import DeathEvidence
 from memchunk_prefect.core.errors import RunnerConfigError
 from memchunk_prefect.core.settings import RUNNER_SETTINGS, RunnerSettings
 from memchunk_prefect.operators.device import GpuStatus, check_device, gpu_status, resolve_for_workers
+from memchunk_prefect.run import batch
 from memchunk_prefect.run.prefect_api import flow_logger
 
 logger = logging.getLogger("memchunk_prefect.run.cluster")
@@ -268,9 +270,9 @@ def job_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc",
     if limit is not None:
         name = "memory.max" if os.path.exists(os.path.join(str(group), "memory.max")) else "memory.limit_in_bytes"
         out["source"] = f"cgroup {name}"
-    for batch, variable in JOB_ID_VARIABLES:
+    for system, variable in JOB_ID_VARIABLES:
         if env.get(variable):
-            out["job_id"], out["batch"] = str(env[variable]), batch
+            out["job_id"], out["batch"] = str(env[variable]), system
             break
     requested = _slurm_request_bytes(env)
     me = os.getpid()
@@ -702,8 +704,6 @@ class ClusterView:
         dask-jobqueue cluster)."""
         if not worker:
             return None
-        from memchunk_prefect.run import batch
-
         with self._death_lock:  # one reading at a time (the OOM count read is compared with the last one)
             with self._lock:
                 if worker in self._deaths:
@@ -711,7 +711,10 @@ class ClusterView:
                 job, nanny = self._jobs.get(worker), self._nannies.get(worker) or nanny
                 seen = self._oom_seen.get(nanny) if nanny else None
             job_id, system = jobqueue_job(self._cluster(), name)
-            evidence, now = batch.death_evidence(self.client, worker, job, nanny, seen, job_id=job_id, batch=system)
+            client = self.client
+            at_nanny = None if not nanny else functools.partial(run_on_nanny, client, nanny, job_memory)
+            kills = functools.partial(read_memory_kills, client)
+            evidence, now = batch.death_evidence(worker, kills, at_nanny, job, seen, job_id=job_id, batch=system)
             with self._lock:
                 self._deaths[worker] = evidence
                 if nanny and now is not None:
