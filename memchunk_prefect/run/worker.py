@@ -113,7 +113,7 @@ class BlockFunction:
         # (see that module).
         hydration.install()
         try:
-            return run_block(self.fn, job, bound)
+            return already_written(job) or run_block(self.fn, job, bound)
         except BaseException as exc:
             # Dask and Prefect keep a failed task's exception, whose traceback keeps the block and the operator's
             # arrays (host and GPU) alive in this worker: drop them, so a chunk that ran out of memory leaves
@@ -151,9 +151,6 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     NVML's absolute figure), and a GPU out-of-memory is a censored observation as a
     host one is. Runs on the worker.
     """
-    written = already_written(job)
-    if written is not None:
-        return written
     read_chunk, trim = with_halo(job.chunk, job.halo, job.volume_shape)
     base: dict[str, Any] = dict(
         operator_key=job.operator_key, elements=read_chunk.elements, extents=read_chunk.shape,
