@@ -125,6 +125,7 @@ def test_kill_line_table():
     assert kill_line(1000, 0.95, 500) == (500.0, JOB)
     assert kill_line(1000, 0.95, 960) == (950.0, NANNY)
     assert kill_line(1000, None, None) == (1000.0, LIMIT)
+    assert kill_line(1000, None, 1200) == (1200.0, JOB), "without a nanny, the job is what kills"
     assert kill_line(0, None, 700) == (700.0, JOB)
     assert kill_line(0, None, None) == (0.0, NONE)
 

@@ -90,24 +90,25 @@ NANNY, JOB, LIMIT, NONE = "nanny", "job", "memory_limit", "none"
 def kill_line(memory_limit_bytes: int, kill_fraction: float | None, job_line_bytes: float | None) -> tuple[float, str]:
     """The process memory (bytes) at which a worker is killed, and by what: the lower of its nanny's line
     (``kill_fraction`` x ``memory_limit_bytes``) and its job's line (``job_line_bytes``: the job's limit less
-    what its other processes hold), else ``memory_limit_bytes`` where nothing kills it, else 0 (no line at all).
+    what its other processes hold), else ``memory_limit_bytes`` where nothing kills it (without a nanny Dask only
+    pauses a worker there), else 0 (no line at all).
 
     | memory_limit | kill_fraction | job line | line | by |
     |---|---|---|---|---|
     | 1000 | 0.95 | None | 950 | nanny |
     | 1000 | 0.95 | 500 | 500 | job |
-    | 1000 | None | 1200 | 1000 | memory_limit |
+    | 1000 | None | 1200 | 1200 | job (no nanny: the job is what kills) |
+    | 1000 | None | None | 1000 | memory_limit |
     | 0 | None | None | 0 | none |
 
     >>> kill_line(1000, 0.95, None), kill_line(1000, 0.95, 500), kill_line(1000, 0.95, 960)
     ((950.0, 'nanny'), (500.0, 'job'), (950.0, 'nanny'))
     >>> kill_line(1000, None, None), kill_line(1000, None, 1200), kill_line(0, 0.95, 500), kill_line(0, None, None)
-    ((1000.0, 'memory_limit'), (1000.0, 'memory_limit'), (500.0, 'job'), (0.0, 'none'))
+    ((1000.0, 'memory_limit'), (1200.0, 'job'), (500.0, 'job'), (0.0, 'none'))
     """
     nanny = float(kill_fraction) * memory_limit_bytes if memory_limit_bytes and kill_fraction is not None else None
     job = float(job_line_bytes) if job_line_bytes is not None else None
-    if job is not None and (nanny is None or job < nanny) and (nanny is not None or not memory_limit_bytes
-                                                              or job < memory_limit_bytes):
+    if job is not None and (nanny is None or job < nanny):
         return job, JOB
     if nanny is not None:
         return nanny, NANNY
