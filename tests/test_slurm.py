@@ -354,6 +354,42 @@ def test_a_job_killed_for_its_memory_is_out_of_memory_and_its_budget_came_from_t
            reasons=reasons)
 
 
+def test_a_job_without_a_nanny_killed_for_its_memory_is_read_as_out_of_memory_from_slurm(slurm, hog_survey,
+                                                                                          tmp_path):
+    """Workers started without a nanny (``nanny=False``): nothing restarts a worker the kernel (or Slurm) kills,
+    the job ends, and only Slurm can say why: its state, OUT_OF_MEMORY, is read (``scontrol``) and the chunk is
+    split; adaptive scaling replaces the job."""
+    name = "mc-oom-nonanny"
+    key = operator_key(memory_hog, {"multiple": 450})
+    store = str(tmp_path / "store.sqlite")
+    with Store(store) as s:
+        seed_store(s, key, 4 * 100.0)
+    runner = MemoryAwareRunner(cluster_class="dask_jobqueue.SLURMCluster",
+                               cluster_kwargs=slurm_kwargs(tmp_path, name, memory="1200MB", nanny=False),
+                               adapt_kwargs={"minimum_jobs": 1, "maximum_jobs": 1}, store=store, progress=False)
+
+    @flow(task_runner=runner)
+    def hog(path: str):
+        from prefect.runtime import flow_run
+
+        res = memory_hog.map(chunked(path), multiple=450, seconds=2.0)
+        return str(flow_run.id), res.summary(), res.events, res.result().values
+
+    t0 = time.monotonic()
+    run_id, summary, events, values = hog(hog_survey)
+    wall = time.monotonic() - t0
+    np.testing.assert_array_equal(values, open_segy(hog_survey).values)
+    reasons = [r for d, r in zip(summary["decisions"], summary["reasons"]) if d == "retry-smaller"]
+    assert reasons and all("ended OUT_OF_MEMORY (scontrol)" in r for r in reasons), reasons
+    states = Counter(j["JobState"] for j in jobs_named(name))
+    assert states["OUT_OF_MEMORY"] == len(reasons), states
+    assert [o for o in Store(store).observations(key) if o.censored]
+    assert not unfinished_task_runs(run_id)
+    report("oom-no-nanny", wall_seconds=round(wall, 1), chunks=summary["chunks"], tasks=summary["tasks"],
+           deaths=deaths_by_kind(events), job_states=dict(states), reasons=reasons,
+           budget_reason=summary["budget_reason"])
+
+
 # ----------------------------------------------------------------------------- what `memchunk recommend` prints
 
 

@@ -16,7 +16,7 @@ alive() { [ -f "$dir/$1.pid" ] && kill -0 "$(cat "$dir/$1.pid")" 2>/dev/null; }
 our_stepds() {
     for p in /proc/[0-9]*; do
         [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] || continue
-        tr '\0' '\n' <"$p/environ" 2>/dev/null | grep -qx "SLURM_CONF=$SLURM_CONF" && echo "${p#/proc/}"
+        { tr '\0' '\n' <"$p/environ"; } 2>/dev/null | grep -qx "SLURM_CONF=$SLURM_CONF" && echo "${p#/proc/}"
     done
 }
 
