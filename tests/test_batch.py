@@ -46,6 +46,11 @@ MiB = 2**20
     (DeathEvidence(nanny_memory_kill=False, oom_kills=0, job_state="RUNNING", job_id="5"), UNKNOWN,
      "batch job 5 is RUNNING, no OOM kill in its job cgroup"),
     (DeathEvidence(job_state="COMPLETED"), UNKNOWN, "is COMPLETED"),
+    (DeathEvidence(job_state="FAILED", job_signal=9, job_id="5", source="scontrol"), MEMORY,
+     "batch job 5 ended FAILED, killed by signal 9 (scontrol): over its --mem"),
+    (DeathEvidence(job_state="FAILED", job_signal=15), UNKNOWN, "is FAILED"),
+    (DeathEvidence(job_state="FAILED"), UNKNOWN, "is FAILED"),
+    (DeathEvidence(job_state="CANCELLED", job_signal=9), LOST, "ended CANCELLED"),
     (DeathEvidence(), UNKNOWN, "nothing was read about it"),
 ])
 def test_the_death_rule(evidence, cause, says):
@@ -201,7 +206,7 @@ def test_no_cgroup_mount_reads_no_limit(tmp_path):
 
 def test_the_job_state_reader_says_nothing_where_there_is_no_slurm(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    assert batch.slurm_job_state("1") == (None, "")
+    assert batch.slurm_job_state("1") == (None, "", None)
 
 
 class _Cluster:
@@ -247,13 +252,13 @@ def test_a_local_clusters_workers_and_nannies_answer_the_job_reading():
 
 
 def test_a_death_read_from_a_job_that_ended_waits_for_its_final_state_and_names_it():
-    states = iter([("COMPLETING", "scontrol"), ("OUT_OF_MEMORY", "scontrol")])
+    states = iter([("COMPLETING", "scontrol", None), ("OUT_OF_MEMORY", "scontrol", None)])
     evidence, now = batch.death_evidence("tcp://w:1", lambda: None, None, {"job_id": "12", "batch": "slurm"}, None,
                                          wait_seconds=5, job_state=lambda job: next(states))
     assert now is None and death_cause(evidence) == (MEMORY, "its batch job 12 ended OUT_OF_MEMORY (scontrol)")
     evidence, now = batch.death_evidence("tcp://w:1", lambda: ["tcp://w:1"], lambda: {"oom_kills": 3, "job_id": "12",
                                                                                      "batch": "slurm"}, None, 2,
-                                         job_state=lambda job: ("RUNNING", "scontrol"))
+                                         job_state=lambda job: ("RUNNING", "scontrol", None))
     assert (evidence.oom_kills, evidence.nanny_memory_kill, evidence.job_state, now) == (1, True, None, 3), \
         "the nanny's kill says why: the batch system is not asked"
     logs = iter([[], [], ["tcp://w:1"]])  # the nanny's event reaches the scheduler's log after the death

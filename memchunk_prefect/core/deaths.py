@@ -13,9 +13,13 @@ The rule, first match wins:
 1. the worker's nanny logged a memory kill for it (``worker-restart-memory``): memory;
 2. the kernel's OOM killer ran in the worker's job cgroup since it was last read (the ``oom_kill`` count of
    ``memory.oom_control`` in cgroup v1, ``memory.events`` in v2): memory;
-3. the batch system ended the job ``OUT_OF_MEMORY`` (Slurm: a cgroup OOM in the step, or over ``--mem``): memory;
-4. the batch system ended the job for time, preemption, cancellation or a node (:data:`LOST_STATES`): lost;
-5. anything else (the job still running, no batch system, nothing readable): unknown.
+3. the batch system ended the job ``OUT_OF_MEMORY`` (Slurm: a cgroup OOM in the step): memory;
+4. the batch system ended the job ``FAILED``, killed by signal 9 (SIGKILL): memory. That is how Slurm's
+   accounting poll ends a job over its ``--mem`` where there are no cgroups (``JobAcctGatherParams=OverMemoryKill``:
+   Slurm 22.05 marks it ``FAILED``, exit ``0:9``), and how the kernel's OOM killer ends one; a user's or an
+   administrator's ``kill -9`` reads the same, and is taken as memory too;
+5. the batch system ended the job for time, preemption, cancellation or a node (:data:`LOST_STATES`): lost;
+6. anything else (the job still running, no batch system, nothing readable): unknown.
 
 Pure: plain values in, a verdict and its reason in words out.
 """
@@ -39,6 +43,9 @@ LOST_STATES = frozenset({"TIMEOUT", "DEADLINE", "CANCELLED", "PREEMPTED", "NODE_
 #: The Slurm job state of a job killed for memory.
 OUT_OF_MEMORY = "OUT_OF_MEMORY"
 
+#: The signal that ends a job over its memory where it is not a cgroup's OOM (Slurm's poll, the kernel): SIGKILL.
+SIGKILL = 9
+
 #: Slurm job states of a job that has not ended: a death read while its job is in one of them says nothing yet.
 LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT", "RESIZING"})
 
@@ -50,7 +57,8 @@ class DeathEvidence:
     ``nanny_memory_kill``: its nanny logged a memory kill for it; ``oom_kills``: kills by the kernel's OOM killer
     in its job's cgroup since the runner last read that cgroup (an increase, not a total); ``job_state``: its batch
     job's state (Slurm's names, e.g. ``CANCELLED``; ``CANCELLED by 0`` is read as ``CANCELLED``); ``job_id`` and
-    ``source`` (``scontrol``, ``sacct``): where that state came from, for the reason.
+    ``source`` (``scontrol``, ``sacct``): where that state came from, for the reason; ``job_signal``: the signal
+    that ended the job's batch script (the second half of Slurm's ``ExitCode=0:9``), None where none did.
     """
 
     nanny_memory_kill: bool | None = None
@@ -58,6 +66,7 @@ class DeathEvidence:
     job_state: str | None = None
     job_id: str | None = None
     source: str = ""
+    job_signal: int | None = None
 
 
 def job_state_name(state: str | None) -> str | None:
@@ -92,6 +101,9 @@ def death_cause(evidence: DeathEvidence) -> tuple[str, str]:
         return MEMORY, f"the kernel's OOM killer ran {evidence.oom_kills} time(s) in the worker's job cgroup"
     if state == OUT_OF_MEMORY:
         return MEMORY, f"{job} ended {OUT_OF_MEMORY}{where}"
+    if state == "FAILED" and evidence.job_signal == SIGKILL:
+        return MEMORY, (f"{job} ended FAILED, killed by signal 9{where}: over its --mem (Slurm's accounting poll) or "
+                        "the kernel's OOM killer")
     if state in LOST_STATES:
         return LOST, f"{job} ended {state}{where}, not for memory"
     read = [f"{job} is {state}{where}"] if state else []

@@ -8,7 +8,8 @@ Read in the flow's process when a map's chunk comes back ``KilledWorker``:
   (:func:`memchunk_prefect.run.cluster.run_on_nanny`): a nanny restarts a worker the kernel killed, so the job
   lives on and the batch system says nothing until it ends;
 - the job's state as the batch system gives it (Slurm: ``sacct`` where accounting is kept, else ``scontrol show
-  job``, which knows a job for ``MinJobAge`` seconds after it ended). A job whose nanny is gone too has ended or
+  job``, which knows a job for ``MinJobAge`` seconds after it ended), and the signal that ended it (Slurm's poll
+  kills a job over its ``--mem`` with SIGKILL where there are no cgroups). A job whose nanny is gone too has ended or
   is ending: its state is waited for up to ``job_state_wait_seconds`` (Slurm sets ``OUT_OF_MEMORY`` when the
   step's end is reported, a moment after its processes died).
 
@@ -51,25 +52,37 @@ def _run(cmd: list[str], timeout: float) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
-def slurm_job_state(job_id: str, timeout: float = COMMAND_TIMEOUT_SECONDS) -> tuple[str | None, str]:
-    """A Slurm job's state (``RUNNING``, ``CANCELLED``, ``OUT_OF_MEMORY``, ...) and the command that gave it;
-    ``(None, "")`` where neither ``sacct`` nor ``scontrol`` knows it (no Slurm here, accounting off and the job
-    forgotten, a controller that does not answer)."""
-    out = _run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"], timeout)
-    state = job_state_name(out.splitlines()[0]) if out and out.strip() else None
-    if state:
-        return state, "sacct"
+def slurm_job_state(job_id: str, timeout: float = COMMAND_TIMEOUT_SECONDS) -> tuple[str | None, str, int | None]:
+    """A Slurm job's state (``RUNNING``, ``CANCELLED``, ``OUT_OF_MEMORY``, ...), the command that gave it, and the
+    signal that ended its batch script (``ExitCode=0:9`` -> 9; None where none did); ``(None, "", None)`` where
+    neither ``sacct`` nor ``scontrol`` knows the job (no Slurm here, accounting off and the job forgotten, a
+    controller that does not answer)."""
+    out = _run(["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State,ExitCode"], timeout)
+    if out and out.strip():
+        state, _, code = out.splitlines()[0].partition("|")
+        if job_state_name(state):
+            return job_state_name(state), "sacct", exit_signal(code)
     out = _run(["scontrol", "show", "job", "-o", str(job_id)], timeout)
-    for word in (out or "").split():
-        if word.startswith("JobState="):
-            return job_state_name(word.split("=", 1)[1]), "scontrol"
-    return None, ""
+    fields = dict(w.split("=", 1) for w in (out or "").split() if "=" in w)
+    if fields.get("JobState"):
+        return job_state_name(fields["JobState"]), "scontrol", exit_signal(fields.get("ExitCode", ""))
+    return None, "", None
+
+
+def exit_signal(code: str) -> int | None:
+    """The signal of a Slurm exit code ``EXIT:SIGNAL`` (``"0:9"`` -> 9); None for none or an unreadable code.
+
+    >>> exit_signal("0:9"), exit_signal("1:0"), exit_signal("")
+    (9, None, None)
+    """
+    _, _, sig = str(code).strip().partition(":")
+    return int(sig) if sig.isdigit() and int(sig) > 0 else None
 
 
 def death_evidence(worker: str, kills: Callable[[], list[str] | None], at_nanny: Callable[[], dict[str, Any]] | None,
                    job: dict[str, Any] | None, oom_seen: int | None, *, job_id: str | None = None,
                    batch: str | None = None, wait_seconds: float = JOB_STATE_WAIT_SECONDS,
-                   job_state: Callable[[str], tuple[str | None, str]] = slurm_job_state,
+                   job_state: Callable[[str], tuple[str | None, str, int | None]] = slurm_job_state,
                    ) -> tuple[DeathEvidence, int | None]:
     """What can be read about the death of the worker at ``worker``, and the OOM count its nanny reads now.
 
@@ -100,14 +113,15 @@ def death_evidence(worker: str, kills: Callable[[], list[str] | None], at_nanny:
     while killed is not None and worker not in killed and time.monotonic() < deadline:
         time.sleep(0.2)
         killed = kills()
-    state, source = (None, "")
+    state, source, signal = (None, "", None)
     if job_id and batch == "slurm" and not (killed and worker in killed):
-        state, source = job_state(str(job_id))
+        state, source, signal = job_state(str(job_id))
         deadline = time.monotonic() + (0.0 if now or rose else wait_seconds)
         while state in LIVE_STATES and time.monotonic() < deadline:
             time.sleep(0.5)
-            state, source = job_state(str(job_id))
+            state, source, signal = job_state(str(job_id))
     evidence = DeathEvidence(nanny_memory_kill=None if killed is None else worker in killed, oom_kills=rose,
-                             job_state=state, job_id=str(job_id) if job_id else None, source=source)
+                             job_state=state, job_id=str(job_id) if job_id else None, source=source,
+                             job_signal=signal)
     logger.info("death of %s: %s", worker, evidence)
     return evidence, None if oom_now is None else int(oom_now)
