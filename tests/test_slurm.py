@@ -415,12 +415,15 @@ def test_the_arguments_memchunk_recommend_prints_start_a_cluster_that_runs(slurm
 
     @flow(task_runner=runner)
     def env(path: str):
-        return operators.envelope.map(chunked(path)).result().values
+        from prefect.runtime import flow_run
 
-    values = env(survey)
+        return str(flow_run.id), operators.envelope.map(chunked(path)).result().values
+
+    run_id, values = env(survey)
     volume = open_segy(survey).values
     np.testing.assert_allclose(values, operators.envelope.fn(volume), atol=1e-5 * np.abs(volume).max())
     started = jobs_named(name)
     assert len(started) == jobs and all(j["TimeLimit"] == jobqueue["walltime"] for j in started), started
+    assert not unfinished_task_runs(run_id)
     report("recommend", jobqueue=jobqueue, jobs=jobs, time_limits=[j["TimeLimit"] for j in started],
            mem=[j.get("MinMemoryNode") for j in started])
