@@ -67,6 +67,7 @@ def slurm(tmp_path_factory):
         else:
             os.environ["SLURM_CONF"] = previous
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        print(stopped.stdout.strip())
 
 
 def running_in_ci() -> bool:

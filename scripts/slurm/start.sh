@@ -107,7 +107,9 @@ SlurmdLogFile=$dir/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=info
 MpiDefault=none
-ProctrackType=proctrack/linuxproc
+# By process group: a job's worker whose batch script died first (reparented to init) is still the job's, and
+# is killed with it (proctrack/linuxproc, by parent, lost such orphans; proctrack/cgroup needs the freezer).
+ProctrackType=proctrack/pgid
 TaskPlugin=$task
 JobAcctGatherType=jobacct_gather/linux
 JobAcctGatherFrequency=task=1

@@ -20,6 +20,15 @@ our_stepds() {
     done
 }
 
+# Processes of this Slurm's jobs still alive after their jobs ended (a job's environment carries the SLURM_CONF
+# it was submitted with and its SLURM_JOB_ID).
+our_job_processes() {
+    for p in /proc/[0-9]*; do
+        env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
+        grep -qx "SLURM_CONF=$SLURM_CONF" <<<"$env" && grep -q "^SLURM_JOB_ID=" <<<"$env" && echo "${p#/proc/}"
+    done
+}
+
 if alive slurmctld; then
     scancel --full --quiet --user=root 2>/dev/null || true
     for _ in $(seq 100); do
@@ -27,7 +36,8 @@ if alive slurmctld; then
         sleep 0.2
     done
 fi
-for pid in $(our_stepds); do kill -KILL "$pid" 2>/dev/null || true; done
+left=$(our_job_processes)
+for pid in $(our_stepds) $left; do kill -KILL "$pid" 2>/dev/null || true; done
 for d in slurmd slurmctld munged; do
     if alive "$d"; then kill "$(cat "$dir/$d.pid")" 2>/dev/null || true; fi
 done
@@ -43,4 +53,4 @@ if mountpoint -q "$dir/cgroup/memory" 2>/dev/null; then
     find "$dir"/cgroup/memory/slurm* -depth -type d -exec rmdir {} \; 2>/dev/null || true
     umount "$dir/cgroup/memory" 2>/dev/null || umount -l "$dir/cgroup/memory" 2>/dev/null || true
 fi
-echo "slurm: stopped (DIR $dir)"
+echo "slurm: stopped (DIR $dir); processes of ended jobs left running, killed: $(echo $left | wc -w)"
