@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from memchunk_prefect.core.budget import JOB, LIMIT, NANNY, NONE, WorkerMemory, budget, kill_line, workers_from_info
+from memchunk_prefect.core.budget import (
+    JOB,
+    LIMIT,
+    NANNY,
+    NONE,
+    WorkerMemory,
+    budget,
+    job_line_bytes,
+    kill_line,
+    workers_from_info,
+)
 from memchunk_prefect.core.chunks import Chunk
 from memchunk_prefect.core.deaths import LOST, MEMORY, UNKNOWN, DeathEvidence, death_cause, worker_death
 from memchunk_prefect.core.machine import MapMachine
@@ -125,6 +135,12 @@ def test_a_cold_chunk_the_kernel_killed_is_split_and_its_reason_says_what_was_re
     assert "the kernel's OOM killer ran 1 time(s) in the worker's job cgroup" in decided.record.reason
 
 
+def test_job_line_table():
+    assert job_line_bytes(1000, 100, 200) == 900.0
+    assert job_line_bytes(1000, 300, 200, workers=2) == 450.0
+    assert job_line_bytes(1000, 0, 0, workers=0) == 1000.0, "no workers read: as one"
+
+
 def test_kill_line_table():
     assert kill_line(1000, 0.95, None) == (950.0, NANNY)
     assert kill_line(1000, 0.95, 500) == (500.0, JOB)
@@ -138,7 +154,7 @@ def test_kill_line_table():
 def test_a_job_limit_below_the_nanny_line_is_the_budgets_line_and_says_so():
     info = {"workers": {"tcp://w:1": {"nthreads": 1, "memory_limit": 3 * 2**30, "nanny": "tcp://n:1",
                                       "metrics": {"memory": 200 * MiB}}}}
-    (w,) = workers_from_info(info, {}, 0.95, jobs={"tcp://w:1": (1200 * 10**6, 100 * MiB, "cgroup memory.max")})
+    (w,) = workers_from_info(info, {}, 0.95, jobs={"tcp://w:1": (1200 * 10**6, 100 * MiB, "cgroup memory.max", 1)})
     b = budget([w])
     assert b.budget_bytes == int(1200 * 10**6 - 100 * MiB - 200 * MiB)
     assert w.kill_headroom_bytes == b.budget_bytes and b.headroom_bytes["tcp://w:1"] == b.budget_bytes
@@ -147,8 +163,20 @@ def test_a_job_limit_below_the_nanny_line_is_the_budgets_line_and_says_so():
     (no_job,) = workers_from_info(info, {}, 0.95)
     assert budget([no_job]).budget_bytes == int(0.95 * 3 * 2**30) - 200 * MiB
     (no_limit,) = workers_from_info({"workers": {"tcp://w:1": {**info["workers"]["tcp://w:1"], "memory_limit": 0}}},
-                                    {}, 0.95, jobs={"tcp://w:1": (600 * MiB, 0, "Slurm --mem")})
+                                    {}, 0.95, jobs={"tcp://w:1": (600 * MiB, 0, "Slurm --mem", 1)})
     assert budget([no_limit]).budget_bytes == 400 * MiB, "a job limit alone is a line to plan for"
+
+
+def test_workers_sharing_one_jobs_limit_share_what_is_free_of_it():
+    """Two workers in one job (dask-jobqueue's processes=2) or one container: each plans for half of what is free
+    of the limit, not for all of it."""
+    one = {"nthreads": 1, "memory_limit": 4 * 2**30, "nanny": "tcp://n:1", "metrics": {"memory": 200 * MiB}}
+    info = {"workers": {"tcp://w:1": one, "tcp://w:2": one}}
+    # Each reads the other worker at rest (200 MiB) and the nanny (100 MiB) as the job's other processes.
+    jobs = {a: (2 * 2**30, 300 * MiB, "cgroup memory.max", 2) for a in info["workers"]}
+    b = budget(workers_from_info(info, {}, 0.95, jobs=jobs))
+    assert b.budget_bytes == (2 * 2**30 - 300 * MiB - 200 * MiB) // 2
+    assert "its free part shared by 2 workers" in b.reason, b.reason
 
 
 # =========================================================================== the readings

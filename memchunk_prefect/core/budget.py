@@ -37,15 +37,20 @@ class WorkerMemory:
     high_water_bytes: int | None = None
     #: The memory its job may hold (the lowest of its cgroup's limit and the batch system's request), bytes; None
     #: where there is none (or it was not read). ``job_others_bytes``: what the job's other processes (the
-    #: nanny, ...) hold of it; ``job_limit_source``: where the limit was read, in words.
+    #: nanny, other workers at rest, ...) hold of it; ``job_limit_source``: where the limit was read, in words;
+    #: ``job_workers``: the workers that share that limit (dask-jobqueue's ``processes``, a LocalCluster in a
+    #: container), among which what is free of it is shared.
     job_limit_bytes: int | None = None
     job_others_bytes: int = 0
     job_limit_source: str = ""
+    job_workers: int = 1
 
     @property
     def line(self) -> tuple[float, str]:
-        """The process memory at which the worker is killed, and by what (:func:`kill_line`)."""
-        job = None if self.job_limit_bytes is None else self.job_limit_bytes - self.job_others_bytes
+        """The process memory at which the worker is killed, and by what (:func:`kill_line`, with its job's line
+        from :func:`job_line_bytes`)."""
+        job = None if self.job_limit_bytes is None else job_line_bytes(
+            self.job_limit_bytes, self.job_others_bytes, self.resting_bytes, self.job_workers)
         return kill_line(self.memory_limit_bytes, self.kill_fraction, job)
 
     @property
@@ -75,11 +80,29 @@ class WorkerMemory:
         if by == JOB:
             others = (f" less {format_bytes(self.job_others_bytes)} held by the job's other processes"
                       if self.job_others_bytes else "")
+            shared = f", its free part shared by {self.job_workers} workers" if self.job_workers > 1 else ""
             return (f"the job's memory limit {format_bytes(self.job_limit_bytes)} ({self.job_limit_source}){others}"
-                    + (f", below {nanny}" if nanny else ""))
+                    + shared + (f", below {nanny}" if nanny else ""))
         if by == NANNY:
             return nanny
         return f"memory_limit {format_bytes(line)} (no nanny kills this worker)"
+
+
+def job_line_bytes(limit_bytes: int, others_bytes: int, resting_bytes: int, workers: int = 1) -> float:
+    """The process memory (bytes) one worker may reach before its job's limit is crossed: its resting memory plus
+    its share of what is free of the limit (the limit less what the job's other processes hold, the other workers'
+    resting memory among them, less its own), shared evenly by the ``workers`` that share the limit.
+
+    | limit | others | resting | workers | line |
+    |---|---|---|---|---|
+    | 1000 | 100 | 200 | 1 | 900 |
+    | 1000 | 300 | 200 | 2 | 450 (each worker's tasks get 250: together 500, what is free) |
+
+    >>> job_line_bytes(1000, 100, 200), job_line_bytes(1000, 300, 200, 2)
+    (900.0, 450.0)
+    """
+    free = float(limit_bytes) - float(others_bytes) - float(resting_bytes)
+    return float(resting_bytes) + free / max(1, int(workers))
 
 
 #: What a worker's kill line is (:func:`kill_line`): its nanny's line, its job's limit, its memory_limit where
@@ -118,7 +141,7 @@ def kill_line(memory_limit_bytes: int, kill_fraction: float | None, job_line_byt
 def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, object],
                       default_fraction: float | None, resting: Mapping[str, int] | None = None,
                       high_water: Mapping[str, int] | None = None,
-                      jobs: Mapping[str, tuple[int | None, int, str]] | None = None) -> list[WorkerMemory]:
+                      jobs: Mapping[str, tuple[int | None, int, str, int]] | None = None) -> list[WorkerMemory]:
     """The workers of a ``client.scheduler_info()`` answer, with the kill fraction each one's nanny applies.
 
     ``kill_fractions``: each worker's own ``distributed.worker.memory.terminate``
@@ -127,7 +150,7 @@ def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, obje
     ``resting``: each worker's resting memory as read by :func:`read_resting`; the
     heartbeat's process memory for a worker not in it. ``high_water``: each worker's high-water mark as read
     by :func:`read_marks` (None for a worker not in it). ``jobs``: each worker's job memory as
-    ``(limit bytes or None, bytes its other processes hold, where the limit was read)``
+    ``(limit bytes or None, bytes its other processes hold, where the limit was read, workers sharing it)``
     (:func:`memchunk_prefect.run.cluster.read_job_memory`; no job limit for a worker not in it).
 
     >>> info = {"workers": {"tcp://w:1": {"nthreads": 1, "memory_limit": 1000, "metrics": {"memory": 100},
@@ -144,7 +167,7 @@ def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, obje
         else:
             fraction = default_fraction
         hw = (high_water or {}).get(address)
-        limit, others, source = (jobs or {}).get(address) or (None, 0, "")
+        limit, others, source, sharing = (jobs or {}).get(address) or (None, 0, "", 1)
         out.append(WorkerMemory(
             address=str(address), nthreads=int(w.get("nthreads", 1) or 1),
             memory_limit_bytes=int(w.get("memory_limit") or 0),
@@ -152,7 +175,7 @@ def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, obje
             kill_fraction=fraction,
             high_water_bytes=None if hw is None else int(hw),
             job_limit_bytes=None if limit is None else int(limit), job_others_bytes=int(others or 0),
-            job_limit_source=str(source)))
+            job_limit_source=str(source), job_workers=max(1, int(sharing or 1))))
     return out
 
 

@@ -30,6 +30,7 @@ import inspect
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -249,7 +250,7 @@ def job_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc",
       its other children; they count against the same limit;
     - ``oom_kills``: the kernel's OOM kills in its cgroup (the largest count from its own group up to the limiting
       one; None where not counted); ``job_id`` / ``batch``: its batch job (:data:`JOB_ID_VARIABLES`), None outside
-      one; ``cgroup``: the limiting group's directory.
+      one; ``cgroup``: the limiting group's directory; ``host``: this machine's name.
 
     Where the job's limit is lower than Dask's ``memory_limit`` the kernel or the batch system kills the worker
     before its nanny does: the budget is derived from it (:func:`memchunk_prefect.core.budget.kill_line`).
@@ -266,7 +267,8 @@ def job_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc",
     chain = dirs[:dirs.index(group) + 1] if group is not None else dirs[:1]
     counts = [c for d in chain if (c := cgroup_oom_kills(d)) is not None]
     out: dict[str, Any] = {"limit_bytes": limit, "source": "", "others_bytes": 0, "cgroup": group,
-                           "oom_kills": max(counts) if counts else None, "job_id": None, "batch": None}
+                           "oom_kills": max(counts) if counts else None, "job_id": None, "batch": None,
+                           "host": socket.gethostname()}
     if limit is not None:
         name = "memory.max" if os.path.exists(os.path.join(str(group), "memory.max")) else "memory.limit_in_bytes"
         out["source"] = f"cgroup {name}"
@@ -310,6 +312,28 @@ def _family_rss(me: int) -> int:
         with contextlib.suppress(psutil.Error):
             total += int(p.memory_info().rss)
     return total
+
+
+def job_limits(jobs: Mapping[str, dict[str, Any]]) -> dict[str, tuple[int | None, int, str, int]]:
+    """What :func:`memchunk_prefect.core.budget.workers_from_info` takes of the workers' :func:`job_memory`
+    readings: ``(limit, others' bytes, source, workers sharing the limit)`` by worker address. Workers share a
+    limit where they read the same cgroup on the same host (a job of several processes, a LocalCluster in a
+    container), or the same batch job there where no cgroup limits it.
+
+    >>> r = {"cgroup": "/sys/fs/cgroup/job_1", "host": "n1", "job_id": "1", "limit_bytes": 1000,
+    ...      "others_bytes": 10, "source": "cgroup memory.max"}
+    >>> job_limits({"a": r, "b": dict(r), "c": {**r, "host": "n2"}})["a"], job_limits({"c": r})["c"]
+    ((1000, 10, 'cgroup memory.max', 2), (1000, 10, 'cgroup memory.max', 1))
+    """
+    def key(j: dict[str, Any]) -> tuple[Any, ...]:
+        return (j.get("host"), j.get("cgroup") or ("job", j.get("job_id")))
+
+    groups: dict[tuple[Any, ...], int] = {}
+    for j in jobs.values():
+        if j.get("limit_bytes") is not None:
+            groups[key(j)] = groups.get(key(j), 0) + 1
+    return {a: (j.get("limit_bytes"), int(j.get("others_bytes") or 0), str(j.get("source") or ""),
+                groups.get(key(j), 1)) for a, j in jobs.items()}
 
 
 def read_job_memory(client: Any, workers: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -690,8 +714,7 @@ class ClusterView:
                             self._oom_seen.setdefault(str(nanny), int(jobs[a]["oom_kills"]))
         marks = read_marks(client, (*WORKER_MODULES, *modules))
         with self._lock:
-            limits = {a: (j.get("limit_bytes"), int(j.get("others_bytes") or 0), str(j.get("source") or ""))
-                      for a, j in self._jobs.items()}
+            limits = job_limits({a: j for a, j in self._jobs.items() if a in info["workers"]})
         return _budget.workers_from_info(info, dict(self._kill_fractions), configured_kill_fraction(),
                                          {a: r for a, (r, _) in marks.items()}, {a: h for a, (_, h) in marks.items()},
                                          limits)
