@@ -4,8 +4,9 @@
 
 As root, on a machine where ``scripts/slurm/start.sh`` can start a one-node Slurm (it is started in WORKDIR and
 stopped at the end; with ``SLURM_CONF`` set, that Slurm is used instead). One map: ``memory_hog`` (40x its
-input, holding it ``--hold`` seconds a chunk) over a 48 x 50 x 500 survey, with a fixed ``memory_budget`` so the
-real runs and the simulated ones cut the same chunks. Three runs, one store:
+input, holding it ``--seconds-per-element`` x its block's elements: a chunk's time grows with its size, as an
+operator's does, so the time the store learns holds for any chunking) over a 48 x 50 x 500 survey, with a fixed
+``memory_budget`` so the real runs and the simulated ones plan from the same budget. Three runs, one store:
 
 1. ``warm-up``: on a LocalCluster of 2 single-thread workers, to learn the operator (the simulator reads the
    store; it cannot simulate an operator nothing was learned about);
@@ -19,7 +20,7 @@ chunks submitted again, deaths by kind, and whether the run completed. The simul
 jobs' submission; the real one from the flow's first line (the cluster is started at its first map), to the
 map's result. Lost worker-seconds, real: each Crashed task run's time from its start to the state the runner set.
 
-About 8 minutes on 2 cores (the chunks hold 30 s so that 3 waves outlast the jobs' minute). A run interrupted
+About 7 minutes on 2 cores (the map's 96 s on 2 workers outlast the jobs' minute). A run interrupted
 before its end may leave its Slurm running: ``bash scripts/slurm/stop.sh WORKDIR/slurm`` stops it.
 """
 
@@ -75,7 +76,7 @@ def job_times(name: str) -> list[dict[str, float | str]]:
     return rows
 
 
-def real_run(label: str, survey: str, store: str, workdir: Path, budget: str, hold: float,
+def real_run(label: str, survey: str, store: str, workdir: Path, budget: str, per_element: float,
              cluster: dict | None) -> dict:
     """One map of memory_hog on ``cluster`` (SLURMCluster arguments; None: a LocalCluster), measured."""
     from prefect import flow
@@ -107,7 +108,7 @@ def real_run(label: str, survey: str, store: str, workdir: Path, budget: str, ho
         from prefect.runtime import flow_run
 
         t0 = time.time()
-        res = memory_hog.map(chunked(path), multiple=MULTIPLE, seconds=hold)
+        res = memory_hog.map(chunked(path), multiple=MULTIPLE, seconds_per_element=per_element)
         res.result()
         return str(flow_run.id), t0, time.time(), res.summary(), res.events
 
@@ -173,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=20, help="simulated runs per scenario (default 20)")
     p.add_argument("--budget", default="48MiB", help="the map's memory_budget, real and simulated (default 48MiB: 6 "
                    "chunks)")
-    p.add_argument("--hold", type=float, default=30.0,
-                   help="seconds each chunk holds its memory (default 30: 3 waves of 2 outlast a 1 min walltime)")
+    p.add_argument("--seconds-per-element", type=float, default=1.6e-4,
+                   help="seconds a chunk holds its memory per element of its block (default 1.6e-4: 192 s of "
+                        "work in all, 96 s on 2 workers, longer than a job's 1 min walltime)")
     args = p.parse_args(argv)
 
     from benchmarks.__main__ import _prefect_api
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     try:
         with _prefect_api():
-            rows.append(real_run("warm-up", survey, store, workdir, args.budget, args.hold, None))
+            rows.append(real_run("warm-up", survey, store, workdir, args.budget, args.seconds_per_element, None))
             warm = str(workdir / "store-after-warm-up.sqlite")
             shutil.copy(store, warm)
             for label, walltime in (("queue", "00:10:00"), ("walltime", "00:01:00")):
@@ -200,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                            "job_extra_directives": ["--begin=now+10"],
                            "scheduler_options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"},
                            "worker_extra_args": ["--host", "127.0.0.1"], "log_directory": str(workdir / "jobs")}
-                row = real_run(label, survey, store, workdir, args.budget, args.hold, cluster)
+                row = real_run(label, survey, store, workdir, args.budget, args.seconds_per_element, cluster)
                 jobs = job_times(name)
                 waits = [j["StartTime"] - j["SubmitTime"] for j in jobs if "StartTime" in j]  # type: ignore[operator]
                 lived = [j["EndTime"] - j["StartTime"] for j in jobs  # type: ignore[operator]
