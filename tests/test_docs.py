@@ -415,9 +415,7 @@ def test_the_settings_page_gives_every_field_with_its_default():
 def test_the_readme_links_resolve():
     text = (REPO / "README.md").read_text()
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
-    # how-to/slurm.md is written on a branch of its own; the README links it ahead of it.
-    missing = [link for link in links if not link.startswith("http") and not (REPO / link).exists()
-               and link != "docs/how-to/slurm.md"]
+    missing = [link for link in links if not link.startswith("http") and not (REPO / link).exists()]
     assert links and not missing, f"README.md links to {missing}"
 
 

@@ -2,7 +2,10 @@
 
 Pure arithmetic over figures read from the cluster (:mod:`memchunk_prefect.run.cluster` reads them): each
 worker's threads, memory limit, resting memory, high-water mark and the fraction of its limit at which its
-nanny kills it. All sizes are bytes.
+nanny kills it, and, on a batch cluster or in a container, the memory its job may hold (its cgroup's limit, the
+batch system's ``--mem``) less what the job's other processes hold: where that is lower than the nanny's line,
+the kernel or the batch system kills the worker first, and the budget is derived from it (:func:`kill_line`).
+All sizes are bytes.
 """
 
 from __future__ import annotations
@@ -32,6 +35,23 @@ class WorkerMemory:
     #: The most the worker's process has held (:func:`memchunk_prefect.run.monitor.high_water_bytes`; its resting
     #: memory where no run has been measured there), bytes; None where not read.
     high_water_bytes: int | None = None
+    #: The memory its job may hold (the lowest of its cgroup's limit and the batch system's request), bytes; None
+    #: where there is none (or it was not read). ``job_others_bytes``: what the job's other processes (the
+    #: nanny, other workers at rest, ...) hold of it; ``job_limit_source``: where the limit was read, in words;
+    #: ``job_workers``: the workers that share that limit (dask-jobqueue's ``processes``, a LocalCluster in a
+    #: container), among which what is free of it is shared.
+    job_limit_bytes: int | None = None
+    job_others_bytes: int = 0
+    job_limit_source: str = ""
+    job_workers: int = 1
+
+    @property
+    def line(self) -> tuple[float, str]:
+        """The process memory at which the worker is killed, and by what (:func:`kill_line`, with its job's line
+        from :func:`job_line_bytes`)."""
+        job = None if self.job_limit_bytes is None else job_line_bytes(
+            self.job_limit_bytes, self.job_others_bytes, self.resting_bytes, self.job_workers)
+        return kill_line(self.memory_limit_bytes, self.kill_fraction, job)
 
     @property
     def touched_bytes(self) -> int | None:
@@ -44,15 +64,84 @@ class WorkerMemory:
 
     @property
     def kill_headroom_bytes(self) -> int | None:
-        """What a task may use above the resting memory before the nanny kills the worker (None: no kill line)."""
-        if not self.memory_limit_bytes or self.kill_fraction is None:
+        """What a task may use above the resting memory before the nanny, the kernel or the batch system kills the
+        worker (None: nothing kills it)."""
+        line, by = self.line
+        if by not in (NANNY, JOB):
             return None
-        return int(self.kill_fraction * self.memory_limit_bytes) - self.resting_bytes
+        return int(line) - self.resting_bytes
+
+    def describe_line(self) -> str:
+        """The kill line in words, for a budget's reason."""
+        line, by = self.line
+        nanny = (f"the kill line {format_bytes(self.kill_fraction * self.memory_limit_bytes)} ({self.kill_fraction:g} "
+                 f"x memory_limit {format_bytes(self.memory_limit_bytes)})"
+                 if self.kill_fraction is not None and self.memory_limit_bytes else "")
+        if by == JOB:
+            others = (f" less {format_bytes(self.job_others_bytes)} held by the job's other processes"
+                      if self.job_others_bytes else "")
+            shared = f", its free part shared by {self.job_workers} workers" if self.job_workers > 1 else ""
+            return (f"the job's memory limit {format_bytes(self.job_limit_bytes)} ({self.job_limit_source}){others}"
+                    + shared + (f", below {nanny}" if nanny else ""))
+        if by == NANNY:
+            return nanny
+        return f"memory_limit {format_bytes(line)} (no nanny kills this worker)"
+
+
+def job_line_bytes(limit_bytes: int, others_bytes: int, resting_bytes: int, workers: int = 1) -> float:
+    """The process memory (bytes) one worker may reach before its job's limit is crossed: its resting memory plus
+    its share of what is free of the limit (the limit less what the job's other processes hold, the other workers'
+    resting memory among them, less its own), shared evenly by the ``workers`` that share the limit.
+
+    | limit | others | resting | workers | line |
+    |---|---|---|---|---|
+    | 1000 | 100 | 200 | 1 | 900 |
+    | 1000 | 300 | 200 | 2 | 450 (each worker's tasks get 250: together 500, what is free) |
+
+    >>> job_line_bytes(1000, 100, 200), job_line_bytes(1000, 300, 200, 2)
+    (900.0, 450.0)
+    """
+    free = float(limit_bytes) - float(others_bytes) - float(resting_bytes)
+    return float(resting_bytes) + free / max(1, int(workers))
+
+
+#: What a worker's kill line is (:func:`kill_line`): its nanny's line, its job's limit, its memory_limit where
+#: nothing kills it, or nothing at all.
+NANNY, JOB, LIMIT, NONE = "nanny", "job", "memory_limit", "none"
+
+
+def kill_line(memory_limit_bytes: int, kill_fraction: float | None, job_line_bytes: float | None) -> tuple[float, str]:
+    """The process memory (bytes) at which a worker is killed, and by what: the lower of its nanny's line
+    (``kill_fraction`` x ``memory_limit_bytes``) and its job's line (``job_line_bytes``: the job's limit less
+    what its other processes hold), else ``memory_limit_bytes`` where nothing kills it (without a nanny Dask only
+    pauses a worker there), else 0 (no line at all).
+
+    | memory_limit | kill_fraction | job line | line | by |
+    |---|---|---|---|---|
+    | 1000 | 0.95 | None | 950 | nanny |
+    | 1000 | 0.95 | 500 | 500 | job |
+    | 1000 | None | 1200 | 1200 | job (no nanny: the job is what kills) |
+    | 1000 | None | None | 1000 | memory_limit |
+    | 0 | None | None | 0 | none |
+
+    >>> kill_line(1000, 0.95, None), kill_line(1000, 0.95, 500), kill_line(1000, 0.95, 960)
+    ((950.0, 'nanny'), (500.0, 'job'), (950.0, 'nanny'))
+    >>> kill_line(1000, None, None), kill_line(1000, None, 1200), kill_line(0, 0.95, 500), kill_line(0, None, None)
+    ((1000.0, 'memory_limit'), (1200.0, 'job'), (500.0, 'job'), (0.0, 'none'))
+    """
+    nanny = float(kill_fraction) * memory_limit_bytes if memory_limit_bytes and kill_fraction is not None else None
+    job = float(job_line_bytes) if job_line_bytes is not None else None
+    if job is not None and (nanny is None or job < nanny):
+        return job, JOB
+    if nanny is not None:
+        return nanny, NANNY
+    return (float(memory_limit_bytes), LIMIT) if memory_limit_bytes else (0.0, NONE)
 
 
 def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, object],
                       default_fraction: float | None, resting: Mapping[str, int] | None = None,
-                      high_water: Mapping[str, int] | None = None) -> list[WorkerMemory]:
+                      high_water: Mapping[str, int] | None = None,
+                      jobs: Mapping[str, tuple[int | None, int, str, int]] | None = None) -> list[WorkerMemory]:
     """The workers of a ``client.scheduler_info()`` answer, with the kill fraction each one's nanny applies.
 
     ``kill_fractions``: each worker's own ``distributed.worker.memory.terminate``
@@ -60,7 +149,9 @@ def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, obje
     ``default_fraction``. A worker without a nanny has no kill line (None).
     ``resting``: each worker's resting memory as read by :func:`read_resting`; the
     heartbeat's process memory for a worker not in it. ``high_water``: each worker's high-water mark as read
-    by :func:`read_marks` (None for a worker not in it).
+    by :func:`read_marks` (None for a worker not in it). ``jobs``: each worker's job memory as
+    ``(limit bytes or None, bytes its other processes hold, where the limit was read, workers sharing it)``
+    (:func:`memchunk_prefect.run.cluster.read_job_memory`; no job limit for a worker not in it).
 
     >>> info = {"workers": {"tcp://w:1": {"nthreads": 1, "memory_limit": 1000, "metrics": {"memory": 100},
     ...                                    "nanny": "tcp://n:1"}}}
@@ -76,12 +167,15 @@ def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, obje
         else:
             fraction = default_fraction
         hw = (high_water or {}).get(address)
+        limit, others, source, sharing = (jobs or {}).get(address) or (None, 0, "", 1)
         out.append(WorkerMemory(
             address=str(address), nthreads=int(w.get("nthreads", 1) or 1),
             memory_limit_bytes=int(w.get("memory_limit") or 0),
             resting_bytes=int((resting or {}).get(address) or (w.get("metrics") or {}).get("memory", 0) or 0),
             kill_fraction=fraction,
-            high_water_bytes=None if hw is None else int(hw)))
+            high_water_bytes=None if hw is None else int(hw),
+            job_limit_bytes=None if limit is None else int(limit), job_others_bytes=int(others or 0),
+            job_limit_source=str(source), job_workers=max(1, int(sharing or 1))))
     return out
 
 
@@ -215,35 +309,32 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
     headrooms = {x.address: int((x.kill_headroom_bytes or 0) / max(1, x.nthreads)) for x in workers
                  if x.kill_headroom_bytes is not None}
     touched = {x.address: t for x in workers if (t := x.touched_bytes) is not None}
-    if memory_budget is not None and not all(w.memory_limit_bytes for w in workers):
+    if memory_budget is not None and not all(w.line[1] != NONE for w in workers):
         return Budget(slots=slots(workers), budget_bytes=int(memory_budget), resting_bytes=resting,
                       headroom_bytes=headrooms, touched_bytes=touched, threads_per_worker=max(1, workers[0].nthreads),
                       reason=f"budget {format_bytes(memory_budget)} per task (memory_budget; workers without a "
                              "memory_limit have no line to derive one from)")
     per_worker = []
     for w in workers:
-        if not w.memory_limit_bytes:
+        line, by = w.line
+        if by == NONE:
             raise BudgetError(
                 f"the worker {w.address} has no memory limit (memory_limit={w.memory_limit_bytes!r}), so there is "
                 "no budget to plan for: give the cluster a memory_limit, or pass memory_budget= to MemoryAwareRunner")
         threads = max(1, w.nthreads)
-        fraction = 1.0 if w.kill_fraction is None else w.kill_fraction
-        line = fraction * w.memory_limit_bytes
         headroom = int((line - w.resting_bytes) / threads)
         b = headroom
-        if target_fraction is not None:
+        if target_fraction is not None and w.memory_limit_bytes:
             b = min(b, task_budget_bytes(w.memory_limit_bytes, threads, target_fraction=target_fraction,
                                                 resting_bytes=w.resting_bytes, kill_fraction=w.kill_fraction))
         per_worker.append((b, w, line, threads))
     b, w, line, threads = min(per_worker, key=lambda t: t[0])
     if b <= 0:
         raise BudgetTooSmallError(
-            f"the worker {w.address} rests at {format_bytes(w.resting_bytes)}, at or above the line its nanny kills "
-            f"at ({format_bytes(line)}): give workers more memory (memory_limit) or fewer threads per worker")
-    what = (f"the kill line {format_bytes(line)} ({w.kill_fraction:g} x memory_limit "
-            f"{format_bytes(w.memory_limit_bytes)})" if w.kill_fraction is not None
-            else f"memory_limit {format_bytes(line)} (no nanny kills this worker)")
-    reason = (f"budget {format_bytes(b)} per task: {what} less {format_bytes(w.resting_bytes)} resting"
+            f"the worker {w.address} rests at {format_bytes(w.resting_bytes)}, at or above the line it is killed at: "
+            f"{w.describe_line()}: give workers more memory (memory_limit, and the job's memory: --mem) or fewer "
+            "threads per worker")
+    reason = (f"budget {format_bytes(b)} per task: {w.describe_line()} less {format_bytes(w.resting_bytes)} resting"
               + (f", over {threads} threads" if threads > 1 else ""))
     if target_fraction is not None and b < int((line - w.resting_bytes) / threads):
         reason += f", capped by target_fraction {target_fraction:g}"

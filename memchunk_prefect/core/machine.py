@@ -21,14 +21,17 @@ What happens when a worker dies mid-map (:class:`WorkerDied`), in order:
 1. its chunk's completion marker exists (``written``): the worker died after
    writing it. The chunk is kept, its task run marked Crashed, the measurement
    recovered from the marker. Nothing is recomputed.
-2. else, the model's upper bound for the chunk is *not ready* or above
-   ``memory_kill_fraction`` (0.5) of the kill headroom, or this chunk already
-   died once: a **memory kill**. A censored observation (needs more than the
+2. else what was read about the death decides (``WorkerDied.evidence``: the
+   nanny's memory kill, the kernel's OOM count in the job's cgroup, the batch
+   job's end state; the rule is :func:`memchunk_prefect.core.deaths.death_cause`);
+   where it says nothing, the model's upper bound for the chunk *not ready* or
+   above ``memory_kill_fraction`` (0.5) of the kill headroom, or a second death
+   of the chunk, is taken as a **memory kill**. A censored observation (needs more than the
    kill headroom) is recorded and the chunk is split in two; the halves go to
    the front of the queue (``retry-smaller``). A chunk that cannot be split
    fails the map with :class:`~memchunk_prefect.core.errors.ChunkOutOfMemoryError`.
-3. else a **lost worker** (a node lost, a SIGKILL): nothing is learned about
-   memory, and the same chunk goes to the front of the queue once more.
+3. else a **lost worker** (walltime, preemption, a node lost, a SIGKILL): nothing
+   is learned about memory, and the same chunk goes to the front of the queue once more.
 
 The learned policy (:mod:`memchunk_prefect.core.bandit`). The first plan of a map
 that is not a probe is made under every arm (risk level of the bound); arms
@@ -58,8 +61,8 @@ from typing import Any, Iterable
 from memchunk_prefect.core import bandit, policy
 from memchunk_prefect.core.arms import chunks_of, near, probes, signature
 from memchunk_prefect.core.bandit import ArmChoice
-from memchunk_prefect.core.budget import is_memory_kill
 from memchunk_prefect.core.chunks import Chunk, Shape, uncovered_boxes, with_halo
+from memchunk_prefect.core.deaths import worker_death
 from memchunk_prefect.core.errors import (
     ChunkOutOfMemoryError,
     ClusterLostError,
@@ -443,15 +446,14 @@ class MapMachine:
                     RecoverMarkers((item.chunk,)),
                     self._ended(ev.id, item, LOST, None, ev.at, kept=True)]
         headroom = ev.kill_headroom_bytes or self.budget_bytes
-        memory_kill = is_memory_kill(self._upper_for(item.chunk), headroom, item.attempt, self.settings)
-        message = (f"worker running {name} died ({ev.error}); "
-                   + ("treated as out of memory: the chunk is split and resubmitted" if memory_kill
-                      else "resubmitting the same chunk"))
+        memory_kill, why = worker_death(ev.evidence, self._upper_for(item.chunk), headroom, item.attempt, self.settings)
+        message = (f"worker running {name} died ({ev.error}); {why}: "
+                   + ("the chunk is split and resubmitted" if memory_kill else "resubmitting the same chunk"))
         out: list[Instruction] = [MarkRuns(((ev.id, "Crashed", message),))]
         if memory_kill:
             obs = replace(self._flow_observation(item, KILLED, headroom, ev.at), worker=ev.worker)
             out += [Record(obs), self._ended(ev.id, item, KILLED, obs, ev.at)]
-            out += self._retry_smaller(ev.id, item, headroom, "worker killed", ev.at)
+            out += self._retry_smaller(ev.id, item, headroom, f"worker killed: {why}", ev.at)
             return out
         # Lost for another reason: learn nothing about memory; run the same chunk once more, first.
         del self.in_flight[ev.id]

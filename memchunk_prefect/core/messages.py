@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping, Union
 
 from memchunk_prefect.core.chunks import Chunk, Shape, with_halo
+from memchunk_prefect.core.deaths import DeathEvidence
 from memchunk_prefect.core.records import Observation, Pause, Reward
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, PolicySettings
 
@@ -108,7 +109,9 @@ class WorkerDied:
     ``written``: the chunk's completion marker exists (it died after writing);
     ``kill_headroom_bytes``: what a task may use above its worker's resting
     memory before the nanny kills it, read at the death (None: unknown);
-    ``worker``: the address of the worker that died ('' unknown).
+    ``worker``: the address of the worker that died ('' unknown); ``evidence``: what the batch system, the
+    kernel or the nanny said about the death (:class:`~memchunk_prefect.core.deaths.DeathEvidence`; None: nothing
+    was read, the model's guess decides).
     """
 
     id: int
@@ -117,6 +120,7 @@ class WorkerDied:
     kill_headroom_bytes: int | None = None
     at: float = 0.0
     worker: str = ""
+    evidence: DeathEvidence | None = None
 
 
 @dataclass(frozen=True)

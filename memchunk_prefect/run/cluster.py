@@ -25,22 +25,26 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import dask
 
 from memchunk_prefect.core import budget as _budget
 from memchunk_prefect.core.budget import Budget, GpuBudget, WorkerMemory, memory_fraction
+from memchunk_prefect.core.deaths import DeathEvidence
 from memchunk_prefect.core.errors import RunnerConfigError
 from memchunk_prefect.core.settings import RUNNER_SETTINGS, RunnerSettings
 from memchunk_prefect.operators.device import GpuStatus, check_device, gpu_status, resolve_for_workers
+from memchunk_prefect.run import batch
 from memchunk_prefect.run.prefect_api import flow_logger
 
 logger = logging.getLogger("memchunk_prefect.run.cluster")
@@ -153,6 +157,211 @@ def read_marks(client: Any, modules: Sequence[str] = WORKER_MODULES) -> dict[str
 def read_resting(client: Any, modules: Sequence[str] = WORKER_MODULES) -> dict[str, int]:
     """Each worker's resting memory after the imports a task run makes, by worker address (empty if refused)."""
     return {k: resting for k, (resting, _) in read_marks(client, modules).items()}
+
+
+# --------------------------------------------------------------------------- the job's memory (cgroup, batch system)
+
+#: A cgroup limit at or above this many bytes is no limit (cgroup v1 writes 2**63 less a page for "none").
+NO_LIMIT_BYTES = 2**60
+
+#: Environment variables that name the batch job a worker runs in, by batch system (what ``job_id`` reads).
+JOB_ID_VARIABLES = (("slurm", "SLURM_JOB_ID"), ("pbs", "PBS_JOBID"), ("lsf", "LSB_JOBID"), ("sge", "JOB_ID"))
+
+
+def memory_cgroup_dirs(proc_cgroup: str, root: str = "/sys/fs/cgroup") -> list[str]:
+    """The directories of a process's memory cgroup and its ancestors, its own first, from the text of its
+    ``/proc/PID/cgroup`` (cgroup v1: the ``memory`` line, under ``root/memory``; v2: the ``0::`` line, under
+    ``root`` where it has a ``memory.max`` hierarchy). Empty where neither is mounted there."""
+    v1 = v2 = None
+    for line in proc_cgroup.splitlines():
+        parts = line.strip().split(":", 2)
+        if len(parts) != 3:
+            continue
+        if "memory" in parts[1].split(","):
+            v1 = parts[2]
+        elif parts[0] == "0" and parts[1] == "":
+            v2 = parts[2]
+    if v1 is not None and os.path.isdir(os.path.join(root, "memory")):
+        base, path = os.path.join(root, "memory"), v1
+    elif v2 is not None and os.path.isfile(os.path.join(root, "cgroup.controllers")):
+        base, path = root, v2
+    else:
+        return []
+    parts = [p for p in path.strip("/").split("/") if p and p != ".."]
+    dirs = [os.path.join(base, *parts[:n]) for n in range(len(parts), -1, -1)]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def _read_first(directory: str, names: Sequence[str]) -> str | None:
+    for name in names:
+        with contextlib.suppress(OSError):
+            with open(os.path.join(directory, name)) as fh:
+                return fh.read()
+    return None
+
+
+def cgroup_limit(directory: str) -> int | None:
+    """A memory cgroup's own limit, bytes (``memory.max`` in v2, ``memory.limit_in_bytes`` in v1); None: none."""
+    text = _read_first(directory, ("memory.max", "memory.limit_in_bytes"))
+    if text is None or text.strip() in ("", "max"):
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        return None
+    return value if 0 < value < NO_LIMIT_BYTES else None
+
+
+def cgroup_oom_kills(directory: str) -> int | None:
+    """How many processes the kernel's OOM killer killed in a memory cgroup (the ``oom_kill`` line of
+    ``memory.events`` in v2, of ``memory.oom_control`` in v1, where the kernel counts it); None: not readable."""
+    text = _read_first(directory, ("memory.events", "memory.oom_control"))
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def _rss_bytes(pid: int, proc: str) -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open(os.path.join(proc, str(pid), "statm")) as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return 0
+
+
+def _cgroup_pids(directory: str) -> set[int]:
+    pids: set[int] = set()
+    for d, _, _ in os.walk(directory):
+        text = _read_first(d, ("cgroup.procs",)) or ""
+        pids.update(int(p) for p in text.split() if p.isdigit())
+    return pids
+
+
+def job_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc",
+               environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Run on a worker: the memory its job may hold and who else holds some of it (bytes).
+
+    - ``limit_bytes``: the lowest of its memory cgroup's limit (itself and its ancestors: a batch system sets it
+      on the job's group, above the worker's) and the batch system's request (Slurm's ``SLURM_MEM_PER_NODE``, or
+      ``SLURM_MEM_PER_CPU`` x ``SLURM_CPUS_ON_NODE``, MiB), None where neither is set; ``source``: which, in words;
+    - ``others_bytes``: what the job's other processes hold (the nanny, the batch script): the resident memory of
+      the other processes in the limiting cgroup, or, for a request with no cgroup, of this process's parent and
+      its other children; they count against the same limit;
+    - ``oom_kills``: the kernel's OOM kills in its cgroup (the largest count from its own group up to the limiting
+      one; None where not counted); ``job_id`` / ``batch``: its batch job (:data:`JOB_ID_VARIABLES`), None outside
+      one; ``cgroup``: the limiting group's directory; ``host``: this machine's name.
+
+    Where the job's limit is lower than Dask's ``memory_limit`` the kernel or the batch system kills the worker
+    before its nanny does: the budget is derived from it (:func:`memchunk_prefect.core.budget.kill_line`).
+    ``root``, ``proc`` and ``environ`` are where it reads (a copy of those trees in tests).
+    """
+    env = os.environ if environ is None else environ
+    try:
+        with open(os.path.join(proc, "self", "cgroup")) as fh:
+            dirs = memory_cgroup_dirs(fh.read(), root)
+    except OSError:
+        dirs = []
+    limits = [(lim, d) for d in dirs if (lim := cgroup_limit(d)) is not None]
+    limit, group = min(limits) if limits else (None, None)
+    chain = dirs[:dirs.index(group) + 1] if group is not None else dirs[:1]
+    counts = [c for d in chain if (c := cgroup_oom_kills(d)) is not None]
+    out: dict[str, Any] = {"limit_bytes": limit, "source": "", "others_bytes": 0, "cgroup": group,
+                           "oom_kills": max(counts) if counts else None, "job_id": None, "batch": None,
+                           "host": socket.gethostname()}
+    if limit is not None:
+        name = "memory.max" if os.path.exists(os.path.join(str(group), "memory.max")) else "memory.limit_in_bytes"
+        out["source"] = f"cgroup {name}"
+    for system, variable in JOB_ID_VARIABLES:
+        if env.get(variable):
+            out["job_id"], out["batch"] = str(env[variable]), system
+            break
+    requested = _slurm_request_bytes(env)
+    me = os.getpid()
+    if requested is not None and (limit is None or requested < limit):
+        out["limit_bytes"], out["source"], out["cgroup"] = requested, "Slurm --mem", None
+        out["others_bytes"] = _family_rss(me)
+    elif group is not None:
+        out["others_bytes"] = sum(_rss_bytes(p, proc) for p in _cgroup_pids(group) if p != me)
+    return out
+
+
+def _slurm_request_bytes(env: Mapping[str, str]) -> int | None:
+    """The memory a Slurm job asked for (``--mem``, ``--mem-per-cpu``), bytes; None outside a Slurm job."""
+    with contextlib.suppress(ValueError):
+        if env.get("SLURM_MEM_PER_NODE"):
+            return int(env["SLURM_MEM_PER_NODE"]) * 2**20
+        if env.get("SLURM_MEM_PER_CPU"):
+            return int(env["SLURM_MEM_PER_CPU"]) * 2**20 * int(env.get("SLURM_CPUS_ON_NODE") or 1)
+    return None
+
+
+def _family_rss(me: int) -> int:
+    """The resident memory of this process's parent (a worker's nanny) and the parent's other descendants."""
+    import psutil
+
+    try:
+        parent = psutil.Process(me).parent()
+        if parent is None:
+            return 0
+        family = [parent, *(c for c in parent.children(recursive=True) if c.pid != me)]
+    except psutil.Error:
+        return 0
+    total = 0
+    for p in family:
+        with contextlib.suppress(psutil.Error):
+            total += int(p.memory_info().rss)
+    return total
+
+
+def job_limits(jobs: Mapping[str, dict[str, Any]]) -> dict[str, tuple[int | None, int, str, int]]:
+    """What :func:`memchunk_prefect.core.budget.workers_from_info` takes of the workers' :func:`job_memory`
+    readings: ``(limit, others' bytes, source, workers sharing the limit)`` by worker address. Workers share a
+    limit where they read the same cgroup on the same host (a job of several processes, a LocalCluster in a
+    container), or the same batch job there where no cgroup limits it.
+
+    >>> r = {"cgroup": "/sys/fs/cgroup/job_1", "host": "n1", "job_id": "1", "limit_bytes": 1000,
+    ...      "others_bytes": 10, "source": "cgroup memory.max"}
+    >>> job_limits({"a": r, "b": dict(r), "c": {**r, "host": "n2"}})["a"], job_limits({"c": r})["c"]
+    ((1000, 10, 'cgroup memory.max', 2), (1000, 10, 'cgroup memory.max', 1))
+    """
+    def key(j: dict[str, Any]) -> tuple[Any, ...]:
+        return (j.get("host"), j.get("cgroup") or ("job", j.get("job_id")))
+
+    groups: dict[tuple[Any, ...], int] = {}
+    for j in jobs.values():
+        if j.get("limit_bytes") is not None:
+            groups[key(j)] = groups.get(key(j), 0) + 1
+    return {a: (j.get("limit_bytes"), int(j.get("others_bytes") or 0), str(j.get("source") or ""),
+                groups.get(key(j), 1)) for a, j in jobs.items()}
+
+
+def read_job_memory(client: Any, workers: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
+    """:func:`job_memory` of each worker (by address; empty when they cannot be asked)."""
+    try:
+        return {str(k): v for k, v in client.run(job_memory, workers=list(workers) if workers is not None
+                                                  else None).items() if isinstance(v, dict)}
+    except Exception as exc:  # noqa: BLE001 - no job limit read: the nanny's line is the budget's
+        logger.info("could not read the workers' job memory: %r", exc)
+        return {}
+
+
+def run_on_nanny(client: Any, nanny: str, function: Callable[[], Any], timeout_s: float = 5.0) -> Any:
+    """Call ``function()`` in the nanny process at ``nanny`` and return its result (its worker may be dead, so
+    ``client.run(..., nanny=True)``, which goes through registered workers, cannot reach it). Raises what the
+    call raised, or ``OSError`` / a timeout where the nanny does not answer."""
+    from distributed.core import rpc
+    from distributed.protocol.pickle import dumps
+
+    async def call() -> Any:
+        async with rpc(nanny, timeout=timeout_s, connection_args=client.connection_args) as r:
+            return await r.run(function=dumps(function))
+
+    response = client.sync(call)
+    if not isinstance(response, dict) or response.get("status") != "OK":
+        raise RuntimeError(f"the nanny at {nanny} answered {response!r}")
+    result = response.get("result")
+    return getattr(result, "data", result)  # distributed's Serialize wrapper, where it arrives wrapped
 
 
 def machine_info() -> dict[str, Any]:
@@ -327,6 +536,18 @@ def requested_workers(cluster: Any) -> int | None:
     return max(counts) if counts and max(counts) > 0 else None
 
 
+def jobqueue_job(cluster: Any, name: str | None) -> tuple[str | None, str | None]:
+    """The batch job id of the worker called ``name`` in a dask-jobqueue cluster, and its batch system
+    (``"slurm"`` for SLURMCluster, else the class's name, lower case); (None, None) elsewhere. dask-jobqueue keeps
+    each job under the worker's name in ``cluster.workers`` (``Job.job_id``) until it is closed."""
+    job = getattr(cluster, "workers", {}).get(name) if cluster is not None and name else None
+    job_id = getattr(job, "job_id", None)
+    if not job_id:
+        return None, None
+    kind = type(cluster).__name__.lower()
+    return str(job_id), "slurm" if kind.startswith("slurm") else kind.removesuffix("cluster")
+
+
 def read_allowed_failures(client: Any) -> int | None:
     """The scheduler's ``allowed-failures`` (None when it cannot be read). Read by value: no memchunk needed there."""
     try:
@@ -453,7 +674,12 @@ class ClusterView:
         self.memory_budget = memory_budget
         self.adaptive = adaptive
         self._lock = threading.RLock()
+        self._death_lock = threading.Lock()  # held while a death is read (seconds): not the budget's lock
         self._kill_fractions: dict[str, object] = {}
+        self._jobs: dict[str, dict[str, Any]] = {}  # worker address -> job_memory() read there (once per worker)
+        self._nannies: dict[str, str] = {}  # worker address -> its nanny's address
+        self._oom_seen: dict[str, int] = {}  # nanny address -> the OOM kill count last read in its cgroup
+        self._deaths: dict[str, DeathEvidence] = {}  # worker address -> what was read about its death (once)
         self._worker_gpus: dict[str, GpuStatus] | None = None
         self._checked = False
         self._machines_recorded = False
@@ -476,11 +702,47 @@ class ClusterView:
             new = [a for a in info["workers"] if a not in self._kill_fractions]
         if new:
             fractions = read_kill_fractions(client, new)
+            jobs = read_job_memory(client, new)
             with self._lock:
                 self._kill_fractions.update(fractions)
+                self._jobs.update(jobs)
+                for a in new:
+                    nanny = info["workers"][a].get("nanny")
+                    if nanny:
+                        self._nannies[a] = str(nanny)
+                        if jobs.get(a, {}).get("oom_kills") is not None:
+                            self._oom_seen.setdefault(str(nanny), int(jobs[a]["oom_kills"]))
         marks = read_marks(client, (*WORKER_MODULES, *modules))
+        with self._lock:
+            limits = job_limits({a: j for a, j in self._jobs.items() if a in info["workers"]})
         return _budget.workers_from_info(info, dict(self._kill_fractions), configured_kill_fraction(),
-                                         {a: r for a, (r, _) in marks.items()}, {a: h for a, (_, h) in marks.items()})
+                                         {a: r for a, (r, _) in marks.items()}, {a: h for a, (_, h) in marks.items()},
+                                         limits)
+
+    def death_evidence(self, worker: str, nanny: str | None = None, name: str | None = None) -> DeathEvidence | None:
+        """What the nanny, the kernel and the batch system say about the death of the worker at ``worker``
+        (:func:`memchunk_prefect.run.batch.death_evidence`), read once per dead worker (its chunks in flight share
+        it); None for an unnamed worker. ``nanny`` and ``name``: as Dask's report of the death gives them (a worker
+        that joined mid-map was never read here: its nanny is asked, and its job looked up by name in the runner's
+        dask-jobqueue cluster)."""
+        if not worker:
+            return None
+        with self._death_lock:  # one reading at a time (the OOM count read is compared with the last one)
+            with self._lock:
+                if worker in self._deaths:
+                    return self._deaths[worker]
+                job, nanny = self._jobs.get(worker), self._nannies.get(worker) or nanny
+                seen = self._oom_seen.get(nanny) if nanny else None
+            job_id, system = jobqueue_job(self._cluster(), name)
+            client = self.client
+            at_nanny = None if not nanny else functools.partial(run_on_nanny, client, nanny, job_memory)
+            kills = functools.partial(read_memory_kills, client)
+            evidence, now = batch.death_evidence(worker, kills, at_nanny, job, seen, job_id=job_id, batch=system)
+            with self._lock:
+                self._deaths[worker] = evidence
+                if nanny and now is not None:
+                    self._oom_seen[nanny] = int(now)
+            return evidence
 
     def budget(self, modules: Sequence[str] = ()) -> Budget:
         """Task slots, the per-task memory budget and how it was derived, read from the live cluster.

@@ -402,9 +402,13 @@ class ChunkedMap:
                                    written_chunks=len(self.out.completed_chunks()), at=time.time())
             chunk = self.machine.in_flight[sid].chunk  # type: ignore[union-attr]
             written = self.out.is_done(chunk)
+            last = getattr(exc, "last_worker", None)
+            worker = str(getattr(last, "address", "") or "")
+            evidence = None if written else self.ctx.cluster.death_evidence(
+                worker, getattr(last, "nanny", None), getattr(last, "name", None))
             return WorkerDied(sid, type(exc).__name__, written=written,
                               kill_headroom_bytes=None if written else self.headroom_of(exc), at=time.time(),
-                              worker=str(getattr(getattr(exc, "last_worker", None), "address", "") or ""))
+                              worker=worker, evidence=evidence)
         finally:
             with contextlib.suppress(Exception):
                 dask_future.release()  # completed results must not be recomputed if a worker dies later

@@ -253,6 +253,7 @@ class MapLog(MapObserver):
     events: list[dict] = field(default_factory=list)
     observations: list[Observation] = field(default_factory=list)
     budget_bytes: int = 0
+    budget_reason: str = ""  # how the budget was derived, in words (the map's start)
     done: list[Chunk] = field(default_factory=list)
     #: (predicted mean, upper bound, measured peak) in bytes of every chunk that finished with a ready prediction
     #: made when it was submitted: how close the model was at the chunks the runner chose.
@@ -263,6 +264,7 @@ class MapLog(MapObserver):
 
     def on_map_start(self, event: MapStart) -> None:
         self.budget_bytes = event.budget_bytes
+        self.budget_reason = event.budget_reason
 
     def on_decision(self, event: Decision) -> None:
         self.decisions.append(event.to_dict())
@@ -302,6 +304,7 @@ class MapLog(MapObserver):
             "recovered": self.oom_events,
             "peak_bytes": max(peaks) if peaks else None,
             "budget_bytes": self.budget_bytes,
+            "budget_reason": self.budget_reason,
             # On the GPU: the largest GPU peak of a chunk that finished, and the GPU budget its runs had (bytes).
             "gpu_peak_bytes": max((o.gpu_peak_bytes for o in self.observations
                                    if o.outcome == OK and o.gpu_peak_bytes is not None), default=None),

@@ -114,7 +114,7 @@ class BlockFunction:
         # (see that module).
         hydration.install()
         try:
-            return run_block(self.fn, job, bound)
+            return already_written(job) or run_block(self.fn, job, bound)
         except BaseException as exc:
             # Dask and Prefect keep a failed task's exception, whose traceback keeps the block and the operator's
             # arrays (host and GPU) alive in this worker: drop them, so a chunk that ran out of memory leaves
@@ -258,6 +258,26 @@ def _receipt(job: BlockJob, output: ZarrOutput, obs: Observation) -> Receipt:
     except OSError as exc:
         raise write_error(job, exc) from exc
     return Receipt(chunk=job.chunk, output_path=job.output_path, observation=obs.to_dict())
+
+
+def already_written(job: BlockJob) -> Receipt | None:
+    """The receipt of a chunk whose completion marker is there already (None: it is not; it runs).
+
+    The flow submits a chunk once unless its run died before writing it; but Dask runs a task again by itself
+    when the worker that holds its finished result leaves before the flow gathered it ("lost already computed
+    task(s), which will be recomputed elsewhere": a batch job cancelled, preempted or at its walltime just after
+    writing a chunk). The chunk's data and marker (with the first run's measurement) are in the output already:
+    they are kept and the measurement returned, so nothing written is computed again."""
+    try:
+        output = ZarrOutput.open(job.output_path)
+        if not output.is_done(job.chunk):
+            return None
+        records = output.done_records([job.chunk])
+    except (OSError, ValueError):  # no output to read yet: the chunk runs
+        return None
+    if not records or records[0].get("operator_key") != job.operator_key:
+        return None
+    return Receipt(chunk=job.chunk, output_path=job.output_path, observation=dict(records[0]))
 
 
 _WRITE_HINTS = {errno.ENOSPC: "the disk is full: free space there",
