@@ -33,19 +33,10 @@ What happens when a worker dies mid-map (:class:`WorkerDied`), in order:
 3. else a **lost worker** (walltime, preemption, a node lost, a SIGKILL): nothing
    is learned about memory, and the same chunk goes to the front of the queue once more.
 
-The learned policy (:mod:`memchunk_prefect.core.bandit`). The first plan of a map
-that is not a probe is made under every arm (risk level of the bound); arms
-that give the same chunking are grouped, and ``knowledge.choose_arm`` picks one
-(the fixed heuristic's ``safe`` arm when ``settings.learned_policy`` is off).
-Every later plan of the map (other regions, re-plans) uses the same arm, and
-split pieces inherit it. When the map is complete, :class:`Finalize` is
-followed by :class:`ReadPauses` (the scheduler's log of worker pauses over the
-map); its answer :class:`PausesRead` brings :class:`Rewarded`: what the arm
-earned (its chunks' slot efficiency, less a penalty per chunk that ran out of
-memory and the share of slot time its workers spent paused) for the executor
-to persist and teach. A map that stops early or does not finalize teaches nothing,
-nor does one that probed: its arm planned only the box the probes left, on
-workers the probes had just grown, and rewards are compared arm against arm.
+The learned policy (:mod:`memchunk_prefect.core.bandit`): the map's first plan that is not a probe picks an
+arm (a risk level of the bound) through ``knowledge.choose_arm``; every later plan and split piece keeps it; a
+finished map that did not probe ends with :class:`Rewarded`, what the arm earned, after :class:`ReadPauses`.
+The rules are in the documentation's explanation of the learned policy.
 
 Units: bytes, elements, seconds since the epoch (``at``, given by the executor).
 """
