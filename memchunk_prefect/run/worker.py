@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import importlib
 import inspect
 import os
 import socket
@@ -84,6 +85,26 @@ class Receipt:
         return f"Receipt({self.chunk.key()}, peak={format_bytes(self.observation.get('peak_bytes'))})"
 
 
+def _where(fn: Any) -> tuple[str, str] | None:
+    """``(module, qualified name)`` under which ``fn`` (or the Prefect task wrapping it) is found again, or None."""
+    module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or "<locals>" in name:
+        return None
+    return (module, name) if _find(module, name) is fn else None
+
+
+def _find(module: str, name: str) -> Any:
+    """The function at ``module.name`` (a Prefect task's ``fn`` where the name is a task), or None."""
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in name.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # noqa: BLE001 - not importable here: the caller keeps the copy shipped by value
+        return None
+    obj = getattr(obj, "fn", obj)
+    return obj if callable(obj) else None
+
+
 def chunk_task_run_name(parameters: dict[str, Any]) -> str:
     """Task run names that show the chunk: ``gst3d_dip[iline 64:96]``."""
     for value in parameters.values():
@@ -104,6 +125,26 @@ class BlockFunction:
         self.fn = fn
         self.param = param
         functools.update_wrapper(self, fn)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with where the function lives (module, qualified name) beside the function itself.
+
+        A function decorated as a Prefect task is not its module's attribute (the task is), so cloudpickle ships
+        it by value, and every task run's copy gets a fresh copy of the module's globals: a cache the operator
+        keeps at module level (a model, a lookup table, a library's first load) is rebuilt, and held again, by
+        every chunk on the same worker. Found again by its name on the worker, it is the module's own function,
+        with one set of globals per worker, as in a plain Python process. Where the module does not import there
+        (a notebook, ``__main__``), the copy shipped by value is used."""
+        state = dict(self.__dict__)
+        state["_where"] = _where(self.fn)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        where = state.pop("_where", None)
+        found = _find(*where) if where else None
+        if found is not None:
+            state["fn"] = state["__wrapped__"] = found
+        self.__dict__.update(state)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
