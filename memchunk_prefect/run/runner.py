@@ -43,7 +43,7 @@ import os
 import threading
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import dask
 from prefect.context import FlowRunContext
@@ -208,9 +208,10 @@ class MemoryAwareRunner(DaskTaskRunner):
         self._map_count = 0
         self._view: _cluster.ClusterView | None = None
         self._writer: Any = None  # report.ArtifactWriter of the flow run this runner is entered for
-        self._lock = threading.RLock()  # what the maps' threads share: the client, the writer, the cluster view
+        self._lock = threading.RLock()  # what the maps' threads share: the writer, the cluster view
+        self._client_lock = threading.Lock()  # apart: the cluster starts while the flow's thread goes on
         self._bank_lock = threading.Lock()  # apart: the bank is opened beside the cluster's start, not after it
-        self._warming: threading.Thread | None = None
+        self._warming: list[threading.Thread] | None = None
         self._flow_maps = FlowMaps()  # the chunked maps of the flow run, running or ended
 
     # ---------------------------------------------------------------- Prefect plumbing
@@ -255,13 +256,14 @@ class MemoryAwareRunner(DaskTaskRunner):
         state["_bank"] = None
         state["observers"] = ()
         state["_lock"], state["_flow_maps"], state["_writer"] = None, None, None  # the flow's only
-        state["_bank_lock"], state["_warming"] = None, None
+        state["_bank_lock"], state["_client_lock"], state["_warming"] = None, None, None
         state["_view"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.RLock()
+        self._client_lock = threading.Lock()
         self._bank_lock = threading.Lock()
 
     def __enter__(self):
@@ -279,8 +281,8 @@ class MemoryAwareRunner(DaskTaskRunner):
         connection (2 file descriptors) per flow run until it exited. A map that failed unseen fails the flow run
         here."""
         failed: BaseException | None = None
-        if self._warming is not None:
-            self._warming.join(60)  # the bank it may still be opening is closed below
+        for thread in self._warming or ():
+            thread.join(60)  # the bank it may still be opening is closed below, the cluster by prefect-dask
         try:
             unseen = self.finish_maps(exc_info[1] if len(exc_info) > 1 else None)
             if unseen is not None:
@@ -343,8 +345,9 @@ class MemoryAwareRunner(DaskTaskRunner):
         if self._client is None:
             # Maps run in threads of their own and the first to ask creates the client: under the lock, so one
             # client is made, and so two threads' ``dask.config.set`` (process-global, not thread-safe) cannot
-            # interleave and leave allowed-failures changed for the whole process after both exit.
-            with self._lock:
+            # interleave and leave allowed-failures changed for the whole process after both exit. A lock of its
+            # own: the flow's thread (output paths, the cluster view) goes on while the cluster starts.
+            with self._client_lock:
                 if self._client is None:
                     # Report a worker's death on the first death instead of retrying it on (and killing) others.
                     with dask.config.set({"distributed.scheduler.allowed-failures":
@@ -432,17 +435,16 @@ class MemoryAwareRunner(DaskTaskRunner):
             return self._bank
 
     def _warm_up(self) -> None:
-        """At the flow run's first chunked map, open the model bank (River and the store: ~0.7 s) in a thread of
-        its own, beside the cluster's start that the map waits for first, instead of after it."""
+        """At the flow run's first chunked map, start the cluster (its workers take seconds to spawn) and open the
+        model bank (River and the store: ~0.7 s), each in a thread of its own, so both run beside the map's setup
+        in the flow's thread (imports, the source's geometry, the output) instead of after it. A failure here is
+        left for the map, which asks again and says what went wrong."""
         if self._warming is None:
-            self._warming = threading.Thread(target=self._open_bank_quietly, name="memchunk-warm-up", daemon=True)
-            self._warming.start()
-
-    def _open_bank_quietly(self) -> None:
-        try:
-            self.model_bank()
-        except Exception as exc:  # noqa: BLE001 - the map opens it again and says what went wrong
-            logger.debug("could not open the model bank ahead of the first map: %r", exc)
+            self._warming = [threading.Thread(target=_quietly, args=(fn, what), name=f"memchunk-{what}", daemon=True)
+                             for fn, what in ((lambda: self.client, "cluster-start"),
+                                              (self.model_bank, "bank-open"))]
+            for thread in self._warming:
+                thread.start()
 
     @property
     def cluster_view(self) -> _cluster.ClusterView:
@@ -472,6 +474,13 @@ class MemoryAwareRunner(DaskTaskRunner):
             self._map_count += 1
             n = self._map_count
         return output_path_for(default_output_dir(self.output_dir), run_id, n, operator, run, suffix=suffix)
+
+
+def _quietly(fn: Callable[[], Any], what: str) -> None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the map does it again and says what went wrong
+        logger.debug("memchunk %s ahead of the first map failed: %r", what, exc)
 
 
 def _progress_observers(on: bool) -> list[MapObserver]:
