@@ -710,3 +710,31 @@ def test_the_settings_context_is_serialized_once_per_context_while_maps_run_and_
     t.join(10)
     assert SettingsContext.__dict__["serialize"] is original
     assert ctx.serialize() is not first and ctx.serialize() == fresh
+
+
+def test_a_missing_input_is_reported_before_any_cluster_starts(tmp_path):
+    """The input is opened in the flow's thread before the first map starts its cluster in the background: a typo
+    in the path costs no worker start, and the error is the typed one."""
+    from distributed import LocalCluster
+
+    from memchunk_prefect.core.errors import SegyFileNotFoundError
+
+    started: list[object] = []
+
+    class Recorded(LocalCluster):
+        def __init__(self, *args, **kwargs):
+            started.append(self)
+            super().__init__(*args, **kwargs)
+
+    runner = MemoryAwareRunner(cluster_class=Recorded, cluster_kwargs={"n_workers": 1, "memory_limit": "1GiB"},
+                               store=str(tmp_path / "s.sqlite"), output_dir=str(tmp_path / "out"))
+
+    @flow(task_runner=runner)
+    def attributes(path: str):
+        return operators.envelope.map(chunked(path)).result()
+
+    with pytest.raises(SegyFileNotFoundError, match="no-such-survey.sgy"):
+        attributes(str(tmp_path / "no-such-survey.sgy"))
+    assert started == []
+    with runner.duplicate() as same:  # the control: this runner's cluster is the recorded class
+        assert same.client is not None and len(started) == 1

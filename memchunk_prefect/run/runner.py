@@ -37,6 +37,7 @@ Ordinary iterables map exactly as with ``DaskTaskRunner``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -367,9 +368,14 @@ class MemoryAwareRunner(DaskTaskRunner):
                 "a chunked map cuts one volume: pass the others unchunked (for example as a path read inside the task)"
             )
         ((param, marker),) = chunked_params.items()
-        self._warm_up()
         if isinstance(marker, ChunkedResult):
             marker = chunked(marker)
+        if not isinstance(marker.source, ChunkedResult):
+            # Opened here, in the flow's thread, before a cluster starts: a bad input is reported at once.
+            from memchunk_prefect.io.volume import as_source
+
+            marker = dataclasses.replace(marker, source=as_source(marker.source))
+        self._warm_up()
         # Every other argument goes whole to each chunk (a chunked map does not zip with iterables:
         # a sigma of (2, 2, 2) is one parameter, not three).
         static = {k: (v.unwrap() if isinstance(v, BaseAnnotation) else v)
