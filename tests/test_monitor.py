@@ -326,6 +326,25 @@ def test_a_dask_worker_with_several_threads_marks_every_run_shared(monkeypatch):
     assert "4 threads" in str(caught[0].message)
 
 
+def test_a_run_alone_on_a_worker_with_several_threads_still_says_what_it_left_held(monkeypatch):
+    """A first use (a library loaded and kept) on a 2-thread worker is told apart when its run had the process to
+    itself; its peak is then flagged shared (another run could have started) but what it left is its own."""
+    monkeypatch.setattr(pm, "_dask_nthreads", lambda: 2)
+    probe = FakeProbe(rss=100 * MiB)
+    monitor = quiet_monitor(probe)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SharedMeasurementWarning)
+        with monitor.track() as first:
+            probe.allocate(150 * MiB)  # kept for the process's life
+            probe.allocate(40 * MiB)
+            probe.free(40 * MiB)
+        with monitor.track() as later:
+            probe.allocate(40 * MiB)
+            probe.free(40 * MiB)
+    assert first.measurement.shared and first.measurement.retained_bytes == 150 * MiB
+    assert later.measurement.retained_bytes == 0
+
+
 def test_a_dask_worker_with_one_thread_gives_clean_figures(monkeypatch):
     monkeypatch.setattr(pm, "_dask_nthreads", lambda: 1)
     with quiet_monitor(FakeProbe()).track() as run:

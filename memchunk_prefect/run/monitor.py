@@ -465,7 +465,9 @@ class Monitor:
             threads=threads,
             others_bytes=int(run._others),
             grew_bytes=int(grew),
-            retained_bytes=None if end is None or shared else max(0, end - int(run._baseline)),
+            # Read only when the run was alone in its process from start to end, whatever the worker's thread
+            # count: a library's first use on a worker with several threads is then still told apart.
+            retained_bytes=None if end is None else max(0, end - int(run._baseline)),
             error=None if exc is None else _safe_repr(exc),
             outcome=outcome,
         )
