@@ -878,7 +878,7 @@ def test_quick_family_runs_every_strategy_in_its_own_process_and_scores_the_runn
     page = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(out)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert page.returncode == 0, page.stderr
-    assert "## A family of workloads the runner never saw" in page.stdout and "| family | memchunk warm: 0 kills |" in page.stdout
+    assert "## A family of workloads the runner never saw" in page.stdout and "| family | memchunk warm: 0 kills, 0 failed runs |" in page.stdout
 
 
 def test_quick_sim_validation_sets_every_real_run_beside_the_simulators_prediction_of_it(tmp_path, api_url):
@@ -937,3 +937,22 @@ def test_the_results_page_lists_every_target_of_every_run_and_reruns_each_from_i
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(bad)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "not the JSON of a suite benchmark" in proc.stderr and "['rows']" in proc.stderr
+
+
+def test_a_family_workload_whose_runner_runs_failed_counts_as_the_worst_ratio_not_as_left_out():
+    from benchmarks.family.__main__ import resummarize
+
+    def run(wall, ok=True, failed=""):
+        return {"wall_seconds": wall, "completed": ok, "failed": failed, "kills": 0, "strategy": "static-2"}
+
+    def workload(memchunk_ok):
+        return {"sweep": [run(4.0), run(6.0)], "cold": run(5.0),
+                "pairs": [{"static": run(4.0), "memchunk": run(4.4) if memchunk_ok else
+                           run(9.0, False, "exit 1: ChunkOutOfMemoryError: ...")} for _ in range(3)]}
+
+    doc = resummarize({"results": [workload(True), workload(True), workload(False)]})
+    s = doc["summary"]
+    assert s["warm_median"] == pytest.approx(1.1) and s["warm_worst"] is None and s["warm_worst_failed"]
+    assert s["warm_failed_runs"] == 3 and s["warm_kills"] == 3
+    assert s["targets"]["warm_worst"] == "missed" and s["targets"]["warm_kills"] == "missed"
+    assert doc["results"][2]["warm_ratios"] == [None, None, None] and doc["results"][2]["warm_median_failed"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -125,21 +126,39 @@ def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int
 
 
 def _ratio(a: dict | None, b: dict | None) -> float | None:
-    if not a or not b or not a.get("completed") or not b.get("completed"):
+    """memchunk's wall over the static's; ``inf`` where the static completed and memchunk did not (a failed run
+    is the worst ratio there is, never a run left out); None where the static did not complete."""
+    if not a or not b or not b.get("completed"):
         return None
+    if not a.get("completed"):
+        return math.inf
     return a["wall_seconds"] / b["wall_seconds"]
+
+
+def _kills(r: dict | None) -> int:
+    """Chunks killed in a run: the ones it counted, or one for a run that stopped on a chunk out of memory."""
+    if not r:
+        return 0
+    return int(r.get("kills") or 0) or int("ChunkOutOfMemoryError" in str(r.get("failed", "")))
+
+
+def _finite(x: float | None) -> float | None:
+    return None if x is None or math.isinf(x) else x
 
 
 def summarize_workload(result: dict[str, Any], best: dict | None) -> dict[str, Any]:
     warm = [r for r in (_ratio(p.get("memchunk"), p.get("static")) for p in result["pairs"]) if r is not None]
+    cold = _ratio(result["cold"], best)
+    warm_median = statistics.median(warm) if warm else None
     return {
         "best_static": best["strategy"] if best else None,
         "best_static_seconds": best["wall_seconds"] if best else None,
-        "cold_ratio": _ratio(result["cold"], best),
-        "warm_ratios": warm,
-        "warm_ratio": statistics.median(warm) if warm else None,
-        "cold_kills": result["cold"].get("kills", 0),
-        "warm_kills": sum(p["memchunk"].get("kills", 0) for p in result["pairs"] if p.get("memchunk")),
+        "cold_ratio": _finite(cold), "cold_failed": cold is not None and math.isinf(cold),
+        "warm_ratios": [_finite(x) for x in warm],
+        "warm_ratio": _finite(warm_median), "warm_failed": sum(1 for x in warm if math.isinf(x)),
+        "warm_median_failed": warm_median is not None and math.isinf(warm_median),
+        "cold_kills": _kills(result["cold"]),
+        "warm_kills": sum(_kills(p.get("memchunk")) for p in result["pairs"]),
         "first_task_seconds": {
             "static": [p["static"].get("first_task_seconds") for p in result["pairs"] if p.get("static")],
             "memchunk_warm": [p["memchunk"].get("first_task_seconds") for p in result["pairs"] if p.get("memchunk")],
@@ -148,14 +167,20 @@ def summarize_workload(result: dict[str, Any], best: dict | None) -> dict[str, A
 
 
 def summarize_family(results: list[dict[str, Any]]) -> dict[str, Any]:
-    warm = [r["warm_ratio"] for r in results if r.get("warm_ratio") is not None]
-    cold = [r["cold_ratio"] for r in results if r.get("cold_ratio") is not None]
+    """Median and worst over the workloads; a workload whose memchunk runs failed (the median of its pairs, or
+    its cold run) counts as the worst ratio there is, so a failure can never improve the figures."""
+    warm = [math.inf if r.get("warm_median_failed") else r["warm_ratio"] for r in results
+            if r.get("warm_ratio") is not None or r.get("warm_median_failed")]
+    cold = [math.inf if r.get("cold_failed") else r["cold_ratio"] for r in results
+            if r.get("cold_ratio") is not None or r.get("cold_failed")]
     static_first = [x for r in results for x in r["first_task_seconds"]["static"] if x is not None]
     runner_first = [x for r in results for x in r["first_task_seconds"]["memchunk_warm"] if x is not None]
     s = {
         "warm_median": statistics.median(warm) if warm else None, "warm_worst": max(warm) if warm else None,
         "cold_median": statistics.median(cold) if cold else None, "cold_worst": max(cold) if cold else None,
         "warm_kills": sum(r["warm_kills"] for r in results), "cold_kills": sum(r["cold_kills"] for r in results),
+        "warm_failed_runs": sum(r.get("warm_failed", 0) for r in results),
+        "cold_failed_runs": sum(1 for r in results if r.get("cold_failed")),
         "first_task_static_median": statistics.median(static_first) if static_first else None,
         "first_task_memchunk_median": statistics.median(runner_first) if runner_first else None,
         "workloads": len(results), "measured": len(warm),
@@ -164,36 +189,59 @@ def summarize_family(results: list[dict[str, Any]]) -> dict[str, Any]:
         "warm_median": _verdict(s["warm_median"], TARGETS["warm_median"]),
         "warm_worst": _verdict(s["warm_worst"], TARGETS["warm_worst"]),
         "cold_median": _verdict(s["cold_median"], TARGETS["cold_median"]),
-        "warm_kills": "met" if s["warm_kills"] == 0 else "missed",
+        "warm_kills": "met" if s["warm_kills"] == 0 and s["warm_failed_runs"] == 0 else "missed",
         "first_task_extra": _verdict(None if s["first_task_memchunk_median"] is None
                                      or s["first_task_static_median"] is None
                                      else s["first_task_memchunk_median"] - s["first_task_static_median"], 1.0),
     }
+    for k in ("warm_median", "warm_worst", "cold_median", "cold_worst"):  # JSON has no infinity: None and a flag
+        if s[k] is not None and math.isinf(s[k]):
+            s[k], s[k + "_failed"] = None, True
     return s
 
 
+def resummarize(doc: dict[str, Any]) -> dict[str, Any]:
+    """A run's JSON with its per-workload and family figures computed again from its raw runs by this code."""
+    for r in doc["results"]:
+        ok = [x for x in r["sweep"] if x.get("completed")]
+        r.update(summarize_workload(r, min(ok, key=lambda x: x["wall_seconds"]) if ok else None))
+    doc["summary"] = summarize_family(doc["results"])
+    return doc
+
+
 def _verdict(value: float | None, limit: float) -> str:
-    return "not measured" if value is None else ("met" if value <= limit else "missed")
+    return "not measured" if value is None else ("met" if value <= limit else "missed")  # inf: missed
 
 
 def table(results: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     def f(x: Any, fmt: str = "{:.2f}") -> str:
         return "-" if x is None else fmt.format(x)
 
+    def ratio(x: Any, failed: bool) -> str:
+        return "failed" if failed else f"{f(x)}x"
+
+    def runs(xs: list) -> str:
+        return ", ".join("failed" if x is None else f(x) for x in xs)
+
     rows = ["| workload | survey | workers | best static | warm / best (pairs) | cold / best | kills cold, warm |",
             "|---|---|---|---|---|---|---|"]
     for r in results:
         w = r["workload"]
         shape = "x".join(str(v) for v in Workload.from_dict(w).survey_shape)
-        pairs = ", ".join(f(x) for x in r["warm_ratios"])
+        pairs = runs(r["warm_ratios"])
         rows.append(f"| {w['name']} | {shape} {w['source']} | 2 x {w['memory_limit_mib']} MiB x {w['threads']} | "
                     f"{r['best_static'] or '-'} {f(r['best_static_seconds'], '{:.1f} s')} | "
-                    f"{f(r['warm_ratio'])}x ({pairs}) | {f(r['cold_ratio'])}x | {r['cold_kills']}, {r['warm_kills']} |")
+                    f"{ratio(r['warm_ratio'], r.get('warm_median_failed', False))} ({pairs}) | "
+                    f"{ratio(r['cold_ratio'], r.get('cold_failed', False))} | {r['cold_kills']}, {r['warm_kills']} |")
     t = summary["targets"]
-    rows += ["", f"warm: median {f(summary['warm_median'])}x ({t['warm_median']}, target <= 0.95), worst "
-                 f"{f(summary['warm_worst'])}x ({t['warm_worst']}, target <= 1.15); cold: median "
-                 f"{f(summary['cold_median'])}x ({t['cold_median']}, target <= 1.20); kills: cold "
-                 f"{summary['cold_kills']}, warm {summary['warm_kills']} ({t['warm_kills']}, target 0)",
+    rows += ["", f"warm: median {ratio(summary['warm_median'], summary.get('warm_median_failed', False))} "
+                 f"({t['warm_median']}, target <= 0.95), worst "
+                 f"{ratio(summary['warm_worst'], summary.get('warm_worst_failed', False))} ({t['warm_worst']}, "
+                 f"target <= 1.15); cold: median "
+                 f"{ratio(summary['cold_median'], summary.get('cold_median_failed', False))} ({t['cold_median']}, "
+                 f"target <= 1.20); kills: cold {summary['cold_kills']}, warm "
+                 f"{summary['warm_kills']}; failed memchunk runs: cold {summary.get('cold_failed_runs', 0)}, warm "
+                 f"{summary.get('warm_failed_runs', 0)} ({t['warm_kills']}, target 0 kills, 0 failures warm)",
              f"flow start to first task (median): static {f(summary['first_task_static_median'])} s, memchunk warm "
              f"{f(summary['first_task_memchunk_median'])} s ({t['first_task_extra']}, target <= 1.0 s more)"]
     return "\n".join(rows)
