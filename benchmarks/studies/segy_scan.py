@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     if age < 2.5:  # a file changed in the last seconds is scanned, not kept (segy_cache.SETTLE_SECONDS)
         time.sleep(2.5 - age)
     cache = str(work / "cache")
+    from benchmarks.__main__ import machine_info
+
+    machine = machine_info()
     rows = [run_child("benchmarks.studies.segy_scan", ["--child", str(path), mode, cache])
             for mode in ("scan", "first", "kept")]
     traces = rows[0]["traces"]
@@ -70,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"  {r['mode']:<6} {r['seconds']:7.2f} s  ({r['seconds'] / traces * 1e6:.2f} s per million traces)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"traces": traces, "bytes": path.stat().st_size, "rows": rows},
-                                              indent=1))
+        machine["loadavg_end"] = list(os.getloadavg())
+        Path(args.json).write_text(json.dumps({"benchmark": "segy_scan", "machine": machine, "traces": traces,
+                                               "bytes": path.stat().st_size, "rows": rows}, indent=1))
     return 0
 
 
