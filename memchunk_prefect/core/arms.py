@@ -57,3 +57,46 @@ def signature(result: Any) -> Any:
     if isinstance(result, policy.Decision):
         return (result.decision, signature(result.plan))
     return tuple(result.chunks)
+
+
+def choose_arm(m: Any, make: Any) -> Any:
+    """Make a map machine ``m``'s first real plan under every arm (``make()`` plans with its ``predict``),
+    choose one, keep it (``m.arm``).
+
+    Arms whose plan is the same chunking are grouped (one outcome teaches
+    them all); an arm under which nothing fits is left out. Returns what
+    ``make()`` returned under the chosen arm; raises the ``safe`` arm's
+    error when no arm fits.
+    """
+    results: dict[str, Any] = {}
+    errors: dict[str, MemchunkError] = {}
+    arms = bandit.ARMS if m.settings.learned_policy else (bandit.HEURISTIC_ARM,)
+    if not m.settings.granularity_arms:
+        arms = tuple(a for a in arms if a not in bandit.GRANULARITY_ARMS)
+    for arm in arms:
+        if arm in bandit.GRANULARITY_ARMS:
+            safe = results.get(bandit.SAFE)
+            if safe is None:
+                continue  # finer or coarser than nothing
+            m.safe_read_elements = m._largest_read(chunks_of(safe))
+        m.arm = bandit.ArmChoice(arm, (arm,), None, 0, "")
+        try:
+            results[arm] = make()
+        except MemchunkError as exc:
+            errors[arm] = exc
+            continue
+        if arm in bandit.GRANULARITY_ARMS and not near(results[arm], results[bandit.SAFE]):
+            del results[arm]
+    m.arm = None
+    if not results:
+        raise errors[bandit.HEURISTIC_ARM]
+    groups: dict[Any, tuple[str, ...]] = {}
+    for arm, result in results.items():
+        sig = signature(result)
+        groups[sig] = groups.get(sig, ()) + (arm,)
+    if m.settings.learned_policy:
+        choice = m.knowledge.choose_arm(list(groups.values()))
+    else:
+        choice = bandit.ArmChoice(bandit.HEURISTIC_ARM, (bandit.HEURISTIC_ARM,), None, 0, "heuristic")
+    m.arm = choice
+    return results[choice.arm]

@@ -215,6 +215,8 @@ class Budget:
     :attr:`WorkerMemory.touched_bytes`); ``reason``: the derivation in words. The cluster's shape as the
     budget read it, for a simulation of the run on another cluster: ``memory_limit_bytes``,
     ``threads_per_worker`` and ``kill_fraction`` of the worker that sets the budget (None where unknown).
+    ``worker_budget_bytes``: what one task may use running alone on its worker (the kill line less the resting
+    memory, not shared among threads, under the same caps), on the tightest worker; None where not derived.
     """
 
     slots: int
@@ -226,6 +228,7 @@ class Budget:
     memory_limit_bytes: int | None = None
     threads_per_worker: int | None = None
     kill_fraction: float | None = None
+    worker_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,7 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
                       reason=f"budget {format_bytes(memory_budget)} per task (memory_budget; workers without a "
                              "memory_limit have no line to derive one from)")
     per_worker = []
+    alone = []  # what a task may use alone on each worker
     for w in workers:
         line, by = w.line
         if by == NONE:
@@ -322,12 +326,15 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
                 f"the worker {w.address} has no memory limit (memory_limit={w.memory_limit_bytes!r}), so there is "
                 "no budget to plan for: give the cluster a memory_limit, or pass memory_budget= to MemoryAwareRunner")
         threads = max(1, w.nthreads)
-        headroom = int((line - w.resting_bytes) / threads)
-        b = headroom
+        b = int((line - w.resting_bytes) / threads)
+        a = int(line - w.resting_bytes)
         if target_fraction is not None and w.memory_limit_bytes:
             b = min(b, task_budget_bytes(w.memory_limit_bytes, threads, target_fraction=target_fraction,
-                                                resting_bytes=w.resting_bytes, kill_fraction=w.kill_fraction))
+                                         resting_bytes=w.resting_bytes, kill_fraction=w.kill_fraction))
+            a = min(a, int(w.memory_limit_bytes * target_fraction) - w.resting_bytes)
         per_worker.append((b, w, line, threads))
+        alone.append(a)
+    worker_budget = min(alone) if memory_budget is None else min(min(alone), int(memory_budget))
     b, w, line, threads = min(per_worker, key=lambda t: t[0])
     if b <= 0:
         raise BudgetTooSmallError(
@@ -343,7 +350,8 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
         reason = f"budget {format_bytes(b)} per task (memory_budget; the cluster's line allows more)"
     return Budget(slots=slots(workers), budget_bytes=int(b), resting_bytes=resting, reason=reason,
                   headroom_bytes=headrooms, touched_bytes=touched, memory_limit_bytes=int(w.memory_limit_bytes),
-                  threads_per_worker=threads, kill_fraction=w.kill_fraction)
+                  threads_per_worker=threads, kill_fraction=w.kill_fraction,
+                  worker_budget_bytes=max(0, worker_budget))
 
 
 def planned_slots(nthreads: dict[str, int], requested: int | None) -> int:

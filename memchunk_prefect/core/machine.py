@@ -50,11 +50,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 from memchunk_prefect.core import bandit, policy
-from memchunk_prefect.core.arms import chunks_of, near, probes, signature
+from memchunk_prefect.core.arms import choose_arm, probes
 from memchunk_prefect.core.bandit import ArmChoice
 from memchunk_prefect.core.chunks import Chunk, Shape, uncovered_boxes, with_halo
 from memchunk_prefect.core.deaths import worker_death
 from memchunk_prefect.core.errors import (
+    BudgetTooSmallError,
     ChunkOutOfMemoryError,
     ClusterLostError,
     GpuContextError,
@@ -113,6 +114,7 @@ from memchunk_prefect.core.probe import PROBE_SIZE_STEP, next_probe_scale, probe
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward, first_use_bytes, paused_within
 from memchunk_prefect.core.replan import bound_moved, remaining_boxes, replan_pays
 from memchunk_prefect.core.settings import ITEMSIZE, PolicySettings
+from memchunk_prefect.core.sharing import Sharing, choose_sharing, go_alone
 
 #: Runs per worker whose starts say where a worker of several threads stands (see MapMachine._follow_drift).
 DRIFT_RUNS = 4
@@ -185,6 +187,7 @@ class MapMachine:
     _summed: tuple[int, int] = (0, 0)  # (chunks of ``done`` summed, their elements): ``done`` only grows
     _slots_moved: tuple[int, int] | None = None  # (old, new) slots, until the next re-plan looks at them
     _overhead_warned: bool = False  # the many-chunks warning is said once a map, not at every re-plan
+    sharing: Sharing = field(default_factory=Sharing)  # one task per thread, or one alone on each worker
 
     def __post_init__(self) -> None:
         self.queue = PlanQueue(self.spec)
@@ -242,47 +245,6 @@ class MapMachine:
         limit = self.gpu_limit
         return limit.why_over(extents) if limit is not None else None
 
-    def _choose_arm(self, make: Any) -> Any:
-        """Make the first real plan under every arm (``make()`` plans with :meth:`predict`), choose one, keep it.
-
-        Arms whose plan is the same chunking are grouped (one outcome teaches
-        them all); an arm under which nothing fits is left out. Returns what
-        ``make()`` returned under the chosen arm; raises the ``safe`` arm's
-        error when no arm fits.
-        """
-        results: dict[str, Any] = {}
-        errors: dict[str, MemchunkError] = {}
-        arms = bandit.ARMS if self.settings.learned_policy else (bandit.HEURISTIC_ARM,)
-        if not self.settings.granularity_arms:
-            arms = tuple(a for a in arms if a not in bandit.GRANULARITY_ARMS)
-        for arm in arms:
-            if arm in bandit.GRANULARITY_ARMS:
-                safe = results.get(bandit.SAFE)
-                if safe is None:
-                    continue  # finer or coarser than nothing
-                self.safe_read_elements = self._largest_read(chunks_of(safe))
-            self.arm = ArmChoice(arm, (arm,), None, 0, "")
-            try:
-                results[arm] = make()
-            except MemchunkError as exc:
-                errors[arm] = exc
-                continue
-            if arm in bandit.GRANULARITY_ARMS and not near(results[arm], results[bandit.SAFE]):
-                del results[arm]
-        self.arm = None
-        if not results:
-            raise errors[bandit.HEURISTIC_ARM]
-        groups: dict[Any, tuple[str, ...]] = {}
-        for arm, result in results.items():
-            sig = signature(result)
-            groups[sig] = groups.get(sig, ()) + (arm,)
-        if self.settings.learned_policy:
-            choice = self.knowledge.choose_arm(list(groups.values()))
-        else:
-            choice = ArmChoice(bandit.HEURISTIC_ARM, (bandit.HEURISTIC_ARM,), None, 0, "heuristic")
-        self.arm = choice
-        return results[choice.arm]
-
     def _read_range(self) -> ReadRange | None:
         """The block sizes the map's arm plans within (None: any)."""
         if self.arm is None or self.safe_read_elements is None:
@@ -309,6 +271,7 @@ class MapMachine:
         self.budget_bytes = self.planned_budget = self._budget()
         self.gpu_budget_bytes = None if ev.gpu_budget_bytes is None else int(ev.gpu_budget_bytes)
         self.touched = None if ev.touched_bytes is None else {str(a): int(b) for a, b in ev.touched_bytes.items()}
+        self.sharing = Sharing(threads=max(1, int(ev.threads_per_worker)), alone_cap_bytes=ev.worker_budget_bytes)
         out: list[Instruction] = []
         if ev.restarted:
             out.append(self._decided(RESTART, None, f"{self.spec.output_path} is replaced: {ev.restarted}", ev.at))
@@ -329,10 +292,11 @@ class MapMachine:
                                  read_range=self._read_range())
 
         try:
-            d = self._choose_arm(decide) if not probes(decide) else decide()
+            choose_sharing(self, decide)
+            d = choose_arm(self, decide) if not probes(decide) else decide()
         except MemchunkError as exc:
             return out + self._fail(exc)
-        out.append(self._decided(d.decision, d.plan, d.reason, ev.at))
+        out.append(self._decided(d.decision, d.plan, self._alone_words() + d.reason, ev.at))
         self.warm = not d.plan.probe
         self.queue.extend(Pending(c, d.decision, armed=self.arm is not None) for c in d.plan.chunks)
         self.regions.extend(d.plan.remainder)
@@ -358,6 +322,11 @@ class MapMachine:
             self.probe_peak = max(self.probe_peak, int(ev.observation.peak_bytes) - first_use_bytes(ev.observation))
             self.probe_gpu_peak = max(self.probe_gpu_peak, int(ev.observation.gpu_peak_bytes or 0))
         return [Record(ev.observation), self._ended(ev.id, item, OK, ev.observation, ev.at)]
+
+    def _alone_words(self) -> str:
+        """Why the map runs alone, said once (in the first decision after it began to)."""
+        words, self.sharing.reason = self.sharing.reason, ""
+        return words
 
     def _budget(self) -> int:
         """What a plan must fit now (bytes): the cap, or the kill headroom less the workers' drift if smaller.
@@ -502,6 +471,8 @@ class MapMachine:
 
     def _on_slots(self, ev: SlotsChanged) -> list[Instruction]:
         new = int(ev.slots)
+        if self.sharing.alone:
+            new = self.sharing.slots_alone(new)
         if self.phase != RUNNING or new < 1 or new == self.slots:
             return []
         old = self._slots_moved[0] if self._slots_moved else self.slots
@@ -559,7 +530,7 @@ class MapMachine:
                 self._check_replan = False
                 out += self._maybe_replan(at)
             while True:
-                cap = self.settings.in_flight_cap(self.slots)
+                cap = self.sharing.in_flight_cap(self.slots, self.settings.in_flight_cap(self.slots))
                 while self.queue and len(self.in_flight) < cap:
                     item = self.queue.popleft() if self.gate.open else self.queue.pop_first(self.gate.ready)
                     if item is None:
@@ -589,10 +560,11 @@ class MapMachine:
         # The boxes run side by side: the largest is planned for every slot, each other one for a slot of its own
         # (a sliver a probe wave left is one chunk, not one per slot).
         largest = max(pending, key=lambda c: c.elements) if pending else None
-        slots = [self.slots if r is largest else 1 for r in pending]
+        slots: list[int | None] = [None if r is largest else 1 for r in pending]  # None: the map's slots
         chosen: list[Plan] | None = None  # the first real plans, made under the arm chosen for them
         if self.arm is None and pending and not probes(lambda: self._plan(pending[0], slots[0])):
-            chosen = self._choose_arm(lambda: [self._plan(r, n) for r, n in zip(pending, slots)])
+            choose_sharing(self, lambda: [self._plan(r, n) for r, n in zip(pending, slots)])
+            chosen = choose_arm(self, lambda: [self._plan(r, n) for r, n in zip(pending, slots)])
         for index, region in enumerate(pending):
             p = chosen[index] if chosen is not None else self._plan(region, slots[index])
             if p.probe:
@@ -605,7 +577,8 @@ class MapMachine:
                 self.queue.extend(Pending(c, p.decision) for c in p.chunks)
                 self.regions = list(p.remainder) + [r for r in pending[index:] if r is not region]
                 break
-            out.append(self._decided(RECHUNK, p, self.region_reason + p.reason, at, region=region.key()))
+            out.append(self._decided(RECHUNK, p, self._alone_words() + self.region_reason + p.reason, at,
+                                     region=region.key()))
             self.queue.extend(Pending(c, p.decision, armed=self.arm is not None) for c in p.chunks)
         if not self.regions:
             self.planned_upper = self.queue_bound()
@@ -730,10 +703,20 @@ class MapMachine:
     # ---------------------------------------------------------------- helpers
 
     def _plan(self, region: Chunk, slots: int | None = None) -> Plan:
-        return policy.plan(self.spec.shape, budget_bytes=self.budget_bytes, estimates=self._estimates(),
-                           halo=self.spec.halo, slots=self.slots if slots is None else slots,
-                           whole_traces=self.spec.whole_traces, region=region, itemsize=ITEMSIZE,
-                           settings=self.settings, read_range=self._read_range())
+        """The plan of ``region`` for ``slots`` (None: the map's); where nothing fits a thread's share of a
+        worker, the map runs alone on each worker from now on and plans for that (:func:`.sharing.go_alone`)."""
+        def make() -> Plan:
+            return policy.plan(self.spec.shape, budget_bytes=self.budget_bytes, estimates=self._estimates(),
+                               halo=self.spec.halo, slots=self.slots if slots is None else slots,
+                               whole_traces=self.spec.whole_traces, region=region, itemsize=ITEMSIZE,
+                               settings=self.settings, read_range=self._read_range())
+        try:
+            return make()
+        except BudgetTooSmallError:
+            if self.gpu_budget_bytes is not None or not self.sharing.may_go_alone(self.cap_bytes):
+                raise
+        go_alone(self, "even the smallest chunk does not fit a thread's share of its worker")
+        return make()
 
     def _estimates(self) -> Estimates:
         """What the planner asks of the operator's learned models now."""
@@ -769,7 +752,7 @@ class MapMachine:
         if upper is not None:
             self.submitted_upper[sid] = upper
         return Submit(sid, item.chunk, item.decision, item.attempt, self.spec.label(item.chunk), extents,
-                      mean, upper, at)
+                      mean, upper, at, per_worker=self.sharing.per_worker)
 
     def _get(self, sid: int) -> Pending:
         if self.phase not in (RUNNING, FAILED):
@@ -789,6 +772,12 @@ class MapMachine:
         pieces = split_chunk(item.chunk, whole_traces=self.spec.whole_traces)
         label = self.spec.label(item.chunk)
         on_gpu = cause.startswith("GPU")
+        if not pieces and not on_gpu and self.sharing.may_go_alone(self.cap_bytes) and self.gpu_budget_bytes is None:
+            go_alone(self, f"{label} cannot be split further and needed more than {format_bytes(needed_bytes)}")
+            del self.in_flight[sid]
+            self.queue.push_front([Pending(item.chunk, RETRY_SMALLER, item.attempt + 1, item.armed)])
+            return [self._decided(RETRY_SMALLER, None, self._alone_words() + f"{label} runs again", at,
+                                  chunk=item.chunk.key())]
         if not pieces:
             return self._fail(ChunkOutOfMemoryError(
                 f"{self.spec.name(item.chunk)} ran out of memory ({cause}) and cannot be split further "

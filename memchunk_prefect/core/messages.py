@@ -50,6 +50,9 @@ class Start:
     ``touched_bytes``: each worker's high-water mark less its resting memory, per thread, by address (what a
     task may use there without the kernel faulting in memory the process never held: plans count what
     growing past it costs, :class:`memchunk_prefect.core.estimates.FirstTouch`); None: not read, nothing counted.
+    ``threads_per_worker`` and ``worker_budget_bytes``: each worker's threads, and what one task may use alone on
+    the tightest worker (None: not known); a map whose chunks need more than a thread's share runs one task per
+    worker (:mod:`memchunk_prefect.core.sharing`).
     """
 
     slots: int
@@ -61,6 +64,8 @@ class Start:
     drift_bytes: int = 0
     gpu_budget_bytes: int | None = None
     touched_bytes: Mapping[str, int] | None = None
+    threads_per_worker: int = 1
+    worker_budget_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -228,7 +233,8 @@ class Submit:
 
     ``predicted_bytes`` / ``upper_bytes``: the model's figures for the block it
     reads (``read_extents``, halo included) when submitted; None while the model
-    is not ready.
+    is not ready. ``per_worker``: at most this many of the map's tasks on one worker at once (None: one per
+    thread, Dask's own placement; :mod:`memchunk_prefect.core.sharing`).
     """
 
     id: int
@@ -240,6 +246,7 @@ class Submit:
     predicted_bytes: float | None = None
     upper_bytes: float | None = None
     at: float = 0.0
+    per_worker: int | None = None
 
 
 @dataclass(frozen=True)

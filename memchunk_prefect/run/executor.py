@@ -28,6 +28,7 @@ import time
 import uuid
 from typing import Any, Callable, Iterable
 
+import dask
 from distributed import as_completed
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
@@ -83,6 +84,7 @@ from memchunk_prefect.core.records import (
     stuck_paused_message,
 )
 from memchunk_prefect.core.settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS, PolicySettings
+from memchunk_prefect.core.sharing import least_busy_worker
 from memchunk_prefect.core.stragglers import SlowWorker, slow_workers
 from memchunk_prefect.io.identity import (
     MDIO,
@@ -229,6 +231,7 @@ class ChunkedMap:
         self.futures: list[PrefectDaskFuture] = []
         self.by_id: dict[int, PrefectDaskFuture] = {}
         self.ids: dict[Any, int] = {}  # Dask key -> submission id
+        self.pins: dict[int, str] = {}  # submission id -> the worker it was placed on (a map that runs alone)
         self.states: dict[int, Any] = {}  # what each collected future gave
         self.machine: MapMachine | None = None
         self.out: Any = None
@@ -339,7 +342,8 @@ class ChunkedMap:
                 self.slots, self.budget, tuple(completed), restarted, at=time.time(),
                 headroom_bytes=min(self.headroom.values()) if self.headroom else None,
                 drift_bytes=int(max(bank.model(self.key).unseen_bytes(), bank.model(self.key).first_use_bytes())),
-                gpu_budget_bytes=self.gpu_budget, touched_bytes=budget.touched_bytes or None)))
+                gpu_budget_bytes=self.gpu_budget, touched_bytes=budget.touched_bytes or None,
+                threads_per_worker=budget.threads_per_worker or 1, worker_budget_bytes=budget.worker_budget_bytes)))
         self.planned.set()
         self.slots_polled = time.monotonic()
         drive(self.machine, self)
@@ -568,14 +572,39 @@ class ChunkedMap:
                        gpu_budget_bytes=self.gpu_budget)
         params = dict(self.static)
         params[self.param] = job
-        fut = self.ctx.submit(self.wrapped, params,
-                              wait_for=self.wait_for,
-                              dependencies=self.dependencies(ins.chunk))
+        where = self.place_alone() if ins.per_worker else None
+        # A map that runs alone on each worker goes where none of the cluster's tasks runs (loosely: if that
+        # worker is gone, anywhere); Dask itself would fill every thread of a worker.
+        with dask.annotate(**({"workers": [where], "allow_other_workers": True} if where else {})):
+            fut = self.ctx.submit(self.wrapped, params,
+                                  wait_for=self.wait_for,
+                                  dependencies=self.dependencies(ins.chunk))
+        if where:
+            self.pins[ins.id] = where
         self.futures.append(fut)
         self.by_id[ins.id] = fut
         self.ids[fut.wrapped_future.key] = ins.id
         self.ac.add(fut.wrapped_future)
         self.tell_observers(ins)
+
+    def place_alone(self) -> str | None:
+        """The worker with the fewest tasks processing (the scheduler's count, plus this map's submissions it
+        has not seen yet; :func:`memchunk_prefect.core.sharing.least_busy_worker`); None where the scheduler
+        cannot be asked."""
+        try:
+            processing = self.ctx.cluster.client.processing()
+        except Exception as exc:  # noqa: BLE001 - Dask then places it, as for any task
+            logger.debug("%s: could not read the tasks processing on the workers: %r", self.name, exc)
+            return None
+        running = {str(w): len(keys) for w, keys in processing.items()}
+        seen = {k for keys in processing.values() for k in keys}
+        for sid, address in list(self.pins.items()):
+            fut = self.by_id.get(sid)
+            if fut is None or fut.wrapped_future.done():
+                self.pins.pop(sid, None)
+            elif fut.wrapped_future.key not in seen:
+                running[address] = running.get(address, 0) + 1
+        return least_busy_worker(running, sorted(running))
 
     def dependencies(self, chunk: Chunk) -> dict[str, set] | None:
         """The upstream task runs that wrote what ``chunk``'s block reads, as Prefect task inputs of its task run

@@ -49,7 +49,8 @@ class SimulatedCluster:
     started, 0 for a fresh or restarted one) runs longer by that growth at its
     operator's learned kernel seconds per byte (``_Task.touch_seconds_per_byte``),
     as a real worker faults that memory in. A task goes to the free worker of
-    lowest number (kept in a heap: O(log workers) per placement).
+    lowest number (kept in a heap: O(log workers) per placement); one of a map that runs alone
+    (``_Task.per_worker``) to the lowest running fewer tasks than that.
 
     An HPC allocation (``ClusterShape.queue_wait`` / ``walltime_seconds``): each
     worker is one batch job that joins after its queue wait (drawn from ``rng``
@@ -157,9 +158,16 @@ class SimulatedCluster:
             self._in_ready.discard(w)
         return None
 
+    def _free_worker_below(self, limit: int) -> int | None:
+        """The free worker of lowest number running fewer than ``limit`` tasks (a map that runs alone on each
+        worker: :mod:`memchunk_prefect.core.sharing`); O(workers)."""
+        return min((w for w in self._in_ready if self._available(w) and len(self.running[w]) < limit),
+                   default=None)
+
     def _dispatch(self) -> None:
         while self.pending:
-            w = self._free_worker()
+            limit = self.pending[0].per_worker
+            w = self._free_worker() if not limit else self._free_worker_below(limit)
             if w is None:
                 return
             task = self.pending.pop(0)

@@ -376,6 +376,7 @@ class _Task:
     key: int = 0  # the simulated cluster's own, unique over the whole run
     operator_key: str = ""  # whose task it is (for traces of a simulated run)
     touch_seconds_per_byte: float = 0.0  # what taking its worker above the most it has held costs it, s per byte
+    per_worker: int = 0  # placed only on a worker running fewer tasks than this (0: any free thread)
 
 
 @dataclass(frozen=True)

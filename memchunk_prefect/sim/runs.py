@@ -176,7 +176,8 @@ class _MachineRun:
         threads = int(self.cluster.threads_per_worker)
         touched = {f"sim-{w}": mark // threads for w, mark in sim.marks.items() if w not in sim.gone}
         execute(m, self, m.handle(Start(self.planned_slots(), self.cluster.budget_bytes, at=sim.now,
-                                        touched_bytes=touched)))
+                                        touched_bytes=touched, threads_per_worker=threads,
+                                        worker_budget_bytes=self.cluster.headroom_bytes)))
         drive(m, self)
         if not self.failure:
             sim.wait(self.cluster.map_end_seconds)  # and after its last
@@ -242,7 +243,9 @@ class _MachineRun:
         models are not taught by simulated chunks)."""
         if isinstance(ins, Submit):
             extents: Shape = tuple(ins.read_extents)  # type: ignore[assignment]
-            self.sim.submit(self.draws.task(ins.id, ins.chunk, extents, self.rng))
+            task = self.draws.task(ins.id, ins.chunk, extents, self.rng)
+            task.per_worker = int(ins.per_worker or 0)
+            self.sim.submit(task)
             self.record.tasks += 1
         elif isinstance(ins, Decided):
             self.record.decisions.append(ins.record.decision)

@@ -1,0 +1,146 @@
+"""How many of a map's tasks one worker runs at once: one per thread, or one alone on its worker.
+
+A Dask worker of ``t`` threads runs ``t`` tasks at once in one process, so each is planned for a ``t``-th of
+the worker's headroom. An operator whose smallest chunk needs more than that share (a fixed table, a library
+loaded per task) cannot be planned at all, and one whose chunks run far faster large than small is planned
+finer than the worker allows. Such a map runs **alone**: one task per worker, planned for the worker's whole
+headroom, on a cluster of ``workers`` slots instead of ``workers x t``. Threads left idle cost the map
+``1 - 1/t`` of the cluster's compute where the operator is compute-bound; a plan that cannot run at all, or
+an out-of-memory kill, costs more. Which is cheaper is decided from the planner's estimates
+(:func:`alone_pays`); a chunk that cannot be planned or split under a thread's share runs alone regardless.
+
+The executor places each task of a map that runs alone on a worker with none of them running
+(:func:`least_busy_worker`), since Dask itself fills every thread. All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from memchunk_prefect.core import policy
+from memchunk_prefect.core.arms import estimated_seconds
+from memchunk_prefect.core.errors import BudgetTooSmallError, MemchunkError, format_bytes
+
+#: How much shorter (as a share of the per-thread plan's estimated seconds) a plan that runs alone must be
+#: estimated before the map gives up the other threads for it: estimates of a plan not run yet are rough.
+ALONE_GAIN = 0.2
+
+
+@dataclass
+class Sharing:
+    """The map's choice: ``per_worker`` None runs one task per thread (Dask's own), 1 runs one task per worker.
+
+    ``threads``: each worker's threads; ``alone_cap_bytes``: what one task may use alone on the tightest worker
+    (:attr:`memchunk_prefect.core.budget.Budget.worker_budget_bytes`; None where not known, and then a map never
+    runs alone); ``reason``: why it runs alone, in words (empty while it does not).
+    """
+
+    threads: int = 1
+    alone_cap_bytes: int | None = None
+    per_worker: int | None = None
+    reason: str = ""
+
+    @property
+    def alone(self) -> bool:
+        return self.per_worker is not None
+
+    def may_go_alone(self, cap_bytes: int) -> bool:
+        """Whether running alone would give a task more than ``cap_bytes``, the per-thread cap (and it is not
+        alone already)."""
+        return (self.per_worker is None and self.threads > 1 and self.alone_cap_bytes is not None
+                and self.alone_cap_bytes > cap_bytes)
+
+    def slots_alone(self, slots: int) -> int:
+        """The slots of a cluster of ``slots`` worker threads when each worker runs one task."""
+        return max(1, int(slots) // max(1, self.threads))
+
+    def in_flight_cap(self, slots: int, per_slot_cap: int) -> int:
+        """Most chunks in flight: ``per_slot_cap`` (the settings') one per thread; alone, exactly one per worker
+        (a task queued on a worker would run beside the one there, on its free thread)."""
+        return int(slots) if self.alone else int(per_slot_cap)
+
+
+def alone_words(why: str, threads: int, per_thread_bytes: int, alone_bytes: int, workers: int) -> str:
+    """Why a map runs one task per worker, in words (the first words of its plan's reason).
+
+    >>> alone_words("the smallest chunk does not fit a thread's share", 2, 80 * 2**20, 170 * 2**20, 2)
+    "one task per worker (2 slots, not 2 x 2 threads): the smallest chunk does not fit a thread's share; a task \
+alone on its worker has 170.0 MiB, a thread's share 80.0 MiB; "
+    """
+    return (f"one task per worker ({workers} slots, not {workers} x {threads} threads): {why}; a task alone on its "
+            f"worker has {format_bytes(alone_bytes)}, a thread's share {format_bytes(per_thread_bytes)}; ")
+
+
+def alone_pays(per_thread_seconds: float | None, alone_seconds: float | None, gain: float = ALONE_GAIN) -> bool:
+    """Whether a plan that runs alone (``alone_seconds``, estimated) beats the per-thread plan
+    (``per_thread_seconds``) by more than ``gain`` of it. Unknown estimates never pay.
+
+    >>> alone_pays(10.0, 7.0), alone_pays(10.0, 9.0), alone_pays(None, 1.0)
+    (True, False, False)
+    """
+    if per_thread_seconds is None or alone_seconds is None or per_thread_seconds <= 0:
+        return False
+    return alone_seconds < (1.0 - gain) * per_thread_seconds
+
+
+def least_busy_worker(running: Mapping[str, int], workers: list[str]) -> str | None:
+    """The worker of ``workers`` (addresses) running the fewest tasks (``running``: tasks processing on each,
+    by address; a worker not in it runs none), the first in ``workers`` on a tie; None without workers.
+
+    >>> least_busy_worker({"a": 1, "b": 0}, ["a", "b"]), least_busy_worker({"a": 1}, ["a", "b"])
+    ('b', 'b')
+    >>> least_busy_worker({}, []) is None
+    True
+    """
+    if not workers:
+        return None
+    return min(workers, key=lambda w: (int(running.get(w, 0)), workers.index(w)))
+
+
+def choose_sharing(m: Any, make: Any) -> None:
+    """Before a map machine ``m``'s first real plan: run it alone on each worker where nothing fits a thread's
+    share, or where the plan alone is estimated shorter by :data:`ALONE_GAIN`. ``make()`` plans (a decision, a
+    plan or plans) with the machine's budget and slots as they are when it is called."""
+    if not m.sharing.may_go_alone(m.cap_bytes) or m.gpu_budget_bytes is not None:
+        return
+    try:
+        shared = make()
+    except BudgetTooSmallError:
+        go_alone(m, "even the smallest chunk does not fit a thread's share of its worker")
+        return
+    if m.sharing.alone or _is_probe(shared):  # (a plan that went alone on its own, or a probe)
+        return
+    before = (m.slots, m.cap_bytes, m.headroom_bytes, m.budget_bytes, m.planned_budget)
+    go_alone(m, "")
+    try:
+        alone = make()
+    except MemchunkError:
+        alone = None
+    t_shared, t_alone = estimated_seconds(shared), (None if alone is None else estimated_seconds(alone))
+    if alone is not None and not _is_probe(alone) and alone_pays(t_shared, t_alone):
+        m.sharing.reason = alone_words(
+            f"its plan is estimated at {t_alone:.1f} s, one task per thread at {t_shared:.1f} s",
+            m.sharing.threads, before[3], m.budget_bytes, m.slots)
+        return
+    m.slots, m.cap_bytes, m.headroom_bytes, m.budget_bytes, m.planned_budget = before
+    m.sharing.per_worker, m.sharing.reason = None, ""
+
+
+def go_alone(m: Any, why: str) -> None:
+    """From now on ``m`` runs one task per worker, planned for the whole worker's headroom; ``why`` in words."""
+    s = m.sharing
+    per_thread = m.budget_bytes
+    s.per_worker = 1
+    m.slots = s.slots_alone(m.slots)
+    m.cap_bytes = int(s.alone_cap_bytes or m.cap_bytes)
+    if m.headroom_bytes is not None:
+        m.headroom_bytes *= s.threads
+    m.budget_bytes = m.planned_budget = m._budget()
+    s.reason = alone_words(why, s.threads, per_thread, m.budget_bytes, m.slots)
+
+
+def _is_probe(result: Any) -> bool:
+    """Whether a decision, a plan or plans (any of them) is a cold-start probe."""
+    plans = result if isinstance(result, list) else [result.plan if isinstance(result, policy.Decision) else result]
+    return any(p.probe for p in plans)
