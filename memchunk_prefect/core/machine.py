@@ -711,12 +711,18 @@ class MapMachine:
                                whole_traces=self.spec.whole_traces, region=region, itemsize=ITEMSIZE,
                                settings=self.settings, read_range=self._read_range())
         try:
-            return make()
+            p = make()
         except BudgetTooSmallError:
             if self.gpu_budget_bytes is not None or not self.sharing.may_go_alone(self.cap_bytes):
                 raise
-        go_alone(self, "even the smallest chunk does not fit a thread's share of its worker")
-        return make()
+            go_alone(self, "even the smallest chunk does not fit a thread's share of its worker")
+            return make()
+        if p.probe and self.gpu_budget_bytes is None and self.sharing.may_go_alone(self.cap_bytes) \
+                and self.predict(self.spec.read_extents(region)).ready:
+            # A probe from a model that is ready: its bound for the smallest chunk is over a thread's share.
+            go_alone(self, "the model's bound for the smallest chunk is over a thread's share of its worker")
+            return make()
+        return p
 
     def _estimates(self) -> Estimates:
         """What the planner asks of the operator's learned models now."""

@@ -109,7 +109,11 @@ def choose_sharing(m: Any, make: Any) -> None:
     except BudgetTooSmallError:
         go_alone(m, "even the smallest chunk does not fit a thread's share of its worker")
         return
-    if m.sharing.alone or _is_probe(shared):  # (a plan that went alone on its own, or a probe)
+    if m.sharing.alone:  # (a plan that went alone on its own)
+        return
+    if _is_probe(shared):
+        if m.predict(tuple(m.spec.shape)).ready:  # not a cold start: the bound is over a thread's share
+            go_alone(m, "the model's bound for the smallest chunk is over a thread's share of its worker")
         return
     before = (m.slots, m.cap_bytes, m.headroom_bytes, m.budget_bytes, m.planned_budget)
     go_alone(m, "")
