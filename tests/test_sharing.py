@@ -1,0 +1,147 @@
+"""A map whose chunks need more than a thread's share of a multi-threaded worker runs one task per worker.
+
+The rules, as table rows on the pure machine (no cluster); the placement on a real cluster is in
+tests/test_runner.py, and the simulator's in the last test here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from memchunk_prefect.core.budget import WorkerMemory, budget
+from memchunk_prefect.core.chunks import Chunk
+from memchunk_prefect.core.errors import BudgetTooSmallError
+from memchunk_prefect.core.messages import (
+    ChunkOutOfMemory,
+    Decided,
+    Fail,
+    SlotsChanged,
+    Submit,
+)
+from memchunk_prefect.core.records import Prediction
+from memchunk_prefect.sim.cluster import SimulatedCluster
+from memchunk_prefect.sim.inputs import ClusterShape, _Task
+from tests.test_machine import Linear, machine, of, started
+
+MiB = 2**20
+
+
+@dataclass
+class Table(Linear):
+    """A fake model of an operator holding a fixed ``table`` (bytes) beside ``bytes_per_element``; its bound is
+    ``spread`` x its mean."""
+
+    table: float = 150 * MiB
+    spread: float = 1.2
+
+    def predict(self, extents):
+        mean = self.table + self.bytes_per_element * math.prod(extents)
+        return Prediction(mean, self.spread * mean, 10 if self.ready else 0, self.ready, "")
+
+
+def alone_start(m, *, slots=4, budget=100 * MiB, worker_budget=200 * MiB, threads=2):
+    return started(m, slots=slots, budget=budget, headroom_bytes=budget, threads_per_worker=threads,
+                   worker_budget_bytes=worker_budget)
+
+
+def test_a_table_larger_than_a_threads_share_runs_one_task_per_worker_planned_for_the_whole_worker():
+    # 150 MiB of table: over a 100 MiB share of a 2-thread worker, inside the worker's 200 MiB alone.
+    m = machine((16, 8, 10), knowledge=Table(bytes_per_element=1000))
+    first, submitted = alone_start(m)
+    assert not of(Fail, first)
+    (d,) = of(Decided, first)
+    assert d.record.reason.startswith("one task per worker (2 slots, not 2 x 2 threads): even the smallest chunk")
+    assert "a task alone on its worker has 200.0 MiB, a thread's share 100.0 MiB" in d.record.reason
+    assert m.slots == 2 and m.budget_bytes == 200 * MiB
+    assert d.record.upper_bound_bytes <= 200 * MiB
+    subs = of(Submit, submitted)
+    assert len(subs) == 2, "alone: exactly one chunk in flight per worker, none queued on a worker's free thread"
+    assert all(s.per_worker == 1 for s in subs)
+
+
+def test_without_the_workers_whole_budget_or_on_one_thread_workers_nothing_changes():
+    for kwargs in ({"worker_budget": None}, {"threads": 1, "slots": 2}):
+        m = machine((16, 8, 10), knowledge=Table(bytes_per_element=1000))
+        first, submitted = alone_start(m, **kwargs)
+        (fail,) = of(Fail, first)
+        assert isinstance(fail.error, BudgetTooSmallError) and submitted == []
+
+
+def test_a_map_that_fits_a_threads_share_keeps_every_thread():
+    m = machine((16, 8, 10), knowledge=Table(table=10 * MiB, bytes_per_element=1000))
+    first, submitted = alone_start(m)
+    (d,) = of(Decided, first)
+    assert "one task per worker" not in d.record.reason and m.slots == 4 and m.budget_bytes == 100 * MiB
+    assert all(s.per_worker is None for s in of(Submit, submitted))
+
+
+def test_a_ready_model_whose_bound_for_the_smallest_chunk_is_over_a_threads_share_runs_alone_not_probing():
+    # Mean 60 MiB fits a 100 MiB share, the bound (3x: noisy runs of a 2-thread worker) does not: without the
+    # whole worker this would probe wave after wave; alone its 200 MiB holds the bound.
+    m = machine((16, 8, 10), knowledge=Table(table=60 * MiB, bytes_per_element=1000, spread=3.0))
+    first, _ = alone_start(m, budget=100 * MiB, worker_budget=250 * MiB)
+    (d,) = of(Decided, first)
+    assert d.record.decision == "rechunk", d.record.reason
+    assert "the model's bound for the smallest chunk is over a thread's share" in d.record.reason
+    assert m.sharing.per_worker == 1
+
+
+def test_a_plan_far_faster_alone_takes_the_whole_worker():
+    # 90 MiB of table leaves 10 MiB of a 100 MiB share for data (~100 traces a chunk at 1000 B/element): ~160
+    # chunks at 0.15 s of overhead each over 4 slots; alone, 110 MiB a chunk: ~15 chunks over 2.
+    m = machine((128, 128, 100), knowledge=Table(table=90 * MiB, bytes_per_element=1000, spread=1.0),
+                max_counts=4096)
+    first, _ = alone_start(m)
+    (d,) = of(Decided, first)
+    assert "one task per worker" in d.record.reason and "its plan is estimated at" in d.record.reason, \
+        d.record.reason
+    assert d.record.n_chunks < 100
+
+
+def test_a_chunk_that_cannot_be_split_runs_again_alone_on_its_worker_before_the_map_fails():
+    m = machine((1, 1, 10), knowledge=Table(table=10 * MiB, bytes_per_element=1000))
+    alone_start(m, slots=2, threads=2)
+    (sid,) = m.in_flight
+    out = m.handle(ChunkOutOfMemory(sid, None))
+    assert not of(Fail, out)
+    (d,) = of(Decided, out)
+    assert d.record.decision == "retry-smaller" and "cannot be split further" in d.record.reason
+    assert m.sharing.per_worker == 1 and m.budget_bytes == 200 * MiB
+    (again,) = of(Submit, m.advance())
+    assert again.chunk == Chunk((0, 0, 0), (1, 1, 10)) and again.per_worker == 1
+    # A second time alone: the map fails as before, with the whole worker's budget in its error.
+    (fail,) = of(Fail, m.handle(ChunkOutOfMemory(again.id, None)))
+    assert "200.0 MiB" in str(fail.error)
+
+
+def test_workers_joining_a_map_that_runs_alone_count_as_workers_not_threads():
+    m = machine((64, 8, 10), knowledge=Table(bytes_per_element=50_000))  # ~20 traces a chunk alone
+    alone_start(m)
+    assert len(m.in_flight) == 2 and len(m.queue) > 2
+    m.handle(SlotsChanged(8))  # 4 workers x 2 threads
+    assert m.slots == 4
+    assert len(m.in_flight) + len(of(Submit, m.advance())) == 4
+
+
+def test_the_budget_of_a_task_alone_on_its_worker_is_its_kill_line_less_its_resting_memory():
+    w = [WorkerMemory("tcp://a:1", 2, 1000 * MiB, 200 * MiB, 0.95),
+         WorkerMemory("tcp://b:1", 2, 1000 * MiB, 300 * MiB, 0.95)]
+    b = budget(w)
+    assert (b.budget_bytes, b.worker_budget_bytes) == (325 * MiB, 650 * MiB)
+    assert budget(w, memory_budget=500 * MiB).worker_budget_bytes == 500 * MiB
+    assert budget(w, target_fraction=0.8).worker_budget_bytes == 500 * MiB  # 0.8 x 1000 MiB less 300 resting
+
+
+@pytest.mark.parametrize("per_worker, workers_used", [(0, {0}), (1, {0, 1})])
+def test_the_simulator_places_a_map_that_runs_alone_one_task_per_worker(per_worker, workers_used):
+    sim = SimulatedCluster(ClusterShape(workers=2, memory_limit_bytes=1000 * MiB, threads_per_worker=2),
+                           np.random.default_rng(0))
+    for sid in range(2):
+        task = _Task(sid, Chunk((sid, 0, 0), (sid + 1, 1, 1)), (1, 1, 1), memory=10 * MiB, seconds=1.0)
+        task.per_worker = per_worker
+        sim.submit(task)
+    assert {w for w, tasks in sim.running.items() if tasks} == workers_used
