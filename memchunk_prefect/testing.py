@@ -82,6 +82,22 @@ def first_use_hog(block, multiple: float = 4.0, first_use_mib: float = 150.0, de
     return out
 
 
+@operator(halo=0, memory_params=("table_mib",), whole_traces=True)
+def table_hog(block, table_mib: float = 300.0, multiple: float = 2.0):
+    """Return a copy of ``block`` after building a ``table_mib`` MiB table (touched, freed at the end of the call)
+    beside ``multiple`` x the block's bytes: an operator whose smallest chunk needs more than a thread's share of a
+    multi-threaded worker (a lookup table, a wavelet bank, a velocity model built per call).
+
+    Memory: ``table_mib`` MiB plus about (multiple + 2) x the block's bytes, each call.
+    """
+    table = np.ones(int(table_mib * 2**20) // 8, dtype=np.float64)  # ones() touches every page
+    scratch = np.ones(int(block.nbytes * multiple) // 8 + 1, dtype=np.float64)
+    out = np.array(block, dtype=np.float32, copy=True)
+    out += np.float32(float(table[-1]) + float(scratch[0]) - 2.0)
+    del table, scratch
+    return out
+
+
 @operator(halo=0, whole_traces=True)
 def breaks_gpu_context(block, marker: str = "", always: bool = False, device: str = "cpu"):
     """Return a copy of ``block``, breaking the worker's CUDA context instead in the first chunk to run (the one
@@ -204,8 +220,8 @@ class Throttle:
         self._thread.join(10)
 
 
-def start_local_cluster(n_workers: int = 2, memory_limit: str | int = "1GiB", **kwargs):
-    """A real LocalCluster of single-thread worker processes that reports a worker's death at once.
+def start_local_cluster(n_workers: int = 2, memory_limit: str | int = "1GiB", threads_per_worker: int = 1, **kwargs):
+    """A real LocalCluster of worker processes (one thread each unless told) that reports a worker's death at once.
 
     ``allowed-failures`` is 0 so the first death raises KilledWorker instead of
     killing one worker after another (Dask retries a task whose worker died
@@ -215,5 +231,6 @@ def start_local_cluster(n_workers: int = 2, memory_limit: str | int = "1GiB", **
     from distributed import LocalCluster
 
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
-        return LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True, memory_limit=memory_limit,
+        return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker, processes=True,
+                            memory_limit=memory_limit,
                             dashboard_address="127.0.0.1:0", **kwargs)

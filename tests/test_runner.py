@@ -399,6 +399,38 @@ def test_a_librarys_first_use_in_a_chunk_is_the_workers_and_chunks_are_planned_f
     assert all(x < 16 * 2**20 for x in left[:-4]), "the others kept nothing of their block"
 
 
+def test_a_table_larger_than_a_threads_share_runs_one_task_per_worker_and_never_two_on_one(tmp_path):
+    """2 workers x 2 threads x 900 MiB: a thread's share is about 370 MiB, and table_hog's 400 MiB table (learned
+    from earlier runs) fits only a task alone on its worker. Without the worker's whole budget the map failed
+    with BudgetTooSmallError before anything ran; two such tasks on one worker would cross its kill line."""
+    from memchunk_prefect.testing import table_hog
+
+    path = tmp_path / "survey.sgy"
+    synthetic_survey(path, (32, 16, 200), seed=3)
+    key = operator_key(table_hog, {"table_mib": 400.0})
+    with Store(tmp_path / "store.sqlite") as s:
+        seed_store(s, key, 16.0, fixed_bytes=400 * 2**20)
+    c = start_local_cluster(n_workers=2, memory_limit="900MiB", threads_per_worker=2)
+    try:
+        @flow(task_runner=runner_for(c, tmp_path))
+        def tables(p: str):
+            return table_hog.map(chunked(p), table_mib=400.0).summary()
+
+        summary = tables(str(path))
+    finally:
+        c.close()
+    assert summary["oom_events"] == 0
+    assert any(r.startswith("one task per worker (2 slots, not 2 x 2 threads)") for r in summary["reasons"]), \
+        summary["reasons"]
+    with Store(tmp_path / "store.sqlite") as s:
+        rows = [o for o in s.observations(key) if o.method != "seeded"]
+    assert len(rows) == summary["tasks"] >= 2
+    assert len({o.worker for o in rows}) == 2, "both workers ran chunks"
+    for worker in {o.worker for o in rows}:
+        spans = sorted((o.created_at - o.seconds, o.created_at) for o in rows if o.worker == worker)
+        assert all(b[0] >= a[1] - 0.05 for a, b in zip(spans, spans[1:])), f"two chunks at once on {worker}: {spans}"
+
+
 def test_workers_stuck_over_the_pause_line_stop_the_map_saying_what_memory_limit_would_do(tmp_path, monkeypatch):
     """A worker past Dask's pause line takes no task until its memory falls. One that keeps what pushed it there
     (first_use_hog keeps 450 MiB after its first chunk, as a GPU worker keeps CUDA's host libraries: on an NVIDIA
