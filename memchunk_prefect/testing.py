@@ -83,15 +83,17 @@ def first_use_hog(block, multiple: float = 4.0, first_use_mib: float = 150.0, de
 
 
 @operator(halo=0, memory_params=("table_mib",), whole_traces=True)
-def table_hog(block, table_mib: float = 300.0, multiple: float = 2.0):
+def table_hog(block, table_mib: float = 300.0, multiple: float = 2.0, seconds: float = 0.0):
     """Return a copy of ``block`` after building a ``table_mib`` MiB table (touched, freed at the end of the call)
-    beside ``multiple`` x the block's bytes: an operator whose smallest chunk needs more than a thread's share of a
-    multi-threaded worker (a lookup table, a wavelet bank, a velocity model built per call).
+    beside ``multiple`` x the block's bytes, held for ``seconds``: an operator whose smallest chunk needs more than
+    a thread's share of a multi-threaded worker (a lookup table, a wavelet bank, a velocity model built per call).
 
     Memory: ``table_mib`` MiB plus about (multiple + 2) x the block's bytes, each call.
     """
     table = np.ones(int(table_mib * 2**20) // 8, dtype=np.float64)  # ones() touches every page
     scratch = np.ones(int(block.nbytes * multiple) // 8 + 1, dtype=np.float64)
+    if seconds > 0:
+        time.sleep(seconds)
     out = np.array(block, dtype=np.float32, copy=True)
     out += np.float32(float(table[-1]) + float(scratch[0]) - 2.0)
     del table, scratch

@@ -431,6 +431,42 @@ def test_a_table_larger_than_a_threads_share_runs_one_task_per_worker_and_never_
         assert all(b[0] >= a[1] - 0.05 for a, b in zip(spans, spans[1:])), f"two chunks at once on {worker}: {spans}"
 
 
+def test_on_the_runners_own_two_thread_workers_no_chunk_of_any_map_runs_beside_one_that_runs_alone(tmp_path):
+    """The runner's own local cluster of 2-thread workers offers the slot resource. table_hog's map runs alone
+    (each chunk all of a worker's share: ~400 MiB of table and ~300 MiB of scratch, two of which would cross a
+    worker's kill line); a light map chained after it (a thread's share each) starts on the chunks written while
+    table_hog's later chunks run. Dask never puts a light chunk beside a table_hog chunk on its worker."""
+    from memchunk_prefect.testing import table_hog
+
+    path = tmp_path / "survey.sgy"
+    synthetic_survey(path, (64, 32, 200), seed=3)
+    key = operator_key(table_hog, {"table_mib": 400.0, "multiple": 750.0})
+    with Store(tmp_path / "store.sqlite") as s:
+        seed_store(s, key, 3010.0, fixed_bytes=400 * 2**20)
+    runner = MemoryAwareRunner(cluster_kwargs={"n_workers": 2, "threads_per_worker": 2, "memory_limit": "900MiB",
+                                               "dashboard_address": "127.0.0.1:0"},
+                               store=str(tmp_path / "store.sqlite"), output_dir=str(tmp_path / "out"))
+    assert runner.cluster_kwargs["resources"] == {"memchunk-slots": 2}
+
+    @flow(task_runner=runner)
+    def chain(p: str):
+        tables = table_hog.map(chunked(p), table_mib=400.0, multiple=750.0, seconds=1.0)
+        light = memory_hog.map(chunked(tables), multiple=2.0, seconds=0.5)
+        return [r.summary() for r in (tables, light)]
+
+    tables, light = chain(str(path))
+    assert tables["oom_events"] == light["oom_events"] == 0
+    assert any(r.startswith("one task per worker") for r in tables["reasons"]), tables["reasons"]
+    with Store(tmp_path / "store.sqlite") as s:
+        alone = [o for o in s.observations(key) if o.method != "seeded"]
+        others = s.observations(operator_key(memory_hog, {"multiple": 2.0}))
+    assert len(alone) >= 3 and others, (len(alone), len(others))
+    for a in alone:
+        beside = [o for o in alone + others if o is not a and o.worker == a.worker
+                  and o.created_at - o.seconds < a.created_at - 0.05 and a.created_at - a.seconds < o.created_at - 0.05]
+        assert not beside, f"{a.chunk} ran alone on {a.worker}, beside {[o.chunk for o in beside]}"
+
+
 def test_workers_stuck_over_the_pause_line_stop_the_map_saying_what_memory_limit_would_do(tmp_path, monkeypatch):
     """A worker past Dask's pause line takes no task until its memory falls. One that keeps what pushed it there
     (first_use_hog keeps 450 MiB after its first chunk, as a GPU worker keeps CUDA's host libraries: on an NVIDIA

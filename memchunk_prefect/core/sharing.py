@@ -9,8 +9,13 @@ headroom, on a cluster of ``workers`` slots instead of ``workers x t``. Threads 
 an out-of-memory kill, costs more. Which is cheaper is decided from the planner's estimates
 (:func:`alone_pays`); a chunk that cannot be planned or split under a thread's share runs alone regardless.
 
-The executor places each task of a map that runs alone on a worker with none of them running
-(:func:`least_busy_worker`), since Dask itself fills every thread. All sizes are bytes.
+Dask itself fills every thread of a worker, so the executor says where a task may run. On a cluster whose
+workers offer the resource :data:`SLOT_RESOURCE` (``memchunk-slots``, one unit per thread: the runner's own
+multi-threaded local clusters do; a worker started elsewhere with ``--resources memchunk-slots=THREADS``), every
+chunk asks for its share (:func:`slot_request`): one unit, or all of its worker's alone, so Dask never runs a
+chunk beside one that runs alone, whichever map either belongs to. Elsewhere a task that runs alone is placed on
+the worker with the fewest tasks processing (:func:`least_busy_worker`), which chunks of another map running
+at the same time may still share. All sizes are bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from typing import Any, Mapping
 from memchunk_prefect.core import policy
 from memchunk_prefect.core.arms import estimated_seconds
 from memchunk_prefect.core.errors import BudgetTooSmallError, MemchunkError, format_bytes
+
+#: The Dask worker resource a chunk asks its share of: one unit per worker thread (see the module docstring).
+SLOT_RESOURCE = "memchunk-slots"
 
 #: How much shorter (as a share of the per-thread plan's estimated seconds) a plan that runs alone must be
 #: estimated before the map gives up the other threads for it: estimates of a plan not run yet are rough.
@@ -82,6 +90,18 @@ def alone_pays(per_thread_seconds: float | None, alone_seconds: float | None, ga
     if per_thread_seconds is None or alone_seconds is None or per_thread_seconds <= 0:
         return False
     return alone_seconds < (1.0 - gain) * per_thread_seconds
+
+
+def slot_request(per_worker: int | None, units: float, threads: int) -> float:
+    """The units of :data:`SLOT_RESOURCE` one chunk asks for on a worker offering ``units`` over ``threads``
+    threads: a thread's share, or (``per_worker`` 1: alone) all of them.
+
+    >>> slot_request(None, 2, 2), slot_request(1, 2, 2), slot_request(None, 4, 4)
+    (1.0, 2.0, 1.0)
+    """
+    if per_worker:
+        return float(units) / int(per_worker)
+    return float(units) / max(1, int(threads))
 
 
 def least_busy_worker(running: Mapping[str, int], workers: list[str]) -> str | None:

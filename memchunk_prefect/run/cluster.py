@@ -43,6 +43,7 @@ from memchunk_prefect.core.budget import Budget, GpuBudget, WorkerMemory, memory
 from memchunk_prefect.core.deaths import DeathEvidence
 from memchunk_prefect.core.errors import RunnerConfigError
 from memchunk_prefect.core.settings import RUNNER_SETTINGS, RunnerSettings
+from memchunk_prefect.core.sharing import SLOT_RESOURCE
 from memchunk_prefect.operators.device import GpuStatus, check_device, gpu_status, resolve_for_workers
 from memchunk_prefect.run import batch
 from memchunk_prefect.run.prefect_api import flow_logger
@@ -63,6 +64,36 @@ def default_cluster_kwargs() -> dict[str, Any]:
     """
     n = max(1, os.cpu_count() or 1)
     return {"n_workers": n, "threads_per_worker": 1, "processes": True, "dashboard_address": "127.0.0.1:0"}
+
+
+def with_slot_resource(cluster_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``cluster_kwargs`` of a local cluster the runner starts, its workers offering one unit of
+    :data:`~memchunk_prefect.core.sharing.SLOT_RESOURCE` per thread where they have several threads (and the
+    caller gave no ``resources`` of its own, nor a thread count to size it by): a map that runs one task per
+    worker then asks for all of a worker's units, and Dask runs no other chunk beside it.
+
+    >>> with_slot_resource({"n_workers": 2, "threads_per_worker": 2})["resources"]
+    {'memchunk-slots': 2}
+    >>> "resources" in with_slot_resource({"threads_per_worker": 1})
+    False
+    """
+    out = dict(cluster_kwargs)
+    threads = out.get("threads_per_worker")
+    if isinstance(threads, int) and threads > 1 and "resources" not in out:
+        out["resources"] = {SLOT_RESOURCE: threads}
+    return out
+
+
+def read_slot_units(client: Any) -> float | None:
+    """The units of :data:`~memchunk_prefect.core.sharing.SLOT_RESOURCE` the workers offer (the least of them),
+    where every worker offers some; None elsewhere, or when the scheduler cannot be asked."""
+    try:
+        workers = (scheduler_info(client).get("workers") or {}).values()
+    except Exception as exc:  # noqa: BLE001 - placement then falls back to choosing the least busy worker
+        logger.info("could not read the workers' resources: %r", exc)
+        return None
+    units = [float((w.get("resources") or {}).get(SLOT_RESOURCE, 0) or 0) for w in workers]
+    return min(units) if units and all(u > 0 for u in units) else None
 
 
 def configured_kill_fraction() -> float | None:

@@ -84,7 +84,7 @@ from memchunk_prefect.core.records import (
     stuck_paused_message,
 )
 from memchunk_prefect.core.settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS, PolicySettings
-from memchunk_prefect.core.sharing import least_busy_worker
+from memchunk_prefect.core.sharing import SLOT_RESOURCE, least_busy_worker, slot_request
 from memchunk_prefect.core.stragglers import SlowWorker, slow_workers
 from memchunk_prefect.io.identity import (
     MDIO,
@@ -232,6 +232,8 @@ class ChunkedMap:
         self.by_id: dict[int, PrefectDaskFuture] = {}
         self.ids: dict[Any, int] = {}  # Dask key -> submission id
         self.pins: dict[int, str] = {}  # submission id -> the worker it was placed on (a map that runs alone)
+        self.pinned_to: str | None = None  # the worker the submission being made is placed on
+        self.slot_units: float | None = None  # the slot resource each worker offers (None: not offered)
         self.states: dict[int, Any] = {}  # what each collected future gave
         self.machine: MapMachine | None = None
         self.out: Any = None
@@ -301,6 +303,8 @@ class ChunkedMap:
         self.slots, self.budget, self.resting = budget.slots, budget.budget_bytes, budget.resting_bytes
         self.headroom = budget.headroom_bytes
         self.budget_read = budget
+        self.slot_units = _cluster.read_slot_units(self.ctx.cluster.client) if (budget.threads_per_worker or 1) > 1 \
+            else None
         self.started_at = time.time()
         logger.info("%s: %s", self.name, budget.reason)
         if self.device == CUDA:
@@ -572,20 +576,30 @@ class ChunkedMap:
                        gpu_budget_bytes=self.gpu_budget)
         params = dict(self.static)
         params[self.param] = job
-        where = self.place_alone() if ins.per_worker else None
-        # A map that runs alone on each worker goes where none of the cluster's tasks runs (loosely: if that
-        # worker is gone, anywhere); Dask itself would fill every thread of a worker.
-        with dask.annotate(**({"workers": [where], "allow_other_workers": True} if where else {})):
+        with dask.annotate(**self.placement(ins.per_worker)):
             fut = self.ctx.submit(self.wrapped, params,
                                   wait_for=self.wait_for,
                                   dependencies=self.dependencies(ins.chunk))
-        if where:
-            self.pins[ins.id] = where
+        if self.pinned_to:
+            self.pins[ins.id], self.pinned_to = self.pinned_to, None
         self.futures.append(fut)
         self.by_id[ins.id] = fut
         self.ids[fut.wrapped_future.key] = ins.id
         self.ac.add(fut.wrapped_future)
         self.tell_observers(ins)
+
+    def placement(self, per_worker: int | None) -> dict[str, Any]:
+        """Where a chunk may run, as Dask annotations (:mod:`memchunk_prefect.core.sharing`): its share of the
+        workers' slot resource where they offer one; else, for a map that runs alone, the least busy worker
+        (loosely: anywhere if that worker is gone); else anywhere."""
+        if self.slot_units:
+            threads = (self.budget_read.threads_per_worker if self.budget_read else None) or 1
+            return {"resources": {SLOT_RESOURCE: slot_request(per_worker, self.slot_units, threads)}}
+        if per_worker:
+            self.pinned_to = self.place_alone()
+            if self.pinned_to:
+                return {"workers": [self.pinned_to], "allow_other_workers": True}
+        return {}
 
     def place_alone(self) -> str | None:
         """The worker with the fewest tasks processing (the scheduler's count, plus this map's submissions it

@@ -175,6 +175,8 @@ class MemoryAwareRunner(DaskTaskRunner):
             gpus = usable_gpus()[0] if device in (CUDA, AUTO) else []
             cluster_class, cluster_kwargs = (local_gpu_cluster(gpus) if gpus
                                              else (None, _cluster.default_cluster_kwargs()))
+        if address is None and cluster_class is None and cluster_kwargs:
+            cluster_kwargs = _cluster.with_slot_resource(cluster_kwargs)  # see memchunk_prefect.core.sharing
         temporary_server_defaults()
         doctor.fail_fast_without_a_database()
         super().__init__(address=address, cluster_class=cluster_class, cluster_kwargs=cluster_kwargs,
