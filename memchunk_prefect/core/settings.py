@@ -58,6 +58,10 @@ class PolicySettings:
     - ``replan_gain``: a mid-map re-plan replaces the queued chunks only when its
       estimated time is shorter by this fraction (or the queued chunks no longer
       fit the budget), so plans do not go back and forth with each observation.
+    - ``alone_gain``: on workers of several threads, a map runs one task per worker
+      (:mod:`memchunk_prefect.core.sharing`) when its plan so is estimated this much shorter than one task per
+      thread (estimates of a plan not yet run are rough; a smallest chunk over a thread's share runs alone
+      regardless).
     - ``probe_multiple``: the memory multiple (peak bytes / input bytes) assumed
       for an unknown operator when sizing probes; 100 covers the heaviest
       operator known (GST3D, about 60x), so probes fit on the first try.
@@ -133,6 +137,7 @@ class PolicySettings:
     continue_tolerance: float = 0.15
     replan_threshold: float = 0.2
     replan_gain: float = 0.1
+    alone_gain: float = 0.2
     probe_multiple: float = 100.0
     probe_first_share: float = 0.125
     probe_growth_budget: float = 0.8

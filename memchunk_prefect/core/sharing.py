@@ -7,7 +7,8 @@ finer than the worker allows. Such a map runs **alone**: one task per worker, pl
 headroom, on a cluster of ``workers`` slots instead of ``workers x t``. Threads left idle cost the map
 ``1 - 1/t`` of the cluster's compute where the operator is compute-bound; a plan that cannot run at all, or
 an out-of-memory kill, costs more. Which is cheaper is decided from the planner's estimates
-(:func:`alone_pays`); a chunk that cannot be planned or split under a thread's share runs alone regardless.
+(:func:`alone_pays`, by ``PolicySettings.alone_gain``); a chunk that cannot be planned or split under a thread's
+share runs alone regardless.
 
 Dask itself fills every thread of a worker, so the executor says where a task may run. On a cluster whose
 workers offer the resource :data:`SLOT_RESOURCE` (``memchunk-slots``, one unit per thread: the runner's own
@@ -29,11 +30,6 @@ from memchunk_prefect.core.errors import BudgetTooSmallError, MemchunkError, for
 
 #: The Dask worker resource a chunk asks its share of: one unit per worker thread (see the module docstring).
 SLOT_RESOURCE = "memchunk-slots"
-
-#: How much shorter (as a share of the per-thread plan's estimated seconds) a plan that runs alone must be
-#: estimated before the map gives up the other threads for it: estimates of a plan not run yet are rough.
-ALONE_GAIN = 0.2
-
 
 @dataclass
 class Sharing:
@@ -80,7 +76,7 @@ alone on its worker has 170.0 MiB, a thread's share 80.0 MiB; "
             f"worker has {format_bytes(alone_bytes)}, a thread's share {format_bytes(per_thread_bytes)}; ")
 
 
-def alone_pays(per_thread_seconds: float | None, alone_seconds: float | None, gain: float = ALONE_GAIN) -> bool:
+def alone_pays(per_thread_seconds: float | None, alone_seconds: float | None, gain: float = 0.2) -> bool:
     """Whether a plan that runs alone (``alone_seconds``, estimated) beats the per-thread plan
     (``per_thread_seconds``) by more than ``gain`` of it. Unknown estimates never pay.
 
@@ -120,8 +116,8 @@ def least_busy_worker(running: Mapping[str, int], workers: list[str]) -> str | N
 
 def choose_sharing(m: Any, make: Any) -> None:
     """Before a map machine ``m``'s first real plan: run it alone on each worker where nothing fits a thread's
-    share, or where the plan alone is estimated shorter by :data:`ALONE_GAIN`. ``make()`` plans (a decision, a
-    plan or plans) with the machine's budget and slots as they are when it is called."""
+    share, or where the plan alone is estimated shorter by ``PolicySettings.alone_gain``. ``make()`` plans (a
+    decision, a plan or plans) with the machine's budget and slots as they are when it is called."""
     if not m.sharing.may_go_alone(m.cap_bytes) or m.gpu_budget_bytes is not None:
         return
     try:
@@ -142,7 +138,7 @@ def choose_sharing(m: Any, make: Any) -> None:
     except MemchunkError:
         alone = None
     t_shared, t_alone = estimated_seconds(shared), (None if alone is None else estimated_seconds(alone))
-    if alone is not None and not _is_probe(alone) and alone_pays(t_shared, t_alone):
+    if alone is not None and not _is_probe(alone) and alone_pays(t_shared, t_alone, m.settings.alone_gain):
         m.sharing.reason = alone_words(
             f"its plan is estimated at {t_alone:.1f} s, one task per thread at {t_shared:.1f} s",
             m.sharing.threads, before[3], m.budget_bytes, m.slots)
