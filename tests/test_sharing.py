@@ -118,6 +118,20 @@ def test_a_chunk_that_cannot_be_split_runs_again_alone_on_its_worker_before_the_
     assert "200.0 MiB" in str(fail.error)
 
 
+def test_every_unsplittable_chunk_that_ran_on_a_threads_share_runs_again_alone_not_only_the_first():
+    # Both threads of a worker die together: both chunks ran on a thread's share.
+    m = machine((1, 2, 10), knowledge=Table(table=10 * MiB, bytes_per_element=1000))
+    alone_start(m, slots=2, threads=2, budget=100 * MiB, worker_budget=200 * MiB)
+    first, second = sorted(m.in_flight)
+    assert not of(Fail, m.handle(ChunkOutOfMemory(first, None)))
+    out = m.handle(ChunkOutOfMemory(second, None))
+    assert not of(Fail, out) and "runs again alone" in of(Decided, out)[0].record.reason
+    again = of(Submit, m.advance())
+    assert len(again) == 1 and again[0].per_worker == 1, "alone: one at a time on the map's 1 slot"
+    (fail,) = of(Fail, m.handle(ChunkOutOfMemory(again[0].id, None)))
+    assert "200.0 MiB" in str(fail.error)
+
+
 def test_workers_joining_a_map_that_runs_alone_count_as_workers_not_threads():
     m = machine((64, 8, 10), knowledge=Table(bytes_per_element=50_000))  # ~20 traces a chunk alone
     alone_start(m)

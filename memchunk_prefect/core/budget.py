@@ -216,7 +216,8 @@ class Budget:
     budget read it, for a simulation of the run on another cluster: ``memory_limit_bytes``,
     ``threads_per_worker`` and ``kill_fraction`` of the worker that sets the budget (None where unknown).
     ``worker_budget_bytes``: what one task may use running alone on its worker (the kill line less the resting
-    memory, not shared among threads, under the same caps), on the tightest worker; None where not derived.
+    memory, not shared among threads, under the same caps), on the tightest worker; None where not derived, or
+    where the workers have different thread counts.
     """
 
     slots: int
@@ -335,6 +336,7 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
         per_worker.append((b, w, line, threads))
         alone.append(a)
     worker_budget = min(alone) if memory_budget is None else min(min(alone), int(memory_budget))
+    uniform = len({max(1, x.nthreads) for x in workers}) == 1  # alone is one task per worker only if all are alike
     b, w, line, threads = min(per_worker, key=lambda t: t[0])
     if b <= 0:
         raise BudgetTooSmallError(
@@ -351,7 +353,7 @@ def budget(workers: list[WorkerMemory], *, target_fraction: float | None = None,
     return Budget(slots=slots(workers), budget_bytes=int(b), resting_bytes=resting, reason=reason,
                   headroom_bytes=headrooms, touched_bytes=touched, memory_limit_bytes=int(w.memory_limit_bytes),
                   threads_per_worker=threads, kill_fraction=w.kill_fraction,
-                  worker_budget_bytes=max(0, worker_budget))
+                  worker_budget_bytes=max(0, worker_budget) if uniform else None)
 
 
 def planned_slots(nthreads: dict[str, int], requested: int | None) -> int:

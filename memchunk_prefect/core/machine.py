@@ -188,6 +188,7 @@ class MapMachine:
     _slots_moved: tuple[int, int] | None = None  # (old, new) slots, until the next re-plan looks at them
     _overhead_warned: bool = False  # the many-chunks warning is said once a map, not at every re-plan
     sharing: Sharing = field(default_factory=Sharing)  # one task per thread, or one alone on each worker
+    submitted_alone: set[int] = field(default_factory=set)  # submissions made while the map ran alone
 
     def __post_init__(self) -> None:
         self.queue = PlanQueue(self.spec)
@@ -406,6 +407,8 @@ class MapMachine:
                     RecoverMarkers((item.chunk,)),
                     self._ended(ev.id, item, LOST, None, ev.at, kept=True)]
         headroom = ev.kill_headroom_bytes or self.budget_bytes
+        if ev.kill_headroom_bytes and ev.id in self.submitted_alone:
+            headroom *= self.sharing.threads  # a thread's share was read; alone the chunk had its whole worker
         memory_kill, why = worker_death(ev.evidence, self._upper_for(item.chunk), headroom, item.attempt, self.settings)
         message = (f"worker running {name} died ({ev.error}); {why}: "
                    + ("the chunk is split and resubmitted" if memory_kill else "resubmitting the same chunk"))
@@ -757,6 +760,8 @@ class MapMachine:
         mean, upper = (float(pred.mean_bytes), float(pred.upper_bytes)) if pred.ready else (None, None)
         if upper is not None:
             self.submitted_upper[sid] = upper
+        if self.sharing.alone:
+            self.submitted_alone.add(sid)
         return Submit(sid, item.chunk, item.decision, item.attempt, self.spec.label(item.chunk), extents,
                       mean, upper, at, per_worker=self.sharing.per_worker)
 
@@ -778,12 +783,16 @@ class MapMachine:
         pieces = split_chunk(item.chunk, whole_traces=self.spec.whole_traces)
         label = self.spec.label(item.chunk)
         on_gpu = cause.startswith("GPU")
-        if not pieces and not on_gpu and self.sharing.may_go_alone(self.cap_bytes) and self.gpu_budget_bytes is None:
-            go_alone(self, f"{label} cannot be split further and needed more than {format_bytes(needed_bytes)}")
+        if (not pieces and not on_gpu and self.gpu_budget_bytes is None and sid not in self.submitted_alone
+                and (self.sharing.alone or self.sharing.may_go_alone(self.cap_bytes))):
+            # It ran on a thread's share: alone (now, or from now on) it has its whole worker.
+            if not self.sharing.alone:
+                go_alone(self, f"{label} cannot be split further and needed more than {format_bytes(needed_bytes)}")
             del self.in_flight[sid]
             self.queue.push_front([Pending(item.chunk, RETRY_SMALLER, item.attempt + 1, item.armed)])
-            return [self._decided(RETRY_SMALLER, None, self._alone_words() + f"{label} runs again", at,
-                                  chunk=item.chunk.key())]
+            return [self._decided(RETRY_SMALLER, None, self._alone_words() + f"{label} ran out of memory ({cause}) "
+                                  "on a thread's share and cannot be split further: it runs again alone on its worker",
+                                  at, chunk=item.chunk.key())]
         if not pieces:
             return self._fail(ChunkOutOfMemoryError(
                 f"{self.spec.name(item.chunk)} ran out of memory ({cause}) and cannot be split further "

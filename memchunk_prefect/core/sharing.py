@@ -11,12 +11,14 @@ an out-of-memory kill, costs more. Which is cheaper is decided from the planner'
 share runs alone regardless.
 
 Dask itself fills every thread of a worker, so the executor says where a task may run. On a cluster whose
-workers offer the resource :data:`SLOT_RESOURCE` (``memchunk-slots``, one unit per thread: the runner's own
-multi-threaded local clusters do; a worker started elsewhere with ``--resources memchunk-slots=THREADS``), every
+workers offer the resource :data:`SLOT_RESOURCE` (``memchunk-slots``, one unit per thread: a local cluster the
+runner starts with ``threads_per_worker`` above 1 does; a worker started elsewhere with
+``--resources memchunk-slots=THREADS``), every
 chunk asks for its share (:func:`slot_request`): one unit, or all of its worker's alone, so Dask never runs a
 chunk beside one that runs alone, whichever map either belongs to. Elsewhere a task that runs alone is placed on
 the worker with the fewest tasks processing (:func:`least_busy_worker`), which chunks of another map running
-at the same time may still share. All sizes are bytes.
+at the same time may still share, and the map's own where it plans for workers not yet joined. All sizes are
+bytes.
 """
 
 from __future__ import annotations

@@ -85,15 +85,17 @@ def with_slot_resource(cluster_kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def read_slot_units(client: Any) -> float | None:
-    """The units of :data:`~memchunk_prefect.core.sharing.SLOT_RESOURCE` the workers offer (the least of them),
-    where every worker offers some; None elsewhere, or when the scheduler cannot be asked."""
+    """The units of :data:`~memchunk_prefect.core.sharing.SLOT_RESOURCE` each worker offers, where every worker
+    offers the same units over the same threads; None elsewhere, or when the scheduler cannot be asked."""
     try:
         workers = (scheduler_info(client).get("workers") or {}).values()
     except Exception as exc:  # noqa: BLE001 - placement then falls back to choosing the least busy worker
         logger.info("could not read the workers' resources: %r", exc)
         return None
-    units = [float((w.get("resources") or {}).get(SLOT_RESOURCE, 0) or 0) for w in workers]
-    return min(units) if units and all(u > 0 for u in units) else None
+    offers = {(float((w.get("resources") or {}).get(SLOT_RESOURCE, 0) or 0), int(w.get("nthreads", 1) or 1))
+              for w in workers}
+    # One offer for all: a share asked of workers of different sizes would let a larger one run two alone.
+    return next(iter(offers))[0] if len(offers) == 1 and next(iter(offers))[0] > 0 else None
 
 
 def configured_kill_fraction() -> float | None:

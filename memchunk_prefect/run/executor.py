@@ -349,7 +349,7 @@ class ChunkedMap:
                 gpu_budget_bytes=self.gpu_budget, touched_bytes=budget.touched_bytes or None,
                 threads_per_worker=budget.threads_per_worker or 1, worker_budget_bytes=budget.worker_budget_bytes)))
         self.planned.set()
-        self.slots_polled = time.monotonic()
+        self.slots_polled, self.slots_seen = time.monotonic(), self.slots
         drive(self.machine, self)
 
     # ---------------------------------------------------------------- the world the machine is driven in
@@ -374,9 +374,10 @@ class ChunkedMap:
         if time.monotonic() - self.slots_polled >= RUNNER_SETTINGS.slots_poll_seconds:
             self.slots_polled = time.monotonic()
             slots = self.ctx.cluster.slots_now()
-            if slots and slots != machine.slots:
+            if slots and slots != self.slots_seen:  # (the machine's own slots count workers where it runs alone)
                 logger.info("%s: the cluster now has %d worker threads (%d when the map started)", self.name, slots,
                             self.slots)
+                self.slots_seen = slots
                 events.append(SlotsChanged(slots, at=time.time()))
         return events
 
@@ -616,9 +617,9 @@ class ChunkedMap:
             fut = self.by_id.get(sid)
             if fut is None or fut.wrapped_future.done():
                 self.pins.pop(sid, None)
-            elif fut.wrapped_future.key not in seen:
-                running[address] = running.get(address, 0) + 1
-        return least_busy_worker(running, sorted(running))
+            elif fut.wrapped_future.key not in seen and address in running:
+                running[address] += 1
+        return least_busy_worker(running, sorted(processing))  # the workers there now, never one that left
 
     def dependencies(self, chunk: Chunk) -> dict[str, set] | None:
         """The upstream task runs that wrote what ``chunk``'s block reads, as Prefect task inputs of its task run

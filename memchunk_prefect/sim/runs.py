@@ -163,6 +163,7 @@ class _MachineRun:
                        halo=step.halo, whole_traces=step.whole_traces, incoming=incoming, settings=settings)
         self.machine = MapMachine(spec, knowledge)
         self.record = MapResult(step.operator, 0, 0, 0, 0.0)
+        self.slots_seen = 0  # the slots last read (what a SlotsChanged is against)
         self.failure = ""
         self.stop_after: float | None = None
 
@@ -175,7 +176,8 @@ class _MachineRun:
         sim.wait(self.cluster.map_start_seconds)  # the runner's work before the map's first task
         threads = int(self.cluster.threads_per_worker)
         touched = {f"sim-{w}": mark // threads for w, mark in sim.marks.items() if w not in sim.gone}
-        execute(m, self, m.handle(Start(self.planned_slots(), self.cluster.budget_bytes, at=sim.now,
+        self.slots_seen = self.planned_slots()
+        execute(m, self, m.handle(Start(self.slots_seen, self.cluster.budget_bytes, at=sim.now,
                                         touched_bytes=touched, threads_per_worker=threads,
                                         worker_budget_bytes=self.cluster.headroom_bytes)))
         drive(m, self)
@@ -214,7 +216,8 @@ class _MachineRun:
         ended = sim.next()
         events: list[Any] = []
         slots = self.planned_slots()  # what the executor reads between events
-        if slots and slots != m.slots:
+        if slots and slots != self.slots_seen:
+            self.slots_seen = slots
             events.append(SlotsChanged(slots, at=sim.now))
         if ended.task.sid < 0:
             return events
