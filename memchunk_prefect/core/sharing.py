@@ -133,7 +133,7 @@ def choose_sharing(m: Any, make: Any) -> None:
         if m.predict(tuple(m.spec.shape)).ready:  # not a cold start: the bound is over a thread's share
             go_alone(m, "the model's bound for the smallest chunk is over a thread's share of its worker")
         return
-    before = (m.slots, m.cap_bytes, m.headroom_bytes, m.budget_bytes, m.planned_budget)
+    before = (m.slots, m.cap_bytes, m.headroom_bytes, m.budget_bytes, m.planned_budget, m.touched)
     go_alone(m, "")
     try:
         alone = make()
@@ -145,7 +145,7 @@ def choose_sharing(m: Any, make: Any) -> None:
             f"its plan is estimated at {t_alone:.1f} s, one task per thread at {t_shared:.1f} s",
             m.sharing.threads, before[3], m.budget_bytes, m.slots)
         return
-    m.slots, m.cap_bytes, m.headroom_bytes, m.budget_bytes, m.planned_budget = before
+    m.slots, m.cap_bytes, m.headroom_bytes, m.budget_bytes, m.planned_budget, m.touched = before
     m.sharing.per_worker, m.sharing.reason = None, ""
 
 
@@ -158,6 +158,8 @@ def go_alone(m: Any, why: str) -> None:
     m.cap_bytes = int(s.alone_cap_bytes or m.cap_bytes)
     if m.headroom_bytes is not None:
         m.headroom_bytes *= s.threads
+    if m.touched is not None:  # what a task may use without growing its worker: all of the worker's, alone
+        m.touched = {a: b * s.threads for a, b in m.touched.items()}
     m.budget_bytes = m.planned_budget = m._budget()
     s.reason = alone_words(why, s.threads, per_thread, m.budget_bytes, m.slots)
 
