@@ -110,6 +110,8 @@ def test_a_cluster_without_memory_limits_with_two_threads_and_retries_is_named_o
     assert code == cli.EXIT_FAILURE
     assert checks["memory limits"].status == FAIL and "--memory-limit" in checks["memory limits"].fix
     assert checks["threads"].status == WARN and "[2]" in checks["threads"].detail
+    assert "memchunk-slots offered: None" in checks["threads"].detail and "--resources memchunk-slots=THREADS" \
+        in checks["threads"].fix
     assert checks["allowed-failures"].status == WARN and "allowed-failures=3" in checks["allowed-failures"].detail
     assert "ALLOWED_FAILURES=0" in checks["allowed-failures"].fix
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from memchunk_prefect.core.errors import EnvironmentProblemError, MemchunkError, format_bytes
+from memchunk_prefect.core.sharing import SLOT_RESOURCE
 from memchunk_prefect.operators.device import INSTALL_HINT, gpu_status
 from memchunk_prefect.run.prefect_api import startup_timeout_seconds
 
@@ -337,10 +338,14 @@ def _cluster_checks(client: Any, address: str) -> list[Check]:
                   Check("memory limits", OK, ", ".join(sorted({format_bytes(w["memory_limit"])
                                                                for w in workers.values()})) + " per worker"))
     threads = sorted({int(w.get("nthreads", 1)) for w in workers.values()})
+    offer = sorted({str((w.get("resources") or {}).get(SLOT_RESOURCE)) for w in workers.values()})
     checks.append(Check("threads", WARN, f"threads per worker {threads}: tasks sharing a worker share its "
                         "memory, so each one's peak cannot be told apart (figures are marked shared) and "
-                        "the budget is split among them", "one thread per worker process "
-                        "(dask worker --nthreads 1, or LocalCluster(threads_per_worker=1))")
+                        "the budget is split among them; an operator needing more than a thread's share runs "
+                        f"one task per worker ({SLOT_RESOURCE} offered: {', '.join(offer)})",
+                        "one thread per worker process (dask worker --nthreads 1, or "
+                        "LocalCluster(threads_per_worker=1)); else start workers with --resources "
+                        f"{SLOT_RESOURCE}=THREADS, so that no chunk runs beside one that runs alone")
                   if max(threads) > 1 else Check("threads", OK, "1 thread per worker"))
     fractions = client.run(lambda: {k: __import__("dask").config.get(f"distributed.worker.memory.{k}", None)
                                     for k in ("terminate", "pause")})
