@@ -1,0 +1,364 @@
+"""A survey of real size end to end: the demo pipeline over ~1 million traces of SEG-Y, cold then warm.
+
+    python -m benchmarks.studies.real_size [--shape 1024 1024 500] [--reference 128 128 400]
+                                           [--workers 2] [--memory-limit 1GiB] [--work DIR] [--json PATH]
+
+Writes the survey with the project's synthetic generator (big-endian IEEE floats, inline-sorted; 1024 x 1024 x 500
+is 1,048,576 traces and 2 GiB of samples), then measures, each part in a fresh process:
+
+- ``scan``: the SEG-Y geometry scan (every trace header read), seconds per million traces;
+- ``reads``: read throughput of the same file, page cache dropped before each where this process may (root on
+  Linux): the disk's sequential read (16 MiB ``os.read`` calls), segyio's own inline reads (``f.iline[n]`` for
+  every inline), and :class:`~memchunk_prefect.io.segy_source.SegySource` reading blocks of whole traces (the
+  runner's chunks over SEG-Y) and the same blocks cut in four along time (what a chunk cut in time costs: each
+  trace is stored contiguous, so every piece reads its traces whole);
+- ``pipeline``: envelope -> gaussian_smooth -> gst3d_dip with :class:`~memchunk_prefect.run.runner.
+  MemoryAwareRunner` on a fresh local cluster of ``--workers`` single-thread workers with ``--memory-limit`` each
+  (the demo's layout), through a local Prefect server started here: cold (an empty store) and then warm (the store
+  the cold run left), for the reference survey and then the real-size one. Per run: the wall, time per element,
+  each map's chunks, tasks and out-of-memory events, the flow process's resident memory sampled every 0.5 s (it
+  must stay flat: no per-trace state in the flow), and the Prefect server's CPU seconds and peak memory over the
+  run (its process tree, sampled the same way).
+
+Outputs (three attribute volumes the survey's size each) go under ``--work``, as does the survey (kept between
+invocations: a second invocation reuses it). The full size needs ~9 GiB of disk and about an hour on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+from benchmarks.studies.children import run_child
+
+MiB = 2**20
+
+
+# --------------------------------------------------------------------------- sampling a process tree
+
+
+class Sampler:
+    """Resident memory (bytes) and CPU seconds of a process and its descendants, every ``every`` seconds, in a
+    thread: ``peak_rss``, ``first_rss``, ``last_rss`` and ``cpu_seconds`` (over the sampling) once stopped."""
+
+    def __init__(self, pid: int, every: float = 0.5, tree: bool = True):
+        import psutil
+
+        self.proc = psutil.Process(pid)
+        self.every, self.tree = every, tree
+        self.rss: list[int] = []
+        self._stop = threading.Event()
+        self._cpu0 = self._cpu()
+        self.cpu_seconds = 0.0
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _procs(self) -> list[Any]:
+        import psutil
+
+        procs = [self.proc]
+        if self.tree:
+            try:
+                procs += self.proc.children(recursive=True)
+            except psutil.Error:
+                pass
+        return procs
+
+    def _cpu(self) -> float:
+        import psutil
+
+        total = 0.0
+        for p in self._procs():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def _sample(self) -> None:
+        import psutil
+
+        total = 0
+        for p in self._procs():
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:
+                pass
+        self.rss.append(total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def __enter__(self) -> "Sampler":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        self.cpu_seconds = self._cpu() - self._cpu0
+
+    def figures(self) -> dict[str, Any]:
+        return {"first_rss": self.rss[0], "peak_rss": max(self.rss), "last_rss": self.rss[-1],
+                "cpu_seconds": round(self.cpu_seconds, 2), "samples": len(self.rss)}
+
+
+# --------------------------------------------------------------------------- reads
+
+
+def drop_page_cache() -> bool:
+    """Empty Linux's page cache so the next read comes from the disk; False where this process may not."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def _timed(fn: Any) -> tuple[float, Any]:
+    dropped = drop_page_cache()
+    t = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t, (out, dropped)
+
+
+def read_disk(path: str) -> int:
+    n = 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while chunk := os.read(fd, 16 * MiB):
+            n += len(chunk)
+    finally:
+        os.close(fd)
+    return n
+
+
+def read_segyio_inlines(path: str) -> int:
+    import segyio
+
+    n = 0
+    with segyio.open(path, iline=189, xline=193) as f:
+        for il in f.ilines:
+            n += f.iline[il].nbytes
+    return n
+
+
+def read_blocks(path: str, block: tuple[int, int], t_pieces: int) -> int:
+    """Every trace of the survey through ``SegySource.read``, in blocks of ``block`` inlines x crosslines, each
+    block whole (``t_pieces`` 1) or cut in ``t_pieces`` along time; bytes of float32 samples returned."""
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.io.segy_source import SegySource
+
+    src = SegySource(path)
+    ni, nx, nt = src.shape
+    step_t = -(-nt // t_pieces)
+    n = 0
+    for i in range(0, ni, block[0]):
+        for j in range(0, nx, block[1]):
+            for k in range(0, nt, step_t):
+                c = Chunk((i, j, k), (min(i + block[0], ni), min(j + block[1], nx), min(k + step_t, nt)))
+                n += src.read(c).nbytes
+    return n
+
+
+def reads_child(path: str, cache: str) -> dict:
+    os.environ["MEMCHUNK_CACHE_DIR"] = cache
+    from memchunk_prefect.io.segy_cache import cached_scan
+
+    cached_scan(path)  # kept by the scan step: what a map pays is reading it back
+    rows = []
+    for name, fn in [("disk sequential", lambda: read_disk(path)),
+                     ("segyio inlines", lambda: read_segyio_inlines(path)),
+                     ("memchunk whole-trace blocks 128 x 128", lambda: read_blocks(path, (128, 128), 1)),
+                     ("memchunk blocks 128 x 128 cut in 4 along time", lambda: read_blocks(path, (128, 128), 4))]:
+        seconds, (nbytes, dropped) = _timed(fn)
+        rows.append({"read": name, "seconds": round(seconds, 3), "bytes": nbytes,
+                     "mib_per_s": round(nbytes / MiB / seconds, 1), "page_cache_dropped": dropped})
+    return {"rows": rows}
+
+
+# --------------------------------------------------------------------------- the pipeline, one run
+
+
+def pipeline_child(path: str, store: str, out: str, workers: int, memory_limit: str) -> dict:
+    """The demo pipeline over ``path`` on a fresh cluster (the demo's layout), the flow process sampled."""
+    from memchunk_prefect.cli.demo import demo_layout
+    from memchunk_prefect.core.units import parse_bytes
+    from memchunk_prefect.operators.registry import DEFAULT_STEPS
+    from memchunk_prefect.pipeline import attribute_pipeline
+    from memchunk_prefect.run.logs import quiet
+    from memchunk_prefect.run.runner import MemoryAwareRunner
+
+    quiet()
+    cluster_kwargs, _, _ = demo_layout(workers, parse_bytes(memory_limit), env={})
+    runner = MemoryAwareRunner(cluster_kwargs=cluster_kwargs, store=store, output_dir=out, device="cpu")
+    flow = attribute_pipeline.with_options(task_runner=runner)  # type: ignore[arg-type]
+    began = time.time()
+    with Sampler(os.getpid(), tree=False) as flow_mem:
+        t = time.perf_counter()
+        state = flow(path, DEFAULT_STEPS, None, return_state=True)
+        wall = time.perf_counter() - t
+    summaries = state.result()
+    maps = [{"operator": s["operator"], "chunks": s["chunks"], "tasks": s["tasks"], "oom_recovered": s["oom_events"],
+             "decisions": s["decisions"], "peak_bytes": s["peak_bytes"], "budget_bytes": s["budget_bytes"]}
+            for s in summaries]
+    return {"wall": round(wall, 2), "chunk_span": chunk_span(store, began), "maps": maps,
+            "kills": sum(m["oom_recovered"] for m in maps), "flow_memory": flow_mem.figures()}
+
+
+def chunk_span(store: str, since: float) -> float | None:
+    """Seconds from the first chunk's start to the last chunk's end of the run that began at ``since`` (epoch
+    seconds): the run's wall without its fixed costs (the cluster's start, the flow's set-up and end)."""
+    from memchunk_prefect.learn.store import Store
+
+    with Store(store) as st:
+        spans = [(o.started_at, o.started_at + o.seconds) for o in st.observations()
+                 if o.started_at is not None and o.started_at >= since]
+    return round(max(e for _, e in spans) - min(s for s, _ in spans), 2) if spans else None
+
+
+def run_pipeline(path: Path, store: Path, out: Path, args: argparse.Namespace, env: dict[str, str],
+                 server_pid: int) -> dict:
+    """One run in a fresh process; the server's load over it; the outputs removed after it (9 GiB at full size)."""
+    import subprocess
+    import sys
+
+    from benchmarks.studies.children import ROOT, WORKER_ENV
+
+    child_env = dict(env, **WORKER_ENV)
+    child_env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "benchmarks.studies.real_size", "--child-pipeline", str(path), str(store),
+           str(out), str(args.workers), args.memory_limit]
+    with Sampler(server_pid) as server:
+        proc = subprocess.run(cmd, env=child_env, cwd=ROOT, capture_output=True, text=True)
+    shutil.rmtree(out, ignore_errors=True)
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-4000:]}
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    row["server"] = server.figures()
+    return row
+
+
+# --------------------------------------------------------------------------- the study
+
+
+def survey(work: Path, shape: tuple[int, int, int]) -> tuple[Path, float | None]:
+    """The survey of ``shape`` under ``work`` (written once); seconds it took to write, None when reused."""
+    from memchunk_prefect import synthetic_survey
+
+    path = work / f"survey-{shape[0]}x{shape[1]}x{shape[2]}.sgy"
+    if path.exists():
+        return path, None
+    t = time.perf_counter()
+    synthetic_survey(path, shape, seed=0)
+    return path, time.perf_counter() - t
+
+
+def per_element(row: dict, shape: tuple[int, int, int], key: str) -> float | None:
+    """Nanoseconds per element of the survey of ``row[key]`` (the wall, or the chunks' span)."""
+    n = shape[0] * shape[1] * shape[2]
+    return None if row.get(key) is None else round(row[key] / n * 1e9, 2)
+
+
+def runs(work: Path, shapes: list[tuple[int, int, int]], args: argparse.Namespace) -> Iterator[dict]:
+    from deployments.local_server import local_server
+
+    with local_server(work / "prefect-home") as srv:
+        time.sleep(args.settle)  # the server's own start-up work (migrations, services) before the first run
+        for shape in shapes:
+            path, _ = survey(work, shape)
+            store = work / f"store-{shape[0]}x{shape[1]}x{shape[2]}.sqlite"
+            store.unlink(missing_ok=True)
+            for mode in ("cold", "warm"):
+                row = run_pipeline(path, store, work / "runs", args, dict(srv.env), srv.process.pid)
+                row.update(shape=list(shape), mode=mode, ns_per_element=per_element(row, shape, "wall"),
+                           ns_per_element_chunks=per_element(row, shape, "chunk_span"))
+                print(describe(row), flush=True)
+                yield row
+
+
+def describe(row: dict) -> str:
+    shape = " x ".join(map(str, row["shape"]))
+    if "error" in row:
+        return f"{shape} {row['mode']}: FAILED\n{row['error']}"
+    maps = "; ".join(f"{m['operator']} {m['chunks']} chunks ({m['tasks']} tasks, {m['oom_recovered']} OOM)"
+                     for m in row["maps"])
+    fm, sv = row["flow_memory"], row["server"]
+    return (f"{shape} {row['mode']}: {row['wall']:.1f} s, {row['ns_per_element']:.1f} ns per element "
+            f"(chunks first start to last end {row['chunk_span']} s, {row['ns_per_element_chunks']} ns per element), "
+            f"{row['kills']} kills; flow process {fm['first_rss'] / MiB:.0f} -> peak {fm['peak_rss'] / MiB:.0f} "
+            f"MiB; server {sv['cpu_seconds']:.1f} CPU s, peak {sv['peak_rss'] / MiB:.0f} MiB\n    {maps}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.real_size", description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", type=int, nargs=3, default=[1024, 1024, 500])
+    p.add_argument("--reference", type=int, nargs=3, default=[128, 128, 400])
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--memory-limit", default="1GiB")
+    p.add_argument("--settle", type=float, default=10.0, help="seconds to let the Prefect server settle")
+    p.add_argument("--skip", nargs="*", default=[], choices=["scan", "reads", "pipeline"])
+    p.add_argument("--work", default=None, help="where the surveys, stores and outputs go (default: a temporary dir)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--child-pipeline", nargs=5, help=argparse.SUPPRESS)
+    p.add_argument("--child-reads", nargs=2, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child_pipeline:
+        path, store, out, workers, limit = args.child_pipeline
+        print(json.dumps(pipeline_child(path, store, out, int(workers), limit)))
+        return 0
+    if args.child_reads:
+        print(json.dumps(reads_child(*args.child_reads)))
+        return 0
+    from benchmarks.__main__ import machine_info
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="memchunk-real-size-"))
+    work.mkdir(parents=True, exist_ok=True)
+    shape, reference = tuple(args.shape), tuple(args.reference)
+    doc: dict[str, Any] = {"benchmark": "real_size", "machine": machine_info(), "shape": list(shape),
+                           "reference": list(reference), "workers": args.workers, "memory_limit": args.memory_limit}
+    path, written = survey(work, shape)  # type: ignore[arg-type]
+    doc["survey"] = {"path": str(path), "bytes": path.stat().st_size, "traces": shape[0] * shape[1],
+                     "write_seconds": written}
+    print(f"survey {path} ({path.stat().st_size / MiB:,.0f} MiB, {shape[0] * shape[1]:,} traces"
+          + (f", written in {written:.0f} s)" if written else ", reused)"), flush=True)
+    time.sleep(2.5)  # a file changed in the last seconds is scanned, not kept (segy_cache.SETTLE_SECONDS)
+    cache = str(work / "cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    if "scan" not in args.skip:
+        doc["scan"] = [run_child("benchmarks.studies.segy_scan", ["--child", str(path), mode, cache])
+                       for mode in ("scan", "first", "kept")]
+        for r in doc["scan"]:
+            print(f"scan {r['mode']:<5} {r['seconds']:6.2f} s ({r['seconds'] / r['traces'] * 1e6:.2f} s per million "
+                  "traces)", flush=True)
+    if "reads" not in args.skip:
+        doc["reads"] = run_child("benchmarks.studies.real_size", ["--child-reads", str(path), cache])["rows"]
+        for r in doc["reads"]:
+            print(f"read {r['read']:<46} {r['mib_per_s']:8.1f} MiB/s ({r['seconds']:.1f} s"
+                  f"{'' if r['page_cache_dropped'] else ', page cache not dropped'})", flush=True)
+    if "pipeline" not in args.skip:
+        doc["runs"] = []
+        for row in runs(work, [reference, shape], args):  # type: ignore[list-item]
+            doc["runs"].append(row)
+            if args.json:  # written after every run: a long study keeps what it measured if it is stopped
+                Path(args.json).write_text(json.dumps(doc, indent=1))
+    doc["machine"]["loadavg_end"] = list(os.getloadavg())
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
