@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     shape, reference = tuple(args.shape), tuple(args.reference)
     doc: dict[str, Any] = {"benchmark": "real_size", "machine": machine_info(), "shape": list(shape),
                            "reference": list(reference), "workers": args.workers, "memory_limit": args.memory_limit}
-    path, written = survey(work, shape)  # type: ignore[arg-type]
+    path, written = survey(work, shape)
     doc["survey"] = {"path": str(path), "bytes": path.stat().st_size, "traces": shape[0] * shape[1],
                      "write_seconds": written}
     print(f"survey {path} ({path.stat().st_size / MiB:,.0f} MiB, {shape[0] * shape[1]:,} traces"
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'' if r['page_cache_dropped'] else ', page cache not dropped'})", flush=True)
     if "pipeline" not in args.skip:
         doc["runs"] = []
-        for row in runs(work, [reference, shape], args):  # type: ignore[list-item]
+        for row in runs(work, [reference, shape], args):
             doc["runs"].append(row)
             if args.json:  # written after every run: a long study keeps what it measured if it is stopped
                 Path(args.json).write_text(json.dumps(doc, indent=1))
