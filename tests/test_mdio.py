@@ -245,9 +245,15 @@ def test_segy_to_mdio_to_the_runner_to_mdio_exact_in_both_conventions(cluster, f
         a = operators.envelope.map(chunked(str(segy_dir / "f3.sgy"), output=tmp_path / "segy.mdio"))
         b = operators.envelope.map(chunked(seismic, output=tmp_path / "da.zarr"))
         c = operators.envelope.map(chunked(ds, output_format="mdio"))
-        return a.result(), b.result(), c.output_path, c.summary()
+        d = operators.convert.map(chunked(str(segy_dir / "f3.sgy"), output=tmp_path / "converted.mdio"))
+        return a.result(), b.result(), c.output_path, c.summary(), d.result()
 
-    a, b, c_path, c_summary = both(mdio.open_mdio(f3_mdio))
+    a, b, c_path, c_summary, converted = both(mdio.open_mdio(f3_mdio))
+    # SEG-Y converted to MDIO as a step of the flow: the samples exactly, with the file's numbers and coordinates.
+    np.testing.assert_array_equal(mdio.open_mdio(tmp_path / "converted.mdio").amplitude.values, seismic.values)
+    np.testing.assert_array_equal(converted.values, seismic.values)
+    np.testing.assert_array_equal(converted.inline.values, seismic.iline.values)
+    np.testing.assert_allclose(converted.cdp_y.values, seismic.cdp_y.values)
     # The store's chunking (one 128^3 brick cut to the volume) is the incoming chunking the runner weighs (kept or
     # re-cut); only a model not ready yet probes instead.
     assert c_summary["decisions"][0] == "probe" or "incoming" in c_summary["reasons"][0], c_summary

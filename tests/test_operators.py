@@ -38,7 +38,7 @@ ALL = sorted(operators.OPERATORS)
 
 def test_every_operator_is_a_prefect_task_exported_by_name():
     expected = {"envelope", "instantaneous_phase", "instantaneous_frequency", "cosine_phase", "gaussian_smooth",
-                "gst3d_dip", "gst3d_azimuth", "semblance", "trace_correlation"}
+                "gst3d_dip", "gst3d_azimuth", "semblance", "trace_correlation", "convert"}
     assert set(operators.OPERATORS) == expected
     for name, op in operators.OPERATORS.items():
         assert isinstance(op, Task) and op.name == name and getattr(operators, name) is op
@@ -59,6 +59,7 @@ def test_every_operator_is_a_prefect_task_exported_by_name():
     ("semblance", {"window": (2, 3, 7)}, (2, 3, 7), False),
     ("trace_correlation", {}, (1, 1, 0), True),
     ("trace_correlation", {"radius": (3, 2)}, (3, 2, 0), True),
+    ("convert", {}, (0, 0, 0), True),
 ])
 def test_operators_declare_their_halo_from_their_parameters(name, params, halo, whole_traces):
     spec = spec_of(operators.OPERATORS[name])
@@ -231,7 +232,14 @@ def test_trace_correlation_memory_grows_faster_than_its_input():
 # --------------------------------------------------------------------------- bad input
 
 
-@pytest.mark.parametrize("name", ALL)
+def test_convert_keeps_every_sample_as_it_is_non_finite_ones_included():
+    volume = layered_volume((4, 5, 30), seed=2)
+    volume[1, 1, 3], volume[2, 2, 4], volume[3, 3, 5] = np.nan, np.inf, -np.inf
+    out = operators.convert.fn(volume)
+    assert out.dtype == np.float32 and out.tobytes() == volume.tobytes()
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if n != "convert"])  # attributes: NaN where input is not finite
 def test_nan_and_inf_samples_do_not_crash_and_stay_local(name):
     volume = layered_volume((12, 12, 60), seed=9)
     volume[6, 6, 30] = np.nan

@@ -9,9 +9,11 @@ is 1,048,576 traces and 2 GiB of samples), then measures, each part in a fresh p
 - ``scan``: the SEG-Y geometry scan (every trace header read), seconds per million traces;
 - ``reads``: read throughput of the same file, page cache dropped before each where this process may (root on
   Linux): the disk's sequential read (16 MiB ``os.read`` calls), segyio's own inline reads (``f.iline[n]`` for
-  every inline), and :class:`~memchunk_prefect.io.segy_source.SegySource` reading blocks of whole traces (the
-  runner's chunks over SEG-Y) and the same blocks cut in four along time (what a chunk cut in time costs: each
-  trace is stored contiguous, so every piece reads its traces whole);
+  every inline, its open included: the open reads every trace header, which pages in most of the file), and
+  :class:`~memchunk_prefect.io.segy_source.SegySource` reading blocks of whole traces (the runner's chunks over
+  SEG-Y) and the same blocks cut in four along time (what a chunk cut in time costs: each trace is stored
+  contiguous, so every piece reads its traces whole); then the conversion to zarr (the runner's storage chunks)
+  and the same two block reads from the zarr store: what converting first costs and saves;
 - ``pipeline``: envelope -> gaussian_smooth -> gst3d_dip with :class:`~memchunk_prefect.run.runner.
   MemoryAwareRunner` on a fresh local cluster of ``--workers`` single-thread workers with ``--memory-limit`` each
   (the demo's layout), through a local Prefect server started here: cold (an empty store) and then warm (the store
@@ -145,6 +147,14 @@ def read_disk(path: str) -> int:
     return n
 
 
+def open_segyio(path: str) -> int:
+    """segyio's open of the file (it reads every trace header); the bytes of samples it could then read."""
+    import segyio
+
+    with segyio.open(path, iline=189, xline=193) as f:
+        return int(f.tracecount * len(f.samples) * 4)
+
+
 def read_segyio_inlines(path: str) -> int:
     import segyio
 
@@ -155,37 +165,66 @@ def read_segyio_inlines(path: str) -> int:
     return n
 
 
-def read_blocks(path: str, block: tuple[int, int], t_pieces: int) -> int:
-    """Every trace of the survey through ``SegySource.read``, in blocks of ``block`` inlines x crosslines, each
-    block whole (``t_pieces`` 1) or cut in ``t_pieces`` along time; bytes of float32 samples returned."""
+def blocks(shape: tuple[int, int, int], block: tuple[int, int], t_pieces: int) -> Iterator[Any]:
+    """The survey's chunks of ``block`` inlines x crosslines, each cut in ``t_pieces`` along time."""
     from memchunk_prefect.core.chunks import Chunk
-    from memchunk_prefect.io.segy_source import SegySource
 
-    src = SegySource(path)
-    ni, nx, nt = src.shape
+    ni, nx, nt = shape
     step_t = -(-nt // t_pieces)
-    n = 0
     for i in range(0, ni, block[0]):
         for j in range(0, nx, block[1]):
             for k in range(0, nt, step_t):
-                c = Chunk((i, j, k), (min(i + block[0], ni), min(j + block[1], nx), min(k + step_t, nt)))
-                n += src.read(c).nbytes
+                yield Chunk((i, j, k), (min(i + block[0], ni), min(j + block[1], nx), min(k + step_t, nt)))
+
+
+def read_blocks(source: Any, block: tuple[int, int], t_pieces: int) -> int:
+    """Every sample of ``source`` through its ``read``, in blocks of ``block`` inlines x crosslines, each block
+    whole (``t_pieces`` 1) or cut in ``t_pieces`` along time; bytes of float32 samples returned."""
+    return sum(source.read(c).nbytes for c in blocks(source.shape, block, t_pieces))
+
+
+def convert(path: str, store: str) -> int:
+    """The SEG-Y file as a zarr array (the runner's storage chunks: whole traces, ~8 MiB each), block by block."""
+    import zarr
+
+    from memchunk_prefect.io.segy_source import SegySource
+    from memchunk_prefect.io.zarr_store import default_zarr_chunks
+
+    src = SegySource(path)
+    shutil.rmtree(store, ignore_errors=True)
+    arr = zarr.create_array(store, shape=src.shape, chunks=default_zarr_chunks(src.shape), dtype="float32")
+    ci, cx, _ = arr.chunks
+    n = 0
+    for c in blocks(src.shape, (ci * max(1, 128 // ci), cx * max(1, 128 // cx)), 1):
+        data = src.read(c)
+        arr[c.slices()] = data
+        n += data.nbytes
     return n
 
 
 def reads_child(path: str, cache: str) -> dict:
     os.environ["MEMCHUNK_CACHE_DIR"] = cache
     from memchunk_prefect.io.segy_cache import cached_scan
+    from memchunk_prefect.io.segy_source import SegySource
+    from memchunk_prefect.io.zarr_store import ZarrSource
 
     cached_scan(path)  # kept by the scan step: what a map pays is reading it back
+    segy = SegySource(path)
+    store = os.path.join(os.path.dirname(cache), "survey.zarr")
     rows = []
     for name, fn in [("disk sequential", lambda: read_disk(path)),
-                     ("segyio inlines", lambda: read_segyio_inlines(path)),
-                     ("memchunk whole-trace blocks 128 x 128", lambda: read_blocks(path, (128, 128), 1)),
-                     ("memchunk blocks 128 x 128 cut in 4 along time", lambda: read_blocks(path, (128, 128), 4))]:
+                     ("segyio open (its geometry scan)", lambda: open_segyio(path)),
+                     ("segyio inlines (open included)", lambda: read_segyio_inlines(path)),
+                     ("SEG-Y, whole-trace blocks 128 x 128", lambda: read_blocks(segy, (128, 128), 1)),
+                     ("SEG-Y, blocks 128 x 128 cut in 4 along time", lambda: read_blocks(segy, (128, 128), 4)),
+                     ("SEG-Y to zarr (read and write)", lambda: convert(path, store)),
+                     ("zarr, whole-trace blocks 128 x 128", lambda: read_blocks(ZarrSource(store), (128, 128), 1)),
+                     ("zarr, blocks 128 x 128 cut in 4 along time",
+                      lambda: read_blocks(ZarrSource(store), (128, 128), 4))]:
         seconds, (nbytes, dropped) = _timed(fn)
         rows.append({"read": name, "seconds": round(seconds, 3), "bytes": nbytes,
                      "mib_per_s": round(nbytes / MiB / seconds, 1), "page_cache_dropped": dropped})
+    shutil.rmtree(store, ignore_errors=True)
     return {"rows": rows}
 
 

@@ -33,7 +33,7 @@ from memchunk_prefect.operators.spec import (
 _REGISTRY = (
     "OPERATORS", "DEFAULT_STEPS", "get", "resolve_step",
     "envelope", "instantaneous_phase", "instantaneous_frequency", "cosine_phase", "gaussian_smooth",
-    "gst3d_dip", "gst3d_azimuth", "semblance", "trace_correlation",
+    "gst3d_dip", "gst3d_azimuth", "semblance", "trace_correlation", "convert",
 )
 
 __all__ = ["DEFAULT_SPEC", "SPEC_ATTRIBUTE", "OperatorSpec", "operator", "operator_key", "operator_name",

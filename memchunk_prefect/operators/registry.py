@@ -26,6 +26,7 @@ whether it needs whole traces.
 | gst3d_azimuth | degrees, [0, 360) | gradient + tensor radius | sigma_gradient, sigma_tensor | no |
 | semblance | [0, 1] | window half-widths | window | no |
 | trace_correlation | [-1, 1], memory O(traces^2) | (r_il, r_xl, 0) | - | yes |
+| convert | the input's (a copy to another store) | (0, 0, 0) | - | yes |
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import inspect
 from typing import Any
 
 from memchunk_prefect.core.errors import RunnerConfigError
+from memchunk_prefect.operators.conversion import convert
 from memchunk_prefect.operators.discontinuity import semblance, trace_correlation
 from memchunk_prefect.operators.instantaneous import (
     cosine_phase,
@@ -57,6 +59,7 @@ OPERATORS = {
         gst3d_azimuth,
         semblance,
         trace_correlation,
+        convert,
     )
 }
 
