@@ -3,9 +3,10 @@
     python -m benchmarks report RUN.json... [--out BENCHMARKS.md]
 
 Each JSON is one run of a suite benchmark, as its ``--json`` writes it: ``python -m benchmarks`` (side by side),
-``python -m benchmarks.heterogeneous``, ``python -m benchmarks.family``, ``python -m benchmarks.sim_validation``
-or ``python -m benchmarks.studies.segy_scan``. The page opens with every target of every run and its verdict; then
-one section per run: the command that reruns it, the machine, the date and the commit it measured, and its
+``python -m benchmarks.heterogeneous``, ``python -m benchmarks.family``, ``python -m benchmarks.sim_validation``,
+``python -m benchmarks.studies.segy_scan`` or ``python -m benchmarks.studies.real_size``. The page opens with
+every target of every run and its verdict; then one section per run: the command that reruns it, the machine,
+the date and the commit it measured, and its
 tables. How each figure is measured is in each benchmark's module docstring (linked), not repeated here.
 
 A run JSON that is none of these is refused with what was expected. Figures are printed as the JSON holds
@@ -211,12 +212,95 @@ def segy_scan(doc: dict[str, Any]) -> Section:
                    [what, "", *_table(["read", "seconds", "seconds per million traces"], rows)])
 
 
+def _run_of(doc: dict[str, Any], shape: list[int], mode: str) -> dict[str, Any] | None:
+    return next((r for r in doc.get("runs", []) if r["shape"] == shape and r["mode"] == mode), None)
+
+
+def _read_of(doc: dict[str, Any], start: str) -> dict[str, Any] | None:
+    return next((r for r in doc.get("reads", []) if r["read"].startswith(start)), None)
+
+
+def real_size_targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The issue's targets for a survey of real size, from the study's JSON (None where not measured)."""
+    shape, ref = doc["shape"], doc["reference"]
+    warm, ref_warm = _run_of(doc, shape, "warm"), _run_of(doc, ref, "warm")
+    targets: dict[str, dict[str, Any]] = {}
+    if warm is not None:
+        ok = "error" not in warm
+        targets["completes warm with 0 kills"] = {"met": ok and warm["kills"] == 0,
+                                                  "figure": f"{warm['kills']} kills" if ok else "failed"}
+    if warm is not None and ref_warm is not None and "error" not in warm and "error" not in ref_warm:
+        ratio = warm["ns_per_element"] / ref_warm["ns_per_element"]
+        targets[f"time per element <= 1.2x the {' x '.join(map(str, ref))} run's (warm)"] = {
+            "met": ratio <= 1.2, "figure": f"{ratio:.2f}x ({warm['ns_per_element']:.0f} vs "
+                                          f"{ref_warm['ns_per_element']:.0f} ns)"}
+    peaks = [r["flow_memory"]["peak_rss"] for r in doc.get("runs", []) if "flow_memory" in r]
+    if peaks:
+        targets["flow process memory < 1 GiB throughout"] = {"met": max(peaks) < 2**30,
+                                                              "figure": f"peak {max(peaks) / 2**20:.0f} MiB"}
+    scan = next((r for r in doc.get("scan", []) if r["mode"] == "scan"), None)
+    if scan is not None:
+        per_m = scan["seconds"] / scan["traces"] * 1e6
+        targets["geometry scan < 10 s per million traces"] = {"met": per_m < 10, "figure": f"{per_m:.2f} s"}
+    ours, segyio = _read_of(doc, "SEG-Y, whole-trace"), _read_of(doc, "segyio inlines")
+    if ours is not None and segyio is not None:
+        share = ours["mib_per_s"] / segyio["mib_per_s"]
+        targets["whole-trace block reads >= 50% of segyio's inline reads"] = {
+            "met": share >= 0.5, "figure": f"{100 * share:.0f}% ({ours['mib_per_s']:.0f} vs "
+                                           f"{segyio['mib_per_s']:.0f} MiB/s)"}
+    return targets
+
+
+def _real_size_run_rows(doc: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for r in doc.get("runs", []):
+        shape = " x ".join(map(str, r["shape"]))
+        if "error" in r:
+            rows.append([shape, r["mode"], "failed", "", "", "", "", "", ""])
+            continue
+        fm, sv = r["flow_memory"], r["server"]
+        chunks = ", ".join(f"{m['operator']} {m['chunks']}" for m in r["maps"])
+        rows.append([shape, r["mode"], f"{r['wall']:.1f}", f"{r['ns_per_element']:.0f}",
+                     f"{r['chunk_span']:.1f}" if r.get("chunk_span") is not None else "n/a", chunks,
+                     str(r["kills"]), f"{fm['first_rss'] / 2**20:.0f} / {fm['peak_rss'] / 2**20:.0f}",
+                     "not measured" if sv is None else f"{sv['cpu_seconds']:.1f} / {sv['peak_rss'] / 2**20:.0f}"])
+    return rows
+
+
+def real_size(doc: dict[str, Any]) -> Section:
+    shape, sv = doc["shape"], doc["survey"]
+    what = (f"A {' x '.join(map(str, shape))} survey ({sv['traces']:,} traces, {sv['bytes'] / 2**30:.2f} GiB of "
+            f"SEG-Y) through envelope -> gaussian_smooth -> gst3d_dip on {doc['workers']} workers x "
+            f"{doc['memory_limit']}, each run a fresh process and a fresh cluster, cold (an empty store) then warm; "
+            "the reference survey the same way. Reads and the scan each in a fresh process, the page cache dropped "
+            "before each read; measured as [benchmarks/studies/real_size.py](benchmarks/studies/real_size.py) "
+            "says.")
+    lines = [what]
+    if doc.get("runs"):
+        lines += ["", *_table(["survey", "run", "wall s", "ns per element", "chunks' span s", "chunks", "kills",
+                               "flow process MiB (start / peak)", "Prefect server (CPU s / peak MiB)"],
+                              _real_size_run_rows(doc))]
+    if doc.get("reads"):
+        lines += ["", *_table(["read of the whole survey", "MiB/s", "seconds"],
+                              [[r["read"], f"{r['mib_per_s']:.0f}", f"{r['seconds']:.1f}"] for r in doc["reads"]])]
+    if doc.get("scan"):
+        lines += ["", *_table(["geometry", "seconds", "seconds per million traces"],
+                              [[r["mode"], f"{r['seconds']:.2f}", f"{r['seconds'] / r['traces'] * 1e6:.2f}"]
+                               for r in doc["scan"]])]
+    cmd = "python -m benchmarks.studies.real_size --json real-size.json"
+    if shape != [1024, 1024, 500]:
+        cmd = f"python -m benchmarks.studies.real_size --shape {' '.join(map(str, shape))} --json real-size.json"
+    return Section("A survey of real size, end to end", "real size", cmd, real_size_targets(doc), lines)
+
+
 def kind_of(doc: dict[str, Any]) -> Callable[[dict[str, Any]], Section]:
     """The section writer for one run JSON; ValueError naming what was expected when it is none of them."""
     if doc.get("benchmark") == "family":
         return family
     if doc.get("benchmark") == "sim_validation":
         return sim_validation
+    if doc.get("benchmark") == "real_size":
+        return real_size
     if "surveys" in doc and "targets" in doc:
         return heterogeneous
     if "strategies" in doc and "targets" in doc:
@@ -224,8 +308,8 @@ def kind_of(doc: dict[str, Any]) -> Callable[[dict[str, Any]], Section]:
     if "traces" in doc and "rows" in doc:
         return segy_scan
     raise ValueError("not the JSON of a suite benchmark: expected the --json of python -m benchmarks, "
-                     "benchmarks.heterogeneous, benchmarks.family, benchmarks.sim_validation or "
-                     "benchmarks.studies.segy_scan; "
+                     "benchmarks.heterogeneous, benchmarks.family, benchmarks.sim_validation, "
+                     "benchmarks.studies.segy_scan or benchmarks.studies.real_size; "
                      f"its top-level keys are {sorted(doc)[:12]}")
 
 

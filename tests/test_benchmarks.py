@@ -918,6 +918,32 @@ def test_segy_scan_study_times_the_scan_the_first_kept_read_and_a_later_one_in_f
     assert len(list((tmp_path / "work" / "cache").glob("*.npz"))) == 1  # the first read kept the geometry
 
 
+def test_real_size_study_scaled_down_runs_the_pipeline_cold_then_warm_and_reports_its_targets(tmp_path, api_url):
+    """The real-size study's form for the suite: a small survey, no reference, the session's Prefect server."""
+    out = tmp_path / "real.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.real_size", "--shape", "40", "24", "100",
+                           "--no-reference", "--settle", "0", "--work", str(tmp_path / "work"), "--json", str(out)],
+                          cwd=REPO, env=benchmark_env(tmp_path, api_url), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [(r["shape"], r["mode"]) for r in doc["runs"]] == [([40, 24, 100], "cold"), ([40, 24, 100], "warm")]
+    for r in doc["runs"]:
+        assert "error" not in r, r.get("error")
+        assert [m["operator"] for m in r["maps"]] == ["envelope", "gaussian_smooth", "gst3d_dip"]
+        assert r["kills"] == 0 and 0 < r["chunk_span"] < r["wall"] and r["server"] is None
+        assert 0 < r["flow_memory"]["first_rss"] <= r["flow_memory"]["peak_rss"]
+    reads = {r["read"]: r for r in doc["reads"]}
+    segy, zarr_ = reads["SEG-Y, whole-trace blocks 128 x 128"], reads["zarr, whole-trace blocks 128 x 128"]
+    assert segy["bytes"] == zarr_["bytes"] == 40 * 24 * 100 * 4  # every sample read, once, from each
+    assert reads["SEG-Y, blocks 128 x 128 cut in 4 along time"]["bytes"] == segy["bytes"]
+    assert [r["mode"] for r in doc["scan"]] == ["scan", "first", "kept"]
+    page = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert page.returncode == 0, page.stderr
+    assert "| real size | completes warm with 0 kills | 0 kills | met |" in page.stdout
+    assert "| real size | flow process memory < 1 GiB throughout |" in page.stdout
+
+
 def test_the_results_page_lists_every_target_of_every_run_and_reruns_each_from_its_command(tmp_path):
     run = REPO / "tests" / "data" / "side_by_side-2026-11-24T1619.json"
     page = tmp_path / "BENCHMARKS.md"

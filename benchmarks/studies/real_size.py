@@ -29,6 +29,7 @@ invocations: a second invocation reuses it). The full size needs ~9 GiB of disk 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -269,7 +270,7 @@ def chunk_span(store: str, since: float) -> float | None:
 
 
 def run_pipeline(path: Path, store: Path, out: Path, args: argparse.Namespace, env: dict[str, str],
-                 server_pid: int) -> dict:
+                 server_pid: int | None) -> dict:
     """One run in a fresh process; the server's load over it; the outputs removed after it (9 GiB at full size)."""
     import subprocess
     import sys
@@ -280,13 +281,14 @@ def run_pipeline(path: Path, store: Path, out: Path, args: argparse.Namespace, e
     child_env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     cmd = [sys.executable, "-m", "benchmarks.studies.real_size", "--child-pipeline", str(path), str(store),
            str(out), str(args.workers), args.memory_limit]
-    with Sampler(server_pid) as server:
+    with contextlib.ExitStack() as stack:
+        server = None if server_pid is None else stack.enter_context(Sampler(server_pid))
         proc = subprocess.run(cmd, env=child_env, cwd=ROOT, capture_output=True, text=True)
     shutil.rmtree(out, ignore_errors=True)
     if proc.returncode != 0:
         return {"error": proc.stderr[-4000:]}
     row = json.loads(proc.stdout.strip().splitlines()[-1])
-    row["server"] = server.figures()
+    row["server"] = None if server is None else server.figures()
     return row
 
 
@@ -311,17 +313,28 @@ def per_element(row: dict, shape: tuple[int, int, int], key: str) -> float | Non
     return None if row.get(key) is None else round(row[key] / n * 1e9, 2)
 
 
-def runs(work: Path, shapes: list[tuple[int, int, int]], args: argparse.Namespace) -> Iterator[dict]:
+@contextlib.contextmanager
+def _server(work: Path, settle: float) -> Iterator[tuple[dict[str, str], int | None]]:
+    """The children's environment and the Prefect server's process id: the server of ``PREFECT_API_URL`` where
+    one is set (its load is not measured: it may serve others), else a local server started here."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield dict(os.environ), None
+        return
     from deployments.local_server import local_server
 
     with local_server(work / "prefect-home") as srv:
-        time.sleep(args.settle)  # the server's own start-up work (migrations, services) before the first run
+        time.sleep(settle)  # the server's own start-up work (migrations, services) before the first run
+        yield dict(srv.env), srv.process.pid
+
+
+def runs(work: Path, shapes: list[tuple[int, int, int]], args: argparse.Namespace) -> Iterator[dict]:
+    with _server(work, args.settle) as (env, server_pid):
         for shape in shapes:
             path, _ = survey(work, shape)
             store = work / f"store-{shape[0]}x{shape[1]}x{shape[2]}.sqlite"
             store.unlink(missing_ok=True)
             for mode in ("cold", "warm"):
-                row = run_pipeline(path, store, work / "runs", args, dict(srv.env), srv.process.pid)
+                row = run_pipeline(path, store, work / "runs", args, env, server_pid)
                 row.update(shape=list(shape), mode=mode, ns_per_element=per_element(row, shape, "wall"),
                            ns_per_element_chunks=per_element(row, shape, "chunk_span"))
                 print(describe(row), flush=True)
@@ -335,16 +348,18 @@ def describe(row: dict) -> str:
     maps = "; ".join(f"{m['operator']} {m['chunks']} chunks ({m['tasks']} tasks, {m['oom_recovered']} OOM)"
                      for m in row["maps"])
     fm, sv = row["flow_memory"], row["server"]
+    server = "" if sv is None else f"; server {sv['cpu_seconds']:.1f} CPU s, peak {sv['peak_rss'] / MiB:.0f} MiB"
     return (f"{shape} {row['mode']}: {row['wall']:.1f} s, {row['ns_per_element']:.1f} ns per element "
             f"(chunks first start to last end {row['chunk_span']} s, {row['ns_per_element_chunks']} ns per element), "
             f"{row['kills']} kills; flow process {fm['first_rss'] / MiB:.0f} -> peak {fm['peak_rss'] / MiB:.0f} "
-            f"MiB; server {sv['cpu_seconds']:.1f} CPU s, peak {sv['peak_rss'] / MiB:.0f} MiB\n    {maps}")
+            f"MiB{server}\n    {maps}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.real_size", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", type=int, nargs=3, default=[1024, 1024, 500])
     p.add_argument("--reference", type=int, nargs=3, default=[128, 128, 400])
+    p.add_argument("--no-reference", action="store_true", help="run only --shape (the suite's scaled-down form)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--memory-limit", default="1GiB")
     p.add_argument("--settle", type=float, default=10.0, help="seconds to let the Prefect server settle")
@@ -389,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'' if r['page_cache_dropped'] else ', page cache not dropped'})", flush=True)
     if "pipeline" not in args.skip:
         doc["runs"] = []
-        for row in runs(work, [reference, shape], args):
+        for row in runs(work, [shape] if args.no_reference else [reference, shape], args):
             doc["runs"].append(row)
             if args.json:  # written after every run: a long study keeps what it measured if it is stopped
                 Path(args.json).write_text(json.dumps(doc, indent=1))
