@@ -22,6 +22,7 @@ is 1,048,576 traces and 2 GiB of samples), then measures, each part in a fresh p
   must stay flat: no per-trace state in the flow), and the Prefect server's CPU seconds and peak memory over the
   run (its process tree, sampled the same way).
 
+``--segy PATH`` measures a file of your own instead (its shape replaces ``--shape``; the reference stays synthetic).
 Outputs (three attribute volumes the survey's size each) go under ``--work``, as does the survey (kept between
 invocations: a second invocation reuses it). The full size needs ~9 GiB of disk and about an hour on 2 cores.
 """
@@ -327,10 +328,12 @@ def _server(work: Path, settle: float) -> Iterator[tuple[dict[str, str], int | N
         yield dict(srv.env), srv.process.pid
 
 
-def runs(work: Path, shapes: list[tuple[int, int, int]], args: argparse.Namespace) -> Iterator[dict]:
+def runs(work: Path, surveys: list[tuple[tuple[int, int, int], Path | None]], args: argparse.Namespace
+         ) -> Iterator[dict]:
+    """Cold then warm over each ``(shape, path)`` (path None: the synthetic survey of that shape)."""
     with _server(work, args.settle) as (env, server_pid):
-        for shape in shapes:
-            path, _ = survey(work, shape)
+        for shape, given in surveys:
+            path = given or survey(work, shape)[0]
             store = work / f"store-{shape[0]}x{shape[1]}x{shape[2]}.sqlite"
             store.unlink(missing_ok=True)
             for mode in ("cold", "warm"):
@@ -358,6 +361,7 @@ def describe(row: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.real_size", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", type=int, nargs=3, default=[1024, 1024, 500])
+    p.add_argument("--segy", default=None, help="measure this SEG-Y file (yours) instead of a synthetic survey")
     p.add_argument("--reference", type=int, nargs=3, default=[128, 128, 400])
     p.add_argument("--no-reference", action="store_true", help="run only --shape (the suite's scaled-down form)")
     p.add_argument("--workers", type=int, default=2)
@@ -381,11 +385,16 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="memchunk-real-size-"))
     work.mkdir(parents=True, exist_ok=True)
     shape, reference = tuple(args.shape), tuple(args.reference)
+    if args.segy:
+        from memchunk_prefect.io.segy_source import SegySource
+
+        path, written, shape = Path(args.segy).absolute(), None, SegySource(args.segy).shape
+    else:
+        path, written = survey(work, shape)
     doc: dict[str, Any] = {"benchmark": "real_size", "machine": machine_info(), "shape": list(shape),
                            "reference": list(reference), "workers": args.workers, "memory_limit": args.memory_limit}
-    path, written = survey(work, shape)
     doc["survey"] = {"path": str(path), "bytes": path.stat().st_size, "traces": shape[0] * shape[1],
-                     "write_seconds": written}
+                     "write_seconds": written, "synthetic": not args.segy}
     print(f"survey {path} ({path.stat().st_size / MiB:,.0f} MiB, {shape[0] * shape[1]:,} traces"
           + (f", written in {written:.0f} s)" if written else ", reused)"), flush=True)
     time.sleep(2.5)  # a file changed in the last seconds is scanned, not kept (segy_cache.SETTLE_SECONDS)
@@ -404,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'' if r['page_cache_dropped'] else ', page cache not dropped'})", flush=True)
     if "pipeline" not in args.skip:
         doc["runs"] = []
-        for row in runs(work, [shape] if args.no_reference else [reference, shape], args):
+        surveys = [(reference, None), (shape, path)]
+        for row in runs(work, surveys[1:] if args.no_reference else surveys, args):
             doc["runs"].append(row)
             if args.json:  # written after every run: a long study keeps what it measured if it is stopped
                 Path(args.json).write_text(json.dumps(doc, indent=1))
