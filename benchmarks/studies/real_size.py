@@ -284,7 +284,12 @@ def run_pipeline(path: Path, store: Path, out: Path, args: argparse.Namespace, e
            str(out), str(args.workers), args.memory_limit]
     with contextlib.ExitStack() as stack:
         server = None if server_pid is None else stack.enter_context(Sampler(server_pid))
-        proc = subprocess.run(cmd, env=child_env, cwd=ROOT, capture_output=True, text=True)
+        try:
+            proc = subprocess.run(cmd, env=child_env, cwd=ROOT, capture_output=True, text=True,
+                                  timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            shutil.rmtree(out, ignore_errors=True)
+            return {"error": f"timed out after {args.timeout:.0f} s (--timeout)"}
     shutil.rmtree(out, ignore_errors=True)
     if proc.returncode != 0:
         return {"error": proc.stderr[-4000:]}
@@ -366,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-reference", action="store_true", help="run only --shape (the suite's scaled-down form)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--memory-limit", default="1GiB")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one pipeline run may take")
     p.add_argument("--settle", type=float, default=10.0, help="seconds to let the Prefect server settle")
     p.add_argument("--skip", nargs="*", default=[], choices=["scan", "reads", "pipeline"])
     p.add_argument("--work", default=None, help="where the surveys, stores and outputs go (default: a temporary dir)")
