@@ -230,10 +230,13 @@ def real_size_targets(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
         targets["completes warm with 0 kills"] = {"met": ok and warm["kills"] == 0,
                                                   "figure": f"{warm['kills']} kills" if ok else "failed"}
     if warm is not None and ref_warm is not None and "error" not in warm and "error" not in ref_warm:
-        ratio = warm["ns_per_element"] / ref_warm["ns_per_element"]
-        targets[f"time per element <= 1.2x the {' x '.join(map(str, ref))} run's (warm)"] = {
-            "met": ratio <= 1.2, "figure": f"{ratio:.2f}x ({warm['ns_per_element']:.0f} vs "
-                                          f"{ref_warm['ns_per_element']:.0f} ns)"}
+        # Judged on the chunks' span (first chunk's start to last chunk's end): the wall adds fixed costs (the
+        # cluster's start, the flow's set-up) that a small survey pays per element many times over.
+        ratio = warm["ns_per_element_chunks"] / ref_warm["ns_per_element_chunks"]
+        wall = warm["ns_per_element"] / ref_warm["ns_per_element"]
+        targets[f"time per element <= 1.2x the {' x '.join(map(str, ref))} run's (warm, chunks' span)"] = {
+            "met": ratio <= 1.2, "figure": f"{ratio:.2f}x ({warm['ns_per_element_chunks']:.0f} vs "
+                                          f"{ref_warm['ns_per_element_chunks']:.0f} ns; wall {wall:.2f}x)"}
     peaks = [r["flow_memory"]["peak_rss"] for r in doc.get("runs", []) if "flow_memory" in r]
     if peaks:
         targets["flow process memory < 1 GiB throughout"] = {"met": max(peaks) < 2**30,
