@@ -341,7 +341,7 @@ def runs(work: Path, surveys: list[tuple[tuple[int, int, int], Path | None]], ar
             path = given or survey(work, shape)[0]
             store = work / f"store-{shape[0]}x{shape[1]}x{shape[2]}.sqlite"
             store.unlink(missing_ok=True)
-            for mode in ("cold", "warm"):
+            for mode in args.modes:
                 row = run_pipeline(path, store, work / "runs", args, env, server_pid)
                 row.update(shape=list(shape), mode=mode, ns_per_element=per_element(row, shape, "wall"),
                            ns_per_element_chunks=per_element(row, shape, "chunk_span"))
@@ -368,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", type=int, nargs=3, default=[1024, 1024, 500])
     p.add_argument("--segy", default=None, help="measure this SEG-Y file (yours) instead of a synthetic survey")
     p.add_argument("--reference", type=int, nargs=3, default=[128, 128, 400])
+    p.add_argument("--modes", nargs="+", default=["cold", "warm"], choices=["cold", "warm"],
+                   help="the runs per survey, in order (cold: on an empty store; warm: on the store the runs "
+                        "before left)")
     p.add_argument("--no-reference", action="store_true", help="run only --shape (the suite's scaled-down form)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--memory-limit", default="1GiB")
