@@ -236,7 +236,9 @@ def test_split_halves_along_the_longest_allowed_axis(chunk, whole, expect):
 @pytest.mark.parametrize(
     "limit, threads, fraction, resting, expect",
     [(4 * 2**30, 1, 0.75, 0, 3 * 2**30), (4 * 2**30, 2, 0.75, 0, int(1.5 * 2**30)),
-     (4 * 2**30, 1, 0.5, 2**30, 2**30)],
+     (4 * 2**30, 1, 0.5, 2**30, 2**30),
+     # The resting memory is the process's, paid once: (3 GiB - 1 GiB) / 2 threads, not 1.5 GiB - 1 GiB each.
+     (4 * 2**30, 2, 0.75, 2**30, 2**30)],
 )
 def test_task_budget_from_worker_memory(limit, threads, fraction, resting, expect):
     assert task_budget_bytes(limit, threads, target_fraction=fraction, resting_bytes=resting) == expect

@@ -375,8 +375,9 @@ def task_budget_bytes(memory_limit_bytes: int, threads: int = 1, *, target_fract
                       resting_bytes: int = 0, kill_fraction: float | None = None) -> int:
     """Memory one task may use above the worker's resting level, in bytes.
 
-    ``target_fraction`` of the worker's ``memory_limit`` shared among its threads,
-    minus what the idle worker process already holds. ``kill_fraction`` is the
+    ``target_fraction`` of the worker's ``memory_limit``, less what the idle worker
+    process already holds (once per process, not per thread), shared among its
+    threads. ``kill_fraction`` is the
     fraction of the limit at which the worker's nanny kills it (Dask's
     ``distributed.worker.memory.terminate``, read from the cluster; None when the
     nanny does not kill): a target at or above it is refused. With Dask's defaults
@@ -397,12 +398,12 @@ def task_budget_bytes(memory_limit_bytes: int, threads: int = 1, *, target_fract
             + (f": the workers' nanny kills a worker at {ceiling:g} of its memory_limit "
                "(distributed.worker.memory.terminate)" if kill_fraction is not None else ""))
     threads = max(1, int(threads))
-    budget = int(memory_limit_bytes * target_fraction / threads) - int(resting_bytes)
+    budget = int((memory_limit_bytes * target_fraction - int(resting_bytes)) / threads)
     if budget <= 0:
         raise BudgetTooSmallError(
             f"a worker's memory_limit of {format_bytes(memory_limit_bytes)} x target_fraction {target_fraction} "
-            f"/ {threads} threads leaves nothing above its resting {format_bytes(resting_bytes)}: give workers "
-            "more memory or fewer threads"
+            f"leaves nothing above its resting {format_bytes(resting_bytes)} for its {threads} thread(s): give "
+            "workers more memory"
         )
     return budget
 
