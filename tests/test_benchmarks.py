@@ -944,7 +944,10 @@ def test_real_size_study_scaled_down_runs_the_pipeline_and_reports_its_targets(t
                           text=True, timeout=120)
     assert page.returncode == 0, page.stderr
     assert "| real size | flow process memory < 1 GiB throughout |" in page.stdout
-    assert "| real size | whole-trace block reads >= 50% of segyio's inline reads |" in page.stdout
+    assert "| real size | whole-trace block reads (tiles of 128 x 128 traces) >= 50% of segyio's inline reads |" \
+        in page.stdout
+    assert "| real size | whole-trace block reads (slabs of whole inlines) >= 50% of segyio's inline reads |" \
+        in page.stdout
     assert "| 40 x 24 x 100 | cold |" in page.stdout and "| SEG-Y to zarr (read and write) |" in page.stdout
 
 

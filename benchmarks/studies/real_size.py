@@ -11,7 +11,8 @@ is 1,048,576 traces and 2 GiB of samples), then measures, each part in a fresh p
   Linux): the disk's sequential read (16 MiB ``os.read`` calls), segyio's own inline reads (``f.iline[n]`` for
   every inline, its open included: the open reads every trace header, which pages in most of the file), and
   :class:`~memchunk_prefect.io.segy_source.SegySource` reading blocks of whole traces (the runner's chunks over
-  SEG-Y) and the same blocks cut in four along time (what a chunk cut in time costs: each trace is stored
+  SEG-Y: tiles of 128 x 128 traces, and slabs of 16 inlines, the shape the planner prefers where it fits, since
+  it cuts inlines first) and the tiles cut in four along time (what a chunk cut in time costs: each trace is stored
   contiguous, so every piece reads its traces whole); then the conversion to zarr (the runner's storage chunks)
   and the same two block reads from the zarr store: what converting first costs and saves;
 - ``pipeline``: envelope -> gaussian_smooth -> gst3d_dip with :class:`~memchunk_prefect.run.runner.
@@ -218,6 +219,7 @@ def reads_child(path: str, cache: str) -> dict:
                      ("segyio open (its geometry scan)", lambda: open_segyio(path)),
                      ("segyio inlines (open included)", lambda: read_segyio_inlines(path)),
                      ("SEG-Y, whole-trace blocks 128 x 128", lambda: read_blocks(segy, (128, 128), 1)),
+                     ("SEG-Y, whole-trace blocks of 16 inlines", lambda: read_blocks(segy, (16, segy.shape[1]), 1)),
                      ("SEG-Y, blocks 128 x 128 cut in 4 along time", lambda: read_blocks(segy, (128, 128), 4)),
                      ("SEG-Y to zarr (read and write)", lambda: convert(path, store)),
                      ("zarr, whole-trace blocks 128 x 128", lambda: read_blocks(ZarrSource(store), (128, 128), 1)),
