@@ -282,6 +282,10 @@ def real_size(doc: dict[str, Any]) -> Section:
             "before each read; measured as [benchmarks/studies/real_size.py](benchmarks/studies/real_size.py) "
             "says.")
     lines = [what]
+    by = doc.get("measured_by") or {}
+    if len(set(by.values())) > 1:
+        lines += ["", "Its parts were measured at different commits: "
+                  + ", ".join(f"{part} at `{commit}`" for part, commit in by.items()) + "."]
     if doc.get("runs"):
         lines += ["", *_table(["survey", "run", "wall s", "ns per element", "chunks' span s", "chunks", "kills",
                                "flow process MiB (start / peak)", "Prefect server (CPU s / peak MiB)"],

@@ -365,6 +365,24 @@ def describe(row: dict) -> str:
             f"MiB{server}\n    {maps}")
 
 
+#: The study's parts, by the name ``--skip`` takes, and the key of the JSON each fills.
+PARTS = {"scan": "scan", "reads": "reads", "pipeline": "runs"}
+
+
+def merge(doc: dict, earlier: dict, skipped: list[str]) -> None:
+    """Fill ``doc``'s skipped parts from ``earlier`` (the JSON of a run over the same survey), each with the commit
+    that measured it; ValueError when the surveys differ."""
+    if earlier.get("shape") != doc["shape"] or earlier.get("survey", {}).get("bytes") != doc["survey"]["bytes"]:
+        raise ValueError(f"--merge: that run measured a {earlier.get('shape')} survey of "
+                         f"{earlier.get('survey', {}).get('bytes')} bytes, this one {doc['shape']} of "
+                         f"{doc['survey']['bytes']} bytes: merge runs of the same survey only")
+    by = earlier.get("measured_by") or {p: earlier.get("machine", {}).get("commit", "") for p in PARTS}
+    for part in skipped:
+        if PARTS[part] in earlier:
+            doc[PARTS[part]] = earlier[PARTS[part]]
+            doc["measured_by"][part] = by.get(part, "")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.real_size", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", type=int, nargs=3, default=[1024, 1024, 500])
@@ -381,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=["scan", "reads", "pipeline"])
     p.add_argument("--work", default=None, help="where the surveys, stores and outputs go (default: a temporary dir)")
     p.add_argument("--json", default=None)
+    p.add_argument("--merge", default=None, metavar="JSON",
+                   help="take the parts skipped here (--skip) from an earlier run's JSON of the same survey; each "
+                        "part keeps the commit that measured it")
     p.add_argument("--child-pipeline", nargs=5, help=argparse.SUPPRESS)
     p.add_argument("--child-reads", nargs=2, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -430,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:  # written after every run: a long study keeps what it measured if it is stopped
                 Path(args.json).write_text(json.dumps(doc, indent=1))
     doc["machine"]["loadavg_end"] = list(os.getloadavg())
+    commit = doc["machine"].get("commit", "")
+    doc["measured_by"] = {part: commit for part in PARTS if part not in args.skip}
+    if args.merge:
+        merge(doc, json.loads(Path(args.merge).read_text()), args.skip)
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
