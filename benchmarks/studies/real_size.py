@@ -8,8 +8,8 @@ is 1,048,576 traces and 2 GiB of samples), then measures, each part in a fresh p
 
 - ``scan``: the SEG-Y geometry scan (every trace header read), seconds per million traces;
 - ``reads``: read throughput of the same file, page cache dropped before each where this process may (root on
-  Linux): the disk's sequential read (16 MiB ``os.read`` calls), segyio's own inline reads (``f.iline[n]`` for
-  every inline, its open included: the open reads every trace header, which pages in most of the file), and
+  Linux), each read ``--read-repeats`` times in turn and its median kept: the disk's sequential read (16 MiB
+  ``os.read`` calls), segyio's own inline reads (``f.iline[n]`` for every inline, its open included), and
   :class:`~memchunk_prefect.io.segy_source.SegySource` reading blocks of whole traces (the runner's chunks over
   SEG-Y: tiles of 128 x 128 traces, and slabs of 16 inlines, the shape the planner prefers where it fits, since
   it cuts inlines first) and the tiles cut in four along time (what a chunk cut in time costs: each trace is stored
@@ -35,6 +35,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import tempfile
 import threading
 import time
@@ -205,7 +206,9 @@ def convert(path: str, store: str) -> int:
     return n
 
 
-def reads_child(path: str, cache: str) -> dict:
+def reads_child(path: str, cache: str, repeats: int = 3) -> dict:
+    """Each read of the survey ``repeats`` times, in turn (a virtual disk's rate moves by 2x from one minute to the
+    next): per read, the median seconds and every round's."""
     os.environ["MEMCHUNK_CACHE_DIR"] = cache
     from memchunk_prefect.io.segy_cache import cached_scan
     from memchunk_prefect.io.segy_source import SegySource
@@ -214,21 +217,29 @@ def reads_child(path: str, cache: str) -> dict:
     cached_scan(path)  # kept by the scan step: what a map pays is reading it back
     segy = SegySource(path)
     store = os.path.join(os.path.dirname(cache), "survey.zarr")
-    rows = []
-    for name, fn in [("disk sequential", lambda: read_disk(path)),
-                     ("segyio open (its geometry scan)", lambda: open_segyio(path)),
-                     ("segyio inlines (open included)", lambda: read_segyio_inlines(path)),
-                     ("SEG-Y, whole-trace blocks 128 x 128", lambda: read_blocks(segy, (128, 128), 1)),
-                     ("SEG-Y, whole-trace blocks of 16 inlines", lambda: read_blocks(segy, (16, segy.shape[1]), 1)),
-                     ("SEG-Y, blocks 128 x 128 cut in 4 along time", lambda: read_blocks(segy, (128, 128), 4)),
-                     ("SEG-Y to zarr (read and write)", lambda: convert(path, store)),
-                     ("zarr, whole-trace blocks 128 x 128", lambda: read_blocks(ZarrSource(store), (128, 128), 1)),
-                     ("zarr, blocks 128 x 128 cut in 4 along time",
-                      lambda: read_blocks(ZarrSource(store), (128, 128), 4))]:
-        seconds, (nbytes, dropped) = _timed(fn)
-        rows.append({"read": name, "seconds": round(seconds, 3), "bytes": nbytes,
-                     "mib_per_s": round(nbytes / MiB / seconds, 1), "page_cache_dropped": dropped})
+    reads = [("disk sequential", lambda: read_disk(path)),
+             ("segyio open (its geometry scan)", lambda: open_segyio(path)),
+             ("segyio inlines (open included)", lambda: read_segyio_inlines(path)),
+             ("SEG-Y, whole-trace blocks 128 x 128", lambda: read_blocks(segy, (128, 128), 1)),
+             ("SEG-Y, whole-trace blocks of 16 inlines", lambda: read_blocks(segy, (16, segy.shape[1]), 1)),
+             ("SEG-Y, blocks 128 x 128 cut in 4 along time", lambda: read_blocks(segy, (128, 128), 4)),
+             ("SEG-Y to zarr (read and write)", lambda: convert(path, store)),
+             ("zarr, whole-trace blocks 128 x 128", lambda: read_blocks(ZarrSource(store), (128, 128), 1)),
+             ("zarr, blocks 128 x 128 cut in 4 along time", lambda: read_blocks(ZarrSource(store), (128, 128), 4))]
+    times: dict[str, list[float]] = {name: [] for name, _ in reads}
+    sizes: dict[str, int] = {}
+    dropped = True
+    for _ in range(max(1, repeats)):
+        for name, fn in reads:
+            seconds, (nbytes, was_dropped) = _timed(fn)
+            times[name].append(round(seconds, 3))
+            sizes[name], dropped = nbytes, dropped and was_dropped
     shutil.rmtree(store, ignore_errors=True)
+    rows = []
+    for name, _ in reads:
+        seconds = statistics.median(times[name])
+        rows.append({"read": name, "seconds": round(seconds, 3), "rounds": times[name], "bytes": sizes[name],
+                     "mib_per_s": round(sizes[name] / MiB / seconds, 1), "page_cache_dropped": dropped})
     return {"rows": rows}
 
 
@@ -403,14 +414,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="take the parts skipped here (--skip) from an earlier run's JSON of the same survey; each "
                         "part keeps the commit that measured it")
     p.add_argument("--child-pipeline", nargs=5, help=argparse.SUPPRESS)
-    p.add_argument("--child-reads", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--read-repeats", type=int, default=3, help="rounds of the reads (each read's median is kept)")
+    p.add_argument("--child-reads", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_pipeline:
         path, store, out, workers, limit = args.child_pipeline
         print(json.dumps(pipeline_child(path, store, out, int(workers), limit)))
         return 0
     if args.child_reads:
-        print(json.dumps(reads_child(*args.child_reads)))
+        path, cache, repeats = args.child_reads
+        print(json.dumps(reads_child(path, cache, int(repeats))))
         return 0
     from benchmarks.__main__ import machine_info
 
@@ -439,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"scan {r['mode']:<5} {r['seconds']:6.2f} s ({r['seconds'] / r['traces'] * 1e6:.2f} s per million "
                   "traces)", flush=True)
     if "reads" not in args.skip:
-        doc["reads"] = run_child("benchmarks.studies.real_size", ["--child-reads", str(path), cache])["rows"]
+        doc["reads"] = run_child("benchmarks.studies.real_size",
+                                 ["--child-reads", str(path), cache, str(args.read_repeats)])["rows"]
         for r in doc["reads"]:
             print(f"read {r['read']:<46} {r['mib_per_s']:8.1f} MiB/s ({r['seconds']:.1f} s"
                   f"{'' if r['page_cache_dropped'] else ', page cache not dropped'})", flush=True)
