@@ -68,6 +68,19 @@ def test_crossline_sorted_little_endian_file_reads_the_same_volume(survey):
     np.testing.assert_array_equal(da.values, survey["truth"])
 
 
+@pytest.mark.parametrize("name", ["il", "xl"])
+@pytest.mark.parametrize("box", [((0, 0, 0), (9, 11, 40)), ((2, 3, 0), (7, 9, 40)), ((0, 0, 5), (9, 1, 17)),
+                                 ((4, 0, 0), (5, 11, 40)), ((8, 10, 39), (9, 11, 40))])
+def test_every_box_reads_its_samples_whatever_the_files_order_and_the_read_pieces(survey, name, box, monkeypatch):
+    """An inline-sorted file's boxes take the in-order path (runs copied straight to their rows), a
+    crossline-sorted file's the sorted gather; runs cut into pieces of 3 traces, then whole."""
+    chunk = Chunk(*box)
+    src = SegySource(survey[name])
+    for piece in (3 * 40 * 4, segy_mod.READ_PIECE_BYTES):
+        monkeypatch.setattr(segy_mod, "READ_PIECE_BYTES", piece)
+        np.testing.assert_array_equal(src.read(chunk), survey["truth"][chunk.slices()])
+
+
 def test_synthetic_traces_vary_along_time_and_across_the_survey():
     """The reference study's pitfalls: constant traces, and xline/sample axes swapped."""
     v = synthetic_volume((24, 20, 120), seed=0)

@@ -59,9 +59,14 @@ TRACE_HEADER_BYTES = 240
 #: Bytes per sample of each SEG-Y sample format code segyio reads.
 FORMAT_ITEMSIZE = {1: 4, 2: 4, 3: 2, 5: 4, 6: 8, 8: 1, 9: 8, 10: 4, 11: 2, 12: 8, 16: 1}
 
-#: Upper bound on the raw trace bytes held at once while reading a box (bytes).
-#: A box is read in contiguous trace runs; a run longer than this is read in pieces.
+#: Upper bound on the raw trace bytes held at once while exporting a volume as SEG-Y (bytes).
 READ_BATCH_BYTES = 64 * 2**20
+#: Upper bound on the raw trace bytes of one read while reading a box (bytes). A box is read in contiguous trace
+#: runs, each asked of the kernel ahead (:func:`_prefetch`); a run longer than this is read in pieces, so the
+#: copies of one piece overlap the disk's reads of the next. Cold reads of 16-inline slabs of a 2 GiB
+#: inline-sorted survey ran at ~400 MiB/s in 64 MiB pieces, ~900 MiB/s in 2-4 MiB pieces
+#: (``benchmarks/studies/real_size.py``).
+READ_PIECE_BYTES = 4 * 2**20
 
 _HINT_BYTES = (
     "If the inline/crossline numbers are stored elsewhere, pass their byte locations, e.g. "
@@ -460,14 +465,14 @@ def read_traces(geom: SegyGeometry, ii: np.ndarray, jj: np.ndarray, tkey: slice 
     Returned as float32 (len(ii), len(jj), nt).
 
     Only those traces are read, in contiguous runs (``f.trace.raw[a:b]``), at most
-    :data:`READ_BATCH_BYTES` of raw samples at a time. This is the only function
+    :data:`READ_PIECE_BYTES` of raw samples at a time. This is the only function
     that reads sample data; tests patch it to prove that opening reads none.
     """
     f = handle(geom.path, geom.endian)
     idx = geom.trace_index(ii, jj).ravel()
     nt = len(np.arange(geom.shape[2])[tkey])
     itemsize = FORMAT_ITEMSIZE.get(geom.format_code, 4)
-    max_len = max(1, READ_BATCH_BYTES // max(1, geom.shape[2] * itemsize))
+    max_len = max(1, READ_PIECE_BYTES // max(1, geom.shape[2] * itemsize))
     if len(idx) > 1 and bool(np.all(idx[1:] > idx[:-1])):
         # A block of a sorted file: its traces come in file order, each once, so every run of adjacent traces
         # is copied straight to its rows (no sort, no gather).
