@@ -292,7 +292,8 @@ def real_size(doc: dict[str, Any]) -> Section:
                               _real_size_run_rows(doc))]
     if doc.get("reads"):
         lines += ["", *_table(["read of the whole survey", "MiB/s", "seconds"],
-                              [[r["read"], f"{r['mib_per_s']:.0f}", f"{r['seconds']:.1f}"] for r in doc["reads"]])]
+                              [[r["read"], "n/a" if r["read"].startswith("segyio open") else f"{r['mib_per_s']:.0f}",
+                                f"{r['seconds']:.1f}"] for r in doc["reads"]])]
     if doc.get("scan"):
         lines += ["", *_table(["geometry", "seconds", "seconds per million traces"],
                               [[r["mode"], f"{r['seconds']:.2f}", f"{r['seconds'] / r['traces'] * 1e6:.2f}"]
