@@ -5,10 +5,9 @@ dataset) reads the source on the workers block by block and writes it with the r
 resumes a conversion that stopped, the store is marked complete only once every block is written, and the
 source's coordinates go with it. Later maps read the store, not the file.
 
-Whether converting first pays depends on how often, and how, a flow reads the file: a SEG-Y trace is stored
-contiguous, so blocks of whole traces read at about the rate of segyio's own inline reads, while a block cut
-along time reads its traces whole and keeps a piece. ``benchmarks/studies/real_size.py`` measures both, and the
-conversion, on one file (the figures are in BENCHMARKS.md).
+Converting first does not make later reads faster on a local disk: whole-trace blocks of a SEG-Y file read
+faster than the same blocks of a compressed zarr store there (``benchmarks/studies/real_size.py`` measures both,
+and the conversion, on one file). It is for where the survey goes next: object storage, MDIO's tools.
 """
 
 from __future__ import annotations

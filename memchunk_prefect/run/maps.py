@@ -29,16 +29,8 @@ class FlowMaps:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: list[ChunkedResult] = []
-        self._segy_maps: dict[str, int] = {}  # SEG-Y path -> maps of this flow run that read it
         #: What every map's thread raises at its next look (the flow run stopped around the maps), or None.
         self.stop: BaseException | None = None
-
-    def reads_segy(self, path: str) -> int:
-        """Count one more map of this flow run reading the SEG-Y file at ``path``; how many have, this one
-        included."""
-        with self._lock:
-            self._segy_maps[path] = self._segy_maps.get(path, 0) + 1
-            return self._segy_maps[path]
 
     def start(self, result: ChunkedResult) -> None:
         """Run ``result``'s map in a thread of its own, in a copy of the flow's context (its flow run, settings
@@ -106,11 +98,3 @@ def _run_map(result: ChunkedResult) -> None:
         pass
     finally:
         result._finish()
-
-
-def convert_advice(path: str, maps: int, operator: str) -> str:
-    """What to say when a flow run's ``maps``-th map (``operator``'s) reads the SEG-Y file at ``path`` again."""
-    return (f"{operator} is map {maps} of this flow run to read the SEG-Y file {path}: each one reads its traces "
-            "from the file again. Converting it once, as the flow's first step, makes later maps read a chunked "
-            "store instead: cube = operators.convert.map(chunked(path, output='survey.zarr')) (or an .mdio output), "
-            "then map over cube (see the how-to 'Large SEG-Y surveys')")

@@ -66,13 +66,12 @@ from memchunk_prefect.run import doctor
 from memchunk_prefect.run.chunked import Chunked, ChunkedResult, chunked, upstream_plan
 from memchunk_prefect.run.executor import ChunkedMap, MapContext
 from memchunk_prefect.run.logs import typed_errors_in_one_line
-from memchunk_prefect.run.maps import FlowMaps, convert_advice
+from memchunk_prefect.run.maps import FlowMaps
 from memchunk_prefect.run.observe import MapLog, MapObserver
 from memchunk_prefect.run.outputs import default_output_dir, output_path_for
 from memchunk_prefect.run.pinning import local_gpu_cluster, usable_gpus
 from memchunk_prefect.run.prefect_api import (
     fail_flow_run,
-    flow_logger,
     one_api_for_workers,
     started_cluster,
     temporary_server_defaults,
@@ -378,8 +377,6 @@ class MemoryAwareRunner(DaskTaskRunner):
             from memchunk_prefect.io.volume import as_source
 
             marker = dataclasses.replace(marker, source=as_source(marker.source))
-            if getattr(marker.source, "kind", None) == "segy":
-                self._advise_convert(marker.source.path, task)
         self._warm_up()
         # Every other argument goes whole to each chunk (a chunked map does not zip with iterables:
         # a sigma of (2, 2, 2) is one parameter, not three).
@@ -403,12 +400,6 @@ class MemoryAwareRunner(DaskTaskRunner):
         result = ChunkedResult.running(cmap, log)
         self._flow_maps.start(result)
         return result
-
-    def _advise_convert(self, path: str, task: Any) -> None:
-        """Say, once per file and flow run, when a second map reads the same SEG-Y file."""
-        maps = self._flow_maps.reads_segy(path)
-        if maps == 2:
-            flow_logger(logger).warning("memchunk: %s", convert_advice(path, maps, getattr(task, "name", str(task))))
 
     def stop_requested(self) -> BaseException | None:
         """What the maps' threads raise to stop (the flow run stopped around them), or None."""
