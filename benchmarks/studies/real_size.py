@@ -394,7 +394,7 @@ def merge(doc: dict, earlier: dict, skipped: list[str]) -> None:
             doc["measured_by"][part] = by.get(part, "")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.studies.real_size", description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", type=int, nargs=3, default=[1024, 1024, 500])
     p.add_argument("--segy", default=None, help="measure this SEG-Y file (yours) instead of a synthetic survey")
@@ -416,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-pipeline", nargs=5, help=argparse.SUPPRESS)
     p.add_argument("--read-repeats", type=int, default=3, help="rounds of the reads (each read's median is kept)")
     p.add_argument("--child-reads", nargs=3, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.child_pipeline:
         path, store, out, workers, limit = args.child_pipeline
         print(json.dumps(pipeline_child(path, store, out, int(workers), limit)))
