@@ -13,7 +13,7 @@ whether it needs whole traces.
 >>> gaussian_smooth.fn(np.zeros((2, 3, 20), np.float32)).shape
 (2, 3, 20)
 >>> sorted(OPERATORS)[:3]
-['cosine_phase', 'envelope', 'gaussian_smooth']
+['convert', 'cosine_phase', 'envelope']
 
 | operator | units, range | halo (iline, xline, twt) | memory params | whole traces |
 |---|---|---|---|---|
