@@ -64,8 +64,8 @@ READ_BATCH_BYTES = 64 * 2**20
 #: Upper bound on the raw trace bytes of one read while reading a box (bytes). A box is read in contiguous trace
 #: runs, each asked of the kernel ahead (:func:`_prefetch`); a run longer than this is read in pieces, so the
 #: copies of one piece overlap the disk's reads of the next. Cold reads of 16-inline slabs of a 2 GiB
-#: inline-sorted survey ran at ~400 MiB/s in 64 MiB pieces, ~900 MiB/s in 2-4 MiB pieces
-#: (``benchmarks/studies/real_size.py``).
+#: inline-sorted survey ran at about 340 MiB/s in 64 MiB pieces and about 600 MiB/s in 4 MiB pieces, both with
+#: the read-ahead (``python -m benchmarks.studies.real_size --skip scan pipeline``).
 READ_PIECE_BYTES = 4 * 2**20
 
 _HINT_BYTES = (
