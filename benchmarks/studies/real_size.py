@@ -76,28 +76,24 @@ class Sampler:
                 pass
         return procs
 
-    def _cpu(self) -> float:
+    def _total(self, read: Any) -> float:
+        """``read(process)`` summed over the process and (with ``tree``) its descendants; a process that ended
+        between listing and reading counts nothing."""
         import psutil
 
         total = 0.0
         for p in self._procs():
             try:
-                t = p.cpu_times()
-                total += t.user + t.system
+                total += read(p)
             except psutil.Error:
                 pass
         return total
 
-    def _sample(self) -> None:
-        import psutil
+    def _cpu(self) -> float:
+        return self._total(lambda p: sum(p.cpu_times()[:2]))  # user + system seconds
 
-        total = 0
-        for p in self._procs():
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
-        self.rss.append(total)
+    def _sample(self) -> None:
+        self.rss.append(int(self._total(lambda p: p.memory_info().rss)))
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
