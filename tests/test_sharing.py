@@ -150,12 +150,13 @@ def test_the_budget_of_a_task_alone_on_its_worker_is_its_kill_line_less_its_rest
     assert budget(w, target_fraction=0.8).worker_budget_bytes == 500 * MiB  # 0.8 x 1000 MiB less 300 resting
 
 
-@pytest.mark.parametrize("per_worker, workers_used", [(0, {0}), (1, {0, 1})])
-def test_the_simulator_places_a_map_that_runs_alone_one_task_per_worker(per_worker, workers_used):
+@pytest.mark.parametrize("per_worker, running, pending", [(0, [1, 2], 0), (1, [1, 1], 1)])
+def test_the_simulator_places_a_map_that_runs_alone_one_task_per_worker(per_worker, running, pending):
     sim = SimulatedCluster(ClusterShape(workers=2, memory_limit_bytes=1000 * MiB, threads_per_worker=2),
                            np.random.default_rng(0))
-    for sid in range(2):
+    for sid in range(3):
         task = _Task(sid, Chunk((sid, 0, 0), (sid + 1, 1, 1)), (1, 1, 1), memory=10 * MiB, seconds=1.0)
         task.per_worker = per_worker
         sim.submit(task)
-    assert {w for w, tasks in sim.running.items() if tasks} == workers_used
+    assert sorted(len(tasks) for tasks in sim.running.values()) == running
+    assert len(sim.pending) == pending

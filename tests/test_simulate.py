@@ -374,6 +374,35 @@ def test_a_worker_over_its_kill_line_takes_its_tasks_with_it_and_nothing_new_lan
     assert sim.last_end == 10.0
 
 
+def _where(seconds: float) -> str:
+    import time
+
+    from distributed import get_worker
+
+    time.sleep(seconds)
+    return get_worker().address
+
+
+def test_tasks_go_to_the_least_occupied_worker_as_on_a_real_dask_cluster():
+    """Two tasks on two idle workers of two threads: Dask runs one on each; so does the simulator (a map of two
+    chunks would otherwise double the memory of one worker and leave the other idle)."""
+    from distributed import Client, LocalCluster
+
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.sim.cluster import SimulatedCluster
+    from memchunk_prefect.sim.inputs import _Task
+
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        client.wait_for_workers(2)
+        real = client.gather([client.submit(_where, 0.5, pure=False) for _ in range(2)])
+    sim = SimulatedCluster(ClusterShape(workers=2, threads_per_worker=2, memory_limit_bytes=1000 * MiB))
+    for sid in range(2):
+        sim.submit(_Task(sid, Chunk((sid, 0, 0), (sid + 1, 1, 1)), (1, 1, 1), 10 * MiB, 0.5))
+    simulated = [w for w, tasks in sim.running.items() for _ in tasks]
+    assert len(set(real)) == len(set(simulated)) == 2
+
+
 def test_an_operator_never_run_is_simulated_cold_from_a_stated_prior_and_flagged(tmp_path, capsys):
     from memchunk_prefect.sim.inputs import PriorKnowledge, store_models
 

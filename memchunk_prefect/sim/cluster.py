@@ -48,9 +48,12 @@ class SimulatedCluster:
     most it has held (``marks``: the most its tasks together held since the worker
     started, 0 for a fresh or restarted one) runs longer by that growth at its
     operator's learned kernel seconds per byte (``_Task.touch_seconds_per_byte``),
-    as a real worker faults that memory in. A task goes to the free worker of
-    lowest number (kept in a heap: O(log workers) per placement); one of a map that runs alone
-    (``_Task.per_worker``) to the lowest running fewer tasks than that.
+    as a real worker faults that memory in. A task goes to the free worker running the fewest
+    tasks, the lowest number among equals, as Dask's scheduler hands a queued task to the least
+    occupied idle worker (``decide_worker_rootish_queuing_enabled`` in distributed's scheduler), so
+    two tasks on two idle workers of two threads each run one per worker (kept in a heap: O(log
+    workers) per placement); one of a map that runs alone (``_Task.per_worker``) to the least
+    occupied worker running fewer tasks than that.
 
     An HPC allocation (``ClusterShape.queue_wait`` / ``walltime_seconds``): each
     worker is one batch job that joins after its queue wait (drawn from ``rng``
@@ -88,8 +91,10 @@ class SimulatedCluster:
         wall = shape.walltime_seconds
         self.leaves = [j + float(wall) if wall is not None else math.inf for j in self.joins]
         self.gone: set[int] = set()  # workers past their walltime
-        self._ready: list[int] = []  # heap of workers that may have a free slot (checked when taken)
-        self._in_ready: set[int] = set()
+        # Heap of (tasks running, worker) for workers that may have a free slot, checked when taken; _offered:
+        # the running count each worker was last pushed with (an entry with another count is stale).
+        self._ready: list[tuple[int, int]] = []
+        self._offered: dict[int, int] = {}
         self._sorted_joins = sorted(self.joins)
         for w in range(shape.workers):
             if self.joins[w] <= 0.0:
@@ -143,26 +148,29 @@ class SimulatedCluster:
                 and w not in self.gone and self.away_until.get(w, 0.0) <= self.now and w not in self.dies_at)
 
     def _offer(self, w: int) -> None:
-        if w not in self._in_ready:
-            self._in_ready.add(w)
-            heapq.heappush(self._ready, w)
+        n = len(self.running[w])
+        if self._offered.get(w) != n:
+            self._offered[w] = n
+            heapq.heappush(self._ready, (n, w))
 
     def _free_worker(self) -> int | None:
-        # Every available worker is in the heap (offered when it joins, comes back, or a task on it ends);
-        # one that is not available when it reaches the top is dropped until it is offered again.
+        # Every available worker is in the heap under its running count (offered when it joins, comes back, or a
+        # task starts or ends on it); a stale entry is dropped, and one not available when it reaches the top is
+        # dropped until it is offered again.
         while self._ready:
-            w = self._ready[0]
-            if self._available(w):
+            n, w = self._ready[0]
+            if self._offered.get(w) == n and self._available(w):
                 return w
             heapq.heappop(self._ready)
-            self._in_ready.discard(w)
+            if self._offered.get(w) == n:
+                del self._offered[w]
         return None
 
     def _free_worker_below(self, limit: int) -> int | None:
-        """The free worker of lowest number running fewer than ``limit`` tasks (a map that runs alone on each
-        worker: :mod:`memchunk_prefect.core.sharing`); O(workers)."""
-        return min((w for w in self._in_ready if self._available(w) and len(self.running[w]) < limit),
-                   default=None)
+        """The free worker running the fewest tasks, below ``limit`` (a map that runs alone on each worker:
+        :mod:`memchunk_prefect.core.sharing`), the lowest number among equals; O(workers)."""
+        return min((w for w in self._offered if self._available(w) and len(self.running[w]) < limit),
+                   key=lambda w: (len(self.running[w]), w), default=None)
 
     def _dispatch(self) -> None:
         while self.pending:
@@ -174,6 +182,7 @@ class SimulatedCluster:
             self._keys += 1
             task.key, task.started, task.worker = self._keys, self.now, w
             self.running[w].append(task)
+            self._offer(w)  # under its new running count: the next task goes to a less occupied worker first
             self._live[task.key] = task
             load = sum(t.memory for t in self.running[w])
             self.peak_bytes[w] = max(self.peak_bytes[w], load)
