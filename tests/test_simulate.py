@@ -302,6 +302,43 @@ def test_the_runners_own_work_per_map_is_measured_from_the_store_and_lengthens_o
         dataclasses.replace(CLUSTER, map_start_seconds=-1.0)
 
 
+def test_the_runners_cost_per_task_is_its_median_hand_over_and_only_its_tasks_pay_it(tmp_path):
+    """Per worker, a task's end to the next task's start there; tasks side by side on a worker of two threads
+    are not hand-overs. Fewer than MIN_TASK_GAPS of them: the stated per-task overhead stands."""
+    import dataclasses
+
+    from memchunk_prefect.core.records import MapRun, Observation
+    from memchunk_prefect.sim.inputs import MIN_TASK_GAPS, measured_map_work
+
+    def add(store, map_id, spans):
+        store.add_map(MapRun("fr", "op", KEY, "/s", f"/{map_id}", (4, 4, 4), (0, 0, 0), 4, 2, 10**9, 100.0,
+                             120.0, map_id=map_id))
+        for worker, start, end in spans:  # seconds after 100.0
+            store.add(Observation(KEY, 64, (4, 4, 4), 256, 1000, seconds=end - start, started_at=100.0 + start,
+                                  created_at=100.0 + end, flow_run_id="fr", map_id=map_id, worker=worker))
+
+    with Store(tmp_path / "s.sqlite") as store:
+        # Worker a: hand-overs of 0.05, 0.02 and 0.5 s (the last a wait for a decision); worker b runs two at
+        # once (not a hand-over), then hands over in 0.04 s.
+        add(store, "m1", [("a", 0.0, 1.0), ("a", 1.05, 2.0), ("a", 2.02, 3.0), ("a", 3.5, 4.0),
+                          ("b", 0.0, 2.0), ("b", 0.5, 1.5), ("b", 2.04, 3.0)])
+        few = measured_map_work(store)
+        add(store, "m2", [("a", 10.0, 11.0), ("a", 11.03, 12.0)])
+        work = measured_map_work(store)
+    assert few.gaps == MIN_TASK_GAPS - 1 and few.task_seconds is None
+    assert work.gaps == MIN_TASK_GAPS and work.task_seconds == pytest.approx(0.04)
+    assert work.cluster_kwargs()["runner_task_seconds"] == pytest.approx(0.04)
+
+    def go(strategy, cluster):
+        return run_strategy(strategy, [STEP], SHAPE, cluster, lambda key: Known(), np.random.default_rng(0),
+                            time_sigma=0.0)
+    cheap = dataclasses.replace(CLUSTER, runner_task_seconds=0.0)
+    assert go("memchunk", cheap).makespan_seconds < go("memchunk", CLUSTER).makespan_seconds
+    assert go("static-8", cheap).makespan_seconds == pytest.approx(go("static-8", CLUSTER).makespan_seconds)
+    with pytest.raises(SimulationInputError, match="zero seconds or more"):
+        dataclasses.replace(CLUSTER, runner_task_seconds=-0.1)
+
+
 def test_a_chained_maps_wait_for_its_upstream_is_not_counted_as_the_runners_work(tmp_path):
     """A map over a map still running (the demo's pipeline) is called at once and waits for the upstream's
     writes: only what comes after the upstream's end is the runner's own work before its first task."""
@@ -326,10 +363,22 @@ def test_a_chained_maps_wait_for_its_upstream_is_not_counted_as_the_runners_work
         add(store, "b", "m2", "/b/m1", 100.1, 102.0, 106.0)
         work = measured_map_work(store)
     # before: 0.4, 0.2, 0.3 (flow a), 0.5, 0.0 (flow b); counted from each map's own call, the chained ones read
-    # 3.1, 3.2 and 1.9 s, and the median would be 1.9 s
+    # 3.1, 3.2 and 1.9 s, and the median would be 1.9 s. The first maps (0.4, 0.5) and the chained ones (0.2, 0.3,
+    # 0.0) have medians of their own.
     assert work.maps == 5
-    assert work.start_seconds == pytest.approx(0.3)
+    assert work.start_seconds == pytest.approx(0.45)
+    assert work.chained_start_seconds == pytest.approx(0.2)
     assert work.end_seconds == pytest.approx(0.05)
+    # the simulator pays each kind where it belongs: a two-map chain pays the first map's once, the chained one's
+    # once
+    import dataclasses
+
+    def go(cluster):
+        return run_strategy("memchunk", [STEP, STEP], SHAPE, cluster, lambda key: Known(), np.random.default_rng(0),
+                            time_sigma=0.0).makespan_seconds
+    both = dataclasses.replace(CLUSTER, **work.cluster_kwargs())
+    none = dataclasses.replace(CLUSTER, map_end_seconds=work.end_seconds, runner_task_seconds=work.task_seconds)
+    assert go(both) == pytest.approx(go(none) + 0.45 + 0.2)
 
 
 def test_recommend_says_when_nothing_meets_the_deadline_and_refuses_nonsense():

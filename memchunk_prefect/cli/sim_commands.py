@@ -15,6 +15,7 @@ from typing import Any
 from memchunk_prefect.cli.format import table
 from memchunk_prefect.cli.registry import EXIT_FAILURE, EXIT_OK, arguments, emit, register
 from memchunk_prefect.core.errors import SimulationInputError, VolumeError, format_bytes
+from memchunk_prefect.core.settings import DEFAULT_SETTINGS
 from memchunk_prefect.core.units import parse_bytes
 
 # --------------------------------------------------------------------------- simulate
@@ -325,16 +326,22 @@ def _compare_traces(args: argparse.Namespace) -> int:
 
 def _map_work_kwargs(work: Any) -> dict[str, Any]:
     """ClusterShape's per-map work from what the store measured (none: nothing added)."""
-    return {} if work is None else {"map_start_seconds": work.start_seconds, "map_end_seconds": work.end_seconds}
+    return {} if work is None else work.cluster_kwargs()
 
 
 def _map_work_note(work: Any) -> str:
     if work is None:
         return ("the runner's own work per map is not simulated: the store holds no map of a run recorded by this "
                 "version (run a flow once with it to measure it)")
-    return (f"the runner's own work per map: {work.start_seconds:.2f} s before its first task and "
-            f"{work.end_seconds:.2f} s after its last (medians of {work.maps} maps in the store), in the memchunk "
-            "strategy's makespan")
+    task = (f"; per chunk task, {work.task_seconds:.2f} s beyond its block (median of {work.gaps} hand-overs)"
+            if work.task_seconds is not None else
+            f"; per chunk task, the stated {DEFAULT_SETTINGS.per_task_overhead_seconds:g} s (only {work.gaps} "
+            "hand-overs between tasks recorded)")
+    chained = (f" ({work.chained_start_seconds:.2f} s for a map over another map's output, from that map's end)"
+               if work.chained_start_seconds is not None else "")
+    return (f"the runner's own work per map: {work.start_seconds:.2f} s before its first task{chained} and "
+            f"{work.end_seconds:.2f} s after its last (medians of {work.maps} maps in the store){task}, in the "
+            "memchunk strategy's makespan")
 
 
 def _joules(j: float | None) -> str:

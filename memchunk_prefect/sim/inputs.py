@@ -54,12 +54,15 @@ class ClusterShape:
     ``resting_bytes``: a worker's memory before a task (after the runner's
     imports; ~250 MiB measured on the demo's workers); ``kill_fraction``: the
     nanny's ``distributed.worker.memory.terminate``; ``per_task_overhead_seconds``:
-    slot time a task costs beyond its compute (Prefect + Dask); ``map_start_seconds`` /
+    slot time a task of a plain Prefect flow (the baselines) costs beyond its compute (Prefect + Dask);
+    ``runner_task_seconds``: the same for the runner's chunk tasks, where a store measured it
+    (:func:`measured_map_work`; None: ``per_task_overhead_seconds``); ``map_start_seconds`` /
     ``map_end_seconds``: the runner's own work in the flow before a chunked map's first task
     (reading the budget from the workers, opening the output, the decision) and after its last
     (finalizing the output, the artifacts, reading pauses), while the slots wait: measured from a
     store's runs by :func:`measured_map_work` (0 when not given; a chained map's wait for its upstream
-    is not in it). Only the ``memchunk``
+    is not in it); ``chained_map_start_seconds``: the same before a map over another map's output, from
+    that map's end (None: ``map_start_seconds``). Only the ``memchunk``
     strategy pays them: the baselines are plain flows without that work.
 
     An HPC allocation: ``queue_wait`` (a :class:`~memchunk_prefect.sim.allocation.QueueWait`), each
@@ -80,6 +83,8 @@ class ClusterShape:
     restart_seconds: float = RESTART_SECONDS
     map_start_seconds: float = 0.0
     map_end_seconds: float = 0.0
+    runner_task_seconds: float | None = None
+    chained_map_start_seconds: float | None = None
     queue_wait: QueueWait | None = None
     walltime_seconds: float | None = None
     external: bool = False
@@ -92,9 +97,12 @@ class ClusterShape:
         if int(self.workers) < 1 or int(self.threads_per_worker) < 1:
             raise SimulationInputError(f"a cluster needs at least one worker and one thread per worker, got "
                                        f"workers={self.workers}, threads_per_worker={self.threads_per_worker}")
-        if min(float(self.map_start_seconds), float(self.map_end_seconds)) < 0:
-            raise SimulationInputError(f"a map's own work takes zero seconds or more, got map_start_seconds="
-                                       f"{self.map_start_seconds}, map_end_seconds={self.map_end_seconds}")
+        if min(float(self.map_start_seconds), float(self.map_end_seconds), float(self.runner_task_seconds or 0.0),
+               float(self.chained_map_start_seconds or 0.0), float(self.per_task_overhead_seconds)) < 0:
+            raise SimulationInputError(
+                f"a map's own work and a task's overhead take zero seconds or more, got map_start_seconds="
+                f"{self.map_start_seconds}, map_end_seconds={self.map_end_seconds}, per_task_overhead_seconds="
+                f"{self.per_task_overhead_seconds}, runner_task_seconds={self.runner_task_seconds}")
         if not 0 < float(self.kill_fraction) <= 1:
             raise SimulationInputError(f"kill_fraction must be in (0, 1], got {self.kill_fraction}")
         if self.headroom_bytes <= 0:
@@ -105,6 +113,11 @@ class ClusterShape:
     @property
     def slots(self) -> int:
         return int(self.workers) * int(self.threads_per_worker)
+
+    @property
+    def runner_task_overhead_seconds(self) -> float:
+        """Slot time one of the runner's chunk tasks costs beyond its block function, seconds."""
+        return float(self.per_task_overhead_seconds if self.runner_task_seconds is None else self.runner_task_seconds)
 
     @property
     def headroom_bytes(self) -> int:
@@ -382,11 +395,27 @@ class _Task:
 @dataclass(frozen=True)
 class MapWork:
     """The runner's own work per chunked map, seconds (medians over ``maps`` maps of a store): before its
-    first task starts and after its last ends (see :class:`ClusterShape`)."""
+    first task starts and after its last ends; and per chunk task, beyond its block function (``task_seconds``,
+    the median of ``gaps`` hand-overs; None with fewer than :data:`MIN_TASK_GAPS`). See :class:`ClusterShape`."""
 
     start_seconds: float
     end_seconds: float
     maps: int
+    task_seconds: float | None = None
+    gaps: int = 0
+    #: Before the first task of a map over another map of its flow run, counted from that map's end (None:
+    #: no such map recorded; ``start_seconds`` is then the chained maps' own, when only they were recorded).
+    chained_start_seconds: float | None = None
+
+    def cluster_kwargs(self) -> dict[str, Any]:
+        """What a :class:`ClusterShape` takes of it."""
+        return {"map_start_seconds": self.start_seconds, "map_end_seconds": self.end_seconds,
+                "runner_task_seconds": self.task_seconds, "chained_map_start_seconds": self.chained_start_seconds}
+
+
+#: Hand-overs between a map's tasks on one worker a store needs before its median counts as the runner's
+#: per-task cost (fewer: the stated ``per_task_overhead_seconds`` stands).
+MIN_TASK_GAPS = 5
 
 
 def measured_map_work(store: Any) -> MapWork | None:
@@ -400,23 +429,56 @@ def measured_map_work(store: Any) -> MapWork | None:
     second time, as the runner's (the simulator runs chained maps one after another, so the upstream's work is
     already in the makespan). A first task that started before the upstream ended (the maps overlapped) counts
     0. On a store of three demo runs the median was 0.87 s per map with the upstream waits and 0.12 s without
-    (``memchunk simulate`` prints it)."""
+    (``memchunk simulate`` prints it). The two kinds have medians of their own (``start_seconds``,
+    ``chained_start_seconds``): a flow's first map pays what a chained map already did while it waited (the
+    cluster's budget read, the output opened, the first decision; on the workload family's four-map flows,
+    0.4-0.6 s for the first map and 0.1-0.2 s for each chained one, whose median over all maps is the chained
+    one's).
+
+    Per task: on each worker, the seconds from one of a map's tasks ending (its observation written) to the
+    next of that map's tasks starting its block function on the thread it freed (a worker of several threads
+    runs some side by side: those are not hand-overs): Prefect's task-run work after one block and before the
+    next, and Dask's hand-over. A gap also holds any wait for the runner's next decision (a cold map's probes),
+    so the median, not the mean."""
     maps = [m for m in store.maps() if m.map_id]
     writers: dict[tuple[str, str], list[Any]] = {}  # (flow run, output path): the maps that wrote it
     for m in maps:
         writers.setdefault((m.flow_run_id, m.output_path), []).append(m)
-    before, after = [], []
+    before, chained, after, gaps = [], [], [], []
     for m in maps:
         if m.outcome != "ok":
             continue
         obs = [o for o in store.run_observations(m.flow_run_id) if o.map_id == m.map_id and o.started_at]
         if not obs:
             continue
+        gaps += _hand_overs(obs)
         upstream = [u.ended_at for u in writers.get((m.flow_run_id, m.source), ())
                     if u.map_id != m.map_id and u.started_at <= m.started_at] if m.source else []
         could_start = max([m.started_at, *upstream])
-        before.append(max(0.0, min(float(o.started_at) for o in obs) - could_start))
+        (chained if upstream else before).append(max(0.0, min(float(o.started_at) for o in obs) - could_start))
         after.append(max(0.0, m.ended_at - max(o.created_at for o in obs)))
-    if not before:
+    if not after:
         return None
-    return MapWork(float(np.median(before)), float(np.median(after)), len(before))
+    task = float(np.median(gaps)) if len(gaps) >= MIN_TASK_GAPS else None
+    first = float(np.median(before)) if before else float(np.median(chained))
+    return MapWork(first, float(np.median(after)), len(after), task, len(gaps),
+                   float(np.median(chained)) if chained else None)
+
+
+def _hand_overs(obs: Sequence[Any]) -> list[float]:
+    """One map's observations: per worker, each task's start less the latest end before it not yet handed over
+    (the thread that took it; a task with no such end started on a thread that was free)."""
+    by_worker: dict[str, list[Any]] = {}
+    for o in obs:
+        if o.worker and o.created_at:
+            by_worker.setdefault(o.worker, []).append(o)
+    out = []
+    for mine in by_worker.values():
+        free: list[float] = []  # ends not yet followed by a start on their thread
+        for o in sorted(mine, key=lambda o: o.started_at):
+            before = [e for e in free if e <= o.started_at]
+            if before:
+                free.remove(max(before))
+                out.append(float(o.started_at - max(before)))
+            free.append(float(o.created_at))
+    return out

@@ -180,11 +180,11 @@ def flow_cluster(recorded: RecordedFlow, models: StoreModels, *, workers: int | 
                  memory_limit: int | str | None = None, threads_per_worker: int | None = None,
                  resting: int | str | None = None, **cluster_kw: Any) -> tuple[ClusterShape, MapWork | None]:
     """The cluster to simulate a recorded flow run on (the recorded one, each figure given replaced) and the
-    runner's per-map work the store measured (in the cluster's ``map_start_seconds`` / ``map_end_seconds``)."""
+    runner's per-map and per-task work the store measured (the cluster's ``map_start_seconds``,
+    ``map_end_seconds`` and ``runner_task_seconds``)."""
     work = models.map_work()
-    if work is not None:
-        cluster_kw.setdefault("map_start_seconds", work.start_seconds)
-        cluster_kw.setdefault("map_end_seconds", work.end_seconds)
+    for k, v in (work.cluster_kwargs() if work is not None else {}).items():
+        cluster_kw.setdefault(k, v)
     cluster = recorded.cluster_shape(workers=workers, memory_limit_bytes=_bytes(memory_limit, "memory_limit"),
                                      threads_per_worker=threads_per_worker,
                                      resting_bytes=_bytes(resting, "resting"), **cluster_kw)
@@ -258,9 +258,8 @@ def recommend_flow_run(store: Any = None, flow_run: str = "latest", *, deadline:
         if c is not None and c.kill_fraction is not None:
             cluster_kw.setdefault("kill_fraction", float(c.kill_fraction))
         work = models.map_work()
-        if work is not None:
-            cluster_kw.setdefault("map_start_seconds", work.start_seconds)
-            cluster_kw.setdefault("map_end_seconds", work.end_seconds)
+        for k, v in (work.cluster_kwargs() if work is not None else {}).items():
+            cluster_kw.setdefault(k, v)
         limit = deadline_seconds(deadline, now)
         assert limit is not None
         survey = _shape(shape) if shape is not None else recorded.shape

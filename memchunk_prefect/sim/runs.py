@@ -156,7 +156,7 @@ class _MachineRun:
                  sim: SimulatedCluster, rng: np.random.Generator, incoming: tuple[Chunk, ...] | None,
                  settings: PolicySettings, time_sigma: float):
         self.step, self.cluster, self.sim, self.rng = step, cluster, sim, rng
-        self.draws = Draws(truth, step.key, cluster.per_task_overhead_seconds, time_sigma, settings.watts_per_core)
+        self.draws = Draws(truth, step.key, cluster.runner_task_overhead_seconds, time_sigma, settings.watts_per_core)
         # An operator with no history (LearningKnowledge) learns as the runner would, from this run's own chunks.
         self.knowledge = knowledge
         spec = MapSpec(operator=step.operator, operator_key=step.key, shape=tuple(shape),  # type: ignore[arg-type]
@@ -173,7 +173,9 @@ class _MachineRun:
             self.failure = f"{self.step.operator}: {_walltime_failure(self.cluster, len(m.done))}"
             self.record.seconds = sim.now - started
             return self.record
-        sim.wait(self.cluster.map_start_seconds)  # the runner's work before the map's first task
+        c = self.cluster  # the runner's work before the map's first task: a chained map did some while it waited
+        sim.wait(c.map_start_seconds if self.machine.spec.incoming is None or c.chained_map_start_seconds is None
+                 else c.chained_map_start_seconds)
         threads = int(self.cluster.threads_per_worker)
         touched = {f"sim-{w}": mark // threads for w, mark in sim.marks.items() if w not in sim.gone}
         self.slots_seen = self.planned_slots()
