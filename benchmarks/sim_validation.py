@@ -33,6 +33,7 @@ runs per prediction (for CI: no timing is asserted).
 
     python -m benchmarks.sim_validation --json sim-validation.json     # 6 workloads of seed 0
     python -m benchmarks.sim_validation --quick --json quick.json
+    python -m benchmarks.sim_validation --scale 16 --json sim-16.json   # 16x the traces: minutes, not seconds
 """
 
 from __future__ import annotations
@@ -362,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=20, help="simulated runs per prediction")
     p.add_argument("--quick", action="store_true", help="the smallest workload, static-2, split, cold, one warm (CI)")
     p.add_argument("--only", nargs="*", default=None, help="run only workloads whose name starts with these")
+    p.add_argument("--scale", type=int, default=1,
+                   help="every survey with this many times its traces (a square: 4 doubles both line axes)")
     p.add_argument("--restart-repeats", type=int, default=3, help="worker kills timed for the restart figure")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one strategy may run")
     p.add_argument("--work", default=None, help="where inputs, stores and outputs go (default: a temporary dir)")
@@ -370,6 +373,11 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [quick()] if args.quick else family(args.seed, args.workloads)
     if args.only:
         workloads = [w for w in workloads if any(w.name.startswith(o) for o in args.only)]
+    if args.scale != 1:
+        try:
+            workloads = [w.scaled(args.scale) for w in workloads]
+        except ValueError as exc:
+            p.error(str(exc))
     statics, warm, runs = ([2], 1, 5) if args.quick else (args.static, args.warm, args.runs)
     work = Path(args.work or tempfile.mkdtemp(prefix="memchunk-sim-validation-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -17,6 +17,7 @@ standard output. ``--quick`` runs the family's smallest member with one pair (fo
 
     python -m benchmarks.family --json family.json                 # 6 workloads, 3 pairs each
     python -m benchmarks.family --seed 1 --workloads 10 --pairs 5   # another family, more pairs
+    python -m benchmarks.family --scale 16 --json family-16.json    # the same family on 16x the traces
 """
 
 from __future__ import annotations
@@ -256,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--external", action="store_true", help="also one warm run on a cluster given by address")
     p.add_argument("--quick", action="store_true", help="the smallest workload, one pair, slabs 2 and 4 (CI)")
     p.add_argument("--only", nargs="*", default=None, help="run only workloads whose name starts with these")
+    p.add_argument("--scale", type=int, default=1,
+                   help="every survey with this many times its traces (a square: 4 doubles both line axes)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one strategy may run; past it the run counts as failed (a worker paused over its "
                         "memory never finishes)")
@@ -265,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     workloads = [quick()] if args.quick else family(args.seed, args.workloads)
     if args.only:
         workloads = [w for w in workloads if any(w.name.startswith(o) for o in args.only)]
+    if args.scale != 1:
+        try:
+            workloads = [w.scaled(args.scale) for w in workloads]
+        except ValueError as exc:
+            p.error(str(exc))
     statics, pairs = ([2, 4], 1) if args.quick else (args.static, args.pairs)
     work = Path(args.work or tempfile.mkdtemp(prefix="memchunk-family-"))
     work.mkdir(parents=True, exist_ok=True)

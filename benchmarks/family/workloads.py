@@ -16,8 +16,9 @@ True
 
 from __future__ import annotations
 
+import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 #: What each archetype's parameters are drawn from.
@@ -35,7 +36,8 @@ _PARAMS = {
 class Workload:
     """One member of the family: steps over a survey on a cluster.
 
-    ``shape``: (ilines, crosslines, samples) at 1x; ``scale``: 1 or 4 (twice the ilines and crosslines);
+    ``shape``: (ilines, crosslines, samples) at 1x; ``scale``: the survey's traces over the 1x survey's, a
+    square (4: twice the ilines and crosslines; the family draws 1 or 4, ``--scale`` multiplies it);
     ``source``: ``"segy"`` (IBM floats, inline numbers stepping by 2 and crosslines by 4) or ``"zarr"``;
     ``memory_limit_mib``: each worker's limit; ``threads``: threads per worker (two workers).
     """
@@ -52,8 +54,17 @@ class Workload:
 
     @property
     def survey_shape(self) -> tuple[int, int, int]:
-        f = 2 if self.scale == 4 else 1
+        f = math.isqrt(int(self.scale))
+        if f < 1 or f * f != int(self.scale):
+            raise ValueError(f"a workload's scale is a square (1, 4, 16...): its traces over the 1x survey's, got "
+                             f"{self.scale}")
         return (self.shape[0] * f, self.shape[1] * f, self.shape[2])
+
+    def scaled(self, factor: int) -> "Workload":
+        """The same workload on a survey of ``factor`` times its traces (a square: 4 doubles both line axes)."""
+        w = replace(self, scale=int(self.scale) * int(factor))
+        w.survey_shape  # noqa: B018 - raises on a factor that is not a square
+        return w
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
