@@ -34,6 +34,10 @@ runs per prediction (for CI: no timing is asserted).
     python -m benchmarks.sim_validation --json sim-validation.json     # 6 workloads of seed 0
     python -m benchmarks.sim_validation --quick --json quick.json
     python -m benchmarks.sim_validation --scale 16 --json sim-16.json   # 16x the traces: minutes, not seconds
+
+``--replay RESULT.json --work DIR`` predicts a finished run's real runs again with this checkout's simulator,
+from the copies of the stores that run kept in ``DIR`` (its ``--work``), with its measured restart: the real
+runs stand, only the predictions are new (seconds, not the run's minutes, for a change to the simulator).
 """
 
 from __future__ import annotations
@@ -223,15 +227,50 @@ def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int
     flow_run = cold["flow_run_id"]
     row("memchunk cold", "memchunk", cold, predict(store, flow_run, w, "memchunk", runs=runs, restart=restart,
                                                    cold=True))
-    after_cold = snapshot(store, work / f"{w.name}-after-cold.sqlite")
+    after_cold = snapshot(store, _after_cold(work, w))
     for strategy in [f"static-{n}" for n in statics] + ["split"]:
         row(strategy, strategy, child(strategy), predict(after_cold, flow_run, w, strategy, runs=runs,
                                                          restart=restart))
     for k in range(warm):
-        before = snapshot(store, work / f"{w.name}-before-warm-{k}.sqlite")
+        before = snapshot(store, _before_warm(work, w, k))
         pred = predict(before, "latest", w, "memchunk", runs=runs, restart=restart)
         row("memchunk warm", "memchunk", child("memchunk"), pred)
     return rows
+
+
+def _after_cold(work: Path, w: Workload) -> Path:
+    return work / f"{w.name}-after-cold.sqlite"
+
+
+def _before_warm(work: Path, w: Workload, k: int) -> Path:
+    return work / f"{w.name}-before-warm-{k}.sqlite"
+
+
+def replay(doc: dict[str, Any], work: Path, runs: int) -> list[dict[str, Any]]:
+    """A finished run's rows with new predictions from its stores' copies in ``work`` (see the module docstring):
+    ``memchunk cold`` and the baselines from the copy taken after the cold run, the k-th warm run from the copy
+    taken before it."""
+    workloads = {d["name"]: Workload.from_dict(d) for d in doc["workloads"]}
+    restart = (doc.get("restart") or {}).get("first_task_seconds")
+    out: list[dict[str, Any]] = []
+    warm: dict[str, int] = {}
+    cold_run: dict[str, str] = {}
+    for r in doc["rows"]:
+        w = workloads[r["workload"]]
+        if r["predicted"] is None:
+            out.append(r)
+            continue
+        if r["kind"] == "memchunk cold":
+            cold_run[w.name] = r["real"]["flow_run_id"]
+            pred = predict(str(_after_cold(work, w)), cold_run[w.name], w, "memchunk", runs=runs, restart=restart,
+                           cold=True)
+        elif r["kind"] == "memchunk warm":
+            k = warm[w.name] = warm.get(w.name, -1) + 1
+            pred = predict(str(_before_warm(work, w, k)), "latest", w, "memchunk", runs=runs, restart=restart)
+        else:
+            pred = predict(str(_after_cold(work, w)), cold_run[w.name], w, r["strategy"], runs=runs, restart=restart)
+        out.append({**r, "predicted": pred, **compare(r["real"], pred)})
+    return out
 
 
 def _s(x: float | None) -> str:
@@ -369,7 +408,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one strategy may run")
     p.add_argument("--work", default=None, help="where inputs, stores and outputs go (default: a temporary dir)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--replay", default=None, metavar="RESULT_JSON",
+                   help="predict this finished run's real runs again from the stores in --work (no real runs)")
     args = p.parse_args(argv)
+    if args.replay:
+        return main_replay(args, p)
     workloads = [quick()] if args.quick else family(args.seed, args.workloads)
     if args.only:
         workloads = [w for w in workloads if any(w.name.startswith(o) for o in args.only)]
@@ -408,9 +451,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {"benchmark": "sim_validation", "seed": args.seed, "quick": args.quick, "started": started,
                "seconds": time.time() - started, "machine": machine, "targets": TARGETS, "summary": summary,
-               "restart": restart, "thousand_workers": scale, "rows": rows,
+               "restart": restart, "thousand_workers": scale, "rows": rows, "runs": runs,
                "workloads": [w.to_dict() for w in workloads]}
         Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+def main_replay(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
+    """``--replay``: the rows of a finished run predicted again (see the module docstring)."""
+    if not args.work:
+        p.error("--replay needs --work: the directory of the run it replays (its stores' copies are there)")
+    doc = json.loads(Path(args.replay).read_text())
+    from benchmarks.__main__ import machine_info
+
+    started, machine = time.time(), machine_info()
+    rows = replay(doc, Path(args.work), doc.get("runs", args.runs))
+    summary = summarize(rows, doc.get("restart"), doc.get("thousand_workers"))
+    print(table(rows, summary))
+    if args.json:
+        out = {**doc, "replayed_from": {"path": str(args.replay), "commit": doc["machine"].get("commit"),
+                                        "started": doc.get("started")},
+               "started": started, "seconds": time.time() - started, "machine": machine, "summary": summary,
+               "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
