@@ -153,16 +153,19 @@ def family(doc: dict[str, Any]) -> Section:
             "met": verdict("first_task_extra"),
             "figure": f"{f(s['first_task_memchunk_median'], ' s')} against {f(s['first_task_static_median'], ' s')}"},
     }
-    seed, n = doc.get("seed", 0), s.get("workloads")
+    seed, n, scale = doc.get("seed", 0), s.get("workloads"), int(doc.get("scale") or 1)
     what = (f"{n} workloads drawn from seed {seed}: user-style operators none of which ships with the project, on "
-            "odd SEG-Y geometries and zarr, 2 workers of 600 MiB to 2 GiB, each strategy in a fresh process on a "
-            "fresh cluster; measured as [benchmarks/family](benchmarks/family/__main__.py) says. Ratios are "
-            "memchunk's wall over the workload's best static chunking (the fastest of the sweep).")
-    cmd = "python -m benchmarks.family --json family.json" + (f" --seed {seed}" if seed else "")
+            "odd SEG-Y geometries and zarr" + (f", every survey at {scale}x its traces" if scale != 1 else "")
+            + ", 2 workers of 600 MiB to 2 GiB, each strategy in a fresh process on a fresh cluster; measured as "
+            "[benchmarks/family](benchmarks/family/__main__.py) says. Ratios are memchunk's wall over the "
+            "workload's best static chunking (the fastest of the sweep).")
+    cmd = ("python -m benchmarks.family --json family.json" + (f" --seed {seed}" if seed else "")
+           + (f" --scale {scale}" if scale != 1 else ""))
     if doc.get("quick"):
         cmd = "python -m benchmarks.family --quick --json family.json"
-    return Section("A family of workloads the runner never saw", "family", cmd, targets,
-                   [what, "", *family_table(doc["results"], s).splitlines()])
+    title, short = ("A family of workloads the runner never saw", "family") if scale == 1 else (
+        f"A family of workloads the runner never saw, surveys at {scale}x", f"family, {scale}x")
+    return Section(title, short, cmd, targets, [what, "", *family_table(doc["results"], s).splitlines()])
 
 
 def sim_validation(doc: dict[str, Any]) -> Section:
@@ -192,13 +195,31 @@ def sim_validation(doc: dict[str, Any]) -> Section:
             "figure": f"{s['thousand_workers_seconds'] or 0:.1f} s in process, "
                       f"{s['thousand_workers_end_to_end_seconds'] or 0:.1f} s end to end"},
     }
-    what = (f"{len(doc['workloads'])} workload(s) of the family (seed {doc.get('seed', 0)}), each strategy run for "
-            "real beside the simulator's prediction of the same flow run, cluster and store; measured as "
-            "[benchmarks/sim_validation.py](benchmarks/sim_validation.py) says.")
+    scale = _validation_scale(doc)
+    what = (f"{len(doc['workloads'])} workload(s) of the family (seed {doc.get('seed', 0)})"
+            + (f", every survey at {scale}x its traces" if scale != 1 else "")
+            + ", each strategy run for real beside the simulator's prediction of the same flow run, cluster and "
+            "store; measured as [benchmarks/sim_validation.py](benchmarks/sim_validation.py) says.")
     cmd = ("python -m benchmarks.sim_validation --quick --json sim-validation.json" if doc.get("quick")
-           else "python -m benchmarks.sim_validation --json sim-validation.json")
-    return Section("The simulator against real runs", "simulator", cmd, targets,
-                   [what, "", *validation_table(doc["rows"], s).splitlines()])
+           else "python -m benchmarks.sim_validation" + (f" --scale {scale}" if scale != 1 else "")
+           + " --json sim-validation.json")
+    lines = [what]
+    replayed = doc.get("replayed_from")
+    if replayed:
+        lines += ["", f"The real runs are those of commit `{replayed.get('commit')}`; the predictions were made again "
+                      f"at the commit named above from that run's stores (`{cmd} --work DIR`, then "
+                      "`python -m benchmarks.sim_validation --replay sim-validation.json --work DIR`)."]
+    title, short = ("The simulator against real runs", "simulator") if scale == 1 else (
+        f"The simulator against real runs, surveys at {scale}x", f"simulator, {scale}x")
+    return Section(title, short, cmd, targets, [*lines, "", *validation_table(doc["rows"], s).splitlines()])
+
+
+def _validation_scale(doc: dict[str, Any]) -> int:
+    """The ``--scale`` a validation ran with: its own record, else its workloads' smallest scale (the family
+    draws 1x and 4x surveys, so the smallest is the factor)."""
+    if doc.get("scale"):
+        return int(doc["scale"])
+    return min((int(w.get("scale", 1)) for w in doc.get("workloads", [])), default=1)
 
 
 def segy_scan(doc: dict[str, Any]) -> Section:

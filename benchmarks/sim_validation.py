@@ -449,7 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(rows, summary))
     if args.json:
-        doc = {"benchmark": "sim_validation", "seed": args.seed, "quick": args.quick, "started": started,
+        doc = {"benchmark": "sim_validation", "seed": args.seed, "quick": args.quick, "scale": args.scale,
+               "started": started,
                "seconds": time.time() - started, "machine": machine, "targets": TARGETS, "summary": summary,
                "restart": restart, "thousand_workers": scale, "rows": rows, "runs": runs,
                "workloads": [w.to_dict() for w in workloads]}

@@ -989,3 +989,29 @@ def test_a_family_workload_whose_runner_runs_failed_counts_as_the_worst_ratio_no
     assert s["warm_failed_runs"] == 3 and s["warm_kills"] == 3
     assert s["targets"]["warm_worst"] == "missed" and s["targets"]["warm_kills"] == "missed"
     assert doc["results"][2]["warm_ratios"] == [None, None, None] and doc["results"][2]["warm_median_failed"]
+
+
+def test_the_plain_tasks_of_the_family_share_one_copy_of_a_library_loaded_at_first_use(tmp_path):
+    """The static and split strategies' task is pickled by value (a closure): it must reach the operators through
+    their module on the worker, or each task carries its own copy of the module's globals and fam_first_use loads
+    its library in every task (100 MiB a task: the workers of static-8 and static-32 were killed or paused)."""
+    import cloudpickle
+    import numpy as np
+
+    from benchmarks.family import archetypes
+    from benchmarks.family.child import _slab_task
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.io.zarr_store import ZarrOutput
+
+    shape = (4, 3, 5)
+    coords = {"iline": np.arange(4), "xline": np.arange(3), "twt": np.arange(5, dtype=float)}
+    src = ZarrOutput.create(str(tmp_path / "in.zarr"), shape, coords)
+    src.write(Chunk.whole(shape), np.ones(shape, dtype=np.float32))
+    src.finalize()
+    out = ZarrOutput.create(str(tmp_path / "out.zarr"), shape, coords)
+    archetypes._LIBRARY.clear()
+    for i in range(2):  # each task unpickled afresh, as a worker receives it
+        fn = cloudpickle.loads(cloudpickle.dumps(_slab_task().fn))
+        fn(src.to_source(), out.path, Chunk((2 * i, 0, 0), (2 * i + 2, 3, 5)), (0, 0, 0), "fam_first_use",
+           {"lib_mib": 1, "k": 2.0, "h": 0})
+    assert "lib" in archetypes._LIBRARY  # the module's own library, the one every later task finds

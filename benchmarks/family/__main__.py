@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(table(results, summary))
     if args.json:
-        doc = {"benchmark": "family", "seed": args.seed, "quick": args.quick, "started": started,
+        doc = {"benchmark": "family", "seed": args.seed, "quick": args.quick, "scale": args.scale, "started": started,
                "seconds": time.time() - started,
                "machine": machine, "summary": summary, "results": results}
         Path(args.json).write_text(json.dumps(doc, indent=1))

@@ -104,8 +104,7 @@ def run_memchunk(w: Workload, source: str, out_dir: str, store: str, address: st
 
 def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | None) -> dict[str, Any]:
     from distributed import as_completed
-    from prefect import flow, task, unmapped
-    from prefect.cache_policies import NO_CACHE
+    from prefect import flow, unmapped
     from prefect_dask import DaskTaskRunner
 
     from memchunk_prefect.core.chunks import balanced_grid
@@ -113,15 +112,7 @@ def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | No
     from memchunk_prefect.io.zarr_store import ZarrOutput
     from memchunk_prefect.operators import spec_of
 
-    @task(cache_policy=NO_CACHE)
-    def slab(src: Any, out_path: str, chunk: Any, halo: tuple, op_name: str, params: dict) -> int:
-        from memchunk_prefect.io.volume import read_block
-
-        block, trim = read_block(src, chunk, halo)
-        out = ARCHETYPES[op_name].fn(block, **params)
-        ZarrOutput.open(out_path).write(chunk, np.ascontiguousarray(np.asarray(out)[trim], dtype=np.float32))
-        return chunk.elements
-
+    slab = _slab_task()
     runner = DaskTaskRunner(address=address) if address else DaskTaskRunner(cluster_kwargs=cluster_kwargs(w))
     started: list[float] = []
 
@@ -240,11 +231,15 @@ def _slab_task():
 
     @task(cache_policy=NO_CACHE)
     def slab(src: Any, out_path: str, chunk: Any, halo: tuple, op_name: str, params: dict) -> int:
+        # The operators are imported here, on the worker, as a user's task imports their module: the task is
+        # pickled by value (a closure), and a module-level ARCHETYPES would travel with every task, each copy
+        # with module globals of its own (fam_first_use's library then loaded by every task, never shared).
+        from benchmarks.family.archetypes import ARCHETYPES as operators
         from memchunk_prefect.io.volume import read_block
         from memchunk_prefect.io.zarr_store import ZarrOutput
 
         block, trim = read_block(src, chunk, halo)
-        out = ARCHETYPES[op_name].fn(block, **params)
+        out = operators[op_name].fn(block, **params)
         ZarrOutput.open(out_path).write(chunk, np.ascontiguousarray(np.asarray(out)[trim], dtype=np.float32))
         return chunk.elements
 
