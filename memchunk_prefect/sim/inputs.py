@@ -102,7 +102,8 @@ class ClusterShape:
             raise SimulationInputError(
                 f"a map's own work and a task's overhead take zero seconds or more, got map_start_seconds="
                 f"{self.map_start_seconds}, map_end_seconds={self.map_end_seconds}, per_task_overhead_seconds="
-                f"{self.per_task_overhead_seconds}, runner_task_seconds={self.runner_task_seconds}")
+                f"{self.per_task_overhead_seconds}, runner_task_seconds={self.runner_task_seconds}, "
+                f"chained_map_start_seconds={self.chained_map_start_seconds}")
         if not 0 < float(self.kill_fraction) <= 1:
             raise SimulationInputError(f"kill_fraction must be in (0, 1], got {self.kill_fraction}")
         if self.headroom_bytes <= 0:
@@ -433,7 +434,8 @@ def measured_map_work(store: Any) -> MapWork | None:
     ``chained_start_seconds``): a flow's first map pays what a chained map already did while it waited (the
     cluster's budget read, the output opened, the first decision; on the workload family's four-map flows,
     0.4-0.6 s for the first map and 0.1-0.2 s for each chained one, whose median over all maps is the chained
-    one's).
+    one's: ``memchunk simulate --store DIR/<workload>.sqlite --flow-run latest`` prints both for the stores
+    ``python -m benchmarks.sim_validation --work DIR`` leaves).
 
     Per task: on each worker, the seconds from one of a map's tasks ending (its observation written) to the
     next of that map's tasks starting its block function on the thread it freed (a worker of several threads
