@@ -113,6 +113,7 @@ def test_quick_benchmark_reports_every_strategy(tmp_path, api_url):
     assert "| memchunk-warm |" in proc.stdout
 
 
+@pytest.mark.long
 def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp_path, api_url):
     out = tmp_path / "hetero.json"
     env = benchmark_env(tmp_path, api_url)
@@ -142,6 +143,7 @@ def test_quick_heterogeneous_benchmark_reports_every_survey_and_the_ablation(tmp
     assert any(label.startswith("learning quality") for label in result["targets"])
 
 
+@pytest.mark.long
 def test_quick_nights_benchmark_runs_both_policies_night_after_night_on_their_own_stores(tmp_path, api_url):
     out = tmp_path / "nights.json"
     # One warm night after the cold one: the suite's form (the study's --quick runs two).
@@ -212,6 +214,7 @@ def statistics_median(xs):
     return round(statistics.median(xs), 3)
 
 
+@pytest.mark.long
 def test_quick_energy_benchmark_reports_both_objectives_with_their_energy_sources(tmp_path, api_url):
     out = tmp_path / "energy.json"
     env = benchmark_env(tmp_path, api_url)

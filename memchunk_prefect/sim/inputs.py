@@ -446,7 +446,10 @@ def measured_map_work(store: Any) -> MapWork | None:
     writers: dict[tuple[str, str], list[Any]] = {}  # (flow run, output path): the maps that wrote it
     for m in maps:
         writers.setdefault((m.flow_run_id, m.output_path), []).append(m)
-    before, chained, after, gaps = [], [], [], []
+    before: list[float] = []  # first maps' wait for their first task, s
+    chained: list[float] = []  # chained maps', from their upstream's end, s
+    after: list[float] = []
+    gaps: list[float] = []
     for m in maps:
         if m.outcome != "ok":
             continue
