@@ -495,6 +495,26 @@ def test_a_sigterm_to_the_whole_job_is_not_learned_as_its_chunks_running_out_of_
     claims the chunk needed more than the worker's whole headroom (an H100 demo stopped by `timeout` planned its
     next run at 28x the peaks). The store keeps none: every worker death of the stop is either not learned or
     taken back, and said."""
+    # Whether a worker's death reaches its map before the flow's own stop is a race the signal decides: a stop in
+    # which the flow went first tests nothing, so the job is run again (at most three times) until one did not.
+    for attempt in range(3):
+        run_dir = tmp_path / f"attempt-{attempt}"
+        run_dir.mkdir()
+        text, store = _run_and_terminate(survey, run_dir)
+        if text.count("workers died while trying to run it"):
+            break
+    else:
+        pytest.fail("in three stops no worker died under a running chunk before the flow stopped: nothing tested\n"
+                    + text[-3000:])
+    kept = [o for o in Store(store).observations() if o.outcome == "killed"]
+    assert kept == [], [(o.operator_key, o.chunk, o.method) for o in kept]
+    said = text.count("died as the flow run stopped: not learned") + text.count("are not kept as out of memory")
+    assert said >= 1, text[-3000:]
+
+
+def _run_and_terminate(survey: str, tmp_path: Path) -> tuple[str, str]:
+    """Run the helper's flow on a cold store in a process group of its own and SIGTERM the group once the memory
+    hog's first chunk is written; returns the flow's log and the store's path."""
     directory, out = survey_dir(survey, tmp_path), tmp_path / "attributes"
     store = str(tmp_path / "obs.sqlite")  # cold: no bound, so a death would be taken as a memory kill
     cmd = [sys.executable, str(HELPER), "run", str(directory), str(out), store, "2.0"]
@@ -506,12 +526,7 @@ def test_a_sigterm_to_the_whole_job_is_not_learned_as_its_chunks_running_out_of_
     log.close()
     text = (tmp_path / "terminated.log").read_text(errors="replace")
     assert killer.killed_at is not None and rc != 0, text[-3000:]
-    deaths = text.count("workers died while trying to run it")
-    assert deaths >= 1, "no worker died under a running chunk: nothing tested\n" + text[-3000:]
-    kept = [o for o in Store(store).observations() if o.outcome == "killed"]
-    assert kept == [], [(o.operator_key, o.chunk, o.method) for o in kept]
-    said = text.count("died as the flow run stopped: not learned") + text.count("are not kept as out of memory")
-    assert said >= 1, text[-3000:]
+    return text, store
 
 
 def test_a_run_cancelled_from_prefect_keeps_what_finished_and_the_next_run_resumes(survey, tmp_path):

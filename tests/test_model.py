@@ -358,6 +358,48 @@ def test_the_conformal_margin_is_the_quantile_of_what_runs_needed_over_what_was_
     assert m.summary()["margin"] == q
 
 
+def test_on_a_worker_of_two_threads_the_runs_that_had_it_alone_are_learned_and_overlapped_peaks_set_aside():
+    """A run that overlapped another on its worker reads the process's peak: the other's memory in it, or its
+    release under it (a 192 MiB table read 110-410 MiB overlapped, 192.3-192.9 alone). Learned as points, such
+    peaks gave a table operator a slope it does not have, and plans of a few small chunks; once the runs that ran
+    alone suffice, the fit is theirs. Before that, every run counts (a worker that is never idle still plans)."""
+    rng = random.Random(3)
+
+    def table(e):
+        return 192 * MIB + 4 * e
+
+    def run(ext, alone):
+        peak = table(elements(ext)) * (rng.uniform(0.998, 1.004) if alone else rng.uniform(0.55, 2.1))
+        o = obs(ext, peak)
+        o.shared, o.retained_bytes = True, (0 if alone else None)  # what the monitor records on a 2-thread worker
+        return o
+
+    sizes = [(i, 32, 400) for i in (4, 8, 12, 16, 24)]
+    history = [run(sizes[k % 5], alone=k % 3 == 0) for k in range(45)]
+    assert [o.alone for o in history[:3]] == [True, False, False]
+    m = OperatorModel(KEY)
+    for o in history[:4]:
+        m.learn(o)
+    assert m.predict(sizes[0]).ready and m.n_observations >= 3, "too few alone runs yet: every run counts"
+    for o in history[4:]:
+        m.learn(o)
+    everything = OperatorModel(KEY)
+    for o in history:
+        everything.learn(dataclasses.replace(o, retained_bytes=None))  # as if none had been alone
+    far = (96, 32, 400)  # 4x the largest block learned
+    truth = table(elements(far))
+    alone = OperatorModel(KEY)
+    for o in history:
+        if o.alone:
+            alone.learn(o)
+    p, p_alone, p_all = m.predict(far), alone.predict(far), everything.predict(far)
+    assert m.n_observations == 15 and m.summary()["n_observations"] == 15
+    assert abs(p.mean_bytes / truth - 1) < 0.02
+    assert truth <= p.upper_bytes <= 1.05 * p_alone.upper_bytes
+    assert "had their worker to themselves (of 45)" in p.reason
+    assert p_all.upper_bytes > 2 * p.upper_bytes, "mixed peaks bound the same block far wider"
+
+
 def test_memory_a_run_started_with_above_the_assumed_resting_level_is_the_workers_not_the_operators():
     """Where a worker stood when a run began (above the resting memory the budget read) is reported for the map's
     budget to take off its kill headroom (machine.Start.drift_bytes); the operator's bound and margin are its own

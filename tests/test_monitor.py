@@ -19,6 +19,7 @@ import pytest
 
 import memchunk_prefect
 from memchunk_prefect.core.errors import MeasurementError
+from memchunk_prefect.core.records import Observation
 from memchunk_prefect.run import gpu_energy, probes
 from memchunk_prefect.run import monitor as mon
 from memchunk_prefect.run import process_memory as pm
@@ -270,6 +271,8 @@ def test_two_threads_tracking_at_once_are_both_marked_shared_and_neither_resets_
     assert out["a"].shared and out["b"].shared
     assert out["a"].threads == 2 and out["b"].threads == 2
     assert out["a"].retained_bytes is None and out["b"].retained_bytes is None, "the other's memory is not its own"
+    records = [Observation("k", 1, (1, 1, 1), 4, **out[name].observation_fields()) for name in "ab"]
+    assert [o.alone for o in records] == [False, False], "the memory model sets overlapped peaks aside"
 
 
 def test_a_run_started_beside_another_records_what_the_other_held_and_the_resting_level_stays_the_idle_one(recwarn):
@@ -343,6 +346,8 @@ def test_a_run_alone_on_a_worker_with_several_threads_still_says_what_it_left_he
             probe.free(40 * MiB)
     assert first.measurement.shared and first.measurement.retained_bytes == 150 * MiB
     assert later.measurement.retained_bytes == 0
+    records = [Observation("k", 1, (1, 1, 1), 4, **r.measurement.observation_fields()) for r in (first, later)]
+    assert [o.alone for o in records] == [True, True], "its peak is its own: the memory model learns it"
 
 
 def test_a_dask_worker_with_one_thread_gives_clean_figures(monkeypatch):

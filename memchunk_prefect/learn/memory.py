@@ -38,6 +38,30 @@ class _Censored:
     peak_mib: float  # what it had when it did
 
 
+class _Points:
+    """The runs one fit is made of: each form's posterior, the block sizes (elements) and the largest peak (MiB)
+    learned at each, and the conformal ratios (peak / mean predicted before the run) of those scored."""
+
+    def __init__(self, forms: dict[str, _Form], conformal_window: int):
+        self.forms = forms
+        self.sizes: set[int] = set()
+        self.largest = 0  # elements of the largest block in sizes
+        self.size_peaks: dict[int, float] = {}
+        self.ratios: deque[float] = deque(maxlen=conformal_window)
+
+    @property
+    def n(self) -> int:
+        return self.forms[LINEAR].n
+
+    def add(self, elements: int, y: float, scale: float) -> None:
+        u = elements / MIB
+        for form in self.forms.values():
+            form.learn(u, y, scale)
+        self.sizes.add(elements)
+        self.size_peaks[elements] = max(self.size_peaks.get(elements, 0.0), y)
+        self.largest = max(self.largest, elements)
+
+
 @dataclass
 class _Quarantined:
     obs: Observation
@@ -79,6 +103,12 @@ class MemoryModel:
     below the mean / ``outlier_ratio`` is quarantined; a second one in the same
     direction within ``quarantine_window`` runs accepts both, else it expires. One
     100x measurement never shrinks chunks; a real change that repeats is learned.
+
+    *Runs that shared their worker.* On a worker of several threads a run that overlapped another reads the
+    process's peak, the other's memory in it or its release under it (:attr:`Observation.alone`); the budget
+    gives each thread a slot of its own, so only a run's own peak is what a chunk must fit. Every usable run is
+    learned into one fit and the runs that were alone into a second; once the second is ready on its own
+    (the test below), its fit, sizes and margin are the model's, and overlapped runs stay in the first only.
 
     *Honesty.* Not ready until ``min_observations`` usable runs at sizes at least
     ``min_size_ratio`` apart: the prediction says why, and the policy probes.
@@ -140,15 +170,17 @@ class MemoryModel:
         # River's regression is conjugate in the noise: beta = 1 on relative targets makes every prior variance
         # a multiple of the noise variance (see _Form). The curvature's prior is stated at the least noise the
         # fit admits (min_noise), so it is at least curvature_sd peaks wide whatever the measured noise.
-        self._forms = {name: _Form(name, prior_variance, curvature_sd / min_noise, size_weight) for name in _POWERS}
+        def points() -> _Points:
+            forms = {name: _Form(name, prior_variance, curvature_sd / min_noise, size_weight) for name in _POWERS}
+            return _Points(forms, conformal_window)
+
+        self._all = points()  # every usable ok run
+        self._alone = points()  # the runs that had their worker to themselves (Observation.alone)
+        self._active = self._all  # the one predictions come from: _alone once it is ready on its own
         self._censored: list[_Censored] = []
         self._quarantine: deque[_Quarantined] = deque()
-        self._sizes: set[int] = set()  # elements of the blocks learned
-        self._largest = 0  # elements of the largest block in _sizes
-        self._size_peaks: dict[int, float] = {}  # elements -> the largest peak (MiB) learned at that size
         self._first_use: deque[float] = deque(maxlen=metric_window)  # the latest first uses' retained memory, MiB
         self._unseen: deque[float] = deque(maxlen=metric_window)  # MiB runs started above the resting level
-        self._ratios: deque[float] = deque(maxlen=conformal_window)  # peak / mean predicted before the run
         self._seen = 0
         self._n_censored = 0
         self._n_quarantined = 0
@@ -162,8 +194,30 @@ class MemoryModel:
 
     @property
     def n_observations(self) -> int:
-        """Usable ``ok`` observations learned (quarantined ones are not counted until accepted)."""
-        return self._forms[LINEAR].n
+        """Usable ``ok`` observations behind the fit (quarantined ones are not counted until accepted): every one,
+        or those that ran alone once they are enough (see the class)."""
+        return self._active.n
+
+    # The fit predictions come from, its sizes and its margin (see the class): read through these.
+    @property
+    def _forms(self) -> dict[str, _Form]:
+        return self._active.forms
+
+    @property
+    def _sizes(self) -> set[int]:
+        return self._active.sizes
+
+    @property
+    def _largest(self) -> int:
+        return self._active.largest
+
+    @property
+    def _size_peaks(self) -> dict[int, float]:
+        return self._active.size_peaks
+
+    @property
+    def _ratios(self) -> deque[float]:
+        return self._active.ratios
 
     def learn(self, obs: Observation) -> str:
         """Learn one observation; returns what was done: ``learned``, ``censored``,
@@ -198,7 +252,10 @@ class MemoryModel:
             # prediction below the block's own input bytes is no prediction of this operator at this size (a line
             # sloping down through early probes): its ratio would poison every plan for conformal_window runs.
             if self._upper_mib(u)[0] * MIB >= obs.bytes_in:  # the fit's own mean, before the floor at that
-                self._ratios.append(obs.peak_bytes / pred.mean_bytes)
+                ratio = obs.peak_bytes / pred.mean_bytes
+                self._all.ratios.append(ratio)
+                if obs.alone and self._active is self._alone:
+                    self._alone.ratios.append(ratio)
         self._unseen.append(obs.unseen_bytes / MIB)
         self._expire_quarantine()
         self._learn_point(obs)
@@ -213,11 +270,11 @@ class MemoryModel:
         u = obs.elements / MIB
         y = obs.peak_bytes / MIB
         scale = math.hypot(y, self.noise_floor_bytes / MIB)
-        for form in self._forms.values():
-            form.learn(u, y, scale)
-        self._sizes.add(obs.elements)
-        self._size_peaks[obs.elements] = max(self._size_peaks.get(obs.elements, 0.0), y)
-        self._largest = max(self._largest, obs.elements)
+        self._all.add(obs.elements, y, scale)
+        if obs.alone:
+            self._alone.add(obs.elements, y, scale)
+            if self._active is self._all and self._points_reason(self._alone) is None:
+                self._active = self._alone
         # An ok run at least as large as a censored one that needed less contradicts it.
         self._censored = [c for c in self._censored if not (u >= c.u and y < c.peak_mib)]
         self._cache.clear()
@@ -348,17 +405,21 @@ class MemoryModel:
         return ratio is not None and ratio > 1.0 + self.memory_curve_margin
 
     def _ready_reason(self) -> str | None:
-        n = self.n_observations
+        return self._points_reason(self._active)
+
+    def _points_reason(self, points: _Points) -> str | None:
+        """Why a fit on ``points`` cannot plan yet, or None when it can."""
+        n = points.n
         if n < self.min_observations:
             return (f"only {n} usable observation{'s' if n != 1 else ''} of {self.key!r}; "
                     f"{self.min_observations} are needed before planning (probe first)")
-        if len(self._sizes) < 2:
+        if len(points.sizes) < 2:
             return (f"all {n} observations of {self.key!r} are at one block size; "
                     "a fixed overhead and a per-element cost need two sizes (probe another size)")
-        smallest = min(self._sizes)
-        if self._largest < self.min_size_ratio * smallest:
+        smallest = min(points.sizes)
+        if points.largest < self.min_size_ratio * smallest:
             # Sizes a few percent apart cannot separate a fixed overhead from a per-element cost.
-            return (f"the {n} observations of {self.key!r} span blocks of {smallest:,} to {self._largest:,} "
+            return (f"the {n} observations of {self.key!r} span blocks of {smallest:,} to {points.largest:,} "
                     f"elements, less than {self.min_size_ratio:g}x apart: a fixed overhead and a per-element cost "
                     "need sizes further apart (probe another size)")
         return None
@@ -397,6 +458,8 @@ class MemoryModel:
             own = u * itemsize
             mean, upper = max(mean, own), max(upper, own)
             reason = f"{self.form()} fit on {n} observations"
+            if self._all.n > n:
+                reason += f" that had their worker to themselves (of {self._all.n})"
             # The conformal margin, once learned, is a floor.
             q = self.conformal_factor()
             if q is not None and mean * q > upper:
