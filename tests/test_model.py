@@ -360,8 +360,8 @@ def test_the_conformal_margin_is_the_quantile_of_what_runs_needed_over_what_was_
 
 def test_on_a_worker_of_two_threads_the_runs_that_had_it_alone_are_learned_and_overlapped_peaks_set_aside():
     """A run that overlapped another on its worker reads the process's peak: the other's memory in it, or its
-    release under it (a 192 MiB table read 110-410 MiB overlapped, 192.3-192.9 alone). Learned as points, such
-    peaks gave a table operator a slope it does not have, and plans of a few small chunks; once the runs that ran
+    release under it. Learned as points, such peaks give a table operator a slope it does not have, and plans of many
+    small chunks; once the runs that ran
     alone suffice, the fit is theirs. Before that, every run counts (a worker that is never idle still plans)."""
     rng = random.Random(3)
 

@@ -164,8 +164,8 @@ class Observation:
     def alone(self) -> bool:
         """Whether the run had its worker process to itself from its start to its end, so that ``peak_bytes`` is
         its own. On a worker of one thread every run is; on one of several, a run that overlapped another reads
-        the process's peak, which holds the other's memory too (or the other's release, below this one's start):
-        a 192 MiB table measured 192.3-192.9 MiB alone and 110-410 MiB overlapped. The monitor reads
+        the process's peak, which holds the other's memory too (or the other's release, below this one's start),
+        far from its own either way. The monitor reads
         ``retained_bytes`` only for a run that was alone, so a ``shared`` record with it set was alone.
         """
         return not self.shared or self.retained_bytes is not None

@@ -31,9 +31,9 @@ class OperatorModel:
     memory and time alike); a name none takes is a TypeError. The methods callers
     use are here too, each delegating to the model that owns it.
     Not thread-safe on its own; :class:`~memchunk_prefect.learn.bank.ModelBank`
-    serializes ``learn`` and ``predict``. ``shared`` observations (other tasks ran
-    in the same process) are learned as they are: their peak over-states this
-    task's, which errs on the safe side.
+    serializes ``learn`` and ``predict``. Memory sets aside the peaks of runs that
+    overlapped another in their process once enough runs had theirs alone
+    (:class:`~memchunk_prefect.learn.memory.MemoryModel`); time learns every run.
 
     >>> from memchunk_prefect.core.records import Observation
     >>> m = OperatorModel("toy|float32|cpu")
