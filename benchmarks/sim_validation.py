@@ -160,7 +160,10 @@ def predict(store: str, flow_run: str, w: Workload, strategy: str, *, runs: int,
     cluster, from ``store``."""
     from memchunk_prefect.sim import from_flow_run
 
-    kw = {"restart_seconds": restart} if restart is not None else {}
+    kw: dict[str, Any] = {"restart_seconds": restart} if restart is not None else {}
+    # The real runs' workers share this machine's cores: the runner's plans count that (Budget.threads_per_core).
+    threads = w.workers * w.threads
+    kw["threads_per_core"] = max(1.0, threads / min(threads, len(os.sched_getaffinity(0))))
     t = time.perf_counter()
     plan = from_flow_run(store, flow_run, shape=w.survey_shape, workers=w.workers,
                          memory_limit=w.memory_limit_mib * MiB, threads_per_worker=w.threads, strategies=[strategy],

@@ -226,3 +226,24 @@ def test_a_workers_high_water_mark_is_read_with_its_resting_memory_and_outlasts_
     assert budget_mod.budget([w]).touched_bytes == {address: mark - rest}
     (unread,) = budget_mod.workers_from_info(info, {}, 0.95, {address: rest})
     assert unread.touched_bytes is None and budget_mod.budget([unread]).touched_bytes == {}
+
+
+@pytest.mark.cluster
+def test_the_budget_counts_worker_threads_per_cpu_core_from_what_the_workers_may_run_on():
+    """2 workers x 2 threads on this machine: 4 threads on the cores the workers' affinity allows (2 in CI, so
+    2 threads a core: a plan counts 4 chunks at once as no faster than 2, :func:`estimate_seconds`)."""
+    import os
+
+    from distributed import Client, LocalCluster
+
+    from memchunk_prefect.core.budget import threads_per_core
+    from memchunk_prefect.run.cluster import ClusterView
+
+    cores = len(os.sched_getaffinity(0))
+    with LocalCluster(n_workers=2, threads_per_worker=2, processes=True, memory_limit="1GiB",
+                      dashboard_address=None) as lc, Client(lc, set_as_default=False) as client:
+        b = ClusterView(lambda: client, lambda: lc).budget()
+    assert b.slots == 4
+    assert b.threads_per_core == pytest.approx(max(1.0, 4 / min(4, cores)))
+    assert ("worker threads per CPU core" in b.reason) == (cores < 4), b.reason
+    assert threads_per_core({"a": 2}, {}) == 1.0, "no placement read: each thread its own core"

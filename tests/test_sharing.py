@@ -160,3 +160,13 @@ def test_the_simulator_places_a_map_that_runs_alone_one_task_per_worker(per_work
         sim.submit(task)
     assert sorted(len(tasks) for tasks in sim.running.values()) == running
     assert len(sim.pending) == pending
+
+
+@pytest.mark.parametrize("threads_per_core, chunks", [(1.0, 4), (2.0, 2)])
+def test_threads_beyond_the_cpu_cores_are_not_counted_as_parallel_compute(threads_per_core, chunks):
+    # 2 workers x 2 threads: 4 slots. Each thread with a core of its own, 4 chunks finish in half the time of 2;
+    # 4 threads on 2 cores run 4 chunks at half speed each: no faster than 2 chunks, and 4 tasks' overhead.
+    m = machine((16, 8, 10), knowledge=Linear(bytes_per_element=100, spe=1e-2))
+    first, _ = started(m, slots=4, budget=200 * 1024, threads_per_worker=2, threads_per_core=threads_per_core)
+    (d,) = of(Decided, first)
+    assert d.record.n_chunks == chunks, d.record.reason

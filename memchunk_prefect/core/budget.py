@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from memchunk_prefect.core.errors import BudgetError, BudgetTooSmallError, format_bytes
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, PolicySettings
@@ -218,6 +218,8 @@ class Budget:
     ``worker_budget_bytes``: what one task may use running alone on its worker (the kill line less the resting
     memory, not shared among threads, under the same caps), on the tightest worker; None where not derived, or
     where the workers have different thread counts.
+    ``threads_per_core``: the workers' threads over the CPU cores they may run on (:func:`threads_per_core`;
+    1.0 where each thread has a core of its own, or where that is not known).
     """
 
     slots: int
@@ -230,6 +232,34 @@ class Budget:
     threads_per_worker: int | None = None
     kill_fraction: float | None = None
     worker_budget_bytes: int | None = None
+    threads_per_core: float = 1.0
+
+
+def threads_per_core(nthreads: Mapping[str, int], placement: Mapping[str, tuple[str, Sequence[int]]]) -> float:
+    """How many worker threads share each CPU core, over the workers whose host and usable cores are known
+    (``placement``: by worker address, its host name and the cores it may run on, as the worker read them:
+    ``os.sched_getaffinity``); at least 1.0, and 1.0 where none is known.
+
+    A host's threads count against the cores any of its workers may use: 2 workers x 2 threads on a machine of
+    2 cores run 4 chunks at once on 2 cores, each at half speed, so 4 chunks take as long as 2 twice the size
+    and pay twice the per-task cost (:func:`memchunk_prefect.core.estimates.estimate_seconds`).
+
+    >>> threads_per_core({"a": 2, "b": 2}, {"a": ("n1", [0, 1]), "b": ("n1", [0, 1])})
+    2.0
+    >>> threads_per_core({"a": 2, "b": 2, "c": 4}, {"a": ("n1", [0, 1]), "b": ("n1", [2, 3]), "c": ("n2", range(8))})
+    1.0
+    """
+    threads: dict[str, int] = {}
+    cores: dict[str, set[int]] = {}
+    for address, n in nthreads.items():
+        if address not in placement:
+            continue
+        host, cpus = placement[address]
+        threads[host] = threads.get(host, 0) + max(1, int(n))
+        cores.setdefault(host, set()).update(int(c) for c in cpus)
+    usable = sum(min(threads[h], len(cores[h])) for h in threads if cores[h])
+    total = sum(threads[h] for h in threads if cores[h])
+    return max(1.0, total / usable) if usable else 1.0
 
 
 @dataclass(frozen=True)

@@ -140,18 +140,28 @@ def late(seconds: float, settings: PolicySettings) -> bool:
 
 def estimate_seconds(n_chunks: int, extents: Sequence[int], slots: int, settings: PolicySettings,
                      seconds_per_element: float | None = None, seconds_for: SecondsFor | None = None,
-                     first_touch: FirstTouch | None = None, peak_bytes: float | None = None) -> float:
+                     first_touch: FirstTouch | None = None, peak_bytes: float | None = None,
+                     cores: float | None = None) -> float:
     """Estimated makespan in seconds of ``n_chunks`` equal chunks of ``extents`` (halo included) on ``slots``.
 
     A chunk's compute time is ``seconds_for(elements)`` where the model learned
     that time grows faster than size, else ``elements x seconds_per_element``.
     ``first_touch``: what growing the workers past their high-water mark costs, once, for chunks peaking at
-    ``peak_bytes`` (the model's mean; see :class:`FirstTouch`).
+    ``peak_bytes`` (the model's mean; see :class:`FirstTouch`). ``cores``: the CPU cores the slots run on
+    (None: one each); chunks running at once beyond them share them, each taking longer by as much, so on
+    2 cores 4 chunks cost what 2 twice their size cost, plus 4 tasks' overhead.
+
+    >>> s = PolicySettings(per_task_overhead_seconds=0.1)
+    >>> [round(estimate_seconds(n, (1, 1, 400 // n), 4, s, 0.01, cores=2), 2) for n in (2, 4)]
+    [2.1, 2.1]
+    >>> round(estimate_seconds(4, (1, 1, 100), 4, s, 0.01), 2)
+    1.1
     """
     compute = _compute_seconds(extents, settings, seconds_per_element, seconds_for)
     waves = math.ceil(n_chunks / max(1, slots))
+    share = max(1.0, min(n_chunks, max(1, slots)) / cores) if cores else 1.0
     grow = first_touch.seconds(peak_bytes) if first_touch is not None else 0.0
-    return waves * (compute + settings.per_task_overhead_seconds) + grow
+    return waves * (compute * share + settings.per_task_overhead_seconds) + grow
 
 
 @dataclass(frozen=True)
@@ -163,7 +173,8 @@ class Estimates:
     ``seconds_per_element``: the learned compute seconds per element (None: the settings' default);
     ``seconds_for(elements)``: the learned compute seconds of a block where time grows faster than size;
     ``joules_for(elements)``: the learned energy of a block; ``first_touch``: what growing the workers' memory
-    costs (:class:`FirstTouch`); ``gpu``: on a GPU, the device's budget and model (:class:`GpuLimit`).
+    costs (:class:`FirstTouch`); ``gpu``: on a GPU, the device's budget and model (:class:`GpuLimit`);
+    ``cores``: the CPU cores the map's slots run on (None: one each; :func:`estimate_seconds`).
 
     >>> from memchunk_prefect.core.records import Prediction
     >>> e = Estimates.of(lambda ext: Prediction(mean_bytes=1.0, upper_bytes=2.0, n_observations=3, ready=True))
@@ -177,6 +188,7 @@ class Estimates:
     joules_for: JoulesFor | None = None
     first_touch: FirstTouch | None = None
     gpu: GpuLimit | None = None
+    cores: float | None = None
 
     @classmethod
     def of(cls, estimates: "Estimates | Predictor") -> "Estimates":
@@ -187,7 +199,7 @@ class Estimates:
                 peak_bytes: float | None) -> float:
         """:func:`estimate_seconds` of ``n_chunks`` chunks of ``extents`` with these estimates."""
         return estimate_seconds(n_chunks, extents, slots, settings, self.seconds_per_element, self.seconds_for,
-                                self.first_touch, peak_bytes)
+                                self.first_touch, peak_bytes, self.cores)
 
     def joules(self, n_chunks: int, extents: Sequence[int], slots: int, settings: PolicySettings,
                peak_bytes: float | None) -> float:

@@ -52,7 +52,8 @@ class Start:
     growing past it costs, :class:`memchunk_prefect.core.estimates.FirstTouch`); None: not read, nothing counted.
     ``threads_per_worker`` and ``worker_budget_bytes``: each worker's threads, and what one task may use alone on
     the tightest worker (None: not known); a map whose chunks need more than a thread's share runs one task per
-    worker (:mod:`memchunk_prefect.core.sharing`).
+    worker (:mod:`memchunk_prefect.core.sharing`). ``threads_per_core``: how many worker threads share each CPU
+    core (:func:`memchunk_prefect.core.budget.threads_per_core`; 1.0: a core each, or not known).
     """
 
     slots: int
@@ -66,6 +67,7 @@ class Start:
     touched_bytes: Mapping[str, int] | None = None
     threads_per_worker: int = 1
     worker_budget_bytes: int | None = None
+    threads_per_core: float = 1.0
 
 
 @dataclass(frozen=True)

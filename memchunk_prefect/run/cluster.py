@@ -283,7 +283,8 @@ def job_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc",
       its other children; they count against the same limit;
     - ``oom_kills``: the kernel's OOM kills in its cgroup (the largest count from its own group up to the limiting
       one; None where not counted); ``job_id`` / ``batch``: its batch job (:data:`JOB_ID_VARIABLES`), None outside
-      one; ``cgroup``: the limiting group's directory; ``host``: this machine's name.
+      one; ``cgroup``: the limiting group's directory; ``host``: this machine's name; ``cpus``: the cores this
+      process may run on (its affinity), by number.
 
     Where the job's limit is lower than Dask's ``memory_limit`` the kernel or the batch system kills the worker
     before its nanny does: the budget is derived from it (:func:`memchunk_prefect.core.budget.kill_line`).
@@ -301,7 +302,7 @@ def job_memory(root: str = "/sys/fs/cgroup", proc: str = "/proc",
     counts = [c for d in chain if (c := cgroup_oom_kills(d)) is not None]
     out: dict[str, Any] = {"limit_bytes": limit, "source": "", "others_bytes": 0, "cgroup": group,
                            "oom_kills": max(counts) if counts else None, "job_id": None, "batch": None,
-                           "host": socket.gethostname()}
+                           "host": socket.gethostname(), "cpus": _usable_cpus()}
     if limit is not None:
         name = "memory.max" if os.path.exists(os.path.join(str(group), "memory.max")) else "memory.limit_in_bytes"
         out["source"] = f"cgroup {name}"
@@ -367,6 +368,13 @@ def job_limits(jobs: Mapping[str, dict[str, Any]]) -> dict[str, tuple[int | None
             groups[key(j)] = groups.get(key(j), 0) + 1
     return {a: (j.get("limit_bytes"), int(j.get("others_bytes") or 0), str(j.get("source") or ""),
                 groups.get(key(j), 1)) for a, j in jobs.items()}
+
+
+def _usable_cpus() -> list[int]:
+    """The CPU cores this process may run on (its affinity: a batch job's cpuset, ``taskset``), by number."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
 
 
 def read_job_memory(client: Any, workers: Sequence[str] | None = None) -> dict[str, dict[str, Any]]:
@@ -793,6 +801,12 @@ class ClusterView:
         if planned != b.slots:
             b = dataclasses.replace(b, slots=planned, reason=f"{b.reason}; planned for {planned} slots: "
                                                               f"{requested} workers requested, {len(workers)} joined")
+        with self._lock:
+            placement = {a: (str(j.get("host") or ""), j["cpus"]) for a, j in self._jobs.items() if j.get("cpus")}
+        per_core = _budget.threads_per_core({w.address: w.nthreads for w in workers}, placement)
+        if per_core > 1.0:
+            b = dataclasses.replace(b, threads_per_core=per_core,
+                                    reason=f"{b.reason}; {per_core:g} worker threads per CPU core")
         return b
 
     def requested_workers(self) -> int | None:

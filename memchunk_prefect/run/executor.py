@@ -347,7 +347,8 @@ class ChunkedMap:
                 headroom_bytes=min(self.headroom.values()) if self.headroom else None,
                 drift_bytes=int(max(bank.model(self.key).unseen_bytes(), bank.model(self.key).first_use_bytes())),
                 gpu_budget_bytes=self.gpu_budget, touched_bytes=budget.touched_bytes or None,
-                threads_per_worker=budget.threads_per_worker or 1, worker_budget_bytes=budget.worker_budget_bytes)))
+                threads_per_worker=budget.threads_per_worker or 1, worker_budget_bytes=budget.worker_budget_bytes,
+                threads_per_core=budget.threads_per_core)))
         self.planned.set()
         self.slots_polled, self.slots_seen = time.monotonic(), self.slots
         drive(self.machine, self)

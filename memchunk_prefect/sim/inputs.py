@@ -72,6 +72,11 @@ class ClusterShape:
     with ``scale`` or ``adapt``: it reads the cluster's plan); ``external``: the workers join a
     scheduler started elsewhere, so a map plans for the workers that have joined and follows them
     as more join or leave (``machine.SlotsChanged``).
+
+    ``threads_per_core``: worker threads per CPU core where the workers' threads outnumber their cores (4 threads
+    on 2 cores: 2.0; 1.0: a core each), which the runner's plans count
+    (:func:`memchunk_prefect.core.estimates.estimate_seconds`). The simulated tasks take the time the store
+    measured, contention included where the measured runs had it.
     """
 
     workers: int
@@ -88,6 +93,7 @@ class ClusterShape:
     queue_wait: QueueWait | None = None
     walltime_seconds: float | None = None
     external: bool = False
+    threads_per_core: float = 1.0
 
     def __post_init__(self) -> None:
         if self.walltime_seconds is not None and not (float(self.walltime_seconds) > 0

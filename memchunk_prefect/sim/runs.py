@@ -181,7 +181,8 @@ class _MachineRun:
         self.slots_seen = self.planned_slots()
         execute(m, self, m.handle(Start(self.slots_seen, self.cluster.budget_bytes, at=sim.now,
                                         touched_bytes=touched, threads_per_worker=threads,
-                                        worker_budget_bytes=self.cluster.headroom_bytes)))
+                                        worker_budget_bytes=self.cluster.headroom_bytes,
+                                        threads_per_core=self.cluster.threads_per_core)))
         drive(m, self)
         if not self.failure:
             sim.wait(self.cluster.map_end_seconds)  # and after its last
