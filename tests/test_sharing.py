@@ -16,6 +16,7 @@ from memchunk_prefect.core.budget import WorkerMemory, budget
 from memchunk_prefect.core.chunks import Chunk
 from memchunk_prefect.core.errors import BudgetTooSmallError
 from memchunk_prefect.core.messages import (
+    ChunkDone,
     ChunkOutOfMemory,
     Decided,
     Fail,
@@ -25,7 +26,7 @@ from memchunk_prefect.core.messages import (
 from memchunk_prefect.core.records import Prediction
 from memchunk_prefect.sim.cluster import SimulatedCluster
 from memchunk_prefect.sim.inputs import ClusterShape, _Task
-from tests.test_machine import Linear, machine, of, started
+from tests.test_machine import Linear, machine, obs, of, started
 
 MiB = 2**20
 
@@ -170,3 +171,21 @@ def test_threads_beyond_the_cpu_cores_are_not_counted_as_parallel_compute(thread
     first, _ = started(m, slots=4, budget=200 * 1024, threads_per_worker=2, threads_per_core=threads_per_core)
     (d,) = of(Decided, first)
     assert d.record.n_chunks == chunks, d.record.reason
+
+
+def test_a_cold_starts_probes_on_workers_of_several_threads_run_alone_and_its_plan_one_task_per_thread():
+    """A probe measures the operator: beside another task on its worker its peak would hold the other's memory
+    (Observation.alone), so each probe asks for its whole worker; the plan after them shares the threads again."""
+    k = Linear(bytes_per_element=100, ready=False)
+    m = machine((64, 8, 10), knowledge=k)
+    first, submitted = started(m, slots=4, budget=100 * 1024, threads_per_worker=2)
+    probes = of(Submit, submitted)
+    assert probes and all(s.decision == "probe" and s.per_worker == 1 for s in probes), probes
+    k.ready = True
+    for s in probes:
+        m.handle(ChunkDone(s.id, obs(s.chunk, peak=100 * s.chunk.elements)))
+    planned = of(Submit, m.advance())
+    assert planned and all(s.decision != "probe" and s.per_worker is None for s in planned), planned
+    one_thread = machine((64, 8, 10), knowledge=Linear(bytes_per_element=100, ready=False))
+    _, submitted = started(one_thread, slots=2, budget=100 * 1024, threads_per_worker=1)
+    assert all(s.per_worker is None for s in of(Submit, submitted))

@@ -774,7 +774,18 @@ class MapMachine:
         if self.sharing.alone:
             self.submitted_alone.add(sid)
         return Submit(sid, item.chunk, item.decision, item.attempt, self.spec.label(item.chunk), extents,
-                      mean, upper, at, per_worker=self.sharing.per_worker)
+                      mean, upper, at, per_worker=self._per_worker(item))
+
+    def _per_worker(self, item: Pending) -> int | None:
+        """How many of the map's tasks may run on ``item``'s worker beside it: the map's (None: one a thread), but
+        a probe on workers of several threads runs alone. A probe is there to measure the operator, and a peak
+        read beside another task holds the other's memory or its release (:attr:`Observation.alone`): a cold
+        start's probes, run two to a worker, gave a table operator a slope it does not have and its map many
+        small chunks."""
+        if (self.sharing.per_worker is None and item.decision == PROBE and self.sharing.threads > 1
+                and self.gpu_budget_bytes is None):
+            return 1
+        return self.sharing.per_worker
 
     def _get(self, sid: int) -> Pending:
         if self.phase not in (RUNNING, FAILED):
