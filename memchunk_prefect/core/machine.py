@@ -188,7 +188,6 @@ class MapMachine:
     _slots_moved: tuple[int, int] | None = None  # (old, new) slots, until the next re-plan looks at them
     _overhead_warned: bool = False  # the many-chunks warning is said once a map, not at every re-plan
     sharing: Sharing = field(default_factory=Sharing)  # one task per thread, or one alone on each worker
-    threads_per_core: float = 1.0  # worker threads per CPU core (Start.threads_per_core)
     submitted_alone: set[int] = field(default_factory=set)  # submissions made while the map ran alone
 
     def __post_init__(self) -> None:
@@ -273,8 +272,8 @@ class MapMachine:
         self.budget_bytes = self.planned_budget = self._budget()
         self.gpu_budget_bytes = None if ev.gpu_budget_bytes is None else int(ev.gpu_budget_bytes)
         self.touched = None if ev.touched_bytes is None else {str(a): int(b) for a, b in ev.touched_bytes.items()}
-        self.sharing = Sharing(threads=max(1, int(ev.threads_per_worker)), alone_cap_bytes=ev.worker_budget_bytes)
-        self.threads_per_core = max(1.0, float(ev.threads_per_core))
+        self.sharing = Sharing(threads=max(1, int(ev.threads_per_worker)), alone_cap_bytes=ev.worker_budget_bytes,
+                               threads_per_core=max(1.0, float(ev.threads_per_core)))
         out: list[Instruction] = []
         if ev.restarted:
             out.append(self._decided(RESTART, None, f"{self.spec.output_path} is replaced: {ev.restarted}", ev.at))
@@ -734,15 +733,7 @@ class MapMachine:
         k = self.knowledge
         return Estimates(predict=self.predict, seconds_per_element=k.seconds_per_element(), seconds_for=k.seconds_for,
                          joules_for=k.joules_for, first_touch=self._first_touch(), gpu=self.gpu_limit,
-                         cores=self._cores())
-
-    def _cores(self) -> float | None:
-        """The CPU cores the map's slots run on now: the cluster's threads over its threads per core (None where
-        each thread has a core of its own). Alone on each worker, a task has its worker's threads' cores."""
-        if self.threads_per_core <= 1.0:
-            return None
-        threads = self.slots * (self.sharing.threads if self.sharing.alone else 1)
-        return threads / self.threads_per_core
+                         cores=self.sharing.cores(self.slots))
 
     def _first_touch(self) -> FirstTouch | None:
         """What growing the workers' memory past their high-water marks costs a plan now: the least touched
@@ -774,18 +765,8 @@ class MapMachine:
         if self.sharing.alone:
             self.submitted_alone.add(sid)
         return Submit(sid, item.chunk, item.decision, item.attempt, self.spec.label(item.chunk), extents,
-                      mean, upper, at, per_worker=self._per_worker(item))
-
-    def _per_worker(self, item: Pending) -> int | None:
-        """How many of the map's tasks may run on ``item``'s worker beside it: the map's (None: one a thread), but
-        a probe on workers of several threads runs alone. A probe is there to measure the operator, and a peak
-        read beside another task holds the other's memory or its release (:attr:`Observation.alone`): a cold
-        start's probes, run two to a worker, gave a table operator a slope it does not have and its map many
-        small chunks."""
-        if (self.sharing.per_worker is None and item.decision == PROBE and self.sharing.threads > 1
-                and self.gpu_budget_bytes is None):
-            return 1
-        return self.sharing.per_worker
+                      mean, upper, at,
+                      per_worker=self.sharing.per_worker_of(item.decision == PROBE and self.gpu_budget_bytes is None))
 
     def _get(self, sid: int) -> Pending:
         if self.phase not in (RUNNING, FAILED):

@@ -39,13 +39,15 @@ class Sharing:
 
     ``threads``: each worker's threads; ``alone_cap_bytes``: what one task may use alone on the tightest worker
     (:attr:`memchunk_prefect.core.budget.Budget.worker_budget_bytes`; None where not known, and then a map never
-    runs alone); ``reason``: why it runs alone, in words (empty while it does not).
+    runs alone); ``reason``: why it runs alone, in words (empty while it does not); ``threads_per_core``: how
+    many worker threads share each CPU core (:attr:`memchunk_prefect.core.budget.Budget.threads_per_core`).
     """
 
     threads: int = 1
     alone_cap_bytes: int | None = None
     per_worker: int | None = None
     reason: str = ""
+    threads_per_core: float = 1.0
 
     @property
     def alone(self) -> bool:
@@ -60,6 +62,23 @@ class Sharing:
     def slots_alone(self, slots: int) -> int:
         """The slots of a cluster of ``slots`` worker threads when each worker runs one task."""
         return max(1, int(slots) // max(1, self.threads))
+
+    def cores(self, slots: int) -> float | None:
+        """The CPU cores a map's ``slots`` run on: the cluster's threads over its threads per core (None where
+        each thread has a core of its own). Alone on each worker, a task has its worker's threads' cores."""
+        if self.threads_per_core <= 1.0:
+            return None
+        return int(slots) * (self.threads if self.alone else 1) / self.threads_per_core
+
+    def per_worker_of(self, probe: bool) -> int | None:
+        """How many of the map's tasks may run on a task's worker beside it: the map's (None: one a thread), but a
+        ``probe`` on workers of several threads runs alone. A probe is there to measure the operator, and a peak
+        read beside another task holds the other's memory or its release (``Observation.alone``): a cold start's
+        probes, run two to a worker, gave a table operator a slope it does not have and its map many small
+        chunks."""
+        if probe and self.per_worker is None and self.threads > 1:
+            return 1
+        return self.per_worker
 
     def in_flight_cap(self, slots: int, per_slot_cap: int) -> int:
         """Most chunks in flight: ``per_slot_cap`` (the settings') one per thread; alone, exactly one per worker
