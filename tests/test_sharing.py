@@ -189,3 +189,18 @@ def test_a_cold_starts_probes_on_workers_of_several_threads_run_alone_and_its_pl
     one_thread = machine((64, 8, 10), knowledge=Linear(bytes_per_element=100, ready=False))
     _, submitted = started(one_thread, slots=2, budget=100 * 1024, threads_per_worker=1)
     assert all(s.per_worker is None for s in of(Submit, submitted))
+
+
+@pytest.mark.parametrize("threads_per_core, alone", [(1.0, False), (2.0, True)])
+def test_on_threads_that_share_cores_a_plan_alone_estimated_no_longer_takes_the_whole_worker(threads_per_core, alone):
+    """A 40 MiB table fits a thread's 100 MiB share, so one task per thread can be planned; alone, a chunk has
+    200 MiB. With a core per thread, 4 chunks at once compute twice as fast as 2 and the threads are kept. With
+    the two threads of a worker on one core, the 4 chunks compute no sooner than 2 alone, and pay twice the
+    per-task overhead: the plan alone is taken, without the gain asked of it where the threads add parallelism."""
+    m = machine((64, 16, 100), knowledge=Table(table=40 * MiB, bytes_per_element=100, spread=1.0, spe=1e-5))
+    first, submitted = started(m, slots=4, budget=100 * MiB, headroom_bytes=100 * MiB, threads_per_worker=2,
+                               worker_budget_bytes=200 * MiB, threads_per_core=threads_per_core)
+    (d,) = of(Decided, first)
+    assert (m.sharing.per_worker == 1) is alone, d.record.reason
+    assert ("one task per worker" in d.record.reason) is alone, d.record.reason
+    assert all((s.per_worker == 1) is alone for s in of(Submit, submitted))

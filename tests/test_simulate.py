@@ -452,6 +452,21 @@ def test_tasks_go_to_the_least_occupied_worker_as_on_a_real_dask_cluster():
     assert len(set(real)) == len(set(simulated)) == 2
 
 
+@pytest.mark.parametrize("threads_per_core, tasks, ends", [(1.0, 4, 1.0), (2.0, 4, 2.0), (2.0, 2, 1.0)])
+def test_tasks_beyond_the_cores_share_them_and_take_as_much_longer(threads_per_core, tasks, ends):
+    """2 workers x 2 threads on 2 cores (2 threads a core): 4 tasks of 1 s of compute run at half speed and end
+    at 2 s; 2 of them have a core each. With a core per thread, 4 end at 1 s."""
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.sim.cluster import SimulatedCluster
+    from memchunk_prefect.sim.inputs import _Task
+
+    sim = SimulatedCluster(ClusterShape(workers=2, threads_per_worker=2, memory_limit_bytes=1000 * MiB,
+                                        threads_per_core=threads_per_core))
+    for sid in range(tasks):
+        sim.submit(_Task(sid, Chunk((sid, 0, 0), (sid + 1, 1, 1)), (1, 1, 1), 10 * MiB, 1.0))
+    assert [round(sim.next().at, 6) for _ in range(tasks)] == [ends] * tasks
+
+
 def test_an_operator_never_run_is_simulated_cold_from_a_stated_prior_and_flagged(tmp_path, capsys):
     from memchunk_prefect.sim.inputs import PriorKnowledge, store_models
 

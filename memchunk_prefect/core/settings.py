@@ -61,7 +61,8 @@ class PolicySettings:
     - ``alone_gain``: on workers of several threads, a map runs one task per worker
       (:mod:`memchunk_prefect.core.sharing`) when its plan so is estimated this much shorter than one task per
       thread (estimates of a plan not yet run are rough; a smallest chunk over a thread's share runs alone
-      regardless).
+      regardless). Scaled by the parallelism a worker's further threads add on its CPU cores, to none where
+      they share one (:meth:`memchunk_prefect.core.sharing.Sharing.alone_gain`).
     - ``probe_multiple``: the memory multiple (peak bytes / input bytes) assumed
       for an unknown operator when sizing probes; 100 covers the heaviest
       operator known (GST3D, about 60x), so probes fit on the first try.

@@ -7,7 +7,8 @@ finer than the worker allows. Such a map runs **alone**: one task per worker, pl
 headroom, on a cluster of ``workers`` slots instead of ``workers x t``. Threads left idle cost the map
 ``1 - 1/t`` of the cluster's compute where the operator is compute-bound; a plan that cannot run at all, or
 an out-of-memory kill, costs more. Which is cheaper is decided from the planner's estimates
-(:func:`alone_pays`, by ``PolicySettings.alone_gain``); a chunk that cannot be planned or split under a thread's
+(:func:`alone_pays`, by ``PolicySettings.alone_gain``, less where the worker's threads share CPU cores and add
+no parallelism to pay for: :meth:`Sharing.alone_gain`); a chunk that cannot be planned or split under a thread's
 share runs alone regardless.
 
 Dask itself fills every thread of a worker, so the executor says where a task may run. On a cluster whose
@@ -70,6 +71,23 @@ class Sharing:
             return None
         return int(slots) * (self.threads if self.alone else 1) / self.threads_per_core
 
+    def alone_gain(self, gain: float) -> float:
+        """The estimated gain a plan alone needs over one task per thread (``gain``: the settings'
+        ``alone_gain``), scaled by the parallelism the worker's further threads add: all of it where each thread
+        has a core, none where the worker's threads share one. Threads beyond the cores run their tasks no sooner
+        than one task per worker, so what is left between the two plans is the per-task overhead and a thread's
+        share of the memory, and a plan alone that is estimated no longer is taken.
+
+        >>> [Sharing(threads=2, threads_per_core=t).alone_gain(0.2) for t in (1.0, 2.0)]
+        [0.2, 0.0]
+        >>> round(Sharing(threads=4, threads_per_core=2.0).alone_gain(0.3), 3)
+        0.1
+        """
+        if self.threads <= 1 or self.threads_per_core <= 1.0:
+            return float(gain)
+        parallel = self.threads / self.threads_per_core  # threads of a worker that run at once on cores
+        return float(gain) * max(0.0, parallel - 1.0) / (self.threads - 1)
+
     def per_worker_of(self, probe: bool) -> int | None:
         """How many of the map's tasks may run on a task's worker beside it: the map's (None: one a thread), but a
         ``probe`` on workers of several threads runs alone. A probe is there to measure the operator, and a peak
@@ -99,13 +117,16 @@ alone on its worker has 170.0 MiB, a thread's share 80.0 MiB; "
 
 def alone_pays(per_thread_seconds: float | None, alone_seconds: float | None, gain: float = 0.2) -> bool:
     """Whether a plan that runs alone (``alone_seconds``, estimated) beats the per-thread plan
-    (``per_thread_seconds``) by more than ``gain`` of it. Unknown estimates never pay.
+    (``per_thread_seconds``) by more than ``gain`` of it (with no gain asked, matching it is enough). Unknown
+    estimates never pay.
 
-    >>> alone_pays(10.0, 7.0), alone_pays(10.0, 9.0), alone_pays(None, 1.0)
-    (True, False, False)
+    >>> alone_pays(10.0, 7.0), alone_pays(10.0, 9.0), alone_pays(None, 1.0), alone_pays(10.0, 10.0, gain=0.0)
+    (True, False, False, True)
     """
     if per_thread_seconds is None or alone_seconds is None or per_thread_seconds <= 0:
         return False
+    if gain <= 0.0:
+        return alone_seconds <= per_thread_seconds
     return alone_seconds < (1.0 - gain) * per_thread_seconds
 
 
@@ -137,7 +158,8 @@ def least_busy_worker(running: Mapping[str, int], workers: list[str]) -> str | N
 
 def choose_sharing(m: Any, make: Any) -> None:
     """Before a map machine ``m``'s first real plan: run it alone on each worker where nothing fits a thread's
-    share, or where the plan alone is estimated shorter by ``PolicySettings.alone_gain``. ``make()`` plans (a
+    share, or where the plan alone is estimated shorter by ``PolicySettings.alone_gain`` (:meth:`Sharing.alone_gain`
+    on workers whose threads share cores). ``make()`` plans (a
     decision, a plan or plans) with the machine's budget and slots as they are when it is called."""
     if not m.sharing.may_go_alone(m.cap_bytes) or m.gpu_budget_bytes is not None:
         return
@@ -159,7 +181,8 @@ def choose_sharing(m: Any, make: Any) -> None:
     except MemchunkError:
         alone = None
     t_shared, t_alone = estimated_seconds(shared), (None if alone is None else estimated_seconds(alone))
-    if alone is not None and not _is_probe(alone) and alone_pays(t_shared, t_alone, m.settings.alone_gain):
+    if alone is not None and not _is_probe(alone) and alone_pays(t_shared, t_alone,
+                                                                 m.sharing.alone_gain(m.settings.alone_gain)):
         m.sharing.reason = alone_words(
             f"its plan is estimated at {t_alone:.1f} s, one task per thread at {t_shared:.1f} s",
             m.sharing.threads, before[3], m.budget_bytes, m.slots)

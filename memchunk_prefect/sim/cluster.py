@@ -48,7 +48,10 @@ class SimulatedCluster:
     most it has held (``marks``: the most its tasks together held since the worker
     started, 0 for a fresh or restarted one) runs longer by that growth at its
     operator's learned kernel seconds per byte (``_Task.touch_seconds_per_byte``),
-    as a real worker faults that memory in. A task goes to the free worker running the fewest
+    as a real worker faults that memory in. Where the threads outnumber the CPU cores
+    (``ClusterShape.threads_per_core``), a task that starts among more running tasks than cores takes as
+    much longer (:meth:`_core_share`): the learned seconds are those of a task with a core to itself.
+    A task goes to the free worker running the fewest
     tasks, the lowest number among equals, as Dask's scheduler hands a queued task to the least
     occupied idle worker (``decide_worker_rootish_queuing_enabled`` in distributed's scheduler), so
     two tasks on two idle workers of two threads each run one per worker (kept in a heap: O(log
@@ -72,6 +75,7 @@ class SimulatedCluster:
         self.dies_at: dict[int, float] = {}  # a worker over its kill line, and when it dies
         self._events: list[tuple[float, int, int, int, int]] = []  # (time, kind, seq, task key or worker, how)
         self._live: dict[int, _Task] = {}  # task key -> task, while it runs
+        self._starting: list[tuple[_Task, bool]] = []  # placed now, not yet timed; whether it kills its worker
         self._keys = 0
         self._seq = 0
         self.busy_slot_seconds = 0.0
@@ -111,6 +115,7 @@ class SimulatedCluster:
     def wait(self, seconds: float) -> None:
         """The flow works for ``seconds`` while nothing runs (a map's own work): the clock and the makespan move,
         the slots stay held (idle)."""
+        self._settle()
         if seconds > 0:
             self.now += float(seconds)
             self.last_end = max(self.last_end, self.now)
@@ -192,8 +197,25 @@ class SimulatedCluster:
                     task.joules *= (task.seconds + grow_seconds) / task.seconds  # busy longer, at the same power
                 task.seconds += grow_seconds
                 self.marks[w] = load
-            if load > self.shape.headroom_bytes:
+            dies = load > self.shape.headroom_bytes
+            if dies:
+                self.dies_at[w] = math.inf  # due to die: nothing more lands on it (when: once its tasks are timed)
+            self._starting.append((task, dies))
+
+    def _settle(self) -> None:
+        """Time the tasks started at this instant, and their worker's death where one took it over its kill line:
+        once every task starting now is placed, so a wave of them shares the cores as one (:meth:`_core_share`)."""
+        if not self._starting:
+            return
+        share = self._core_share()
+        starting, self._starting = self._starting, []
+        for task, dies in starting:
+            if task.key not in self._live:  # ended already (its worker left at this instant)
+                continue
+            task.seconds *= share
+            if dies:
                 # The worker dies when the newest task is half way through; everything on it dies with it.
+                w = task.worker
                 die = self.now + 0.5 * task.seconds
                 self.dies_at[w] = die
                 for t in self.running[w]:
@@ -201,6 +223,16 @@ class SimulatedCluster:
                     self._push(min(die, end), _END, t.key, _KILLED if end > die else _DONE)
             else:
                 self._push(self.now + task.seconds, _END, task.key, _DONE)
+
+    def _core_share(self) -> float:
+        """How much longer a task just started runs because the tasks running now outnumber the CPU cores the
+        cluster's threads share (``ClusterShape.threads_per_core``; 1 where each thread has a core): 4 tasks on
+        2 cores each take twice their time. Read as the task starts, for the tasks running then (a wave of
+        equal tasks starts together; a task that starts as others end is charged the share it starts with)."""
+        per_core = float(self.shape.threads_per_core)
+        if per_core <= 1.0:
+            return 1.0
+        return max(1.0, len(self._live) * per_core / self.shape.slots)
 
     def _push(self, at: float, kind: int, ident: int, how: int = _DONE) -> None:
         self._seq += 1
@@ -213,6 +245,7 @@ class SimulatedCluster:
 
     def next(self) -> _Ended:
         """Advance to the next task end (or to a worker's arrival or return, when tasks wait for it)."""
+        self._settle()
         while self._events:
             at, kind, _, ident, how = heapq.heappop(self._events)
             if kind == _COME:  # a worker joined or is back from a restart: start what waits

@@ -75,8 +75,9 @@ class ClusterShape:
 
     ``threads_per_core``: worker threads per CPU core where the workers' threads outnumber their cores (4 threads
     on 2 cores: 2.0; 1.0: a core each), which the runner's plans count
-    (:func:`memchunk_prefect.core.estimates.estimate_seconds`). The simulated tasks take the time the store
-    measured, contention included where the measured runs had it.
+    (:func:`memchunk_prefect.core.estimates.estimate_seconds`) and the simulated cluster charges: a task that
+    starts among more running tasks than cores takes as much longer than the learned seconds
+    (:class:`memchunk_prefect.sim.cluster.SimulatedCluster`).
     """
 
     workers: int
