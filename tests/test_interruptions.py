@@ -239,7 +239,7 @@ def test_a_worker_ten_times_slower_is_named_in_the_summary_and_the_map_completes
 
     from memchunk_prefect.testing import Throttle
 
-    shape = (360, 50, 500)
+    shape = (240, 50, 500)
     cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
     try:
         with Client(cluster.scheduler_address) as c:
