@@ -513,7 +513,43 @@ def test_a_time_curve_that_falls_at_the_smallest_block_is_noise_and_the_line_is_
         ext = (1, 1, e)
         m.learn(Observation(KEY, e, ext, 4 * e, int(5 * MIB + 16 * e), seconds=secs))
     assert m.time_form() == "linear"
-    assert m.seconds_for(1_843_200) is None
+    # No curve; the rates fall with size (first-call costs on the small blocks), so a block is planned at the
+    # rate of the runs nearest its size, and smaller chunks never read cheaper per element.
+    assert m.time.rates_fall()
+    assert m.seconds_for(1_843_200) == pytest.approx(0.1843 / 1_603_200 * 1_843_200)
+    assert m.seconds_for(240_000) / 240_000 > m.seconds_for(801_600) / 801_600
+
+
+def test_rates_that_fall_with_size_plan_a_block_at_the_rate_of_the_runs_nearest_its_size():
+    """A table operator's cold map on the workload family (one store's rows: elements, extents, wall and kernel
+    seconds, bytes the run grew its worker, peak): each task pays a fixed cost that weighs on the small probes.
+    The warm run's two chunks of 636,000 elements then took 0.30-0.38 s of compute; the median rate over all
+    runs read 1.43 s, and the simulator predicted the warm run twice as long as it ran."""
+    rows = [(62100, (18, 23, 150), 0.629, 0.347, 222449664, 222449664),
+            (70200, (18, 26, 150), 0.698, 0.313, 222580736, 222580736),
+            (62100, (18, 23, 150), 0.14, 0.056, 4165632, 202854400),
+            (70200, (18, 26, 150), 0.144, 0.043, 2764800, 202784768),
+            (34500, (10, 23, 150), 0.079, 0.024, 2437120, 202125312),
+            (39000, (10, 26, 150), 0.07, 0.023, 1486848, 202137600),
+            (39000, (10, 26, 150), 0.137, 0.022, 565248, 202145792),
+            (34500, (10, 23, 150), 0.085, 0.02, 143360, 202076160),
+            (174150, (27, 43, 150), 0.08, 0.029, 2199552, 203743232),
+            (174150, (27, 43, 150), 0.09, 0.023, 2285568, 203796480),
+            (406350, (63, 43, 150), 0.106, 0.034, 2883584, 206573568),
+            (406350, (63, 43, 150), 0.168, 0.034, 135168, 206581760)]
+    m = OperatorModel(KEY)
+    for e, ext, secs, sys_secs, grew, peak in rows:
+        m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+    assert m.time_form() == "linear" and m.time.rates_fall()
+    assert m.seconds_per_element() * 636_000 > 1.4  # the median over every size: the probes'
+    assert 0.2 < m.seconds_for(636_000) < 0.4  # the 406,350-element runs' rate, the nearest size
+    assert m.seconds_for(636_000) == pytest.approx(0.168 / 406_350 * 636_000)
+    assert m.time.nearest_rate(36_000) == pytest.approx(0.085 / 34_500)  # 34,500 and 39,000: one size apart
+    # Rates about flat leave time proportional to size: the median rate plans it.
+    flat = OperatorModel(KEY)
+    for e, ext, secs, sys_secs, grew, peak in rows[8:]:
+        flat.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=1e-6 * e, sys_seconds=sys_secs, grew_bytes=grew))
+    assert not flat.time.rates_fall() and flat.seconds_for(636_000) is None
 
 
 def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
@@ -532,7 +568,12 @@ def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
     for e, ext, secs, sys_secs, grew, peak in rows:
         m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
     assert not m.rates_rise() and not m.curve_supported()  # 343,200 -> 3,891,200: an 11x gap
-    assert m.time_form() == "linear" and m.seconds_for(2_252_800) is None
+    assert m.time_form() == "linear" and m.time.rates_fall()
+    # Planned at the large chunks' own rate (the nearer size; the probes' rate is 25% higher), not a median rate
+    # the probes' four runs decide.
+    large_rate = max(10.387 - 2.140, 9.548 - 1.985) / 3_891_200  # first touches: wall less kernel seconds
+    assert m.seconds_for(2_252_800) == pytest.approx(large_rate * 2_252_800)
+    assert m.seconds_per_element() > 1.1 * large_rate
     curved = OperatorModel(KEY)  # the same rows, the rates left unchecked: what the planner was told
     for e, ext, secs, sys_secs, grew, peak in rows:
         curved.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
@@ -634,7 +675,8 @@ def test_rates_that_rise_between_two_clusters_of_sizes_are_a_curve_once_the_cons
     falling = [(e, ext, secs * 0.3, sys_secs * 0.3, grew, peak) if e > 300_000 else (e, ext, secs, sys_secs, grew, peak)
                for e, ext, secs, sys_secs, grew, peak in rows]  # rates 0.8x the probes'
     assert taught(falling).rate_ratio() < 1
-    assert taught(falling).time_form() == "linear" and taught(falling).seconds_for(940_900) is None
+    assert taught(falling).time_form() == "linear" and taught(falling).time.rates_fall()
+    assert taught(falling).seconds_for(940_900) / 940_900 < 0.9 * taught(falling).seconds_for(232_800) / 232_800
     # One run per cluster: two runs, fewer than a curve needs (p + 2) for leave-one-out to choose it.
     assert taught([rows[0], rows[4]]).time_form() == "linear"
     # Rates that rise faster than a square (10x over a 3.6x step in size) read as the steepest form, the

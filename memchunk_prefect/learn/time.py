@@ -45,7 +45,10 @@ class TimeModel:
     forms as memory (:mod:`memchunk_prefect.learn.forms`), fitted on relative
     residuals of seconds with every constant held at 0 or above, and a curve
     counted only where the runs support it (:meth:`time_form`,
-    :meth:`time_curve_weight`).
+    :meth:`time_curve_weight`). Where the rates fall with size (a per-block cost
+    weighs on small blocks: :meth:`rates_fall`), a block is planned at the median
+    rate of the runs nearest its size (:meth:`nearest_rate`), not at a median
+    over all sizes, which a cold start's small probes would pull up.
 
     *First touch.* A run that took its worker well above the most it had held
     (``Observation.grew_bytes`` over ``first_touch_bytes`` and ``first_touch_share``
@@ -110,6 +113,7 @@ class TimeModel:
         self._sizes: set[int] = set()  # block sizes the forms learned, elements
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
+        self._nearest: dict[int, float | None] = {}  # seconds_for's rate by block size, until the forms learn a run
         self._rates: deque[float] = deque(maxlen=RATE_HISTORY)  # compute seconds per element of ok runs
         self._first_touch_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # first touches of unknown kernel time
         self._touch_costs: deque[tuple[float, float, int]] = deque(maxlen=RATE_HISTORY)  # (sys s, grew B, elements)
@@ -136,6 +140,7 @@ class TimeModel:
             self._sizes.add(obs.elements)
             self._runs.append((int(obs.elements), seconds))
             self._memo = None
+            self._nearest.clear()
 
     # ------------------------------------------------------------------ first touch
 
@@ -306,6 +311,29 @@ class TimeModel:
         ratio = self.rate_ratio()
         return ratio is not None and ratio > 1.0 + self.time_curve_margin
 
+    def rates_fall(self) -> bool:
+        """True when :meth:`rate_ratio` is below ``1 / (1 + time_curve_margin)``: the largest blocks cost less per
+        element than the smallest, by as much as :meth:`rates_rise` asks of a rise."""
+        ratio = self.rate_ratio()
+        return ratio is not None and ratio * (1.0 + self.time_curve_margin) < 1.0
+
+    def nearest_rate(self, elements: int, window: int | None = None) -> float | None:
+        """Compute seconds per element of the runs nearest ``elements`` in size: of the sizes timed, the nearest
+        (by ratio), and the latest ``window`` runs (default ``time_window``) within ``min_size_ratio`` of it, their
+        median (the upper middle value for an even count, as :meth:`seconds_per_element`). None before any run.
+
+        A cold start's probes are small and pay each task's fixed costs over few elements; a warm run's chunks
+        are 10-20x larger. Over the runs of both, the median rate is the probes' and read the warm chunks
+        2-4x slower than they ran on the workload family's table operators (``python -m benchmarks.sim_validation``).
+        """
+        if not self._runs or elements <= 0:
+            return None
+        nearest = min({e for e, _ in self._runs}, key=lambda e: abs(math.log(e / elements)))
+        near = [s / e for e, s in self._runs if max(e, nearest) <= self.min_size_ratio * min(e, nearest)]
+        window = self.time_window if window is None else window
+        rates = sorted(near[-max(1, int(window)):])
+        return rates[len(rates) // 2]
+
     def rate_ratio(self) -> float | None:
         """The median measured seconds per element of the largest blocks (within ``min_size_ratio`` of the
         largest size) over the smallest blocks'; None before two sizes that far apart were timed. Above 1:
@@ -313,16 +341,23 @@ class TimeModel:
         return _rate_ratio(self._runs, self.min_size_ratio)
 
     def seconds_for(self, elements: int) -> float | None:
-        """Compute seconds for a block of ``elements`` (halo included) when time grows faster than its size.
+        """Compute seconds for a block of ``elements`` (halo included) where time is not proportional to its size.
 
-        None while no curve counts: then time is proportional to size and the
-        planner uses :meth:`seconds_per_element`. Where a curve counts only in
-        part (:meth:`time_curve_weight`), the rest is the fitted line held at no
-        constant it was weighed against.
+        Where a curve counts (time grows faster than size), its fitted seconds;
+        where it counts only in part (:meth:`time_curve_weight`), the rest is the
+        fitted line held at no constant it was weighed against. Where no curve
+        counts and the rates fall with size (:meth:`rates_fall`), ``elements`` x
+        the rate of the runs nearest its size (:meth:`nearest_rate`). None
+        otherwise: time is proportional to size and the planner uses
+        :meth:`seconds_per_element`.
         """
         weight, curve = self.time_curve_weight()
         if curve is None or weight <= 0.0:
-            return None
+            elements = int(elements)
+            if elements not in self._nearest:  # asked once per candidate plan
+                self._nearest[elements] = self.nearest_rate(elements) if self.rates_fall() else None
+            rate = self._nearest[elements]
+            return None if rate is None else rate * elements
         u = int(elements) / MIB
         seconds = max(0.0, self._mean(curve, u))
         return seconds if weight >= 1.0 else weight * seconds + (1.0 - weight) * max(0.0, self._mean(LINEAR, u))
