@@ -513,14 +513,14 @@ def test_a_time_curve_that_falls_at_the_smallest_block_is_noise_and_the_line_is_
         ext = (1, 1, e)
         m.learn(Observation(KEY, e, ext, 4 * e, int(5 * MIB + 16 * e), seconds=secs))
     assert m.time_form() == "linear"
-    # No curve; the rates fall with size (first-call costs on the small blocks), so a block is planned at the
-    # rate of the runs nearest its size, and smaller chunks never read cheaper per element.
+    # No curve; the rates fall with size (first-call costs on the small blocks), so a block is planned on the line
+    # between the smallest and the largest blocks timed, and smaller chunks never read cheaper per element.
     assert m.time.rates_fall()
     assert m.seconds_for(1_843_200) == pytest.approx(0.1843 / 1_603_200 * 1_843_200)
     assert m.seconds_for(240_000) / 240_000 > m.seconds_for(801_600) / 801_600
 
 
-def test_rates_that_fall_with_size_plan_a_block_at_the_rate_of_the_runs_nearest_its_size():
+def test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest_and_largest_blocks():
     """A table operator's cold map on the workload family (one store's rows: elements, extents, wall and kernel
     seconds, bytes the run grew its worker, peak): each task pays a fixed cost that weighs on the small probes.
     The warm run's two chunks of 636,000 elements then took 0.30-0.38 s of compute; the median rate over all
@@ -542,9 +542,15 @@ def test_rates_that_fall_with_size_plan_a_block_at_the_rate_of_the_runs_nearest_
         m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
     assert m.time_form() == "linear" and m.time.rates_fall()
     assert m.seconds_per_element() * 636_000 > 1.4  # the median over every size: the probes'
-    assert 0.2 < m.seconds_for(636_000) < 0.4  # the 406,350-element runs' rate, the nearest size
+    assert 0.2 < m.seconds_for(636_000) < 0.4  # beyond the largest size: the 406,350-element runs' rate
     assert m.seconds_for(636_000) == pytest.approx(0.168 / 406_350 * 636_000)
-    assert m.time.nearest_rate(36_000) == pytest.approx(0.085 / 34_500)  # 34,500 and 39,000: one size apart
+    small = 0.085 / 34_500  # the upper middle rate of the four runs of 34,500 and 39,000 elements
+    assert m.seconds_for(30_000) == pytest.approx(small * 30_000)
+    assert m.seconds_for(220_425) == pytest.approx((small * 34_500 + 0.168) / 2)  # half way: half of each end
+    sizes = range(20_000, 800_000, 20_000)
+    seconds = [m.seconds_for(e) for e in sizes]
+    assert all(b >= a for a, b in zip(seconds, seconds[1:]))  # a larger block never reads faster
+    assert all(b / eb <= a / ea * (1 + 1e-12) for a, b, ea, eb in zip(seconds, seconds[1:], sizes, sizes[1:]))
     # Rates about flat leave time proportional to size: the median rate plans it.
     flat = OperatorModel(KEY)
     for e, ext, secs, sys_secs, grew, peak in rows[8:]:
@@ -572,8 +578,9 @@ def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
     # Planned at the large chunks' own rate (the nearer size; the probes' rate is 25% higher), not a median rate
     # the probes' four runs decide.
     large_rate = max(10.387 - 2.140, 9.548 - 1.985) / 3_891_200  # first touches: wall less kernel seconds
-    assert m.seconds_for(2_252_800) == pytest.approx(large_rate * 2_252_800)
+    assert m.seconds_for(3_891_200) == pytest.approx(large_rate * 3_891_200)
     assert m.seconds_per_element() > 1.1 * large_rate
+    assert large_rate < m.seconds_for(2_252_800) / 2_252_800 < m.seconds_per_element()
     curved = OperatorModel(KEY)  # the same rows, the rates left unchecked: what the planner was told
     for e, ext, secs, sys_secs, grew, peak in rows:
         curved.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))

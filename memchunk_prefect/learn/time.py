@@ -46,9 +46,9 @@ class TimeModel:
     residuals of seconds with every constant held at 0 or above, and a curve
     counted only where the runs support it (:meth:`time_form`,
     :meth:`time_curve_weight`). Where the rates fall with size (a per-block cost
-    weighs on small blocks: :meth:`rates_fall`), a block is planned at the median
-    rate of the runs nearest its size (:meth:`nearest_rate`), not at a median
-    over all sizes, which a cold start's small probes would pull up.
+    weighs on small blocks: :meth:`rates_fall`), a block is planned on the line
+    between the smallest and the largest blocks timed (:meth:`falling_seconds`),
+    not at a median rate over all sizes, which a cold start's small probes pull up.
 
     *First touch.* A run that took its worker well above the most it had held
     (``Observation.grew_bytes`` over ``first_touch_bytes`` and ``first_touch_share``
@@ -113,7 +113,7 @@ class TimeModel:
         self._sizes: set[int] = set()  # block sizes the forms learned, elements
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
-        self._nearest: dict[int, float | None] = {}  # seconds_for's rate by block size, until the forms learn a run
+        self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
         self._rates: deque[float] = deque(maxlen=RATE_HISTORY)  # compute seconds per element of ok runs
         self._first_touch_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # first touches of unknown kernel time
         self._touch_costs: deque[tuple[float, float, int]] = deque(maxlen=RATE_HISTORY)  # (sys s, grew B, elements)
@@ -140,7 +140,7 @@ class TimeModel:
             self._sizes.add(obs.elements)
             self._runs.append((int(obs.elements), seconds))
             self._memo = None
-            self._nearest.clear()
+            self._falling.clear()
 
     # ------------------------------------------------------------------ first touch
 
@@ -317,22 +317,39 @@ class TimeModel:
         ratio = self.rate_ratio()
         return ratio is not None and ratio * (1.0 + self.time_curve_margin) < 1.0
 
-    def nearest_rate(self, elements: int, window: int | None = None) -> float | None:
-        """Compute seconds per element of the runs nearest ``elements`` in size: of the sizes timed, the nearest
-        (by ratio), and the latest ``window`` runs (default ``time_window``) within ``min_size_ratio`` of it, their
-        median (the upper middle value for an even count, as :meth:`seconds_per_element`). None before any run.
+    def falling_seconds(self, elements: int, window: int | None = None) -> float | None:
+        """Compute seconds of a block of ``elements`` (halo included) from the smallest and largest blocks timed,
+        for rates that fall with size (:meth:`rates_fall`). None before two sizes ``min_size_ratio`` apart.
+
+        Each end's rate is the median (the upper middle value for an even count, as :meth:`seconds_per_element`)
+        of its latest ``window`` runs (default ``time_window``) within ``min_size_ratio`` of its size. A block
+        at or below the smallest size takes the small blocks' rate, at or above the largest the large blocks'
+        rate, and in between, the seconds on the line between the two ends: a fixed cost per block and a cost
+        per element. The largest end never takes less than the smallest, so a larger block never reads faster
+        and the line's rate only falls with size: between two plans, the one of fewer, larger chunks reads no
+        costlier per element, whatever the noise of sizes between the ends.
 
         A cold start's probes are small and pay each task's fixed costs over few elements; a warm run's chunks
         are 10-20x larger. Over the runs of both, the median rate is the probes' and read the warm chunks
         2-4x slower than they ran on the workload family's table operators (``python -m benchmarks.sim_validation``).
         """
-        if not self._runs or elements <= 0:
+        runs = list(self._runs)
+        if not runs or elements <= 0:
             return None
-        nearest = min({e for e, _ in self._runs}, key=lambda e: abs(math.log(e / elements)))
-        near = [s / e for e, s in self._runs if max(e, nearest) <= self.min_size_ratio * min(e, nearest)]
-        window = self.time_window if window is None else window
-        rates = sorted(near[-max(1, int(window)):])
-        return rates[len(rates) // 2]
+        lo, hi = min(e for e, _ in runs), max(e for e, _ in runs)
+        if hi < self.min_size_ratio * lo:
+            return None
+        window = max(1, int(self.time_window if window is None else window))
+        small = sorted([s / e for e, s in runs if e <= self.min_size_ratio * lo][-window:])
+        large = sorted([s / e for e, s in runs if e * self.min_size_ratio >= hi][-window:])
+        at_lo = small[len(small) // 2] * lo
+        at_hi = max(large[len(large) // 2] * hi, at_lo)
+        e = int(elements)
+        if e <= lo:
+            return at_lo * e / lo
+        if e >= hi:
+            return at_hi * e / hi
+        return at_lo + (at_hi - at_lo) * (e - lo) / (hi - lo)
 
     def rate_ratio(self) -> float | None:
         """The median measured seconds per element of the largest blocks (within ``min_size_ratio`` of the
@@ -346,18 +363,17 @@ class TimeModel:
         Where a curve counts (time grows faster than size), its fitted seconds;
         where it counts only in part (:meth:`time_curve_weight`), the rest is the
         fitted line held at no constant it was weighed against. Where no curve
-        counts and the rates fall with size (:meth:`rates_fall`), ``elements`` x
-        the rate of the runs nearest its size (:meth:`nearest_rate`). None
+        counts and the rates fall with size (:meth:`rates_fall`), the line between
+        the smallest and the largest blocks timed (:meth:`falling_seconds`). None
         otherwise: time is proportional to size and the planner uses
         :meth:`seconds_per_element`.
         """
         weight, curve = self.time_curve_weight()
         if curve is None or weight <= 0.0:
             elements = int(elements)
-            if elements not in self._nearest:  # asked once per candidate plan
-                self._nearest[elements] = self.nearest_rate(elements) if self.rates_fall() else None
-            rate = self._nearest[elements]
-            return None if rate is None else rate * elements
+            if elements not in self._falling:  # asked once per candidate plan
+                self._falling[elements] = self.falling_seconds(elements) if self.rates_fall() else None
+            return self._falling[elements]
         u = int(elements) / MIB
         seconds = max(0.0, self._mean(curve, u))
         return seconds if weight >= 1.0 else weight * seconds + (1.0 - weight) * max(0.0, self._mean(LINEAR, u))
