@@ -41,6 +41,14 @@ def obs(extents, peak, *, outcome="ok", censored=False, key=KEY):
     return Observation(key, e, extents, 4 * e, int(peak), outcome=outcome, censored=censored)
 
 
+def timed(rows, key=KEY, **options):
+    """A model taught a store's timed rows: (elements, extents, wall s, kernel s, bytes grown, peak bytes)."""
+    m = OperatorModel(key, **options)
+    for e, ext, secs, sys_secs, grew, peak in rows:
+        m.learn(Observation(key, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+    return m
+
+
 def elements(ext):
     return ext[0] * ext[1] * ext[2]
 
@@ -537,9 +545,7 @@ def test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest
             (174150, (27, 43, 150), 0.09, 0.023, 2285568, 203796480),
             (406350, (63, 43, 150), 0.106, 0.034, 2883584, 206573568),
             (406350, (63, 43, 150), 0.168, 0.034, 135168, 206581760)]
-    m = OperatorModel(KEY)
-    for e, ext, secs, sys_secs, grew, peak in rows:
-        m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+    m = timed(rows)
     assert m.time_form() == "linear" and m.time.rates_fall()
     assert m.seconds_per_element() * 636_000 > 1.4  # the median over every size: the probes'
     assert 0.2 < m.seconds_for(636_000) < 0.4  # beyond the largest size: the 406,350-element runs' rate
@@ -552,9 +558,7 @@ def test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest
     assert all(b >= a for a, b in zip(seconds, seconds[1:]))  # a larger block never reads faster
     assert all(b / eb <= a / ea * (1 + 1e-12) for a, b, ea, eb in zip(seconds, seconds[1:], sizes, sizes[1:]))
     # Rates about flat leave time proportional to size: the median rate plans it.
-    flat = OperatorModel(KEY)
-    for e, ext, secs, sys_secs, grew, peak in rows[8:]:
-        flat.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=1e-6 * e, sys_seconds=sys_secs, grew_bytes=grew))
+    flat = timed([(e, ext, 1e-6 * e, sys_secs, grew, peak) for e, ext, _, sys_secs, grew, peak in rows[8:]])
     assert not flat.time.rates_fall() and flat.seconds_for(636_000) is None
 
 
@@ -570,20 +574,16 @@ def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
             (280_800, (13, 54, 400), 0.684, 0.131, 7_454_720, 48_132_096),
             (3_891_200, (128, 76, 400), 9.548, 1.985, 621_813_760, 669_335_552),
             (3_891_200, (128, 76, 400), 10.387, 2.140, 611_237_888, 669_450_240)]
-    m = OperatorModel(KEY)
-    for e, ext, secs, sys_secs, grew, peak in rows:
-        m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+    m = timed(rows)
     assert not m.rates_rise() and not m.curve_supported()  # 343,200 -> 3,891,200: an 11x gap
     assert m.time_form() == "linear" and m.time.rates_fall()
-    # Planned at the large chunks' own rate (the nearer size; the probes' rate is 25% higher), not a median rate
-    # the probes' four runs decide.
+    # Planned on the line from the probes' rate to the large chunks' own (25% lower), not at a median rate the
+    # probes' four runs decide: 2 chunks of 3,891,200 read cheaper per element than 4 of half that.
     large_rate = max(10.387 - 2.140, 9.548 - 1.985) / 3_891_200  # first touches: wall less kernel seconds
     assert m.seconds_for(3_891_200) == pytest.approx(large_rate * 3_891_200)
     assert m.seconds_per_element() > 1.1 * large_rate
     assert large_rate < m.seconds_for(2_252_800) / 2_252_800 < m.seconds_per_element()
-    curved = OperatorModel(KEY)  # the same rows, the rates left unchecked: what the planner was told
-    for e, ext, secs, sys_secs, grew, peak in rows:
-        curved.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+    curved = timed(rows)  # the same rows, the rates left unchecked: what the planner was told
     curved.time.curve_supported = lambda: True  # type: ignore[method-assign]
     assert curved.time_form() == "quadratic"
     assert curved.seconds_for(2_252_800) < 0.7 * 2_252_800 / 3_891_200 * curved.seconds_for(3_891_200)
@@ -658,10 +658,7 @@ def test_rates_that_rise_between_two_clusters_of_sizes_are_a_curve_once_the_cons
     key = "trace_correlation|float32|cpu"
 
     def taught(rows: list) -> OperatorModel:
-        m = OperatorModel(key)
-        for e, ext, secs, sys_secs, grew, peak in rows:
-            m.learn(Observation(key, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
-        return m
+        return timed(rows, key)
 
     m = taught(rows)
     fits = m.time_fits([100])
