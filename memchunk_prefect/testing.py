@@ -131,14 +131,16 @@ def breaks_gpu_context(block, marker: str = "", always: bool = False, device: st
 
 
 def seed_store(store, key: str, bytes_per_element: float, *, sizes=(20_000, 50_000, 100_000, 200_000, 400_000),
-               fixed_bytes: int = 0, traces_of: int = 100) -> None:
-    """Add one observation per size claiming ``fixed_bytes + bytes_per_element x elements``."""
+               fixed_bytes: int = 0, traces_of: int = 100, seconds_per_element: float = 1e-7) -> None:
+    """Add one observation per size claiming ``fixed_bytes + bytes_per_element x elements`` of memory and
+    ``seconds_per_element x elements`` of time (proportional to size, so the seeded rows say nothing of a cost per
+    block: the planner reads their time at the median rate)."""
     for n in sizes:
         traces = max(1, n // traces_of)
         store.add(Observation(operator_key=key, elements=traces * traces_of, extents=(1, traces, traces_of),
                               bytes_in=traces * traces_of * ITEMSIZE,
                               peak_bytes=int(fixed_bytes + bytes_per_element * traces * traces_of),
-                              seconds=0.01, outcome="ok", method="seeded"))
+                              seconds=seconds_per_element * traces * traces_of, outcome="ok", method="seeded"))
 
 
 def dask_cli(command: str) -> list[str]:
