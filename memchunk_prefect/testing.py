@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from memchunk_prefect.core.records import Observation
-from memchunk_prefect.core.settings import ITEMSIZE
+from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE
 from memchunk_prefect.operators.device import backend
 from memchunk_prefect.operators.spec import operator
 
@@ -131,10 +131,11 @@ def breaks_gpu_context(block, marker: str = "", always: bool = False, device: st
 
 
 def seed_store(store, key: str, bytes_per_element: float, *, sizes=(20_000, 50_000, 100_000, 200_000, 400_000),
-               fixed_bytes: int = 0, traces_of: int = 100, seconds_per_element: float = 1e-7) -> None:
+               fixed_bytes: int = 0, traces_of: int = 100,
+               seconds_per_element: float = DEFAULT_SETTINGS.seconds_per_element) -> None:
     """Add one observation per size claiming ``fixed_bytes + bytes_per_element x elements`` of memory and
-    ``seconds_per_element x elements`` of time (proportional to size, so the seeded rows say nothing of a cost per
-    block: the planner reads their time at the median rate)."""
+    ``seconds_per_element x elements`` of time (the settings' default rate; proportional to size, so the seeded
+    rows say nothing of a cost per block: the planner reads their time at the median rate)."""
     for n in sizes:
         traces = max(1, n // traces_of)
         store.add(Observation(operator_key=key, elements=traces * traces_of, extents=(1, traces, traces_of),
