@@ -330,7 +330,7 @@ class TimeModel:
         costlier per element, whatever the noise of sizes between the ends.
 
         A cold start's probes are small and pay each task's fixed costs over few elements; a warm run's chunks
-        are 10-20x larger. Over the runs of both, the median rate is the probes' and read the warm chunks 4-9x
+        are 10-20x larger. Over the runs of both, the median rate is the probes' and read the warm chunks 3.7-9x
         slower than they ran on the workload family's two table operators (one of them pinned by
         ``test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest_and_largest_blocks``).
         """
