@@ -19,7 +19,9 @@ them; static and split: from the first step's start to the last step's end), whe
 (workers killed or ``MemoryError`` s) and chunks per step, beside the prediction's median makespan, the share
 of simulated runs that failed, mean kills and median chunks per step.
 
-Also measured: the seconds a worker killed by its nanny is away before its new process runs a task like the
+Also measured: what a plain Prefect task costs on each workload's cluster beyond its work
+(:func:`measure_plain_tasks`: the static flow's tasks, returning at once; the static and split predictions use it
+in place of the simulator's stated ``per_task_overhead_seconds``), the seconds a worker killed by its nanny is away before its new process runs a task like the
 runner's (:func:`measure_restart`, beside the simulator's default
 :data:`memchunk_prefect.sim.inputs.RESTART_SECONDS`; the predictions use the figure measured here), and the
 seconds a 1,000-worker simulation of a recorded flow run takes, in this process and end to end as
@@ -154,13 +156,35 @@ def real_makespan(store: str, flow_run_id: str) -> float | None:
     return max(m.ended_at for m in maps) - min(m.started_at for m in maps) if maps else None
 
 
+def measure_plain_tasks(w: Workload, source: str, work: Path, env: dict[str, str], timeout: float,
+                        tasks: int = 32) -> dict[str, Any]:
+    """What a plain Prefect task costs on the workload's cluster beyond its work: ``static-N``'s flow with
+    ``tasks`` slabs per step, on a fresh cluster in a fresh process (:mod:`benchmarks.family.child`'s
+    ``empty-N``), every task returning at once. ``task_seconds``: the median over the steps of a step's seconds
+    times its busy slots over its tasks (slot seconds per task, as the simulator's ``per_task_overhead_seconds``
+    counts them); None where the run failed."""
+    from benchmarks.family.__main__ import run_child
+
+    out_dir = str(work / "out" / f"{w.name}-empty")
+    r = run_child({"workload": w.to_dict(), "strategy": f"empty-{tasks}", "source": source,
+                   "store": str(work / "unused.sqlite"), "out_dir": out_dir}, env, timeout)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    steps = r.get("steps_seconds") or []
+    slots = min(w.workers * w.threads, tasks)
+    return {"tasks": tasks, "slots": slots, "steps_seconds": steps, "failed": r.get("failed"),
+            "task_seconds": statistics.median(t * slots / tasks for t in steps) if steps else None}
+
+
 def predict(store: str, flow_run: str, w: Workload, strategy: str, *, runs: int, restart: float | None,
-            cold: bool = False, seed: int = 0) -> dict[str, Any]:
+            cold: bool = False, seed: int = 0, task_seconds: float | None = None) -> dict[str, Any]:
     """The simulator's prediction of one strategy's run of ``flow_run``'s steps on the workload's survey and
-    cluster, from ``store``."""
+    cluster, from ``store``; ``task_seconds``: a plain task's cost measured on that cluster
+    (:func:`measure_plain_tasks`; None: the simulator's stated figure), for the plain flows (static, split)."""
     from memchunk_prefect.sim import from_flow_run
 
     kw: dict[str, Any] = {"restart_seconds": restart} if restart is not None else {}
+    if task_seconds is not None and strategy != "memchunk":
+        kw["per_task_overhead_seconds"] = task_seconds
     # The real runs' workers share this machine's cores: the runner's plans count that (Budget.threads_per_core).
     threads = w.workers * w.threads
     kw["threads_per_core"] = max(1.0, threads / min(threads, len(os.sched_getaffinity(0))))
@@ -170,6 +194,7 @@ def predict(store: str, flow_run: str, w: Workload, strategy: str, *, runs: int,
                          runs=runs, seed=seed, cold=cold, **kw)
     s = plan.summary()
     return {"makespan_p50": s.makespan_p50, "makespan_p90": s.makespan_p90,
+            "per_task_overhead_seconds": plan.cluster.per_task_overhead_seconds,
             "failed_fraction": 1.0 - s.completed / s.runs, "kills_mean": s.out_of_memory_mean,
             "chunks": s.chunks_per_map, "failure": s.failure, "runs": s.runs,
             "simulation_seconds": time.perf_counter() - t}
@@ -189,8 +214,9 @@ def compare(real: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int], warm: int, runs: int,
-                 restart: float | None, timeout: float) -> list[dict[str, Any]]:
-    """Every real run of one workload beside its prediction (see the module docstring)."""
+                 restart: float | None, timeout: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Every real run of one workload beside its prediction (see the module docstring), and what a plain task
+    cost on its cluster (:func:`measure_plain_tasks`)."""
     from benchmarks.family.__main__ import make_source, run_child
 
     source = make_source(w, work)
@@ -226,19 +252,22 @@ def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int
         print(f"  memchunk cold did not finish ({cold.get('failed')}): nothing recorded to predict from", flush=True)
         rows.append({"workload": w.name, "kind": "memchunk cold", "strategy": "memchunk", "real": cold,
                      "predicted": None, "error": None, "outcome_predicted": None})
-        return rows
+        return rows, {}
     flow_run = cold["flow_run_id"]
     row("memchunk cold", "memchunk", cold, predict(store, flow_run, w, "memchunk", runs=runs, restart=restart,
                                                    cold=True))
     after_cold = snapshot(store, _after_cold(work, w))
+    plain = measure_plain_tasks(w, source, work, env, timeout)
+    print(f"  a plain task: {_s(plain['task_seconds'])} of a slot ({plain['tasks']} empty tasks a step on "
+          f"{plain['slots']} slots: {', '.join(f'{t:.2f}' for t in plain['steps_seconds'])} s)", flush=True)
     for strategy in [f"static-{n}" for n in statics] + ["split"]:
         row(strategy, strategy, child(strategy), predict(after_cold, flow_run, w, strategy, runs=runs,
-                                                         restart=restart))
+                                                         restart=restart, task_seconds=plain["task_seconds"]))
     for k in range(warm):
         before = snapshot(store, _before_warm(work, w, k))
         pred = predict(before, "latest", w, "memchunk", runs=runs, restart=restart)
         row("memchunk warm", "memchunk", child("memchunk"), pred)
-    return rows
+    return rows, plain
 
 
 def _after_cold(work: Path, w: Workload) -> Path:
@@ -255,6 +284,7 @@ def replay(doc: dict[str, Any], work: Path, runs: int) -> list[dict[str, Any]]:
     taken before it."""
     workloads = {d["name"]: Workload.from_dict(d) for d in doc["workloads"]}
     restart = (doc.get("restart") or {}).get("first_task_seconds")
+    plain = doc.get("plain_tasks") or {}
     out: list[dict[str, Any]] = []
     warm: dict[str, int] = {}
     cold_run: dict[str, str] = {}
@@ -271,7 +301,8 @@ def replay(doc: dict[str, Any], work: Path, runs: int) -> list[dict[str, Any]]:
             k = warm[w.name] = warm.get(w.name, -1) + 1
             pred = predict(str(_before_warm(work, w, k)), "latest", w, "memchunk", runs=runs, restart=restart)
         else:
-            pred = predict(str(_after_cold(work, w)), cold_run[w.name], w, r["strategy"], runs=runs, restart=restart)
+            pred = predict(str(_after_cold(work, w)), cold_run[w.name], w, r["strategy"], runs=runs, restart=restart,
+                           task_seconds=(plain.get(w.name) or {}).get("task_seconds"))
         out.append({**r, "predicted": pred, **compare(r["real"], pred)})
     return out
 
@@ -310,8 +341,9 @@ def thousand_workers(store: str, flow_run: str, samples: int, work: Path, env: d
 
 
 def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
-              scale: dict[str, Any] | None) -> dict[str, Any]:
+              scale: dict[str, Any] | None, plain: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The error distribution over every row, per strategy kind, and each target's verdict."""
+    from memchunk_prefect.core.settings import DEFAULT_SETTINGS
     from memchunk_prefect.sim.inputs import RESTART_SECONDS
 
     errors = [abs(r["error"]) for r in rows if r["error"] is not None]
@@ -336,6 +368,8 @@ def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
         "kills_predicted": sum(r["predicted"]["kills_mean"] for r in rows if r["predicted"] is not None),
         "restart_default_seconds": RESTART_SECONDS,
         "restart_measured_seconds": restart["first_task_seconds"] if restart else None,
+        "plain_task_default_seconds": DEFAULT_SETTINGS.per_task_overhead_seconds,
+        "plain_task_measured_seconds": {name: m.get("task_seconds") for name, m in (plain or {}).items()},
         "thousand_workers_seconds": scale["seconds"] if scale else None,
         "thousand_workers_end_to_end_seconds": scale["end_to_end_seconds"] if scale else None,
     }
@@ -390,6 +424,10 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             f"{s['kills_predicted']:.2f} predicted (sum of means)",
             f"restart of a killed worker: the simulator's default {s['restart_default_seconds']:g} s, measured here "
             f"{_s(s['restart_measured_seconds']).strip()} to a task like the runner's (used in the predictions)",
+            f"a plain Prefect task (static, split): the simulator's default {s['plain_task_default_seconds']:g} s of a "
+            "slot, measured on each workload's cluster (used in the predictions): "
+            + (", ".join(f"{name.split('-')[0]} {_s(v).strip()}" for name, v in
+                         s.get("plain_task_measured_seconds", {}).items()) or "not measured"),
             f"1,000 workers: {_s(s['thousand_workers_seconds']).strip()} in process, "
             f"{_s(s['thousand_workers_end_to_end_seconds']).strip()} end to end ({t['thousand_workers']}, "
             "target < 30 s)"]
@@ -435,19 +473,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"restart of a killed worker: rejoined in {restart['rejoin_seconds']:.2f} s, ran a task like the "
           f"runner's in {restart['first_task_seconds']:.2f} s (median of {len(restart['samples'])})", flush=True)
     rows: list[dict[str, Any]] = []
+    plain: dict[str, dict[str, Any]] = {}
     scale = None
     with _server(work) as server_env:
         env = {k: v for k, v in server_env.items() if not k.startswith("MEMCHUNK_")}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["MEMCHUNK_CACHE_DIR"] = str(work / "cache")
         for w in workloads:
-            rows += run_workload(w, work, env, statics, warm, runs, restart["first_task_seconds"], args.timeout)
+            new, plain[w.name] = run_workload(w, work, env, statics, warm, runs, restart["first_task_seconds"],
+                                              args.timeout)
+            rows += new
         recorded = next((r for r in reversed(rows) if r["kind"] == "memchunk cold" and r["predicted"]), None)
         if recorded is not None:
             w = next(x for x in workloads if x.name == recorded["workload"])
             scale = thousand_workers(str(work / f"{w.name}.sqlite"), recorded["real"]["flow_run_id"],
                                      w.survey_shape[2], work, env)
-    summary = summarize(rows, restart, scale)
+    summary = summarize(rows, restart, scale, plain)
     machine["loadavg_end"] = list(os.getloadavg())
     print()
     print(table(rows, summary))
@@ -455,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = {"benchmark": "sim_validation", "seed": args.seed, "quick": args.quick, "scale": args.scale,
                "started": started,
                "seconds": time.time() - started, "machine": machine, "targets": TARGETS, "summary": summary,
-               "restart": restart, "thousand_workers": scale, "rows": rows, "runs": runs,
+               "restart": restart, "plain_tasks": plain, "thousand_workers": scale, "rows": rows, "runs": runs,
                "workloads": [w.to_dict() for w in workloads]}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
@@ -470,7 +511,7 @@ def main_replay(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
 
     started, machine = time.time(), machine_info()
     rows = replay(doc, Path(args.work), doc.get("runs", args.runs))
-    summary = summarize(rows, doc.get("restart"), doc.get("thousand_workers"))
+    summary = summarize(rows, doc.get("restart"), doc.get("thousand_workers"), doc.get("plain_tasks"))
     print(table(rows, summary))
     if args.json:
         out = {**doc, "replayed_from": {"path": str(args.replay), "commit": doc["machine"].get("commit"),

@@ -7,6 +7,8 @@ passed: ``"cluster": "address"``), and prints one line of JSON with what it meas
 - ``static-N``: a plain ``DaskTaskRunner`` flow; every step over N iline slabs, one Prefect task per slab
   (read the block with its halo, apply the operator's function, trim, write the region): what a user who
   chose a chunk size by hand runs. A slab whose worker dies fails the run.
+- ``empty-N``: ``static-N``'s flow, tasks and arguments, each task returning at once: what a plain Prefect task
+  costs beyond its work, per step (``steps_seconds``).
 - ``memchunk``: the same steps chained with ``MemoryAwareRunner`` and ``chunked(...)``, on ``store``;
 - ``split``: split-on-failure in a plain ``DaskTaskRunner`` flow: per step the whole volume first, an attempt
   that ran out of memory (worker killed, ``MemoryError``) halved and both halves resubmitted, queued pieces as
@@ -102,7 +104,11 @@ def run_memchunk(w: Workload, source: str, out_dir: str, store: str, address: st
             "tasks": sum(s["tasks"] for s in summaries), "decisions": [s["decisions"] for s in summaries]}
 
 
-def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | None) -> dict[str, Any]:
+def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | None,
+               empty: bool = False) -> dict[str, Any]:
+    """``static-N`` (see the module docstring); ``empty``: the same flow, tasks and arguments, but each task
+    returns at once (nothing read, computed or written), and the result also holds each step's seconds
+    (``steps_seconds``): what a plain Prefect task costs beyond its work."""
     from distributed import as_completed
     from prefect import flow, unmapped
     from prefect_dask import DaskTaskRunner
@@ -112,9 +118,10 @@ def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | No
     from memchunk_prefect.io.zarr_store import ZarrOutput
     from memchunk_prefect.operators import spec_of
 
-    slab = _slab_task()
+    slab = _slab_task(empty)
     runner = DaskTaskRunner(address=address) if address else DaskTaskRunner(cluster_kwargs=cluster_kwargs(w))
     started: list[float] = []
+    steps_seconds: list[float] = []
 
     @flow(name=f"family-static-{w.name}", task_runner=runner)
     def pipeline(path: str) -> dict:
@@ -126,6 +133,7 @@ def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | No
         warm_workers(client)
         t0 = time.time()
         for k, (op, params) in enumerate(_steps(w), start=1):
+            step_started = time.time()
             chunks = balanced_grid(current.shape, (min(n, current.shape[0]), 1, 1))
             out = ZarrOutput.create(os.path.join(out_dir, f"{k:02d}-{op.name}.zarr"), current.shape,
                                     current.coords(), overwrite=True)
@@ -139,9 +147,11 @@ def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | No
                             "kills": int(type(exc).__name__ in ("KilledWorker", "MemoryError"))}
                 if not state.is_completed():
                     return {"completed": False, "failed": f"{op.name}: {state.name}"}
-            out.finalize()
-            current = out.to_source()
-        return {"completed": True, "maps_seconds": time.time() - t0}
+            if not empty:  # nothing was written: the output stays unfinished, its input is the next step's
+                out.finalize()
+                current = out.to_source()
+            steps_seconds.append(time.time() - step_started)
+        return {"completed": True, "maps_seconds": time.time() - t0, "steps_seconds": steps_seconds}
 
     t = time.perf_counter()
     try:
@@ -223,11 +233,19 @@ def run_split(w: Workload, source: str, out_dir: str, address: str | None) -> di
     return {"wall_seconds": time.perf_counter() - t, "flow_started": started[0] if started else None, **result}
 
 
-def _slab_task():
+def _slab_task(empty: bool = False):
     """The plain Prefect task the static and split strategies run per chunk: read the block with its halo,
-    apply the operator's function, trim, write its region."""
+    apply the operator's function, trim, write its region. ``empty``: a task of the same arguments that returns
+    at once."""
     from prefect import task
     from prefect.cache_policies import NO_CACHE
+
+    if empty:
+        @task(cache_policy=NO_CACHE, name="slab")
+        def nothing(src: Any, out_path: str, chunk: Any, halo: tuple, op_name: str, params: dict) -> int:
+            return chunk.elements
+
+        return nothing
 
     @task(cache_policy=NO_CACHE)
     def slab(src: Any, out_path: str, chunk: Any, halo: tuple, op_name: str, params: dict) -> int:
@@ -272,7 +290,8 @@ def main(argv: list[str]) -> int:
             elif spec["strategy"] == "split":
                 out = run_split(w, spec["source"], out_dir, address)
             else:
-                out = run_static(w, spec["source"], out_dir, int(spec["strategy"].split("-")[1]), address)
+                kind, n = spec["strategy"].split("-")
+                out = run_static(w, spec["source"], out_dir, int(n), address, empty=kind == "empty")
         finally:
             if cluster is not None:
                 cluster.close()
