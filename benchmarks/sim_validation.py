@@ -21,8 +21,8 @@ of simulated runs that failed, mean kills and median chunks per step.
 
 Also measured: what a plain Prefect task costs on each workload's cluster beyond its work
 (:func:`measure_plain_tasks`: the static flow's tasks, returning at once; the static and split predictions use it
-in place of the simulator's stated ``per_task_overhead_seconds``), the seconds a worker killed by its nanny is away before its new process runs a task like the
-runner's (:func:`measure_restart`, beside the simulator's default
+in place of the simulator's stated ``per_task_overhead_seconds``), the seconds a worker killed by its nanny is
+away before its new process runs a task like the runner's (:func:`measure_restart`, beside the simulator's default
 :data:`memchunk_prefect.sim.inputs.RESTART_SECONDS`; the predictions use the figure measured here), and the
 seconds a 1,000-worker simulation of a recorded flow run takes, in this process and end to end as
 ``memchunk simulate --flow-run`` (a new process: imports and the store included).
