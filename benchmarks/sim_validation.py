@@ -258,7 +258,7 @@ def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int
                                                    cold=True))
     after_cold = snapshot(store, _after_cold(work, w))
     plain = measure_plain_tasks(w, source, work, env, timeout)
-    print(f"  a plain task: {_s(plain['task_seconds'])} of a slot ({plain['tasks']} empty tasks a step on "
+    print(f"  a plain task: {plain['task_seconds'] or 0:.3f} s of a slot ({plain['tasks']} empty tasks a step on "
           f"{plain['slots']} slots: {', '.join(f'{t:.2f}' for t in plain['steps_seconds'])} s)", flush=True)
     for strategy in [f"static-{n}" for n in statics] + ["split"]:
         row(strategy, strategy, child(strategy), predict(after_cold, flow_run, w, strategy, runs=runs,
@@ -426,7 +426,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             f"{_s(s['restart_measured_seconds']).strip()} to a task like the runner's (used in the predictions)",
             f"a plain Prefect task (static, split): the simulator's default {s['plain_task_default_seconds']:g} s of a "
             "slot, measured on each workload's cluster (used in the predictions): "
-            + (", ".join(f"{name.split('-')[0]} {_s(v).strip()}" for name, v in
+            + (", ".join(f"{name.split('-')[0]} " + ("-" if v is None else f"{v:.3f} s") for name, v in
                          s.get("plain_task_measured_seconds", {}).items()) or "not measured"),
             f"1,000 workers: {_s(s['thousand_workers_seconds']).strip()} in process, "
             f"{_s(s['thousand_workers_end_to_end_seconds']).strip()} end to end ({t['thousand_workers']}, "
