@@ -161,8 +161,9 @@ def measure_plain_tasks(w: Workload, source: str, work: Path, env: dict[str, str
     """What a plain Prefect task costs on the workload's cluster beyond its work: ``static-N``'s flow with
     ``tasks`` slabs per step, on a fresh cluster in a fresh process (:mod:`benchmarks.family.child`'s
     ``empty-N``), every task returning at once. ``task_seconds``: the median over the steps of a step's seconds
-    times its busy slots over its tasks (slot seconds per task, as the simulator's ``per_task_overhead_seconds``
-    counts them); None where the run failed."""
+    times its busy slots over its tasks, over the threads per core (slot seconds per task, as the simulator's
+    ``per_task_overhead_seconds`` counts them: it stretches a task's seconds, overhead included, where the threads
+    outnumber the cores); None where the run failed."""
     from benchmarks.family.__main__ import run_child
 
     out_dir = str(work / "out" / f"{w.name}-empty")
@@ -170,9 +171,17 @@ def measure_plain_tasks(w: Workload, source: str, work: Path, env: dict[str, str
                    "store": str(work / "unused.sqlite"), "out_dir": out_dir}, env, timeout)
     shutil.rmtree(out_dir, ignore_errors=True)
     steps = r.get("steps_seconds") or []
-    slots = min(w.workers * w.threads, tasks)
-    return {"tasks": tasks, "slots": slots, "steps_seconds": steps, "failed": r.get("failed"),
-            "task_seconds": statistics.median(t * slots / tasks for t in steps) if steps else None}
+    slots, per_core = min(w.workers * w.threads, tasks), _threads_per_core(w)
+    return {"tasks": tasks, "slots": slots, "threads_per_core": per_core, "steps_seconds": steps,
+            "failed": r.get("failed"),
+            "task_seconds": statistics.median(t * slots / tasks / per_core for t in steps) if steps else None}
+
+
+def _threads_per_core(w: Workload) -> float:
+    """The workload's worker threads per CPU core of this machine (1.0: a core each), as the runner counts them
+    (:attr:`memchunk_prefect.sim.inputs.ClusterShape.threads_per_core`)."""
+    threads = w.workers * w.threads
+    return max(1.0, threads / min(threads, len(os.sched_getaffinity(0))))
 
 
 def predict(store: str, flow_run: str, w: Workload, strategy: str, *, runs: int, restart: float | None,
@@ -186,8 +195,7 @@ def predict(store: str, flow_run: str, w: Workload, strategy: str, *, runs: int,
     if task_seconds is not None and strategy != "memchunk":
         kw["per_task_overhead_seconds"] = task_seconds
     # The real runs' workers share this machine's cores: the runner's plans count that (Budget.threads_per_core).
-    threads = w.workers * w.threads
-    kw["threads_per_core"] = max(1.0, threads / min(threads, len(os.sched_getaffinity(0))))
+    kw["threads_per_core"] = _threads_per_core(w)
     t = time.perf_counter()
     plan = from_flow_run(store, flow_run, shape=w.survey_shape, workers=w.workers,
                          memory_limit=w.memory_limit_mib * MiB, threads_per_worker=w.threads, strategies=[strategy],

@@ -407,7 +407,9 @@ def test_a_worker_over_its_kill_line_takes_its_tasks_with_it_and_nothing_new_lan
     sim = SimulatedCluster(ClusterShape(workers=1, threads_per_worker=3, memory_limit_bytes=100 * MiB,
                                         resting_bytes=40 * MiB, restart_seconds=2.0))
     sim.submit(_Task(0, c, (1, 1, 1), 30 * MiB, 50.0))
-    sim.submit(_Task(1, c, (1, 1, 1), 30 * MiB, 10.0))  # 60 MiB on a worker with 55 MiB: it dies at t = 5
+    # 80 MiB on a worker with 55 MiB: the second task's memory, rising evenly to its 50 MiB peak half way through
+    # its 20 s, crosses the kill line when it holds the 25 MiB left above the first's: the worker dies at t = 5.
+    sim.submit(_Task(1, c, (1, 1, 1), 50 * MiB, 20.0))
     sim.submit(_Task(2, c, (1, 1, 1), 1 * MiB, 1.0))  # waits: the worker is due to die
     ends = [sim.next() for _ in range(2)]
     assert [(e.task.sid, e.at, e.killed) for e in ends] == [(0, 5.0, True), (1, 5.0, True)]
@@ -421,6 +423,25 @@ def test_a_worker_over_its_kill_line_takes_its_tasks_with_it_and_nothing_new_lan
             got.append((e.task.sid, e.at, e.killed))
     assert got == [(2, 8.0, False), (0, 10.0, False)]
     assert sim.last_end == 10.0
+
+
+def test_a_task_needing_far_more_than_its_worker_has_dies_as_soon_as_its_memory_reaches_the_kill_line():
+    """Memory rises evenly to a task's peak half way through its run: one needing 10x the headroom left dies a
+    tenth of that way in (a whole survey tried first by split-on-failure is killed early, not half way through a
+    run it never gets to do), and one that only just crosses the line dies near half way."""
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.sim.cluster import SimulatedCluster
+    from memchunk_prefect.sim.inputs import _Task
+
+    c = Chunk((0, 0, 0), (1, 1, 1))
+    shape = ClusterShape(workers=1, memory_limit_bytes=100 * MiB, resting_bytes=40 * MiB, kill_fraction=0.9)
+    ends = []
+    for need in (500 * MiB, 100 * MiB, 52 * MiB, 50 * MiB):
+        sim = SimulatedCluster(shape)  # 50 MiB above the resting 40 MiB before the kill line at 90 MiB
+        sim.submit(_Task(0, c, (1, 1, 1), need, 40.0))
+        end = sim.next()
+        ends.append((end.at, end.killed))
+    assert ends == [(2.0, True), (10.0, True), (pytest.approx(20 * 50 / 52), True), (40.0, False)]
 
 
 def _where(seconds: float) -> str:

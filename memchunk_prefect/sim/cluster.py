@@ -39,9 +39,10 @@ class _Ended:
 class SimulatedCluster:
     """Worker slots running tasks first come, first served; a worker whose tasks cross its kill line dies.
 
-    A task's memory is taken to rise through its run: a worker is killed when the
-    tasks running on it together need more than its headroom, at the moment the
-    newest of them has used half its time (every task on it then ends killed; no
+    A task's memory is taken to rise evenly to its peak half way through its run: a worker is killed when the
+    tasks running on it together need more than its headroom, at the moment the newest of them crosses the kill
+    line on that rise (a task needing just over what is left dies half way through; one needing 10x what is left
+    a tenth of that, early, as a whole survey tried by split-on-failure is; every task on it then ends killed; no
     task is placed on a worker due to die), and is back after ``restart_seconds``.
     Each placed task gets its own key, so the events of one map never end another
     map's task that reuses a submission id. A task that takes its worker above the
@@ -75,7 +76,8 @@ class SimulatedCluster:
         self.dies_at: dict[int, float] = {}  # a worker over its kill line, and when it dies
         self._events: list[tuple[float, int, int, int, int]] = []  # (time, kind, seq, task key or worker, how)
         self._live: dict[int, _Task] = {}  # task key -> task, while it runs
-        self._starting: list[tuple[_Task, bool]] = []  # placed now, not yet timed; whether it kills its worker
+        self._starting: list[tuple[_Task, float | None]] = []  # placed now, not yet timed; the share of its run
+        # after which it takes its worker over the kill line (None: it does not)
         self._keys = 0
         self._seq = 0
         self.busy_slot_seconds = 0.0
@@ -191,16 +193,19 @@ class SimulatedCluster:
             self._live[task.key] = task
             load = sum(t.memory for t in self.running[w])
             self.peak_bytes[w] = max(self.peak_bytes[w], load)
-            if load > self.marks[w]:
+            headroom = self.shape.headroom_bytes
+            dies_after = None
+            if load > headroom:  # its memory, rising evenly to its peak half way, crosses the kill line this far in
+                dies_after = 0.5 * min(1.0, max(0.0, headroom - (load - task.memory)) / max(task.memory, 1))
+            if load > self.marks[w]:  # (a task that dies gets through the same share of this growth)
                 grow_seconds = (load - self.marks[w]) * task.touch_seconds_per_byte
                 if grow_seconds > 0 and task.seconds > 0:
                     task.joules *= (task.seconds + grow_seconds) / task.seconds  # busy longer, at the same power
                 task.seconds += grow_seconds
                 self.marks[w] = load
-            dies = load > self.shape.headroom_bytes
-            if dies:
+            if dies_after is not None:
                 self.dies_at[w] = math.inf  # due to die: nothing more lands on it (when: once its tasks are timed)
-            self._starting.append((task, dies))
+            self._starting.append((task, dies_after))
 
     def _settle(self) -> None:
         """Time the tasks started at this instant, and their worker's death where one took it over its kill line:
@@ -209,14 +214,14 @@ class SimulatedCluster:
             return
         share = self._core_share()
         starting, self._starting = self._starting, []
-        for task, dies in starting:
+        for task, dies_after in starting:
             if task.key not in self._live:  # ended already (its worker left at this instant)
                 continue
             task.seconds *= share
-            if dies:
-                # The worker dies when the newest task is half way through; everything on it dies with it.
+            if dies_after is not None:
+                # The worker dies when the newest task reaches the kill line; everything on it dies with it.
                 w = task.worker
-                die = self.now + 0.5 * task.seconds
+                die = self.now + dies_after * task.seconds
                 self.dies_at[w] = die
                 for t in self.running[w]:
                     end = t.started + t.seconds
