@@ -145,8 +145,10 @@ def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | No
                 except Exception as exc:  # noqa: BLE001 - a worker killed under it: the run failed
                     return {"completed": False, "failed": f"{op.name}: {type(exc).__name__}",
                             "kills": int(type(exc).__name__ in ("KilledWorker", "MemoryError"))}
-                if not state.is_completed():
-                    return {"completed": False, "failed": f"{op.name}: {state.name}"}
+                if not state.is_completed():  # the task run failed: say why, and count a worker's death
+                    why = str(state.message or "")
+                    return {"completed": False, "failed": f"{op.name}: {state.name}: {why}"[:300],
+                            "kills": int(any(k in why for k in ("KilledWorker", "MemoryError")))}
             if not empty:  # nothing was written: the output stays unfinished, its input is the next step's
                 out.finalize()
                 current = out.to_source()
