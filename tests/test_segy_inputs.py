@@ -260,3 +260,34 @@ def test_a_files_geometry_is_scanned_once_per_identity_and_kept_across_processes
     os.utime(path, (settled + 1, settled + 1))
     SegySource(path)
     assert len(scans) == 2
+
+
+def test_threads_of_a_fresh_worker_open_segy_files_with_segyio_s_extension_already_loaded(segy_dir):
+    """``segyio.open`` imports segyio's C extension at its first call; two threads of a fresh 2-thread worker
+    doing so at once raced on that import (``cannot access submodule '_segyio' of module 'segyio'``, seen in a
+    plain flow's first tasks of the workload family). The reader loads the extension under its import lock,
+    before any thread's first open: checked in a fresh interpreter, where nothing imported it before, and with
+    8 threads opening a real file at once."""
+    import subprocess
+    import sys
+
+    path = segy_dir / "small.sgy"
+    code = (
+        "import sys, threading\n"
+        "from memchunk_prefect.io.segy import _segyio, handle\n"
+        "_segyio()\n"
+        "assert 'segyio._segyio' in sys.modules, 'the extension is not loaded'\n"
+        "barrier, errors = threading.Barrier(8), []\n"
+        "def go():\n"
+        "    barrier.wait()\n"
+        "    try:\n"
+        f"        handle({str(path)!r}, 'big')\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=go) for _ in range(8)]\n"
+        "[t.start() for t in threads]\n"
+        "[t.join() for t in threads]\n"
+        "assert not errors, errors\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

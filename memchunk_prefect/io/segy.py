@@ -131,12 +131,15 @@ _IMPORT_LOCK = threading.Lock()
 def _segyio():
     """The segyio module, imported on first use (workers that never touch SEG-Y do not pay for it).
 
-    Under a lock: two threads of one fresh Dask worker reading their first chunks at once both import it,
-    and one got the module half-initialised (``AttributeError: cannot access submodule '_segyio' of module
-    'segyio' (most likely due to a circular import)``, seen in a 2-thread worker's first task).
+    Under a lock, with its C extension: ``segyio.open`` imports the extension (``from . import _segyio``) at its
+    first call, and two threads of one fresh Dask worker opening their first files at once raced on that import,
+    one getting the module half-initialised (``AttributeError: cannot access submodule '_segyio' of module
+    'segyio' (most likely due to a circular import)``, seen in a 2-thread worker's first tasks, of a plain Prefect
+    flow and of the runner's chunks alike).
     """
     with _IMPORT_LOCK:
         import segyio
+        import segyio._segyio  # noqa: F401 - loaded here, once, not by the first segyio.open of each thread
 
     return segyio
 
