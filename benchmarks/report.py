@@ -149,7 +149,7 @@ def family(doc: dict[str, Any]) -> Section:
             "met": verdict("warm_kills"),
             "figure": f"kills {s['warm_kills']} warm, {s['cold_kills']} cold; failed runs "
                       f"{s.get('warm_failed_runs', 0)} warm, {s.get('cold_failed_runs', 0)} cold"},
-        "runner's flow start to first task <= 1.0 s beyond a plain flow's": {
+        "runner's flow call to first task <= 1.0 s beyond a plain flow's": {
             "met": verdict("first_task_extra"),
             "figure": f"{f(s['first_task_memchunk_median'], ' s')} against {f(s['first_task_static_median'], ' s')}"},
     }

@@ -161,10 +161,17 @@ def summarize_workload(result: dict[str, Any], best: dict | None) -> dict[str, A
         "cold_kills": _kills(result["cold"]),
         "warm_kills": sum(_kills(p.get("memchunk")) for p in result["pairs"]),
         "first_task_seconds": {
-            "static": [p["static"].get("first_task_seconds") for p in result["pairs"] if p.get("static")],
-            "memchunk_warm": [p["memchunk"].get("first_task_seconds") for p in result["pairs"] if p.get("memchunk")],
+            "static": [_first_task(p["static"]) for p in result["pairs"] if p.get("static")],
+            "memchunk_warm": [_first_task(p["memchunk"]) for p in result["pairs"] if p.get("memchunk")],
         },
     }
+
+
+def _first_task(r: dict[str, Any]) -> float | None:
+    """Seconds from the flow call to the first operator call on a worker: a plain ``DaskTaskRunner`` starts its
+    cluster before the flow function's first line and the runner beside it, so only the call is a start both
+    share (runs recorded before it was measured: from the flow function's first line)."""
+    return r.get("first_task_from_call_seconds", r.get("first_task_seconds"))
 
 
 def summarize_family(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,7 +250,7 @@ def table(results: list[dict[str, Any]], summary: dict[str, Any]) -> str:
                  f"target <= 1.20); kills: cold {summary['cold_kills']}, warm "
                  f"{summary['warm_kills']}; failed memchunk runs: cold {summary.get('cold_failed_runs', 0)}, warm "
                  f"{summary.get('warm_failed_runs', 0)} ({t['warm_kills']}, target 0 kills, 0 failures warm)",
-             f"flow start to first task (median): static {f(summary['first_task_static_median'])} s, memchunk warm "
+             f"flow call to first task (median): static {f(summary['first_task_static_median'])} s, memchunk warm "
              f"{f(summary['first_task_memchunk_median'])} s ({t['first_task_extra']}, target <= 1.0 s more)"]
     return "\n".join(rows)
 

@@ -18,12 +18,14 @@ passed: ``"cluster": "address"``), and prints one line of JSON with what it meas
 ``"allowed_failures": 0`` in the spec starts the plain flows' clusters with that many retries of a task whose
 worker died (Dask's default is 3; the runner and the simulator assume 0: the first death is reported).
 
-Measured: ``wall_seconds`` from the flow call to its return (the cluster's start included, as a
-deployment's run pays it); ``first_task_seconds`` from the flow function's first line to the first operator
-call on a worker (the fixed cost before any work); ``kills`` (chunks whose worker died or that raised
-``MemoryError``) and, per step, the chunks written; ``maps_seconds`` (static, split) from the first step's
-start to the last step's end, once the workers imported what a task run imports (:func:`warm_workers`);
-``flow_run_id`` (memchunk), whose maps the store recorded.
+Measured: ``wall_seconds`` from the flow call to its return (the cluster's start included, as a deployment's run
+pays it); ``first_task_seconds`` from the flow function's first line to the first operator call on a worker (the
+fixed cost before any work), and ``first_task_from_call_seconds`` from the flow call (a plain ``DaskTaskRunner``
+starts its cluster before the flow function's first line, the runner beside it); ``kills`` (chunks whose worker died
+or that raised ``MemoryError``) and, per step, the chunks written; ``maps_seconds`` (static, split) from the first
+step's start to the last step's end, once the workers imported what a task run imports (:func:`warm_workers`);
+``flow_run_id`` (memchunk), whose maps the store recorded; ``exit_seconds`` from the flow body's return to the flow
+call's (:data:`BODY_ENDED`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def cluster_kwargs(w: Workload) -> dict[str, Any]:
     return {"n_workers": w.workers, "threads_per_worker": w.threads, "processes": True,
             "memory_limit": f"{w.memory_limit_mib}MiB", "dashboard_address": "127.0.0.1:0"}
 
+
+#: When each flow's body returned (epoch s): what follows, until the flow call returns, is Prefect's and the task
+#: runner's exit (the final state, the runner's artifacts and store, the cluster's close, and the join of Prefect's
+#: heartbeat thread, which sleeps in 1 s steps and so rounds every wall up to the next whole second of the run).
+BODY_ENDED: list[float] = []
 
 #: What a Prefect task run of these strategies imports on a worker (the runner's own list, and the operators).
 WORKER_IMPORTS = ("memchunk_prefect.run.worker", "prefect.task_engine", "memchunk_prefect.io.zarr_store",
@@ -94,7 +101,9 @@ def run_memchunk(w: Workload, source: str, out_dir: str, store: str, address: st
         for op, params in _steps(w):
             current = op.map(chunked(current), **params)
             results.append(current)
-        return [r.summary() for r in results]
+        summaries = [r.summary() for r in results]
+        BODY_ENDED.append(time.time())
+        return summaries
 
     t = time.perf_counter()
     summaries = pipeline(source)
@@ -153,6 +162,7 @@ def run_static(w: Workload, source: str, out_dir: str, n: int, address: str | No
                 out.finalize()
                 current = out.to_source()
             steps_seconds.append(time.time() - step_started)
+        BODY_ENDED.append(time.time())
         return {"completed": True, "maps_seconds": time.time() - t0, "steps_seconds": steps_seconds}
 
     t = time.perf_counter()
@@ -225,6 +235,7 @@ def run_split(w: Workload, source: str, out_dir: str, address: str | None) -> di
             out.finalize()
             chunks.append(written)
             current = out.to_source()
+        BODY_ENDED.append(time.time())
         return {"completed": True, "kills": kills, "chunks": chunks, "maps_seconds": time.time() - t0}
 
     t = time.perf_counter()
@@ -286,6 +297,7 @@ def main(argv: list[str]) -> int:
 
             cluster = LocalCluster(**cluster_kwargs(w))
             address = cluster.scheduler_address
+        called = time.time()
         try:
             if spec["strategy"] == "memchunk":
                 out = run_memchunk(w, spec["source"], out_dir, spec["store"], address)
@@ -294,12 +306,16 @@ def main(argv: list[str]) -> int:
             else:
                 kind, n = spec["strategy"].split("-")
                 out = run_static(w, spec["source"], out_dir, int(n), address, empty=kind == "empty")
+            returned = time.time()
+            if BODY_ENDED and out.get("completed"):
+                out["exit_seconds"] = returned - BODY_ENDED[-1]
         finally:
             if cluster is not None:
                 cluster.close()
     starts = sorted(int(p.name.split("-")[1]) / 1e9 for p in Path(marks).iterdir())
     if starts and out.get("flow_started"):
         out["first_task_seconds"] = starts[0] - out["flow_started"]
+        out["first_task_from_call_seconds"] = starts[0] - called
     print("FAMILY-RESULT " + json.dumps(out))
     return 0
 
