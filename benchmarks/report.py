@@ -158,7 +158,10 @@ def family(doc: dict[str, Any]) -> Section:
             "odd SEG-Y geometries and zarr" + (f", every survey at {scale}x its traces" if scale != 1 else "")
             + ", 2 workers of 600 MiB to 2 GiB, each strategy in a fresh process on a fresh cluster; measured as "
             "[benchmarks/family](benchmarks/family/__main__.py) says. Ratios are memchunk's wall over the "
-            "workload's best static chunking (the fastest of the sweep).")
+            "workload's best static chunking (the fastest of the sweep). A wall ends a whole number of seconds "
+            "after its flow run's start, plus a constant: at its end Prefect joins the flow run's heartbeat thread, "
+            "which sleeps in 1 s steps (each run's `exit_seconds`, from the flow body's return, holds that wait), so "
+            "two runs less than a second apart read the same or a second apart.")
     cmd = ("python -m benchmarks.family --json family.json" + (f" --seed {seed}" if seed else "")
            + (f" --scale {scale}" if scale != 1 else ""))
     if doc.get("quick"):
