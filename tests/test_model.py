@@ -200,11 +200,26 @@ def test_censored_is_not_fitted_as_a_point():
 
 
 def test_censored_point_contradicted_by_a_larger_ok_run_is_dropped():
-    m = trained(linear, n=8)
+    m = trained(linear, n=8, sizes=[s for s in SIZES if math.prod(s) < 16 * 32 * 200])
     m.learn(obs((16, 32, 200), 5 * linear(16 * 32 * 200), outcome="killed", censored=True))
     assert m.predict((16, 32, 200)).upper_bytes > 4 * linear(16 * 32 * 200)
     m.learn(obs((32, 32, 200), linear(32 * 32 * 200)))
     assert m.predict((16, 32, 200)).upper_bytes < 1.25 * linear(16 * 32 * 200)
+
+
+def test_a_kill_at_a_size_that_already_ran_needing_less_does_not_floor_that_size_for_good():
+    """A worker killed under a block of a size that had already run, at least as large, needing less died of
+    something else (another thread's first use of a library, what a co-tenant held). On the validation's w2 at 4x,
+    such a record (306 MiB at 62,400 elements, where 170 runs up to that size peaked at 125 MiB or less) floored
+    every larger block at 643 MiB: no plan ran that size again to drop it, and the warm maps ran 359 and 565
+    chunks where the cold one ran 173. A kill no ok run contradicts still floors the block."""
+    m = trained(linear, n=8, sizes=[s for s in SIZES if math.prod(s) <= 16 * 32 * 200])
+    assert m.learn(obs((16, 32, 200), 5 * linear(16 * 32 * 200), outcome="killed", censored=True)) == "censored"
+    assert m.predict((16, 32, 200)).upper_bytes < 1.25 * linear(16 * 32 * 200)
+    assert m.summary()["n_censored"] == 1  # still counted
+    fresh = trained(linear, n=8, sizes=[s for s in SIZES if math.prod(s) < 16 * 32 * 200])
+    fresh.learn(obs((16, 32, 200), 5 * linear(16 * 32 * 200), outcome="killed", censored=True))
+    assert fresh.predict((16, 32, 200)).upper_bytes > 4 * linear(16 * 32 * 200)
 
 
 def test_errors_and_empty_peaks_are_ignored():

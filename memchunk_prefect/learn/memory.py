@@ -93,7 +93,7 @@ class MemoryModel:
     *Censored runs* (out of memory: "needs more than ``peak_bytes``") are floors,
     not points: a block at least as large is floored at ``censored_block_factor`` x
     that, and nearby bounds are raised to ``1 + censored_margin`` over it, fading
-    with size; an ``ok`` run at least as large that needed less drops it.
+    with size; an ``ok`` run at least as large that needed less drops it, or, learned before it, keeps it out.
 
     *First uses.* What a run left held in its worker (a CUDA context, a library)
     beyond ``first_touch_bytes`` and ``first_touch_share`` of its peak is paid once
@@ -232,8 +232,13 @@ class MemoryModel:
         if obs.outcome == "killed" and not obs.censored:
             return "ignored"  # killed for something other than memory: says nothing about memory
         if obs.censored or obs.outcome == "memory_error":
-            self._censored.append(_Censored(u, y))
             self._n_censored += 1
+            # Ok runs already learned at least as large that needed less contradict it, as later ones drop it
+            # (:meth:`_learn_point`): the worker died of something other than this block (another thread's
+            # first use, what a co-tenant held). Kept, it would floor every block from its size up for good, since
+            # no plan would run that size again to drop it.
+            if not any(e >= obs.elements and peak < y for e, peak in self._all.size_peaks.items()):
+                self._censored.append(_Censored(u, y))
             return "censored"
         left = self.first_use(obs)
         if left:
