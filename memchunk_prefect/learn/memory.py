@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from river import metrics, stats, utils
 
@@ -30,6 +30,29 @@ from memchunk_prefect.learn.forms import (
     _rolling_count,
     _t_quantile,
 )
+
+
+DISTINCT_SIZE_RATIO = 1.2
+"""Block sizes closer than this are one size to a curvature: a few percent of memory noise decides what a curve
+through them does. One probe wave's blocks differ by a few percent; 20% more elements is 44% more memory for a
+quadratic operator and 20% for a linear one."""
+QUADRATIC_GROWTH = 2.0
+"""The least exponent a bound beyond the largest block grows by while the curvature cannot be fitted: the
+steepest form the model fits (:meth:`MemoryModel._growth_mib`)."""
+
+
+def spread_sizes(sizes: Iterable[int], ratio: float) -> int:
+    """How many of ``sizes`` (elements) stand each at least ``ratio`` x the one counted below it, from the
+    smallest: sizes a few percent apart (one probe wave's slightly different blocks) count once.
+
+    >>> spread_sizes([62_400, 64_800, 280_800, 291_600], DISTINCT_SIZE_RATIO)
+    2
+    """
+    count, last = 0, 0.0
+    for size in sorted(sizes):
+        if count == 0 or size >= ratio * last:
+            count, last = count + 1, float(size)
+    return count
 
 
 @dataclass
@@ -486,7 +509,8 @@ class MemoryModel:
             growth = self._growth_mib(u)
             if growth is not None and growth[0] > tight:
                 upper, tight = max(upper, growth[0]), growth[0]
-                reason += f"; beyond the largest block measured, grows as size^{growth[1]:.2f} as the runs did"
+                reason += (f"; beyond the largest block measured, bounded as one that grows as size^{growth[1]:.2f} "
+                           "until a third size tells a curve from a line")
         if apply_censored and self._censored:
             mean, upper, tight, note = self._apply_censored(u, mean, upper, tight)
             if note:
@@ -504,23 +528,31 @@ class MemoryModel:
 
     def _growth_mib(self, u: float) -> tuple[float, float] | None:
         """(bound in MiB, exponent) for a block of ``u`` Mi-elements beyond the largest measured, while the
-        curvature cannot be fitted yet (fewer than three sizes, or too few runs for the quadratic form), if the
-        two largest sizes at least ``min_size_ratio`` apart grew faster than linearly: the largest peak there
-        times ``(u / largest) ** exponent``. A line through two sizes of an operator quadratic in its size
-        under-predicts every larger block. None otherwise."""
+        curvature cannot be fitted yet: fewer than three sizes each ``DISTINCT_SIZE_RATIO`` x the one below
+        (:func:`spread_sizes`), or too few runs for the quadratic form. None otherwise, or inside the sizes seen.
+
+        The largest peak times ``(u / largest) ** exponent``, the exponent the growth between the two largest
+        such sizes showed, and at least 2: the most an operator the forms can describe (fixed, per-element and
+        quadratic parts, none negative) can need given what the largest block needed. A block's peak is the
+        largest of its phases (reading, computing, writing), not their sum: while a phase of fixed size is the
+        larger at the small blocks, two sizes can show no growth at all from a compute phase quadratic in the
+        block, and the line through them under-predicts a block several times larger by as much
+        (``test_two_sizes_whose_small_peaks_hide_a_quadratic_phase_bound_a_far_block_as_quadratic``). A
+        third size tells the forms apart; until then a plan grows a block by at most the square root of what
+        its budget holds over the largest peak.
+        """
         largest = self._largest
-        if u * MIB <= largest or (len(self._sizes) >= 3 and self._forms[QUADRATIC].n >= len(_POWERS[QUADRATIC]) + 2):
+        if u * MIB <= largest or (spread_sizes(self._sizes, DISTINCT_SIZE_RATIO) >= 3
+                                  and self._forms[QUADRATIC].n >= len(_POWERS[QUADRATIC]) + 2):
             return None
         below = [e for e in self._size_peaks if e * self.min_size_ratio <= largest]
         if not below:
             return None
         other = max(below)
         p_large, p_other = self._size_peaks[largest], self._size_peaks[other]
-        if p_other <= 0 or p_large <= p_other:
-            return None
-        exponent = math.log(p_large / p_other) / math.log(largest / other)
-        if exponent <= 1.0:
-            return None
+        exponent = QUADRATIC_GROWTH
+        if p_other > 0 and p_large > p_other:
+            exponent = max(exponent, math.log(p_large / p_other) / math.log(largest / other))
         return p_large * (u * MIB / largest) ** exponent, exponent
 
     def _largest_u(self) -> float:
