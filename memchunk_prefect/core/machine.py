@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
@@ -106,6 +105,7 @@ from memchunk_prefect.core.messages import (
     Submit,
     UpstreamWritten,
     WorkerDied,
+    WorkerGrew,
 )
 from memchunk_prefect.core.plan_queue import Gate, Pending, PlanQueue
 from memchunk_prefect.core.plans import PROBE, RECHUNK, RETRY_SMALLER, Plan, overhead_warning
@@ -115,9 +115,7 @@ from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward
 from memchunk_prefect.core.replan import bound_moved, remaining_boxes, replan_pays
 from memchunk_prefect.core.settings import ITEMSIZE, PolicySettings
 from memchunk_prefect.core.sharing import Sharing, choose_sharing, go_alone
-
-#: Runs per worker whose starts say where a worker of several threads stands (see MapMachine._follow_drift).
-DRIFT_RUNS = 4
+from memchunk_prefect.core.standing import WorkerStanding
 
 #: The machine's phases. ``failed``: a :class:`Fail` was issued and the executor is stopping.
 NEW, RUNNING, FINISHED, FAILED, STOPPED = "new", "running", "finished", "failed", "stopped"
@@ -142,9 +140,7 @@ class MapMachine:
     cap_bytes: int = 0  # Start.budget_bytes
     headroom_bytes: int | None = None  # Start.headroom_bytes
     gpu_budget_bytes: int | None = None  # Start.gpu_budget_bytes: on a GPU, the device's budget per task
-    drift_estimate: int = 0  # Start.drift_bytes, until runs report where their workers stood
-    drift: dict[str, int] = field(default_factory=dict)  # each worker's start above the resting memory read
-    recent_drift: dict[str, deque] = field(default_factory=dict)  # each worker's last DRIFT_RUNS of those
+    standing: WorkerStanding = field(default_factory=WorkerStanding)  # where each worker starts its tasks
     warm: bool = False  # the map's first plan came from history (no probe)
     surprised: bool = False  # a run of this map peaked past the bound it was submitted with (or had none)
     submitted_upper: dict[int, float] = field(default_factory=dict)  # each submission's upper bound, bytes
@@ -268,7 +264,7 @@ class MapMachine:
         self.started_at = ev.at
         self.slots, self.cap_bytes = int(ev.slots), int(ev.budget_bytes)
         self.headroom_bytes = None if ev.headroom_bytes is None else int(ev.headroom_bytes)
-        self.drift_estimate = max(0, int(ev.drift_bytes))
+        self.standing.estimate = max(0, int(ev.drift_bytes))
         self.budget_bytes = self.planned_budget = self._budget()
         self.gpu_budget_bytes = None if ev.gpu_budget_bytes is None else int(ev.gpu_budget_bytes)
         self.touched = None if ev.touched_bytes is None else {str(a): int(b) for a, b in ev.touched_bytes.items()}
@@ -315,7 +311,8 @@ class MapMachine:
         item = self._take(ev.id)
         self.done.append(item.chunk)
         self._check_replan = True
-        self._follow_drift(ev.observation)
+        self.standing.follow(ev.observation)
+        self.budget_bytes = self._budget()
         if self.touched is not None and ev.observation.worker:
             w = ev.observation.worker
             self.touched[w] = max(self.touched.get(w, 0), int(ev.observation.peak_bytes))
@@ -331,37 +328,20 @@ class MapMachine:
         return words
 
     def _budget(self) -> int:
-        """What a plan must fit now (bytes): the cap, or the kill headroom less the workers' drift if smaller.
-
-        A worker's memory creeps up over a long map (Prefect's task-run engine keeps ~40-75 KB per task run
-        on a Dask worker: measured 309 -> 335 MiB over 700 task runs of a plain DaskTaskRunner) and the first
-        task of an operator imports its modules; what a worker holds above the resting memory read at the
-        start is not the operator's, so it is taken off the kill headroom, never added to the operator's
-        bound: a user's smaller cap on the task's own use is unaffected by it.
-        """
+        """What a plan must fit now (bytes): the cap, or the kill headroom less the workers' standing above the
+        resting memory read at the start, if smaller (:mod:`memchunk_prefect.core.standing`); a user's smaller
+        cap on the task's own use is unaffected by it."""
         if self.headroom_bytes is None:
             return self.cap_bytes
-        drift = max(self.drift.values()) if self.drift else self.drift_estimate
-        return max(1, min(self.cap_bytes, self.headroom_bytes - drift))
+        return max(1, min(self.cap_bytes, self.headroom_bytes - self.standing.worst()))
 
-    def _follow_drift(self, obs: Observation) -> None:
-        """Note where ``obs``'s worker stands now: where its run started, plus what the run left held there (a
-        first use: a CUDA context, a library; ``Observation.retained_bytes``), which the worker's next run starts
-        above. The budget follows.
-
-        A run alone in its process reads that exactly: the latest run says where the worker stands. Runs that
-        shared their process with others (a worker of several threads) start above whatever the others held or
-        had just freed and the allocator not yet returned: one such start read 234 MiB above the resting memory
-        on a 600 MiB worker, which left the budget no room for a single trace. Memory the worker really holds
-        shows under every run's start, so there the least of its last ``DRIFT_RUNS`` starts is where it stands.
-        """
-        if obs.baseline_bytes is None or obs.resting_bytes is None or not obs.worker:
-            return
-        now = obs.unseen_bytes + int(obs.retained_bytes or 0)
-        recent = self.recent_drift.setdefault(obs.worker, deque(maxlen=DRIFT_RUNS))
-        recent.append(now)
-        self.drift[obs.worker] = min(recent) if obs.shared else now
+    def _on_worker_grew(self, ev: WorkerGrew) -> list[Instruction]:
+        """Another map's run left memory held on a worker: the budget follows at once, and the queue is looked at
+        again before the next submission (a re-plan when the budget moved enough)."""
+        self.standing.grew(ev.worker, int(ev.nbytes))
         self.budget_bytes = self._budget()
+        self._check_replan = True
+        return []
 
     def _on_out_of_memory(self, ev: ChunkOutOfMemory) -> list[Instruction]:
         item = self._get(ev.id)
@@ -662,7 +642,7 @@ class MapMachine:
             what = f"the upper bound moved from {format_bytes(self.planned_upper)} to {format_bytes(new_upper)}"
         elif bound_moved(self.planned_budget, self.budget_bytes, self.settings):
             what = (f"the budget moved from {format_bytes(self.planned_budget)} to {format_bytes(self.budget_bytes)} "
-                    f"(the workers start tasks {format_bytes(max(self.drift.values(), default=0))} above the "
+                    f"(the workers start tasks {format_bytes(self.standing.worst())} above the "
                     "resting memory read at the map's start)")
         elif slots_moved is not None:
             what = f"the cluster's slots went from {slots_moved[0]} to {slots_moved[1]}"
@@ -893,6 +873,7 @@ _HANDLERS: dict[type, Any] = {
     PausesRead: MapMachine._on_pauses,
     SlotsChanged: MapMachine._on_slots,
     UpstreamWritten: MapMachine._on_upstream,
+    WorkerGrew: MapMachine._on_worker_grew,
 }
 
 __all__ = ["MapMachine", "MapStateError"]

@@ -184,6 +184,17 @@ class SlotsChanged:
 
 
 @dataclass(frozen=True)
+class WorkerGrew:
+    """Another map of the flow run had a run on ``worker`` leave ``nbytes`` held there for good (a first use: a
+    library imported, a CUDA context): this map's next chunk there starts that much higher, and its budget
+    follows (:meth:`memchunk_prefect.core.standing.WorkerStanding.grew`)."""
+
+    worker: str
+    nbytes: int
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
 class UpstreamWritten:
     """The upstream map this one reads (a gated map's source, still being written) wrote ``chunks``: their
     elements are final. ``complete``: it finalized its output (every element is written)."""
@@ -194,7 +205,7 @@ class UpstreamWritten:
 
 
 Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
-              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost]
+              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost, WorkerGrew]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,6 @@ from memchunk_prefect.learn.forms import (
     _t_quantile,
 )
 
-
 DISTINCT_SIZE_RATIO = 1.2
 """Block sizes closer than this are one size to a curvature: a few percent of memory noise decides what a curve
 through them does. One probe wave's blocks differ by a few percent; 20% more elements is 44% more memory for a

@@ -46,6 +46,7 @@ from memchunk_prefect.core.settings import RUNNER_SETTINGS, RunnerSettings
 from memchunk_prefect.core.sharing import SLOT_RESOURCE
 from memchunk_prefect.operators.device import GpuStatus, check_device, gpu_status, resolve_for_workers
 from memchunk_prefect.run import batch
+from memchunk_prefect.run.growth import GrowthBoard
 from memchunk_prefect.run.prefect_api import flow_logger
 
 logger = logging.getLogger("memchunk_prefect.run.cluster")
@@ -724,6 +725,7 @@ class ClusterView:
         self._worker_gpus: dict[str, GpuStatus] | None = None
         self._checked = False
         self._machines_recorded = False
+        self.growth = GrowthBoard()  # what the maps tell each other of memory their runs left held on a worker
 
     @property
     def client(self) -> Any:

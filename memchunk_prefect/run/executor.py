@@ -22,7 +22,6 @@ import contextlib
 import dataclasses
 import inspect
 import logging
-import os
 import threading
 import time
 import uuid
@@ -73,9 +72,9 @@ from memchunk_prefect.core.messages import (
     WorkerDied,
 )
 from memchunk_prefect.core.records import (
-    MapRun,
     Observation,
     Reward,
+    first_use_bytes,
     paused_idle_since,
     paused_within,
     pauses_from,
@@ -83,7 +82,7 @@ from memchunk_prefect.core.records import (
     stuck_paused,
     stuck_paused_message,
 )
-from memchunk_prefect.core.settings import DTYPE, ITEMSIZE, RUNNER_SETTINGS, PolicySettings
+from memchunk_prefect.core.settings import DTYPE, RUNNER_SETTINGS, PolicySettings
 from memchunk_prefect.core.sharing import SLOT_RESOURCE, least_busy_worker, slot_request
 from memchunk_prefect.core.stragglers import SlowWorker, slow_workers
 from memchunk_prefect.io.identity import (
@@ -94,7 +93,6 @@ from memchunk_prefect.io.identity import (
     code_digest,
     open_output,
     params_digest,
-    params_record,
 )
 from memchunk_prefect.io.mdio import MdioSource
 from memchunk_prefect.io.volume import as_source
@@ -102,7 +100,9 @@ from memchunk_prefect.operators.device import CUDA
 from memchunk_prefect.operators.spec import operator_key, operator_name, spec_of
 from memchunk_prefect.run import cluster as _cluster
 from memchunk_prefect.run import taskruns
+from memchunk_prefect.run.growth import Inbox
 from memchunk_prefect.run.hydration import settings_serialized_once
+from memchunk_prefect.run.map_records import map_record
 from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart, Observers, observer_event
 from memchunk_prefect.run.prefect_api import flow_logger, flow_run_id, keep_final_state
 from memchunk_prefect.run.worker import BlockFunction, BlockJob, chunk_task_run_name
@@ -254,6 +254,7 @@ class ChunkedMap:
         # its first decision is made (a downstream map plans from this one's plan) and once it ended; the error
         # it ended with; who wrote which chunk (the task run ids a downstream chunk's task run depends on).
         self.planned = threading.Event()
+        self.growth_inbox: Inbox | None = None  # what other maps tell this one of their workers (while it runs)
         self.ended = threading.Event()
         self.error: BaseException | None = None
         self.error_seen = False  # the error reached the user: .result(), a downstream map's error, the flow's end
@@ -279,6 +280,8 @@ class ChunkedMap:
                 raise
             self._end(None)
         finally:
+            if self.growth_inbox is not None:
+                self.ctx.cluster.growth.leave(self.growth_inbox)
             self.planned.set()
             self.ended.set()
             self.tell_listeners()
@@ -322,6 +325,7 @@ class ChunkedMap:
         bank = self.ctx.bank()
         self.ctx.cluster.record_machines(bank.store)
         knowledge = BankKnowledge(bank, self.key, self.ctx.policy)
+        self.growth_inbox = self.ctx.cluster.growth.join()
         self.ac = as_completed(loop=self.ctx.cluster.client.loop)
         up = self.upstream
         gated = up is not None and not (up.ended.is_set() and up.error is None)
@@ -371,7 +375,11 @@ class ChunkedMap:
         """The next finished submission (or what the upstream wrote), and, at most every
         ``slots_poll_seconds``, a change in the slots to plan for (workers joined a scheduler started
         elsewhere, or left; on the runner's own cluster, more than were requested)."""
-        events = [self.next_event()]
+        events: list[Event] = [self.next_event()]
+        # What other maps' runs left held on the workers, heard with this map's own event: handled together,
+        # the budget has followed before the machine submits again.
+        if self.growth_inbox is not None:
+            events.extend(self.growth_inbox.take())
         if time.monotonic() - self.slots_polled >= RUNNER_SETTINGS.slots_poll_seconds:
             self.slots_polled = time.monotonic()
             slots = self.ctx.cluster.slots_now()
@@ -427,7 +435,9 @@ class ChunkedMap:
             keep_final_state(fut, state)
         if isinstance(state, State) and state.is_completed():
             self.writers.append((self.machine.in_flight[sid].chunk, fut.task_run_id))  # type: ignore[union-attr]
-            return ChunkDone(sid, self.observed(state.result().observation), at=time.time())
+            done = self.observed(state.result().observation)
+            self.ctx.cluster.growth.tell(self.growth_inbox, done.worker, first_use_bytes(done), at=time.time())
+            return ChunkDone(sid, done, at=time.time())
         raised = state.result(raise_on_failure=False) if isinstance(state, State) else state
         if is_memory_error(raised):
             obs = getattr(raised, "observation", None)
@@ -819,20 +829,13 @@ class ChunkedMap:
         if self.started_at is None:
             return  # it never started: nothing ran
         outcome = "ok" if error is None else ("failed" if isinstance(error, Exception) else "interrupted")
-        path = getattr(self.source, "path", "") or ""
-        run = MapRun(flow_run_id=self.flow_run_id, operator=self.name, operator_key=self.key, source=str(path),
-                     source_bytes=_size_on_disk(path) if path else None, output_path=self.output_path,
-                     shape=self.shape, halo=self.halo, itemsize=ITEMSIZE, slots=self.slots,
-                     budget_bytes=int(self.budget), started_at=self.started_at, ended_at=time.time(),
-                     outcome=outcome, map_id=self.map_id, params=params_record(self.static),
-                     whole_traces=self.spec.whole_traces, **_cluster_shape(self.budget_read, self.slots))
+        run = map_record(self, outcome)
         try:
             store = self.ctx.bank().store
             if store is not None:
                 store.add_map(run)
         except Exception as exc:  # noqa: BLE001
             logger.warning("could not record the map %s for traces: %r", self.name, exc)
-
 
     def compact_store(self) -> None:
         """Trim this key's history to ``RunnerSettings.store_keep_per_key`` rows once it is past it (a failing
@@ -869,26 +872,3 @@ _CARRY_OUT: dict[type, Callable[[ChunkedMap, Any], Event | None]] = {
     RestartWorker: ChunkedMap.restart_worker,
     Stopped: ChunkedMap.stopped,
 }
-
-
-def _cluster_shape(budget: Budget | None, slots: int) -> dict[str, Any]:
-    """What a map's record keeps of the cluster its budget was read from (``MapRun``'s cluster fields): the
-    workers planned for (its slots over the threads per worker), their threads, memory limit and kill fraction
-    (of the worker that set the budget) and their median resting memory, bytes."""
-    if budget is None:
-        return {}
-    threads = max(1, int(budget.threads_per_worker or 1))
-    resting = sorted(budget.resting_bytes.values())
-    return {"workers": max(1, int(slots) // threads), "threads_per_worker": threads,
-            "memory_limit_bytes": budget.memory_limit_bytes, "kill_fraction": budget.kill_fraction,
-            "resting_bytes": int(resting[len(resting) // 2]) if resting else None}
-
-
-def _size_on_disk(path: str) -> int | None:
-    """Bytes of a file, or of every file under a directory (a zarr store); None if it cannot be read."""
-    try:
-        if os.path.isdir(path):
-            return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-        return os.path.getsize(path)
-    except OSError:
-        return None
