@@ -46,7 +46,7 @@ from memchunk_prefect.core.messages import (
     Submit,
     UpstreamWritten,
     WorkerDied,
-    WorkerGrew,
+    WorkerStands,
 )
 from memchunk_prefect.core.plans import Plan
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward
@@ -1064,17 +1064,17 @@ def test_what_a_first_use_left_held_on_a_worker_comes_off_the_headroom_before_it
     assert m.budget_bytes == 60 * 1024, "counted once: the worker stands 40 KiB up, not 80"
 
 
-def test_what_another_map_left_held_on_a_worker_comes_off_the_headroom_and_replans_the_queue():
+def test_where_another_map_left_a_worker_comes_off_the_headroom_and_replans_the_queue():
     """Maps of a chained flow share their workers: another operator's first use on w1 (a library it imports, 40 KiB
     here) is where this map's next chunk on w1 starts. Heard of, the budget follows at once and the queued chunks
     planned for the whole headroom are re-planned before the next submission; this map's own next run on w1 then
-    reads the same standing, counted once."""
+    reads the same standing, counted once. A lower report than what the map knows changes nothing."""
     m = machine((64, 8, 10), max_counts=64)
     m.handle(Start(2, 100 * 1024, headroom_bytes=100 * 1024))
     subs = of(Submit, m.advance(0.0))
     assert max(s.upper_bytes for s in subs) > 60 * 1024, "planned for the whole headroom"
     out = m.handle(ChunkDone(subs[0].id, drifted(subs[0].chunk, "w2", 0), at=1.0))
-    out += m.handle(WorkerGrew("w1", 40 * 1024, at=1.0))
+    out += m.handle(WorkerStands("w1", 40 * 1024, at=1.0))
     assert m.budget_bytes == 60 * 1024
     out = m.advance(1.0)
     (d,) = of(Decided, out)
@@ -1082,6 +1082,8 @@ def test_what_another_map_left_held_on_a_worker_comes_off_the_headroom_and_repla
     assert all(s.upper_bytes <= 60 * 1024 for s in of(Submit, out))
     m.handle(ChunkDone(subs[1].id, drifted(subs[1].chunk, "w1", 40 * 1024), at=2.0))
     assert m.budget_bytes == 60 * 1024, "counted once: w1 stands 40 KiB up, not 80"
+    m.handle(WorkerStands("w1", 10 * 1024, at=3.0))
+    assert m.budget_bytes == 60 * 1024, "a late or low report never lowers what the map knows"
 
 
 def test_the_standing_a_map_hears_of_shifts_the_readings_it_has_of_a_shared_worker():
@@ -1093,11 +1095,13 @@ def test_the_standing_a_map_hears_of_shifts_the_readings_it_has_of_a_shared_work
         o.worker, o.resting_bytes, o.baseline_bytes, o.shared = "w1", 100, 100 + above, True
         s.follow(o)
     assert s.worst() == 10
-    s.grew("w1", 150)
-    s.grew("w9", 7)
+    s.heard("w1", 160)
+    s.heard("w9", 12)
     assert s.drift == {"w1": 160, "w9": 12} and s.worst() == 160
-    s.grew("w1", 0)
-    assert s.worst() == 160
+    o = obs(Chunk((0, 0, 0), (1, 1, 1)), 1000)
+    o.worker, o.resting_bytes, o.baseline_bytes, o.shared = "w1", 100, 100 + 170, True
+    s.follow(o)
+    assert s.worst() == 160, "the least of the last readings, each raised by what was heard since"
 
 
 def test_the_map_log_keeps_how_close_the_model_was_at_the_chunks_it_ran():

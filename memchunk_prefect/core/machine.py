@@ -105,7 +105,7 @@ from memchunk_prefect.core.messages import (
     Submit,
     UpstreamWritten,
     WorkerDied,
-    WorkerGrew,
+    WorkerStands,
 )
 from memchunk_prefect.core.plan_queue import Gate, Pending, PlanQueue
 from memchunk_prefect.core.plans import PROBE, RECHUNK, RETRY_SMALLER, Plan, overhead_warning
@@ -335,10 +335,10 @@ class MapMachine:
             return self.cap_bytes
         return max(1, min(self.cap_bytes, self.headroom_bytes - self.standing.worst()))
 
-    def _on_worker_grew(self, ev: WorkerGrew) -> list[Instruction]:
-        """Another map's run left memory held on a worker: the budget follows at once, and the queue is looked at
+    def _on_worker_stands(self, ev: WorkerStands) -> list[Instruction]:
+        """Another map's run says where a worker stands: the budget follows at once, and the queue is looked at
         again before the next submission (a re-plan when the budget moved enough)."""
-        self.standing.grew(ev.worker, int(ev.nbytes))
+        self.standing.heard(ev.worker, int(ev.above_bytes))
         self.budget_bytes = self._budget()
         self._check_replan = True
         return []
@@ -873,7 +873,7 @@ _HANDLERS: dict[type, Any] = {
     PausesRead: MapMachine._on_pauses,
     SlotsChanged: MapMachine._on_slots,
     UpstreamWritten: MapMachine._on_upstream,
-    WorkerGrew: MapMachine._on_worker_grew,
+    WorkerStands: MapMachine._on_worker_stands,
 }
 
 __all__ = ["MapMachine", "MapStateError"]

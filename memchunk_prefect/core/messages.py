@@ -184,13 +184,14 @@ class SlotsChanged:
 
 
 @dataclass(frozen=True)
-class WorkerGrew:
-    """Another map of the flow run had a run on ``worker`` leave ``nbytes`` held there for good (a first use: a
-    library imported, a CUDA context): this map's next chunk there starts that much higher, and its budget
-    follows (:meth:`memchunk_prefect.core.standing.WorkerStanding.grew`)."""
+class WorkerStands:
+    """Another map of the flow run had a run alone on ``worker`` that says the worker's next task starts
+    ``above_bytes`` above the resting memory this map's budget read there (what its runs left held: a library
+    imported, a CUDA context, Prefect's per-run memory). Where this map knew less, its budget follows
+    (:meth:`memchunk_prefect.core.standing.WorkerStanding.heard`)."""
 
     worker: str
-    nbytes: int
+    above_bytes: int
     at: float = 0.0
 
 
@@ -205,7 +206,7 @@ class UpstreamWritten:
 
 
 Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
-              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost, WorkerGrew]
+              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost, WorkerStands]
 
 
 @dataclass(frozen=True)

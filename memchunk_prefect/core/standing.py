@@ -6,10 +6,10 @@ import, a CUDA context) leaves memory held for good. What a worker holds above t
 map's start is not the operator's, so a map takes it off its kill headroom, never adds it to the operator's
 bound (:meth:`memchunk_prefect.core.machine.MapMachine._budget`).
 
-A map learns where a worker stands from its own runs there (:meth:`WorkerStanding.follow`), and from another
-map of the same flow run whose run left memory held on it (:meth:`WorkerStanding.grew`): maps of a chained flow
-run side by side on the same workers, and one operator's first use of a 150 MiB library on a worker is where
-another map's next chunk there starts. Pure: no clocks, no I/O.
+A map learns where a worker stands from its own runs there (:meth:`WorkerStanding.follow`), and from the runs
+of the flow run's other maps (:meth:`WorkerStanding.heard`): maps of a chained flow run side by side on the same
+workers, and one operator's first use of a 150 MiB library on a worker, or the memory its runs left there, is
+where another map's next chunk there starts. Pure: no clocks, no I/O.
 
 Units: bytes.
 
@@ -20,7 +20,10 @@ Units: bytes.
 >>> s.follow(Observation("k|float32|cpu", 1, (1, 1, 1), 4, 50, worker="w1", baseline_bytes=120, resting_bytes=100))
 >>> s.worst()
 20
->>> s.grew("w1", 150)
+>>> s.heard("w1", 170)
+>>> s.worst()
+170
+>>> s.heard("w1", 60)
 >>> s.worst()
 170
 """
@@ -70,13 +73,25 @@ class WorkerStanding:
         recent.append(now)
         self.drift[obs.worker] = min(recent) if obs.shared else now
 
+    def current(self, worker: str) -> int:
+        """Where ``worker`` stands as this map knows it: its latest standing, or the estimate before any, bytes."""
+        return self.drift.get(worker, self.estimate)
+
     def grew(self, worker: str, nbytes: int) -> None:
-        """Another map's run left ``nbytes`` held on ``worker`` (a first use): every reading this map has of the
-        worker is that much low now, and a worker it has none of stands that much above the estimate."""
+        """``worker`` holds ``nbytes`` more than this map knows of (another map's run left it there): every reading
+        this map has of the worker is that much low now, and a worker it has none of stands that much above the
+        estimate."""
         if nbytes <= 0 or not worker:
             return
         recent = self.recent.setdefault(worker, deque([self.estimate], maxlen=DRIFT_RUNS))
         shifted = [r + int(nbytes) for r in recent]
         recent.clear()
         recent.extend(shifted)
-        self.drift[worker] = self.drift.get(worker, self.estimate) + int(nbytes)
+        self.drift[worker] = self.current(worker) + int(nbytes)
+
+    def heard(self, worker: str, above: int) -> None:
+        """Another map's run on ``worker``, alone in its process, says the worker's next task starts ``above``
+        bytes above the resting memory this map read. Raised to it where this map knows less (:meth:`grew`);
+        never lowered by it: a report may arrive after this map's own newer reading, and a standing too high
+        costs a smaller chunk where one too low costs a worker."""
+        self.grew(worker, int(above) - self.current(worker))

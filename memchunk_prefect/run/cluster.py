@@ -46,8 +46,8 @@ from memchunk_prefect.core.settings import RUNNER_SETTINGS, RunnerSettings
 from memchunk_prefect.core.sharing import SLOT_RESOURCE
 from memchunk_prefect.operators.device import GpuStatus, check_device, gpu_status, resolve_for_workers
 from memchunk_prefect.run import batch
-from memchunk_prefect.run.growth import GrowthBoard
 from memchunk_prefect.run.prefect_api import flow_logger
+from memchunk_prefect.run.standings import StandingBoard
 
 logger = logging.getLogger("memchunk_prefect.run.cluster")
 #: What a user hears about a map's cluster goes out on the runner's logger, as the rest of what the runner says.
@@ -725,7 +725,7 @@ class ClusterView:
         self._worker_gpus: dict[str, GpuStatus] | None = None
         self._checked = False
         self._machines_recorded = False
-        self.growth = GrowthBoard()  # what the maps tell each other of memory their runs left held on a worker
+        self.standings = StandingBoard()  # what the maps tell each other of where their workers stand
 
     @property
     def client(self) -> Any:

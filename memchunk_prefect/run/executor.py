@@ -70,11 +70,11 @@ from memchunk_prefect.core.messages import (
     Submit,
     UpstreamWritten,
     WorkerDied,
+    WorkerStands,
 )
 from memchunk_prefect.core.records import (
     Observation,
     Reward,
-    first_use_bytes,
     paused_idle_since,
     paused_within,
     pauses_from,
@@ -100,11 +100,11 @@ from memchunk_prefect.operators.device import CUDA
 from memchunk_prefect.operators.spec import operator_key, operator_name, spec_of
 from memchunk_prefect.run import cluster as _cluster
 from memchunk_prefect.run import taskruns
-from memchunk_prefect.run.growth import Inbox
 from memchunk_prefect.run.hydration import settings_serialized_once
 from memchunk_prefect.run.map_records import map_record
 from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart, Observers, observer_event
 from memchunk_prefect.run.prefect_api import flow_logger, flow_run_id, keep_final_state
+from memchunk_prefect.run.standings import Inbox, standing_of
 from memchunk_prefect.run.worker import BlockFunction, BlockJob, chunk_task_run_name
 
 logger = logging.getLogger("memchunk_prefect.run.runner")
@@ -254,7 +254,7 @@ class ChunkedMap:
         # its first decision is made (a downstream map plans from this one's plan) and once it ended; the error
         # it ended with; who wrote which chunk (the task run ids a downstream chunk's task run depends on).
         self.planned = threading.Event()
-        self.growth_inbox: Inbox | None = None  # what other maps tell this one of their workers (while it runs)
+        self.standings_inbox: Inbox | None = None  # what other maps tell this one of their workers (while it runs)
         self.ended = threading.Event()
         self.error: BaseException | None = None
         self.error_seen = False  # the error reached the user: .result(), a downstream map's error, the flow's end
@@ -280,8 +280,8 @@ class ChunkedMap:
                 raise
             self._end(None)
         finally:
-            if self.growth_inbox is not None:
-                self.ctx.cluster.growth.leave(self.growth_inbox)
+            if self.standings_inbox is not None:
+                self.ctx.cluster.standings.leave(self.standings_inbox)
             self.planned.set()
             self.ended.set()
             self.tell_listeners()
@@ -325,7 +325,7 @@ class ChunkedMap:
         bank = self.ctx.bank()
         self.ctx.cluster.record_machines(bank.store)
         knowledge = BankKnowledge(bank, self.key, self.ctx.policy)
-        self.growth_inbox = self.ctx.cluster.growth.join()
+        self.standings_inbox = self.ctx.cluster.standings.join()
         self.ac = as_completed(loop=self.ctx.cluster.client.loop)
         up = self.upstream
         gated = up is not None and not (up.ended.is_set() and up.error is None)
@@ -376,10 +376,11 @@ class ChunkedMap:
         ``slots_poll_seconds``, a change in the slots to plan for (workers joined a scheduler started
         elsewhere, or left; on the runner's own cluster, more than were requested)."""
         events: list[Event] = [self.next_event()]
-        # What other maps' runs left held on the workers, heard with this map's own event: handled together,
-        # the budget has followed before the machine submits again.
-        if self.growth_inbox is not None:
-            events.extend(self.growth_inbox.take())
+        # Where other maps' runs left the workers, heard with this map's own event: handled together, the budget
+        # has followed before the machine submits again.
+        if self.standings_inbox is not None:
+            events.extend(WorkerStands(s.worker, s.process_bytes - self.resting[s.worker], at=s.at)
+                          for s in self.standings_inbox.take() if s.worker in self.resting)
         if time.monotonic() - self.slots_polled >= RUNNER_SETTINGS.slots_poll_seconds:
             self.slots_polled = time.monotonic()
             slots = self.ctx.cluster.slots_now()
@@ -435,9 +436,7 @@ class ChunkedMap:
             keep_final_state(fut, state)
         if isinstance(state, State) and state.is_completed():
             self.writers.append((self.machine.in_flight[sid].chunk, fut.task_run_id))  # type: ignore[union-attr]
-            done = self.observed(state.result().observation)
-            self.ctx.cluster.growth.tell(self.growth_inbox, done.worker, first_use_bytes(done), at=time.time())
-            return ChunkDone(sid, done, at=time.time())
+            return self.chunk_done(sid, state.result().observation)
         raised = state.result(raise_on_failure=False) if isinstance(state, State) else state
         if is_memory_error(raised):
             obs = getattr(raised, "observation", None)
@@ -449,6 +448,15 @@ class ChunkedMap:
             return ChunkFailed(sid, raised, at=time.time())
         label = self.machine.in_flight[sid].chunk.label(self.shape)  # type: ignore[union-attr]
         return ChunkFailed(sid, MemchunkError(f"{self.name}[{label}] ended in state {state!r}"), at=time.time())
+
+    def chunk_done(self, sid: int, record: dict) -> ChunkDone:
+        """A chunk written: what its run measured, and where it left its worker, told to the flow run's other
+        maps (:mod:`memchunk_prefect.run.standings`)."""
+        done = self.observed(record)
+        standing = standing_of(done)
+        if standing is not None:
+            self.ctx.cluster.standings.tell(self.standings_inbox, done.worker, standing, at=time.time())
+        return ChunkDone(sid, done, at=time.time())
 
     def upstream_event(self) -> UpstreamWritten | None:
         """What the upstream map wrote since last asked (None: nothing new, or no upstream still running); raises

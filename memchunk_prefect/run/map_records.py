@@ -5,20 +5,17 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from memchunk_prefect.core.budget import Budget
 from memchunk_prefect.core.records import MapRun
 from memchunk_prefect.core.settings import ITEMSIZE
 from memchunk_prefect.io.identity import params_record
 
-if TYPE_CHECKING:  # pragma: no cover
-    from memchunk_prefect.run.executor import ChunkedMap
 
-
-def map_record(cmap: "ChunkedMap", outcome: str) -> MapRun:
-    """The record of ``cmap``, a map that started, ending now with ``outcome`` (``ok``, ``failed`` or
-    ``interrupted``)."""
+def map_record(cmap: Any, outcome: str) -> MapRun:
+    """The record of ``cmap`` (a :class:`~memchunk_prefect.run.executor.ChunkedMap` that started), ending now
+    with ``outcome`` (``ok``, ``failed`` or ``interrupted``)."""
     path = getattr(cmap.source, "path", "") or ""
     return MapRun(flow_run_id=cmap.flow_run_id, operator=cmap.name, operator_key=cmap.key, source=str(path),
                   source_bytes=size_on_disk(path) if path else None, output_path=cmap.output_path,
