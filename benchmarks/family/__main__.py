@@ -168,9 +168,9 @@ def summarize_workload(result: dict[str, Any], best: dict | None) -> dict[str, A
 
 
 def _first_task(r: dict[str, Any]) -> float | None:
-    """Seconds from the flow call to the first operator call on a worker: a plain ``DaskTaskRunner`` starts its
-    cluster before the flow function's first line and the runner beside it, so only the call is a start both
-    share (runs recorded before it was measured: from the flow function's first line)."""
+    """Seconds from the flow call to the first operator call on a worker: the call is the start both strategies
+    share, the task runner's entry included (runs recorded before it was measured: from the flow function's first
+    line)."""
     return r.get("first_task_from_call_seconds", r.get("first_task_seconds"))
 
 

@@ -20,8 +20,9 @@ worker died (Dask's default is 3; the runner and the simulator assume 0: the fir
 
 Measured: ``wall_seconds`` from the flow call to its return (the cluster's start included, as a deployment's run
 pays it); ``first_task_seconds`` from the flow function's first line to the first operator call on a worker (the
-fixed cost before any work), and ``first_task_from_call_seconds`` from the flow call (a plain ``DaskTaskRunner``
-starts its cluster before the flow function's first line, the runner beside it); ``kills`` (chunks whose worker died
+fixed cost before any work), and ``first_task_from_call_seconds`` from the flow call (what the task runner's
+entry costs as well; both start their cluster in the flow function: a plain ``DaskTaskRunner`` at its first
+submission, the runner at its first chunked map); ``kills`` (chunks whose worker died
 or that raised ``MemoryError``) and, per step, the chunks written; ``maps_seconds`` (static, split) from the first
 step's start to the last step's end, once the workers imported what a task run imports (:func:`warm_workers`);
 ``flow_run_id`` (memchunk), whose maps the store recorded; ``exit_seconds`` from the flow body's return to the flow
