@@ -32,6 +32,7 @@ from memchunk_prefect.core.messages import (
     Decided,
     Fail,
     Finalize,
+    FirstUseExpected,
     MapSpec,
     MarkersRecovered,
     MarkRuns,
@@ -1084,6 +1085,25 @@ def test_where_another_map_left_a_worker_comes_off_the_headroom_and_replans_the_
     assert m.budget_bytes == 60 * 1024, "counted once: w1 stands 40 KiB up, not 80"
     m.handle(WorkerStands("w1", 10 * 1024, at=3.0))
     assert m.budget_bytes == 60 * 1024, "a late or low report never lowers what the map knows"
+
+
+def test_another_maps_first_use_still_to_come_on_a_worker_keeps_room_there_until_that_map_runs_there():
+    """Regression (``python -m benchmarks.family --scale 4``, w2: 2 workers x 600 MiB x 2 threads): the first-use
+    operator's first chunk on w1 left 100 MiB held. Its first chunk on w2 came later, after a 314 MiB Gram chunk
+    planned without it had been submitted there: the worker died. Told of a first use on one worker, a map keeps
+    room for it on the others, through its own runs there (which cannot show it yet), until the other map
+    reports from that worker."""
+    m = machine((64, 8, 10), max_counts=64)
+    m.handle(Start(2, 100 * 1024, headroom_bytes=100 * 1024))
+    subs = of(Submit, m.advance(0.0))
+    m.handle(FirstUseExpected("w2", "map-b", 40 * 1024, at=1.0))
+    assert m.budget_bytes == 60 * 1024
+    m.handle(ChunkDone(subs[0].id, drifted(subs[0].chunk, "w2", 0), at=2.0))
+    assert m.budget_bytes == 60 * 1024, "this map's own run on w2 cannot show a first use still to come"
+    m.handle(WorkerStands("w2", 40 * 1024, at=3.0, source="map-b"))
+    assert m.budget_bytes == 60 * 1024 and m.standing.pending == {"w2": {}}, "paid once, counted once"
+    m.handle(ChunkDone(subs[1].id, drifted(subs[1].chunk, "w1", 0), at=4.0))
+    assert m.standing.worst() == 40 * 1024
 
 
 def test_the_standing_a_map_hears_of_shifts_the_readings_it_has_of_a_shared_worker():

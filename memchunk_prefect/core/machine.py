@@ -87,6 +87,7 @@ from memchunk_prefect.core.messages import (
     Event,
     Fail,
     Finalize,
+    FirstUseExpected,
     GpuContextLost,
     Instruction,
     MapSpec,
@@ -338,7 +339,14 @@ class MapMachine:
     def _on_worker_stands(self, ev: WorkerStands) -> list[Instruction]:
         """Another map's run says where a worker stands: the budget follows at once, and the queue is looked at
         again before the next submission (a re-plan when the budget moved enough)."""
-        self.standing.heard(ev.worker, int(ev.above_bytes))
+        self.standing.heard(ev.worker, int(ev.above_bytes), ev.source)
+        self.budget_bytes = self._budget()
+        self._check_replan = True
+        return []
+
+    def _on_first_use_expected(self, ev: FirstUseExpected) -> list[Instruction]:
+        """Another map's first use is still to come on a worker: the budget keeps room for it from now on."""
+        self.standing.expect(ev.worker, ev.source, int(ev.nbytes))
         self.budget_bytes = self._budget()
         self._check_replan = True
         return []
@@ -874,6 +882,7 @@ _HANDLERS: dict[type, Any] = {
     SlotsChanged: MapMachine._on_slots,
     UpstreamWritten: MapMachine._on_upstream,
     WorkerStands: MapMachine._on_worker_stands,
+    FirstUseExpected: MapMachine._on_first_use_expected,
 }
 
 __all__ = ["MapMachine", "MapStateError"]

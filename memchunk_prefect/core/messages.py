@@ -193,6 +193,20 @@ class WorkerStands:
     worker: str
     above_bytes: int
     at: float = 0.0
+    source: str = ""  # the map whose run it was (its ``map_id``)
+
+
+@dataclass(frozen=True)
+class FirstUseExpected:
+    """Another map of the flow run (``source``) left ``nbytes`` held on a worker at its first chunk there (a first
+    use: a library imported) and has not run on ``worker`` yet: when it does, ``worker`` holds that much more.
+    Kept apart from the worker's standing until the source reports from it
+    (:meth:`memchunk_prefect.core.standing.WorkerStanding.expect`)."""
+
+    worker: str
+    source: str
+    nbytes: int
+    at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -206,7 +220,7 @@ class UpstreamWritten:
 
 
 Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
-              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost, WorkerStands]
+              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost, WorkerStands, FirstUseExpected]
 
 
 @dataclass(frozen=True)

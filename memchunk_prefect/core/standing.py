@@ -51,10 +51,15 @@ class WorkerStanding:
     estimate: int = 0
     drift: dict[str, int] = field(default_factory=dict)
     recent: dict[str, deque] = field(default_factory=dict)
+    pending: dict[str, dict[str, int]] = field(default_factory=dict)  # worker -> {other map: its first use there}
 
     def worst(self) -> int:
-        """The highest standing of any worker a run reported from, or the estimate before any did, bytes."""
-        return max(self.drift.values()) if self.drift else self.estimate
+        """The highest standing of any worker known, with the first uses other maps have still to pay there, or
+        the estimate before any is known, bytes."""
+        known = set(self.drift) | set(self.pending)
+        if not known:
+            return self.estimate
+        return max(self.current(w) + sum(self.pending.get(w, {}).values()) for w in known)
 
     def follow(self, obs: Observation) -> None:
         """Note where ``obs``'s worker stands now: where its run started, plus what the run left held there (a
@@ -89,9 +94,18 @@ class WorkerStanding:
         recent.extend(shifted)
         self.drift[worker] = self.current(worker) + int(nbytes)
 
-    def heard(self, worker: str, above: int) -> None:
-        """Another map's run on ``worker``, alone in its process, says the worker's next task starts ``above``
-        bytes above the resting memory this map read. Raised to it where this map knows less (:meth:`grew`);
-        never lowered by it: a report may arrive after this map's own newer reading, and a standing too high
-        costs a smaller chunk where one too low costs a worker."""
+    def heard(self, worker: str, above: int, source: str = "") -> None:
+        """Another map's (``source``) run on ``worker``, alone in its process, says the worker's next task starts
+        ``above`` bytes above the resting memory this map read. Raised to it where this map knows less
+        (:meth:`grew`); never lowered by it: a report may arrive after this map's own newer reading, and a
+        standing too high costs a smaller chunk where one too low costs a worker. The source has run there, so
+        a first use of it expected there is paid (and in ``above``)."""
+        self.pending.get(worker, {}).pop(source, None)
         self.grew(worker, int(above) - self.current(worker))
+
+    def expect(self, worker: str, source: str, nbytes: int) -> None:
+        """Another map (``source``) left ``nbytes`` held on a worker at its first chunk there, and has not run
+        on ``worker`` yet: it will when it does. Held apart from the readings, which cannot show it before it
+        happens, until the source's first report from ``worker`` (:meth:`heard`)."""
+        if nbytes > 0 and worker and source:
+            self.pending.setdefault(worker, {})[source] = int(nbytes)

@@ -70,11 +70,11 @@ from memchunk_prefect.core.messages import (
     Submit,
     UpstreamWritten,
     WorkerDied,
-    WorkerStands,
 )
 from memchunk_prefect.core.records import (
     Observation,
     Reward,
+    first_use_bytes,
     paused_idle_since,
     paused_within,
     pauses_from,
@@ -104,7 +104,7 @@ from memchunk_prefect.run.hydration import settings_serialized_once
 from memchunk_prefect.run.map_records import map_record
 from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart, Observers, observer_event
 from memchunk_prefect.run.prefect_api import flow_logger, flow_run_id, keep_final_state
-from memchunk_prefect.run.standings import Inbox, standing_of
+from memchunk_prefect.run.standings import Inbox, standing_of, told_event
 from memchunk_prefect.run.worker import BlockFunction, BlockJob, chunk_task_run_name
 
 logger = logging.getLogger("memchunk_prefect.run.runner")
@@ -325,7 +325,7 @@ class ChunkedMap:
         bank = self.ctx.bank()
         self.ctx.cluster.record_machines(bank.store)
         knowledge = BankKnowledge(bank, self.key, self.ctx.policy)
-        self.standings_inbox = self.ctx.cluster.standings.join()
+        self.standings_inbox = self.ctx.cluster.standings.join(self.map_id)
         self.ac = as_completed(loop=self.ctx.cluster.client.loop)
         up = self.upstream
         gated = up is not None and not (up.ended.is_set() and up.error is None)
@@ -379,8 +379,7 @@ class ChunkedMap:
         # Where other maps' runs left the workers, heard with this map's own event: handled together, the budget
         # has followed before the machine submits again.
         if self.standings_inbox is not None:
-            events.extend(WorkerStands(s.worker, s.process_bytes - self.resting[s.worker], at=s.at)
-                          for s in self.standings_inbox.take() if s.worker in self.resting)
+            events.extend(told_event(t, self.resting) for t in self.standings_inbox.take() if t.worker in self.resting)
         if time.monotonic() - self.slots_polled >= RUNNER_SETTINGS.slots_poll_seconds:
             self.slots_polled = time.monotonic()
             slots = self.ctx.cluster.slots_now()
@@ -454,8 +453,9 @@ class ChunkedMap:
         maps (:mod:`memchunk_prefect.run.standings`)."""
         done = self.observed(record)
         standing = standing_of(done)
-        if standing is not None:
-            self.ctx.cluster.standings.tell(self.standings_inbox, done.worker, standing, at=time.time())
+        if standing is not None and self.standings_inbox is not None:
+            self.ctx.cluster.standings.tell(self.standings_inbox, done.worker, standing,
+                                            first_use=first_use_bytes(done), at=time.time())
         return ChunkDone(sid, done, at=time.time())
 
     def upstream_event(self) -> UpstreamWritten | None:

@@ -8,12 +8,19 @@ running maps, and each hears it with its next event, as
 :class:`~memchunk_prefect.core.messages.WorkerStands` against its own resting level, before it submits again.
 One board per runner's cluster view, shared by its maps' threads.
 
+A map's first chunk on a worker that leaves a library held there (a first use) is, in all likelihood, what its
+first chunk on every other worker will do: the board tells the other maps to keep room for it on the workers
+the map has not reported from yet (:class:`~memchunk_prefect.core.messages.FirstUseExpected`), until it does.
+
 >>> board = StandingBoard()
->>> a, b = board.join(), board.join()
->>> board.tell(a, "tcp://w1:1", 400 * 2**20, at=1.0)
->>> [(s.worker, s.process_bytes) for s in b.take()], a.take()
-([('tcp://w1:1', 419430400)], [])
->>> board.leave(b); board.tell(a, "tcp://w1:1", 1, at=2.0); b.take()
+>>> a, b = board.join("map-a"), board.join("map-b")
+>>> board.tell(b, "w2", 300, at=0.5)
+>>> board.tell(a, "w1", 400, first_use=150, at=1.0)
+>>> [(type(t).__name__, t.worker, t.source) for t in b.take()]
+[('Standing', 'w1', 'map-a'), ('Expected', 'w2', 'map-a')]
+>>> [(type(t).__name__, t.worker, t.process_bytes) for t in a.take()]
+[('Standing', 'w2', 300)]
+>>> board.leave(b); board.tell(a, "w1", 1, at=2.0); b.take()
 []
 """
 
@@ -21,17 +28,33 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Union
 
+from memchunk_prefect.core.messages import FirstUseExpected, WorkerStands
 from memchunk_prefect.core.records import Observation
 
 
 @dataclass(frozen=True)
 class Standing:
-    """``worker``'s next task starts with its process at ``process_bytes`` (as read at ``at``, epoch seconds)."""
+    """``worker``'s next task starts with its process at ``process_bytes``, as a run of map ``source`` left it."""
 
     worker: str
     process_bytes: int
+    source: str
     at: float
+
+
+@dataclass(frozen=True)
+class Expected:
+    """Map ``source`` left ``nbytes`` held at its first chunk on a worker and has not run on ``worker`` yet."""
+
+    worker: str
+    source: str
+    nbytes: int
+    at: float
+
+
+Told = Union[Standing, Expected]
 
 
 def standing_of(obs: Observation) -> int | None:
@@ -43,33 +66,46 @@ def standing_of(obs: Observation) -> int | None:
     return int(obs.baseline_bytes) - int(obs.others_bytes or 0) + int(obs.retained_bytes or 0)
 
 
+def told_event(told: Told, resting: dict[str, int]) -> WorkerStands | FirstUseExpected:
+    """What a map's machine hears of ``told``: a standing against the resting memory the map read on that worker
+    (``resting``, bytes by address; the worker must be in it)."""
+    if isinstance(told, Standing):
+        return WorkerStands(told.worker, told.process_bytes - int(resting[told.worker]), at=told.at,
+                            source=told.source)
+    return FirstUseExpected(told.worker, told.source, told.nbytes, at=told.at)
+
+
 class Inbox:
-    """One map's unread standings (thread-safe)."""
+    """What one map (``source``: its ``map_id``) has not read yet of what the others told (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str) -> None:
+        self.source = source
         self._lock = threading.Lock()
-        self._standings: list[Standing] = []
+        self._told: list[Told] = []
 
-    def put(self, standing: Standing) -> None:
+    def put(self, told: list[Told]) -> None:
         with self._lock:
-            self._standings.append(standing)
+            self._told.extend(told)
 
-    def take(self) -> list[Standing]:
-        """The standings told since the last call, oldest first."""
+    def take(self) -> list[Told]:
+        """What was told since the last call, oldest first."""
         with self._lock:
-            out, self._standings = self._standings, []
+            out, self._told = self._told, []
         return out
 
 
 class StandingBoard:
-    """The maps of a flow run that are running, each with its inbox (thread-safe)."""
+    """The maps of a flow run that are running, each with its inbox, and the workers each reported from
+    (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._inboxes: list[Inbox] = []
+        self._reported: dict[str, set[str]] = {}  # map -> the workers it told a standing of
+        self._workers: set[str] = set()  # every worker any map told a standing of
 
-    def join(self) -> Inbox:
-        inbox = Inbox()
+    def join(self, source: str) -> Inbox:
+        inbox = Inbox(source)
         with self._lock:
             self._inboxes.append(inbox)
         return inbox
@@ -79,10 +115,18 @@ class StandingBoard:
             if inbox in self._inboxes:
                 self._inboxes.remove(inbox)
 
-    def tell(self, sender: Inbox | None, worker: str, process_bytes: int, *, at: float) -> None:
-        """A run of the map reading ``sender`` says ``worker`` stands at ``process_bytes``: every other map hears."""
-        standing = Standing(worker, int(process_bytes), at)
+    def tell(self, sender: Inbox, worker: str, process_bytes: int, *, first_use: int = 0, at: float) -> None:
+        """A run of ``sender``'s map left ``worker`` at ``process_bytes``, having left ``first_use`` bytes held
+        there at its first chunk on it (0: none): every other running map hears, and, for a first use, to keep
+        room for it on the workers that map has not run on yet."""
+        source = sender.source
         with self._lock:
+            self._reported.setdefault(source, set()).add(worker)
+            self._workers.add(worker)
+            told: list[Told] = [Standing(worker, int(process_bytes), source, at)]
+            if first_use > 0:
+                told += [Expected(w, source, int(first_use), at)
+                         for w in sorted(self._workers - self._reported[source])]
             others = [i for i in self._inboxes if i is not sender]
         for inbox in others:
-            inbox.put(standing)
+            inbox.put(told)
