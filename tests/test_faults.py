@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
-from prefect import flow
+from prefect import flow, task
 
 from memchunk_prefect import MemoryAwareRunner, chunked, operators, synthetic_survey
 from memchunk_prefect.core.errors import BudgetTooSmallError
@@ -215,3 +217,53 @@ def test_every_error_class_is_in_the_table_of_errors_a_user_can_meet():
     assert "ClusterLostError" in classes and "OutputWriteError" in classes
     missing = sorted(c for c in classes if f"`{c}`" not in table)
     assert not missing, f"docs/reference/errors.md does not list {missing}"
+
+
+# =========================================================================== which chunks had begun on a dead worker
+
+
+@task
+def _begins_and_the_first_kills_its_worker(i: int) -> int:
+    from memchunk_prefect.run.worker import tell_started
+
+    tell_started()
+    if i == 0:
+        time.sleep(0.5)  # the start event is on its way (a worker sends its messages every few milliseconds)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return i
+
+
+@pytest.mark.cluster
+@pytest.mark.usefixtures("prefect_server")
+def test_the_scheduler_log_tells_a_run_that_began_on_a_dead_worker_from_one_only_queued_there():
+    """Dask fails both tasks assigned to a worker that dies (allowed-failures 0); only the one that began there
+    logged its start, so only its death can say anything about its memory."""
+    from distributed import Client
+    from prefect_dask import DaskTaskRunner
+
+    from memchunk_prefect.run.cluster import read_started
+
+    cluster = start_local_cluster(n_workers=1, memory_limit="1GiB")
+    try:
+        since = time.time()
+
+        @flow(task_runner=DaskTaskRunner(address=cluster.scheduler_address))
+        def two_on_one_worker() -> tuple[str, str, list[str]]:
+            import dask
+            from prefect.context import get_run_context
+
+            worker = next(iter(get_run_context().task_runner.client.scheduler_info()["workers"]))
+            with dask.annotate(workers=[worker]):  # both sent to the worker at once: the second waits there
+                first = _begins_and_the_first_kills_its_worker.submit(0)
+                second = _begins_and_the_first_kills_its_worker.submit(1)
+            for f in (first, second):
+                f.wait()
+            return str(first.task_run_id), str(second.task_run_id), [f.wrapped_future.status for f in (first, second)]
+
+        began, queued, states = two_on_one_worker()
+        assert states == ["error", "error"], "both failed with the worker"
+        with Client(cluster.scheduler_address) as client:
+            started = read_started(client, since)
+        assert started is not None and began in started and queued not in started
+    finally:
+        cluster.close()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from memchunk_prefect.core.budget import is_memory_kill
+from memchunk_prefect.core.deaths import DeathEvidence
 from memchunk_prefect.core.chunks import Chunk, covers_exactly
 from memchunk_prefect.core.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
 from memchunk_prefect.core.machine import MapMachine, MapStateError
@@ -608,6 +609,27 @@ def test_a_worker_lost_running_a_small_chunk_runs_the_same_chunk_again_once_then
     (again,) = [s for s in of(Submit, m.advance()) if s.chunk == item.chunk]
     out = m.handle(WorkerDied(again.id, "KilledWorker", kill_headroom_bytes=100 * MiB))
     assert of(ChunkEnded, out)[0].outcome == KILLED, "a second death of the same chunk is memory"
+
+
+def test_a_chunk_only_queued_on_a_worker_that_died_runs_again_as_it_was_and_nothing_is_learned():
+    # Dask fails every task assigned to a dying worker (allowed-failures 0), the queued ones too: a chunk that had
+    # not begun there says nothing about its memory, even beside a kill the nanny logged as memory.
+    m = _running_with_queue(Linear())
+    sid, item = next(iter(m.in_flight.items()))
+    out = m.handle(WorkerDied(sid, "KilledWorker", kill_headroom_bytes=150 * 1024, worker="tcp://w:1",
+                              evidence=DeathEvidence(nanny_memory_kill=True), started=False))
+    assert kinds(out) == ["MarkRuns", "ChunkEnded"]
+    assert out[0].marks == ((sid, "Crashed", f"worker tcp://w:1 died (KilledWorker) before "
+                                            f"op[{item.chunk.label((64, 8, 10))}], queued there, began: "
+                                            "resubmitting the same chunk"),)
+    assert out[1].outcome == LOST and out[1].observation is None and not out[1].kept
+    assert (m.queue[0].chunk, m.queue[0].attempt, m.queue[0].decision) == (item.chunk, 0, item.decision)
+    assert sid not in m.in_flight
+    # The same death read for the chunk that was running there is the memory kill it was.
+    sid2, _ = next(iter(m.in_flight.items()))
+    out = m.handle(WorkerDied(sid2, "KilledWorker", kill_headroom_bytes=150 * 1024, worker="tcp://w:1",
+                              evidence=DeathEvidence(nanny_memory_kill=True), started=True))
+    assert of(ChunkEnded, out)[0].outcome == KILLED and of(Record, out)[0].observation.censored
 
 
 def test_a_worker_death_with_no_readable_kill_line_is_judged_against_the_budget():

@@ -21,7 +21,10 @@ What happens when a worker dies mid-map (:class:`WorkerDied`), in order:
 1. its chunk's completion marker exists (``written``): the worker died after
    writing it. The chunk is kept, its task run marked Crashed, the measurement
    recovered from the marker. Nothing is recomputed.
-2. else what was read about the death decides (``WorkerDied.evidence``: the
+2. it had not begun on that worker (``started`` is False: Dask had queued it there, and fails every task
+   assigned to a worker that dies): its death says nothing about its memory. The same chunk goes to the
+   front of the queue, nothing is recorded, and its attempts are not counted.
+3. else what was read about the death decides (``WorkerDied.evidence``: the
    nanny's memory kill, the kernel's OOM count in the job's cgroup, the batch
    job's end state; the rule is :func:`memchunk_prefect.core.deaths.death_cause`);
    where it says nothing, the model's upper bound for the chunk *not ready* or
@@ -30,7 +33,7 @@ What happens when a worker dies mid-map (:class:`WorkerDied`), in order:
    kill headroom) is recorded and the chunk is split in two; the halves go to
    the front of the queue (``retry-smaller``). A chunk that cannot be split
    fails the map with :class:`~memchunk_prefect.core.errors.ChunkOutOfMemoryError`.
-3. else a **lost worker** (walltime, preemption, a node lost, a SIGKILL): nothing
+4. else a **lost worker** (walltime, preemption, a node lost, a SIGKILL): nothing
    is learned about memory, and the same chunk goes to the front of the queue once more.
 
 The learned policy (:mod:`memchunk_prefect.core.bandit`): the map's first plan that is not a probe picks an
@@ -395,6 +398,12 @@ class MapMachine:
             return [MarkRuns(((ev.id, "Crashed", f"worker died after {name} was written; the chunk is kept"),)),
                     RecoverMarkers((item.chunk,)),
                     self._ended(ev.id, item, LOST, None, ev.at, kept=True)]
+        if ev.started is False:
+            del self.in_flight[ev.id]
+            self.queue.push_front([Pending(item.chunk, item.decision, item.attempt, item.armed)])
+            message = (f"worker {ev.worker or '?'} died ({ev.error}) before {name}, queued there, began: "
+                       "resubmitting the same chunk")
+            return [MarkRuns(((ev.id, "Crashed", message),)), self._ended(ev.id, item, LOST, None, ev.at)]
         headroom = ev.kill_headroom_bytes or self.budget_bytes
         if ev.kill_headroom_bytes and ev.id in self.submitted_alone:
             headroom *= self.sharing.threads  # a thread's share was read; alone the chunk had its whole worker

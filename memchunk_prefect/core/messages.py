@@ -118,7 +118,9 @@ class WorkerDied:
     memory before the nanny kills it, read at the death (None: unknown);
     ``worker``: the address of the worker that died ('' unknown); ``evidence``: what the batch system, the
     kernel or the nanny said about the death (:class:`~memchunk_prefect.core.deaths.DeathEvidence`; None: nothing
-    was read, the model's guess decides).
+    was read, the model's guess decides); ``started``: whether the chunk had begun on that worker (False: it was
+    only queued there, and Dask failed it with the worker, as it fails every task assigned to a worker that dies
+    when no failure is allowed; None: not known).
     """
 
     id: int
@@ -128,6 +130,7 @@ class WorkerDied:
     at: float = 0.0
     worker: str = ""
     evidence: DeathEvidence | None = None
+    started: bool | None = None
 
 
 @dataclass(frozen=True)

@@ -611,6 +611,29 @@ def read_memory_kills(client: Any) -> list[str] | None:
     return [str(msg.get("worker")) for _, msg in events if isinstance(msg, dict) and msg.get("worker")]
 
 
+def read_started(client: Any, since: float) -> frozenset[str] | None:
+    """The Prefect task runs whose chunk began on a worker, as the workers logged them on the scheduler
+    (:data:`memchunk_prefect.run.worker.STARTED_TOPIC`); None when the log cannot be read, or when it is full
+    (``distributed.admin.low-level-log-length`` events, on the scheduler) and its oldest event is later than
+    ``since`` (epoch s, less a second for the clocks): a start logged after ``since`` may have been dropped."""
+    from memchunk_prefect.run.worker import STARTED_TOPIC
+
+    try:
+        events = client.get_events(STARTED_TOPIC)
+        if events and events[0][0] > since - 1.0:
+            if len(events) >= int(client.run_on_scheduler(_log_length)):
+                return None
+    except Exception as exc:  # noqa: BLE001 - no scheduler to ask: nothing known
+        logger.info("could not read which chunks had begun: %r", exc)
+        return None
+    return frozenset(str(msg["task_run"]) for _, msg in events if isinstance(msg, dict) and msg.get("task_run"))
+
+
+def _log_length() -> int:
+    """The scheduler's event log length per topic (run there)."""
+    return int(dask.config.get("distributed.admin.low-level-log-length"))
+
+
 # --------------------------------------------------------------------------- pauses
 
 # A worker crossing ``distributed.worker.memory.pause`` (default 0.8 of its memory_limit) stops taking new tasks

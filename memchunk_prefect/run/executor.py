@@ -232,6 +232,7 @@ class ChunkedMap:
         self.by_id: dict[int, PrefectDaskFuture] = {}
         self.ids: dict[Any, int] = {}  # Dask key -> submission id
         self.pins: dict[int, str] = {}  # submission id -> the worker it was placed on (a map that runs alone)
+        self.submitted_at: dict[int, float] = {}  # submission id -> when it was submitted (epoch s)
         self.pinned_to: str | None = None  # the worker the submission being made is placed on
         self.slot_units: float | None = None  # the slot resource each worker offers (None: not offered)
         self.states: dict[int, Any] = {}  # what each collected future gave
@@ -426,7 +427,7 @@ class ChunkedMap:
                 worker, getattr(last, "nanny", None), getattr(last, "name", None))
             return WorkerDied(sid, type(exc).__name__, written=written,
                               kill_headroom_bytes=None if written else self.headroom_of(exc), at=time.time(),
-                              worker=worker, evidence=evidence)
+                              worker=worker, evidence=evidence, started=None if written else self.began(sid, fut))
         finally:
             with contextlib.suppress(Exception):
                 dask_future.release()  # completed results must not be recomputed if a worker dies later
@@ -478,6 +479,12 @@ class ChunkedMap:
         if complete:
             self.upstream_complete = True
         return UpstreamWritten(new, complete, at=time.time()) if new or complete else None
+
+    def began(self, sid: int, fut: PrefectFuture) -> bool | None:
+        """Whether submission ``sid``'s chunk had begun on its worker (its start reached the scheduler's log);
+        None where that cannot be told."""
+        runs = _cluster.read_started(self.ctx.cluster.client, self.submitted_at.get(sid, 0.0))
+        return None if runs is None or not fut.task_run_id else str(fut.task_run_id) in runs
 
     def headroom_of(self, exc: BaseException) -> int | None:
         """What a task killed with ``exc`` had before the kill line: its worker's, as the budget read it.
@@ -604,6 +611,7 @@ class ChunkedMap:
             self.pins[ins.id], self.pinned_to = self.pinned_to, None
         self.futures.append(fut)
         self.by_id[ins.id] = fut
+        self.submitted_at[ins.id] = time.time()
         self.ids[fut.wrapped_future.key] = ins.id
         self.ac.add(fut.wrapped_future)
         self.tell_observers(ins)

@@ -165,6 +165,22 @@ class BlockFunction:
             raise
 
 
+STARTED_TOPIC = "memchunk-chunk-started"
+"""The Dask event topic under which a worker tells the scheduler that a chunk began (its Prefect task run id)."""
+
+
+def tell_started() -> None:
+    """Log this chunk's start on the scheduler (:data:`STARTED_TOPIC`, ``{"task_run": id}``).
+
+    Dask fails every task assigned to a worker that dies when no failure is allowed, the ones only queued
+    there too; these events are what tells the flow which of them had begun
+    (:func:`memchunk_prefect.run.cluster.read_started`). Never fails the chunk."""
+    run = _task_run_id()
+    if run:
+        with contextlib.suppress(Exception):  # not on a Dask worker (a plain call, a test): nothing to tell
+            get_worker().log_event(STARTED_TOPIC, {"task_run": run})
+
+
 def _worker_name() -> str:
     try:
         return get_worker().address
@@ -193,6 +209,7 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     NVML's absolute figure), and a GPU out-of-memory is a censored observation as a
     host one is. Runs on the worker.
     """
+    tell_started()
     read_chunk, trim = with_halo(job.chunk, job.halo, job.volume_shape)
     base = _observation_base(job, read_chunk)
     gpu = GpuUse()
