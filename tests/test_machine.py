@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from memchunk_prefect.core.budget import is_memory_kill
-from memchunk_prefect.core.deaths import DeathEvidence
 from memchunk_prefect.core.chunks import Chunk, covers_exactly
+from memchunk_prefect.core.deaths import DeathEvidence
 from memchunk_prefect.core.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
 from memchunk_prefect.core.machine import MapMachine, MapStateError
 from memchunk_prefect.core.messages import (
@@ -1126,6 +1126,16 @@ def test_another_maps_first_use_still_to_come_on_a_worker_keeps_room_there_until
     assert m.budget_bytes == 60 * 1024 and m.standing.pending == {"w2": {}}, "paid once, counted once"
     m.handle(ChunkDone(subs[1].id, drifted(subs[1].chunk, "w1", 0), at=4.0))
     assert m.standing.worst() == 40 * 1024
+
+
+def test_a_first_use_still_expected_of_a_map_that_ended_without_running_there_gives_its_room_back():
+    m = machine((64, 8, 10), max_counts=64)
+    m.handle(Start(2, 100 * 1024, headroom_bytes=100 * 1024))
+    m.handle(FirstUseExpected("w2", "map-b", 40 * 1024, at=1.0))
+    m.handle(FirstUseExpected("w2", "map-c", 10 * 1024, at=1.0))
+    assert m.budget_bytes == 50 * 1024
+    m.handle(FirstUseExpected("w2", "map-b", 0, at=2.0))  # map-b ended (StandingBoard.leave)
+    assert m.budget_bytes == 90 * 1024 and m.standing.pending == {"w2": {"map-c": 10 * 1024}}
 
 
 def test_the_standing_a_map_hears_of_shifts_the_readings_it_has_of_a_shared_worker():

@@ -204,7 +204,8 @@ class FirstUseExpected:
     """Another map of the flow run (``source``) left ``nbytes`` held on a worker at its first chunk there (a first
     use: a library imported) and has not run on ``worker`` yet: when it does, ``worker`` holds that much more.
     Kept apart from the worker's standing until the source reports from it
-    (:meth:`memchunk_prefect.core.standing.WorkerStanding.expect`)."""
+    (:meth:`memchunk_prefect.core.standing.WorkerStanding.expect`). ``nbytes`` 0: the source ended without running
+    there, and nothing is expected of it any more."""
 
     worker: str
     source: str

@@ -106,6 +106,9 @@ class WorkerStanding:
     def expect(self, worker: str, source: str, nbytes: int) -> None:
         """Another map (``source``) left ``nbytes`` held on a worker at its first chunk there, and has not run
         on ``worker`` yet: it will when it does. Held apart from the readings, which cannot show it before it
-        happens, until the source's first report from ``worker`` (:meth:`heard`)."""
-        if nbytes > 0 and worker and source:
+        happens, until the source's first report from ``worker`` (:meth:`heard`). ``nbytes`` 0: the source
+        ended without running there; nothing of it is kept for ``worker``."""
+        if nbytes <= 0:
+            self.pending.get(worker, {}).pop(source, None)
+        elif worker and source:
             self.pending.setdefault(worker, {})[source] = int(nbytes)

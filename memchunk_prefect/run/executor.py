@@ -282,7 +282,7 @@ class ChunkedMap:
             self._end(None)
         finally:
             if self.standings_inbox is not None:
-                self.ctx.cluster.standings.leave(self.standings_inbox)
+                self.ctx.cluster.standings.leave(self.standings_inbox, at=time.time())
             self.planned.set()
             self.ended.set()
             self.tell_listeners()

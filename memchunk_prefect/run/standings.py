@@ -22,6 +22,12 @@ the map has not reported from yet (:class:`~memchunk_prefect.core.messages.First
 [('Standing', 'w2', 300)]
 >>> board.leave(b); board.tell(a, "w1", 1, at=2.0); b.take()
 []
+
+A map that ends takes back the first use it had the others expect where it did not run:
+
+>>> c = board.join("map-c"); board.leave(a, at=3.0)
+>>> [(t.worker, t.source, t.nbytes) for t in c.take()]
+[('w2', 'map-a', 0)]
 """
 
 from __future__ import annotations
@@ -110,10 +116,18 @@ class StandingBoard:
             self._inboxes.append(inbox)
         return inbox
 
-    def leave(self, inbox: Inbox) -> None:
+    def leave(self, inbox: Inbox, at: float = 0.0) -> None:
+        """``inbox``'s map ended: it hears no more, and the maps still running keep no room for a first use of it
+        on the workers it did not run on (it told none, or never will)."""
+        source = inbox.source
         with self._lock:
             if inbox in self._inboxes:
                 self._inboxes.remove(inbox)
+            not_run = sorted(self._workers - self._reported.get(source, set()))
+            told: list[Told] = [Expected(w, source, 0, at) for w in not_run]
+            others = list(self._inboxes)
+        for other in others:
+            other.put(told)
 
     def tell(self, sender: Inbox, worker: str, process_bytes: int, *, first_use: int = 0, at: float) -> None:
         """A run of ``sender``'s map left ``worker`` at ``process_bytes``, having left ``first_use`` bytes held
