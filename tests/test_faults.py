@@ -267,3 +267,49 @@ def test_the_scheduler_log_tells_a_run_that_began_on_a_dead_worker_from_one_only
         assert started is not None and began in started and queued not in started
     finally:
         cluster.close()
+
+
+# =========================================================================== no room where a chunk begins
+
+_HELD: list = []
+
+
+def _hold_then_check(hold_mib: int, upper_mib: int) -> str:
+    """On a worker: hold ``hold_mib`` MiB (as another map's library would), then check a chunk bounded at
+    ``upper_mib`` MiB; what the check said."""
+    import numpy as np
+
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.core.errors import ChunkDeferredError
+    from memchunk_prefect.run.worker import BlockJob, check_room, kill_line_bytes
+
+    _HELD.append(np.ones(hold_mib * 2**20 // 8))
+    job = BlockJob(source=None, chunk=Chunk((0, 0, 0), (1, 1, 1)), halo=(0, 0, 0), volume_shape=(1, 1, 1),
+                   output_path="", operator="gram", operator_key="gram", budget_bytes=0, label="il 0:1",
+                   upper_bytes=upper_mib * 2**20)
+    try:
+        check_room(job)
+    except ChunkDeferredError as exc:
+        assert exc.kill_bytes == kill_line_bytes() and exc.upper_bytes == upper_mib * 2**20
+        return f"deferred: {exc}"
+    finally:
+        _HELD.clear()
+    return "starts"
+
+
+@pytest.mark.cluster
+def test_a_chunk_whose_bound_would_pass_its_workers_kill_line_from_where_the_worker_stands_does_not_start():
+    """A real worker of 600 MiB (kill line 570 MiB): a chunk bounded at 300 MiB starts on it at rest, and does not
+    where the worker already holds 250 MiB more."""
+    from distributed import Client
+
+    cluster = start_local_cluster(n_workers=1, memory_limit="600MiB")
+    try:
+        with Client(cluster.scheduler_address) as client:
+            at_rest = client.submit(_hold_then_check, 0, 300, pure=False).result()
+            holding = client.submit(_hold_then_check, 250, 300, pure=False).result()
+        assert at_rest == "starts"
+        assert holding.startswith("deferred: gram[il 0:1] did not start on tcp://") and \
+            "would pass its kill line (570.0 MiB)" in holding, holding
+    finally:
+        cluster.close()

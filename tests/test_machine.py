@@ -20,11 +20,13 @@ from memchunk_prefect.core.deaths import DeathEvidence
 from memchunk_prefect.core.errors import BudgetTooSmallError, ChunkOutOfMemoryError, ClusterLostError
 from memchunk_prefect.core.machine import MapMachine, MapStateError
 from memchunk_prefect.core.messages import (
+    DEFERRED,
     KILLED,
     LOST,
     MEMORY_ERROR,
     OK,
     Cancel,
+    ChunkDeferred,
     ChunkDone,
     ChunkEnded,
     ChunkFailed,
@@ -1136,6 +1138,30 @@ def test_a_first_use_still_expected_of_a_map_that_ended_without_running_there_gi
     assert m.budget_bytes == 50 * 1024
     m.handle(FirstUseExpected("w2", "map-b", 0, at=2.0))  # map-b ended (StandingBoard.leave)
     assert m.budget_bytes == 90 * 1024 and m.standing.pending == {"w2": {"map-c": 10 * 1024}}
+
+
+def test_a_chunk_that_found_no_room_where_it_began_is_planned_again_for_what_the_worker_holds():
+    """Regression (``python -m benchmarks.family --scale 4``, w2: 2 workers x 600 MiB): a 1.3 M-element Gram chunk
+    planned at 310 MiB was submitted before the first-use operator's 100 MiB library landed on its worker; it began
+    there at 266 MiB and the worker died. Checked where it begins, it starts nothing: the worker's standing is
+    raised to what it found, and what is queued, itself first, is planned again before anything is submitted."""
+    m = machine((64, 8, 10), max_counts=64)
+    m.handle(Start(2, 100 * 1024, headroom_bytes=100 * 1024))
+    subs = of(Submit, m.advance(0.0))
+    big = subs[0]
+    out = m.handle(ChunkDeferred(big.id, "w1", process_bytes=260 * MiB, above_bytes=60 * 1024,
+                                 upper_bytes=int(big.upper_bytes), kill_bytes=570 * MiB, at=1.0))
+    assert kinds(out) == ["MarkRuns", "ChunkEnded"]
+    ((sid, state, message),) = out[0].marks
+    assert (sid, state) == (big.id, "Cancelled") and "did not start on w1" in message and "260.0 MiB" in message
+    assert out[1].outcome == DEFERRED and out[1].observation is None, "nothing is learned about its memory"
+    assert m.budget_bytes == 40 * 1024 and m.queue[0].chunk == big.chunk and big.id not in m.in_flight
+    again = m.advance(2.0)
+    decided = of(Decided, again)
+    assert decided and all(d.record.decision == "rechunk" and "budget moved from 100.0 KiB to 40.0 KiB" in
+                           d.record.reason for d in decided), "re-planned before submitting"
+    assert of(Submit, again) and all(s.upper_bytes <= 40 * 1024 for s in of(Submit, again))
+    assert m.deaths == 0
 
 
 def test_the_standing_a_map_hears_of_shifts_the_readings_it_has_of_a_shared_worker():

@@ -176,6 +176,24 @@ class ChunkMemoryError(MemchunkError, MemoryError):
         return (ChunkMemoryError, (self.args[0], self.observation, self.gpu))
 
 
+class ChunkDeferredError(MemchunkError, RuntimeError):
+    """Raised on a worker when a chunk finds, where it begins, its worker process already holding so much that the
+    chunk's bound on top would pass the worker's kill line: it starts nothing, and the runner plans it again for
+    what the worker holds (:mod:`memchunk_prefect.core.losses`). Carries ``worker`` (its address),
+    ``process_bytes`` (the process's memory then), ``upper_bytes`` (the chunk's bound) and ``kill_bytes`` (the
+    kill line), bytes. Pickles with them."""
+
+    def __init__(self, message: str, worker: str = "", process_bytes: int = 0, upper_bytes: int = 0,
+                 kill_bytes: int = 0):
+        super().__init__(message)
+        self.worker, self.process_bytes = worker, int(process_bytes)
+        self.upper_bytes, self.kill_bytes = int(upper_bytes), int(kill_bytes)
+
+    def __reduce__(self):
+        return (ChunkDeferredError, (self.args[0], self.worker, self.process_bytes, self.upper_bytes,
+                                     self.kill_bytes))
+
+
 class GpuContextError(MemchunkError, RuntimeError):
     """A chunk's task hit a CUDA error that leaves its worker's CUDA context unusable (an illegal address, a
     device-side assert, a launch failure...): only a new worker process recovers. Raised on the worker, naming

@@ -16,25 +16,8 @@ The loop that drives it is :func:`memchunk_prefect.core.drive.drive`. A world mu
 :class:`Record` (persist and learn the observation) before the next :meth:`~MapMachine.advance`: plans are
 made from ``knowledge``, which reads what was learned, and the machine never writes to the model itself.
 
-What happens when a worker dies mid-map (:class:`WorkerDied`), in order:
-
-1. its chunk's completion marker exists (``written``): the worker died after
-   writing it. The chunk is kept, its task run marked Crashed, the measurement
-   recovered from the marker. Nothing is recomputed.
-2. it had not begun on that worker (``started`` is False: Dask had queued it there, and fails every task
-   assigned to a worker that dies): its death says nothing about its memory. The same chunk goes to the
-   front of the queue, nothing is recorded, and its attempts are not counted.
-3. else what was read about the death decides (``WorkerDied.evidence``: the
-   nanny's memory kill, the kernel's OOM count in the job's cgroup, the batch
-   job's end state; the rule is :func:`memchunk_prefect.core.deaths.death_cause`);
-   where it says nothing, the model's upper bound for the chunk *not ready* or
-   above ``memory_kill_fraction`` (0.5) of the kill headroom, or a second death
-   of the chunk, is taken as a **memory kill**. A censored observation (needs more than the
-   kill headroom) is recorded and the chunk is split in two; the halves go to
-   the front of the queue (``retry-smaller``). A chunk that cannot be split
-   fails the map with :class:`~memchunk_prefect.core.errors.ChunkOutOfMemoryError`.
-4. else a **lost worker** (walltime, preemption, a node lost, a SIGKILL): nothing
-   is learned about memory, and the same chunk goes to the front of the queue once more.
+What happens when a chunk is lost (out of memory, its worker died or found no room for it, its GPU context
+broke, the scheduler went away) is in :mod:`memchunk_prefect.core.losses`.
 
 The learned policy (:mod:`memchunk_prefect.core.bandit`): the map's first plan that is not a probe picks an
 arm (a risk level of the bound) through ``knowledge.choose_arm``; every later plan and split piece keeps it; a
@@ -48,21 +31,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from memchunk_prefect.core import bandit, policy
+from memchunk_prefect.core import bandit, losses, policy
 from memchunk_prefect.core.arms import choose_arm, probes
 from memchunk_prefect.core.bandit import ArmChoice
 from memchunk_prefect.core.chunks import Chunk, Shape, uncovered_boxes, with_halo
-from memchunk_prefect.core.deaths import worker_death
 from memchunk_prefect.core.errors import (
     BudgetTooSmallError,
-    ChunkOutOfMemoryError,
-    ClusterLostError,
-    GpuContextError,
     MemchunkError,
-    MemoryNotChunkSizeError,
     format_bytes,
 )
 from memchunk_prefect.core.estimates import (
@@ -74,12 +52,12 @@ from memchunk_prefect.core.estimates import (
 )
 from memchunk_prefect.core.messages import (
     KILLED,
-    LOST,
     MEMORY_ERROR,
     OK,
     RESTART,
     RESUME,
     Cancel,
+    ChunkDeferred,
     ChunkDone,
     ChunkEnded,
     ChunkFailed,
@@ -100,7 +78,6 @@ from memchunk_prefect.core.messages import (
     ReadPauses,
     Record,
     RecoverMarkers,
-    RestartWorker,
     Rewarded,
     SlotsChanged,
     Start,
@@ -112,8 +89,7 @@ from memchunk_prefect.core.messages import (
     WorkerStands,
 )
 from memchunk_prefect.core.plan_queue import Gate, Pending, PlanQueue
-from memchunk_prefect.core.plans import PROBE, RECHUNK, RETRY_SMALLER, Plan, overhead_warning
-from memchunk_prefect.core.policy import split_chunk
+from memchunk_prefect.core.plans import PROBE, RECHUNK, Plan, overhead_warning
 from memchunk_prefect.core.probe import PROBE_SIZE_STEP, next_probe_scale, probe_budget, probe_plan
 from memchunk_prefect.core.records import Observation, Pause, Prediction, Reward, first_use_bytes, paused_within
 from memchunk_prefect.core.replan import bound_moved, remaining_boxes, replan_pays
@@ -354,116 +330,9 @@ class MapMachine:
         self._check_replan = True
         return []
 
-    def _on_out_of_memory(self, ev: ChunkOutOfMemory) -> list[Instruction]:
-        item = self._get(ev.id)
-        # A worker that could not send its record: all the flow knows is that it needed more than the budget.
-        obs = ev.observation or self._flow_observation(item, "memory_error", self.budget_bytes, ev.at)
-        if ev.gpu and not obs.gpu_out_of_memory:
-            obs = replace(obs, gpu_out_of_memory=True)
-        self._check_replan = True
-        out: list[Instruction] = [Record(obs), self._ended(ev.id, item, MEMORY_ERROR, obs, ev.at)]
-        if ev.gpu:
-            # Learned (the GPU model of the key, model.gpu_view) and split like the host's, but never judged "not
-            # the chunk's size": the device is shared (other processes, the pool's fragmentation), so a GPU chunk
-            # is split until it fits or cannot be split.
-            needed = obs.gpu_peak_bytes or self.gpu_budget_bytes or 0  # unmeasured: more than the GPU budget
-            return out + self._retry_smaller(ev.id, item, needed, "GPU out of memory", ev.at)
-        upper = self._upper_for(item.chunk)
-        if (item.attempt >= self.settings.memory_error_splits and upper is not None
-                and upper <= self.settings.memory_kill_fraction * self.budget_bytes):
-            return out + self._fail(MemoryNotChunkSizeError(
-                f"{self.spec.name(item.chunk)} raised MemoryError after {item.attempt} splits, at {item.chunk.shape} "
-                f"(the model puts it at {format_bytes(upper)} at most, of a {format_bytes(self.budget_bytes)} "
-                "budget per task): what fails is not the chunk's size, so it is not split further. Look for a "
-                "limit on the workers' address space (ulimit -v, a container limit) or thread pools reserving "
-                "memory (BLAS / OpenMP: set OMP_NUM_THREADS=1 on the workers), then rerun: the chunks written "
-                "are kept", operator=self.spec.operator_key, chunk=item.chunk, budget_bytes=self.budget_bytes,
-                needed_bytes=obs.peak_bytes))
-        out += self._retry_smaller(ev.id, item, obs.peak_bytes, "MemoryError", ev.at)
-        return out
-
     def _on_failed(self, ev: ChunkFailed) -> list[Instruction]:
         self._get(ev.id)  # stays in flight: Stop settles its task run
         return self._fail(ev.error)
-
-    def _on_worker_died(self, ev: WorkerDied) -> list[Instruction]:
-        item = self._get(ev.id)
-        name = self.spec.name(item.chunk)
-        self.deaths += 1
-        self._check_replan = True
-        if ev.written:
-            # It died after writing the chunk and its marker (before returning): keep it, do not redo it.
-            del self.in_flight[ev.id]
-            self.done.append(item.chunk)
-            return [MarkRuns(((ev.id, "Crashed", f"worker died after {name} was written; the chunk is kept"),)),
-                    RecoverMarkers((item.chunk,)),
-                    self._ended(ev.id, item, LOST, None, ev.at, kept=True)]
-        if ev.started is False:
-            del self.in_flight[ev.id]
-            self.queue.push_front([Pending(item.chunk, item.decision, item.attempt, item.armed)])
-            message = (f"worker {ev.worker or '?'} died ({ev.error}) before {name}, queued there, began: "
-                       "resubmitting the same chunk")
-            return [MarkRuns(((ev.id, "Crashed", message),)), self._ended(ev.id, item, LOST, None, ev.at)]
-        headroom = ev.kill_headroom_bytes or self.budget_bytes
-        if ev.kill_headroom_bytes and ev.id in self.submitted_alone:
-            headroom *= self.sharing.threads  # a thread's share was read; alone the chunk had its whole worker
-        memory_kill, why = worker_death(ev.evidence, self._upper_for(item.chunk), headroom, item.attempt, self.settings)
-        message = (f"worker running {name} died ({ev.error}); {why}: "
-                   + ("the chunk is split and resubmitted" if memory_kill else "resubmitting the same chunk"))
-        out: list[Instruction] = [MarkRuns(((ev.id, "Crashed", message),))]
-        if memory_kill:
-            obs = replace(self._flow_observation(item, KILLED, headroom, ev.at), worker=ev.worker)
-            out += [Record(obs), self._ended(ev.id, item, KILLED, obs, ev.at)]
-            out += self._retry_smaller(ev.id, item, headroom, f"worker killed: {why}", ev.at)
-            return out
-        # Lost for another reason: learn nothing about memory; run the same chunk once more, first.
-        del self.in_flight[ev.id]
-        obs = self._flow_observation(item, "error", 0, ev.at)
-        self.queue.push_front([Pending(item.chunk, item.decision, item.attempt + 1, item.armed)])
-        return out + [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at)]
-
-    def _on_gpu_context_lost(self, ev: GpuContextLost) -> list[Instruction]:
-        """Restart the worker and run the chunk once more; a chunk that breaks a context twice, or a map whose
-        restarts reach ``settings.gpu_context_restarts``, fails with the error (never retried without end)."""
-        item = self._get(ev.id)  # stays in flight when failing: Stop settles its task run
-        name = self.spec.name(item.chunk)
-        if ev.worker in self.restarted_workers:
-            # It ran on a worker whose context another chunk had broken (queued there before the restart): not
-            # its doing; run it again elsewhere, restarting nothing more and counting nothing.
-            del self.in_flight[ev.id]
-            obs = self._flow_observation(item, "error", 0, ev.at)
-            self.queue.push_front([dataclasses.replace(item, attempt=item.attempt + 1)])
-            return [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at)]
-        if item.restarted >= 1 or self.gpu_restarts >= self.settings.gpu_context_restarts:
-            why = ("it did so again after a restart" if item.restarted
-                   else f"this map has restarted {self.gpu_restarts} worker(s) already "
-                        f"(gpu_context_restarts={self.settings.gpu_context_restarts})")
-            err = GpuContextError(
-                f"{ev.error}; not retried: {why}. The operator or its input makes the GPU fault (run it with "
-                "device='cpu' to see its own error), or the GPU is failing (nvidia-smi -q: ECC errors; Xid lines "
-                "in the system log). The chunks written are kept: a rerun resumes", ev.worker)
-            err.__cause__ = ev.error
-            return self._fail(err)
-        del self.in_flight[ev.id]
-        self.gpu_restarts += 1
-        self.restarted_workers.add(ev.worker)
-        obs = self._flow_observation(item, "error", 0, ev.at)
-        self.queue.push_front([dataclasses.replace(item, attempt=item.attempt + 1, restarted=item.restarted + 1)])
-        return [Record(obs), self._ended(ev.id, item, LOST, obs, ev.at),
-                RestartWorker(ev.worker, f"{name} left its GPU context unusable ({ev.error}); the chunk runs once "
-                                         "more")]
-
-    def _on_cluster_lost(self, ev: ClusterLost) -> list[Instruction]:
-        item = self._get(ev.id)  # stays in flight: Stop marks its task run
-        detail = " ".join(str(ev.error).split())
-        err = ClusterLostError(
-            f"lost the Dask scheduler at {ev.address} while running {self.spec.operator} "
-            f"({type(ev.error).__name__}: {detail}); the {ev.written_chunks} chunks written so far are kept in "
-            f"{self.spec.output_path}. Start the scheduler again (or point the runner at a live one) and rerun "
-            "the flow: it resumes the output and computes only the missing chunks")
-        err.__cause__ = ev.error
-        del item
-        return self._fail(err)
 
     def _on_pauses(self, ev: PausesRead) -> list[Instruction]:
         if self.phase != FINISHED:
@@ -778,40 +647,6 @@ class MapMachine:
         del self.in_flight[sid]
         return item
 
-    def _retry_smaller(self, sid: int, item: Pending, needed_bytes: int, cause: str, at: float) -> list[Instruction]:
-        """Split a chunk that ran out of memory; its pieces go to the front of the queue. Unsplittable: fail."""
-        pieces = split_chunk(item.chunk, whole_traces=self.spec.whole_traces)
-        label = self.spec.label(item.chunk)
-        on_gpu = cause.startswith("GPU")
-        if (not pieces and not on_gpu and self.gpu_budget_bytes is None and sid not in self.submitted_alone
-                and (self.sharing.alone or self.sharing.may_go_alone(self.cap_bytes))):
-            # It ran on a thread's share: alone (now, or from now on) it has its whole worker.
-            if not self.sharing.alone:
-                go_alone(self, f"{label} cannot be split further and needed more than {format_bytes(needed_bytes)}")
-            del self.in_flight[sid]
-            self.queue.push_front([Pending(item.chunk, RETRY_SMALLER, item.attempt + 1, item.armed)])
-            return [self._decided(RETRY_SMALLER, None, self._alone_words() + f"{label} ran out of memory ({cause}) "
-                                  "on a thread's share and cannot be split further: it runs again alone on its worker",
-                                  at, chunk=item.chunk.key())]
-        if not pieces:
-            return self._fail(ChunkOutOfMemoryError(
-                f"{self.spec.name(item.chunk)} ran out of memory ({cause}) and cannot be split further "
-                f"(shape {item.chunk.shape}{', whole traces' if self.spec.whole_traces else ''}): it needed more "
-                + (f"than {format_bytes(needed_bytes)} of GPU memory. Run one worker per GPU (and one thread per "
-                   "worker), use a GPU with more memory, or run this operator with device='cpu'"
-                   if on_gpu else
-                   f"than {format_bytes(needed_bytes)} with a budget of {format_bytes(self.budget_bytes)} per task. "
-                   "Give workers more memory (memory_limit), fewer threads per worker, or a smaller operator "
-                   "parameter"),
-                operator=self.spec.operator_key, chunk=item.chunk,
-                budget_bytes=self.gpu_budget_bytes if on_gpu else self.budget_bytes, needed_bytes=needed_bytes,
-                device="gpu" if on_gpu else "host"))
-        del self.in_flight[sid]
-        self.queue.push_front(Pending(p, RETRY_SMALLER, item.attempt + 1, item.armed) for p in pieces)
-        return [self._decided(RETRY_SMALLER, None,
-                              f"{label} ran out of memory ({cause}, needed more than {format_bytes(needed_bytes)}): "
-                              f"split into {len(pieces)} pieces of {pieces[0].shape}", at, chunk=item.chunk.key())]
-
     def _fail(self, error: BaseException) -> list[Instruction]:
         self.phase = FAILED
         return [Fail(error)]
@@ -880,11 +715,12 @@ class MapMachine:
 _HANDLERS: dict[type, Any] = {
     Start: MapMachine._on_start,
     ChunkDone: MapMachine._on_done,
-    ChunkOutOfMemory: MapMachine._on_out_of_memory,
+    ChunkOutOfMemory: losses.out_of_memory,
     ChunkFailed: MapMachine._on_failed,
-    WorkerDied: MapMachine._on_worker_died,
-    GpuContextLost: MapMachine._on_gpu_context_lost,
-    ClusterLost: MapMachine._on_cluster_lost,
+    WorkerDied: losses.worker_died,
+    GpuContextLost: losses.gpu_context_lost,
+    ClusterLost: losses.cluster_lost,
+    ChunkDeferred: losses.chunk_deferred,
     MarkersRecovered: MapMachine._on_markers,
     Stop: MapMachine._on_stop,
     PausesRead: MapMachine._on_pauses,

@@ -27,7 +27,7 @@ RESTART = "restart"
 
 
 #: How a chunk's task run ended, as the report and ``ChunkedResult.events`` call it.
-OK, MEMORY_ERROR, KILLED, LOST = "ok", "memory_error", "killed", "lost"
+OK, MEMORY_ERROR, KILLED, LOST, DEFERRED = "ok", "memory_error", "killed", "lost", "deferred"
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,22 @@ class WorkerDied:
 
 
 @dataclass(frozen=True)
+class ChunkDeferred:
+    """Submission ``id`` did not start: where it began, its worker (``worker``) already held ``process_bytes``,
+    ``above_bytes`` above the resting memory the map read there, and the chunk's bound (``upper_bytes``) on top
+    would have passed the worker's kill line (``kill_bytes``). Bytes. (Another map's first use, or memory its runs
+    left there, after this chunk was planned.)"""
+
+    id: int
+    worker: str
+    process_bytes: int
+    above_bytes: int
+    upper_bytes: int
+    kill_bytes: int
+    at: float = 0.0
+
+
+@dataclass(frozen=True)
 class ClusterLost:
     """The scheduler forgot submission ``id`` (killed, restarted, unreachable): no worker death to learn from."""
 
@@ -224,7 +240,7 @@ class UpstreamWritten:
 
 
 Event = Union[Start, ChunkDone, ChunkOutOfMemory, ChunkFailed, WorkerDied, ClusterLost, MarkersRecovered, Stop,
-              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost, WorkerStands, FirstUseExpected]
+              PausesRead, SlotsChanged, UpstreamWritten, GpuContextLost, WorkerStands, FirstUseExpected, ChunkDeferred]
 
 
 @dataclass(frozen=True)

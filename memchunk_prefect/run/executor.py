@@ -38,21 +38,23 @@ from memchunk_prefect.core.budget import Budget
 from memchunk_prefect.core.chunks import Chunk, Shape, with_halo
 from memchunk_prefect.core.drive import drive, execute
 from memchunk_prefect.core.energy import ESTIMATE, estimate_joules
-from memchunk_prefect.core.errors import GpuContextError, MemchunkError, UpstreamMapError, WorkersPausedError
+from memchunk_prefect.core.errors import (
+    GpuContextError,
+    MemchunkError,
+    UpstreamMapError,
+    WorkersPausedError,
+)
 from memchunk_prefect.core.machine import MapMachine
 from memchunk_prefect.core.messages import (
     KILLED,
     Cancel,
     ChunkDone,
     ChunkEnded,
-    ChunkFailed,
-    ChunkOutOfMemory,
     ClusterLost,
     Decided,
     Event,
     Fail,
     Finalize,
-    GpuContextLost,
     Instruction,
     MapSpec,
     MarkersRecovered,
@@ -103,6 +105,7 @@ from memchunk_prefect.run import taskruns
 from memchunk_prefect.run.hydration import settings_serialized_once
 from memchunk_prefect.run.map_records import map_record
 from memchunk_prefect.run.observe import MapEnd, MapObserver, MapStart, Observers, observer_event
+from memchunk_prefect.run.outcomes import failure_event
 from memchunk_prefect.run.prefect_api import flow_logger, flow_run_id, keep_final_state
 from memchunk_prefect.run.standings import Inbox, standing_of, told_event
 from memchunk_prefect.run.worker import BlockFunction, BlockJob, chunk_task_run_name
@@ -117,12 +120,6 @@ _WAIT_SECONDS = 0.1
 class MapInterrupted(BaseException):
     """Raised in a map's thread when the flow run around it was interrupted or cancelled: not an ``Exception``,
     so the map stops as an interrupted one (its task runs in flight are marked Cancelled)."""
-
-
-def is_memory_error(exc: Any) -> bool:
-    """A task's exception that means it ran out of memory (also when it arrives unpickled as another class)."""
-    return isinstance(exc, MemoryError) or (isinstance(exc, BaseException) and type(exc).__name__ in (
-        "MemoryError", "ChunkMemoryError", "_ArrayMemoryError"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,16 +435,9 @@ class ChunkedMap:
             self.writers.append((self.machine.in_flight[sid].chunk, fut.task_run_id))  # type: ignore[union-attr]
             return self.chunk_done(sid, state.result().observation)
         raised = state.result(raise_on_failure=False) if isinstance(state, State) else state
-        if is_memory_error(raised):
-            obs = getattr(raised, "observation", None)
-            return ChunkOutOfMemory(sid, self.observed(obs) if obs else None, at=time.time(),
-                                    gpu=bool(getattr(raised, "gpu", False)))
-        if isinstance(raised, GpuContextError):
-            return GpuContextLost(sid, raised.worker, raised, at=time.time())
-        if isinstance(raised, BaseException):  # any other failure is the operator's own: stop and say which chunk
-            return ChunkFailed(sid, raised, at=time.time())
         label = self.machine.in_flight[sid].chunk.label(self.shape)  # type: ignore[union-attr]
-        return ChunkFailed(sid, MemchunkError(f"{self.name}[{label}] ended in state {state!r}"), at=time.time())
+        return failure_event(sid, raised, f"{self.name}[{label}] ended in state {state!r}", self.observed,
+                             self.resting, at=time.time())
 
     def chunk_done(self, sid: int, record: dict) -> ChunkDone:
         """A chunk written: what its run measured, and where it left its worker, told to the flow run's other
@@ -600,7 +590,8 @@ class ChunkedMap:
         job = BlockJob(source=self.source, chunk=ins.chunk, halo=self.halo, volume_shape=self.shape,
                        output_path=self.output_path, operator=self.name, operator_key=self.key,
                        budget_bytes=self.budget, label=ins.label, device=self.device,
-                       gpu_budget_bytes=self.gpu_budget)
+                       gpu_budget_bytes=self.gpu_budget,
+                       upper_bytes=None if ins.upper_bytes is None else int(ins.upper_bytes))
         params = dict(self.static)
         params[self.param] = job
         with dask.annotate(**self.placement(ins.per_worker)):

@@ -29,7 +29,7 @@ import threading
 import warnings
 from typing import Protocol
 
-__all__ = ["SharedMeasurementWarning", "high_water_bytes", "process_resting_bytes"]
+__all__ = ["SharedMeasurementWarning", "high_water_bytes", "process_resting_bytes", "runs_open"]
 
 
 class SharedMeasurementWarning(UserWarning):
@@ -59,6 +59,12 @@ class _Active:
 
 _ACTIVE = _Active()
 _WARNED_SHARED: set[int] = set()  # pids that have been told once
+
+
+def runs_open() -> int:
+    """How many tracked runs are open in this process now."""
+    with _ACTIVE.lock:
+        return len(_ACTIVE.runs)
 
 
 def process_resting_bytes(rss_bytes: int, grown_bytes: int = 0) -> int:

@@ -59,7 +59,8 @@ logger = logging.getLogger("memchunk_prefect.run.report")
 MIB = 2**20
 
 #: What each outcome of a task run is called in the table.
-OUTCOME_TEXT = {"ok": "ok", "memory_error": "MemoryError", "killed": "worker killed", "lost": "worker lost"}
+OUTCOME_TEXT = {"ok": "ok", "memory_error": "MemoryError", "killed": "worker killed", "lost": "worker lost",
+                "deferred": "no room where it began: planned again"}
 OOM_EVENTS = ("memory_error", "killed")
 #: The progress artifact is updated when the share written moved by this many points, or this many seconds
 #: passed since the last update (each update is an API call from the flow's thread).

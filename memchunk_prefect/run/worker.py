@@ -26,11 +26,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import dask
 import numpy as np
+import psutil
 from distributed import get_worker
 
+from memchunk_prefect.core.budget import memory_fraction
 from memchunk_prefect.core.chunks import Chunk, Shape, with_halo
 from memchunk_prefect.core.errors import (
+    ChunkDeferredError,
     ChunkMemoryError,
     GpuContextError,
     OutputWriteError,
@@ -51,6 +55,7 @@ from memchunk_prefect.operators.device import (
 )
 from memchunk_prefect.run import hydration
 from memchunk_prefect.run.monitor import default_monitor
+from memchunk_prefect.run.process_memory import runs_open
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,7 @@ class BlockJob:
     label: str
     device: str = "cpu"  # where the operator computes ("cpu" or "cuda", resolved by the flow)
     gpu_budget_bytes: int | None = None  # on the GPU: what one task may use of the device's memory, bytes
+    upper_bytes: int | None = None  # the plan's bound for the block above where its run starts, bytes (None: none)
 
     def __repr__(self) -> str:  # shown in Prefect logs and the UI's parameters: keep it short
         return f"BlockJob({self.operator}[{self.label}])"
@@ -181,6 +187,40 @@ def tell_started() -> None:
             get_worker().log_event(STARTED_TOPIC, {"task_run": run})
 
 
+def kill_line_bytes() -> int | None:
+    """This worker's kill line: its ``memory_limit`` times ``distributed.worker.memory.terminate``, bytes; None
+    where the nanny kills nothing (no limit, no fraction) or this is no Dask worker."""
+    try:
+        limit = get_worker().memory_manager.memory_limit
+    except Exception:  # noqa: BLE001 - not on a Dask worker
+        return None
+    fraction = memory_fraction(dask.config.get("distributed.worker.memory.terminate", None))
+    return int(limit * fraction) if limit and fraction else None
+
+
+def check_room(job: BlockJob) -> None:
+    """Raise :class:`~memchunk_prefect.core.errors.ChunkDeferredError` where this worker process already holds so
+    much that the chunk's bound (``job.upper_bytes``) on top would pass its kill line (:func:`kill_line_bytes`).
+
+    The plan was made for where the worker stood when the flow last heard of it; another map's first use, or
+    memory another map's runs left here, may have come since, and a chunk already submitted cannot be recalled.
+    Checked only where no other tracked run is open in the process (their memory is theirs, not where this
+    worker stands), and only for a chunk with a bound."""
+    if job.upper_bytes is None or runs_open():
+        return
+    kill = kill_line_bytes()
+    if kill is None:
+        return
+    held = psutil.Process().memory_info().rss  # what the nanny compares with its kill line
+    if held + job.upper_bytes > kill:
+        worker = _worker_name()
+        raise ChunkDeferredError(
+            f"{job.operator}[{job.label}] did not start on {worker}: the worker holds {format_bytes(held)}, and the "
+            f"chunk's bound ({format_bytes(job.upper_bytes)}) would pass its kill line ({format_bytes(kill)}); "
+            "the runner plans it again for what the worker holds", worker=worker, process_bytes=held,
+            upper_bytes=job.upper_bytes, kill_bytes=kill)
+
+
 def _worker_name() -> str:
     try:
         return get_worker().address
@@ -210,6 +250,7 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     host one is. Runs on the worker.
     """
     tell_started()
+    check_room(job)
     read_chunk, trim = with_halo(job.chunk, job.halo, job.volume_shape)
     base = _observation_base(job, read_chunk)
     gpu = GpuUse()
