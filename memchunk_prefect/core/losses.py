@@ -26,7 +26,8 @@ A chunk that finds, where it begins, its worker already holding so much that its
 kill line (:class:`ChunkDeferred`: another map's first use, or memory another map's runs left there, after it
 was planned and submitted) starts nothing: it goes back to the front of the queue, the worker's standing is
 raised to what the chunk found, and the queue is re-planned for the lower budget before anything more is
-submitted. Nothing is learned about its memory, and no worker dies.
+submitted. Nothing is learned about its memory, and no worker dies. A chunk that finds no room
+:data:`DEFERRALS` times (the re-plan kept it: split pieces were queued, which are never re-planned) is split.
 """
 
 from __future__ import annotations
@@ -59,9 +60,13 @@ from memchunk_prefect.core.messages import (
     WorkerDied,
 )
 from memchunk_prefect.core.plan_queue import Pending
-from memchunk_prefect.core.plans import RETRY_SMALLER
+from memchunk_prefect.core.plans import RECHUNK, RETRY_SMALLER
 from memchunk_prefect.core.policy import split_chunk
 from memchunk_prefect.core.sharing import go_alone
+
+DEFERRALS = 2
+"""Times a chunk may find no room where it begins before it is split (its halves start over); an unsplittable
+one found no room this many times runs without the check (the nanny then decides, as for any chunk)."""
 
 #: The map's machine (:class:`memchunk_prefect.core.machine.MapMachine`, which imports this module for its
 #: handlers' table: named here without importing it back).
@@ -187,12 +192,18 @@ def chunk_deferred(m: MapMachine, ev: ChunkDeferred) -> list[Instruction]:
     m.standing.heard(ev.worker, int(ev.above_bytes))
     m.budget_bytes = m._budget()
     m._check_replan = True
-    m.queue.push_front([Pending(item.chunk, item.decision, item.attempt, item.armed)])
-    message = (f"{m.spec.name(item.chunk)} did not start on {ev.worker}: the worker held "
-               f"{format_bytes(ev.process_bytes)}, and the chunk's bound ({format_bytes(ev.upper_bytes)}) would "
-               f"have passed its kill line ({format_bytes(ev.kill_bytes)}); it is planned again for what the "
-               "worker holds")
-    return [MarkRuns(((ev.id, "Cancelled", message),)), m._ended(ev.id, item, DEFERRED, None, ev.at)]
+    # Its task run ended Failed on the worker, with the error that says why (ChunkDeferredError).
+    out: list[Instruction] = [m._ended(ev.id, item, DEFERRED, None, ev.at)]
+    again = replace(item, deferred=item.deferred + 1)
+    pieces = split_chunk(item.chunk, whole_traces=m.spec.whole_traces) if again.deferred == DEFERRALS else []
+    if not pieces:  # re-planned with the queue; past DEFERRALS, an unsplittable chunk runs unchecked
+        m.queue.push_front([again])
+        return out
+    m.queue.push_front(replace(again, chunk=p, deferred=0) for p in pieces)
+    return out + [m._decided(RECHUNK, None, f"{m.spec.label(item.chunk)} found no room where it began "
+                             f"{DEFERRALS} times ({format_bytes(ev.process_bytes)} held on {ev.worker}, its bound "
+                             f"{format_bytes(ev.upper_bytes)}, the kill line {format_bytes(ev.kill_bytes)}): split "
+                             f"into {len(pieces)} pieces of {pieces[0].shape}", ev.at, chunk=item.chunk.key())]
 
 
 def retry_smaller(m: MapMachine, sid: int, item: Pending, needed_bytes: int, cause: str,

@@ -530,6 +530,9 @@ class MapMachine:
             what = (f"the budget moved from {format_bytes(self.planned_budget)} to {format_bytes(self.budget_bytes)} "
                     f"(the workers start tasks {format_bytes(self.standing.worst())} above the "
                     "resting memory read at the map's start)")
+        elif new_upper > self.budget_bytes:
+            what = (f"the largest queued chunk's bound, {format_bytes(new_upper)}, is over the budget "
+                    f"{format_bytes(self.budget_bytes)}")
         elif slots_moved is not None:
             what = f"the cluster's slots went from {slots_moved[0]} to {slots_moved[1]}"
         elif (largest := self.queue.largest_read()) is not None and (gpu_over := self._gpu_over(largest)):
@@ -632,7 +635,8 @@ class MapMachine:
             self.submitted_alone.add(sid)
         return Submit(sid, item.chunk, item.decision, item.attempt, self.spec.label(item.chunk), extents,
                       mean, upper, at,
-                      per_worker=self.sharing.per_worker_of(item.decision == PROBE and self.gpu_budget_bytes is None))
+                      per_worker=self.sharing.per_worker_of(item.decision == PROBE and self.gpu_budget_bytes is None),
+                      check_room=item.deferred < losses.DEFERRALS)
 
     def _get(self, sid: int) -> Pending:
         if self.phase not in (RUNNING, FAILED):

@@ -282,7 +282,9 @@ class Submit:
     ``predicted_bytes`` / ``upper_bytes``: the model's figures for the block it
     reads (``read_extents``, halo included) when submitted; None while the model
     is not ready. ``per_worker``: at most this many of the map's tasks on one worker at once (None: one per
-    thread, Dask's own placement; :mod:`memchunk_prefect.core.sharing`).
+    thread, Dask's own placement; :mod:`memchunk_prefect.core.sharing`). ``check_room``: the worker checks,
+    before the chunk begins, that the chunk's bound on top of what it holds stays under its kill line
+    (:mod:`memchunk_prefect.core.losses`).
     """
 
     id: int
@@ -295,6 +297,7 @@ class Submit:
     upper_bytes: float | None = None
     at: float = 0.0
     per_worker: int | None = None
+    check_room: bool = True  # the worker checks it can hold the chunk before it begins (ChunkDeferred)
 
 
 @dataclass(frozen=True)

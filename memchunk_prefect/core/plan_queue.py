@@ -26,6 +26,7 @@ class Pending:
     attempt: int = 0
     armed: bool = False  # planned under the map's learned-policy arm (its outcome counts in the reward)
     restarted: int = 0  # times it broke its worker's GPU context, each followed by a restart of that worker
+    deferred: int = 0  # times it found no room where it began (ChunkDeferred)
 
 
 class Gate:

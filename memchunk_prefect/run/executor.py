@@ -591,7 +591,7 @@ class ChunkedMap:
                        output_path=self.output_path, operator=self.name, operator_key=self.key,
                        budget_bytes=self.budget, label=ins.label, device=self.device,
                        gpu_budget_bytes=self.gpu_budget,
-                       upper_bytes=None if ins.upper_bytes is None else int(ins.upper_bytes))
+                       upper_bytes=None if ins.upper_bytes is None or not ins.check_room else int(ins.upper_bytes))
         params = dict(self.static)
         params[self.param] = job
         with dask.annotate(**self.placement(ins.per_worker)):
