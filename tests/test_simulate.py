@@ -295,27 +295,37 @@ def test_the_runners_own_work_per_map_is_measured_from_the_store_and_lengthens_o
         return run_strategy(strategy, steps, SHAPE, cluster, lambda key: Known(), np.random.default_rng(0),
                             time_sigma=0.0)
     plain, worked = go("memchunk", CLUSTER), go("memchunk", with_work)
-    assert worked.makespan_seconds == pytest.approx(plain.makespan_seconds + 2 * (0.3 + 0.2))
+    span = run_strategy("memchunk", [STEP], SHAPE, CLUSTER, lambda key: Known(), np.random.default_rng(0),
+                        time_sigma=0.0).makespan_seconds  # one map's tasks, from its first start to its last end
+    assert plain.makespan_seconds == pytest.approx(2 * span)  # the chained map runs as its upstream's writes end
+    # The first map decides 0.3 s after the flow starts; the chained map is called 0.3 s after the first was
+    # (map_start_seconds stands for the offset the store did not measure), waits for the upstream's writes, and
+    # ends 0.2 s after its last task. The first map's end work is done beside the chained map's tasks.
+    assert worked.makespan_seconds == pytest.approx(0.3 + span + span + 0.2)
     assert worked.busy_slot_seconds == pytest.approx(plain.busy_slot_seconds)  # the slots wait, idle
+    # Called after its upstream's writes ended, a chained map starts at its call.
+    late = go("memchunk", dataclasses.replace(with_work, chained_map_offset_seconds=0.3 + span + 0.25))
+    assert late.makespan_seconds == pytest.approx(0.3 + span + 0.25 + span + 0.2)
     assert go("static-4", with_work).makespan_seconds == pytest.approx(go("static-4", CLUSTER).makespan_seconds)
     with pytest.raises(SimulationInputError, match="zero seconds or more"):
         dataclasses.replace(CLUSTER, map_start_seconds=-1.0)
 
 
 def test_the_runners_cost_per_task_is_its_median_hand_over_and_only_its_tasks_pay_it(tmp_path):
-    """Per worker, a task's end to the next task's start there; tasks side by side on a worker of two threads
-    are not hand-overs. Fewer than MIN_TASK_GAPS of them: the stated per-task overhead stands."""
+    """Per worker, a task's end to the next task's start there, of any map of the flow run (its maps share the
+    workers); tasks side by side on a worker of two threads are not hand-overs. Fewer than MIN_TASK_GAPS of them:
+    the stated per-task overhead stands."""
     import dataclasses
 
     from memchunk_prefect.core.records import MapRun, Observation
     from memchunk_prefect.sim.inputs import MIN_TASK_GAPS, measured_map_work
 
-    def add(store, map_id, spans):
-        store.add_map(MapRun("fr", "op", KEY, "/s", f"/{map_id}", (4, 4, 4), (0, 0, 0), 4, 2, 10**9, 100.0,
+    def add(store, map_id, spans, flow="fr"):
+        store.add_map(MapRun(flow, "op", KEY, "/s", f"/{map_id}", (4, 4, 4), (0, 0, 0), 4, 2, 10**9, 100.0,
                              120.0, map_id=map_id))
         for worker, start, end in spans:  # seconds after 100.0
             store.add(Observation(KEY, 64, (4, 4, 4), 256, 1000, seconds=end - start, started_at=100.0 + start,
-                                  created_at=100.0 + end, flow_run_id="fr", map_id=map_id, worker=worker))
+                                  created_at=100.0 + end, flow_run_id=flow, map_id=map_id, worker=worker))
 
     with Store(tmp_path / "s.sqlite") as store:
         # Worker a: hand-overs of 0.05, 0.02 and 0.5 s (the last a wait for a decision); worker b runs two at
@@ -323,9 +333,14 @@ def test_the_runners_cost_per_task_is_its_median_hand_over_and_only_its_tasks_pa
         add(store, "m1", [("a", 0.0, 1.0), ("a", 1.05, 2.0), ("a", 2.02, 3.0), ("a", 3.5, 4.0),
                           ("b", 0.0, 2.0), ("b", 0.5, 1.5), ("b", 2.04, 3.0)])
         few = measured_map_work(store)
-        add(store, "m2", [("a", 10.0, 11.0), ("a", 11.03, 12.0)])
+        add(store, "m2", [("a", 10.0, 11.0), ("a", 11.03, 12.0)], flow="fr2")  # another flow run: no hand-over
         work = measured_map_work(store)
+        # A chained map's task that takes over a worker's thread from its upstream's task is a hand-over.
+        add(store, "m3", [("c", 0.0, 1.0)], flow="fr3")
+        add(store, "m4", [("c", 1.01, 2.0)], flow="fr3")
+        across = measured_map_work(store)
     assert few.gaps == MIN_TASK_GAPS - 1 and few.task_seconds is None
+    assert across.gaps == MIN_TASK_GAPS + 1 and across.task_seconds == pytest.approx(0.035)
     assert work.gaps == MIN_TASK_GAPS and work.task_seconds == pytest.approx(0.04)
     assert work.cluster_kwargs()["runner_task_seconds"] == pytest.approx(0.04)
 
@@ -339,9 +354,11 @@ def test_the_runners_cost_per_task_is_its_median_hand_over_and_only_its_tasks_pa
         dataclasses.replace(CLUSTER, runner_task_seconds=-0.1)
 
 
-def test_a_chained_maps_wait_for_its_upstream_is_not_counted_as_the_runners_work(tmp_path):
+def test_a_chained_map_is_simulated_from_its_call_beside_its_upstream_and_its_wait_is_not_the_runners_work(
+        tmp_path):
     """A map over a map still running (the demo's pipeline) is called at once and waits for the upstream's
-    writes: only what comes after the upstream's end is the runner's own work before its first task."""
+    writes. The simulator runs it beside its upstream, gated on those writes, so the store gives the time from
+    the upstream's call to its own, not its wait, and the first maps' wait before their first task apart."""
     from memchunk_prefect.core.records import MapRun, Observation
     from memchunk_prefect.sim.inputs import measured_map_work
 
@@ -352,25 +369,24 @@ def test_a_chained_maps_wait_for_its_upstream_is_not_counted_as_the_runners_work
                               created_at=end - 0.05, flow_run_id=flow, map_id=f"{flow}-{name}"))
 
     with Store(tmp_path / "s.sqlite") as store:
-        # Flow a: the second map is called 0.1 s into the first (which ends at 3.0) and starts its first task
-        # 0.2 s after that end; the third is called at 3.1, its upstream ends at 6.0, its first task at 6.3.
+        # Flow a: the second map is called 0.1 s into the first (which ends at 3.0); the third is called at 3.1,
+        # 3.0 s after the second.
         add(store, "a", "m1", "/survey.sgy", 0.0, 0.4, 3.0)
         add(store, "a", "m2", "/a/m1", 0.1, 3.2, 6.0)
         add(store, "a", "m3", "/a/m2", 3.1, 6.3, 9.0)
-        # Flow b: the same output path names in another flow run are not its upstream; its second map's first
-        # task started while the first map still ran (they overlapped): 0.
+        # Flow b: the same output path names in another flow run are not its upstream; its second map is called
+        # 0.1 s after the first.
         add(store, "b", "m1", "/survey.sgy", 100.0, 100.5, 103.0)
         add(store, "b", "m2", "/b/m1", 100.1, 102.0, 106.0)
         work = measured_map_work(store)
-    # before: 0.4, 0.2, 0.3 (flow a), 0.5, 0.0 (flow b); counted from each map's own call, the chained ones read
-    # 3.1, 3.2 and 1.9 s, and the median would be 1.9 s. The first maps (0.4, 0.5) and the chained ones (0.2, 0.3,
-    # 0.0) have medians of their own.
+    # The first maps wait 0.4 and 0.5 s for their first task; the chained ones are called 0.1, 3.0 and 0.1 s after
+    # their upstream (their waits, 3.2, 3.2 and 1.9 s from their call, are the upstream's work, not the runner's).
     assert work.maps == 5
     assert work.start_seconds == pytest.approx(0.45)
-    assert work.chained_start_seconds == pytest.approx(0.2)
+    assert work.chained_offset_seconds == pytest.approx(0.1)
     assert work.end_seconds == pytest.approx(0.05)
-    # the simulator pays each kind where it belongs: a two-map chain pays the first map's once, the chained one's
-    # once
+    # Simulated, a two-map chain pays the first map's wait once; the second map, called 0.1 s after the first
+    # map was, decides after it and waits for the first map's writes, so its call costs nothing more.
     import dataclasses
 
     def go(cluster):
@@ -378,7 +394,7 @@ def test_a_chained_maps_wait_for_its_upstream_is_not_counted_as_the_runners_work
                             time_sigma=0.0).makespan_seconds
     both = dataclasses.replace(CLUSTER, **work.cluster_kwargs())
     none = dataclasses.replace(CLUSTER, map_end_seconds=work.end_seconds, runner_task_seconds=work.task_seconds)
-    assert go(both) == pytest.approx(go(none) + 0.45 + 0.2)
+    assert go(both) == pytest.approx(go(none) + 0.45)
 
 
 def test_recommend_says_when_nothing_meets_the_deadline_and_refuses_nonsense():

@@ -337,8 +337,8 @@ def _map_work_note(work: Any) -> str:
             if work.task_seconds is not None else
             f"; per chunk task, the stated {DEFAULT_SETTINGS.per_task_overhead_seconds:g} s (only {work.gaps} "
             "hand-overs between tasks recorded)")
-    chained = (f" ({work.chained_start_seconds:.2f} s for a map over another map's output, from that map's end)"
-               if work.chained_start_seconds is not None else "")
+    chained = (f" (a map over another map's output starts {work.chained_offset_seconds:.2f} s after that map)"
+               if work.chained_offset_seconds is not None else "")
     return (f"the runner's own work per map: {work.start_seconds:.2f} s before its first task{chained} and "
             f"{work.end_seconds:.2f} s after its last (medians of {work.maps} maps in the store){task}, in the "
             "memchunk strategy's makespan")

@@ -2,8 +2,9 @@
 
 A *world* turns instructions into actions and tells what happened as events: the executor
 (:class:`memchunk_prefect.run.executor.ChunkedMap`: Prefect task runs on a Dask cluster) and the simulator
-(:mod:`memchunk_prefect.sim.runs`: a clock and sampled models) are the two. Both run the same loop, so a
-simulation replays exactly what the runner would decide::
+(:mod:`memchunk_prefect.sim.runs`: a clock and sampled models) are the two. Both run this loop (the simulator
+for several maps at once, each map's machine advanced, then handed its events), so a simulation replays exactly
+what the runner would decide::
 
     execute(machine, world, machine.handle(Start(...)))
     drive(machine, world)
@@ -39,7 +40,14 @@ from typing import Any, ContextManager, Iterable, Protocol, Sequence
 from memchunk_prefect.core.messages import Event, Instruction
 
 
-class World(Protocol):
+class Carrier(Protocol):
+    """What carries out a map machine's instructions (:func:`execute` needs no more)."""
+
+    def carry_out(self, instruction: Instruction) -> Event | None:
+        """Do one instruction; an event it answers with (markers read, pauses read) goes back to the machine."""
+
+
+class World(Carrier, Protocol):
     """What carries out a map machine's instructions and reports what happened."""
 
     def now(self) -> float:
@@ -47,9 +55,6 @@ class World(Protocol):
 
     def halted(self) -> bool:
         """True when the world stopped the map itself (a simulated failure); the loop ends."""
-
-    def carry_out(self, instruction: Instruction) -> Event | None:
-        """Do one instruction; an event it answers with (markers read, pauses read) goes back to the machine."""
 
     def next_events(self, machine: Any) -> Sequence[Event] | None:
         """Wait for what happens next (a chunk ended, the slots changed...); None: stop driving; an empty
@@ -64,7 +69,7 @@ class World(Protocol):
         """Called after each batch of events was handled (wake whoever waits on this map)."""
 
 
-def execute(machine: Any, world: World, instructions: Iterable[Instruction]) -> None:
+def execute(machine: Any, world: Carrier, instructions: Iterable[Instruction]) -> None:
     """Carry out ``instructions`` in order; an answer is handled by the machine at once, and its own
     instructions carried out before the next."""
     for ins in instructions:

@@ -187,6 +187,13 @@ class MapMachine:
         next event can only be :class:`UpstreamWritten` (or a stop)."""
         return self.phase == RUNNING and not self.in_flight and bool(self.queue)
 
+    def chunking(self) -> tuple[Chunk, ...]:
+        """The chunking planned so far, what a map reading this one's output plans from: chunks written, in
+        flight and queued, in submission order, then the boxes not planned yet (a cold start's probes leave the
+        rest as boxes)."""
+        return (*self.done, *(p.chunk for p in self.in_flight.values()), *(p.chunk for p in self.queue),
+                *self.regions)
+
     @property
     def done_elements(self) -> int:
         """Output elements of the chunks done. Summed incrementally (``done`` is only appended to): a map of n

@@ -297,7 +297,7 @@ class ChunkedMap:
             m = self.machine
             if m is None:
                 return ()
-            return (*m.done, *(p.chunk for p in m.in_flight.values()), *(p.chunk for p in m.queue), *m.regions)
+            return m.chunking()
 
     def _run(self) -> None:
         budget = self.ctx.cluster.budget([getattr(self.task.fn, "__module__", "") or "tasks"])

@@ -250,8 +250,18 @@ class SimulatedCluster:
 
     def next(self) -> _Ended:
         """Advance to the next task end (or to a worker's arrival or return, when tasks wait for it)."""
+        ended = self.next_before(math.inf)
+        assert ended is not None
+        return ended
+
+    def next_before(self, until: float) -> _Ended | None:
+        """:meth:`next`, or None when nothing happens before ``until`` (the clock is then at ``until``: the flow
+        calls its next map then)."""
         self._settle()
         while self._events:
+            if self._events[0][0] > until:
+                self.now = max(self.now, until)
+                return None
             at, kind, _, ident, how = heapq.heappop(self._events)
             if kind == _COME:  # a worker joined or is back from a restart: start what waits
                 self.now = max(self.now, at)

@@ -61,8 +61,10 @@ class ClusterShape:
     (reading the budget from the workers, opening the output, the decision) and after its last
     (finalizing the output, the artifacts, reading pauses), while the slots wait: measured from a
     store's runs by :func:`measured_map_work` (0 when not given; a chained map's wait for its upstream
-    is not in it); ``chained_map_start_seconds``: the same before a map over another map's output, from
-    that map's end (None: ``map_start_seconds``). Only the ``memchunk``
+    is not in it); ``chained_map_offset_seconds``: from one map's start to the start of the map the flow calls
+    after it (the flow's body calls each ``.map`` as the one before returns; None: ``map_start_seconds``). The
+    maps of a flow run side by side, as the runner's do: a map over another map's output starts no earlier than
+    that map's first decision and runs each chunk once the chunk's block is written. Only the ``memchunk``
     strategy pays them: the baselines are plain flows without that work.
 
     An HPC allocation: ``queue_wait`` (a :class:`~memchunk_prefect.sim.allocation.QueueWait`), each
@@ -90,7 +92,7 @@ class ClusterShape:
     map_start_seconds: float = 0.0
     map_end_seconds: float = 0.0
     runner_task_seconds: float | None = None
-    chained_map_start_seconds: float | None = None
+    chained_map_offset_seconds: float | None = None
     queue_wait: QueueWait | None = None
     walltime_seconds: float | None = None
     external: bool = False
@@ -105,12 +107,12 @@ class ClusterShape:
             raise SimulationInputError(f"a cluster needs at least one worker and one thread per worker, got "
                                        f"workers={self.workers}, threads_per_worker={self.threads_per_worker}")
         if min(float(self.map_start_seconds), float(self.map_end_seconds), float(self.runner_task_seconds or 0.0),
-               float(self.chained_map_start_seconds or 0.0), float(self.per_task_overhead_seconds)) < 0:
+               float(self.chained_map_offset_seconds or 0.0), float(self.per_task_overhead_seconds)) < 0:
             raise SimulationInputError(
                 f"a map's own work and a task's overhead take zero seconds or more, got map_start_seconds="
                 f"{self.map_start_seconds}, map_end_seconds={self.map_end_seconds}, per_task_overhead_seconds="
                 f"{self.per_task_overhead_seconds}, runner_task_seconds={self.runner_task_seconds}, "
-                f"chained_map_start_seconds={self.chained_map_start_seconds}")
+                f"chained_map_offset_seconds={self.chained_map_offset_seconds}")
         if not 0 < float(self.kill_fraction) <= 1:
             raise SimulationInputError(f"kill_fraction must be in (0, 1], got {self.kill_fraction}")
         if self.headroom_bytes <= 0:
@@ -398,6 +400,7 @@ class _Task:
     operator_key: str = ""  # whose task it is (for traces of a simulated run)
     touch_seconds_per_byte: float = 0.0  # what taking its worker above the most it has held costs it, s per byte
     per_worker: int = 0  # placed only on a worker running fewer tasks than this (0: any free thread)
+    owner: int = -1  # the position of the step whose map submitted it (-1: a baseline's, or none)
 
 
 @dataclass(frozen=True)
@@ -411,14 +414,14 @@ class MapWork:
     maps: int
     task_seconds: float | None = None
     gaps: int = 0
-    #: Before the first task of a map over another map of its flow run, counted from that map's end (None:
-    #: no such map recorded; ``start_seconds`` is then the chained maps' own, when only they were recorded).
-    chained_start_seconds: float | None = None
+    #: From the start of a map's upstream (a map of the same flow run whose output it reads) to its own start:
+    #: what the flow's body takes from one ``.map`` call to the next (None: no such map recorded).
+    chained_offset_seconds: float | None = None
 
     def cluster_kwargs(self) -> dict[str, Any]:
         """What a :class:`ClusterShape` takes of it."""
         return {"map_start_seconds": self.start_seconds, "map_end_seconds": self.end_seconds,
-                "runner_task_seconds": self.task_seconds, "chained_map_start_seconds": self.chained_start_seconds}
+                "runner_task_seconds": self.task_seconds, "chained_map_offset_seconds": self.chained_offset_seconds}
 
 
 #: Hand-overs between a map's tasks on one worker a store needs before its median counts as the runner's
@@ -432,49 +435,50 @@ def measured_map_work(store: Any) -> MapWork | None:
     task's end; the medians. None when the store has no such map (runs before store v5).
 
     A map over another map's result in the same flow run (its ``source`` is that map's ``output_path``) is
-    called while the upstream map still runs and waits for its writes: its time "before its first task" counts
-    from the upstream map's end, not from its own start, or the upstream's remaining work would be counted a
-    second time, as the runner's (the simulator runs chained maps one after another, so the upstream's work is
-    already in the makespan). A first task that started before the upstream ended (the maps overlapped) counts
-    0. On a store of three demo runs the median was 0.87 s per map with the upstream waits and 0.12 s without
-    (``memchunk simulate`` prints it). The two kinds have medians of their own (``start_seconds``,
-    ``chained_start_seconds``): a flow's first map pays what a chained map already did while it waited (the
-    cluster's budget read, the output opened, the first decision; on the workload family's four-map flows,
-    0.4-0.6 s for the first map and 0.1-0.2 s for each chained one, whose median over all maps is the chained
-    one's: ``memchunk simulate --store DIR/<workload>.sqlite --flow-run latest`` prints both for the stores
-    ``python -m benchmarks.sim_validation --work DIR`` leaves).
+    called while the upstream map still runs and waits for its writes: the simulator runs it beside its
+    upstream, gated on the upstream's writes as the runner's chained maps are, so what it takes of such a map is
+    the time from its upstream's start to its own (``chained_offset_seconds``: the flow body's next ``.map``
+    call), not its wait. ``start_seconds`` is the first maps' wait for their first task: the cluster's budget
+    read, the output opened, the first decision (on the workload family's four-map flows 0.4-0.6 s, and 0.2 s
+    from one map's call to the next; ``memchunk simulate --store DIR/<workload>.sqlite --flow-run latest``
+    prints both for the stores ``python -m benchmarks.sim_validation --work DIR`` leaves). Where only chained
+    maps were recorded, their own wait counted from their upstream's end stands for it.
 
-    Per task: on each worker, the seconds from one of a map's tasks ending (its observation written) to the
-    next of that map's tasks starting its block function on the thread it freed (a worker of several threads
-    runs some side by side: those are not hand-overs): Prefect's task-run work after one block and before the
-    next, and Dask's hand-over. A gap also holds any wait for the runner's next decision (a cold map's probes),
-    so the median, not the mean."""
+    Per task: on each worker, the seconds from one of a flow run's chunk tasks ending (its observation written)
+    to the next of them, of any of its maps, starting its block function on the thread it freed (a worker of
+    several threads runs some side by side: those are not hand-overs; the maps of a flow run share the
+    workers, so one map's next task there may come after another map's): Prefect's task-run work after one block
+    and before the next, and Dask's hand-over. A gap also holds any wait for the runner's next decision (a cold
+    map's probes), so the median, not the mean."""
     maps = [m for m in store.maps() if m.map_id]
     writers: dict[tuple[str, str], list[Any]] = {}  # (flow run, output path): the maps that wrote it
     for m in maps:
         writers.setdefault((m.flow_run_id, m.output_path), []).append(m)
     before: list[float] = []  # first maps' wait for their first task, s
     chained: list[float] = []  # chained maps', from their upstream's end, s
+    offsets: list[float] = []  # chained maps' start less their upstream's start, s
     after: list[float] = []
-    gaps: list[float] = []
+    runs: dict[str, list[Any]] = {}  # flow run -> the chunk tasks of its finished maps
     for m in maps:
         if m.outcome != "ok":
             continue
         obs = [o for o in store.run_observations(m.flow_run_id) if o.map_id == m.map_id and o.started_at]
         if not obs:
             continue
-        gaps += _hand_overs(obs)
-        upstream = [u.ended_at for u in writers.get((m.flow_run_id, m.source), ())
-                    if u.map_id != m.map_id and u.started_at <= m.started_at] if m.source else []
-        could_start = max([m.started_at, *upstream])
-        (chained if upstream else before).append(max(0.0, min(float(o.started_at) for o in obs) - could_start))
+        runs.setdefault(m.flow_run_id, []).extend(obs)
+        ups = [u for u in writers.get((m.flow_run_id, m.source), ())
+               if u.map_id != m.map_id and u.started_at <= m.started_at] if m.source else []
+        could_start = max([m.started_at, *(u.ended_at for u in ups)])
+        (chained if ups else before).append(max(0.0, min(float(o.started_at) for o in obs) - could_start))
+        offsets += [float(m.started_at - max(u.started_at for u in ups))] if ups else []
         after.append(max(0.0, m.ended_at - max(o.created_at for o in obs)))
     if not after:
         return None
+    gaps = [g for obs in runs.values() for g in _hand_overs(obs)]
     task = float(np.median(gaps)) if len(gaps) >= MIN_TASK_GAPS else None
     first = float(np.median(before)) if before else float(np.median(chained))
     return MapWork(first, float(np.median(after)), len(after), task, len(gaps),
-                   float(np.median(chained)) if chained else None)
+                   float(np.median(offsets)) if offsets else None)
 
 
 def _hand_overs(obs: Sequence[Any]) -> list[float]:

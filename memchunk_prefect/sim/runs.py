@@ -1,11 +1,11 @@
 """One simulated run of a pipeline under one strategy: the runner's own state machine, or a baseline.
 
-``memchunk`` drives the real :class:`~memchunk_prefect.core.machine.MapMachine` through
-:func:`memchunk_prefect.core.drive.drive`, the loop the executor runs on Dask, so probes, continue / rechunk,
-re-plans, retry-smaller and the learned policy behave as in a real run. Baselines: ``static-N`` (N iline slabs
-per operator; a run fails at the first worker killed, as Dask reports ``KilledWorker``), ``split``
-(split-on-failure: the whole volume first, a killed chunk split in two and resubmitted) and ``dask-auto``
-(Dask's ``chunks="auto"``; fails like static).
+``memchunk`` drives the real :class:`~memchunk_prefect.core.machine.MapMachine` of each map, side by side, in
+the loop the executor runs on Dask (:mod:`memchunk_prefect.core.drive`), so probes, continue / rechunk, chained
+maps gated on their upstream's writes, re-plans, retry-smaller and the learned policy behave as in a real run.
+Baselines: ``static-N`` (N iline slabs per operator; a run fails at the first worker killed, as Dask reports
+``KilledWorker``), ``split`` (split-on-failure: the whole volume first, a killed chunk split in two and
+resubmitted) and ``dask-auto`` (Dask's ``chunks="auto"``; fails like static).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from memchunk_prefect.core.chunks import Chunk, Shape, balanced_grid, split, with_halo
-from memchunk_prefect.core.drive import drive, execute
+from memchunk_prefect.core.drive import execute
 from memchunk_prefect.core.errors import SimulationInputError, format_bytes
 from memchunk_prefect.core.estimates import Knowledge
 from memchunk_prefect.core.machine import MapMachine
@@ -33,6 +33,7 @@ from memchunk_prefect.core.messages import (
     SlotsChanged,
     Start,
     Submit,
+    UpstreamWritten,
     WorkerDied,
 )
 from memchunk_prefect.core.records import Observation
@@ -120,8 +121,8 @@ def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, kno
                  rng: np.random.Generator, *, settings: PolicySettings = DEFAULT_SETTINGS,
                  time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None,
                  stop_after: float | None = None) -> SimResult:
-    """The runner's own state machine over the steps, one map after another; a step that reads another's output
-    (:attr:`Step.upstream`) plans from that map's chunking (its incoming), as the runner's chained maps do.
+    """The runner's own state machine for every step, the maps running side by side on one cluster as the
+    runner's do (:class:`_SimulatedFlow`).
 
     ``truth_for``: where chunks' memory and time are drawn from, when it is not
     what the runner plans with (what if the model is 30% low?); default the same.
@@ -129,24 +130,145 @@ def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, kno
     run that cannot meet a deadline need not be simulated to its end.
     """
     sim = SimulatedCluster(cluster, rng.spawn(1)[0])  # queue waits from their own stream: the same chunks' draws
-    maps: list[MapResult] = []
-    chunkings: list[tuple[Chunk, ...]] = []  # each finished map's chunks: what a map reading its output plans from
-    failure = ""
-    draws: list[Draws] = []
-    for i, step in enumerate(steps):
-        knowledge = knowledge_for(step.key)
-        truth = truth_for(step.key) if truth_for is not None else knowledge
-        j = step.upstream_index(i)
-        incoming = chunkings[j] if j is not None else None
-        run = _MachineRun(step, shape, cluster, knowledge, truth, sim, rng, incoming, settings, time_sigma)
-        run.stop_after = stop_after
-        maps.append(run.run())
-        draws.append(run.draws)
-        failure = run.failure
-        if failure:
-            break
-        chunkings.append(tuple(run.machine.done))
-    return _result("memchunk", sim, cluster, maps, failure, draws, settings)
+    flow = _SimulatedFlow(steps, shape, cluster, knowledge_for, truth_for or knowledge_for, sim, rng, settings,
+                          time_sigma, stop_after)
+    flow.run()
+    for run in flow.runs:
+        if not run.closed:
+            run.finish(failed=True)
+    return _result("memchunk", sim, cluster, [r.record for r in flow.runs], flow.failure,
+                   [r.draws for r in flow.runs], settings)
+
+
+class _SimulatedFlow:
+    """A flow's chunked maps on one simulated cluster, as the runner runs them: the flow's body calls each
+    ``.map`` as the one before returns (``ClusterShape.chained_map_offset_seconds`` apart, as the store records
+    the maps' starts), each map makes its first decision once called and once the map called before it made
+    its own (the first ``map_start_seconds`` after the flow's start), and runs from then on, beside the others.
+
+    A step that reads another's output (:attr:`Step.upstream`) starts no earlier than that map's first decision
+    (the runner's chained ``.map`` waits for it), plans from that map's chunking so far
+    (:meth:`MapMachine.chunking`), and, while that map runs, is gated: a chunk is submitted once the upstream has
+    written the chunk's whole block (:class:`UpstreamWritten`, which the executor sends from the upstream's
+    completions). The loop is :func:`memchunk_prefect.core.drive.drive`'s for several machines: every map
+    advances, then the next event (a task's end, a map's start) goes to the map it belongs to.
+    """
+
+    def __init__(self, steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
+                 truth_for: KnowledgeFor, sim: SimulatedCluster, rng: np.random.Generator, settings: PolicySettings,
+                 time_sigma: float, stop_after: float | None):
+        self.steps, self.shape, self.cluster, self.sim, self.rng = steps, shape, cluster, sim, rng
+        self.knowledge_for, self.truth_for, self.settings, self.time_sigma = knowledge_for, truth_for, settings, \
+            time_sigma
+        self.stop_after = stop_after
+        self.runs: list[_MachineRun] = []
+        self.failure = ""
+        self.due: float | None = None  # when the next step's map decides first (None: every step's did)
+        self.called = 0.0
+        self.told: dict[int, int] = {}  # a gated map's position -> its upstream's chunks passed on to it
+
+    def run(self) -> None:
+        sim, c = self.sim, self.cluster
+        if not self.steps:
+            return
+        if not sim.await_worker():  # the runner waits for a worker, then reads the slots there are
+            self.failure = f"{self.steps[0].operator}: {_walltime_failure(c, 0)}"
+            return
+        self.called = sim.now  # when the flow's body called the latest map (its start, as the store records it)
+        self.due = sim.now + c.map_start_seconds
+        while not self.failure:
+            self._start_due()
+            self._advance()
+            if self.failure or (self.due is None and all(r.machine.finished for r in self.runs)):
+                return
+            if self.due is not None and sim.idle:
+                sim.wait(max(0.0, self.due - sim.now))  # nothing runs until the flow calls its next map
+                continue
+            if self._halted():
+                return
+            ended = sim.next_before(math.inf if self.due is None else self.due)
+            if ended is None:  # the flow calls its next map first
+                continue
+            for run in self.runs:
+                if run.machine.finished:
+                    continue
+                events = run.events_of(ended if ended.task.owner == run.position else None)
+                with run.guard():
+                    for event in events:
+                        execute(run.machine, run, run.machine.handle(event))
+                        if run.failure:
+                            self.failure = run.failure
+                            return
+
+    def _start_due(self) -> None:
+        """Start the step whose ``.map`` has been called, once its upstream has made its first decision."""
+        sim = self.sim
+        while self.due is not None and self.due <= sim.now:
+            i = len(self.runs)
+            step = self.steps[i]
+            j = step.upstream_index(i)
+            up = self.runs[j] if j is not None else None
+            gated = up is not None and not up.machine.finished
+            run = _MachineRun(step, self.shape, self.cluster, self.knowledge_for(step.key),
+                              self.truth_for(step.key), sim, self.rng, up.machine.chunking() if up else None,
+                              self.settings, self.time_sigma, position=i, upstream=j if gated else None)
+            self.runs.append(run)
+            if gated:
+                self.told[i] = 0
+            # The next .map is called `offset` after this one was, and decides once this one has: a chained .map
+            # waits for its upstream's first decision, and the body calls the maps in order.
+            offset = self.cluster.chained_map_offset_seconds
+            self.called += self.cluster.map_start_seconds if offset is None else offset
+            self.due = max(self.called, sim.now) if i + 1 < len(self.steps) else None
+            run.begin()
+            if run.failure:
+                self.failure = run.failure
+                return
+
+    def _advance(self) -> None:
+        """Every running map submits what it can; a map that finished pays its end work and tells the maps gated
+        on it; repeated until no map has more to say (a map's writes can open another's gate)."""
+        moved = True
+        while moved and not self.failure:
+            moved = False
+            for run in self.runs:
+                if not run.machine.finished:
+                    with run.guard():
+                        execute(run.machine, run, run.machine.advance(self.sim.now))
+                    if run.failure:
+                        self.failure = run.failure
+                        return
+                if run.machine.finished and not run.closed:
+                    run.finish()
+                    moved = True  # the maps gated on it are told below
+            for i, seen in list(self.told.items()):
+                down, up = self.runs[i], self.runs[self.runs[i].upstream]  # type: ignore[index]
+                new = tuple(up.machine.done[seen:])
+                complete = up.machine.finished
+                if not new and not complete:
+                    continue
+                self.told[i] = seen + len(new)
+                if complete:
+                    del self.told[i]
+                if down.machine.finished:
+                    continue
+                with down.guard():
+                    execute(down.machine, down, down.machine.handle(UpstreamWritten(new, complete, at=self.sim.now)))
+                moved = True
+
+    def _halted(self) -> bool:
+        sim = self.sim
+        first = next((r for r in self.runs if not r.machine.finished), None)
+        name = first.step.operator if first is not None else self.steps[-1].operator
+        done = len(first.machine.done) if first is not None else 0
+        if sim.idle:
+            self.failure = f"{name}: internal: nothing in flight and the map is not finished"
+        elif sim.stranded:
+            self.failure = f"{name}: {_walltime_failure(self.cluster, done)}"
+        elif self.stop_after is not None and sim.now > self.stop_after:
+            self.failure = (f"{name}: still running at {self.stop_after:g} s (the deadline); the simulation stopped "
+                            "there")
+        return bool(self.failure)
 
 
 class _MachineRun:
@@ -154,28 +276,25 @@ class _MachineRun:
 
     def __init__(self, step: Step, shape: Shape, cluster: ClusterShape, knowledge: Knowledge, truth: Knowledge,
                  sim: SimulatedCluster, rng: np.random.Generator, incoming: tuple[Chunk, ...] | None,
-                 settings: PolicySettings, time_sigma: float):
+                 settings: PolicySettings, time_sigma: float, *, position: int = 0, upstream: int | None = None):
         self.step, self.cluster, self.sim, self.rng = step, cluster, sim, rng
+        self.position, self.upstream = position, upstream
         self.draws = Draws(truth, step.key, cluster.runner_task_overhead_seconds, time_sigma, settings.watts_per_core)
         # An operator with no history (LearningKnowledge) learns as the runner would, from this run's own chunks.
         self.knowledge = knowledge
         spec = MapSpec(operator=step.operator, operator_key=step.key, shape=tuple(shape),  # type: ignore[arg-type]
-                       halo=step.halo, whole_traces=step.whole_traces, incoming=incoming, settings=settings)
+                       halo=step.halo, whole_traces=step.whole_traces, incoming=incoming, settings=settings,
+                       gated=upstream is not None)
         self.machine = MapMachine(spec, knowledge)
         self.record = MapResult(step.operator, 0, 0, 0, 0.0)
         self.slots_seen = 0  # the slots last read (what a SlotsChanged is against)
         self.failure = ""
-        self.stop_after: float | None = None
+        self.started = sim.now
+        self.closed = False  # its end is counted (finish)
 
-    def run(self) -> MapResult:
-        m, sim, started = self.machine, self.sim, self.sim.now
-        if not sim.await_worker():  # the runner waits for a worker, then reads the slots there are
-            self.failure = f"{self.step.operator}: {_walltime_failure(self.cluster, len(m.done))}"
-            self.record.seconds = sim.now - started
-            return self.record
-        c = self.cluster  # the runner's work before the map's first task: a chained map did some while it waited
-        sim.wait(c.map_start_seconds if self.machine.spec.incoming is None or c.chained_map_start_seconds is None
-                 else c.chained_map_start_seconds)
+    def begin(self) -> None:
+        """The map's first decision, from the slots and what the workers hold now."""
+        m, sim = self.machine, self.sim
         threads = int(self.cluster.threads_per_worker)
         touched = {f"sim-{w}": mark // threads for w, mark in sim.marks.items() if w not in sim.gone}
         self.slots_seen = self.planned_slots()
@@ -183,11 +302,14 @@ class _MachineRun:
                                         touched_bytes=touched, threads_per_worker=threads,
                                         worker_budget_bytes=self.cluster.headroom_bytes,
                                         threads_per_core=self.cluster.threads_per_core)))
-        drive(m, self)
-        if not self.failure:
-            sim.wait(self.cluster.map_end_seconds)  # and after its last
-        self.record.chunks, self.record.seconds = len(m.done), sim.now - started
-        return self.record
+
+    def finish(self, failed: bool = False) -> None:
+        """The map's last task ended: the runner's work after it (finalizing the output) ends the map. A map the
+        run stopped in (``failed``) ends now."""
+        end = self.sim.now + (0.0 if failed else self.cluster.map_end_seconds)
+        self.sim.last_end = max(self.sim.last_end, end)
+        self.record.chunks, self.record.seconds = len(self.machine.done), end - self.started
+        self.closed = True
 
     # ---------------------------------------------------------------- the world the machine is driven in
 
@@ -203,26 +325,15 @@ class _MachineRun:
     def handled(self) -> None:
         pass
 
-    def next_events(self, machine: MapMachine) -> list[Any] | None:
-        """The next simulated task to end, as the executor would report it (None: the run failed here)."""
-        sim, m = self.sim, machine
-        if sim.idle:
-            self.failure = f"{self.step.operator}: internal: nothing in flight and the map is not finished"
-            return None
-        if sim.stranded:
-            self.failure = f"{self.step.operator}: {_walltime_failure(self.cluster, len(m.done))}"
-            return None
-        if self.stop_after is not None and sim.now > self.stop_after:
-            self.failure = (f"{self.step.operator}: still running at {self.stop_after:g} s (the deadline); the "
-                            "simulation stopped there")
-            return None
-        ended = sim.next()
+    def events_of(self, ended: Any) -> list[Any]:
+        """What the executor would report after a simulated task ended: this map's task as its event (``ended``;
+        None: another map's, or a worker's return), and the slots where they changed."""
         events: list[Any] = []
         slots = self.planned_slots()  # what the executor reads between events
         if slots and slots != self.slots_seen:
             self.slots_seen = slots
-            events.append(SlotsChanged(slots, at=sim.now))
-        if ended.task.sid < 0:
+            events.append(SlotsChanged(slots, at=self.sim.now))
+        if ended is None or ended.task.sid < 0:
             return events
         if ended.lost:  # Dask sees a worker leave with the task on it: the runner's own death handling
             events.append(WorkerDied(ended.task.sid, "worker left at its walltime", written=False,
@@ -251,6 +362,7 @@ class _MachineRun:
             extents: Shape = tuple(ins.read_extents)  # type: ignore[assignment]
             task = self.draws.task(ins.id, ins.chunk, extents, self.rng)
             task.per_worker = int(ins.per_worker or 0)
+            task.owner = self.position
             self.sim.submit(task)
             self.record.tasks += 1
         elif isinstance(ins, Decided):
