@@ -1374,3 +1374,23 @@ def test_a_worker_of_several_threads_stands_where_the_least_of_its_recent_starts
         m.handle(ChunkDone(sid, shared(m.in_flight[sid].chunk, 30 * 1024), at=2.0 + k))
         running = [s for s in m.in_flight if s not in running] + running
     assert m.budget_bytes == 70 * 1024, "every recent start 30 KiB up or more: the worker holds that"
+
+
+def test_a_gated_queue_looks_again_only_after_a_write_or_a_new_chunk_and_then_finds_what_became_ready():
+    from memchunk_prefect.core.plan_queue import Gate, Pending, PlanQueue
+
+    spec = MapSpec(operator="op", operator_key=KEY, shape=(4, 4, 4), halo=(0, 0, 0), whole_traces=True, gated=True)
+    gate = Gate(spec)
+    first, second = Chunk((0, 0, 0), (2, 4, 4)), Chunk((2, 0, 0), (4, 4, 4))
+    queue = PlanQueue(spec, [Pending(second, "continue"), Pending(first, "continue")])
+    assert queue.pop_first(gate) is None  # nothing written yet
+    seen = []
+    gate.ready = lambda chunk: seen.append(chunk) or Gate.ready(gate, chunk)  # type: ignore[method-assign]
+    assert queue.pop_first(gate) is None and seen == []  # nothing changed: not looked at again
+    gate.add([first], complete=False)
+    assert queue.pop_first(gate).chunk == first and len(queue) == 1  # the write is looked for
+    assert queue.pop_first(gate) is None
+    queue.push_front([Pending(first, "retry-smaller")])  # a chunk queued again: looked for
+    assert queue.pop_first(gate).chunk == first
+    gate.add([second], complete=False)
+    assert queue.pop_first(gate).chunk == second and len(queue) == 0

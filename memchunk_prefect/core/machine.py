@@ -409,7 +409,7 @@ class MapMachine:
             while True:
                 cap = self.sharing.in_flight_cap(self.slots, self.settings.in_flight_cap(self.slots))
                 while self.queue and len(self.in_flight) < cap:
-                    item = self.queue.popleft() if self.gate.open else self.queue.pop_first(self.gate.ready)
+                    item = self.queue.popleft() if self.gate.open else self.queue.pop_first(self.gate)
                     if item is None:
                         break  # the rest waits for the upstream map's writes
                     out.append(self._submit(item, at))

@@ -44,6 +44,7 @@ class Gate:
         self.open = not spec.gated  # the upstream is complete (or there is none): every chunk may run
         self.written: list[Chunk] = []
         self._waiting: dict[Chunk, list[Any]] = {}  # chunk -> [its block, upstream chunks in it, count last short]
+        self.version = 0  # moves with every write heard: a chunk short before may be ready after
 
     def ready(self, chunk: Chunk) -> bool:
         if self.open:
@@ -64,6 +65,7 @@ class Gate:
     def add(self, chunks: Iterable[Chunk], complete: bool) -> None:
         if self.open:
             return
+        self.version += 1
         if complete:
             self.open = True
             self._waiting.clear()
@@ -90,6 +92,8 @@ class PlanQueue:
         self._items: deque[Pending] = deque()
         self._shapes: Counter[Shape] = Counter()
         self._split = 0
+        self._added = 0  # moves with every chunk queued
+        self._dry: tuple[int, int] | None = None  # (gate version, _added) of the last look that found none ready
         self.extend(items)
 
     def _count(self, item: Pending, n: int) -> None:
@@ -100,6 +104,7 @@ class PlanQueue:
         for item in items:
             self._count(item, 1)
             self._items.append(item)
+            self._added += 1
 
     def push_front(self, items: Iterable[Pending]) -> None:
         """Put ``items`` first, in their order (a resubmission, split pieces)."""
@@ -107,19 +112,27 @@ class PlanQueue:
         for item in items:
             self._count(item, 1)
         self._items.extendleft(reversed(items))
+        self._added += len(items)
 
     def popleft(self) -> Pending:
         item = self._items.popleft()
         self._count(item, -1)
         return item
 
-    def pop_first(self, ready: Any) -> Pending | None:
-        """The first queued item for which ``ready(chunk)`` holds, taken off the queue; None if there is none."""
+    def pop_first(self, gate: Gate) -> Pending | None:
+        """The first queued item whose chunk ``gate`` lets run, taken off the queue; None if there is none.
+
+        A look that found none is not repeated until the gate hears a write or a chunk is queued: a gated map
+        asks after every event, and a simulated map of 960 chunks waiting on its upstream spent 12 s of its 25 s
+        in these looks (``python -m benchmarks.sim_validation`` times a 1,000-worker simulation)."""
+        if self._dry == (gate.version, self._added):
+            return None
         for i, item in enumerate(self._items):
-            if ready(item.chunk):
+            if gate.ready(item.chunk):
                 del self._items[i]
                 self._count(item, -1)
                 return item
+        self._dry = (gate.version, self._added)
         return None
 
     def largest_read(self) -> Shape | None:
