@@ -103,6 +103,9 @@ class NoModel:
     def touch_seconds_per_byte(self):
         return None
 
+    def first_call_seconds(self):
+        return None
+
     def choose_arm(self, groups):
         raise AssertionError("a cold start probes: no arm is chosen")
 

@@ -97,6 +97,9 @@ class Linear:
     def touch_seconds_per_byte(self):
         return self.touch
 
+    def first_call_seconds(self):
+        return None
+
     def choose_arm(self, groups):
         return self.learner.choose(groups)
 

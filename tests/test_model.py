@@ -577,6 +577,47 @@ def test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest
     assert not flat.time.rates_fall() and flat.seconds_for(636_000) is None
 
 
+def test_a_workers_first_call_is_learned_apart_and_does_not_read_small_blocks_as_slow():
+    """A library loaded at a worker's first call (the workload family's ``fam_first_use``: one store's rows, a cold
+    run then a warm one, each on a fresh cluster of 2 workers; elements, extents, wall and kernel seconds, bytes
+    the run grew its worker, peak, first call). Each worker's first call took 0.2 s more than a later call of its
+    block. Fitted as a block's time, that read every block as 0.25 s or more: the simulator charged each of a
+    static-32 plan's 64 tasks for it, and predicted the run 46% long."""
+    rows = [(145800, (9, 81, 200), 0.317, 0.085, 183205888, 183205888, True),
+            (145800, (9, 81, 200), 0.518, 0.272, 184713216, 184713216, True),
+            (486000, (30, 81, 200), 0.027, 0.004, 9240576, 11177984, False),
+            (486000, (30, 81, 200), 0.035, 0.007, 729088, 11161600, False),
+            (2025000, (125, 81, 200), 0.192, 0.046, 13811712, 24780800, False),
+            (2025000, (125, 81, 200), 0.126, 0.011, 319488, 24940544, False),
+            (2592000, (81, 160, 200), 0.579, 0.266, 209956864, 209956864, True),
+            (2592000, (81, 160, 200), 0.654, 0.268, 208965632, 208965632, True)]
+    known, unknown = OperatorModel(KEY), OperatorModel(KEY)
+    for e, ext, secs, sys_secs, grew, peak, first in rows:
+        o = Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
+                        first_call=first)
+        known.learn(o)
+        unknown.learn(dataclasses.replace(o, first_call=None))  # records older than schema v12
+    assert unknown.time.rates_fall() and unknown.seconds_for(600_000) > 0.25
+    assert unknown.time.first_call_seconds() is None
+    # The first calls set apart, time is proportional to the block, at the later calls' rate (upper middle).
+    assert not known.time.rates_fall() and known.seconds_for(600_000) is None
+    assert known.seconds_per_element() == pytest.approx((0.035 - 0.0) / 486000)
+    # What a first call took beyond its block's compute: the upper middle of 0.22, 0.24 (the probes) and 0.13,
+    # 0.20 (the warm chunks), each its wall less its kernel seconds (all grew their worker) less 2.59 M x the rate.
+    rate = 0.035 / 486000
+    extras = sorted([0.317 - 0.085 - 145800 * rate, 0.518 - 0.272 - 145800 * rate,
+                     0.579 - 0.266 - 2592000 * rate, 0.654 - 0.268 - 2592000 * rate])
+    assert known.time.first_call_seconds() == pytest.approx(extras[2])
+    assert known.summary()["first_call_runs"] == 4 and known.summary()["first_call_seconds"] == pytest.approx(extras[2])
+    # A cold start's first wave is all first calls: they give a rate until a later run is learned.
+    first = OperatorModel(KEY)
+    e, ext, secs, sys_secs, grew, peak, _ = rows[0]
+    first.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
+                            first_call=True))
+    assert first.seconds_per_element() == pytest.approx((0.317 - 0.085) / 145800)
+    assert first.time.first_call_seconds() is None
+
+
 def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
     """gst3d_dip's cold map in one round of the full benchmark (its store's rows: elements, extents, wall and
     kernel seconds, bytes the run grew its worker, peak): the probes' time was mostly per task and the two large

@@ -397,6 +397,9 @@ def test_a_librarys_first_use_in_a_chunk_is_the_workers_and_chunks_are_planned_f
     assert len(left) == cold["tasks"] + warm["tasks"]
     assert all(x > 140 * 2**20 for x in left[-4:]), "each worker's first chunk, in each run, kept the library"
     assert all(x < 16 * 2**20 for x in left[:-4]), "the others kept nothing of their block"
+    firsts = [o for o in rows if o.first_call]
+    assert len(firsts) == 4 and all(o.retained_bytes > 140 * 2**20 for o in firsts), \
+        "each worker process's first call of the operator, in each run, is the one that loaded the library"
 
 
 def test_a_table_larger_than_a_threads_share_runs_one_task_per_worker_and_never_two_on_one(tmp_path):

@@ -35,6 +35,7 @@ class Known:
     ready: bool = True
     learner: ArmLearner = field(default_factory=lambda: ArmLearner(KEY))
     touch: float | None = None  # kernel seconds per byte to grow a worker (None: nothing learned, nothing paid)
+    first_call: float | None = None  # seconds a worker's first task of the operator pays (None: nothing learned)
 
     def predict(self, extents):
         mean = self.bpe * math.prod(extents)
@@ -52,6 +53,9 @@ class Known:
 
     def touch_seconds_per_byte(self):
         return self.touch
+
+    def first_call_seconds(self):
+        return self.first_call
 
     def choose_arm(self, groups):
         return self.learner.choose(groups)
@@ -105,6 +109,32 @@ def test_a_task_that_grows_its_worker_pays_the_growth_once_per_worker_and_memchu
     plain, costed = run("memchunk"), run("memchunk", dear)
     assert plain.maps[0].chunks == 2 and costed.maps[0].chunks > 2
     assert costed.makespan_seconds < run("static-2", dear).makespan_seconds
+
+
+def test_a_workers_first_task_of_an_operator_pays_its_first_call_once_per_worker_process():
+    # 0.3 s per worker process: static-2 (one chunk per worker) and static-8 (four per worker) both pay it once.
+    once = Known(first_call=0.3)
+    for strategy in ("static-2", "static-8"):
+        assert run(strategy, once).makespan_seconds - run(strategy).makespan_seconds == pytest.approx(0.3)
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.sim.cluster import SimulatedCluster
+    from memchunk_prefect.sim.inputs import _Task
+
+    sim = SimulatedCluster(ClusterShape(workers=1, memory_limit_bytes=100 * MiB, resting_bytes=40 * MiB,
+                                        threads_per_worker=2))
+    box = Chunk((0, 0, 0), (1, 1, 1))
+    # Two tasks that start together on a fresh worker both wait on its first call (a run is a first call until
+    # one of its operator has ended there); the next one does not.
+    for sid in (0, 1):
+        sim.submit(_Task(sid, box, (1, 1, 1), MiB, 1.0, operator_key="a", first_call_seconds=0.5))
+    assert [sim.next().task.seconds for _ in range(2)] == [1.5, 1.5]
+    sim.submit(_Task(2, box, (1, 1, 1), MiB, 1.0, operator_key="a", first_call_seconds=0.5))
+    assert sim.next().task.seconds == 1.0
+    # Another operator's first call is its own; a restarted worker is a new process that has called nothing.
+    sim.submit(_Task(3, box, (1, 1, 1), MiB, 1.0, operator_key="b", first_call_seconds=0.2))
+    assert sim.next().task.seconds == 1.2
+    sim.submit(_Task(4, box, (1, 1, 1), 80 * MiB, 1.0, operator_key="a", first_call_seconds=0.5))
+    assert sim.next().killed and sim.called[0] == set()
 
 
 def test_a_chunk_over_the_kill_line_fails_static_and_dask_auto_and_is_split_by_split_on_failure():

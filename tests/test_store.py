@@ -282,6 +282,17 @@ def test_the_v10_column_keeps_what_a_run_left_held_and_old_rows_do_not_know_it(t
     assert (old.retained_bytes, first_use.retained_bytes, plain.retained_bytes) == (None, 150 * 2**20, 0)
 
 
+def test_the_v12_column_keeps_whether_a_run_was_its_workers_first_call_and_old_rows_do_not_know_it(tmp_path):
+    path = v2_store(tmp_path)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        (old,) = s.observations()
+        s.add(make_obs(first_call=True))
+        s.add(make_obs(first_call=False))
+        first, later = s.observations()[-2:]
+    assert (old.first_call, first.first_call, later.first_call) == (None, True, False)
+
+
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
     from memchunk_prefect.core.records import MapRun
 

@@ -593,6 +593,9 @@ def _simulated(tmp_path, seed=0):
         def touch_seconds_per_byte(self):
             return None
 
+        def first_call_seconds(self):
+            return None
+
         def choose_arm(self, groups):
             from memchunk_prefect.learn.bandit import ArmLearner
 

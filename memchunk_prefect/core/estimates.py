@@ -219,6 +219,8 @@ class Knowledge(Protocol):
     block's learned energy in joules (None where none was learned: the planner then counts compute seconds at
     ``PolicySettings.watts_per_core``); ``touch_seconds_per_byte()`` the kernel seconds per byte a run pays to
     grow its worker past the most it has held (None before such a run: plans then count nothing for it);
+    ``first_call_seconds()`` what a worker process's first call of the operator takes beyond a later one, seconds,
+    paid once per process (None before it is learned);
     ``choose_arm(groups)`` the learned policy's arm among ``groups``
     (arms grouped by identical plans); ``predict_gpu(extents)`` the GPU-memory figures of a block (read only
     for maps on a GPU).
@@ -235,5 +237,7 @@ class Knowledge(Protocol):
     def joules_for(self, elements: int) -> float | None: ...
 
     def touch_seconds_per_byte(self) -> float | None: ...
+
+    def first_call_seconds(self) -> float | None: ...
 
     def choose_arm(self, groups: list[tuple[str, ...]]) -> ArmChoice: ...

@@ -143,6 +143,11 @@ class Observation:
     #: unknown (records older than schema v9, platforms without a per-thread figure). Of ``seconds``, the part
     #: a first touch inflates: see :meth:`memchunk_prefect.learn.time.TimeModel.compute_seconds`.
     sys_seconds: float | None = None
+    #: True when the run was its worker process's first call of this operator key: its seconds then include what
+    #: a first call pays once per process (a library imported, a kernel compiled, a file opened), not per block
+    #: (:meth:`memchunk_prefect.learn.time.TimeModel.first_call_seconds`). None if unknown (records older than
+    #: schema v12).
+    first_call: bool | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

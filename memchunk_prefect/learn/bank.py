@@ -213,6 +213,12 @@ class ModelBank:
             grew = sum(c[1] for c in costs)
             return sum(c[0] for c in costs) / grew if grew > 0 else None
 
+    def first_call_seconds(self, key: str) -> float | None:
+        """What a worker process's first call of ``key`` takes beyond a later call of the same block, seconds
+        (:meth:`memchunk_prefect.learn.time.TimeModel.first_call_seconds`); None before it is learned."""
+        with self._lock:
+            return self.model(key).time.first_call_seconds()
+
     def predictor(self, key: str, itemsize: int = ITEMSIZE):
         """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""
         return lambda extents: self.predict(key, extents, itemsize)
@@ -250,6 +256,9 @@ class BankKnowledge:
 
     def touch_seconds_per_byte(self) -> float | None:
         return self.bank.touch_seconds_per_byte(self.key)
+
+    def first_call_seconds(self) -> float | None:
+        return self.bank.first_call_seconds(self.key)
 
     def block_seconds(self, elements: int) -> float | None:
         """Learned wall seconds of one block of ``elements`` (halo included): its compute time as the planner

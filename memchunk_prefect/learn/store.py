@@ -55,14 +55,15 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from memchunk_prefect.core.errors import StoreError, StoreSchemaTooNewError
 from memchunk_prefect.core.records import MapRun, Observation, Reward
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
 v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table). v5: what a
 trace needs (energy's source, start, task run, host; ``maps`` and ``machines`` tables). v6: what other runs on the
 worker held when a run started. v7: how far a run took the worker above the most it had held (``grew_bytes``).
 v8: a GPU map's device budget and GPU out-of-memory. v9: a run's kernel CPU time (``sys_seconds``). v10: what a
 run left held in its worker (``retained_bytes``). v11: what a simulation of a map on another cluster needs (its
-parameters, whether it keeps traces whole, the cluster's shape: ``maps`` columns)."""
+parameters, whether it keeps traces whole, the cluster's shape: ``maps`` columns). v12: whether a run was its
+worker process's first call of its operator (``first_call``)."""
 
 APPLICATION = "memchunk-prefect"
 BUSY_TIMEOUT_MS = 30_000
@@ -166,6 +167,7 @@ _COLUMNS: list[tuple[str, str]] = [
     ("gpu_out_of_memory", "INTEGER NOT NULL DEFAULT 0"),
     ("sys_seconds", "REAL"),
     ("retained_bytes", "INTEGER"),
+    ("first_call", "INTEGER"),
 ]
 COLUMN_NAMES = [c for c, _ in _COLUMNS]
 
@@ -183,6 +185,8 @@ _ADDED_V8 = ("gpu_budget_bytes", "gpu_out_of_memory")
 _ADDED_V9 = ("sys_seconds",)
 #: Columns added in schema version 10 (what a run left held in its worker process: a library's first use).
 _ADDED_V10 = ("retained_bytes",)
+#: Columns added in schema version 12 (whether a run was its worker process's first call of its operator).
+_ADDED_V12 = ("first_call",)
 
 
 def _table_sql(table: str, columns: list[tuple[str, str]], index: str, index_column: str) -> str:
@@ -257,7 +261,7 @@ _CREATE = (_create_table(_COLUMNS) + _CREATE_REWARDS + _table_sql("maps", _MAP_C
            + _CREATE_MACHINES)
 # The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
 _CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5 + _ADDED_V6 + _ADDED_V7
-                                                                 + _ADDED_V8 + _ADDED_V9 + _ADDED_V10])
+                                                                 + _ADDED_V8 + _ADDED_V9 + _ADDED_V10 + _ADDED_V12])
 
 # The v1 layout, kept to document what migrate_1_to_2 reads (and for the migration test).
 CREATE_V1 = (
@@ -350,6 +354,11 @@ def _migrate_10_to_11(con: sqlite3.Connection) -> None:
             con.execute(f"ALTER TABLE maps ADD COLUMN {name} {kind}")
 
 
+def _migrate_11_to_12(con: sqlite3.Connection) -> None:
+    """v12 adds whether a run was its worker process's first call of its operator (NULL for older rows: unknown)."""
+    _add_columns(con, _ADDED_V12)
+
+
 def _add_columns(con: sqlite3.Connection, names: tuple[str, ...]) -> None:
     for name, kind in _COLUMNS:
         if name in names:
@@ -360,7 +369,8 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_
                                                               3: _migrate_3_to_4, 4: _migrate_4_to_5,
                                                               5: _migrate_5_to_6, 6: _migrate_6_to_7,
                                                               7: _migrate_7_to_8, 8: _migrate_8_to_9,
-                                                              9: _migrate_9_to_10, 10: _migrate_10_to_11}
+                                                              9: _migrate_9_to_10, 10: _migrate_10_to_11,
+                                                              11: _migrate_11_to_12}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 
@@ -544,7 +554,8 @@ class Store:
                 obs.gpu_peak_bytes, obs.energy_joules, int(bool(obs.shared)), obs.method, obs.flow_run_id,
                 float(obs.created_at), obs.baseline_bytes, obs.resting_bytes, obs.energy_source, obs.started_at,
                 obs.task_run_id or "", obs.host or "", obs.map_id or "", obs.others_bytes, obs.grew_bytes,
-                obs.gpu_budget_bytes, int(bool(obs.gpu_out_of_memory)), obs.sys_seconds, obs.retained_bytes)
+                obs.gpu_budget_bytes, int(bool(obs.gpu_out_of_memory)), obs.sys_seconds, obs.retained_bytes,
+                None if obs.first_call is None else int(bool(obs.first_call)))
 
     @staticmethod
     def _observation(row: Iterable[Any]) -> Observation:
@@ -553,6 +564,7 @@ class Store:
         d["censored"] = bool(d["censored"])
         d["shared"] = bool(d["shared"])
         d["gpu_out_of_memory"] = bool(d["gpu_out_of_memory"])
+        d["first_call"] = None if d["first_call"] is None else bool(d["first_call"])
         return Observation.from_dict(d)
 
     def add(self, obs: Observation) -> int:

@@ -50,6 +50,16 @@ class TimeModel:
     between the smallest and the largest blocks timed (:meth:`falling_seconds`),
     not at a median rate over all sizes, which a cold start's small probes pull up.
 
+    *First call.* A worker process's first run of an operator
+    (``Observation.first_call``) pays what the process loads for it once: a
+    library imported, a kernel compiled, a file opened. It is not a cost per
+    element: learned as one, the fixed cost it puts on each block reads small
+    blocks as slow, and a plan of many chunks as costlier than it runs. So a first
+    call teaches the forms and rates nothing; what it took beyond a later call of
+    the same block is learned apart (:meth:`first_call_seconds`), to be paid once
+    per worker process (the simulator does; its pinning test is
+    ``test_a_workers_first_call_is_learned_apart_and_does_not_read_small_blocks_as_slow``).
+
     *First touch.* A run that took its worker well above the most it had held
     (``Observation.grew_bytes`` over ``first_touch_bytes`` and ``first_touch_share``
     of its peak) paid the kernel to fault in and zero that memory, once per worker
@@ -116,6 +126,8 @@ class TimeModel:
         self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
         self._rates: deque[float] = deque(maxlen=RATE_HISTORY)  # compute seconds per element of ok runs
         self._first_touch_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # first touches of unknown kernel time
+        self._first_calls: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute s) of those
+        self._first_call_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # their compute seconds per element
         self._touch_costs: deque[tuple[float, float, int]] = deque(maxlen=RATE_HISTORY)  # (sys s, grew B, elements)
         self._sys_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # kernel s per element of runs that did not grow
 
@@ -131,6 +143,10 @@ class TimeModel:
         seconds = self.compute_seconds(obs)
         if seconds is None:
             self._first_touch_rates.append(obs.seconds / obs.elements)
+            return
+        if obs.first_call:
+            self._first_calls.append((int(obs.elements), seconds))
+            self._first_call_rates.append(seconds / obs.elements)
             return
         self._rates.append(seconds / obs.elements)
         if seconds > 0:
@@ -201,13 +217,39 @@ class TimeModel:
         sys_seconds, grew = self.touch_costs()
         return sys_seconds / grew if grew > 0 else None
 
+    # ------------------------------------------------------------------ first call
+
+    def first_call_seconds(self, window: int | None = None) -> float | None:
+        """Seconds a worker process's first call of this operator takes beyond a later call of the same block: the
+        median, over the latest ``window`` first calls (default ``time_window``; the upper middle value for an even
+        count), of each one's compute seconds (:meth:`compute_seconds`) less what the model gives its block
+        (:meth:`block_compute_seconds`), at least 0. Paid once per worker process, not per block. None before both
+        a first call and a later run were learned."""
+        if not self._first_calls or not self._rates:
+            return None
+        window = self.time_window if window is None else window
+        extra = sorted(max(0.0, s - (self.block_compute_seconds(e) or 0.0))
+                       for e, s in list(self._first_calls)[-max(1, int(window)):])
+        return extra[len(extra) // 2]
+
+    def block_compute_seconds(self, elements: int) -> float | None:
+        """Compute seconds of a block of ``elements`` (halo included), as the planner counts them: :meth:`seconds_for`
+        where time is not proportional to size, else :meth:`seconds_per_element` x ``elements``; None before any
+        timed run."""
+        seconds = self.seconds_for(elements)
+        if seconds is not None:
+            return seconds
+        rate = self.seconds_per_element()
+        return None if rate is None else rate * int(elements)
+
     # ------------------------------------------------------------------ rates and forms
 
     def seconds_per_element(self, window: int | None = None) -> float | None:
         """Compute seconds per element (halo included): the median of the latest ``window`` ``ok`` runs (default
         ``time_window``; the upper middle value for an even count). Runs that paid a first touch of unknown
-        kernel time (:meth:`compute_seconds`) count only while no other run has been learned. None before any."""
-        source = self._rates or self._first_touch_rates
+        kernel time (:meth:`compute_seconds`), and a worker's first calls (:meth:`first_call_seconds`), count only
+        while no other run has been learned. None before any."""
+        source = self._rates or self._first_touch_rates or self._first_call_rates
         if not source:
             return None
         window = self.time_window if window is None else window
@@ -386,7 +428,8 @@ class TimeModel:
 
     def summary(self) -> dict[str, Any]:
         """Plain figures for reports: seconds per element, the form and the curve counted (and how much), the
-        rate ratio, runs learned and set aside, and the kernel seconds per GiB a worker's growth cost."""
+        rate ratio, runs learned and set aside, a first call's extra seconds, and the kernel seconds per GiB a
+        worker's growth cost."""
         weight, curve = self.time_curve_weight()
         spb = self.touch_seconds_per_byte()
         return {
@@ -397,5 +440,7 @@ class TimeModel:
             "time_rate_ratio": self.rate_ratio(),  # seconds per element, largest blocks over smallest
             "time_runs": len(self._rates),  # ok runs time is learned from (the latest RATE_HISTORY)
             "first_touch_runs": len(self._first_touch_rates),  # ok runs set aside: they grew their worker
+            "first_call_runs": len(self._first_calls),  # ok runs set aside: a worker's first call of the operator
+            "first_call_seconds": self.first_call_seconds(),  # what such a call took beyond a later one, seconds
             "touch_seconds_per_gib": None if spb is None else spb * 2**30,  # kernel seconds per GiB grown
         }

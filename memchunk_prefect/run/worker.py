@@ -239,6 +239,12 @@ def _task_run_id() -> str:
         return ""
 
 
+_CALLED: set[str] = set()
+"""Operator keys this worker process has run a block of: a run of a key not in it is the process's first call
+(``Observation.first_call``). Added as a run ends, so runs that start together on a fresh worker of several
+threads are each a first call: each waits on the same imports."""
+
+
 def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
     """Read the block, run ``fn`` on it, trim the halo, write the region; measure all of it.
 
@@ -278,6 +284,8 @@ def run_block(fn: Any, job: BlockJob, bound: inspect.BoundArguments) -> Receipt:
         raise GpuContextError(
             f"{job.operator}[{job.label}] hit a CUDA error that leaves the GPU context of worker {base['worker']} "
             f"unusable ({exc!r})", worker=base["worker"]) from exc
+    finally:
+        _CALLED.add(job.operator_key)
     assert run.measurement is not None  # set when the track() block exits
     return _receipt(job, output, _observation(base, run.measurement.observation_fields(), gpu))
 
@@ -288,7 +296,8 @@ def _observation_base(job: BlockJob, read_chunk: Chunk) -> dict[str, Any]:
         operator_key=job.operator_key, elements=read_chunk.elements, extents=read_chunk.shape,
         bytes_in=read_chunk.elements * ITEMSIZE, worker=_worker_name(), chunk=job.chunk.key(),
         budget_bytes=job.budget_bytes, started_at=time.time(), task_run_id=_task_run_id(),
-        host=socket.gethostname(), gpu_budget_bytes=job.gpu_budget_bytes)
+        host=socket.gethostname(), gpu_budget_bytes=job.gpu_budget_bytes,
+        first_call=job.operator_key not in _CALLED)
 
 
 @contextlib.contextmanager

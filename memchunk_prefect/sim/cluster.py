@@ -49,7 +49,9 @@ class SimulatedCluster:
     most it has held (``marks``: the most its tasks together held since the worker
     started, 0 for a fresh or restarted one) runs longer by that growth at its
     operator's learned kernel seconds per byte (``_Task.touch_seconds_per_byte``),
-    as a real worker faults that memory in. Where the threads outnumber the CPU cores
+    as a real worker faults that memory in. A task of an operator no task of which has ended on its worker process
+    yet runs longer by its operator's learned first call (``_Task.first_call_seconds``: a library imported, a
+    kernel compiled), as a real worker's first call does (``Observation.first_call``). Where the threads outnumber the CPU cores
     (``ClusterShape.threads_per_core``), a task that starts among more running tasks than cores takes as
     much longer (:meth:`_core_share`): the learned seconds are those of a task with a core to itself.
     A task goes to the free worker running the fewest
@@ -85,6 +87,7 @@ class SimulatedCluster:
         self.lost_worker_seconds = 0.0
         self.peak_bytes: dict[int, int] = {w: 0 for w in range(shape.workers)}
         self.marks: dict[int, int] = {w: 0 for w in range(shape.workers)}  # each worker process's high-water mark
+        self.called: dict[int, set[str]] = {w: set() for w in range(shape.workers)}  # operators ended on each
         self.kills = 0
         self.walltime_losses = 0  # tasks lost with a worker that left at its walltime
         self.ended: list[_Ended] = []  # every task that ended, in order (what a trace of the run is made of)
@@ -197,12 +200,13 @@ class SimulatedCluster:
             dies_after = None
             if load > headroom:  # its memory, rising evenly to its peak half way, crosses the kill line this far in
                 dies_after = 0.5 * min(1.0, max(0.0, headroom - (load - task.memory)) / max(task.memory, 1))
+            extra = 0.0 if task.operator_key in self.called[w] else task.first_call_seconds
             if load > self.marks[w]:  # (a task that dies gets through the same share of this growth)
-                grow_seconds = (load - self.marks[w]) * task.touch_seconds_per_byte
-                if grow_seconds > 0 and task.seconds > 0:
-                    task.joules *= (task.seconds + grow_seconds) / task.seconds  # busy longer, at the same power
-                task.seconds += grow_seconds
+                extra += (load - self.marks[w]) * task.touch_seconds_per_byte
                 self.marks[w] = load
+            if extra > 0 and task.seconds > 0:
+                task.joules *= (task.seconds + extra) / task.seconds  # busy longer, at the same power
+            task.seconds += extra
             if dies_after is not None:
                 self.dies_at[w] = math.inf  # due to die: nothing more lands on it (when: once its tasks are timed)
             self._starting.append((task, dies_after))
@@ -290,12 +294,15 @@ class SimulatedCluster:
                 self.lost_worker_seconds += spent
                 if self.dies_at.pop(w, None) is not None:
                     self.kills += 1
-                    self.marks[w] = 0  # the nanny starts a new process: it has held nothing
+                    self.marks[w] = 0  # the nanny starts a new process: it has held nothing, called nothing
+                    self.called[w] = set()
                     self.away_until[w] = self.now + self.shape.restart_seconds
                     self._push(self.away_until[w], _COME, w)  # back then
             elif how == _LOST:
                 self.lost_worker_seconds += spent
                 self.walltime_losses += 1
+            else:
+                self.called[w].add(task.operator_key)
             self._offer(w)
             self._dispatch()
             ended = _Ended(task, self.now, how == _KILLED, how == _LOST)

@@ -249,13 +249,19 @@ class Draws:
         memory = self.memory(extents, rng)  # drawn first, as before energy was simulated: the same seeds, the same runs
         seconds = self.seconds(elements, rng)
         return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds), operator_key=self.key,
-                     touch_seconds_per_byte=self.touch_seconds_per_byte)
+                     touch_seconds_per_byte=self.touch_seconds_per_byte, first_call_seconds=self.first_call_seconds)
 
     @functools.cached_property
     def touch_seconds_per_byte(self) -> float:
         """Kernel seconds per byte a task pays where it takes its worker above the most it has held (the learned
         figure, :meth:`memchunk_prefect.learn.time.TimeModel.touch_seconds_per_byte`; 0 where none is)."""
         return float(self.knowledge.touch_seconds_per_byte() or 0.0)
+
+    @functools.cached_property
+    def first_call_seconds(self) -> float:
+        """Seconds a worker process's first task of this operator pays beyond its block's (the learned figure,
+        :meth:`memchunk_prefect.learn.time.TimeModel.first_call_seconds`; 0 where none is)."""
+        return float(self.knowledge.first_call_seconds() or 0.0)
 
 
 class PriorKnowledge:
@@ -288,6 +294,9 @@ class PriorKnowledge:
 
     def touch_seconds_per_byte(self) -> float | None:
         return None  # the simulated workers pay nothing for memory they never held: a plan counts none
+
+    def first_call_seconds(self) -> float | None:
+        return None  # nor anything for a first call
 
     def margin(self) -> float:
         return DEFAULT_MARGIN
@@ -399,6 +408,7 @@ class _Task:
     key: int = 0  # the simulated cluster's own, unique over the whole run
     operator_key: str = ""  # whose task it is (for traces of a simulated run)
     touch_seconds_per_byte: float = 0.0  # what taking its worker above the most it has held costs it, s per byte
+    first_call_seconds: float = 0.0  # what it pays as its worker process's first task of its operator, seconds
     per_worker: int = 0  # placed only on a worker running fewer tasks than this (0: any free thread)
     owner: int = -1  # the position of the step whose map submitted it (-1: a baseline's, or none)
 
