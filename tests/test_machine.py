@@ -1397,3 +1397,31 @@ def test_a_gated_queue_looks_again_only_after_a_write_or_a_new_chunk_and_then_fi
     assert queue.pop_first(gate).chunk == first
     gate.add([second], complete=False)
     assert queue.pop_first(gate).chunk == second and len(queue) == 0
+
+
+def test_a_gate_finds_each_chunk_ready_exactly_when_the_writes_cover_its_block_whatever_the_two_cuts():
+    """The gate finds the writes a block meets through a grid over the line axes: checked against covers() over
+    every write, for two unrelated cuts of one volume (a halo of 2, chunks cut in time too), writes in random order."""
+    import random
+
+    from memchunk_prefect.core.chunks import covers, with_halo
+    from memchunk_prefect.core.plan_queue import Gate
+
+    def cut(rng, shape):
+        edges = [sorted({0, s, *rng.sample(range(1, s), k)}) for s, k in zip(shape, (5, 4, 1))]
+        return [Chunk((a0, b0, c0), (a1, b1, c1)) for a0, a1 in zip(edges[0], edges[0][1:])
+                for b0, b1 in zip(edges[1], edges[1][1:]) for c0, c1 in zip(edges[2], edges[2][1:])]
+
+    shape = (300, 200, 50)
+    for seed in range(3):
+        rng = random.Random(seed)
+        spec = MapSpec(operator="op", operator_key=KEY, shape=shape, halo=(2, 2, 0), whole_traces=False, gated=True)
+        gate, upstream, mine = Gate(spec), cut(rng, shape), cut(rng, shape)
+        rng.shuffle(upstream)
+        written = []
+        for w in upstream:
+            gate.add([w], complete=False)
+            written.append(w)
+            for c in mine:
+                assert gate.ready(c) == covers(written, with_halo(c, spec.halo, shape)[0]), (seed, c, len(written))
+        assert all(gate.ready(c) for c in mine)
