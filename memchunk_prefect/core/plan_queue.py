@@ -113,7 +113,9 @@ class Gate:
             self._written_cells.add(w, w)
             for chunk in self._waiting_cells.near(w):
                 entry = self._waiting.get(chunk)
-                part = None if entry is None else w.intersect(entry[0])
+                if entry is None:
+                    continue  # found ready since it was filed
+                part = w.intersect(entry[0])
                 if part is not None:
                     entry[1].append(w)
                     entry[3] += part.elements

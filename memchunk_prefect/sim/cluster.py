@@ -51,9 +51,10 @@ class SimulatedCluster:
     operator's learned kernel seconds per byte (``_Task.touch_seconds_per_byte``),
     as a real worker faults that memory in. A task of an operator no task of which has ended on its worker process
     yet runs longer by its operator's learned first call (``_Task.first_call_seconds``: a library imported, a
-    kernel compiled), as a real worker's first call does (``Observation.first_call``). Where the threads outnumber the CPU cores
-    (``ClusterShape.threads_per_core``), a task that starts among more running tasks than cores takes as
-    much longer (:meth:`_core_share`): the learned seconds are those of a task with a core to itself.
+    kernel compiled), as a real worker's first call does (``Observation.first_call``). Where the threads
+    outnumber the CPU cores (``ClusterShape.threads_per_core``), a task that starts among more running tasks
+    than cores takes as much longer (:meth:`_core_share`): the learned seconds are those of a task with a core
+    to itself.
     A task goes to the free worker running the fewest
     tasks, the lowest number among equals, as Dask's scheduler hands a queued task to the least
     occupied idle worker (``decide_worker_rootish_queuing_enabled`` in distributed's scheduler), so
