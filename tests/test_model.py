@@ -618,6 +618,31 @@ def test_a_workers_first_call_is_learned_apart_and_does_not_read_small_blocks_as
     assert first.time.first_call_seconds() is None
 
 
+def test_rates_that_rise_with_size_never_read_a_larger_block_cheaper_per_element():
+    """fam_gram (compute quadratic in the traces of a block) on the workload family: many runs bunched at
+    0.48-0.66 M elements, one at 1.33 M that ran 1.66x dearer per element. The line fitted beside the curve took
+    a large constant and read a 1.92 M-element block at 0.32 s (it took 0.82 s of compute): the warm plan cut
+    the map in 2 chunks where 8 had run 1.4x faster."""
+    rates = [2.68, 2.9, 2.93, 3.44, 3.59, 3.83, 4.27, 4.54, 4.62, 4.75, 4.98, 5.02, 5.89, 7.78]  # 1e-7 s/element
+    runs = [(480_000, r) for r in rates] + [(592_000, 2.13), (592_000, 2.21), (664_000, 2.04), (664_000, 2.23),
+                                             (664_000, 2.65), (664_000, 3.23), (664_000, 3.27), (664_000, 8.46),
+                                             (1_328_000, 5.84)]
+    m = OperatorModel(KEY)
+    for e, r in runs:
+        m.learn(Observation(KEY, e, (1, 1, e), 4 * e, 8 * e, seconds=r * 1e-7 * e, sys_seconds=0.0, grew_bytes=0))
+    assert m.rates_rise()
+    for e in (1_328_000, 1_920_000, 4_000_000):  # at and beyond the largest: never below its rate
+        assert m.seconds_for(e) >= 5.84e-7 * e * (1 - 1e-9)
+    small = sorted(r for e, r in runs if e <= 1.5 * 480_000)[(22 - 1) // 2] * 1e-7  # the lower middle rate
+    assert m.seconds_for(1_000_000) >= small * 1_000_000 * (1 - 1e-9)
+    assert m.time.rising_floor(480_000) is None and m.time.rising_floor(400_000) is None
+    # Where the rates do not rise, no floor.
+    flat = OperatorModel(KEY)
+    for e in (480_000, 1_328_000) * 4:
+        flat.learn(Observation(KEY, e, (1, 1, e), 4 * e, 8 * e, seconds=3e-7 * e, sys_seconds=0.0, grew_bytes=0))
+    assert flat.time.rising_floor(2_000_000) is None
+
+
 def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
     """gst3d_dip's cold map in one round of the full benchmark (its store's rows: elements, extents, wall and
     kernel seconds, bytes the run grew its worker, peak): the probes' time was mostly per task and the two large

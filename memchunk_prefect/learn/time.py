@@ -124,6 +124,8 @@ class TimeModel:
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
         self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
+        self._ends_memo: tuple[tuple[int, int, float, float] | None] | None = None  # _ends(), until a run is learned
+        self._floor_memo: tuple[int, int, float, float] | None = None  # rising_floor's sizes and rates, the same
         self._rates: deque[float] = deque(maxlen=RATE_HISTORY)  # compute seconds per element of ok runs
         self._first_touch_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # first touches of unknown kernel time
         self._first_calls: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute s) of those
@@ -157,6 +159,8 @@ class TimeModel:
             self._runs.append((int(obs.elements), seconds))
             self._memo = None
             self._falling.clear()
+            self._ends_memo = None
+            self._floor_memo = None
 
     # ------------------------------------------------------------------ first touch
 
@@ -376,23 +380,64 @@ class TimeModel:
         slower than they ran on the workload family's two table operators (one of them pinned by
         ``test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest_and_largest_blocks``).
         """
-        runs = list(self._runs)
-        if not runs or elements <= 0:
+        ends = self._ends(window)
+        if ends is None or elements <= 0:
             return None
-        lo, hi = min(e for e, _ in runs), max(e for e, _ in runs)
-        if hi < self.min_size_ratio * lo:
-            return None
-        window = max(1, int(self.time_window if window is None else window))
-        small = sorted([s / e for e, s in runs if e <= self.min_size_ratio * lo][-window:])
-        large = sorted([s / e for e, s in runs if e * self.min_size_ratio >= hi][-window:])
-        at_lo = small[len(small) // 2] * lo
-        at_hi = max(large[len(large) // 2] * hi, at_lo)
+        lo, hi, at_lo, at_hi = ends
         e = int(elements)
         if e <= lo:
             return at_lo * e / lo
         if e >= hi:
             return at_hi * e / hi
         return at_lo + (at_hi - at_lo) * (e - lo) / (hi - lo)
+
+    def _ends(self, window: int | None = None) -> tuple[int, int, float, float] | None:
+        """(smallest size, largest size, compute seconds at each) as :meth:`falling_seconds` and
+        :meth:`rising_floor` draw their line; None before two sizes ``min_size_ratio`` apart were timed."""
+        if window is None and self._ends_memo is not None:
+            return self._ends_memo[0]
+        runs = list(self._runs)
+        ends = None
+        if runs:
+            lo, hi = min(e for e, _ in runs), max(e for e, _ in runs)
+            if hi >= self.min_size_ratio * lo:
+                w = max(1, int(self.time_window if window is None else window))
+                small = sorted([s / e for e, s in runs if e <= self.min_size_ratio * lo][-w:])
+                large = sorted([s / e for e, s in runs if e * self.min_size_ratio >= hi][-w:])
+                at_lo = small[len(small) // 2] * lo
+                ends = (lo, hi, at_lo, max(large[len(large) // 2] * hi, at_lo))
+        if window is None:
+            self._ends_memo = (ends,)
+        return ends
+
+    def rising_floor(self, elements: int) -> float | None:
+        """The fewest compute seconds a block of ``elements`` (halo included) may read where the measured rates
+        rise with size (:meth:`rates_rise`): at or beyond the largest blocks timed (within ``min_size_ratio``
+        of the largest size), their median rate x ``elements``; between the smallest and the largest, the
+        smallest blocks' median rate x ``elements`` (a line through the two ends would lie above a convex curve
+        between them); none below the smallest. Each median is the lower middle value of the latest
+        ``time_window`` runs (a floor takes the lower of two). None where the rates do not rise.
+
+        A larger block never reads cheaper per element than the blocks measured below its size, whatever the
+        fitted forms say. Over runs bunched at a few sizes, the line fitted beside a curve took a large constant
+        and read a 1.9 M-element block of the workload family's ``fam_gram`` (compute quadratic in its traces)
+        at 0.32 s where its measured blocks of 0.46-0.63 M ran at 0.36 us per element and it took 0.82 s; the
+        warm plan cut its map in 2 chunks where 8 had run 1.4x faster
+        (``test_rates_that_rise_with_size_never_read_a_larger_block_cheaper_per_element``).
+        """
+        if not self.rates_rise():
+            return None
+        if self._floor_memo is None:
+            runs = list(self._runs)[-max(1, int(self.time_window)):]
+            lo, hi = min(e for e, _ in runs), max(e for e, _ in runs)
+            small = sorted(s / e for e, s in runs if e <= self.min_size_ratio * lo)
+            large = sorted(s / e for e, s in runs if e * self.min_size_ratio >= hi)
+            self._floor_memo = (lo, hi, small[(len(small) - 1) // 2], large[(len(large) - 1) // 2])
+        lo, hi, small_rate, large_rate = self._floor_memo
+        e = int(elements)
+        if e <= lo:
+            return None
+        return e * (large_rate if e >= hi else small_rate)
 
     def rate_ratio(self) -> float | None:
         """The median measured seconds per element of the largest blocks (within ``min_size_ratio`` of the
@@ -405,7 +450,8 @@ class TimeModel:
 
         Where a curve counts (time grows faster than size), its fitted seconds;
         where it counts only in part (:meth:`time_curve_weight`), the rest is the
-        fitted line held at no constant it was weighed against. Where no curve
+        fitted line held at no constant it was weighed against; never below
+        :meth:`rising_floor` where the measured rates rise. Where no curve
         counts and the rates fall with size (:meth:`rates_fall`), the line between
         the smallest and the largest blocks timed (:meth:`falling_seconds`). None
         otherwise: time is proportional to size and the planner uses
@@ -419,7 +465,10 @@ class TimeModel:
             return self._falling[elements]
         u = int(elements) / MIB
         seconds = max(0.0, self._mean(curve, u))
-        return seconds if weight >= 1.0 else weight * seconds + (1.0 - weight) * max(0.0, self._mean(LINEAR, u))
+        if weight < 1.0:
+            seconds = weight * seconds + (1.0 - weight) * max(0.0, self._mean(LINEAR, u))
+        floor = self.rising_floor(elements)
+        return seconds if floor is None else max(seconds, floor)
 
     def _mean(self, form: str, u: float) -> float:
         """The fitted compute seconds of time form ``form`` for a block of ``u`` Mi-elements."""
