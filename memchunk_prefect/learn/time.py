@@ -392,8 +392,9 @@ class TimeModel:
         return at_lo + (at_hi - at_lo) * (e - lo) / (hi - lo)
 
     def _ends(self, window: int | None = None) -> tuple[int, int, float, float] | None:
-        """(smallest size, largest size, compute seconds at each) as :meth:`falling_seconds` and
-        :meth:`rising_floor` draw their line; None before two sizes ``min_size_ratio`` apart were timed."""
+        """(smallest size, largest size, compute seconds at each) as :meth:`falling_seconds` draws its line; None
+        before two sizes ``min_size_ratio`` apart were timed. Kept until the next run is learned, for the default
+        window."""
         if window is None and self._ends_memo is not None:
             return self._ends_memo[0]
         runs = list(self._runs)
