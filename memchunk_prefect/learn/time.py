@@ -124,8 +124,7 @@ class TimeModel:
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
         self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
-        self._ends_memo: tuple[tuple[int, int, float, float] | None] | None = None  # _ends(), until a run is learned
-        self._floor_memo: tuple[int, int, float, float] | None = None  # rising_floor's sizes and rates, the same
+        self._floor_memo: tuple[int, int, float, float] | None = None  # rising_floor's sizes and rates, until a run
         self._rates: deque[float] = deque(maxlen=RATE_HISTORY)  # compute seconds per element of ok runs
         self._first_touch_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # first touches of unknown kernel time
         self._first_calls: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute s) of those
@@ -159,7 +158,6 @@ class TimeModel:
             self._runs.append((int(obs.elements), seconds))
             self._memo = None
             self._falling.clear()
-            self._ends_memo = None
             self._floor_memo = None
 
     # ------------------------------------------------------------------ first touch
@@ -380,36 +378,23 @@ class TimeModel:
         slower than they ran on the workload family's two table operators (one of them pinned by
         ``test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest_and_largest_blocks``).
         """
-        ends = self._ends(window)
-        if ends is None or elements <= 0:
+        runs = list(self._runs)
+        if not runs or elements <= 0:
             return None
-        lo, hi, at_lo, at_hi = ends
+        lo, hi = min(e for e, _ in runs), max(e for e, _ in runs)
+        if hi < self.min_size_ratio * lo:
+            return None
+        window = max(1, int(self.time_window if window is None else window))
+        small = sorted([s / e for e, s in runs if e <= self.min_size_ratio * lo][-window:])
+        large = sorted([s / e for e, s in runs if e * self.min_size_ratio >= hi][-window:])
+        at_lo = small[len(small) // 2] * lo
+        at_hi = max(large[len(large) // 2] * hi, at_lo)
         e = int(elements)
         if e <= lo:
             return at_lo * e / lo
         if e >= hi:
             return at_hi * e / hi
         return at_lo + (at_hi - at_lo) * (e - lo) / (hi - lo)
-
-    def _ends(self, window: int | None = None) -> tuple[int, int, float, float] | None:
-        """(smallest size, largest size, compute seconds at each) as :meth:`falling_seconds` draws its line; None
-        before two sizes ``min_size_ratio`` apart were timed. Kept until the next run is learned, for the default
-        window."""
-        if window is None and self._ends_memo is not None:
-            return self._ends_memo[0]
-        runs = list(self._runs)
-        ends = None
-        if runs:
-            lo, hi = min(e for e, _ in runs), max(e for e, _ in runs)
-            if hi >= self.min_size_ratio * lo:
-                w = max(1, int(self.time_window if window is None else window))
-                small = sorted([s / e for e, s in runs if e <= self.min_size_ratio * lo][-w:])
-                large = sorted([s / e for e, s in runs if e * self.min_size_ratio >= hi][-w:])
-                at_lo = small[len(small) // 2] * lo
-                ends = (lo, hi, at_lo, max(large[len(large) // 2] * hi, at_lo))
-        if window is None:
-            self._ends_memo = (ends,)
-        return ends
 
     def rising_floor(self, elements: int) -> float | None:
         """The fewest compute seconds a block of ``elements`` (halo included) may read where the measured rates
