@@ -643,6 +643,50 @@ def test_rates_that_rise_with_size_never_read_a_larger_block_cheaper_per_element
     assert flat.time.rising_floor(2_000_000) is None
 
 
+def test_a_time_curve_whose_rise_lies_beyond_every_run_measured_is_not_named():
+    """fam_table (a 64 MiB table built per task, then a small cost per element) in a cold run of the workload
+    family (its store's rows: elements, extents, wall and kernel seconds, bytes the run grew its worker, peak,
+    first call). A quadratic held at no slope, ``a + c u^2``, beat the line on leave-one-out error over these
+    noisy runs, with its cheapest rate at 0.93x the largest block: its whole rise lay beyond the runs. Named, it
+    read the split-on-failure flow's one chunk of 5,120,000 elements at 2.25 s, and the simulator predicted that
+    run 94% long; the warm runs' first calls of 2,656,000 elements later ran in 0.21-0.33 s."""
+    rows = [(132800, (8, 83, 200), 0.294, 0.167, 67665920, 69455872, True),
+            (132800, (8, 83, 200), 0.25, 0.147, 884736, 69111808, False),
+            (149400, (9, 83, 200), 0.169, 0.038, 663552, 69369856, False),
+            (149400, (9, 83, 200), 0.091, 0.015, 45285376, 69472256, True),
+            (265600, (16, 83, 200), 0.079, 0.009, 2240512, 70778880, False),
+            (265600, (16, 83, 200), 0.15, 0.03, 1630208, 70709248, False),
+            (478800, (42, 57, 200), 0.124, 0.012, 3280896, 73605120, False),
+            (495600, (42, 59, 200), 0.187, 0.027, 3665920, 73728000, False),
+            (478800, (42, 57, 200), 0.126, 0.016, 0, 73236480, False),
+            (470400, (42, 56, 200), 0.188, 0.025, 53248, 73134080, False),
+            (495600, (42, 59, 200), 0.092, 0.028, 327680, 73428992, False),
+            (470400, (42, 56, 200), 0.102, 0.051, 0, 73158656, False),
+            (1211800, (73, 83, 200), 0.209, 0.01, 9084928, 82034688, False),
+            (1211800, (73, 83, 200), 0.282, 0.092, 8990720, 82071552, False)]
+    m = OperatorModel(KEY)
+    for e, ext, secs, sys_secs, grew, peak, first in rows:
+        m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
+                            first_call=first))
+    fits = m.time.time_fits([5_120_000])
+    # What named the curve before: it beats the line on held-out runs, and no gap between sizes is wider than 3x.
+    assert fits["quadratic"]["press"] < 0.9 * fits["linear"]["press"] and m.time.curve_supported()
+    assert fits["quadratic"]["seconds"][0] > 2.0
+    assert m.time_form() == "linear" and m.time_curve_weight() == (0.0, None) and m.time.rates_fall()
+    # Beyond the largest block, the largest blocks' rate (upper middle of two): half the curve's reading.
+    assert m.seconds_for(5_120_000) == pytest.approx(0.282 / 1_211_800 * 5_120_000)
+    # A fixed cost and a curvature whose rise the runs measured (the cheapest rate at 0.3 Mi-elements, runs to 2)
+    # still name the curve.
+    curved = OperatorModel(KEY)
+    rng = random.Random(3)
+    for _ in range(2):
+        for u in (0.1, 0.2, 0.4, 0.8, 1.2, 1.6, 2.0):
+            e = int(u * MIB)
+            secs = (0.09 + 1.0 * u * u) * (1 + rng.gauss(0, 0.03))
+            curved.learn(Observation(KEY, e, (1, 1, e), 4 * e, 8 * e, seconds=secs, sys_seconds=0.0, grew_bytes=0))
+    assert curved.time_form() == "quadratic" and curved.time_curve_weight() == (1.0, "quadratic")
+
+
 def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
     """gst3d_dip's cold map in one round of the full benchmark (its store's rows: elements, extents, wall and
     kernel seconds, bytes the run grew its worker, peak): the probes' time was mostly per task and the two large

@@ -266,7 +266,8 @@ class TimeModel:
         fits noise: a larger block never costs less), and either the measured
         rates rise (:meth:`rates_rise`) and its leave-one-out error is within
         ``time_rising_gain`` of the line's, or it is below ``superlinear_gain`` of
-        the line's and the runs support it (:meth:`curve_supported`). A named
+        the line's, the runs support it (:meth:`curve_supported`) and its own rise
+        in cost per element lies among the sizes measured (:meth:`_rises_within`). A named
         curve makes the planner cut smaller for speed, so it must be where the
         planner cuts; the tests named ``test_*time_curve*`` and ``test_rates_that_rise_*`` pin each rule.
 
@@ -316,9 +317,26 @@ class TimeModel:
             if fits[best].press <= self.time_rising_gain * fits[LINEAR].press:
                 return _TimeChoice(best, best, 1.0)
             return _TimeChoice(LINEAR, best, _loo_weight(fits[best].press, fits[LINEAR].press, fits[LINEAR].n))
-        if fits[best].press < self.superlinear_gain * fits[LINEAR].press and self.curve_supported():
+        if (fits[best].press < self.superlinear_gain * fits[LINEAR].press and self.curve_supported()
+                and self._rises_within(best, fits[best])):
             return _TimeChoice(best, best, 1.0)
         return line
+
+    def _rises_within(self, name: str, fit: Any) -> bool:
+        """Whether curve ``name`` (fitted as ``fit``) reads the largest block timed dearer per element, by more
+        than ``time_curve_margin``, than the cheapest block size timed: its rise lies among the runs measured.
+
+        A curve with a fixed cost, ``a + c u^2``, reads rates that fall to a least at ``sqrt(a / c)`` and rise
+        beyond. Where that least lies at or past the largest block, the curve's whole rise is an extrapolation
+        no run measured, and leave-one-out cannot test it. Over noisy runs of a fixed cost and a small cost per
+        element (the workload family's ``fam_table``), a quadratic won on leave-one-out error with its least at
+        0.93x the largest block. It read a block 4.2x the largest at 2.25 s, where blocks half that size later
+        ran in 0.21-0.33 s (``test_a_time_curve_whose_rise_lies_beyond_every_run_measured_is_not_named``).
+        """
+        form = self._forms[name]
+        sizes = sorted({e for e, _ in self._runs})
+        rates = [form.mean(e / MIB, fit) / e for e in sizes]
+        return rates[-1] > (1.0 + self.time_curve_margin) * min(rates)
 
     def time_fits(self, elements: Sequence[int] = ()) -> dict[str, dict[str, Any]]:
         """Per time form: runs fitted, leave-one-out error (``press``, on relative residuals) and the compute
