@@ -42,10 +42,12 @@ def obs(extents, peak, *, outcome="ok", censored=False, key=KEY):
 
 
 def timed(rows, key=KEY, **options):
-    """A model taught a store's timed rows: (elements, extents, wall s, kernel s, bytes grown, peak bytes)."""
+    """A model taught a store's timed rows: (elements, extents, wall s, kernel s, bytes grown, peak bytes[, first
+    call])."""
     m = OperatorModel(key, **options)
-    for e, ext, secs, sys_secs, grew, peak in rows:
-        m.learn(Observation(key, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew))
+    for e, ext, secs, sys_secs, grew, peak, *first in rows:
+        m.learn(Observation(key, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
+                            first_call=first[0] if first else None))
     return m
 
 
@@ -664,10 +666,7 @@ def test_a_time_curve_whose_rise_lies_beyond_every_run_measured_is_not_named():
             (470400, (42, 56, 200), 0.102, 0.051, 0, 73158656, False),
             (1211800, (73, 83, 200), 0.209, 0.01, 9084928, 82034688, False),
             (1211800, (73, 83, 200), 0.282, 0.092, 8990720, 82071552, False)]
-    m = OperatorModel(KEY)
-    for e, ext, secs, sys_secs, grew, peak, first in rows:
-        m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
-                            first_call=first))
+    m = timed(rows)
     fits = m.time.time_fits([5_120_000])
     # What named the curve before: it beats the line on held-out runs, and no gap between sizes is wider than 3x.
     assert fits["quadratic"]["press"] < 0.9 * fits["linear"]["press"] and m.time.curve_supported()
