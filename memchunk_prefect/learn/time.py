@@ -19,6 +19,7 @@ from memchunk_prefect.learn.forms import (
     PRIOR_VARIANCE,
     RATE_HISTORY,
     SUPERLINEAR_GAIN,
+    _Fit,
     _Form,
     _loo_weight,
     _rate_ratio,
@@ -322,7 +323,7 @@ class TimeModel:
             return _TimeChoice(best, best, 1.0)
         return line
 
-    def _rises_within(self, name: str, fit: Any) -> bool:
+    def _rises_within(self, name: str, fit: _Fit) -> bool:
         """Whether curve ``name`` (fitted as ``fit``) reads the largest block timed dearer per element, by more
         than ``time_curve_margin``, than the cheapest block size timed: its rise lies among the runs measured.
 
