@@ -234,7 +234,12 @@ def test_a_worker_ten_times_slower_is_named_in_the_summary_and_the_map_completes
 
     Nothing in Dask notices a slow worker; the runner names it once two of its chunks agree (its median
     seconds per element 4x the other's or more), and the map still completes, exact, every chunk once.
+    The workers import what a chunk runs before the throttle starts (a node that slows down mid-run): a
+    throttled first import takes tens of seconds on a loaded machine, which would leave the slow worker
+    fewer than two chunks to be judged by.
     """
+    import importlib
+
     from distributed import Client
 
     from memchunk_prefect.testing import Throttle
@@ -244,6 +249,9 @@ def test_a_worker_ten_times_slower_is_named_in_the_summary_and_the_map_completes
     try:
         with Client(cluster.scheduler_address) as c:
             pids = c.run(os.getpid)
+            c.run(lambda: [importlib.import_module(m) for m in (
+                "prefect.task_engine", "memchunk_prefect.run.cluster", "memchunk_prefect.run.worker",
+                "memchunk_prefect.io.segy_xarray", "memchunk_prefect.io.zarr_store", "memchunk_prefect.testing")])
         slow_address, slow_pid = sorted(pids.items())[0]
         survey = str(synthetic_survey(tmp_path / "wide.sgy", shape, seed=5))
         store, out = seeded_store(tmp_path / "obs.sqlite"), tmp_path / "out.zarr"

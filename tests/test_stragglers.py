@@ -1,4 +1,4 @@
-"""Workers slow rather than dead: the pure rule (here) and a real duty-cycled worker (tests/test_faults.py)."""
+"""Workers slow rather than dead: the pure rule (here) and a real duty-cycled worker (tests/test_interruptions.py)."""
 
 import pytest
 
@@ -49,3 +49,22 @@ def test_a_factor_at_or_below_one_is_refused_with_what_to_pass_instead():
     with pytest.raises(RunnerConfigError, match=r"slow_worker_factor.*above 1.*None to never look for slow workers.*got 0.5"):
         PolicySettings(slow_worker_factor=0.5)
     assert PolicySettings(slow_worker_factor=None).slow_worker_factor is None
+
+
+def test_the_look_at_a_maps_end_names_a_worker_whose_second_vote_came_within_a_second_of_the_last_look():
+    """A slow worker's chunks are often a map's last: its second run can finish just after a look, with none after."""
+    import time
+    from types import SimpleNamespace
+
+    from memchunk_prefect.run.executor import ChunkedMap, _SlowWatch
+
+    said = []
+    watch = _SlowWatch(finished_runs=runs("slow", 3.0, 3.2) + runs("a", 0.3, 0.31, 0.29), slow_checked=time.monotonic())
+    cmap = SimpleNamespace(ctx=SimpleNamespace(policy=PolicySettings()), slow_watch=watch, name="op",
+                           observers=SimpleNamespace(emit=lambda event, w: said.append((event, w.worker))))
+    ChunkedMap.look_for_slow_workers(cmap)
+    assert said == [], "looked again within a second of the last look"
+    ChunkedMap.look_for_slow_workers(cmap, final=True)
+    assert said == [("on_slow_worker", "slow")]
+    ChunkedMap.look_for_slow_workers(cmap, final=True)
+    assert said == [("on_slow_worker", "slow")], "a worker is named once per map"

@@ -673,8 +673,12 @@ class ChunkedMap:
             self.slow_watch.finished_runs.append(obs)
             self.look_for_slow_workers()
 
-    def look_for_slow_workers(self) -> None:
+    def look_for_slow_workers(self, *, final: bool = False) -> None:
         """Find workers slow rather than dead (at most once a second) and say so, naming each once per map.
+
+        ``final``: the map has ended, so look whatever the last look's time. A slow worker's chunks are often the
+        map's last to finish, so the run that gives it its second vote can land within a second of the previous
+        look with no run after it; without a last look the summary would leave the worker out.
 
         Only said, not acted on: steering the map's later chunks to the other workers (a loose Dask worker
         restriction) was measured no better (``python -m benchmarks.studies.straggler``): Dask's work stealing hands a
@@ -682,7 +686,7 @@ class ChunkedMap:
         one would leave chunks waiting for ever once the other workers leave.
         """
         s = self.ctx.policy
-        if s.slow_worker_factor is None or time.monotonic() - self.slow_watch.slow_checked < 1.0:
+        if s.slow_worker_factor is None or (not final and time.monotonic() - self.slow_watch.slow_checked < 1.0):
             return
         self.slow_watch.slow_checked = time.monotonic()
         found = [dataclasses.replace(w, at=time.time())
@@ -824,6 +828,7 @@ class ChunkedMap:
 
     def _end(self, error: BaseException | None) -> None:
         m = self.machine
+        self.look_for_slow_workers(final=True)
         self.record_map(error)
         self.compact_store()
         self.observers.emit("on_map_end", MapEnd(error, len(m.done) if m else 0, m.done_elements if m else 0,
