@@ -645,45 +645,12 @@ def test_rates_that_rise_with_size_never_read_a_larger_block_cheaper_per_element
     assert flat.time.rising_floor(2_000_000) is None
 
 
-def test_a_first_call_bounds_the_seconds_of_a_later_call_of_its_block():
-    """fam_autocorr in a cold run of the workload family (seed 1; its store's rows: elements, extents, wall and
-    kernel seconds, bytes grown, peak, first call). The probes that teach time are small, and their per-task
-    costs read 1.1 us per element; the two first calls, of 592,000 elements, ran at 0.30-0.44 us. Read at the
-    probes' rate, the split-on-failure flow's whole-survey chunk of 1,312,000 elements took 1.44 s, and the
-    simulator predicted that run 2.2x as long as it ran."""
-    rows = [(592000, (74, 40, 200), 0.2372, 0.0567, 16953344, 16953344, True),
-            (592000, (74, 40, 200), 0.2624, 0.0733, 16777216, 16777216, True),
-            (48000, (6, 40, 200), 0.0526, 0.0146, 0, 10616832, False),
-            (24000, (6, 20, 200), 0.0313, 0.0081, 0, 10678272, False),
-            (24000, (6, 20, 200), 0.0257, 0.0074, 0, 10293248, False)]
-    m = timed(rows)
-    probes = timed(rows[2:])
-    assert not m.time.rates_fall() and m.time_form() == "linear"
-    assert probes.seconds_for(1_312_000) is None and probes.seconds_per_element() * 1_312_000 > 1.4
-    fastest = 0.2372 - 0.0567  # the first call that grew its worker teaches its wall less its kernel seconds
-    assert m.seconds_for(592_000) == pytest.approx(fastest)
-    assert m.seconds_for(1_312_000) == pytest.approx(fastest / 592_000 * 1_312_000)  # 0.40 s
-    assert m.seconds_for(300_000) == pytest.approx(fastest)  # a smaller block: never longer than the first call
-    assert m.seconds_for(100_000) is None  # where the rate reads less, the rate's
-    # No farther than time_gap_ratio (3x) from the first calls: a growth no run measured stays the rate's to read.
-    assert m.seconds_for(3 * 592_000 + 1) is None
-    # What a first call took beyond a later call: each less the bounded block, the upper middle of the two.
-    assert m.time.first_call_seconds() == pytest.approx(0.2624 - fastest)
-    # A first call teaches no bound until a later run is learned: a cold start's first wave sets the rate.
-    assert timed(rows[:2]).seconds_for(1_312_000) is None
-    # Where the rates rise, a first call bounds only blocks no larger than its own.
-    rising = timed([(e, ext, secs * (e / 24000) ** 0.5, 0.0, grew, peak, first)
-                    for e, ext, secs, _, grew, peak, first in rows])
-    assert rising.time.rates_rise()
-    assert all(rising.seconds_for(n) is None or rising.seconds_for(n) >= rising.seconds_per_element() * n * 0.999
-               for n in (700_000, 1_312_000))
-
-
 def test_where_the_smallest_blocks_took_longer_than_the_largest_the_largest_decide_the_line():
-    """fam_table in the same cold run (its rows as above): one probe of 44,000 elements took 0.27 s beside
-    another worker's first call, where 42,000 took 0.04 s and the block of 590,400, 0.11 s. A larger block is
-    never faster, so one end is noise: the line held the largest end up to the smallest's 0.26 s and read the
-    whole survey at 1.15 s."""
+    """fam_table in a cold run of the workload family (seed 1; its store's rows: elements, extents, wall and kernel
+    seconds, bytes grown, peak, first call). One probe of 44,000 elements took 0.27 s beside another worker's first
+    call, where 42,000 took 0.04 s and the block of 590,400, 0.11 s. A larger block is never faster, so one end is
+    noise: the line held the largest end up to the smallest's 0.26 s and read the split-on-failure flow's
+    whole-survey chunk of 1,312,000 elements at 1.15 s; the simulator predicted that run 2.2x as long as it ran."""
     rows = [(590400, (72, 41, 200), 0.5214, 0.2861, 148090880, 159318016, True),
             (590400, (72, 41, 200), 0.1109, 0.0423, 1146880, 141611008, False),
             (82000, (10, 41, 200), 0.5179, 0.2221, 143208448, 153534464, True),

@@ -125,7 +125,6 @@ class TimeModel:
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
         self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
-        self._ceiling: dict[int, float | None] = {}  # first_call_ceiling by block size, until a run is learned
         self._floor_memo: tuple[int, int, float, float] | None = None  # rising_floor's sizes and rates, until a run
         self._rates: deque[float] = deque(maxlen=RATE_HISTORY)  # compute seconds per element of ok runs
         self._first_touch_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # first touches of unknown kernel time
@@ -144,7 +143,6 @@ class TimeModel:
             else:
                 self._sys_rates.append(float(obs.sys_seconds) / obs.elements)
         seconds = self.compute_seconds(obs)
-        self._ceiling.clear()
         if seconds is None:
             self._first_touch_rates.append(obs.seconds / obs.elements)
             return
@@ -448,32 +446,6 @@ class TimeModel:
             return None
         return e * (large_rate if e >= hi else small_rate)
 
-    def first_call_ceiling(self, elements: int) -> float | None:
-        """The most compute seconds a block of ``elements`` (halo included) may read, from the latest
-        ``time_window`` first calls (:meth:`first_call_seconds`): a later call of a block never takes longer than
-        a worker's first call of it, which also paid what the process loads once. A first call of at least
-        ``elements`` bounds the block by its seconds (a larger block never runs faster); where the rates do not
-        rise and no curve is counted, a smaller one within ``time_gap_ratio`` of the block bounds it by its rate
-        x ``elements`` (no farther: a rate carried far up the sizes would hide a growth no run measured). None
-        before a later run is learned (a cold start's first wave alone sets the rate:
-        :meth:`seconds_per_element`), or where no first call bounds the block.
-
-        A cold start's later runs are its small probes, whose per-task costs weigh on their rate; the first
-        calls are often larger (a warm run's chunks are all first calls on a fresh cluster). On the workload
-        family's ``fam_autocorr``, probes of 24,000-48,000 elements ran at 1.1 us per element and read the
-        split strategy's whole-survey chunk of 1.31 M elements at 1.44 s, where two first calls of 592,000
-        elements had run at 0.30-0.44 us (``test_a_first_call_bounds_the_seconds_of_a_later_call_of_its_block``).
-        """
-        e = int(elements)
-        if not self._first_calls or not self._runs or e <= 0:
-            return None
-        if e not in self._ceiling:
-            scale = not self.rates_rise() and self.time_curve_weight()[1] is None
-            bounds = [s if m >= e else s * e / m for m, s in list(self._first_calls)[-max(1, self.time_window):]
-                      if m >= e or (scale and e <= self.time_gap_ratio * m)]
-            self._ceiling[e] = min(bounds) if bounds else None
-        return self._ceiling[e]
-
     def rate_ratio(self) -> float | None:
         """The median measured seconds per element of the largest blocks (within ``min_size_ratio`` of the
         largest size) over the smallest blocks'; None before two sizes that far apart were timed. Above 1:
@@ -490,25 +462,11 @@ class TimeModel:
         counts and the rates fall with size (:meth:`rates_fall`), the line between
         the smallest and the largest blocks timed (:meth:`falling_seconds`). None
         otherwise: time is proportional to size and the planner uses
-        :meth:`seconds_per_element`. Never above what the first calls bound it to
-        (:meth:`first_call_ceiling`), which then gives the seconds where the rate
-        would read more.
+        :meth:`seconds_per_element`.
         """
-        seconds = self._fitted_seconds(int(elements))
-        ceiling = self.first_call_ceiling(elements)
-        if ceiling is None:
-            return seconds
-        if seconds is None:
-            rate = self.seconds_per_element()
-            if rate is None or rate * int(elements) <= ceiling:
-                return None
-            return ceiling
-        return min(seconds, ceiling)
-
-    def _fitted_seconds(self, elements: int) -> float | None:
-        """:meth:`seconds_for` before the first calls' ceiling (:meth:`first_call_ceiling`)."""
         weight, curve = self.time_curve_weight()
         if curve is None or weight <= 0.0:
+            elements = int(elements)
             if elements not in self._falling:  # asked once per candidate plan
                 self._falling[elements] = self.falling_seconds(elements) if self.rates_fall() else None
             return self._falling[elements]
