@@ -181,7 +181,7 @@ def test_a_job_gets_a_memory_cgroup_of_its_mem_where_this_machine_allows_one(slu
     if not state.startswith("on"):
         pytest.skip(f"no cgroup memory enforcement on this machine: {state}")
     out = tmp_path / "job.out"
-    code = "import json; from memchunk_prefect.run.cluster import job_memory; print(json.dumps(job_memory()))"
+    code = "import json; from memchunk_prefect.run.job_memory import job_memory; print(json.dumps(job_memory()))"
     subprocess.run(["sbatch", "--wait", "--mem=300M", "-o", str(out), "--wrap", f"{sys.executable} -c '{code}'"],
                    check=True, capture_output=True, timeout=120, cwd=tmp_path)
     read = json.loads(out.read_text().strip().splitlines()[-1])

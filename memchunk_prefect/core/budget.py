@@ -151,7 +151,7 @@ def workers_from_info(info: Mapping[str, Any], kill_fractions: Mapping[str, obje
     heartbeat's process memory for a worker not in it. ``high_water``: each worker's high-water mark as read
     by :func:`read_marks` (None for a worker not in it). ``jobs``: each worker's job memory as
     ``(limit bytes or None, bytes its other processes hold, where the limit was read, workers sharing it)``
-    (:func:`memchunk_prefect.run.cluster.read_job_memory`; no job limit for a worker not in it).
+    (:func:`memchunk_prefect.run.job_memory.read_job_memory`; no job limit for a worker not in it).
 
     >>> info = {"workers": {"tcp://w:1": {"nthreads": 1, "memory_limit": 1000, "metrics": {"memory": 100},
     ...                                    "nanny": "tcp://n:1"}}}

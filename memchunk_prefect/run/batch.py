@@ -5,7 +5,7 @@ Read in the flow's process when a map's chunk comes back ``KilledWorker``:
 
 - the nanny's memory kill, from the scheduler's log (:func:`memchunk_prefect.run.cluster.read_memory_kills`);
 - the kernel's OOM kills in the worker's job cgroup since the runner last read them, asked of the worker's nanny
-  (:func:`memchunk_prefect.run.cluster.run_on_nanny`): a nanny restarts a worker the kernel killed, so the job
+  (:func:`memchunk_prefect.run.job_memory.run_on_nanny`): a nanny restarts a worker the kernel killed, so the job
   lives on and the batch system says nothing until it ends;
 - the job's state as the batch system gives it (Slurm: ``sacct`` where accounting is kept, else ``scontrol show
   job``, which knows a job for ``MinJobAge`` seconds after it ended), and the signal that ended it (Slurm's poll
@@ -15,7 +15,7 @@ Read in the flow's process when a map's chunk comes back ``KilledWorker``:
 
 Commands run with a timeout and a failure reads as "not known" (None): a death is then judged by the model's
 guess, as it was before any of this was read. Only Slurm's commands are read: PBS, LSF and SGE jobs give their
-job id (:data:`memchunk_prefect.run.cluster.JOB_ID_VARIABLES`) but no state here.
+job id (:data:`memchunk_prefect.run.job_memory.JOB_ID_VARIABLES`) but no state here.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def death_evidence(worker: str, kills: Callable[[], list[str] | None], at_nanny:
     ``kills``: reads the workers the nannies logged as killed for memory (None: the log could not be read; a
     nanny that answers and whose cgroup saw no OOM kill is given up to :data:`NANNY_EVENT_WAIT_SECONDS` for its
     event to reach the scheduler, which it may after Dask reported the death);
-    ``at_nanny``: reads :func:`memchunk_prefect.run.cluster.job_memory` in the dead worker's nanny, which lives
+    ``at_nanny``: reads :func:`memchunk_prefect.run.job_memory.job_memory` in the dead worker's nanny, which lives
     in the same job and cgroup (raises where the nanny does not answer; None: no nanny known); ``job``: what
     that reading gave on the worker earlier (None: a worker that joined mid-map); ``oom_seen``: the OOM count
     last read for that nanny (the increase since is the evidence; 0 where never read: a count there then is this
