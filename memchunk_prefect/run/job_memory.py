@@ -154,11 +154,16 @@ def _slurm_request_bytes(env: Mapping[str, str]) -> int | None:
 
 
 def _family_rss(me: int) -> int:
-    """The resident memory of this process's parent (a worker's nanny) and the parent's other descendants."""
+    """The resident memory of the process that started this worker (its nanny's) and that process's other
+    descendants. A worker forked from a multiprocessing forkserver (:mod:`memchunk_prefect.run.worker_start`) is
+    the server's child: the server's parent is the one that started it, and the server is among its descendants.
+    """
     import psutil
 
     try:
         parent = psutil.Process(me).parent()
+        if parent is not None and _is_forkserver(parent):
+            parent = parent.parent() or parent
         if parent is None:
             return 0
         family = [parent, *(c for c in parent.children(recursive=True) if c.pid != me)]
@@ -169,6 +174,16 @@ def _family_rss(me: int) -> int:
         with contextlib.suppress(psutil.Error):
             total += int(p.memory_info().rss)
     return total
+
+
+def _is_forkserver(process: Any) -> bool:
+    """Whether ``process`` (a psutil process) is a multiprocessing forkserver (it runs ``forkserver.main``)."""
+    import psutil
+
+    try:
+        return any("multiprocessing.forkserver" in part for part in process.cmdline())
+    except psutil.Error:
+        return False
 
 
 def job_limits(jobs: Mapping[str, dict[str, Any]]) -> dict[str, tuple[int | None, int, str, int]]:

@@ -76,6 +76,7 @@ from memchunk_prefect.run.prefect_api import (
     started_cluster,
     temporary_server_defaults,
 )
+from memchunk_prefect.run.worker_start import method_for, starting_workers
 
 if TYPE_CHECKING:  # pragma: no cover
     from memchunk_prefect.learn.bank import ModelBank
@@ -137,7 +138,8 @@ class MemoryAwareRunner(DaskTaskRunner):
       ran on, so CPU and GPU memory are learned apart (:mod:`memchunk_prefect.operators.device`).
 
     Zero arguments work: a local cluster of one single-thread worker process per
-    core, memory split among them, budget derived from their limit.
+    core, memory split among them, budget derived from their limit, its workers forked
+    from one process that imported what a task run needs (:mod:`~memchunk_prefect.run.worker_start`).
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class MemoryAwareRunner(DaskTaskRunner):
                                              else (None, _cluster.default_cluster_kwargs()))
         if address is None and cluster_class is None and cluster_kwargs:
             cluster_kwargs = _cluster.with_slot_resource(cluster_kwargs)  # see memchunk_prefect.core.sharing
+        method_for(address, cluster_class, cluster_kwargs)  # a bad $MEMCHUNK_WORKER_START is refused here, at once
         temporary_server_defaults()
         doctor.fail_fast_without_a_database()
         super().__init__(address=address, cluster_class=cluster_class, cluster_kwargs=cluster_kwargs,
@@ -325,9 +328,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         """The flow run's artifact writer (started at its first chunked map)."""
         with self._lock:
             if self._writer is None:
-                from memchunk_prefect.run.report import (
-                    ArtifactWriter,  # flow process only: see the note at the top of the module
-                )
+                from memchunk_prefect.run.report import ArtifactWriter  # flow process only: see the top's note
 
                 self._writer = ArtifactWriter()
             return self._writer
@@ -354,7 +355,8 @@ class MemoryAwareRunner(DaskTaskRunner):
                 if self._client is None:
                     # Report a worker's death on the first death instead of retrying it on (and killing) others.
                     with dask.config.set({"distributed.scheduler.allowed-failures":
-                                          RUNNER_SETTINGS.allowed_failures}):
+                                          RUNNER_SETTINGS.allowed_failures}), \
+                            starting_workers(self.address, self.cluster_class, self.cluster_kwargs):
                         return super().client
         return self._client
 
@@ -434,9 +436,7 @@ class MemoryAwareRunner(DaskTaskRunner):
         """The model bank over this runner's store (opened once per flow run)."""
         with self._bank_lock:  # maps run in threads of their own
             if self._bank is None:
-                from memchunk_prefect.learn.bank import (
-                    ModelBank,  # flow process only: see the note at the top of the module
-                )
+                from memchunk_prefect.learn.bank import ModelBank  # flow process only: see the top's note
                 from memchunk_prefect.learn.store import Store
 
                 self._bank = ModelBank(Store(self.store))
