@@ -1018,3 +1018,21 @@ def test_the_plain_tasks_of_the_family_share_one_copy_of_a_library_loaded_at_fir
         fn(src.to_source(), out.path, Chunk((2 * i, 0, 0), (2 * i + 2, 3, 5)), (0, 0, 0), "fam_first_use",
            {"lib_mib": 1, "k": 2.0, "h": 0})
     assert "lib" in archetypes._LIBRARY  # the module's own library, the one every later task finds
+
+
+def test_a_comparison_of_checkouts_scores_each_against_the_best_static_and_the_static_run_of_its_round():
+    from benchmarks.family.compare import summarize, table
+
+    def run(wall, ok=True):
+        return {"wall_seconds": wall, "completed": ok}
+
+    res = {"workload": {"name": "w0"}, "sweep": {"2": run(4.0), "4": run(5.0)},
+           "cold": {"before": [run(6.0), run(5.0)], "after": [run(4.8), run(4.4)]},
+           "static": [run(4.0), run(5.0)],
+           "warm": {"before": [run(4.4), run(5.5)], "after": [run(3.6), run(9.0, ok=False)]}}
+    s = summarize([res], ["before", "after"])
+    (row,) = s["rows"]
+    assert row["before"]["cold"] == pytest.approx(5.5 / 4.0) and row["after"]["cold"] == pytest.approx(4.6 / 4.0)
+    assert row["before"]["warm_pairs"] == pytest.approx([1.1, 1.1]) and row["after"]["warm_pairs"][1] == math.inf
+    assert s["family"]["after"]["warm"]["worst"] == math.inf, "a failed warm run can never improve the figures"
+    assert "failed" in table(s, ["before", "after"])
