@@ -1,14 +1,10 @@
 """Cold start: a wave of small real chunks that teaches the model an operator it has never seen.
 
-With no usable history the planner cannot bound a block's memory, so it probes: small real chunks cut side by
-side from the region's start, of two sizes (every slot holds the same work: one probe of two units, or two of
-one), so one wave separates a fixed overhead from a per-element cost. The largest probe is a fraction of the
-largest block an operator needing ``probe_multiple`` times its input would fit. Once the wave is back the
-model bounds what lies beyond the largest probe as a block whose memory grows with its square
-(:mod:`memchunk_prefect.learn.memory`), so the plan of the rest grows from the probes no further than that
-allows; where the wave left the model unready, the map machine sizes another wave from what it measured.
-Probes are real work: their results are kept, and only the boxes they leave (``Plan.remainder``) are planned
-afterwards.
+With no usable history the planner cannot bound a block's memory, so it probes: one chunk per slot (at least
+two), all of one size, cut side by side from the region's start. The first wave is a fraction of the largest
+block an operator needing ``probe_multiple`` times its input would fit; the map machine sizes the next wave from
+what the first measured. Probes are real work: their results are kept, and only the boxes they leave
+(``Plan.remainder``) are planned afterwards.
 """
 
 from __future__ import annotations
@@ -52,42 +48,30 @@ def probe_plan(
     others_left: bool = False,
     fits: Callable[[Shape], bool] | None = None,
 ) -> Plan:
-    """A cold-start probe wave from ``region``'s start: two sizes, every slot holding the same work.
+    """A cold-start probe wave: one chunk per slot (at least two), all of one size, from ``region``'s start.
 
     The largest probe an unknown operator can be given is the block that fits the
     budget if it needs ``settings.probe_multiple`` times its input; a wave's
-    largest probes are ``scale`` times that (``settings.probe_first_share`` by
-    default: the first wave). They lie side by side across the region's xlines in
-    a strip of as many ilines as that allows. Small, because an operator whose
-    memory grows faster than its size can outgrow any multiple of its input (a
-    100x-sized first probe of one quadratic in its traces was killed).
-
-    *Two sizes in one wave.* Half the slots get one probe of two units of xlines,
-    the others two probes of one unit each (:func:`_two_sizes`), so every slot
-    holds the same work and the wave's sizes are 2x apart: enough for the memory
-    model to separate a fixed overhead from a per-element cost and plan the rest
-    at once, where probes of one size would need a second wave (one more round
-    trip of every slot before any real chunk runs). What lies beyond the largest
-    probe the model bounds as memory quadratic in the block until a third size is
-    measured, so the plan grows from the probes only as far as that allows (the
-    same reach a second wave sized from the first one's peak had), and re-plans
-    once its first chunks are measured (:mod:`memchunk_prefect.core.machine`).
-    A region too narrow for three probes (fewer than 3 xlines), probes cut along
-    time, or a first iline too wide for one strip get probes of one size;
-    ``others_left``: boxes outside ``region`` remain to be planned after this wave,
-    whose sizes differ from the last wave's (:func:`next_probe_scale`), so its
-    probes may all be of one size. What is left (``remainder``) is at most three
-    boxes. Probes are real work: their results are kept. ``fits(extents)``:
-    whether a probe may read a block of ``extents`` (halo included) at all;
-    :func:`plan` passes the model's bounds, which a block at least as large as one
-    that ran out of memory exceeds, so a probe is never a size known to fail.
+    probes are ``scale`` times that (``settings.probe_first_share`` by default:
+    the first wave). They lie side by side across the region's xlines in a strip
+    of as many ilines as that allows, so they are real work of one size (equal
+    probes keep every slot busy for the same time). The runner sizes its second
+    wave from what the first measured (:mod:`memchunk_prefect.core.machine`): small
+    first, because an operator whose memory grows faster than its size can
+    outgrow any multiple of its input (a 100x-sized first probe of one quadratic
+    in its traces was killed), then as large as that growth allows, because a
+    light operator measured only at its memory floor is planned several times
+    too cautiously. What is left (``remainder``) is at most three boxes. Probes
+    are real work: their results are kept. A wave that takes all of ``region``
+    when nothing else is left to plan teaches two sizes itself (else the next
+    run would probe one size again); ``others_left``: boxes outside ``region``
+    remain to be planned after it, so its probes may all be of one size. ``fits(extents)``: whether a probe
+    may read a block of ``extents`` (halo included) at all; :func:`plan` passes the model's bounds, which a block
+    at least as large as one that ran out of memory exceeds, so a probe is never a size known to fail.
 
     >>> p = probe_plan((10, 40, 100), budget_bytes=100 * 4 * 12_000, slots=2, scale=1.0)
     >>> [c.shape for c in p.chunks], [c.shape for c in p.remainder]
-    ([(6, 20, 100), (6, 10, 100), (6, 10, 100)], [(4, 40, 100)])
-    >>> p = probe_plan((10, 40, 100), budget_bytes=100 * 4 * 12_000, slots=2, scale=1.0, others_left=True)
-    >>> [c.shape for c in p.chunks]
-    [(6, 20, 100), (6, 20, 100)]
+    ([(6, 20, 100), (6, 20, 100)], [(4, 40, 100)])
     """
     vol = check_shape(shape)
     h = normalize_halo(halo)
@@ -102,7 +86,9 @@ def probe_plan(
     # Elements (halo included) a probe may hold: scale x what an operator needing probe_multiple x its input fits.
     max_elems = max(1.0, budget_bytes * scale / (settings.probe_multiple * itemsize))
     strip = _Strip(region, h, vol, fits)
-    rows, widths, t_len = strip.size(n, max_elems, whole_traces, two_sizes=r[1] >= 3 and not others_left)
+    rows, widths, t_len = strip.size(n, max_elems, whole_traces)
+    if rows >= r[0] and t_len == r[2] and r[1] >= 3 and not others_left:
+        widths = _two_sizes(n, r[1])
     chunks, remainder = strip.cut(rows, widths, t_len)
     largest = max(chunks, key=lambda c: c.elements)
     return Plan(
@@ -135,12 +121,8 @@ def _check_floor(vol: Shape, r: Shape, h: Shape, whole_traces: bool, itemsize: i
 
 
 def _two_sizes(n: int, xlines: int) -> list[int]:
-    """Widths of a wave of ``n`` slots that teaches two sizes itself: 2 units on half the slots, 1 unit twice on
-    the others, the larger first (every slot holds 2 units; a 2-unit probe is as wide as one of ``n`` equal ones).
-
-    >>> _two_sizes(2, 40), _two_sizes(4, 40), _two_sizes(2, 3)
-    ([20, 10, 10], [10, 10, 5, 5, 5, 5], [2, 1])
-    """
+    """Widths of a wave that takes the whole region with nothing else left to plan, so it must teach two sizes
+    itself: 2 units on half the slots, 1 unit twice on the others, the larger first (every slot holds 2 units)."""
     sizes = [2] * -(-n // 2) + [1] * (2 * (n // 2))
     while sum(sizes) > xlines and len(sizes) > 2:
         sizes.pop()
@@ -168,19 +150,15 @@ class _Strip:
             x += w
         return out
 
-    def size(self, n: int, max_elems: float, whole_traces: bool, two_sizes: bool) -> tuple[int, list[int], int]:
-        """(ilines, widths, samples) of the probes for ``n`` slots, each reading at most ``max_elems``: across
-        every xline of two sizes (``two_sizes``, whole traces) or of one, else within the first iline."""
+    def size(self, n: int, max_elems: float, whole_traces: bool) -> tuple[int, list[int], int]:
+        """(ilines, widths, samples) of ``n`` probes of one size reading at most ``max_elems`` each."""
         r = self.region.shape
         t_len = r[2]
         if not whole_traces:
             while t_len > 1 and self.read(1, [1], t_len) > max_elems:
                 t_len = -(-t_len // 2)
-        if two_sizes and t_len == r[2]:
-            widths = _two_sizes(n, r[1])
-        else:
-            cuts = [round(r[1] * k / n) for k in range(1, n + 1)]
-            widths = [b - a for a, b in zip([0] + cuts[:-1], cuts)]  # the probes across every xline, of one size
+        cuts = [round(r[1] * k / n) for k in range(1, n + 1)]
+        widths = [b - a for a, b in zip([0] + cuts[:-1], cuts)]  # the probes across every xline, of one size
         rows = 1
         if self.read(1, widths, t_len) <= max_elems:  # a strip as thick as the probes allow
             rows = _largest(1, r[0], lambda k: self.read(k, widths, t_len) <= max_elems)
