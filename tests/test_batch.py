@@ -29,7 +29,13 @@ from memchunk_prefect.core.messages import ChunkEnded, MapSpec, Record, Start, S
 from memchunk_prefect.core.records import Prediction
 from memchunk_prefect.run import batch
 from memchunk_prefect.run.cluster import ClusterView, jobqueue_job
-from memchunk_prefect.run.job_memory import NO_LIMIT_BYTES, job_memory, memory_cgroup_dirs, read_job_memory, run_on_nanny
+from memchunk_prefect.run.job_memory import (
+    NO_LIMIT_BYTES,
+    job_memory,
+    memory_cgroup_dirs,
+    read_job_memory,
+    run_on_nanny,
+)
 
 MiB = 2**20
 
