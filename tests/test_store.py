@@ -293,6 +293,16 @@ def test_the_v12_column_keeps_whether_a_run_was_its_workers_first_call_and_old_r
     assert (old.first_call, first.first_call, later.first_call) == (None, True, False)
 
 
+def test_the_v13_column_keeps_when_the_runner_submitted_a_run_and_old_rows_do_not_know_it(tmp_path):
+    path = v2_store(tmp_path)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        (old,) = s.observations()
+        s.add(make_obs(submitted_at=98.5, started_at=99.0))
+        (new,) = s.observations()[-1:]
+    assert (old.submitted_at, new.submitted_at, new.started_at) == (None, 98.5, 99.0)
+
+
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
     from memchunk_prefect.core.records import MapRun
 

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from memchunk_prefect.core.errors import StoreError, StoreSchemaTooNewError
 from memchunk_prefect.core.records import MapRun, Observation, Reward
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
 v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table). v5: what a
 trace needs (energy's source, start, task run, host; ``maps`` and ``machines`` tables). v6: what other runs on the
@@ -63,7 +63,8 @@ worker held when a run started. v7: how far a run took the worker above the most
 v8: a GPU map's device budget and GPU out-of-memory. v9: a run's kernel CPU time (``sys_seconds``). v10: what a
 run left held in its worker (``retained_bytes``). v11: what a simulation of a map on another cluster needs (its
 parameters, whether it keeps traces whole, the cluster's shape: ``maps`` columns). v12: whether a run was its
-worker process's first call of its operator (``first_call``)."""
+worker process's first call of its operator (``first_call``). v13: when the runner submitted a run's task
+(``submitted_at``)."""
 
 APPLICATION = "memchunk-prefect"
 BUSY_TIMEOUT_MS = 30_000
@@ -168,6 +169,7 @@ _COLUMNS: list[tuple[str, str]] = [
     ("sys_seconds", "REAL"),
     ("retained_bytes", "INTEGER"),
     ("first_call", "INTEGER"),
+    ("submitted_at", "REAL"),
 ]
 COLUMN_NAMES = [c for c, _ in _COLUMNS]
 
@@ -187,6 +189,8 @@ _ADDED_V9 = ("sys_seconds",)
 _ADDED_V10 = ("retained_bytes",)
 #: Columns added in schema version 12 (whether a run was its worker process's first call of its operator).
 _ADDED_V12 = ("first_call",)
+#: Columns added in schema version 13 (when the runner submitted a run's task).
+_ADDED_V13 = ("submitted_at",)
 
 
 def _table_sql(table: str, columns: list[tuple[str, str]], index: str, index_column: str) -> str:
@@ -261,7 +265,8 @@ _CREATE = (_create_table(_COLUMNS) + _CREATE_REWARDS + _table_sql("maps", _MAP_C
            + _CREATE_MACHINES)
 # The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
 _CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5 + _ADDED_V6 + _ADDED_V7
-                                                                 + _ADDED_V8 + _ADDED_V9 + _ADDED_V10 + _ADDED_V12])
+                                                                 + _ADDED_V8 + _ADDED_V9 + _ADDED_V10 + _ADDED_V12
+                                                                 + _ADDED_V13])
 
 # The v1 layout, kept to document what migrate_1_to_2 reads (and for the migration test).
 CREATE_V1 = (
@@ -359,6 +364,11 @@ def _migrate_11_to_12(con: sqlite3.Connection) -> None:
     _add_columns(con, _ADDED_V12)
 
 
+def _migrate_12_to_13(con: sqlite3.Connection) -> None:
+    """v13 adds when the runner submitted a run's task (NULL for older rows: unknown)."""
+    _add_columns(con, _ADDED_V13)
+
+
 def _add_columns(con: sqlite3.Connection, names: tuple[str, ...]) -> None:
     for name, kind in _COLUMNS:
         if name in names:
@@ -370,7 +380,7 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_
                                                               5: _migrate_5_to_6, 6: _migrate_6_to_7,
                                                               7: _migrate_7_to_8, 8: _migrate_8_to_9,
                                                               9: _migrate_9_to_10, 10: _migrate_10_to_11,
-                                                              11: _migrate_11_to_12}
+                                                              11: _migrate_11_to_12, 12: _migrate_12_to_13}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 
@@ -555,7 +565,7 @@ class Store:
                 float(obs.created_at), obs.baseline_bytes, obs.resting_bytes, obs.energy_source, obs.started_at,
                 obs.task_run_id or "", obs.host or "", obs.map_id or "", obs.others_bytes, obs.grew_bytes,
                 obs.gpu_budget_bytes, int(bool(obs.gpu_out_of_memory)), obs.sys_seconds, obs.retained_bytes,
-                None if obs.first_call is None else int(bool(obs.first_call)))
+                None if obs.first_call is None else int(bool(obs.first_call)), obs.submitted_at)
 
     @staticmethod
     def _observation(row: Iterable[Any]) -> Observation:

@@ -443,6 +443,8 @@ class ChunkedMap:
         """A chunk written: what its run measured, and where it left its worker, told to the flow run's other
         maps (:mod:`memchunk_prefect.run.standings`)."""
         done = self.observed(record)
+        if done.submitted_at is None and sid in self.submitted_at:
+            done = dataclasses.replace(done, submitted_at=self.submitted_at[sid])
         standing = standing_of(done)
         if standing is not None and self.standings_inbox is not None:
             self.ctx.cluster.standings.tell(self.standings_inbox, done.worker, standing,
