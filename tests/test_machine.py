@@ -319,12 +319,15 @@ def test_cold_start_probes_twice_then_plans_every_box_left_once():
     assert covers_exactly(planned, (64, 40, 10))
 
 
-@pytest.mark.parametrize("xlines, second_in", [(40, "the sliver"), (15, "the largest box")])
-def test_the_second_probe_wave_takes_the_sliver_the_first_left_when_that_teaches_a_second_size(xlines, second_in):
+@pytest.mark.parametrize("xlines, second_in", [(104, "the sliver"), (40, "the largest box"), (15, "the largest box")])
+def test_the_second_probe_wave_takes_the_sliver_the_first_left_when_that_teaches_the_waves_size(xlines, second_in):
     """A halo too wide for one iline across every xline: the first wave takes part of the first iline. The second
     takes the rest of that iline (work a thin chunk would do after the probes anyway, reading mostly halo) where
-    its largest probe reads at least 1.5x the smallest the first wave read (4 x 7 x 10 elements); a sliver too
-    small for that is left, and the wave goes into the largest box."""
+    its largest probe reads at least 1.5x the smallest the first wave read (4 x 7 x 10 elements) and at least
+    1/1.5 of what the wave's probes would read in the largest box (2,750 elements at 104 xlines: the largest probe,
+    as far as the first wave's peaks let the wave grow). A sliver too small for that (40 xlines: probes of 4 x 22 x
+    10; gst3d_dip's sliver wave read 1.3x its first wave's probes on a 128 x 128 x 400 survey and taught the model
+    no second size) is left, and the wave goes into the largest box."""
     know = Linear(ready=False)
     m = machine((32, xlines, 10), knowledge=know, halo=(3, 3, 0))
     # 400 elements per first-wave probe: one iline across every xline reads 4 x 23 x 10 = 920.
@@ -340,8 +343,8 @@ def test_the_second_probe_wave_takes_the_sliver_the_first_left_when_that_teaches
         out += m.advance()
     wave2 = [s.chunk for s in of(Submit, out)]
     if second_in == "the sliver":
-        assert wave2 == [Chunk((0, 8, 0), (1, 24, 10)), Chunk((0, 24, 0), (1, 40, 10))]
-        assert m.regions == [Chunk((1, 0, 0), (32, 40, 10))], "one box left: nothing thin to run after the probes"
+        assert wave2 == [Chunk((0, 8, 0), (1, 56, 10)), Chunk((0, 56, 0), (1, 104, 10))]
+        assert m.regions == [Chunk((1, 0, 0), (32, 104, 10))], "one box left: nothing thin to run after the probes"
     else:
         assert all(c.start[0] >= 1 for c in wave2) and sliver in m.regions
     know.ready = True
@@ -352,7 +355,7 @@ def test_the_second_probe_wave_takes_the_sliver_the_first_left_when_that_teaches
     planned = [q.chunk for q in m.queue] + [i.chunk for i in m.in_flight.values()] + [s.chunk for s in wave1] + wave2
     assert covers_exactly(planned, (32, xlines, 10))
     if second_in == "the sliver":
-        assert [d.record.region for d in of(Decided, out)] == [Chunk((1, 0, 0), (32, 40, 10)).key()]
+        assert [d.record.region for d in of(Decided, out)] == [Chunk((1, 0, 0), (32, 104, 10)).key()]
 
 
 @pytest.mark.parametrize("first_peak_share, grows", [

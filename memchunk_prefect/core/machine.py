@@ -472,8 +472,13 @@ class MapMachine:
         128 x 128 x 400 survey, gst3d_dip's halo of 12 traces each side made a 1 x 84-trace sliver read 13 x 96
         traces, 15x its output, and the second wave's 16 x 64-trace probes 2.2x). Taken only where its largest
         probe reads at least ``PROBE_SIZE_STEP`` x the smallest any probe of the map read (what a second wave is
-        for: sizes that far apart separate a slope from a fixed overhead); else the wave goes into the largest
-        box, sized by what the last wave measured (and so is a map's first wave here, after a resume).
+        for: sizes that far apart separate a slope from a fixed overhead) and at least ``1 / PROBE_SIZE_STEP`` of
+        what the wave's largest probe reads in the largest box (the size the last wave's peaks let it grow to):
+        on the same survey, gst3d_dip's sliver wave of 1 x 40-trace probes read 1.3x the first wave's, where the
+        wave was sized for 3.8x, and the model planned from sizes 1.8x apart: its plan was made again four times
+        mid-map (chunks of 16 x 64 traces, then 95 x 64, 48 x 64, 47 x 32 and 24 x 32); sent into the largest box,
+        the wave's 18 x 64-trace probes read 3.8-5x the first wave's and the plan after them stood. Else the wave goes into the largest box, sized by what the
+        last wave measured (and so is a map's first wave here, after a resume).
         """
 
         def wave(box: Chunk) -> Plan:
@@ -484,14 +489,19 @@ class MapMachine:
                                      reason=reason, others_left=len(boxes) > 1)
 
         largest = max(boxes, key=lambda c: c.elements)
+        in_largest = wave(largest)
+        # A sliver teaches what the wave is for only where its probes read about what the wave's would in the largest
+        # box (its scale's size): a halo-heavy operator's sliver reads little more than the last wave's probes did.
+        wanted = self._largest_read(in_largest.chunks) / PROBE_SIZE_STEP
         for box in boxes:
             if box is largest:
                 continue
             p = wave(box)
-            if (self.probe_smallest_read and not p.remainder
-                    and self._largest_read(p.chunks) >= PROBE_SIZE_STEP * self.probe_smallest_read):
+            read = self._largest_read(p.chunks)
+            if (self.probe_smallest_read and not p.remainder and read >= PROBE_SIZE_STEP * self.probe_smallest_read
+                    and read >= wanted):
                 return box, p
-        return largest, wave(largest)
+        return largest, in_largest
 
     def _largest_read(self, chunks: Iterable[Chunk]) -> int:
         """Elements (halo included) of the largest block these chunks read."""
