@@ -477,8 +477,9 @@ class MapMachine:
         on the same survey, gst3d_dip's sliver wave of 1 x 40-trace probes read 1.3x the first wave's, where the
         wave was sized for 3.8x, and the model planned from sizes 1.8x apart: its plan was made again four times
         mid-map (chunks of 16 x 64 traces, then 95 x 64, 48 x 64, 47 x 32 and 24 x 32); sent into the largest box,
-        the wave's 18 x 64-trace probes read 3.8-5x the first wave's and the plan after them stood. Else the wave goes into the largest box, sized by what the
-        last wave measured (and so is a map's first wave here, after a resume).
+        the wave's 18 x 64-trace probes read 3.8-5x the first wave's and the plan after them stood. Else the wave
+        goes into the largest box, sized by what the last wave measured (and so is a map's first wave here, after
+        a resume).
         """
 
         def wave(box: Chunk) -> Plan:
