@@ -168,7 +168,7 @@ def reset_worker() -> int:
 def warm_gpu_worker() -> dict:
     """Load once what every process pays once (CUDA context, CuPy's kernels, cuFFT / cuSOLVER handles) by running
     the operator on a small block on the device, then :func:`reset_worker`; returns what the worker's GPU is."""
-    from benchmarks.strategies import warm_worker
+    from benchmarks.bench import warm_worker
     from memchunk_prefect import operators
     from memchunk_prefect.operators.device import CUDA, backend, gpu_status
 
@@ -459,6 +459,7 @@ def run(cfg: GpuConfig, workdir: Path, quick: bool, prefect_api: bool = True) ->
         def _start_cluster(self) -> None:
             from distributed import Client
 
+            from benchmarks.bench import AttemptLog
             from memchunk_prefect.testing import start_local_cluster
 
             self.cluster = start_local_cluster(n_workers=self.n_workers, memory_limit=self.memory_limit_setting,
@@ -466,7 +467,7 @@ def run(cfg: GpuConfig, workdir: Path, quick: bool, prefect_api: bool = True) ->
             self.address = self.cluster.scheduler_address
             self.client = Client(self.address, set_as_default=False)
             self.client.wait_for_workers(self.n_workers, timeout=120)
-            self.client.register_plugin(st.AttemptLog(self.attempts_dir))
+            self.client.register_plugin(AttemptLog(self.attempts_dir))
 
     with _prefect_api() if prefect_api else contextlib.nullcontext():
         bench = GpuBench(len(devices), cfg.memory_limit, workdir)

@@ -50,7 +50,7 @@ def resting_bytes(n_workers: int, memory_limit: str) -> int:
     """A worker's resting memory as the benchmark's workers rest (warmed as it warms them), the largest over them."""
     from distributed import Client
 
-    from benchmarks.strategies import warm_worker
+    from benchmarks.bench import warm_worker
     from memchunk_prefect.run.cluster import WORKER_MODULES, read_resting
     from memchunk_prefect.testing import start_local_cluster
 
