@@ -326,8 +326,7 @@ def test_the_second_probe_wave_takes_the_sliver_the_first_left_when_that_teaches
     its largest probe reads at least 1.5x the smallest the first wave read (4 x 7 x 10 elements) and at least
     1/1.5 of what the wave's probes would read in the largest box (2,750 elements at 104 xlines: the largest probe,
     as far as the first wave's peaks let the wave grow). A sliver too small for that (40 xlines: probes of 4 x 22 x
-    10; gst3d_dip's sliver wave read 1.3x its first wave's probes on a 128 x 128 x 400 survey and taught the model
-    no second size) is left, and the wave goes into the largest box."""
+    10, under 1/1.5 of the wave's probes in the largest box) is left, and the wave goes into the largest box."""
     know = Linear(ready=False)
     m = machine((32, xlines, 10), knowledge=know, halo=(3, 3, 0))
     # 400 elements per first-wave probe: one iline across every xline reads 4 x 23 x 10 = 920.

@@ -384,65 +384,6 @@ def test_the_runners_cost_per_task_is_its_median_hand_over_and_only_its_tasks_pa
         dataclasses.replace(CLUSTER, runner_task_seconds=-0.1)
 
 
-def test_a_chunk_submitted_to_a_free_slot_waits_the_measured_submit_time_and_only_the_runners_chunks_do(tmp_path):
-    """From a store of v13 on: the median wait from a chunk's submission to its start, over the chunks whose worker
-    had a thread free when they were submitted (one submitted behind a busy thread waited for the slot, which the
-    simulated cluster plays itself), other than each worker's first chunk (its task's first run in that process,
-    which the first map's wait before its first task holds).
-    Simulated, a runner's chunk cannot start before its submission plus that wait (less the hand-over its slot is
-    already charged), so a cold map, whose probe waves are each submitted once the last came back, takes longer;
-    a plain flow's tasks do not wait."""
-    import dataclasses
-
-    from memchunk_prefect.core.records import MapRun, Observation
-    from memchunk_prefect.sim.inputs import MIN_TASK_GAPS, measured_map_work
-
-    with Store(tmp_path / "s.sqlite") as store:
-        store.add_map(MapRun("fr", "op", KEY, "/s", "/o", (4, 4, 4), (0, 0, 0), 4, 2, 10**9, 100.0, 130.0,
-                             map_id="m", threads_per_worker=1))
-        # (worker, submitted, started, ended), seconds after 100: worker a is free at each submission (waits of
-        # 0.2, 0.25, 0.3, 0.4 and 0.3 s after its first chunk's 0.3 s); worker b's first chunk is not counted, nor
-        # its second, submitted while its first ran.
-        for worker, sub, start, end in [("a", 0.5, 0.8, 2.0), ("a", 2.1, 2.3, 3.0), ("a", 3.05, 3.3, 4.0),
-                                        ("a", 4.1, 4.4, 5.0), ("a", 5.0, 5.4, 6.0), ("a", 6.1, 6.4, 7.0),
-                                        ("b", 0.5, 0.9, 2.0), ("b", 1.0, 2.05, 3.0)]:
-            store.add(Observation(KEY, 64, (4, 4, 4), 256, 1000, seconds=end - start, started_at=100.0 + start,
-                                  created_at=100.0 + end, submitted_at=100.0 + sub, flow_run_id="fr", map_id="m",
-                                  worker=worker))
-        work = measured_map_work(store)
-    assert work.submits == MIN_TASK_GAPS and work.submit_seconds == pytest.approx(0.3)
-    assert work.start_seconds == pytest.approx(0.8)  # the map's wait for its first chunk's start
-    assert work.cluster_kwargs()["runner_submit_seconds"] == pytest.approx(0.3)
-
-    from memchunk_prefect.sim.inputs import PriorKnowledge, store_models
-
-    with Store(tmp_path / "empty.sqlite"):
-        pass  # nothing learned: the runner probes
-    models = store_models(str(tmp_path / "empty.sqlite"), prior=PriorKnowledge(40.0, 1e-6))
-    step = Step.of("gst3d_dip")
-    cold_cluster = ClusterShape(workers=2, memory_limit_bytes=2**30, resting_bytes=250 * MiB, runner_task_seconds=0.05)
-    waiting = dataclasses.replace(cold_cluster, runner_submit_seconds=0.45)
-    assert waiting.runner_submit_delay_seconds == pytest.approx(0.4)
-    assert dataclasses.replace(cold_cluster, runner_submit_seconds=0.01).runner_submit_delay_seconds == 0.0
-
-    def cold(cluster):
-        return run_strategy("memchunk", [step], (256, 256, 200), cluster, models.knowledge,
-                            np.random.default_rng(0), truth_for=models.truth, time_sigma=0.0)
-    fast, slow = cold(cold_cluster), cold(waiting)
-    assert slow.maps[0].decisions == fast.maps[0].decisions and slow.maps[0].decisions.count("probe") >= 2
-    # Every wave the map submits once the last came back waits 0.4 s more: the first wave, each further probe
-    # wave and the plan after them.
-    waves = fast.maps[0].decisions.count("probe") + 1
-    assert slow.makespan_seconds == pytest.approx(fast.makespan_seconds + 0.4 * waves, abs=0.05)
-
-    def static(cluster):
-        return run_strategy("static-4", [STEP], SHAPE, cluster, lambda key: Known(), np.random.default_rng(0),
-                            time_sigma=0.0).makespan_seconds
-    assert static(waiting) == pytest.approx(static(cold_cluster))
-    with pytest.raises(SimulationInputError, match="zero seconds or more"):
-        dataclasses.replace(CLUSTER, runner_submit_seconds=-0.1)
-
-
 def test_a_chained_map_is_simulated_from_its_call_beside_its_upstream_and_its_wait_is_not_the_runners_work(
         tmp_path):
     """A map over a map still running (the demo's pipeline) is called at once and waits for the upstream's

@@ -339,11 +339,9 @@ def _map_work_note(work: Any) -> str:
             "hand-overs between tasks recorded)")
     chained = (f" (a map over another map's output starts {work.chained_offset_seconds:.2f} s after that map)"
                if work.chained_offset_seconds is not None else "")
-    submit = (f"; a chunk submitted to a free slot starts {work.submit_seconds:.2f} s later (median of "
-              f"{work.submits})" if work.submit_seconds is not None else "")
     return (f"the runner's own work per map: {work.start_seconds:.2f} s before its first task{chained} and "
-            f"{work.end_seconds:.2f} s after its last (medians of {work.maps} maps in the store){task}{submit}, in "
-            "the memchunk strategy's makespan")
+            f"{work.end_seconds:.2f} s after its last (medians of {work.maps} maps in the store){task}, in the "
+            "memchunk strategy's makespan")
 
 
 def _joules(j: float | None) -> str:

@@ -474,12 +474,11 @@ class MapMachine:
         probe reads at least ``PROBE_SIZE_STEP`` x the smallest any probe of the map read (what a second wave is
         for: sizes that far apart separate a slope from a fixed overhead) and at least ``1 / PROBE_SIZE_STEP`` of
         what the wave's largest probe reads in the largest box (the size the last wave's peaks let it grow to):
-        on the same survey, gst3d_dip's sliver wave of 1 x 40-trace probes read 1.3x the first wave's, where the
-        wave was sized for 3.8x, and the model planned from sizes 1.8x apart: its plan was made again four times
-        mid-map (chunks of 16 x 64 traces, then 95 x 64, 48 x 64, 47 x 32 and 24 x 32); sent into the largest box,
-        the wave's 18 x 64-trace probes read 3.8-5x the first wave's and the plan after them stood. Else the wave
-        goes into the largest box, sized by what the last wave measured (and so is a map's first wave here, after
-        a resume).
+        a sliver of one iline, most of it halo, can read little more than the last wave's probes did, and the
+        model would then plan from sizes too close to tell a slope from a fixed part (on the same survey,
+        ``python benchmarks/studies/cold_start.py`` reads gst3d_dip's cold map in 11 chunks with this test, 12-13
+        without it). Else the wave goes into the largest box, sized by what the last wave measured (and so is a
+        map's first wave here, after a resume).
         """
 
         def wave(box: Chunk) -> Plan:

@@ -150,7 +150,7 @@ class Observation:
     first_call: bool | None = None
     #: When the runner submitted the run's task (epoch seconds; None where unknown: records older than schema
     #: v13, a run no runner submitted). ``started_at`` less this is the wait for a slot and, on a free one, what
-    #: a submission costs before the block function starts (:func:`memchunk_prefect.sim.inputs.measured_map_work`).
+    #: a submission costs before the block function starts.
     submitted_at: float | None = None
 
     def __post_init__(self) -> None:

@@ -20,9 +20,8 @@ from memchunk_prefect.core.errors import SimulationInputError
 from memchunk_prefect.sim.inputs import ClusterShape, _Task
 
 # Kinds of event, in the order events at the same time are handled: a task ends, a worker comes (back), a
-# worker leaves at its walltime, a submitted task may start. How a task ends: done, killed with its worker, lost
-# with a worker that left.
-_END, _COME, _LEAVE, _READY = 0, 1, 2, 3
+# worker leaves at its walltime. How a task ends: done, killed with its worker, lost with a worker that left.
+_END, _COME, _LEAVE = 0, 1, 2
 _DONE, _KILLED, _LOST = 0, 1, 2
 
 #: The pseudo-task :meth:`SimulatedCluster.next` returns when a worker comes (back) and tasks wait for it.
@@ -56,8 +55,6 @@ class SimulatedCluster:
     outnumber the CPU cores (``ClusterShape.threads_per_core``), a task that starts among more running tasks
     than cores takes as much longer (:meth:`_core_share`): the learned seconds are those of a task with a core
     to itself.
-    A task waits at least until its ``ready_at`` (the runner's submission of it plus the wait before it can start,
-    :attr:`ClusterShape.runner_submit_delay_seconds`), in submission order, whatever slots are free.
     A task goes to the free worker running the fewest
     tasks, the lowest number among equals, as Dask's scheduler hands a queued task to the least
     occupied idle worker (``decide_worker_rootish_queuing_enabled`` in distributed's scheduler), so
@@ -86,7 +83,6 @@ class SimulatedCluster:
         # after which it takes its worker over the kill line (None: it does not)
         self._keys = 0
         self._seq = 0
-        self._waking = -1.0  # the time a _READY event is pushed for (one per time)
         self.busy_slot_seconds = 0.0
         self.busy_joules = 0.0
         self.lost_worker_seconds = 0.0
@@ -189,11 +185,6 @@ class SimulatedCluster:
 
     def _dispatch(self) -> None:
         while self.pending:
-            if self.pending[0].ready_at > self.now:  # submitted, not yet startable: look again then
-                if self._waking != self.pending[0].ready_at:
-                    self._waking = self.pending[0].ready_at
-                    self._push(self._waking, _READY, -1)
-                return
             limit = self.pending[0].per_worker
             w = self._free_worker() if not limit else self._free_worker_below(limit)
             if w is None:
@@ -277,11 +268,6 @@ class SimulatedCluster:
                 self.now = max(self.now, until)
                 return None
             at, kind, _, ident, how = heapq.heappop(self._events)
-            if kind == _READY:  # a submitted task may start now
-                self.now = max(self.now, at)
-                self._dispatch()
-                self._settle()
-                continue
             if kind == _COME:  # a worker joined or is back from a restart: start what waits
                 self.now = max(self.now, at)
                 self._offer(ident)

@@ -65,12 +65,7 @@ class ClusterShape:
     after it (the flow's body calls each ``.map`` as the one before returns; None: ``map_start_seconds``). The
     maps of a flow run side by side, as the runner's do: a map over another map's output starts no earlier than
     that map's first decision and runs each chunk once the chunk's block is written. Only the ``memchunk``
-    strategy pays them: the baselines are plain flows without that work. ``runner_submit_seconds``: from the runner
-    submitting a chunk to its block function starting, where a slot was free for it (Prefect's task run submitted
-    through Dask, scheduled, set up on the worker): what a chunk the runner could only submit once a result came
-    back waits (the next probe wave, a chunk gated on its upstream's write, a retry), where one submitted ahead
-    waits only for its slot's hand-over (``runner_task_seconds``); measured by :func:`measured_map_work` (0 when
-    not given).
+    strategy pays them: the baselines are plain flows without that work.
 
     An HPC allocation: ``queue_wait`` (a :class:`~memchunk_prefect.sim.allocation.QueueWait`), each
     worker a batch job joining after its own wait; ``walltime_seconds``, each job leaving that long
@@ -98,7 +93,6 @@ class ClusterShape:
     map_end_seconds: float = 0.0
     runner_task_seconds: float | None = None
     chained_map_offset_seconds: float | None = None
-    runner_submit_seconds: float = 0.0
     queue_wait: QueueWait | None = None
     walltime_seconds: float | None = None
     external: bool = False
@@ -113,14 +107,12 @@ class ClusterShape:
             raise SimulationInputError(f"a cluster needs at least one worker and one thread per worker, got "
                                        f"workers={self.workers}, threads_per_worker={self.threads_per_worker}")
         if min(float(self.map_start_seconds), float(self.map_end_seconds), float(self.runner_task_seconds or 0.0),
-               float(self.chained_map_offset_seconds or 0.0), float(self.per_task_overhead_seconds),
-               float(self.runner_submit_seconds)) < 0:
+               float(self.chained_map_offset_seconds or 0.0), float(self.per_task_overhead_seconds)) < 0:
             raise SimulationInputError(
                 f"a map's own work and a task's overhead take zero seconds or more, got map_start_seconds="
                 f"{self.map_start_seconds}, map_end_seconds={self.map_end_seconds}, per_task_overhead_seconds="
                 f"{self.per_task_overhead_seconds}, runner_task_seconds={self.runner_task_seconds}, "
-                f"chained_map_offset_seconds={self.chained_map_offset_seconds}, "
-                f"runner_submit_seconds={self.runner_submit_seconds}")
+                f"chained_map_offset_seconds={self.chained_map_offset_seconds}")
         if not 0 < float(self.kill_fraction) <= 1:
             raise SimulationInputError(f"kill_fraction must be in (0, 1], got {self.kill_fraction}")
         if self.headroom_bytes <= 0:
@@ -136,13 +128,6 @@ class ClusterShape:
     def runner_task_overhead_seconds(self) -> float:
         """Slot time one of the runner's chunk tasks costs beyond its block function, seconds."""
         return float(self.per_task_overhead_seconds if self.runner_task_seconds is None else self.runner_task_seconds)
-
-    @property
-    def runner_submit_delay_seconds(self) -> float:
-        """How long after its submission a runner's chunk may take a free slot, seconds: the measured wait
-        (``runner_submit_seconds``) less the slot time its task is charged for beyond its block function
-        (``runner_task_overhead_seconds``), which the simulated task already spends on its slot."""
-        return max(0.0, float(self.runner_submit_seconds) - self.runner_task_overhead_seconds)
 
     @property
     def headroom_bytes(self) -> int:
@@ -426,7 +411,6 @@ class _Task:
     first_call_seconds: float = 0.0  # what it pays as its worker process's first task of its operator, seconds
     per_worker: int = 0  # placed only on a worker running fewer tasks than this (0: any free thread)
     owner: int = -1  # the position of the step whose map submitted it (-1: a baseline's, or none)
-    ready_at: float = 0.0  # the earliest a free slot may take it (submission plus the runner's submit delay)
 
 
 @dataclass(frozen=True)
@@ -443,18 +427,11 @@ class MapWork:
     #: From the start of a map's upstream (a map of the same flow run whose output it reads) to its own start:
     #: what the flow's body takes from one ``.map`` call to the next (None: no such map recorded).
     chained_offset_seconds: float | None = None
-    #: From a chunk's submission to its start where a slot was free for it: the median of ``submits`` such
-    #: chunks (None with fewer than :data:`MIN_TASK_GAPS`, or a store older than v13).
-    submit_seconds: float | None = None
-    submits: int = 0
 
     def cluster_kwargs(self) -> dict[str, Any]:
         """What a :class:`ClusterShape` takes of it."""
-        out = {"map_start_seconds": self.start_seconds, "map_end_seconds": self.end_seconds,
-               "runner_task_seconds": self.task_seconds, "chained_map_offset_seconds": self.chained_offset_seconds}
-        if self.submit_seconds is not None:
-            out["runner_submit_seconds"] = self.submit_seconds
-        return out
+        return {"map_start_seconds": self.start_seconds, "map_end_seconds": self.end_seconds,
+                "runner_task_seconds": self.task_seconds, "chained_map_offset_seconds": self.chained_offset_seconds}
 
 
 #: Hand-overs between a map's tasks on one worker a store needs before its median counts as the runner's
@@ -482,14 +459,7 @@ def measured_map_work(store: Any) -> MapWork | None:
     several threads runs some side by side: those are not hand-overs; the maps of a flow run share the
     workers, so one map's next task there may come after another map's): Prefect's task-run work after one block
     and before the next, and Dask's hand-over. A gap also holds any wait for the runner's next decision (a cold
-    map's probes), so the median, not the mean.
-
-    Per submission (stores of v13 on, which record when the runner submitted each chunk): the median wait from a
-    chunk's submission to its start, over the chunks submitted while their worker had a thread free
-    (``submit_seconds``: what a chunk submitted only once a result came back waits; see :class:`ClusterShape`),
-    other than each worker's first chunk of the flow run: that one waits longer (0.3 s where later ones waited
-    0.02-0.1 s on the workload family: the task's first run in its process), which the first maps' wait before
-    their first task already holds."""
+    map's probes), so the median, not the mean."""
     maps = [m for m in store.maps() if m.map_id]
     writers: dict[tuple[str, str], list[Any]] = {}  # (flow run, output path): the maps that wrote it
     for m in maps:
@@ -517,34 +487,8 @@ def measured_map_work(store: Any) -> MapWork | None:
     gaps = [g for obs in runs.values() for g in _hand_overs(obs)]
     task = float(np.median(gaps)) if len(gaps) >= MIN_TASK_GAPS else None
     first = float(np.median(before)) if before else float(np.median(chained))
-    threads = {m.flow_run_id: int(m.threads_per_worker or 1) for m in maps}
-    waits = [w for run, obs in runs.items() for w in _submit_waits(obs, threads.get(run, 1))]
-    submit = float(np.median(waits)) if len(waits) >= MIN_TASK_GAPS else None
     return MapWork(first, float(np.median(after)), len(after), task, len(gaps),
-                   float(np.median(offsets)) if offsets else None, submit, len(waits))
-
-
-def _submit_waits(obs: Sequence[Any], threads: int) -> list[float]:
-    """One flow run's chunk tasks: for each submitted while its worker had a thread free (fewer than ``threads``
-    of the run's tasks running there), its start less its submission, seconds; not a worker's first task of the
-    run (see :func:`measured_map_work`). A task submitted while every thread of its worker was busy waited for a
-    slot, which the simulated cluster plays itself."""
-    by_worker: dict[str, list[tuple[float, float]]] = {}
-    for o in obs:
-        if o.worker and o.started_at and o.created_at:
-            by_worker.setdefault(o.worker, []).append((float(o.started_at), float(o.created_at)))
-    firsts = {min(spans)[0] for spans in by_worker.values()}
-    out = []
-    for o in obs:
-        if not (o.submitted_at and o.started_at and o.worker) or o.started_at < o.submitted_at:
-            continue
-        if float(o.started_at) in firsts:
-            continue
-        at = float(o.submitted_at)
-        busy = sum(1 for start, end in by_worker.get(o.worker, ()) if start <= at < end)
-        if busy < threads:
-            out.append(float(o.started_at) - at)
-    return out
+                   float(np.median(offsets)) if offsets else None)
 
 
 def _hand_overs(obs: Sequence[Any]) -> list[float]:

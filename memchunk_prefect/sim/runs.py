@@ -363,7 +363,6 @@ class _MachineRun:
             task = self.draws.task(ins.id, ins.chunk, extents, self.rng)
             task.per_worker = int(ins.per_worker or 0)
             task.owner = self.position
-            task.ready_at = self.sim.now + self.cluster.runner_submit_delay_seconds
             self.sim.submit(task)
             self.record.tasks += 1
         elif isinstance(ins, Decided):
