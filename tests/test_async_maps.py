@@ -97,8 +97,8 @@ def test_a_chained_map_starts_chunks_as_the_upstream_writes_them_with_exact_outp
         block = with_halo(Chunk.from_key(o.chunk), halo, VOLUME.shape)[0]
         feeders = [u for c, u in written.items() if c.intersect(block) is not None]
         assert o.started_at >= max(u.created_at for u in feeders) - 0.5, (o.chunk, [u.chunk for u in feeders])
-        # The runner records when it submitted each chunk (the simulator's submit wait is measured from it): a
-        # gated chunk is submitted once what it reads is written, and starts after its submission.
+        # The runner records when it submitted each chunk (with its start: how long it waited to run): a gated
+        # chunk is submitted once what it reads is written, and starts after its submission.
         assert o.submitted_at is not None and o.submitted_at <= o.started_at + 0.05, o
         assert o.submitted_at >= max(u.created_at for u in feeders) - 0.5, (o.chunk, o.submitted_at)
     assert all(o.submitted_at is not None for o in up_obs if o.outcome == "ok")
