@@ -205,6 +205,7 @@ def sim_validation(doc: dict[str, Any]) -> Section:
             "store; measured as [benchmarks/sim_validation.py](benchmarks/sim_validation.py) says.")
     cmd = ("python -m benchmarks.sim_validation --quick --json sim-validation.json" if doc.get("quick")
            else "python -m benchmarks.sim_validation" + (f" --scale {scale}" if scale != 1 else "")
+           + (f" --repeats {doc['repeats']}" if (doc.get("repeats") or 1) > 1 else "")
            + " --json sim-validation.json")
     lines = [what]
     replayed = doc.get("replayed_from")

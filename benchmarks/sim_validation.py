@@ -36,6 +36,12 @@ runs per prediction (for CI: no timing is asserted).
     python -m benchmarks.sim_validation --json sim-validation.json     # 6 workloads of seed 0
     python -m benchmarks.sim_validation --quick --json quick.json
     python -m benchmarks.sim_validation --scale 16 --json sim-16.json   # 16x the traces: minutes, not seconds
+    python -m benchmarks.sim_validation --repeats 2 --json sim-validation.json  # each plain flow run twice
+
+``--repeats N`` runs each static and split flow N times, each run a row beside the one prediction, and reports how
+far the runs of one flow fall apart (the error a simulator that predicted one of them exactly would show on another)
+and each prediction against its flow's median run: a single run's error carries that spread, which no simulator
+can predict.
 
 ``--replay RESULT.json --work DIR`` predicts a finished run's real runs again with this checkout's simulator,
 from the copies of the stores that run kept in ``DIR`` (its ``--work``), with its measured restart: the real
@@ -222,9 +228,12 @@ def compare(real: dict[str, Any], pred: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int], warm: int, runs: int,
-                 restart: float | None, timeout: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                 restart: float | None, timeout: float,
+                 repeats: int = 1) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Every real run of one workload beside its prediction (see the module docstring), and what a plain task
-    cost on its cluster (:func:`measure_plain_tasks`)."""
+    cost on its cluster (:func:`measure_plain_tasks`). ``repeats``: real runs of each plain flow (static, split),
+    each a row beside the one prediction (``repeat``: 0, 1, ...): how far runs of the same flow on the same
+    cluster fall apart (:func:`real_spread`)."""
     from benchmarks.family.__main__ import make_source, run_child
 
     source = make_source(w, work)
@@ -244,9 +253,10 @@ def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int
             r["makespan_seconds"] = r.get("maps_seconds")
         return r
 
-    def row(kind: str, strategy: str, real: dict[str, Any], pred: dict[str, Any]) -> None:
+    def row(kind: str, strategy: str, real: dict[str, Any], pred: dict[str, Any],
+            repeat: int | None = None) -> None:
         r = {"workload": w.name, "kind": kind, "strategy": strategy, "real": real, "predicted": pred,
-             **compare(real, pred)}
+             "repeat": repeat, **compare(real, pred)}
         rows.append(r)
         err = "-" if r["error"] is None else f"{100 * r['error']:+.0f}%"
         print(f"  {kind:<12} real {_s(real.get('makespan_seconds'))} {'ok' if real.get('completed') else 'FAILED'} "
@@ -269,8 +279,10 @@ def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int
     print(f"  a plain task: {plain['task_seconds'] or 0:.3f} s of a slot ({plain['tasks']} empty tasks a step on "
           f"{plain['slots']} slots: {', '.join(f'{t:.2f}' for t in plain['steps_seconds'])} s)", flush=True)
     for strategy in [f"static-{n}" for n in statics] + ["split"]:
-        row(strategy, strategy, child(strategy), predict(after_cold, flow_run, w, strategy, runs=runs,
-                                                         restart=restart, task_seconds=plain["task_seconds"]))
+        pred = predict(after_cold, flow_run, w, strategy, runs=runs, restart=restart,
+                       task_seconds=plain["task_seconds"])
+        for k in range(repeats):
+            row(strategy, strategy, child(strategy), pred, repeat=k)
     for k in range(warm):
         before = snapshot(store, _before_warm(work, w, k))
         pred = predict(before, "latest", w, "memchunk", runs=runs, restart=restart)
@@ -296,6 +308,7 @@ def replay(doc: dict[str, Any], work: Path, runs: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     warm: dict[str, int] = {}
     cold_run: dict[str, str] = {}
+    baselines: dict[tuple[str, str], dict[str, Any]] = {}
     for r in doc["rows"]:
         w = workloads[r["workload"]]
         if r["predicted"] is None:
@@ -308,9 +321,12 @@ def replay(doc: dict[str, Any], work: Path, runs: int) -> list[dict[str, Any]]:
         elif r["kind"] == "memchunk warm":
             k = warm[w.name] = warm.get(w.name, -1) + 1
             pred = predict(str(_before_warm(work, w, k)), "latest", w, "memchunk", runs=runs, restart=restart)
+        elif (w.name, r["strategy"]) in baselines:  # a repeat of a plain flow: the one prediction stands
+            pred = baselines[w.name, r["strategy"]]
         else:
-            pred = predict(str(_after_cold(work, w)), cold_run[w.name], w, r["strategy"], runs=runs, restart=restart,
-                           task_seconds=(plain.get(w.name) or {}).get("task_seconds"))
+            pred = baselines[w.name, r["strategy"]] = predict(
+                str(_after_cold(work, w)), cold_run[w.name], w, r["strategy"], runs=runs, restart=restart,
+                task_seconds=(plain.get(w.name) or {}).get("task_seconds"))
         out.append({**r, "predicted": pred, **compare(r["real"], pred)})
     return out
 
@@ -348,6 +364,34 @@ def thousand_workers(store: str, flow_run: str, samples: int, work: Path, env: d
 # --------------------------------------------------------------------------- the report
 
 
+def real_spread(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How far real runs of one flow fall apart: over each plain flow run more than once (``--repeats``) on one
+    workload, every completed run against every other (``|a - b| / b``, each way), the error a simulator that
+    predicted one of them exactly would show on the other; and each prediction's error against the median of
+    its flow's real runs (``error_to_median``: the simulator judged against the runs' centre, not one draw).
+    None when no flow ran twice."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("repeat") is not None and r["real"].get("completed") and r["real"].get("makespan_seconds"):
+            groups.setdefault((r["workload"], r["strategy"]), []).append(r)
+    groups = {k: v for k, v in groups.items() if len(v) > 1}
+    if not groups:
+        return None
+    apart: list[float] = []
+    to_median: list[float] = []
+    for runs in groups.values():
+        spans = [float(r["real"]["makespan_seconds"]) for r in runs]
+        apart += [abs(a - b) / b for i, a in enumerate(spans) for j, b in enumerate(spans) if i != j]
+        predicted = runs[0]["predicted"]["makespan_p50"] if runs[0]["predicted"] else None
+        if predicted is not None:
+            centre = statistics.median(spans)
+            to_median.append(abs(predicted - centre) / centre)
+    return {"flows": len(groups), "runs": sum(len(v) for v in groups.values()),
+            "median_apart": statistics.median(apart), "worst_apart": max(apart),
+            "median_error_to_median": statistics.median(to_median) if to_median else None,
+            "worst_error_to_median": max(to_median) if to_median else None}
+
+
 def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
               scale: dict[str, Any] | None, plain: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The error distribution over every row, per strategy kind, and each target's verdict."""
@@ -380,6 +424,7 @@ def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
         "plain_task_measured_seconds": {name: m.get("task_seconds") for name, m in (plain or {}).items()},
         "thousand_workers_seconds": scale["seconds"] if scale else None,
         "thousand_workers_end_to_end_seconds": scale["end_to_end_seconds"] if scale else None,
+        "real_spread": real_spread(rows),
     }
     s["targets"] = {
         "median_abs_error": _verdict(s["median_abs_error"], TARGETS["median_abs_error"]),
@@ -436,10 +481,24 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             "slot, measured on each workload's cluster (used in the predictions): "
             + (", ".join(f"{name.split('-')[0]} " + ("-" if v is None else f"{v:.3f} s") for name, v in
                          s.get("plain_task_measured_seconds", {}).items()) or "not measured"),
+            *_spread_line(s.get("real_spread")),
             f"1,000 workers: {_s(s['thousand_workers_seconds']).strip()} in process, "
             f"{_s(s['thousand_workers_end_to_end_seconds']).strip()} end to end ({t['thousand_workers']}, "
             "target < 30 s)"]
     return "\n".join(out)
+
+
+def _spread_line(spread: dict[str, Any] | None) -> list[str]:
+    if not spread:
+        return []
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    return [f"real runs of one plain flow, {spread['runs']} runs of {spread['flows']} flows (--repeats): one from "
+            f"another median {pct(spread['median_apart'])}, worst {pct(spread['worst_apart'])}; the "
+            f"prediction against each flow's median run: median {pct(spread['median_error_to_median'])}, "
+            f"worst {pct(spread['worst_error_to_median'])}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -448,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", type=int, default=6)
     p.add_argument("--static", type=int, nargs="+", default=[2, 8, 32], help="slab counts of the static runs")
     p.add_argument("--warm", type=int, default=2, help="warm memchunk runs per workload")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="real runs of each static and split flow (2 or more: how far runs of one flow fall apart)")
     p.add_argument("--runs", type=int, default=20, help="simulated runs per prediction")
     p.add_argument("--quick", action="store_true", help="the smallest workload, static-2, split, cold, one warm (CI)")
     p.add_argument("--only", nargs="*", default=None, help="run only workloads whose name starts with these")
@@ -489,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         env["MEMCHUNK_CACHE_DIR"] = str(work / "cache")
         for w in workloads:
             new, plain[w.name] = run_workload(w, work, env, statics, warm, runs, restart["first_task_seconds"],
-                                              args.timeout)
+                                              args.timeout, repeats=args.repeats)
             rows += new
         recorded = next((r for r in reversed(rows) if r["kind"] == "memchunk cold" and r["predicted"]), None)
         if recorded is not None:
@@ -505,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                "started": started,
                "seconds": time.time() - started, "machine": machine, "targets": TARGETS, "summary": summary,
                "restart": restart, "plain_tasks": plain, "thousand_workers": scale, "rows": rows, "runs": runs,
-               "workloads": [w.to_dict() for w in workloads]}
+               "repeats": args.repeats, "workloads": [w.to_dict() for w in workloads]}
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
 

@@ -1036,3 +1036,25 @@ def test_a_comparison_of_checkouts_scores_each_against_the_best_static_and_the_s
     assert row["before"]["warm_pairs"] == pytest.approx([1.1, 1.1]) and row["after"]["warm_pairs"][1] == math.inf
     assert s["family"]["after"]["warm"]["worst"] == math.inf, "a failed warm run can never improve the figures"
     assert "failed" in table(s, ["before", "after"])
+
+
+def test_sim_validation_spread_compares_repeated_runs_of_a_flow_with_each_other_and_the_prediction_with_their_median():
+    from benchmarks.sim_validation import real_spread
+
+    def row(workload: str, strategy: str, span: float | None, predicted: float, repeat: int | None) -> dict:
+        return {"workload": workload, "strategy": strategy, "repeat": repeat, "predicted": {"makespan_p50": predicted},
+                "real": {"completed": span is not None, "makespan_seconds": span}}
+
+    rows = [row("w0", "static-2", 10.0, 11.0, 0), row("w0", "static-2", 12.5, 11.0, 1),
+            row("w1", "split", 4.0, 3.0, 0), row("w1", "split", 4.0, 3.0, 1), row("w1", "split", 5.0, 3.0, 2),
+            row("w1", "static-8", 2.0, 2.0, 0),  # run once: nothing to compare it with
+            row("w2", "static-2", None, 1.0, 0), row("w2", "static-2", 1.0, 1.0, 1),  # the failed run does not count
+            row("w0", "memchunk", 3.0, 3.0, None), row("w0", "memchunk", 9.0, 3.0, None)]  # a cold and a warm run
+    s = real_spread(rows)
+    assert s is not None and (s["flows"], s["runs"]) == (2, 5)
+    # w0: 2.5/10 and 2.5/12.5; w1: 0 twice, 1/4 twice, 1/5 twice.
+    assert s["worst_apart"] == pytest.approx(0.25) and s["median_apart"] == pytest.approx(0.2)
+    # w0's median run 11.25 against 11.0; w1's 4.0 against 3.0.
+    assert s["worst_error_to_median"] == pytest.approx(0.25)
+    assert s["median_error_to_median"] == pytest.approx((0.25 / 11.25 + 0.25) / 2)
+    assert real_spread(rows[5:]) is None
