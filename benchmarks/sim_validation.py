@@ -496,8 +496,8 @@ def _spread_line(spread: dict[str, Any] | None) -> list[str]:
         return "-" if x is None else f"{100 * x:.0f}%"
 
     return [f"real runs of one plain flow, {spread['runs']} runs of {spread['flows']} flows (--repeats): one from "
-            f"another median {pct(spread['median_apart'])}, worst {pct(spread['worst_apart'])}; the "
-            f"prediction against each flow's median run: median {pct(spread['median_error_to_median'])}, "
+            f"another median {pct(spread['median_apart'])}, worst {pct(spread['worst_apart'])}; each of those flows' "
+            f"prediction against its median run: median {pct(spread['median_error_to_median'])}, "
             f"worst {pct(spread['worst_error_to_median'])}"]
 
 
