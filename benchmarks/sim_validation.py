@@ -448,8 +448,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:+.0f}%"
 
-    def size(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:.0f}%"
+    size = _percent
 
     def chunks(c: Any) -> str:
         return "-" if not c else " ".join(f"{x:g}" for x in c)
@@ -488,17 +487,18 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def _percent(x: float | None) -> str:
+    """A share as a whole percent, unsigned ("-" for None)."""
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def _spread_line(spread: dict[str, Any] | None) -> list[str]:
     if not spread:
         return []
-
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:.0f}%"
-
     return [f"real runs of one plain flow, {spread['runs']} runs of {spread['flows']} flows (--repeats): one from "
-            f"another median {pct(spread['median_apart'])}, worst {pct(spread['worst_apart'])}; each of those flows' "
-            f"prediction against its median run: median {pct(spread['median_error_to_median'])}, "
-            f"worst {pct(spread['worst_error_to_median'])}"]
+            f"another median {_percent(spread['median_apart'])}, worst {_percent(spread['worst_apart'])}; each of "
+            f"those flows' prediction against its median run: median {_percent(spread['median_error_to_median'])}, "
+            f"worst {_percent(spread['worst_error_to_median'])}"]
 
 
 def main(argv: list[str] | None = None) -> int:
