@@ -568,9 +568,13 @@ def test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest
     assert 0.2 < m.seconds_for(636_000) < 0.4  # beyond the largest size: the 406,350-element runs' rate
     assert m.seconds_for(636_000) == pytest.approx(0.168 / 406_350 * 636_000)
     small = 0.085 / 34_500  # the upper middle rate of the four runs of 34,500 and 39,000 elements
-    assert m.seconds_for(30_000) == pytest.approx(small * 30_000)
     assert m.seconds_for(220_425) == pytest.approx((small * 34_500 + 0.168) / 2)  # half way: half of each end
-    sizes = range(20_000, 800_000, 20_000)
+    # Below the smallest block timed the line goes on: its fixed cost stays, where the small blocks' rate alone
+    # would scale it away.
+    fixed = 0.085 - (0.168 - 0.085) / (406_350 - 34_500) * 34_500
+    assert m.seconds_for(30_000) == pytest.approx(fixed + (0.168 - 0.085) / (406_350 - 34_500) * 30_000)
+    assert m.seconds_for(3_000) > 9 * small * 3_000  # a tenth of the smallest block: mostly its fixed cost
+    sizes = range(2_000, 800_000, 2_000)
     seconds = [m.seconds_for(e) for e in sizes]
     assert all(b >= a for a, b in zip(seconds, seconds[1:]))  # a larger block never reads faster
     assert all(b / eb <= a / ea * (1 + 1e-12) for a, b, ea, eb in zip(seconds, seconds[1:], sizes, sizes[1:]))
