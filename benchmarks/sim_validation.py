@@ -392,6 +392,24 @@ def real_spread(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
             "worst_error_to_median": max(to_median) if to_median else None}
 
 
+def p90_coverage(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What a deadline booked at a prediction's p90 would have held: over the completed real runs with a
+    prediction, how many ended by their predicted p90 (``under_p90``; a calibrated p90 holds for 90%), how far each
+    p90 sat above its p50 (``p90_above_p50_median``, the median of ``p90 / p50 - 1``), and the median signed error
+    of the p50 (``signed_median_error``: below 0, the simulator predicts runs shorter than they run). None
+    without such a run."""
+    done = [r for r in rows if r["error"] is not None and r["predicted"]
+            and r["predicted"].get("makespan_p90") is not None]
+    if not done:
+        return None
+    return {"runs": len(done),
+            "under_p90": sum(float(r["real"]["makespan_seconds"]) <= float(r["predicted"]["makespan_p90"])
+                             for r in done),
+            "p90_above_p50_median": statistics.median(float(r["predicted"]["makespan_p90"])
+                                                      / float(r["predicted"]["makespan_p50"]) - 1.0 for r in done),
+            "signed_median_error": statistics.median(float(r["error"]) for r in done)}
+
+
 def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
               scale: dict[str, Any] | None, plain: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The error distribution over every row, per strategy kind, and each target's verdict."""
@@ -425,6 +443,7 @@ def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
         "thousand_workers_seconds": scale["seconds"] if scale else None,
         "thousand_workers_end_to_end_seconds": scale["end_to_end_seconds"] if scale else None,
         "real_spread": real_spread(rows),
+        "p90": p90_coverage(rows),
     }
     s["targets"] = {
         "median_abs_error": _verdict(s["median_abs_error"], TARGETS["median_abs_error"]),
@@ -481,6 +500,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             + (", ".join(f"{name.split('-')[0]} " + ("-" if v is None else f"{v:.3f} s") for name, v in
                          s.get("plain_task_measured_seconds", {}).items()) or "not measured"),
             *_spread_line(s.get("real_spread")),
+            *_p90_line(s.get("p90")),
             f"1,000 workers: {_s(s['thousand_workers_seconds']).strip()} in process, "
             f"{_s(s['thousand_workers_end_to_end_seconds']).strip()} end to end ({t['thousand_workers']}, "
             "target < 30 s)"]
@@ -499,6 +519,15 @@ def _spread_line(spread: dict[str, Any] | None) -> list[str]:
             f"another median {_percent(spread['median_apart'])}, worst {_percent(spread['worst_apart'])}; each of "
             f"those flows' prediction against its median run: median {_percent(spread['median_error_to_median'])}, "
             f"worst {_percent(spread['worst_error_to_median'])}"]
+
+
+def _p90_line(p90: dict[str, Any] | None) -> list[str]:
+    if not p90:
+        return []
+    return [f"a deadline booked at the predicted p90 (median {_percent(p90['p90_above_p50_median'])} above the p50): "
+            f"{p90['under_p90']} of {p90['runs']} completed runs ended by it "
+            f"({_percent(p90['under_p90'] / p90['runs'])}; a calibrated p90 holds for 90%); the p50's median signed "
+            f"error {100 * p90['signed_median_error']:+.0f}%"]
 
 
 def main(argv: list[str] | None = None) -> int:

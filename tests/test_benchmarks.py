@@ -1058,3 +1058,23 @@ def test_sim_validation_spread_compares_repeated_runs_of_a_flow_with_each_other_
     assert s["worst_error_to_median"] == pytest.approx(0.25)
     assert s["median_error_to_median"] == pytest.approx((0.25 / 11.25 + 0.25) / 2)
     assert real_spread(rows[5:]) is None
+
+
+def test_sim_validation_p90_coverage_counts_the_completed_runs_that_ended_by_their_predicted_p90():
+    from benchmarks.sim_validation import p90_coverage
+
+    def row(span: float | None, p50: float, p90: float) -> dict:
+        error = None if span is None else (p50 - span) / span
+        return {"error": error, "predicted": {"makespan_p50": p50, "makespan_p90": p90},
+                "real": {"completed": span is not None, "makespan_seconds": span}}
+
+    rows = [row(10.0, 9.0, 9.9),  # ran past its p90
+            row(10.0, 10.0, 10.0),  # ended on it: counts as held
+            row(4.0, 5.0, 6.0),
+            row(None, 5.0, 6.0),  # failed: no makespan to hold
+            {"error": None, "predicted": None, "real": {"completed": True, "makespan_seconds": 3.0}}]
+    c = p90_coverage(rows)
+    assert c is not None and (c["runs"], c["under_p90"]) == (3, 2)
+    assert c["p90_above_p50_median"] == pytest.approx(0.1)  # 0.1, 0.0 and 0.2
+    assert c["signed_median_error"] == pytest.approx(0.0)  # -0.1, 0.0 and +0.25
+    assert p90_coverage(rows[3:]) is None
