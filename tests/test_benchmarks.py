@@ -1069,12 +1069,13 @@ def test_sim_validation_p90_coverage_counts_the_completed_runs_that_ended_by_the
                 "real": {"completed": span is not None, "makespan_seconds": span}}
 
     rows = [row(10.0, 9.0, 9.9),  # ran past its p90
-            row(10.0, 10.0, 10.0),  # ended on it: counts as held
-            row(4.0, 5.0, 6.0),
+            row(10.0, 8.0, 10.0),  # ended on it: counts as held
+            row(4.0, 5.0, 8.0),
             row(None, 5.0, 6.0),  # failed: no makespan to hold
-            {"error": None, "predicted": None, "real": {"completed": True, "makespan_seconds": 3.0}}]
+            {"error": None, "predicted": None, "real": {"completed": True, "makespan_seconds": 3.0}},
+            {"error": 0.1, "predicted": {"makespan_p50": 1.1}, "real": {"completed": True, "makespan_seconds": 1.0}}]
     c = p90_coverage(rows)
-    assert c is not None and (c["runs"], c["under_p90"]) == (3, 2)
-    assert c["p90_above_p50_median"] == pytest.approx(0.1)  # 0.1, 0.0 and 0.2
-    assert c["signed_median_error"] == pytest.approx(0.0)  # -0.1, 0.0 and +0.25
+    assert c is not None and (c["runs"], c["under_p90"]) == (3, 2)  # the row without a p90 is left out
+    assert c["p90_above_p50_median"] == pytest.approx(0.25)  # 0.1, 0.25 and 0.6: the median, not the mean
+    assert c["signed_median_error"] == pytest.approx(-0.1)  # -0.1, -0.2 and +0.25: the p50 short, below 0
     assert p90_coverage(rows[3:]) is None

@@ -388,10 +388,12 @@ class TimeModel:
         of its latest ``window`` runs (default ``time_window``) within ``min_size_ratio`` of its size. A block
         at or above the largest size takes the large blocks' rate; any smaller block, the seconds on the line
         through the two ends: a fixed cost per block and a cost per element. Below the smallest block timed the
-        line goes on: the fixed cost that made the small blocks slower per element does not shrink with the
-        block. Scaled down at the small blocks' rate instead, a static-32 plan's 60,000-element blocks of the
-        workload family's ``fam_first_use`` read 0.011 s where its smallest blocks timed (500,000 elements) took
-        0.04-0.12 s, and the simulator predicted the plan 29% short. Where the smallest end took longer than the
+        line goes on (never below the small blocks' rate times the block, where noise in the ends' medians gives
+        the line a negative fixed cost): the fixed cost that made the small blocks slower per element does not
+        shrink with the block. Scaled down at the small blocks' rate instead, a static-32 plan's 60,000-element
+        blocks of the workload family's ``fam_first_use`` read 0.011 s, an eighth of the 0.087 s its
+        1,000,000-element blocks took, though each block pays the same fixed cost, and the simulator predicted the
+        plan 29% short. Where the smallest end took longer than the
         largest (a larger block is never faster, so one end is noise), the smallest end takes the largest's
         seconds: the longer runs carry less of a task's scheduling noise, and they are the end a plan of larger
         chunks extrapolates from. So a larger block
