@@ -15,6 +15,7 @@ from memchunk_prefect.learn.bank import ModelBank
 from memchunk_prefect.learn.forms import MIB, _Form, _loo_weight
 from memchunk_prefect.learn.operator import OperatorModel
 from memchunk_prefect.learn.store import Store
+from memchunk_prefect.learn.time import TimeModel
 
 KEY = "op|float32|cpu"
 SIZES = [(i, x, t) for i in (8, 16, 24, 32, 48) for x in (16, 32, 64) for t in (100, 200, 400)]
@@ -581,6 +582,20 @@ def test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest
     # Rates about flat leave time proportional to size: the median rate plans it.
     flat = timed([(e, ext, 1e-6 * e, sys_secs, grew, peak) for e, ext, _, sys_secs, grew, peak in rows[8:]])
     assert not flat.time.rates_fall() and flat.seconds_for(636_000) is None
+
+
+def test_below_the_smallest_block_a_line_of_negative_fixed_cost_gives_way_to_the_small_blocks_rate():
+    """The rates fall by their medians (0.03 us per element small, 0.0255 large) while the upper middle values the
+    line is drawn through rise (0.03 and 0.05 us): through them the line would cost a block a tenth of the smallest
+    size below zero seconds; it takes the small blocks' rate there instead."""
+    t = TimeModel()
+    for n, rate in [(100_000, 0.03e-6)] * 4 + [(1_000_000, 0.001e-6)] * 2 + [(1_000_000, 0.05e-6)] * 2:
+        t.learn(Observation(KEY, n, (1, 1, n), 4 * n, 2**20, seconds=rate * n))
+    assert t.rates_fall()
+    line = 0.003 + (0.05 - 0.003) * (10_000 - 100_000) / (1_000_000 - 100_000)
+    assert line < 0
+    assert t.falling_seconds(10_000) == pytest.approx(0.03e-6 * 10_000)
+    assert t.falling_seconds(500_000) == pytest.approx(0.003 + 0.047 * 400_000 / 900_000)  # between: the line
 
 
 def test_a_workers_first_call_is_learned_apart_and_does_not_read_small_blocks_as_slow():

@@ -393,12 +393,11 @@ class TimeModel:
         shrink with the block. Scaled down at the small blocks' rate instead, a static-32 plan's 60,000-element
         blocks of the workload family's ``fam_first_use`` read 0.011 s, an eighth of the 0.087 s its
         1,000,000-element blocks took, though each block pays the same fixed cost, and the simulator predicted the
-        plan 29% short. Where the smallest end took longer than the
-        largest (a larger block is never faster, so one end is noise), the smallest end takes the largest's
-        seconds: the longer runs carry less of a task's scheduling noise, and they are the end a plan of larger
-        chunks extrapolates from. So a larger block
-        never reads faster and the line's rate only falls with size: between two plans, the one of fewer,
-        larger chunks reads no costlier per element, whatever the noise of sizes between the ends.
+        plan 29% short. Where the smallest end took longer than the largest (a larger block is never faster, so
+        one end is noise), the smallest end takes the largest's seconds: the longer runs carry less of a task's
+        scheduling noise, and they are the end a plan of larger chunks extrapolates from. So a larger block never
+        reads faster and the line's rate only falls with size: between two plans, the one of fewer, larger chunks
+        reads no costlier per element, whatever the noise of sizes between the ends.
 
         A cold start's probes are small and pay each task's fixed costs over few elements; a warm run's chunks
         are 10-20x larger. Over the runs of both, the median rate is the probes' and read the warm chunks 3.7-9x
