@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -79,3 +80,61 @@ def test_the_temporary_server_gets_the_runners_defaults_unless_the_user_chose(mo
     assert changed == ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]
     assert os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] == "true"
     assert prefect_api.startup_timeout_seconds() == prefect_api.FIRST_START_TIMEOUT_SECONDS
+
+
+def test_a_workers_close_cutting_its_own_heartbeat_short_is_not_logged_as_an_error():
+    """The race at the end of every flow run, made certain: a real scheduler holds a real worker's heartbeat
+    unanswered while the worker closes. Its close aborts the heartbeat's connection and Dask logs the failure at
+    ERROR; the filter keeps that one record off, and the same failure from a running worker on."""
+    import asyncio
+
+    from distributed import Scheduler, Worker
+
+    from memchunk_prefect.run.logs import HEARTBEAT_FAILED, HeartbeatAtClose
+
+    class Kept(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.DEBUG)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    async def close_while_the_heartbeat_waits() -> None:
+        async with Scheduler(dashboard_address=":0", port=0) as scheduler:
+            answer = asyncio.Event()
+
+            async def held(**kwargs):  # the scheduler answers only when told to
+                await answer.wait()
+                return {"status": "OK", "time": 0.0, "heartbeat-interval": 0.5}
+
+            scheduler.handlers["heartbeat_worker"] = held
+            worker = await Worker(scheduler.address, nthreads=1, dashboard_address=":0")
+            beat = asyncio.create_task(worker.heartbeat())
+            await asyncio.sleep(0.3)  # the heartbeat is on the wire, waiting
+            await worker.close()
+            await beat
+            answer.set()
+
+    target = logging.getLogger("distributed.worker")
+    kept = Kept()
+    saved = list(target.filters)
+    target.addHandler(kept)
+    try:
+        for f in saved:
+            target.removeFilter(f)
+        asyncio.run(close_while_the_heartbeat_waits())
+        unfiltered = [m for m in kept.messages if m.startswith(HEARTBEAT_FAILED)]
+        kept.messages.clear()
+        target.addFilter(HeartbeatAtClose())
+        asyncio.run(close_while_the_heartbeat_waits())
+        filtered = [m for m in kept.messages if m.startswith(HEARTBEAT_FAILED)]
+        # A running worker's failed heartbeat (no worker of this process is closing) is still an error.
+        running = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 0, HEARTBEAT_FAILED + ".",
+                                    None, None)
+        assert HeartbeatAtClose().filter(running)
+    finally:
+        target.removeHandler(kept)
+        target.filters[:] = saved
+    assert unfiltered, "without the filter the race logs its error (else this test shows nothing)"
+    assert filtered == []

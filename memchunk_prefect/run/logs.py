@@ -152,3 +152,41 @@ def typed_errors_in_one_line(logger_name: str = "prefect.flow_runs") -> None:
     target = logging.getLogger(logger_name)
     if _ONE_LINE not in target.filters:
         target.addFilter(_ONE_LINE)
+
+
+#: The message Dask's worker logs, with a traceback, when its heartbeat to the scheduler raises ``OSError``.
+HEARTBEAT_FAILED = "Failed to communicate with scheduler during heartbeat"
+
+
+class HeartbeatAtClose(logging.Filter):
+    """Drop the error a Dask worker logs when its own close cuts its heartbeat short; every other record passes.
+
+    ``Worker.close`` marks the worker closing, then closes its connection pool (``self.rpc.close()``), and with
+    it the connection a heartbeat to the scheduler may be waiting on at that moment. That heartbeat raises
+    ``CommClosedError`` and the worker logs "Failed to communicate with scheduler during heartbeat." at ERROR,
+    with a 40-line traceback, at the end of a flow run that succeeded (dask/distributed#5371 shows the same
+    race). Nothing is lost: the worker is closing on purpose, and its batched stream, not the heartbeat, is what
+    tells it the scheduler is gone (dask/distributed#6492). The record is kept whenever no worker of this
+    process is closing (the state ``Worker.close`` holds until its connections are closed), where it reports a
+    scheduler that really is unreachable.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(HEARTBEAT_FAILED):
+            return True
+        from distributed.core import Status
+        from distributed.worker import Worker
+
+        return not any(w.status == Status.closing for w in list(Worker._instances))
+
+
+_AT_CLOSE = HeartbeatAtClose()
+
+
+def heartbeat_at_close_quiet() -> None:
+    """Install :class:`HeartbeatAtClose` on ``distributed.worker``, the logger of Dask's worker (once;
+    idempotent). Installed in the flow's process (threaded workers) and in every worker process that imports
+    :mod:`memchunk_prefect.run.worker`, as a forked worker's server does before it forks it."""
+    target = logging.getLogger("distributed.worker")
+    if _AT_CLOSE not in target.filters:
+        target.addFilter(_AT_CLOSE)

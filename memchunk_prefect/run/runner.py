@@ -65,7 +65,7 @@ from memchunk_prefect.run import cluster as _cluster
 from memchunk_prefect.run import doctor
 from memchunk_prefect.run.chunked import Chunked, ChunkedResult, chunked, upstream_plan
 from memchunk_prefect.run.executor import ChunkedMap, MapContext
-from memchunk_prefect.run.logs import typed_errors_in_one_line
+from memchunk_prefect.run.logs import heartbeat_at_close_quiet, typed_errors_in_one_line
 from memchunk_prefect.run.maps import FlowMaps
 from memchunk_prefect.run.observe import MapLog, MapObserver
 from memchunk_prefect.run.outputs import default_output_dir, output_path_for
@@ -274,6 +274,7 @@ class MemoryAwareRunner(DaskTaskRunner):
 
     def __enter__(self):
         typed_errors_in_one_line()
+        heartbeat_at_close_quiet()
         self._check_paths()  # before a cluster is started or anything submitted
         self._flow_maps = FlowMaps()
         super().__enter__()

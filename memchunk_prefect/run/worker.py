@@ -54,8 +54,13 @@ from memchunk_prefect.operators.device import (
     release_frames,
 )
 from memchunk_prefect.run import hydration
+from memchunk_prefect.run.logs import heartbeat_at_close_quiet
 from memchunk_prefect.run.monitor import default_monitor
 from memchunk_prefect.run.process_memory import runs_open
+
+# A worker's close cutting its own heartbeat short is not an error (see HeartbeatAtClose): this module is
+# imported by every worker that runs a chunk, and by the server local workers are forked from.
+heartbeat_at_close_quiet()
 
 
 @dataclass(frozen=True)
