@@ -43,6 +43,12 @@ far the runs of one flow fall apart (the error a simulator that predicted one of
 and each prediction against its flow's median run: a single run's error carries that spread, which no simulator
 can predict.
 
+Each workload's store at the end (its memchunk cold and warm flow runs) is also read as a user's store is by
+``memchunk simulate --track-record``: its flow runs predicted again in-sample
+(:func:`memchunk_prefect.sim.track_record`), pooled over the workloads. The summary says how many a deadline at the
+p90 would have held, and how many one at the p50 times the booking factor learned from the other runs would have
+(leave one out: the factor never saw the run it books).
+
 ``--replay RESULT.json --work DIR`` predicts a finished run's real runs again with this checkout's simulator,
 from the copies of the stores that run kept in ``DIR`` (its ``--work``), with its measured restart: the real
 runs stand, only the predictions are new (seconds, not the run's minutes, for a change to the simulator).
@@ -410,6 +416,31 @@ def p90_coverage(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
             "signed_median_error": statistics.median(float(r["error"]) for r in done)}
 
 
+def track_records(stores: list[Path], runs: int) -> dict[str, Any] | None:
+    """The stores' flow runs predicted again in-sample (:func:`memchunk_prefect.sim.track_record`), pooled: how
+    many ended by their p90 (``under_p90``), how many by their p50 times the booking factor of the other runs
+    (``under_factor_left_out``: each run's factor is the 90th percentile of real / p50 over the rest, at least 1),
+    and the factor of all of them (``factor``). None without a predicted run."""
+    import numpy as np
+
+    from memchunk_prefect.sim.track import track_record
+
+    rows = [r for path in stores if path.exists() for r in track_record(path, runs=min(runs, 10)).predicted]
+    if not rows:
+        return None
+    ratios = np.array([r.real_seconds / float(r.p50_seconds or 1.0) for r in rows])
+
+    def factor(values: np.ndarray) -> float | None:
+        return max(1.0, float(np.quantile(values, 0.9, method="inverted_cdf"))) if len(values) else None
+
+    left_out = [factor(np.delete(ratios, i)) for i in range(len(ratios))]
+    return {"runs": len(rows), "stores": sum(p.exists() for p in stores),
+            "under_p90": sum(r.held_by_p90 for r in rows),
+            "under_factor_left_out": int(sum(f is not None and x <= f for x, f in zip(ratios, left_out))),
+            "factor": factor(ratios),
+            "median_abs_error": float(np.median([abs(r.error or 0.0) for r in rows]))}
+
+
 def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
               scale: dict[str, Any] | None, plain: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The error distribution over every row, per strategy kind, and each target's verdict."""
@@ -501,6 +532,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
                          s.get("plain_task_measured_seconds", {}).items()) or "not measured"),
             *_spread_line(s.get("real_spread")),
             *_p90_line(s.get("p90")),
+            *_track_line(s.get("track_record")),
             f"1,000 workers: {_s(s['thousand_workers_seconds']).strip()} in process, "
             f"{_s(s['thousand_workers_end_to_end_seconds']).strip()} end to end ({t['thousand_workers']}, "
             "target < 30 s)"]
@@ -528,6 +560,16 @@ def _p90_line(p90: dict[str, Any] | None) -> list[str]:
             f"{p90['under_p90']} of {p90['runs']} completed runs ended by it "
             f"({_percent(p90['under_p90'] / p90['runs'])}; a calibrated p90 holds for 90%); the p50's median signed "
             f"error {100 * p90['signed_median_error']:+.0f}%"]
+
+
+def _track_line(track: dict[str, Any] | None) -> list[str]:
+    if not track:
+        return []
+    return [f"each workload's store predicting its own flow runs again (`memchunk simulate --track-record`, "
+            f"in-sample): {track['runs']} runs of {track['stores']} stores, median error "
+            f"{_percent(track['median_abs_error'])}; a deadline at the p90 held for {track['under_p90']}, one at the "
+            f"p50 times the other runs' booking factor for {track['under_factor_left_out']}; the factor of all of "
+            f"them: {track['factor']:.2f}x"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -587,6 +629,7 @@ def main(argv: list[str] | None = None) -> int:
             scale = thousand_workers(str(work / f"{w.name}.sqlite"), recorded["real"]["flow_run_id"],
                                      w.survey_shape[2], work, env)
     summary = summarize(rows, restart, scale, plain)
+    summary["track_record"] = track_records([work / f"{w.name}.sqlite" for w in workloads], runs)
     machine["loadavg_end"] = list(os.getloadavg())
     print()
     print(table(rows, summary))
@@ -610,6 +653,8 @@ def main_replay(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     started, machine = time.time(), machine_info()
     rows = replay(doc, Path(args.work), doc.get("runs", args.runs))
     summary = summarize(rows, doc.get("restart"), doc.get("thousand_workers"), doc.get("plain_tasks"))
+    summary["track_record"] = track_records([Path(args.work) / f"{w['name']}.sqlite" for w in doc["workloads"]],
+                                            doc.get("runs", args.runs))
     print(table(rows, summary))
     if args.json:
         out = {**doc, "replayed_from": {"path": str(args.replay), "commit": doc["machine"].get("commit"),

@@ -905,6 +905,11 @@ def test_quick_sim_validation_sets_every_real_run_beside_the_simulators_predicti
     assert doc["restart"]["first_task_seconds"] > doc["restart"]["rejoin_seconds"] > 0
     assert doc["thousand_workers"]["workers"] == 1000 and doc["thousand_workers"]["end_to_end_seconds"] > 0
     assert "| workload | run |" in proc.stdout and "restart of a killed worker: the simulator's default" in proc.stdout
+    # The workload's store read as a user's is by `memchunk simulate --track-record`: its cold and warm flow runs.
+    track = doc["summary"]["track_record"]
+    assert (track["stores"], track["runs"]) == (1, 2) and track["factor"] >= 1.0, track
+    assert 0 <= track["under_p90"] <= 2 and 0 <= track["under_factor_left_out"] <= 2
+    assert "in-sample): 2 runs of 1 stores" in proc.stdout
     page = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(out)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert page.returncode == 0, page.stderr

@@ -7,6 +7,7 @@ reads. Stores of older schemas and keys with too little history are built by han
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 
@@ -241,13 +242,77 @@ def test_the_how_to_runs_its_commands_and_its_python_as_written(recorded_store, 
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "how-to" / "simulate-a-flow.md").read_text()
     marked = re.findall(r"<!-- tests/test_simulate_flow.py runs [^\n]*\n```(\w+)\n(.*?)```", text, flags=re.S)
-    assert [kind for kind, _ in marked] == ["bash", "python"]
+    assert [kind for kind, _ in marked] == ["bash", "python", "bash"]
     monkeypatch.setenv("MEMCHUNK_STORE", str(recorded_store))
     commands = [shlex.split(line) for line in marked[0][1].splitlines() if line.strip()]
     assert len(commands) == 3 and all(c[0] == "memchunk" for c in commands)
     for argv in commands:
         assert cli.main(argv[1:]) == cli.EXIT_OK, (argv, capsys.readouterr())
-    capsys.readouterr()
+    (track,) = [shlex.split(line) for line in marked[2][1].splitlines() if line.strip()]
+    assert cli.main(track[1:]) == cli.EXIT_OK
+    assert "1 past flow run(s) predicted again" in capsys.readouterr().out
     scope: dict = {}
     exec(compile(marked[1][1], "simulate-a-flow.md", "exec"), scope)
     assert scope["plan"].completes and "meets the deadline: " in capsys.readouterr().out
+
+
+# =========================================================================== the store's track record
+
+
+def test_the_track_record_predicts_the_real_flow_run_again_beside_the_makespan_it_had(recorded_store, capsys):
+    from memchunk_prefect.sim import track_record
+
+    with Store(recorded_store) as s:
+        maps = s.maps()
+    record = track_record(recorded_store, runs=2)
+    (row,) = record.rows
+    # The store's only flow run: its keys had no earlier observation, so it is predicted as a cold run.
+    assert row.cold and row.maps == 3 and not record.skipped
+    assert row.real_seconds == pytest.approx(max(m.ended_at for m in maps) - min(m.started_at for m in maps))
+    assert row.p50_seconds is not None and row.p90_seconds is not None and row.p50_seconds <= row.p90_seconds
+    assert row.error == pytest.approx(row.p50_seconds / row.real_seconds - 1)
+    assert record.deadline_factor is None and "a booking factor needs 5 runs" in record.summary_line()
+    json.dumps(record.to_dict())
+    argv = ["simulate", "--store", str(recorded_store), "--flow-run", "latest", "--runs", "2", "--strategies",
+            "memchunk", "--track-record", "3"]
+    assert cli.main(argv) == cli.EXIT_OK
+    out = capsys.readouterr().out
+    assert "track record (the store's latest completed flow runs" in out and row.flow_run_id[:8] in out
+    assert "1 past flow run(s) predicted again: makespan error median" in out
+    assert cli.main([*argv, "--json"]) == cli.EXIT_OK
+    assert json.loads(capsys.readouterr().out)["track_record"]["rows"][0]["flow_run_id"] == row.flow_run_id
+
+
+def test_the_track_record_books_the_p50_times_what_held_for_nine_in_ten_past_runs(tmp_path):
+    """Six flow runs of one key, each 10 s apart and each taking longer than the last: the first is cold (no
+    earlier observation), the rest warm; a run that failed a map is left out, saying why."""
+    from memchunk_prefect.sim.track import MIN_RUNS_FOR_FACTOR, TrackRecord, TrackRow, track_record
+
+    path = tmp_path / "s.sqlite"
+    cluster = dict(workers=2, threads_per_worker=1, memory_limit_bytes=GiB, kill_fraction=0.95,
+                   resting_bytes=200 * MiB, whole_traces=False, params="{}")
+    with Store(path) as s:
+        for i in range(7):
+            run, start = f"fr{i}", 1000.0 + 100 * i
+            s.add_many([dataclasses.replace(_observation(BOX, n, run), created_at=start + 1)
+                        for n in (20_000, 50_000, 100_000, 200_000)])
+            s.add_map(_map(run, BOX, started_at=start, ended_at=start + 2.0 + i, **cluster,
+                           outcome="failed" if i == 3 else "ok"))
+    record = track_record(path, runs=2)
+    assert [r.flow_run_id for r in record.rows] == ["fr0", "fr1", "fr2", "fr4", "fr5", "fr6"]
+    assert [r.cold for r in record.rows] == [True, False, False, False, False, False]
+    assert record.skipped == ["fr3: did not finish every map"]
+    assert [r.real_seconds for r in record.rows] == [2.0, 3.0, 4.0, 6.0, 7.0, 8.0]
+    ratios = sorted(r.real_seconds / r.p50_seconds for r in record.rows)
+    # The 90th percentile of six ratios is the largest; never below 1 (a p50 that was always long needs none).
+    assert record.deadline_factor == pytest.approx(max(1.0, ratios[-1]))
+    assert f"book at {record.deadline_factor:.2f}x the p50" in record.summary_line()
+    assert len(track_record(path, runs=2, last=2).rows) == 2  # the latest two
+    with pytest.raises(SimulationInputError, match="last=0"):
+        track_record(path, last=0)
+    # Fewer runs than a 90th percentile needs: no factor; ten that all ended early: a factor of 1.
+    row = TrackRow("r", 0.0, False, 1.0, 2.0, 2.5, 1)
+    assert TrackRecord([row] * (MIN_RUNS_FOR_FACTOR - 1)).deadline_factor is None
+    assert TrackRecord([row] * 10).deadline_factor == 1.0 and TrackRecord([row] * 10).held_by_p90 == 10
+    late = [TrackRow(f"r{i}", 0.0, False, 1.0 + 0.1 * i, 1.0, 1.05, 1) for i in range(10)]
+    assert TrackRecord(late).deadline_factor == pytest.approx(1.8) and TrackRecord(late).held_by_p90 == 1

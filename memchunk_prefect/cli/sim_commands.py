@@ -75,6 +75,10 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
                         "fraction), simulated and by the queue-wait model (memchunk_prefect/sim/allocation.py)")
     p.add_argument("--window", help="the window for --utilisation: seconds, 45min, 6h or HH:MM (default: the "
                                     "deadline)")
+    p.add_argument("--track-record", type=int, metavar="N",
+                   help="also predict the store's N latest completed flow runs again on their own survey and "
+                        "cluster, beside the makespans they had: how far to trust the prediction, and the multiple "
+                        "of the p50 to book (memchunk_prefect/sim/track.py)")
 
 
 def _allocation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,13 +224,19 @@ def _simulate(args: argparse.Namespace) -> int:
     note = _prior_note(models, args)
     traced = _simulated_trace(args, steps, shape, cluster, models) if args.trace else None
     recorded_notes = _recorded_note(recorded, shape)
+    record = None
+    if args.track_record is not None:
+        from memchunk_prefect.sim.track import track_record
+
+        record = track_record(models.bank.store, last=args.track_record, runs=min(args.runs, 10), seed=args.seed)
     if args.json:
         emit(json.dumps({"shape": list(shape), "cluster": dataclasses.asdict(cluster),
                           "steps": [dataclasses.asdict(s) for s in steps], "runs": args.runs,
                           "flow_run": recorded.flow_run_id if recorded is not None else None,
                           "params": recorded.params if recorded is not None else None, "notes": recorded_notes,
                           "deadline": deadline, "from_prior": sorted(models.from_prior), "prior_note": note,
-                          "trace": traced, "strategies": [s.to_dict() for s in summaries]}, indent=1))
+                          "trace": traced, "strategies": [s.to_dict() for s in summaries],
+                          "track_record": record.to_dict() if record is not None else None}, indent=1))
         return EXIT_OK
     for line in recorded_notes:
         emit(line)
@@ -242,7 +252,24 @@ def _simulate(args: argparse.Namespace) -> int:
         emit(note)
     if traced:
         emit(f"wrote {traced}: the first simulated memchunk run (seed {args.seed}) as a WfFormat trace, validated")
+    if record is not None:
+        _emit_track_record(record)
     return EXIT_OK
+
+
+def _emit_track_record(record: Any) -> None:
+    """The store's past flow runs beside their predictions, and the record in one line."""
+    if record.rows:
+        rows = [[r.flow_run_id[:8], "cold" if r.cold else "warm", str(r.maps), f"{r.real_seconds:.1f}",
+                 _opt(r.p50_seconds, ".1f"), _opt(r.p90_seconds, ".1f"),
+                 "-" if r.error is None else f"{r.error:+.0%}", "yes" if r.held_by_p90 else "no"]
+                for r in record.rows]
+        emit("track record (the store's latest completed flow runs, predicted again on their own survey and cluster; "
+             "in-sample: the models learned from these runs too):")
+        emit(table(["flow run", "planned", "maps", "real s", "p50 s", "p90 s", "p50 error", "held by p90"], rows))
+    for why in record.skipped:
+        emit(f"left out of the track record: {why}")
+    emit(record.summary_line())
 
 
 def _emit_summaries(args: argparse.Namespace, steps: list[Any], shape: Any, cluster: Any, summaries: list[Any]) -> None:

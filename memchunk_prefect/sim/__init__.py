@@ -4,7 +4,8 @@ Never imports :mod:`memchunk_prefect.run`: a simulation needs no Prefect server 
 
 A recorded flow run on another survey or cluster, from Python (imported on first use, see
 :mod:`memchunk_prefect.sim.plan`): :func:`from_flow_run` (a :class:`FlowPlan`: makespan, kills, chunks per step,
-whether it meets a deadline) and :func:`recommend_flow_run` (the cluster to ask for).
+whether it meets a deadline) and :func:`recommend_flow_run` (the cluster to ask for); :func:`track_record`: the
+store's past flow runs predicted again beside the makespans they had (:mod:`memchunk_prefect.sim.track`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ _LAZY = {
     "deadline_seconds": "memchunk_prefect.sim.plan",
     "recorded_flow": "memchunk_prefect.sim.recorded",
     "step_for": "memchunk_prefect.sim.recorded",
+    "track_record": "memchunk_prefect.sim.track",
+    "TrackRecord": "memchunk_prefect.sim.track",
 }
 
 __all__ = sorted(_LAZY)
