@@ -283,7 +283,7 @@ def test_the_track_record_predicts_the_real_flow_run_again_beside_the_makespan_i
     assert json.loads(capsys.readouterr().out)["track_record"]["rows"][0]["flow_run_id"] == row.flow_run_id
 
 
-def test_the_track_record_books_the_p50_times_what_held_for_nine_in_ten_past_runs(tmp_path):
+def test_the_track_record_books_the_p50_times_what_held_for_nine_in_ten_past_runs(tmp_path, capsys):
     """Six flow runs of one key, each 10 s apart and each taking longer than the last: the first is cold (no
     earlier observation), the rest warm; a run that failed a map is left out, saying why."""
     from memchunk_prefect.sim.track import MIN_RUNS_FOR_FACTOR, TrackRecord, TrackRow, track_record
@@ -308,6 +308,17 @@ def test_the_track_record_books_the_p50_times_what_held_for_nine_in_ten_past_run
     assert record.deadline_factor == pytest.approx(max(1.0, ratios[-1]))
     assert f"book at {record.deadline_factor:.2f}x the p50" in record.summary_line()
     assert len(track_record(path, runs=2, last=2).rows) == 2  # the latest two
+    # recommend books with it: the simulated runs held to the deadline over the factor, the jobs' walltime the
+    # deadline itself.
+    argv = ["recommend", "--store", str(path), "--flow-run", "latest", "--deadline", "2h", "--memory", "1GiB",
+            "--runs", "2", "--max-workers", "4", "--track-record", "10"]
+    assert cli.main([*argv, "--json"]) == cli.EXIT_OK
+    got = json.loads(capsys.readouterr().out)
+    assert got["planned_deadline_seconds"] == pytest.approx(7200 / record.deadline_factor)
+    assert got["deadline_seconds"] == 7200 and got["jobqueue"]["walltime"] == "02:00:00"
+    assert got["track_record"]["deadline_factor"] == pytest.approx(record.deadline_factor)
+    assert cli.main(argv) == cli.EXIT_OK
+    assert f"held to {7200 / record.deadline_factor:.0f} s of the 7200 s deadline" in capsys.readouterr().out
     with pytest.raises(SimulationInputError, match="last=0"):
         track_record(path, last=0)
     # Fewer runs than a 90th percentile needs: no factor; ten that all ended early: a factor of 1.

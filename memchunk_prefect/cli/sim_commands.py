@@ -406,6 +406,10 @@ def _recommend_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="PNG",
                    help="also plot makespan, core-hours and energy against memory per worker (needs matplotlib: "
                         "pip install 'memchunk-prefect[plot]')")
+    p.add_argument("--track-record", type=int, metavar="N",
+                   help="book with the store's track record: its N latest completed flow runs predicted again, and "
+                        "the simulated runs held to the deadline divided by the multiple of the p50 those runs "
+                        "needed (from 5 runs; the jobs' walltime stays the deadline)")
 
 
 @register("recommend", "the cluster to ask for: fewest core-hours (or least energy) that meet a deadline, from what "
@@ -424,15 +428,24 @@ def _recommend(args: argparse.Namespace) -> int:
     resting = (parse_bytes(args.resting) if args.resting is not None else
                c.resting_bytes if c is not None and c.resting_bytes is not None else parse_bytes("256MiB"))
     extra = {"kill_fraction": c.kill_fraction} if c is not None and c.kill_fraction is not None else {}
-    rec = recommend(steps, shape, models.knowledge, deadline_seconds=deadline,
+    record, planned = None, deadline
+    if args.track_record is not None:
+        from memchunk_prefect.sim.track import track_record
+
+        record = track_record(models.bank.store, last=args.track_record, runs=min(args.runs, 10))
+        planned = deadline / (record.deadline_factor or 1.0)
+    rec = recommend(steps, shape, models.knowledge, deadline_seconds=planned,
                     memory_options=[parse_bytes(m) for m in args.memory], max_workers=args.max_workers,
                     threads_per_worker=threads, confidence=args.confidence, runs=args.runs,
                     truth_for=models.truth, resting_bytes=resting, objective=args.objective,
                     **_map_work_kwargs(work), **_allocation_kwargs(args), **extra)
+    rec = dataclasses.replace(rec, deadline_seconds=deadline)  # the jobs' walltime: the deadline booked
     note = _prior_note(models, args)
     if args.json:
         emit(json.dumps({"best": rec.best.to_dict() if rec.best else None, "jobqueue": rec.jobqueue_kwargs(),
-                          "deadline_seconds": deadline, "confidence": args.confidence, "shape": list(shape),
+                          "deadline_seconds": deadline, "planned_deadline_seconds": planned,
+                          "track_record": record.to_dict() if record is not None else None,
+                          "confidence": args.confidence, "shape": list(shape),
                           "flow_run": recorded.flow_run_id if recorded is not None else None,
                           "notes": _recorded_note(recorded, shape),
                           "from_prior": sorted(models.from_prior), "prior_note": note,
@@ -440,7 +453,11 @@ def _recommend(args: argparse.Namespace) -> int:
         return EXIT_OK if rec.best else EXIT_FAILURE
     for line in [*_recorded_note(recorded, shape), *([note] if note else [])]:
         emit(line)
-    return _emit_recommendation(args, rec, steps, shape, deadline)
+    if record is not None:
+        emit(record.summary_line())
+        emit(f"booked with it: the simulated runs held to {planned:.0f} s of the {deadline:.0f} s deadline"
+             if planned < deadline else "booked for the deadline as given: the track record asks for no margin")
+    return _emit_recommendation(args, rec, steps, shape, planned)
 
 
 def _emit_recommendation(args: argparse.Namespace, rec: Any, steps: list[Any], shape: Any, deadline: float) -> int:
