@@ -44,10 +44,10 @@ and each prediction against its flow's median run: a single run's error carries 
 can predict.
 
 Each workload's store at the end (its memchunk cold and warm flow runs) is also read as a user's store is by
-``memchunk simulate --track-record``: its flow runs predicted again in-sample
-(:func:`memchunk_prefect.sim.track_record`), pooled over the workloads. The summary says how many a deadline at the
-p90 would have held, and how many one at the p50 times the booking factor learned from the other runs would have
-(leave one out: the factor never saw the run it books).
+``memchunk simulate --track-record``: each of its flow runs predicted from the store as it stood when the run
+started (:func:`memchunk_prefect.sim.track_record`), pooled over the workloads. The summary says how many a
+deadline at the p90 would have held, and how many one at the p50 times the booking factor learned from the other
+runs would have (leave one out: the factor never saw the run it books).
 
 ``--replay RESULT.json --work DIR`` predicts a finished run's real runs again with this checkout's simulator,
 from the copies of the stores that run kept in ``DIR`` (its ``--work``), with its measured restart: the real
@@ -417,7 +417,7 @@ def p90_coverage(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def track_records(stores: list[Path], runs: int) -> dict[str, Any] | None:
-    """The stores' flow runs predicted again in-sample (:func:`memchunk_prefect.sim.track_record`), pooled: how
+    """The stores' flow runs predicted again (:func:`memchunk_prefect.sim.track_record`), pooled: how
     many ended by their p90 (``under_p90``), how many by their p50 times the booking factor of the other runs
     (``under_factor_left_out``: each run's factor is the 90th percentile of real / p50 over the rest, at least 1),
     and the factor of all of them (``factor``). None without a predicted run."""
@@ -565,8 +565,8 @@ def _p90_line(p90: dict[str, Any] | None) -> list[str]:
 def _track_line(track: dict[str, Any] | None) -> list[str]:
     if not track:
         return []
-    return [f"each workload's store predicting its own flow runs again (`memchunk simulate --track-record`, "
-            f"in-sample): {track['runs']} runs of {track['stores']} stores, median error "
+    return [f"each workload's store predicting its own flow runs (`memchunk simulate --track-record`, "
+            f"each from the store as it stood then): {track['runs']} runs of {track['stores']} stores, median error "
             f"{_percent(track['median_abs_error'])}; a deadline at the p90 held for {track['under_p90']}, one at the "
             f"p50 times the other runs' booking factor for {track['under_factor_left_out']}; the factor of all of "
             f"them: {track['factor']:.2f}x"]

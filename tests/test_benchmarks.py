@@ -909,7 +909,7 @@ def test_quick_sim_validation_sets_every_real_run_beside_the_simulators_predicti
     track = doc["summary"]["track_record"]
     assert (track["stores"], track["runs"]) == (1, 2) and track["factor"] >= 1.0, track
     assert 0 <= track["under_p90"] <= 2 and 0 <= track["under_factor_left_out"] <= 2
-    assert "in-sample): 2 runs of 1 stores" in proc.stdout
+    assert "each from the store as it stood then): 2 runs of 1 stores" in proc.stdout
     page = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(out)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert page.returncode == 0, page.stderr

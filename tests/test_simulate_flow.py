@@ -83,6 +83,10 @@ def test_a_recorded_flow_of_user_operators_is_simulated_on_another_survey_and_cl
     assert [s.upstream_index(i) for i, s in enumerate(rec.steps)] == chained  # chaining as it ran
     assert rec.steps[0].key == "fam_linear[k=4]|float32|cpu" and rec.steps[0].halo == (1, 1, 0)
     assert rec.params[0] == {"h": 1, "k": 4.0, "passes": 1} and rec.shape == (24, 20, 60)
+    # The cores its workers shared, from the machine the store recorded: 2 single-thread workers on this machine.
+    import os
+
+    assert rec.cluster is not None and rec.cluster.threads_per_core == max(1.0, 2 / min(2, os.cpu_count() or 1))
 
     # The CLI, on a survey 4x the traces and a cluster of 4 workers of 2 GiB.
     argv = ["simulate", "--store", str(recorded_store), "--flow-run", "latest", "--shape", "48", "40", "60",
@@ -327,3 +331,22 @@ def test_the_track_record_books_the_p50_times_what_held_for_nine_in_ten_past_run
     assert TrackRecord([row] * 10).deadline_factor == 1.0 and TrackRecord([row] * 10).held_by_p90 == 10
     late = [TrackRow(f"r{i}", 0.0, False, 1.0 + 0.1 * i, 1.0, 1.05, 1) for i in range(10)]
     assert TrackRecord(late).deadline_factor == pytest.approx(1.8) and TrackRecord(late).held_by_p90 == 1
+
+
+def test_a_recorded_run_of_more_threads_than_cores_is_simulated_sharing_them_on_its_own_cluster_only(tmp_path):
+    """2 workers of 2 threads on a 2-core machine: each slot had half a core, so the simulated tasks there run
+    longer as the runner's plans counted; on another cluster shape the recorded machine says nothing."""
+    path = tmp_path / "s.sqlite"
+    with Store(path) as s:
+        s.put_machines({"node-a": {"cpu": {"coreCount": 2}}})
+        s.add_many([dataclasses.replace(_observation(BOX, n), host="node-a", worker=f"tcp://a:{1 + i % 2}")
+                    for i, n in enumerate((20_000, 50_000, 100_000, 200_000))])
+        s.add_map(_map("fr1", BOX, workers=2, threads_per_worker=2, memory_limit_bytes=GiB, whole_traces=False))
+        rec = recorded_flow(s, "latest")
+    assert rec.cluster is not None and rec.cluster.threads_per_core == 2.0
+    assert rec.cluster_shape().threads_per_core == 2.0
+    assert rec.cluster_shape(workers=8).threads_per_core == 1.0  # another cluster: its cores are not known
+    assert from_flow_run(path, runs=1).cluster.threads_per_core == 2.0
+    with Store(path) as s:  # a machine whose cores were not recorded: nothing is assumed
+        s.put_machines({"node-a": {"cpu": {}}})
+        assert recorded_flow(s, "latest").cluster.threads_per_core is None

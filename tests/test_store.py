@@ -580,3 +580,29 @@ def test_compact_deletes_the_map_records_whose_observations_all_went_and_keeps_r
         s.add_map(a_map("old-resumed", 50.0))  # old, nothing left
         assert s.compact(4)["maps"] == 5  # n0..n3 (their chunks went) and old-resumed
         assert sorted(m.map_id for m in s.maps()) == ["n4", "n5", "probe", "resumed"]
+
+
+def test_a_copy_as_of_a_time_holds_what_the_store_held_then_and_the_kept_flow_runs_maps(tmp_path):
+    from memchunk_prefect.core.records import MapRun, Reward
+
+    def obs(t: float, run: str) -> Observation:
+        return Observation("k", 100, (1, 1, 100), 400, 4000, seconds=0.1, flow_run_id=run, created_at=t)
+
+    def map_of(run: str, t: float) -> MapRun:
+        return MapRun(run, "op", "k", "/s", f"/o/{run}", (1, 1, 100), (0, 0, 0), 4, 1, 2**30, t, t + 5,
+                      map_id=f"{run}-m")
+
+    with Store(tmp_path / "s.sqlite") as s:
+        s.add_many([obs(10.0, "a"), obs(20.0, "b"), obs(30.0, "c")])
+        s.add_reward(Reward("k", "safe", ("safe",), 0.5, 0.5, 100, 5.0, 1, flow_run_id="a", created_at=11.0))
+        s.add_reward(Reward("k", "safe", ("safe",), 0.5, 0.5, 100, 5.0, 1, flow_run_id="c", created_at=31.0))
+        for run, t in (("a", 5.0), ("b", 15.0), ("c", 25.0)):
+            s.add_map(map_of(run, t))
+        copy = s.copy_as_of(tmp_path / "copy.sqlite", 20.0, keep_flow_run="c")
+        assert len(s.observations()) == 3  # the store itself is untouched
+    with Store(copy) as c:
+        assert [o.flow_run_id for o in c.observations()] == ["a", "b"]  # written by t = 20 s
+        assert [r.flow_run_id for r in c.rewards()] == ["a"]
+        assert [m.flow_run_id for m in c.maps()] == ["a", "b", "c"]  # c started later: its record is kept
+    with Store(tmp_path / "s.sqlite") as s, Store(s.copy_as_of(copy, 12.0)) as c:  # replaced; nothing beyond it
+        assert [m.flow_run_id for m in c.maps()] == ["a"] and len(c.observations()) == 1

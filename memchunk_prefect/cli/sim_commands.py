@@ -264,8 +264,8 @@ def _emit_track_record(record: Any) -> None:
                  _opt(r.p50_seconds, ".1f"), _opt(r.p90_seconds, ".1f"),
                  "-" if r.error is None else f"{r.error:+.0%}", "yes" if r.held_by_p90 else "no"]
                 for r in record.rows]
-        emit("track record (the store's latest completed flow runs, predicted again on their own survey and cluster; "
-             "in-sample: the models learned from these runs too):")
+        emit("track record (the store's latest completed flow runs, each predicted on its own survey and cluster from "
+             "what the store knew when it started; a first run cold):")
         emit(table(["flow run", "planned", "maps", "real s", "p50 s", "p90 s", "p50 error", "held by p90"], rows))
     for why in record.skipped:
         emit(f"left out of the track record: {why}")

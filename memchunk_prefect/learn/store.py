@@ -803,6 +803,26 @@ class Store:
             return buf.getvalue()
         raise StoreError(f"export format must be 'csv' or 'json', got {fmt!r}")
 
+    def copy_as_of(self, to: str | os.PathLike, until: float, *, keep_flow_run: str = "") -> Path:
+        """A copy of this store at ``to`` holding what it held at ``until`` (epoch seconds): the observations and
+        rewards written by then and the maps started by then, plus every map of ``keep_flow_run`` (its record,
+        without what it taught). What a past flow run is predicted from, out of sample: the store as it stood when
+        the run started (:func:`memchunk_prefect.sim.track.track_record`). ``to`` is replaced."""
+        dest = Path(to)
+        dest.unlink(missing_ok=True)
+        with self._lock:
+            dst = sqlite3.connect(dest)
+            try:
+                self._connection.backup(dst)
+                dst.execute("DELETE FROM observations WHERE created_at > ?", (float(until),))
+                dst.execute("DELETE FROM rewards WHERE created_at > ?", (float(until),))
+                dst.execute("DELETE FROM maps WHERE started_at > ? AND flow_run_id != ?",
+                            (float(until), str(keep_flow_run)))
+                dst.commit()
+            finally:
+                dst.close()
+        return dest
+
     def close(self) -> None:
         with self._lock:
             if self._con is not None:

@@ -13,6 +13,7 @@ Pure reading of a :class:`~memchunk_prefect.learn.store.Store`: no Prefect, no D
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -30,13 +31,16 @@ LISTED_KEYS = 12
 @dataclass(frozen=True)
 class RecordedCluster:
     """The cluster a flow run's maps read their budget from: workers, threads, memory limit (bytes), the nanny's
-    kill fraction and the workers' median resting memory (bytes; None where not read)."""
+    kill fraction and the workers' median resting memory (bytes; None where not read); ``threads_per_core``: the
+    workers' threads over the CPU cores of the machines they ran on, where those machines' cores are recorded
+    (:func:`recorded_threads_per_core`; None where not)."""
 
     workers: int
     threads_per_worker: int
     memory_limit_bytes: int | None
     kill_fraction: float | None
     resting_bytes: int | None
+    threads_per_core: float | None = None
 
     def describe(self) -> str:
         return (f"{self.workers} workers x {self.threads_per_worker} thread(s), "
@@ -85,6 +89,9 @@ class RecordedFlow:
             kw["resting_bytes"] = int(c.resting_bytes)
         if c is not None and c.kill_fraction is not None:
             kw.setdefault("kill_fraction", float(c.kill_fraction))
+        if c is not None and c.threads_per_core is not None and (int(workers), int(threads)) == (  # type: ignore[arg-type]
+                c.workers, c.threads_per_worker):
+            kw.setdefault("threads_per_core", float(c.threads_per_core))  # the same workers on the same machines
         return ClusterShape(workers=int(workers), memory_limit_bytes=int(memory),  # type: ignore[arg-type]
                             threads_per_worker=int(threads), **kw)
 
@@ -154,9 +161,38 @@ def recorded_flow(store: Any, flow_run: str = "latest") -> RecordedFlow:
     if unfinished:
         notes.append(f"flow run {run_id} did not finish every map ({unfinished}); the maps it started are "
                      "simulated to their end")
-    return RecordedFlow(run_id, steps, [_params(m) for m in maps], shapes[0], _cluster(maps),
+    cluster = _cluster(maps)
+    if cluster is not None:
+        cluster = dataclasses.replace(cluster, threads_per_core=recorded_threads_per_core(store, run_id, cluster))
+    return RecordedFlow(run_id, steps, [_params(m) for m in maps], shapes[0], cluster,
                         max(m.ended_at for m in maps) - min(m.started_at for m in maps), [m.outcome for m in maps],
                         notes)
+
+
+def recorded_threads_per_core(store: Any, run_id: str, cluster: RecordedCluster) -> float | None:
+    """The flow run's worker threads over the CPU cores they shared, as its runner's plans counted them
+    (:attr:`memchunk_prefect.sim.inputs.ClusterShape.threads_per_core`): per machine its chunks ran on, the
+    workers seen there (their observations' ``worker`` and ``host``) times ``threads_per_worker`` over that
+    machine's recorded cores (``coreCount`` of ``Store.machines``), at least 1, averaged over the workers. None
+    where a machine's cores were not recorded or no chunk names its machine.
+
+    On a 2-core machine, 2 workers of 2 threads each share the 2 cores: 2.0, and each task there runs about twice
+    its learned seconds while all four run (:class:`memchunk_prefect.sim.cluster.SimulatedCluster`)."""
+    workers: dict[str, set[str]] = {}
+    for o in store.run_observations(run_id):
+        if o.host and o.worker:
+            workers.setdefault(o.host, set()).add(o.worker)
+    if not workers:
+        return None
+    machines = store.machines()
+    per_worker: list[float] = []
+    for host, seen in workers.items():
+        cores = (machines.get(host) or {}).get("cpu", {}).get("coreCount")
+        if not cores:
+            return None
+        threads = len(seen) * cluster.threads_per_worker
+        per_worker += [max(1.0, threads / min(threads, int(cores)))] * len(seen)
+    return sum(per_worker) / len(per_worker)
 
 
 def _params(m: MapRun) -> dict[str, Any] | None:

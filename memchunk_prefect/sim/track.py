@@ -2,26 +2,30 @@
 
 Before booking a cluster on a prediction, the person booking asks how close the predictions have been. The
 store holds the answer for the flows it has seen: each past flow run's maps, its cluster, and how long it took.
-:func:`track_record` simulates each of the store's latest completed flow runs on its own survey and cluster
+:func:`track_record` predicts each of the store's latest completed flow runs on its own survey and cluster
 (:func:`memchunk_prefect.sim.plan.from_flow_run`) and sets the simulated makespan's p50 and p90 beside the
-makespan it had (first map's start to last map's end). A run whose keys had no observation from an earlier flow
-run is predicted as a cold run (the runner probing, ``cold=True``), the others warm.
+makespan it had (first map's start to last map's end).
+
+Each run is predicted from what the store knew when it started (:meth:`~memchunk_prefect.learn.store.Store.copy_as_of`),
+as a booking made before it would have been: the plans are those the runner would have made then, and nothing
+the run itself taught is used. A run with an operator the store had too little history of to plan (a first run)
+is predicted as a cold run instead (the runner probing, ``cold=True``), its chunks drawn from what the store
+knew at its end: nothing earlier could say what its operators cost.
 
 :attr:`TrackRecord.deadline_factor` is the multiple of the p50 a deadline would have needed to hold for 90% of
-those runs (the 90th percentile of real / p50, from :data:`MIN_RUNS_FOR_FACTOR` runs): book at the p50 times
-it, or at the p90 where the p90 is larger.
+those runs (the 90th percentile of real / p50, from :data:`MIN_RUNS_FOR_FACTOR` runs): book at the p50 times it.
+It measures how the simulator misses on this store's flows and machine (orchestration costs, the first step of a
+fresh cluster, the machine's load); it says nothing of a flow the store has not run.
 
-The record is in-sample: the models that predict a past run learned from that run too, so it reads the
-simulator's misfit to this store's flows (orchestration costs, the first step of a fresh cluster, a machine's
-load), not how it would do on an operator it never saw. It says nothing of a flow the store has not run.
-
-Pure apart from reading the store: no Prefect, no Dask. Units: seconds.
+Reads the store, and writes its copies to a temporary directory: no Prefect, no Dask. Units: seconds.
 """
 
 from __future__ import annotations
 
 import math
+import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -115,27 +119,37 @@ class TrackRecord:
                 "deadline_factor": self.deadline_factor}
 
 
-def _cold_keys(store: Any, flow_run_id: str, started_at: float, keys: set[str]) -> bool:
-    """Whether any of the run's keys had no observation from another flow run before ``started_at``."""
-    for key in keys:
-        if not any(o.flow_run_id != flow_run_id and o.created_at < started_at for o in store.observations(key)):
-            return True
-    return False
+def _predict(store: Any, run_id: str, started: float, ended: float, work: Path, runs: int, seed: int,
+             settings: PolicySettings) -> tuple[bool, Any]:
+    """(cold, the plan) of one past flow run: warm from the store as it stood at its start, else (an operator with
+    too little history then) cold from the store as it stood at its end."""
+    from memchunk_prefect.core.errors import TooLittleHistoryError
+    from memchunk_prefect.sim.plan import from_flow_run
+    from memchunk_prefect.sim.recorded import recorded_flow
+
+    # The cores its workers shared, read from its own chunks (which the copy as of its start leaves out).
+    cluster = recorded_flow(store, run_id).cluster
+    kw = {"threads_per_core": cluster.threads_per_core} if cluster and cluster.threads_per_core else {}
+    copy = store.copy_as_of(work / "as-of.sqlite", started, keep_flow_run=run_id)
+    try:
+        return False, from_flow_run(copy, run_id, runs=runs, seed=seed, settings=settings, **kw)
+    except TooLittleHistoryError:
+        copy = store.copy_as_of(work / "as-of.sqlite", ended, keep_flow_run=run_id)
+        return True, from_flow_run(copy, run_id, runs=runs, seed=seed, cold=True, settings=settings, **kw)
 
 
 def track_record(store: Any = None, *, last: int = 10, runs: int = 10, seed: int = 0,
                  settings: PolicySettings = DEFAULT_SETTINGS) -> TrackRecord:
     """The store's ``last`` latest completed flow runs, each simulated ``runs`` times on its own survey and
-    cluster, beside the makespan it had (see the module docstring). ``store``: a path, a
-    :class:`~memchunk_prefect.learn.store.Store` or None (the runner's default store)."""
-    from memchunk_prefect.learn.store import Store
-    from memchunk_prefect.sim.plan import from_flow_run
+    cluster from what the store knew then, beside the makespan it had (see the module docstring). ``store``: a
+    path, a :class:`~memchunk_prefect.learn.store.Store` or None (the runner's default store)."""
+    from memchunk_prefect.learn.store import Store, default_store_path
 
     if int(last) < 1 or int(runs) < 1:
         raise SimulationInputError(f"a track record needs last >= 1 flow runs and runs >= 1 simulations of each, got "
                                    f"last={last}, runs={runs}")
     opened = not isinstance(store, Store)
-    st = Store(store) if opened else store
+    st = Store(store if store is not None else default_store_path()) if opened else store
     try:
         by_run: dict[str, list[Any]] = {}
         for m in st.maps():
@@ -144,26 +158,26 @@ def track_record(store: Any = None, *, last: int = 10, runs: int = 10, seed: int
         order = sorted(by_run, key=lambda i: min(m.started_at for m in by_run[i]))
         rows: list[TrackRow] = []
         skipped: list[str] = []
-        for run_id in reversed(order):
-            if len(rows) >= int(last):
-                break
-            maps = by_run[run_id]
-            if any(m.outcome != "ok" for m in maps):
-                skipped.append(f"{run_id}: did not finish every map")
-                continue
-            started = min(m.started_at for m in maps)
-            real = max(m.ended_at for m in maps) - started
-            cold = _cold_keys(st, run_id, started, {m.operator_key for m in maps})
-            try:
-                plan = from_flow_run(st, run_id, runs=runs, seed=seed, cold=cold, settings=settings)
-            except (SimulationInputError, FlowRunRecordError) as exc:
-                skipped.append(f"{run_id}: {exc}")
-                continue
-            s = plan.summary()
-            if not (real > 0 and math.isfinite(real)):
-                skipped.append(f"{run_id}: no makespan recorded")
-                continue
-            rows.append(TrackRow(run_id, started, cold, real, s.makespan_p50, s.makespan_p90, len(maps)))
+        with tempfile.TemporaryDirectory(prefix="memchunk-track-") as tmp:
+            for run_id in reversed(order):
+                if len(rows) >= int(last):
+                    break
+                maps = by_run[run_id]
+                started, ended = min(m.started_at for m in maps), max(m.ended_at for m in maps)
+                if any(m.outcome != "ok" for m in maps):
+                    skipped.append(f"{run_id}: did not finish every map")
+                    continue
+                if not (ended > started and math.isfinite(ended - started)):
+                    skipped.append(f"{run_id}: no makespan recorded")
+                    continue
+                try:
+                    cold, plan = _predict(st, run_id, started, ended, Path(tmp), int(runs), seed, settings)
+                except (SimulationInputError, FlowRunRecordError) as exc:
+                    skipped.append(f"{run_id}: {exc}")
+                    continue
+                s = plan.summary()
+                rows.append(TrackRow(run_id, started, cold, ended - started, s.makespan_p50, s.makespan_p90,
+                                     len(maps)))
         return TrackRecord(list(reversed(rows)), skipped)
     finally:
         if opened:
