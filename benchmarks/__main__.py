@@ -61,8 +61,8 @@ FULL = Config(shape=(128, 128, 400), memory_limit="1GiB", n_workers=2, static_co
               overhead_chunks=8, overhead_pairs=5, scaling=(1, 2, 4), repeats=3)
 #: 64 x 96 x 400 = 9.4 MiB: ~400 MiB for gst3d_dip in one piece, over a 640 MiB worker's kill line (608 MiB)
 #: with its ~200 MiB resting memory. A smoke test (one scaling point, one sweep point, one overhead pair): its
-#: figures are not the benchmark's. The sweep point is 4 slabs, not 8: half the plain tasks (each pays Prefect's
-#: task-run start, about 1 s on 2 cores), peak ~0.71 of the limit (8 slabs: ~0.64).
+#: figures are not the benchmark's. The sweep point is 4 slabs: 12 plain tasks, each paying Prefect's task-run
+#: start (about 1 s on 2 cores), whose peaks reach ~0.71 of the limit.
 QUICK = Config(shape=(64, 96, 400), memory_limit="640MiB", n_workers=2, static_counts=(4,),
                overhead_chunks=8, overhead_pairs=1, scaling=(1,), repeats=1)
 
