@@ -44,10 +44,10 @@ and each prediction against its flow's median run: a single run's error carries 
 can predict.
 
 Each workload's store at the end (its memchunk cold and warm flow runs) is also read as a user's store is by
-``memchunk simulate --track-record``: each of its flow runs predicted from the store as it stood when the run
-started (:func:`memchunk_prefect.sim.track_record`), pooled over the workloads. The summary says how many a
-deadline at the p90 would have held, and how many one at the p50 times the booking factor learned from the other
-runs would have (leave one out: the factor never saw the run it books).
+``memchunk simulate --track-record``: each warm flow run predicted from the store as it stood when the run
+started, the cold one from the store at its end (:func:`memchunk_prefect.sim.track_record`), pooled over the
+workloads. The summary says how many a deadline at the p90 would have held, and how many one at the p90 times the
+booking factor learned from the other runs would have (leave one out: the factor never saw the run it books).
 
 ``--replay RESULT.json --work DIR`` predicts a finished run's real runs again with this checkout's simulator,
 from the copies of the stores that run kept in ``DIR`` (its ``--work``), with its measured restart: the real
@@ -417,28 +417,30 @@ def p90_coverage(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def track_records(stores: list[Path], runs: int) -> dict[str, Any] | None:
-    """The stores' flow runs predicted again (:func:`memchunk_prefect.sim.track_record`), pooled: how
-    many ended by their p90 (``under_p90``), how many by their p50 times the booking factor of the other runs
-    (``under_factor_left_out``: each run's factor is the 90th percentile of real / p50 over the rest, at least 1),
-    and the factor of all of them (``factor``). None without a predicted run."""
-    import numpy as np
-
-    from memchunk_prefect.sim.track import track_record
+    """The stores' flow runs predicted again as ``memchunk simulate --track-record`` does
+    (:func:`memchunk_prefect.sim.track_record`: a warm run from the store as it stood at its start, a first run
+    cold from the store at its end), pooled: how many ended by their p90 (``under_p90``), how many by their p90
+    times the booking factor of the other runs (``under_factor_left_out``), the factor of all of them
+    (``factor``, :func:`memchunk_prefect.sim.track.booking_factor`), and the median error of warm and cold runs
+    apart. None without a predicted run."""
+    from memchunk_prefect.sim.track import booking_factor, track_record
 
     rows = [r for path in stores if path.exists() for r in track_record(path, runs=min(runs, 10)).predicted]
+    rows = [r for r in rows if r.p90_seconds]
     if not rows:
         return None
-    ratios = np.array([r.real_seconds / float(r.p50_seconds or 1.0) for r in rows])
+    ratios = [r.real_seconds / float(r.p90_seconds or 1.0) for r in rows]
+    left_out = [booking_factor(ratios[:i] + ratios[i + 1:]) for i in range(len(ratios))]
 
-    def factor(values: np.ndarray) -> float | None:
-        return max(1.0, float(np.quantile(values, 0.9, method="inverted_cdf"))) if len(values) else None
+    def median_error(cold: bool) -> float | None:
+        errors = [abs(r.error or 0.0) for r in rows if r.cold == cold]
+        return statistics.median(errors) if errors else None
 
-    left_out = [factor(np.delete(ratios, i)) for i in range(len(ratios))]
-    return {"runs": len(rows), "stores": sum(p.exists() for p in stores),
+    return {"runs": len(rows), "stores": sum(p.exists() for p in stores), "cold": sum(r.cold for r in rows),
             "under_p90": sum(r.held_by_p90 for r in rows),
-            "under_factor_left_out": int(sum(f is not None and x <= f for x, f in zip(ratios, left_out))),
-            "factor": factor(ratios),
-            "median_abs_error": float(np.median([abs(r.error or 0.0) for r in rows]))}
+            "under_factor_left_out": sum(f is not None and x <= f for x, f in zip(ratios, left_out)),
+            "factor": booking_factor(ratios), "median_abs_error_warm": median_error(False),
+            "median_abs_error_cold": median_error(True)}
 
 
 def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
@@ -565,11 +567,13 @@ def _p90_line(p90: dict[str, Any] | None) -> list[str]:
 def _track_line(track: dict[str, Any] | None) -> list[str]:
     if not track:
         return []
-    return [f"each workload's store predicting its own flow runs (`memchunk simulate --track-record`, "
-            f"each from the store as it stood then): {track['runs']} runs of {track['stores']} stores, median error "
-            f"{_percent(track['median_abs_error'])}; a deadline at the p90 held for {track['under_p90']}, one at the "
-            f"p50 times the other runs' booking factor for {track['under_factor_left_out']}; the factor of all of "
-            f"them: {track['factor']:.2f}x"]
+    warm, cold = _percent(track["median_abs_error_warm"]), _percent(track["median_abs_error_cold"])
+    return [f"each workload's store predicting its own flow runs (`memchunk simulate --track-record`: a warm run "
+            f"from the store as it stood at its start, a first run cold from the store at its end): "
+            f"{track['runs']} runs of {track['stores']} stores, median error {warm} warm and {cold} cold "
+            f"({track['cold']} runs); a deadline at the p90 held for {track['under_p90']}, one at the p90 times the "
+            f"other runs' booking factor for {track['under_factor_left_out']}; the factor of all of them: "
+            f"{track['factor']:.2f}x"]
 
 
 def main(argv: list[str] | None = None) -> int:

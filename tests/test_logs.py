@@ -130,8 +130,13 @@ def test_a_workers_close_cutting_its_own_heartbeat_short_is_not_logged_as_an_err
         asyncio.run(close_while_the_heartbeat_waits())
         filtered = [m for m in kept.messages if m.startswith(HEARTBEAT_FAILED)]
         # A running worker's failed heartbeat (no worker of this process is closing) is still an error.
-        running = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 0, HEARTBEAT_FAILED + ".",
-                                    None, None)
+        from distributed.comm.core import CommClosedError
+
+        try:
+            raise CommClosedError("in <TCP (closed) ConnectionPool.heartbeat_worker>: Stream is closed")
+        except CommClosedError:
+            running = logging.LogRecord("distributed.worker", logging.ERROR, __file__, 0, HEARTBEAT_FAILED + ".",
+                                        None, sys.exc_info())
         assert HeartbeatAtClose().filter(running)
     finally:
         target.removeHandler(kept)

@@ -596,13 +596,16 @@ def test_a_copy_as_of_a_time_holds_what_the_store_held_then_and_the_kept_flow_ru
         s.add_many([obs(10.0, "a"), obs(20.0, "b"), obs(30.0, "c")])
         s.add_reward(Reward("k", "safe", ("safe",), 0.5, 0.5, 100, 5.0, 1, flow_run_id="a", created_at=11.0))
         s.add_reward(Reward("k", "safe", ("safe",), 0.5, 0.5, 100, 5.0, 1, flow_run_id="c", created_at=31.0))
-        for run, t in (("a", 5.0), ("b", 15.0), ("c", 25.0)):
+        for run, t in (("a", 5.0), ("b", 15.0), ("c", 25.0), ("d", 18.0)):  # d overlaps: it ends at 23 s
             s.add_map(map_of(run, t))
         copy = s.copy_as_of(tmp_path / "copy.sqlite", 20.0, keep_flow_run="c")
         assert len(s.observations()) == 3  # the store itself is untouched
+        with pytest.raises(StoreError, match="cannot replace the store itself"):
+            s.copy_as_of(s.path, 20.0)
     with Store(copy) as c:
         assert [o.flow_run_id for o in c.observations()] == ["a", "b"]  # written by t = 20 s
         assert [r.flow_run_id for r in c.rewards()] == ["a"]
-        assert [m.flow_run_id for m in c.maps()] == ["a", "b", "c"]  # c started later: its record is kept
+        # Maps that had ended by then (d, started before but ending after, had no record yet), and c's, kept.
+        assert [m.flow_run_id for m in c.maps()] == ["a", "b", "c"]
     with Store(tmp_path / "s.sqlite") as s, Store(s.copy_as_of(copy, 12.0)) as c:  # replaced; nothing beyond it
         assert [m.flow_run_id for m in c.maps()] == ["a"] and len(c.observations()) == 1

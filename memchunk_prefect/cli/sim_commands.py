@@ -78,7 +78,7 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--track-record", type=int, metavar="N",
                    help="also predict the store's N latest completed flow runs again on their own survey and "
                         "cluster, beside the makespans they had: how far to trust the prediction, and the multiple "
-                        "of the p50 to book (memchunk_prefect/sim/track.py)")
+                        "of the p90 to book (memchunk_prefect/sim/track.py)")
 
 
 def _allocation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -408,7 +408,7 @@ def _recommend_arguments(p: argparse.ArgumentParser) -> None:
                         "pip install 'memchunk-prefect[plot]')")
     p.add_argument("--track-record", type=int, metavar="N",
                    help="book with the store's track record: its N latest completed flow runs predicted again, and "
-                        "the simulated runs held to the deadline divided by the multiple of the p50 those runs "
+                        "the simulated runs held to the deadline divided by the multiple of the p90 those runs "
                         "needed (from 5 runs; the jobs' walltime stays the deadline)")
 
 
@@ -455,8 +455,11 @@ def _recommend(args: argparse.Namespace) -> int:
         emit(line)
     if record is not None:
         emit(record.summary_line())
-        emit(f"booked with it: the simulated runs held to {planned:.0f} s of the {deadline:.0f} s deadline"
-             if planned < deadline else "booked for the deadline as given: the track record asks for no margin")
+        if record.deadline_factor is None:
+            emit("booked for the deadline as given: the track record is too short for a margin")
+        else:
+            emit(f"booked with it: the simulated runs held to {planned:.0f} s of the {deadline:.0f} s deadline"
+                 if planned < deadline else "booked for the deadline as given: every past run ended by its p90")
     return _emit_recommendation(args, rec, steps, shape, planned)
 
 

@@ -805,10 +805,15 @@ class Store:
 
     def copy_as_of(self, to: str | os.PathLike, until: float, *, keep_flow_run: str = "") -> Path:
         """A copy of this store at ``to`` holding what it held at ``until`` (epoch seconds): the observations and
-        rewards written by then and the maps started by then, plus every map of ``keep_flow_run`` (its record,
-        without what it taught). What a past flow run is predicted from, out of sample: the store as it stood when
-        the run started (:func:`memchunk_prefect.sim.track.track_record`). ``to`` is replaced."""
+        rewards written by then and the maps that had ended by then (a map's record is written as it ends), plus
+        every map of ``keep_flow_run`` (its record, without what it taught). What a past flow run is predicted
+        from, out of sample: the store as it stood when the run started
+        (:func:`memchunk_prefect.sim.track.track_record`). ``to`` is replaced; it cannot be this store's own file
+        (StoreError)."""
         dest = Path(to)
+        if dest.resolve() == self.path.resolve():
+            raise StoreError(f"a copy of the store {self.path} as of a time cannot replace the store itself: give "
+                             "another path")
         dest.unlink(missing_ok=True)
         with self._lock:
             dst = sqlite3.connect(dest)
@@ -816,7 +821,7 @@ class Store:
                 self._connection.backup(dst)
                 dst.execute("DELETE FROM observations WHERE created_at > ?", (float(until),))
                 dst.execute("DELETE FROM rewards WHERE created_at > ?", (float(until),))
-                dst.execute("DELETE FROM maps WHERE started_at > ? AND flow_run_id != ?",
+                dst.execute("DELETE FROM maps WHERE ended_at > ? AND flow_run_id != ?",
                             (float(until), str(keep_flow_run)))
                 dst.commit()
             finally:

@@ -166,18 +166,25 @@ class HeartbeatAtClose(logging.Filter):
     ``CommClosedError`` and the worker logs "Failed to communicate with scheduler during heartbeat." at ERROR,
     with a 40-line traceback, at the end of a flow run that succeeded (dask/distributed#5371 shows the same
     race). Nothing is lost: the worker is closing on purpose, and its batched stream, not the heartbeat, is what
-    tells it the scheduler is gone (dask/distributed#6492). The record is kept whenever no worker of this
-    process is closing (the state ``Worker.close`` holds until its connections are closed), where it reports a
-    scheduler that really is unreachable.
+    tells it the scheduler is gone (dask/distributed#6492). Only a ``CommClosedError`` (the closed connection)
+    is dropped, and only while a worker of this process is closing (the state ``Worker.close`` holds until its
+    connections are closed). In a process of several workers (a threaded cluster) that also hides another
+    worker's failed heartbeat during that close; a worker process holds one worker.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not str(record.msg).startswith(HEARTBEAT_FAILED):
             return True
-        from distributed.core import Status
-        from distributed.worker import Worker
+        try:
+            from distributed.comm.core import CommClosedError
+            from distributed.core import Status
+            from distributed.worker import Worker
 
-        return not any(w.status == Status.closing for w in list(Worker._instances))
+            if not (record.exc_info and isinstance(record.exc_info[1], CommClosedError)):
+                return True  # not a connection closed under it: a scheduler that does not answer
+            return not any(w.status == Status.closing for w in list(getattr(Worker, "_instances", ())))
+        except Exception:  # noqa: BLE001 - a filter that fails would break the heartbeat it reports on
+            return True
 
 
 _AT_CLOSE = HeartbeatAtClose()

@@ -170,14 +170,18 @@ def recorded_flow(store: Any, flow_run: str = "latest") -> RecordedFlow:
 
 
 def recorded_threads_per_core(store: Any, run_id: str, cluster: RecordedCluster) -> float | None:
-    """The flow run's worker threads over the CPU cores they shared, as its runner's plans counted them
-    (:attr:`memchunk_prefect.sim.inputs.ClusterShape.threads_per_core`): per machine its chunks ran on, the
-    workers seen there (their observations' ``worker`` and ``host``) times ``threads_per_worker`` over that
-    machine's recorded cores (``coreCount`` of ``Store.machines``), at least 1, averaged over the workers. None
-    where a machine's cores were not recorded or no chunk names its machine.
+    """The flow run's worker threads over the CPU cores they shared, counted as the runner counts them
+    (:func:`memchunk_prefect.core.budget.threads_per_core`): per machine its chunks ran on, the workers seen there
+    (their observations' ``worker`` and ``host``; at most the run's ``workers``, so a worker the nanny restarted
+    under a new address is not counted twice) times ``threads_per_worker``, against that machine's recorded cores
+    (``coreCount`` of ``Store.machines``). None where a machine's cores were not recorded or no chunk names its
+    machine. The machine's cores, not the worker's CPU affinity: workers confined to fewer cores (a batch job's
+    cpuset) shared fewer than this says.
 
     On a 2-core machine, 2 workers of 2 threads each share the 2 cores: 2.0, and each task there runs about twice
     its learned seconds while all four run (:class:`memchunk_prefect.sim.cluster.SimulatedCluster`)."""
+    from memchunk_prefect.core.budget import threads_per_core
+
     workers: dict[str, set[str]] = {}
     for o in store.run_observations(run_id):
         if o.host and o.worker:
@@ -185,14 +189,16 @@ def recorded_threads_per_core(store: Any, run_id: str, cluster: RecordedCluster)
     if not workers:
         return None
     machines = store.machines()
-    per_worker: list[float] = []
+    nthreads: dict[str, int] = {}
+    placement: dict[str, tuple[str, Sequence[int]]] = {}
     for host, seen in workers.items():
         cores = (machines.get(host) or {}).get("cpu", {}).get("coreCount")
         if not cores:
             return None
-        threads = len(seen) * cluster.threads_per_worker
-        per_worker += [max(1.0, threads / min(threads, int(cores)))] * len(seen)
-    return sum(per_worker) / len(per_worker)
+        for i in range(min(len(seen), cluster.workers)):
+            nthreads[f"{host}/{i}"] = cluster.threads_per_worker
+            placement[f"{host}/{i}"] = (host, range(int(cores)))
+    return threads_per_core(nthreads, placement)
 
 
 def _params(m: MapRun) -> dict[str, Any] | None:

@@ -12,10 +12,11 @@ the run itself taught is used. A run with an operator the store had too little h
 is predicted as a cold run instead (the runner probing, ``cold=True``), its chunks drawn from what the store
 knew at its end: nothing earlier could say what its operators cost.
 
-:attr:`TrackRecord.deadline_factor` is the multiple of the p50 a deadline would have needed to hold for 90% of
-those runs (the 90th percentile of real / p50, from :data:`MIN_RUNS_FOR_FACTOR` runs): book at the p50 times it.
-It measures how the simulator misses on this store's flows and machine (orchestration costs, the first step of a
-fresh cluster, the machine's load); it says nothing of a flow the store has not run.
+:attr:`TrackRecord.deadline_factor` is the multiple of the predicted p90 a deadline would have needed to hold for
+90% of those runs (the 90th percentile of real / p90, from :data:`MIN_RUNS_FOR_FACTOR` runs): book at the p90
+times it. It is pooled over every flow of the store the record reads, and measures how the simulator misses on
+this store's flows and machine (orchestration costs, the first step of a fresh cluster, the machine's load); it
+says nothing of a flow the store has not run.
 
 Reads the store, and writes its copies to a temporary directory: no Prefect, no Dask. Units: seconds.
 """
@@ -26,15 +27,26 @@ import math
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from memchunk_prefect.core.errors import FlowRunRecordError, SimulationInputError
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, PolicySettings
 
-#: Completed runs a :attr:`TrackRecord.deadline_factor` needs: a 90th percentile of fewer is the largest one.
+#: Predicted runs a :attr:`TrackRecord.deadline_factor` needs. Up to nine runs their 90th percentile is their
+#: largest ratio; from five, one slow run among them is one in five at most, not the whole record.
 MIN_RUNS_FOR_FACTOR = 5
+
+
+def booking_factor(ratios: Sequence[float]) -> float | None:
+    """The 90th percentile of ``ratios`` (real makespan / predicted p90), at least 1 (a p90 that always held
+    needs no margin); None without ratios.
+
+    >>> booking_factor([0.9, 1.0, 1.1, 1.2, 1.5]), booking_factor([0.8, 0.9]), booking_factor([])
+    (1.5, 1.0, None)
+    """
+    return max(1.0, float(np.quantile(list(ratios), 0.9, method="inverted_cdf"))) if len(ratios) else None
 
 
 @dataclass(frozen=True)
@@ -87,13 +99,18 @@ class TrackRecord:
         return sum(r.held_by_p90 for r in self.predicted)
 
     @property
+    def ratios(self) -> list[float]:
+        """Each predicted run's real makespan over its predicted p90."""
+        return [r.real_seconds / r.p90_seconds for r in self.predicted if r.p90_seconds]
+
+    @property
     def deadline_factor(self) -> float | None:
-        """The multiple of the p50 a deadline needed to hold for 90% of the predicted runs (at least 1; None
-        with fewer than :data:`MIN_RUNS_FOR_FACTOR` of them)."""
-        ratios = [r.real_seconds / r.p50_seconds for r in self.predicted if r.p50_seconds]
-        if len(ratios) < MIN_RUNS_FOR_FACTOR:
-            return None
-        return max(1.0, float(np.quantile(ratios, 0.9, method="inverted_cdf")))
+        """The multiple of the predicted p90 a deadline needed to hold for 90% of the predicted runs
+        (:func:`booking_factor`; None with fewer than :data:`MIN_RUNS_FOR_FACTOR` of them). ``recommend``
+        asks the simulated runs to meet the deadline with 90% confidence, which is the p90: the factor is
+        measured against the same figure."""
+        ratios = self.ratios
+        return booking_factor(ratios) if len(ratios) >= MIN_RUNS_FOR_FACTOR else None
 
     def summary_line(self) -> str:
         """The record in one sentence."""
@@ -107,9 +124,9 @@ class TrackRecord:
                 f"a deadline at the p90 would have held for {self.held_by_p90} of {len(done)}")
         factor = self.deadline_factor
         if factor is not None:
-            line += f"; book at {factor:.2f}x the p50 to have held for 90% of them"
+            line += f"; book at {factor:.2f}x the p90 to have held for 90% of them"
         else:
-            line += f" (a booking factor needs {MIN_RUNS_FOR_FACTOR} runs)"
+            line += f" (a booking factor needs {MIN_RUNS_FOR_FACTOR} predicted runs, this store has {len(done)})"
         return line
 
     def to_dict(self) -> dict[str, Any]:
@@ -143,13 +160,19 @@ def track_record(store: Any = None, *, last: int = 10, runs: int = 10, seed: int
     """The store's ``last`` latest completed flow runs, each simulated ``runs`` times on its own survey and
     cluster from what the store knew then, beside the makespan it had (see the module docstring). ``store``: a
     path, a :class:`~memchunk_prefect.learn.store.Store` or None (the runner's default store)."""
+    from memchunk_prefect.core.errors import StoreError
     from memchunk_prefect.learn.store import Store, default_store_path
 
     if int(last) < 1 or int(runs) < 1:
-        raise SimulationInputError(f"a track record needs last >= 1 flow runs and runs >= 1 simulations of each, got "
-                                   f"last={last}, runs={runs}")
+        raise SimulationInputError(f"a track record needs at least 1 flow run (--track-record N, last=) and 1 "
+                                   f"simulated run of each (--runs, runs=), got {last} and {runs}")
     opened = not isinstance(store, Store)
-    st = Store(store if store is not None else default_store_path()) if opened else store
+    if opened:
+        path = Path(store) if store is not None else default_store_path()
+        if not path.is_file():
+            raise StoreError(f"no store at {path}: a track record reads the store your flows ran with; give it "
+                             "with --store (store=) or MEMCHUNK_STORE")
+    st = Store(path) if opened else store
     try:
         by_run: dict[str, list[Any]] = {}
         for m in st.maps():
