@@ -251,7 +251,7 @@ def test_the_how_to_runs_its_commands_and_its_python_as_written(recorded_store, 
         assert cli.main(argv[1:]) == cli.EXIT_OK, (argv, capsys.readouterr())
     (track,) = [shlex.split(line) for line in marked[2][1].splitlines() if line.strip()]
     assert cli.main(track[1:]) == cli.EXIT_OK
-    assert "1 past flow run(s) predicted again" in capsys.readouterr().out
+    assert "1 past flow run(s) of this flow predicted again" in capsys.readouterr().out
     scope: dict = {}
     exec(compile(marked[1][1], "simulate-a-flow.md", "exec"), scope)
     assert scope["plan"].completes and "meets the deadline: " in capsys.readouterr().out
@@ -280,7 +280,7 @@ def test_the_track_record_predicts_the_real_flow_run_again_beside_the_makespan_i
     assert cli.main(argv) == cli.EXIT_OK
     out = capsys.readouterr().out
     assert "track record (the store's latest completed flow runs" in out and row.flow_run_id[:8] in out
-    assert "1 past flow run(s) predicted again: makespan error median" in out
+    assert "1 past flow run(s) of this flow predicted again: makespan error median" in out
     assert cli.main([*argv, "--json"]) == cli.EXIT_OK
     assert json.loads(capsys.readouterr().out)["track_record"]["rows"][0]["flow_run_id"] == row.flow_run_id
 
@@ -300,7 +300,12 @@ def test_the_track_record_books_the_p90_times_what_held_for_nine_in_ten_past_run
                         for n in (20_000, 50_000, 100_000, 200_000)])
             s.add_map(_map(run, BOX, started_at=start, ended_at=start + 2.0 + i, **cluster,
                            outcome="failed" if i == 3 else "ok"))
-    record = track_record(path, runs=2)
+        # Another flow of the same store, earlier: an operator it never learned.
+        s.add_map(_map("other", "my_other|float32|cpu", started_at=900.0, ended_at=901.0, **cluster))
+    pooled = track_record(path, runs=2)
+    assert "other: " in pooled.skipped[-1] and not pooled.same_flow  # every flow of the store, this one unplannable
+    record = track_record(path, runs=2, flow_run="fr6")  # the runs of fr6's flow only
+    assert record.same_flow and "of this flow" in record.summary_line()
     assert [r.flow_run_id for r in record.rows] == ["fr0", "fr1", "fr2", "fr4", "fr5", "fr6"]
     assert [r.cold for r in record.rows] == [True, False, False, False, False, False]
     assert record.skipped == ["fr3: did not finish every map"]

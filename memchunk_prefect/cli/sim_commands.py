@@ -76,9 +76,9 @@ def _simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window", help="the window for --utilisation: seconds, 45min, 6h or HH:MM (default: the "
                                     "deadline)")
     p.add_argument("--track-record", type=int, metavar="N",
-                   help="also predict the store's N latest completed flow runs again on their own survey and "
-                        "cluster, beside the makespans they had: how far to trust the prediction, and the multiple "
-                        "of the p90 to book (memchunk_prefect/sim/track.py)")
+                   help="also predict the store's N latest completed flow runs (of the same flow, with --flow-run) "
+                        "again on their own survey and cluster, beside the makespans they had: how far to trust the "
+                        "prediction, and the multiple of the p90 to book (memchunk_prefect/sim/track.py)")
 
 
 def _allocation_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -228,7 +228,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.track_record is not None:
         from memchunk_prefect.sim.track import track_record
 
-        record = track_record(models.bank.store, last=args.track_record, runs=min(args.runs, 10), seed=args.seed)
+        record = track_record(models.bank.store, last=args.track_record, runs=min(args.runs, 10), seed=args.seed,
+                              flow_run=recorded.flow_run_id if recorded is not None else None)
     if args.json:
         emit(json.dumps({"shape": list(shape), "cluster": dataclasses.asdict(cluster),
                           "steps": [dataclasses.asdict(s) for s in steps], "runs": args.runs,
@@ -264,7 +265,8 @@ def _emit_track_record(record: Any) -> None:
                  _opt(r.p50_seconds, ".1f"), _opt(r.p90_seconds, ".1f"),
                  "-" if r.error is None else f"{r.error:+.0%}", "yes" if r.held_by_p90 else "no"]
                 for r in record.rows]
-        emit("track record (the store's latest completed flow runs, each predicted on its own survey and cluster from "
+        runs = "flow runs of this flow" if record.same_flow else "flow runs"
+        emit(f"track record (the store's latest completed {runs}, each predicted on its own survey and cluster from "
              "what the store knew when it started; a first run cold):")
         emit(table(["flow run", "planned", "maps", "real s", "p50 s", "p90 s", "p50 error", "held by p90"], rows))
     for why in record.skipped:
@@ -407,7 +409,8 @@ def _recommend_arguments(p: argparse.ArgumentParser) -> None:
                    help="also plot makespan, core-hours and energy against memory per worker (needs matplotlib: "
                         "pip install 'memchunk-prefect[plot]')")
     p.add_argument("--track-record", type=int, metavar="N",
-                   help="book with the store's track record: its N latest completed flow runs predicted again, and "
+                   help="book with the store's track record: its N latest completed flow runs (of the same flow, "
+                        "with --flow-run) predicted again, and "
                         "the simulated runs held to the deadline divided by the multiple of the p90 those runs "
                         "needed (from 5 runs; the jobs' walltime stays the deadline)")
 
@@ -432,7 +435,8 @@ def _recommend(args: argparse.Namespace) -> int:
     if args.track_record is not None:
         from memchunk_prefect.sim.track import track_record
 
-        record = track_record(models.bank.store, last=args.track_record, runs=min(args.runs, 10))
+        record = track_record(models.bank.store, last=args.track_record, runs=min(args.runs, 10),
+                              flow_run=recorded.flow_run_id if recorded is not None else None)
         planned = deadline / (record.deadline_factor or 1.0)
     rec = recommend(steps, shape, models.knowledge, deadline_seconds=planned,
                     memory_options=[parse_bytes(m) for m in args.memory], max_workers=args.max_workers,

@@ -14,7 +14,8 @@ knew at its end: nothing earlier could say what its operators cost.
 
 :attr:`TrackRecord.deadline_factor` is the multiple of the predicted p90 a deadline would have needed to hold for
 90% of those runs (the 90th percentile of real / p90, from :data:`MIN_RUNS_FOR_FACTOR` runs): book at the p90
-times it. It is pooled over every flow of the store the record reads, and measures how the simulator misses on
+times it. It is pooled over every flow of the store, or over the runs of one flow (``flow_run=``, what
+``--flow-run`` with ``--track-record`` reads), and measures how the simulator misses on
 this store's flows and machine (orchestration costs, the first step of a fresh cluster, the machine's load); it
 says nothing of a flow the store has not run.
 
@@ -79,6 +80,7 @@ class TrackRecord:
 
     rows: list[TrackRow]
     skipped: list[str] = field(default_factory=list)
+    same_flow: bool = False  # only runs of the flow being booked (else every flow of the store)
 
     @property
     def predicted(self) -> list[TrackRow]:
@@ -120,7 +122,8 @@ class TrackRecord:
                                                                                    "none is recorded")
         mae, worst = self.median_abs_error, self.worst_abs_error
         assert mae is not None and worst is not None
-        line = (f"{len(done)} past flow run(s) predicted again: makespan error median {mae:.0%}, worst {worst:.0%}; "
+        what = f"{len(done)} past flow run(s){' of this flow' if self.same_flow else ''}"
+        line = (f"{what} predicted again: makespan error median {mae:.0%}, worst {worst:.0%}; "
                 f"a deadline at the p90 would have held for {self.held_by_p90} of {len(done)}")
         factor = self.deadline_factor
         if factor is not None:
@@ -131,7 +134,7 @@ class TrackRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rows": [{**asdict(r), "error": r.error, "held_by_p90": r.held_by_p90} for r in self.rows],
-                "skipped": list(self.skipped), "median_abs_error": self.median_abs_error,
+                "skipped": list(self.skipped), "same_flow": self.same_flow, "median_abs_error": self.median_abs_error,
                 "worst_abs_error": self.worst_abs_error, "held_by_p90": self.held_by_p90,
                 "deadline_factor": self.deadline_factor}
 
@@ -155,29 +158,48 @@ def _predict(store: Any, run_id: str, started: float, ended: float, work: Path, 
         return True, from_flow_run(copy, run_id, runs=runs, seed=seed, cold=True, settings=settings, **kw)
 
 
-def track_record(store: Any = None, *, last: int = 10, runs: int = 10, seed: int = 0,
-                 settings: PolicySettings = DEFAULT_SETTINGS) -> TrackRecord:
-    """The store's ``last`` latest completed flow runs, each simulated ``runs`` times on its own survey and
-    cluster from what the store knew then, beside the makespan it had (see the module docstring). ``store``: a
-    path, a :class:`~memchunk_prefect.learn.store.Store` or None (the runner's default store)."""
+def _open(store: Any) -> Any:
+    """The store at ``store`` (None: the runner's default store); StoreError where there is none (a track record
+    of a mistyped path is never an empty new store)."""
     from memchunk_prefect.core.errors import StoreError
     from memchunk_prefect.learn.store import Store, default_store_path
+
+    path = Path(store) if store is not None else default_store_path()
+    if not path.is_file():
+        raise StoreError(f"no store at {path}: a track record reads the store your flows ran with; give it with "
+                         "--store (store=) or MEMCHUNK_STORE")
+    return Store(path)
+
+
+def _same_flow(store: Any, by_run: dict[str, list[Any]], flow_run: str) -> dict[str, list[Any]]:
+    """The flow runs of ``by_run`` (maps by flow run) with the same operator keys, map for map, as ``flow_run``."""
+    from memchunk_prefect.sim.recorded import resolve_flow_run
+
+    keys = sorted(m.operator_key for m in by_run.get(resolve_flow_run(store, flow_run), []))
+    return {i: maps for i, maps in by_run.items() if sorted(m.operator_key for m in maps) == keys}
+
+
+def track_record(store: Any = None, *, last: int = 10, runs: int = 10, seed: int = 0,
+                 flow_run: str | None = None, settings: PolicySettings = DEFAULT_SETTINGS) -> TrackRecord:
+    """The store's ``last`` latest completed flow runs, each simulated ``runs`` times on its own survey and
+    cluster from what the store knew then, beside the makespan it had (see the module docstring). ``store``: a
+    path, a :class:`~memchunk_prefect.learn.store.Store` or None (the runner's default store); ``flow_run``: only
+    runs of the same flow as this one (an id, its start, or ``latest``): the same operator keys, map for map, so
+    a booking for that flow carries its own margin, not one pooled with the store's other flows."""
+    from memchunk_prefect.learn.store import Store
 
     if int(last) < 1 or int(runs) < 1:
         raise SimulationInputError(f"a track record needs at least 1 flow run (--track-record N, last=) and 1 "
                                    f"simulated run of each (--runs, runs=), got {last} and {runs}")
     opened = not isinstance(store, Store)
-    if opened:
-        path = Path(store) if store is not None else default_store_path()
-        if not path.is_file():
-            raise StoreError(f"no store at {path}: a track record reads the store your flows ran with; give it "
-                             "with --store (store=) or MEMCHUNK_STORE")
-    st = Store(path) if opened else store
+    st = _open(store) if opened else store
     try:
         by_run: dict[str, list[Any]] = {}
         for m in st.maps():
             if m.flow_run_id:
                 by_run.setdefault(m.flow_run_id, []).append(m)
+        if flow_run is not None:
+            by_run = _same_flow(st, by_run, flow_run)
         order = sorted(by_run, key=lambda i: min(m.started_at for m in by_run[i]))
         rows: list[TrackRow] = []
         skipped: list[str] = []
@@ -201,7 +223,7 @@ def track_record(store: Any = None, *, last: int = 10, runs: int = 10, seed: int
                 s = plan.summary()
                 rows.append(TrackRow(run_id, started, cold, ended - started, s.makespan_p50, s.makespan_p90,
                                      len(maps)))
-        return TrackRecord(list(reversed(rows)), skipped)
+        return TrackRecord(list(reversed(rows)), skipped, same_flow=flow_run is not None)
     finally:
         if opened:
             st.close()
