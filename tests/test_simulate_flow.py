@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sqlite3
 
 import pytest
@@ -76,6 +77,9 @@ def test_a_recorded_flow_of_user_operators_is_simulated_on_another_survey_and_cl
     # What the store kept of each map: its parameters, whole traces and the cluster it ran on.
     assert {(m.workers, m.threads_per_worker, m.memory_limit_bytes) for m in maps} == {(2, 1, GiB)}
     assert all(m.whole_traces is True and m.params and m.resting_bytes for m in maps)
+    # The threads per core the budget counted: 2 one-thread workers on this machine's usable cores.
+    cores = len(os.sched_getaffinity(0))
+    assert {m.threads_per_core for m in maps} == {max(1.0, 2 / min(2, cores))}
     # In the order the maps started: fam_gram's map waits for its upstream's first decision, and the second
     # fam_linear (over the survey) is called after that wait, so either of the two may start first.
     assert [s.operator for s in rec.steps] in (["fam_linear", "fam_gram", "fam_linear"],
@@ -360,3 +364,10 @@ def test_a_recorded_run_of_more_threads_than_cores_is_simulated_sharing_them_on_
     with Store(path) as s:  # a machine whose cores were not recorded: nothing is assumed
         s.put_machines({"node-a": {"cpu": {}}})
         assert recorded_flow(s, "latest").cluster.threads_per_core is None
+    with Store(path) as s:  # a map that kept the count its budget made (store v14) is taken at its word: the
+        # workers' affinity (a batch job's cpuset of 2 cores on this 8-core machine), not the machine's cores
+        s.put_machines({"node-a": {"cpu": {"coreCount": 8}}})
+        s.add_map(_map("fr2", BOX, workers=2, threads_per_worker=2, memory_limit_bytes=GiB, whole_traces=False,
+                       threads_per_core=2.0, started_at=5.0, ended_at=6.0))
+        assert recorded_flow(s, "fr2").cluster.threads_per_core == 2.0
+        assert recorded_flow(s, "fr1").cluster.threads_per_core == 1.0

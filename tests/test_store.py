@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import os
@@ -325,15 +326,16 @@ def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_
         3.5, "estimate", 9.0, "t1", "h", "m1")
 
 
-def v10_store_with_a_map(tmp_path, run):
-    """A schema-v10 store (migrated forward from v2 as an older version did) holding ``run`` in its v5 map columns."""
+def v10_store_with_a_map(tmp_path, run, version=10):
+    """A store of schema ``version`` (10 or later; migrated forward from v2 as an older version did) holding
+    ``run`` in the map columns that version has."""
     from memchunk_prefect.learn.store import MIGRATIONS
 
     path = v2_store(tmp_path)
     con = sqlite3.connect(path, isolation_level=None)
-    for version in range(2, 10):
-        MIGRATIONS[version](con)
-    con.execute("PRAGMA user_version = 10")
+    for v in range(2, version):
+        MIGRATIONS[v](con)
+    con.execute(f"PRAGMA user_version = {int(version)}")
     columns = [c for c in run.to_dict() if c in {r[1] for r in con.execute("PRAGMA table_info(maps)")}]
     row = {**run.to_dict(), "shape": ",".join(map(str, run.shape)), "halo": ",".join(map(str, run.halo))}
     con.execute(f"INSERT INTO maps ({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",
@@ -357,6 +359,22 @@ def test_the_v11_map_columns_keep_what_a_simulation_needs_and_old_maps_do_not_kn
         got_old, got_new = s.maps()
     assert got_old == old and (got_old.params, got_old.whole_traces, got_old.workers) == (None, None, None)
     assert got_new == new and got_new.whole_traces is False
+
+
+def test_the_v14_map_column_keeps_the_threads_per_core_the_budget_counted_and_old_maps_do_not_know_it(tmp_path):
+    from memchunk_prefect.core.records import MapRun
+
+    old = MapRun("fr0", "box", "box[r=2]|float32|cpu", "", "/a.zarr", (4, 5, 6), (2, 2, 2), 4, 4, 1000, 10.0, 12.0,
+                 map_id="m0", workers=2, threads_per_worker=2)
+    path = v10_store_with_a_map(tmp_path, old, version=13)
+    new = dataclasses.replace(old, flow_run_id="fr1", map_id="m1", started_at=13.0, ended_at=14.0,
+                              threads_per_core=2.0)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        s.add_map(new)
+        got_old, got_new = s.maps()
+    assert got_old == old and got_old.threads_per_core is None
+    assert got_new == new and got_new.threads_per_core == 2.0
 
 
 def test_policy_rewards_round_trip_and_are_forgotten_with_their_key(tmp_path):

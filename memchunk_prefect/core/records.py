@@ -290,7 +290,9 @@ class MapRun:
     ``whole_traces``, whether the operator keeps traces whole (the planner never cuts ``twt``); and the
     cluster the budget was read from: ``workers`` (the slots planned for, over the threads), ``threads_per_worker``,
     ``memory_limit_bytes`` and ``kill_fraction`` of the worker that set the budget, and ``resting_bytes``, the
-    workers' median resting memory then.
+    workers' median resting memory then. ``threads_per_core`` (None before store schema v14): the workers'
+    threads per CPU core the budget counted, from the cores each worker may run on (its affinity: a batch job's
+    cpuset; :func:`memchunk_prefect.core.budget.threads_per_core`), 1.0 where each thread had a core.
     """
 
     flow_run_id: str
@@ -316,6 +318,7 @@ class MapRun:
     memory_limit_bytes: int | None = None
     kill_fraction: float | None = None
     resting_bytes: int | None = None
+    threads_per_core: float | None = None
 
     def __post_init__(self) -> None:
         self.shape = tuple(int(v) for v in self.shape)  # type: ignore[assignment]

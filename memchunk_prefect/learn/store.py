@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from memchunk_prefect.core.errors import StoreError, StoreSchemaTooNewError
 from memchunk_prefect.core.records import MapRun, Observation, Reward
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
 v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table). v5: what a
 trace needs (energy's source, start, task run, host; ``maps`` and ``machines`` tables). v6: what other runs on the
@@ -244,15 +244,19 @@ _MAP_COLUMNS: list[tuple[str, str]] = [
     ("memory_limit_bytes", "INTEGER"),
     ("kill_fraction", "REAL"),
     ("resting_bytes", "INTEGER"),
+    ("threads_per_core", "REAL"),
 ]
 MAP_COLUMN_NAMES = [c for c, _ in _MAP_COLUMNS]
 #: ``maps`` columns added in schema version 11 (what a simulation of the map on another cluster needs).
 _ADDED_MAPS_V11 = ("params", "whole_traces", "workers", "threads_per_worker", "memory_limit_bytes", "kill_fraction",
                    "resting_bytes")
+#: ``maps`` columns added in schema version 14 (the worker threads per CPU core the map's budget counted).
+_ADDED_MAPS_V14 = ("threads_per_core",)
 # What each host that ran a task is (CPU, memory, system), for traces: one row per host name.
 _CREATE_MACHINES = "CREATE TABLE machines (host TEXT PRIMARY KEY, info TEXT NOT NULL, updated_at REAL NOT NULL);\n"
 # The v5 layout of maps and machines (what migrate_4_to_5 writes; migrate_10_to_11 adds the v11 columns to maps).
-_CREATE_V5 = (_table_sql("maps", [c for c in _MAP_COLUMNS if c[0] not in _ADDED_MAPS_V11], "maps_run", "flow_run_id")
+_CREATE_V5 = (_table_sql("maps", [c for c in _MAP_COLUMNS if c[0] not in _ADDED_MAPS_V11 + _ADDED_MAPS_V14], "maps_run",
+                         "flow_run_id")
               + _CREATE_MACHINES)
 
 
@@ -354,9 +358,7 @@ def _migrate_9_to_10(con: sqlite3.Connection) -> None:
 def _migrate_10_to_11(con: sqlite3.Connection) -> None:
     """v11 adds to each map what a simulation of it on another cluster needs: its parameters, whether it keeps
     traces whole and the cluster's shape (NULL for older maps: a simulation asks for what it lacks)."""
-    for name, kind in _MAP_COLUMNS:
-        if name in _ADDED_MAPS_V11:
-            con.execute(f"ALTER TABLE maps ADD COLUMN {name} {kind}")
+    _add_map_columns(con, _ADDED_MAPS_V11)
 
 
 def _migrate_11_to_12(con: sqlite3.Connection) -> None:
@@ -367,6 +369,18 @@ def _migrate_11_to_12(con: sqlite3.Connection) -> None:
 def _migrate_12_to_13(con: sqlite3.Connection) -> None:
     """v13 adds when the runner submitted a run's task (NULL for older rows: unknown)."""
     _add_columns(con, _ADDED_V13)
+
+
+def _migrate_13_to_14(con: sqlite3.Connection) -> None:
+    """v14 adds to each map the worker threads per CPU core its budget counted (NULL for older maps: a simulation
+    counts them from the machines' recorded cores)."""
+    _add_map_columns(con, _ADDED_MAPS_V14)
+
+
+def _add_map_columns(con: sqlite3.Connection, names: tuple[str, ...]) -> None:
+    for name, kind in _MAP_COLUMNS:
+        if name in names:
+            con.execute(f"ALTER TABLE maps ADD COLUMN {name} {kind}")
 
 
 def _add_columns(con: sqlite3.Connection, names: tuple[str, ...]) -> None:
@@ -380,7 +394,8 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_
                                                               5: _migrate_5_to_6, 6: _migrate_6_to_7,
                                                               7: _migrate_7_to_8, 8: _migrate_8_to_9,
                                                               9: _migrate_9_to_10, 10: _migrate_10_to_11,
-                                                              11: _migrate_11_to_12, 12: _migrate_12_to_13}
+                                                              11: _migrate_11_to_12, 12: _migrate_12_to_13,
+                                                              13: _migrate_13_to_14}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 

@@ -32,8 +32,9 @@ LISTED_KEYS = 12
 class RecordedCluster:
     """The cluster a flow run's maps read their budget from: workers, threads, memory limit (bytes), the nanny's
     kill fraction and the workers' median resting memory (bytes; None where not read); ``threads_per_core``: the
-    workers' threads over the CPU cores of the machines they ran on, where those machines' cores are recorded
-    (:func:`recorded_threads_per_core`; None where not)."""
+    workers' threads per CPU core, as the map's budget counted them (``MapRun.threads_per_core``: the cores each
+    worker may run on), or, for maps before store v14, over the cores of the machines they ran on where those are
+    recorded (:func:`recorded_threads_per_core`); None where neither is."""
 
     workers: int
     threads_per_worker: int
@@ -162,7 +163,7 @@ def recorded_flow(store: Any, flow_run: str = "latest") -> RecordedFlow:
         notes.append(f"flow run {run_id} did not finish every map ({unfinished}); the maps it started are "
                      "simulated to their end")
     cluster = _cluster(maps)
-    if cluster is not None:
+    if cluster is not None and cluster.threads_per_core is None:
         cluster = dataclasses.replace(cluster, threads_per_core=recorded_threads_per_core(store, run_id, cluster))
     return RecordedFlow(run_id, steps, [_params(m) for m in maps], shapes[0], cluster,
                         max(m.ended_at for m in maps) - min(m.started_at for m in maps), [m.outcome for m in maps],
@@ -175,8 +176,9 @@ def recorded_threads_per_core(store: Any, run_id: str, cluster: RecordedCluster)
     (their observations' ``worker`` and ``host``; at most the run's ``workers``, so a worker the nanny restarted
     under a new address is not counted twice) times ``threads_per_worker``, against that machine's recorded cores
     (``coreCount`` of ``Store.machines``). None where a machine's cores were not recorded or no chunk names its
-    machine. The machine's cores, not the worker's CPU affinity: workers confined to fewer cores (a batch job's
-    cpuset) shared fewer than this says.
+    machine. For maps recorded before store v14, which do not carry the count their budget made: the machine's
+    cores, not the worker's CPU affinity, so workers confined to fewer cores (a batch job's cpuset) shared fewer
+    than this says.
 
     On a 2-core machine, 2 workers of 2 threads each share the 2 cores: 2.0, and each task there runs about twice
     its learned seconds while all four run (:class:`memchunk_prefect.sim.cluster.SimulatedCluster`)."""
@@ -209,11 +211,12 @@ def _params(m: MapRun) -> dict[str, Any] | None:
 
 
 def _cluster(maps: Sequence[MapRun]) -> RecordedCluster | None:
-    """The cluster of the first map that recorded one (the maps of a flow run share their cluster)."""
+    """The cluster of the first map that recorded one (the maps of a flow run share their cluster), with the
+    threads per core its budget counted (None before store v14: :func:`recorded_threads_per_core` then)."""
     for m in maps:
         if m.workers and m.threads_per_worker:
             return RecordedCluster(int(m.workers), int(m.threads_per_worker), m.memory_limit_bytes, m.kill_fraction,
-                                   m.resting_bytes)
+                                   m.resting_bytes, None if m.threads_per_core is None else float(m.threads_per_core))
     return None
 
 
