@@ -425,11 +425,11 @@ def track_records(stores: list[Path], runs: int) -> dict[str, Any] | None:
     apart. None without a predicted run."""
     from memchunk_prefect.sim.track import booking_factor, track_record
 
-    rows = [r for path in stores if path.exists() for r in track_record(path, runs=min(runs, 10)).predicted]
-    rows = [r for r in rows if r.p90_seconds]
+    records = [track_record(path, runs=min(runs, 10)) for path in stores if path.exists()]
+    rows = [r for record in records for r in record.predicted if r.p90_seconds]
     if not rows:
         return None
-    ratios = [r.real_seconds / float(r.p90_seconds or 1.0) for r in rows]
+    ratios = [x for record in records for x in record.ratios]
     left_out = [booking_factor(ratios[:i] + ratios[i + 1:]) for i in range(len(ratios))]
 
     def median_error(cold: bool) -> float | None:
