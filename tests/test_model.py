@@ -1380,3 +1380,22 @@ def test_a_concave_start_does_not_bend_the_line_the_large_blocks_follow(size_wei
             errors.append(abs(p.mean_bytes / peak - 1))
         m.learn(obs(ext, peak, key="gaussian_smooth[sigma=2,2,2]|float32|cpu"))
     assert (max(errors) <= 0.10) == within, errors
+
+
+@pytest.mark.parametrize("sigma", [0.02, 0.3])
+def test_how_far_runs_stray_from_the_time_model_is_learned_as_a_log_normal_spread(sigma):
+    """Runs of a block timed at 1 us per element, each off by a log-normal factor of ``sigma``: the spread learned
+    is that sigma, within what 20 runs can tell; first calls (a one-off cost beside the block) are not counted,
+    and fewer than MIN_SPREAD_RUNS timed runs say nothing."""
+    from memchunk_prefect.learn.time import MIN_SPREAD_RUNS
+
+    rng = random.Random(3)
+    t = TimeModel()
+    sizes = [200_000, 400_000] * 10
+    for i, n in enumerate(sizes):
+        if i == MIN_SPREAD_RUNS - 1:
+            assert t.time_spread() is None  # MIN_SPREAD_RUNS - 1 timed runs so far
+        t.learn(Observation(KEY, n, (1, 1, n), 4 * n, MIB, seconds=1e-6 * n * math.exp(rng.gauss(0.0, sigma))))
+        t.learn(Observation(KEY, n, (1, 1, n), 4 * n, MIB, seconds=5.0, first_call=True))  # far off: not counted
+    assert t.time_spread() == pytest.approx(sigma, rel=0.5)
+    assert t.summary()["time_spread"] == t.time_spread()

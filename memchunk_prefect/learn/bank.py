@@ -219,6 +219,12 @@ class ModelBank:
         with self._lock:
             return self.model(key).time.first_call_seconds()
 
+    def time_spread(self, key: str) -> float | None:
+        """How far ``key``'s timed runs stray from its time model, a log-normal's sigma
+        (:meth:`memchunk_prefect.learn.time.TimeModel.time_spread`); None before enough runs."""
+        with self._lock:
+            return self.model(key).time.time_spread()
+
     def predictor(self, key: str, itemsize: int = ITEMSIZE):
         """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""
         return lambda extents: self.predict(key, extents, itemsize)
@@ -259,6 +265,9 @@ class BankKnowledge:
 
     def first_call_seconds(self) -> float | None:
         return self.bank.first_call_seconds(self.key)
+
+    def time_spread(self) -> float | None:
+        return self.bank.time_spread(self.key)
 
     def block_seconds(self, elements: int) -> float | None:
         """Learned wall seconds of one block of ``elements`` (halo included): its compute time as the planner

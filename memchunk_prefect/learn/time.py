@@ -26,6 +26,10 @@ from memchunk_prefect.learn.forms import (
 )
 
 
+#: Timed runs (first calls set aside) before :meth:`TimeModel.time_spread` says how far runs stray from the model.
+MIN_SPREAD_RUNS = 5
+
+
 @dataclass(frozen=True)
 class _TimeChoice:
     """What time is planned by: the form named (:meth:`TimeModel.time_form`), the curve whose mean counts in a
@@ -244,6 +248,36 @@ class TimeModel:
             return seconds
         rate = self.seconds_per_element()
         return None if rate is None else rate * int(elements)
+
+    # ------------------------------------------------------------------ spread
+
+    def time_spread(self, window: int | None = None) -> float | None:
+        """How far the latest ``window`` timed runs (default ``time_window``; first calls set aside) fell from
+        the model's own seconds for their blocks (:meth:`block_compute_seconds`), as the standard deviation of a
+        log-normal factor: 1.4826 x the median of ``|ln(run / model)|`` (a normal's standard deviation from its
+        median absolute deviation, about the model rather than the runs' centre, so a model that misses a size
+        widens it too). None before :data:`MIN_SPREAD_RUNS` such runs.
+
+        What the simulator draws a block's seconds from (:class:`memchunk_prefect.sim.inputs.Draws`): a
+        prediction's p90 covers how far the operator's runs stray on the user's own machines. Blocks of the
+        workload family's ``fam_table`` of 800,000 elements ran 0.29 s and 0.86 s side by side on 4 worker
+        threads sharing 2 cores; a stated spread of 0.1 put the p90 of a flow of such blocks 2% above its p50
+        (``python -m benchmarks.sim_validation``'s p90 line)."""
+        window = self.time_window if window is None else window
+        runs = list(self._runs)[-max(1, int(window)):]
+        if len(runs) < MIN_SPREAD_RUNS:
+            return None
+        misses = []
+        for elements, seconds in runs:
+            model = self.block_compute_seconds(elements)
+            if model and model > 0 and seconds > 0:
+                misses.append(abs(math.log(seconds / model)))
+        if len(misses) < MIN_SPREAD_RUNS:
+            return None
+        misses.sort()
+        middle = len(misses) // 2
+        median = misses[middle] if len(misses) % 2 else 0.5 * (misses[middle - 1] + misses[middle])
+        return 1.4826 * median
 
     # ------------------------------------------------------------------ rates and forms
 
@@ -502,5 +536,6 @@ class TimeModel:
             "first_touch_runs": len(self._first_touch_rates),  # ok runs set aside: they grew their worker
             "first_call_runs": len(self._first_calls),  # ok runs set aside: a worker's first call of the operator
             "first_call_seconds": self.first_call_seconds(),  # what such a call took beyond a later one, seconds
+            "time_spread": self.time_spread(),  # how far runs stray from the model: a log-normal's sigma
             "touch_seconds_per_gib": None if spb is None else spb * 2**30,  # kernel seconds per GiB grown
         }

@@ -179,14 +179,20 @@ class Step:
 
 
 class Draws:
-    """Memory and seconds of one chunk, drawn from one operator's learned models (see the module docstring)."""
+    """Memory and seconds of one chunk, drawn from one operator's learned models (see the module docstring).
+
+    A block's compute seconds stray from the model by a log-normal factor: of the operator's learned spread
+    (:meth:`memchunk_prefect.learn.time.TimeModel.time_spread`, how far its runs fell from the model), else of the
+    stated ``time_sigma``."""
 
     def __init__(self, knowledge: Knowledge, key: str, per_task_overhead: float, time_sigma: float = 0.1,
                  watts_per_core: float = DEFAULT_SETTINGS.watts_per_core):
         self.knowledge = knowledge
         self.key = key
         self.per_task_overhead = float(per_task_overhead)
-        self.time_sigma = float(time_sigma)
+        learned = getattr(knowledge, "time_spread", None)
+        spread = learned() if callable(learned) else None
+        self.time_sigma = float(time_sigma if spread is None else spread)
         self.watts_per_core = float(watts_per_core)
         self._predictions: dict[Shape, Prediction] = {}
         self.learned_energy = False  # whether any block's energy came from a learned figure

@@ -21,8 +21,9 @@ What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
   is the operator's learned margin (the conformal quantile of needed /
   predicted; see :meth:`Draws.margin` before it is learned);
 - compute seconds: the learned time (``seconds_for``, or seconds per element x
-  elements) times a log-normal factor of ``time_sigma`` (default 0.1, a stated
-  figure: the time model keeps no spread), plus the per-task overhead; a task that
+  elements) times a log-normal factor of the operator's learned spread (how far its
+  runs fell from the model, :meth:`memchunk_prefect.learn.time.TimeModel.time_spread`;
+  before five timed runs, ``time_sigma``, a stated 0.1), plus the per-task overhead; a task that
   takes its worker above the most that worker process has held runs longer by the
   growth at the operator's learned kernel seconds per byte (a first touch, paid once
   per worker process: :meth:`SimulatedCluster._dispatch`), and the simulated map
