@@ -25,7 +25,6 @@ from memchunk_prefect.learn.forms import (
     _rate_ratio,
 )
 
-
 #: Timed runs (first calls set aside) before :meth:`TimeModel.time_spread` says how far runs stray from the model.
 MIN_SPREAD_RUNS = 5
 
