@@ -100,6 +100,7 @@ def test_models_time_cell_shows_a_curve_that_counts_in_part_beside_the_line():
     grew = {**row, "time_curve": None, "time_curve_weight": 0.0, "first_touch_runs": 2, "touch_seconds_per_gib": 1.47}
     assert time_cell(grew) == "linear 6 +2 first 1.5 s/GiB 1.2x"
     assert time_cell({**grew, "first_call_seconds": 0.214}) == "linear 6 +2 first 1.5 s/GiB 1.2x +0.21 s first call"
+    assert time_cell({**row, "time_spread": 0.364}) == "linear 6 1.2x superlinear 41% ~0.36"  # how far runs strayed
 
 
 def test_models_on_an_empty_store_says_so(capsys, tmp_path):

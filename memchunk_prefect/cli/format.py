@@ -57,14 +57,16 @@ def time_cell(r: dict[str, Any]) -> str:
     workers), the measured seconds per element of its largest blocks over its smallest (``linear 12 0.8x`` or
     ``quadratic 8 +2 first 1.5 s/GiB 1.6x``: a curve is taken only where the runs support it), and the share a
     curve counts in a block's seconds where it is neither all nor nothing (``linear 6 1.2x quadratic 41%``),
-    and last what a worker's first call of the operator took beyond a later one, paid once per worker process
-    (``linear 6 1.2x +0.21 s first call``)."""
+    then how far its runs strayed from it, a log-normal's sigma that the simulator draws a block's seconds with
+    (``linear 6 1.2x ~0.36``), and last what a worker's first call of the operator took beyond a later one, paid
+    once per worker process (``linear 6 1.2x +0.21 s first call``)."""
     cell = f"{r.get('time_form', '-')} {r.get('time_runs', 0)}"
     cell += f" +{r['first_touch_runs']} first" if r.get("first_touch_runs") else ""
     cell += f" {r['touch_seconds_per_gib']:.1f} s/GiB" if r.get("touch_seconds_per_gib") is not None else ""
     cell += f" {r['time_rate_ratio']:.1f}x" if r.get("time_rate_ratio") is not None else ""
     weight, curve = r.get("time_curve_weight"), r.get("time_curve")
     cell += f" {curve} {weight:.0%}" if curve and weight is not None and 0.0 < weight < 1.0 else ""
+    cell += f" ~{r['time_spread']:.2f}" if r.get("time_spread") is not None else ""
     return cell + (f" +{r['first_call_seconds']:.2f} s first call" if r.get("first_call_seconds") else "")
 
 
