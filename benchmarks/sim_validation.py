@@ -661,8 +661,10 @@ def main_replay(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
                                             doc.get("runs", args.runs))
     print(table(rows, summary))
     if args.json:
-        out = {**doc, "replayed_from": {"path": str(args.replay), "commit": doc["machine"].get("commit"),
-                                        "started": doc.get("started")},
+        # A replay of a replay keeps the real runs' own provenance: the commit and time they ran at.
+        source = doc.get("replayed_from") or {"path": str(args.replay), "commit": doc["machine"].get("commit"),
+                                              "started": doc.get("started")}
+        out = {**doc, "replayed_from": source,
                "started": started, "seconds": time.time() - started, "machine": machine, "summary": summary,
                "rows": rows}
         Path(args.json).write_text(json.dumps(out, indent=1))

@@ -914,6 +914,18 @@ def test_quick_sim_validation_sets_every_real_run_beside_the_simulators_predicti
                           text=True, timeout=120)
     assert page.returncode == 0, page.stderr
     assert "## The simulator against real runs" in page.stdout
+    # Replayed (new predictions from the stores' copies), and a replay replayed: the real runs and their
+    # provenance (the commit and time they ran at) stand.
+    once, twice = tmp_path / "once.json", tmp_path / "twice.json"
+    for source, dest in ((out, once), (once, twice)):
+        again = subprocess.run([sys.executable, "-m", "benchmarks.sim_validation", "--replay", str(source), "--work",
+                                str(tmp_path / "work"), "--json", str(dest)], cwd=REPO, capture_output=True,
+                               text=True, timeout=300)
+        assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    first, second = json.loads(once.read_text()), json.loads(twice.read_text())
+    assert first["replayed_from"] == second["replayed_from"] == {
+        "path": str(out), "commit": doc["machine"]["commit"], "started": doc["started"]}
+    assert [r["real"] for r in second["rows"]] == [r["real"] for r in doc["rows"]]
 
 
 def test_segy_scan_study_times_the_scan_the_first_kept_read_and_a_later_one_in_fresh_processes(tmp_path):
