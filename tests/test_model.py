@@ -1382,6 +1382,17 @@ def test_a_concave_start_does_not_bend_the_line_the_large_blocks_follow(size_wei
     assert (max(errors) <= 0.10) == within, errors
 
 
+def test_the_time_spread_is_1_4826_times_the_median_miss_from_the_model_from_five_timed_runs():
+    """Five runs of one block size, off the median rate by factors e^-0.4 .. e^0.3: the model is the median run, the
+    misses 0.4, 0.2, 0, 0.1 and 0.3, their median 0.2; four runs say nothing."""
+    t = TimeModel()
+    n = 100_000
+    for i, x in enumerate((0.0, 0.1, -0.2, 0.3, -0.4)):
+        assert (t.time_spread() is None) == (i < 5)
+        t.learn(Observation(KEY, n, (1, 1, n), 4 * n, MIB, seconds=0.5 * math.exp(x)))
+    assert t.time_spread() == pytest.approx(1.4826 * 0.2)
+
+
 @pytest.mark.parametrize("sigma", [0.02, 0.3])
 def test_how_far_runs_stray_from_the_time_model_is_learned_as_a_log_normal_spread(sigma):
     """Runs of a block timed at 1 us per element, each off by a log-normal factor of ``sigma``: the spread learned

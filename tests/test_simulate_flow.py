@@ -343,6 +343,19 @@ def test_the_track_record_books_the_p90_times_what_held_for_nine_in_ten_past_run
     assert TrackRecord(late).deadline_factor == pytest.approx(1.8 / 1.05) and TrackRecord(late).held_by_p90 == 1
 
 
+def test_a_maps_record_keeps_the_threads_per_core_only_where_its_budget_read_the_workers_cores():
+    """Counted from the cores the workers may run on, the figure is kept; where those were not read, the budget's
+    1.0 is an assumption, and the record says nothing (a simulation then counts the machines' cores)."""
+    from memchunk_prefect.core.budget import Budget
+    from memchunk_prefect.run.map_records import cluster_shape
+
+    read = Budget(slots=4, budget_bytes=MiB, resting_bytes={"a": MiB}, reason="", threads_per_worker=2,
+                  threads_per_core=2.0, cores_read=True)
+    assert cluster_shape(read, 4)["threads_per_core"] == 2.0
+    assert cluster_shape(dataclasses.replace(read, threads_per_core=1.0, cores_read=False), 4)["threads_per_core"] \
+        is None
+
+
 def test_a_recorded_run_of_more_threads_than_cores_is_simulated_sharing_them_on_its_own_cluster_only(tmp_path):
     """2 workers of 2 threads on a 2-core machine: each slot had half a core, so the simulated tasks there run
     longer as the runner's plans counted; on another cluster shape the recorded machine says nothing."""

@@ -326,7 +326,7 @@ def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_
         3.5, "estimate", 9.0, "t1", "h", "m1")
 
 
-def v10_store_with_a_map(tmp_path, run, version=10):
+def store_with_a_map(tmp_path, run, version=10):
     """A store of schema ``version`` (10 or later; migrated forward from v2 as an older version did) holding
     ``run`` in the map columns that version has."""
     from memchunk_prefect.learn.store import MIGRATIONS
@@ -349,7 +349,7 @@ def test_the_v11_map_columns_keep_what_a_simulation_needs_and_old_maps_do_not_kn
 
     old = MapRun("fr0", "envelope", "envelope|float32|cpu", "/s.sgy", "/o.zarr", (4, 5, 6), (0, 1, 2), 4, 2,
                  1000, 10.0, 12.5, map_id="m0")
-    path = v10_store_with_a_map(tmp_path, old)
+    path = store_with_a_map(tmp_path, old)
     new = MapRun("fr1", "box", "box[r=2]|float32|cpu", "", "/b.zarr", (4, 5, 6), (2, 2, 2), 4, 4, 1000, 13.0, 14.0,
                  map_id="m1", params='{"r": 2}', whole_traces=False, workers=2, threads_per_worker=2,
                  memory_limit_bytes=2**30, kill_fraction=0.95, resting_bytes=250 * 2**20)
@@ -366,7 +366,7 @@ def test_the_v14_map_column_keeps_the_threads_per_core_the_budget_counted_and_ol
 
     old = MapRun("fr0", "box", "box[r=2]|float32|cpu", "", "/a.zarr", (4, 5, 6), (2, 2, 2), 4, 4, 1000, 10.0, 12.0,
                  map_id="m0", workers=2, threads_per_worker=2)
-    path = v10_store_with_a_map(tmp_path, old, version=13)
+    path = store_with_a_map(tmp_path, old, version=13)
     new = dataclasses.replace(old, flow_run_id="fr1", map_id="m1", started_at=13.0, ended_at=14.0,
                               threads_per_core=2.0)
     with Store(path) as s:

@@ -54,7 +54,8 @@ def _models(args: argparse.Namespace) -> int:
               "against block size, runs learned (+ set aside for a first touch of memory), the kernel "
               "seconds per GiB runs paid to grow their worker past the most it had held (s/GiB: what a plan "
               "counts for growing fresh workers), seconds per element of the largest blocks over the "
-              "smallest, and what a worker process's first call of the operator took beyond a later one (paid "
+              "smallest, how far runs strayed from it (~: the spread the simulator draws a block's seconds "
+              "with), and what a worker process's first call of the operator took beyond a later one (paid "
               "once per worker process); energy/element: learned joules per "
               "element (halo included), measured by a counter (rapl, nvml) or est(imated: CPU seconds x "
               "watts_per_core where no counter can be read)")

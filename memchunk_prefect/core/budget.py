@@ -219,7 +219,8 @@ class Budget:
     memory, not shared among threads, under the same caps), on the tightest worker; None where not derived, or
     where the workers have different thread counts.
     ``threads_per_core``: the workers' threads over the CPU cores they may run on (:func:`threads_per_core`;
-    1.0 where each thread has a core of its own, or where that is not known).
+    1.0 where each thread has a core of its own, or where that is not known); ``cores_read``: whether the cores
+    any worker may run on were read (else 1.0 is assumed, not measured).
     """
 
     slots: int
@@ -233,6 +234,7 @@ class Budget:
     kill_fraction: float | None = None
     worker_budget_bytes: int | None = None
     threads_per_core: float = 1.0
+    cores_read: bool = False
 
 
 def threads_per_core(nthreads: Mapping[str, int], placement: Mapping[str, tuple[str, Sequence[int]]]) -> float:

@@ -292,7 +292,8 @@ class MapRun:
     ``memory_limit_bytes`` and ``kill_fraction`` of the worker that set the budget, and ``resting_bytes``, the
     workers' median resting memory then. ``threads_per_core`` (None before store schema v14): the workers'
     threads per CPU core the budget counted, from the cores each worker may run on (its affinity: a batch job's
-    cpuset; :func:`memchunk_prefect.core.budget.threads_per_core`), 1.0 where each thread had a core.
+    cpuset; :func:`memchunk_prefect.core.budget.threads_per_core`), 1.0 where each thread had a core; None also
+    where the workers' cores were not read.
     """
 
     flow_run_id: str

@@ -64,7 +64,7 @@ v8: a GPU map's device budget and GPU out-of-memory. v9: a run's kernel CPU time
 run left held in its worker (``retained_bytes``). v11: what a simulation of a map on another cluster needs (its
 parameters, whether it keeps traces whole, the cluster's shape: ``maps`` columns). v12: whether a run was its
 worker process's first call of its operator (``first_call``). v13: when the runner submitted a run's task
-(``submitted_at``)."""
+(``submitted_at``). v14: the worker threads per CPU core a map's budget counted (``maps.threads_per_core``)."""
 
 APPLICATION = "memchunk-prefect"
 BUSY_TIMEOUT_MS = 30_000
@@ -254,7 +254,8 @@ _ADDED_MAPS_V11 = ("params", "whole_traces", "workers", "threads_per_worker", "m
 _ADDED_MAPS_V14 = ("threads_per_core",)
 # What each host that ran a task is (CPU, memory, system), for traces: one row per host name.
 _CREATE_MACHINES = "CREATE TABLE machines (host TEXT PRIMARY KEY, info TEXT NOT NULL, updated_at REAL NOT NULL);\n"
-# The v5 layout of maps and machines (what migrate_4_to_5 writes; migrate_10_to_11 adds the v11 columns to maps).
+# The v5 layout of maps and machines (what migrate_4_to_5 writes; migrate_10_to_11 and migrate_13_to_14 add the
+# v11 and v14 columns to maps).
 _CREATE_V5 = (_table_sql("maps", [c for c in _MAP_COLUMNS if c[0] not in _ADDED_MAPS_V11 + _ADDED_MAPS_V14], "maps_run",
                          "flow_run_id")
               + _CREATE_MACHINES)

@@ -255,19 +255,18 @@ class TimeModel:
         the model's own seconds for their blocks (:meth:`block_compute_seconds`), as the standard deviation of a
         log-normal factor: 1.4826 x the median of ``|ln(run / model)|`` (a normal's standard deviation from its
         median absolute deviation, about the model rather than the runs' centre, so a model that misses a size
-        widens it too). None before :data:`MIN_SPREAD_RUNS` such runs.
+        widens it too). None before :data:`MIN_SPREAD_RUNS` such runs (runs or model seconds of 0 left out).
 
-        What the simulator draws a block's seconds from (:class:`memchunk_prefect.sim.inputs.Draws`): a
-        prediction's p90 covers how far the operator's runs stray on the user's own machines. Blocks of the
-        workload family's ``fam_table`` of 800,000 elements ran 0.29 s and 0.86 s side by side on 4 worker
-        threads sharing 2 cores; a stated spread of 0.1 put the p90 of a flow of such blocks 2% above its p50
-        (``python -m benchmarks.sim_validation``'s p90 line)."""
+        What the simulator draws a block's seconds with (:class:`memchunk_prefect.sim.inputs.Draws`), so a
+        prediction's p90 covers how far the operator's runs strayed on the machines they ran on. Measured against
+        the model the same runs taught, it reads low over few runs (one run sits on a median rate exactly): the
+        simulator draws no less than its stated spread. On a 2-core machine whose worker threads outnumbered its
+        cores, the workload family's operators strayed by 0.3-0.55 (``memchunk models --store
+        DIR/<workload>.sqlite``, the time column's ``~``, for the stores ``python -m benchmarks.sim_validation
+        --work DIR`` leaves)."""
         window = self.time_window if window is None else window
-        runs = list(self._runs)[-max(1, int(window)):]
-        if len(runs) < MIN_SPREAD_RUNS:
-            return None
         misses = []
-        for elements, seconds in runs:
+        for elements, seconds in list(self._runs)[-max(1, int(window)):]:
             model = self.block_compute_seconds(elements)
             if model and model > 0 and seconds > 0:
                 misses.append(abs(math.log(seconds / model)))
@@ -521,8 +520,8 @@ class TimeModel:
 
     def summary(self) -> dict[str, Any]:
         """Plain figures for reports: seconds per element, the form and the curve counted (and how much), the
-        rate ratio, runs learned and set aside, a first call's extra seconds, and the kernel seconds per GiB a
-        worker's growth cost."""
+        rate ratio, runs learned and set aside, a first call's extra seconds, how far runs strayed from the model
+        (:meth:`time_spread`), and the kernel seconds per GiB a worker's growth cost."""
         weight, curve = self.time_curve_weight()
         spb = self.touch_seconds_per_byte()
         return {

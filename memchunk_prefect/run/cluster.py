@@ -616,6 +616,8 @@ class ClusterView:
         with self._lock:
             placement = {a: (str(j.get("host") or ""), j["cpus"]) for a, j in self._jobs.items() if j.get("cpus")}
         per_core = _budget.threads_per_core({w.address: w.nthreads for w in workers}, placement)
+        if any(w.address in placement for w in workers):
+            b = dataclasses.replace(b, cores_read=True)
         if per_core > 1.0:
             b = dataclasses.replace(b, threads_per_core=per_core,
                                     reason=f"{b.reason}; {per_core:g} worker threads per CPU core")

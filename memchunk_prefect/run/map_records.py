@@ -29,7 +29,8 @@ def cluster_shape(budget: Budget | None, slots: int) -> dict[str, Any]:
     """What a map's record keeps of the cluster its budget was read from (``MapRun``'s cluster fields): the
     workers planned for (its slots over the threads per worker), their threads, memory limit and kill fraction
     (of the worker that set the budget), their median resting memory, bytes, and the threads per CPU core the
-    budget counted."""
+    budget counted from the cores the workers may run on (None where those were not read: a simulation then
+    counts the machines' cores)."""
     if budget is None:
         return {}
     threads = max(1, int(budget.threads_per_worker or 1))
@@ -37,7 +38,7 @@ def cluster_shape(budget: Budget | None, slots: int) -> dict[str, Any]:
     return {"workers": max(1, int(slots) // threads), "threads_per_worker": threads,
             "memory_limit_bytes": budget.memory_limit_bytes, "kill_fraction": budget.kill_fraction,
             "resting_bytes": int(resting[len(resting) // 2]) if resting else None,
-            "threads_per_core": float(budget.threads_per_core)}
+            "threads_per_core": float(budget.threads_per_core) if budget.cores_read else None}
 
 
 def size_on_disk(path: str) -> int | None:

@@ -181,9 +181,10 @@ class Step:
 class Draws:
     """Memory and seconds of one chunk, drawn from one operator's learned models (see the module docstring).
 
-    A block's compute seconds stray from the model by a log-normal factor: of the operator's learned spread
-    (:meth:`memchunk_prefect.learn.time.TimeModel.time_spread`, how far its runs fell from the model), else of the
-    stated ``time_sigma``."""
+    A block's compute seconds stray from the model by a log-normal factor of the operator's learned spread
+    (:meth:`memchunk_prefect.learn.time.TimeModel.time_spread`, how far its runs fell from the model on the
+    machines they ran on), never less than the stated ``time_sigma``: measured in sample, a spread over few runs
+    reads low. A cluster whose threads each have a core may vary less than the one the runs were learned on."""
 
     def __init__(self, knowledge: Knowledge, key: str, per_task_overhead: float, time_sigma: float = 0.1,
                  watts_per_core: float = DEFAULT_SETTINGS.watts_per_core):
@@ -192,7 +193,7 @@ class Draws:
         self.per_task_overhead = float(per_task_overhead)
         learned = getattr(knowledge, "time_spread", None)
         spread = learned() if callable(learned) else None
-        self.time_sigma = float(time_sigma if spread is None else spread)
+        self.time_sigma = max(float(time_sigma), float(spread or 0.0))
         self.watts_per_core = float(watts_per_core)
         self._predictions: dict[Shape, Prediction] = {}
         self.learned_energy = False  # whether any block's energy came from a learned figure
