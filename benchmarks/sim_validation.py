@@ -443,6 +443,39 @@ def track_records(stores: list[Path], runs: int) -> dict[str, Any] | None:
             "median_abs_error_cold": median_error(True)}
 
 
+def warm_first_calls(stores: list[Path]) -> dict[str, Any] | None:
+    """What the warm runs (every flow run of a store after its first, each on a fresh cluster) timed: their
+    finished chunks (``chunks``), how many were their worker process's first call of the operator
+    (``first_calls``: they teach the time model's rates nothing,
+    :meth:`memchunk_prefect.learn.time.TimeModel.first_call_seconds`), and how many read a block over
+    ``MIN_SIZE_RATIO`` times the largest the store's first flow run timed of that operator after its first calls
+    (``beyond_cold``: sizes the rates were never measured at). None without a warm run."""
+    from memchunk_prefect.learn.forms import MIN_SIZE_RATIO
+    from memchunk_prefect.learn.store import Store
+
+    chunks = first = beyond = 0
+    for path in stores:
+        if not path.exists():
+            continue
+        with Store(path) as s:
+            starts: dict[str, float] = {}
+            for m in s.maps():
+                starts[m.flow_run_id] = min(starts.get(m.flow_run_id, m.started_at), m.started_at)
+            runs = sorted(starts, key=starts.__getitem__)
+            largest: dict[str, int] = {}
+            for i, run in enumerate(runs):
+                done = [o for o in s.run_observations(run) if o.outcome == "ok"]
+                if i == 0:
+                    for o in done:
+                        if not o.first_call:
+                            largest[o.operator_key] = max(largest.get(o.operator_key, 0), o.elements)
+                    continue
+                chunks += len(done)
+                first += sum(bool(o.first_call) for o in done)
+                beyond += sum(o.elements > MIN_SIZE_RATIO * largest.get(o.operator_key, 0) for o in done)
+    return {"chunks": chunks, "first_calls": first, "beyond_cold": beyond, "ratio": MIN_SIZE_RATIO} if chunks else None
+
+
 def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
               scale: dict[str, Any] | None, plain: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The error distribution over every row, per strategy kind, and each target's verdict."""
@@ -535,6 +568,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             *_spread_line(s.get("real_spread")),
             *_p90_line(s.get("p90")),
             *_track_line(s.get("track_record")),
+            *_first_call_line(s.get("warm_first_calls")),
             f"1,000 workers: {_s(s['thousand_workers_seconds']).strip()} in process, "
             f"{_s(s['thousand_workers_end_to_end_seconds']).strip()} end to end ({t['thousand_workers']}, "
             "target < 30 s)"]
@@ -574,6 +608,15 @@ def _track_line(track: dict[str, Any] | None) -> list[str]:
             f"({track['cold']} runs); a deadline at the p90 held for {track['under_p90']}, one at the p90 times the "
             f"other runs' booking factor for {track['under_factor_left_out']}; the factor of all of them: "
             f"{track['factor']:.2f}x"]
+
+
+def _first_call_line(calls: dict[str, Any] | None) -> list[str]:
+    if not calls:
+        return []
+    return [f"the warm runs' chunks (each run on a fresh cluster): {calls['first_calls']} of {calls['chunks']} were "
+            "their worker's first call of the operator, which teaches the time model's rates nothing; "
+            f"{calls['beyond_cold']} read blocks over {calls['ratio']:g}x the largest the cold run timed after its "
+            "first calls"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -634,6 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                                      w.survey_shape[2], work, env)
     summary = summarize(rows, restart, scale, plain)
     summary["track_record"] = track_records([work / f"{w.name}.sqlite" for w in workloads], runs)
+    summary["warm_first_calls"] = warm_first_calls([work / f"{w.name}.sqlite" for w in workloads])
     machine["loadavg_end"] = list(os.getloadavg())
     print()
     print(table(rows, summary))
@@ -657,6 +701,8 @@ def main_replay(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     started, machine = time.time(), machine_info()
     rows = replay(doc, Path(args.work), doc.get("runs", args.runs))
     summary = summarize(rows, doc.get("restart"), doc.get("thousand_workers"), doc.get("plain_tasks"))
+    summary["warm_first_calls"] = warm_first_calls([Path(args.work) / f"{w['name']}.sqlite"
+                                                    for w in doc["workloads"]])
     summary["track_record"] = track_records([Path(args.work) / f"{w['name']}.sqlite" for w in doc["workloads"]],
                                             doc.get("runs", args.runs))
     print(table(rows, summary))

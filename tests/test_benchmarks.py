@@ -910,6 +910,10 @@ def test_quick_sim_validation_sets_every_real_run_beside_the_simulators_predicti
     assert (track["stores"], track["runs"], track["cold"]) == (1, 2, 1) and track["factor"] >= 1.0, track
     assert track["median_abs_error_warm"] is not None and track["median_abs_error_cold"] is not None
     assert f"a deadline at the p90 held for {track['under_p90']}, one at the p90 times" in proc.stdout
+    # The warm run's chunks, on a fresh cluster: how many were their worker's first call of the operator.
+    calls = doc["summary"]["warm_first_calls"]
+    assert 0 < calls["first_calls"] <= calls["chunks"] and 0 <= calls["beyond_cold"] <= calls["chunks"], calls
+    assert f"the warm runs' chunks (each run on a fresh cluster): {calls['first_calls']} of" in proc.stdout
     page = subprocess.run([sys.executable, "-m", "benchmarks", "report", str(out)], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert page.returncode == 0, page.stderr

@@ -1382,6 +1382,21 @@ def test_a_concave_start_does_not_bend_the_line_the_large_blocks_follow(size_wei
     assert (max(errors) <= 0.10) == within, errors
 
 
+def test_a_first_call_of_about_a_blocks_size_says_what_a_fresh_workers_first_task_of_it_takes():
+    """Probes of 20,000-40,000 elements after the first calls read 2 us per element (a per-task cost weighs on
+    them); the first calls of 600,000 elements took 0.40-0.44 s in all. A first task of 640,000 elements takes
+    what those took, scaled by the model's growth (proportional here: 0.42 s x 640/600); a size no first call was
+    near (within min_size_ratio) says nothing."""
+    t = TimeModel()
+    for s in (0.40, 0.44):
+        t.learn(Observation(KEY, 600_000, (1, 1, 600_000), 2_400_000, MIB, seconds=s, first_call=True))
+    for n in (20_000, 40_000, 20_000, 40_000):
+        t.learn(Observation(KEY, n, (1, 1, n), 4 * n, MIB, seconds=2e-6 * n))
+    assert t.block_compute_seconds(640_000) == pytest.approx(1.28)  # the probes' rate
+    assert t.first_call_block_seconds(640_000) == pytest.approx(0.44 * 640 / 600)  # the upper middle of two
+    assert t.first_call_block_seconds(1_000_000) is None and t.first_call_block_seconds(300_000) is None
+
+
 def test_the_time_spread_is_1_4826_times_the_median_miss_from_the_model_from_five_timed_runs():
     """Five runs of one block size, off the median rate by factors e^-0.4 .. e^0.3: the model is the median run, the
     misses 0.4, 0.2, 0, 0.1 and 0.3, their median 0.2; four runs say nothing."""

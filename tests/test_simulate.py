@@ -674,6 +674,25 @@ def test_recommend_with_queue_waits_needs_more_workers_and_asks_for_the_walltime
     assert easy.jobqueue_kwargs()["walltime"] == "00:00:03"
 
 
+def test_a_workers_first_task_takes_what_first_calls_of_its_size_took_even_below_the_models_later_call():
+    """The model reads a block of 80,000 elements (static-2's) at 0.8 s; first calls of that size took 0.3 s, one-off
+    cost and compute together: each worker's first task takes 0.3 s and its overhead, not 0.8 s and a first call;
+    static-4's second task on each worker, not a first call, takes the model's seconds."""
+
+    @dataclass
+    class Timed(Known):
+        whole: float | None = 0.3
+
+        def first_call_block_seconds(self, elements):
+            return self.whole if elements == 80_000 else None
+
+    assert run("static-2", Timed(spe=1e-5)).makespan_seconds == pytest.approx(0.3 + 0.1)
+    assert run("static-2", Timed(spe=1e-5, whole=None, first_call=0.2)).makespan_seconds == pytest.approx(
+        0.8 + 0.2 + 0.1)  # no first call of its size: the model's seconds and the learned first call
+    # static-4: blocks of 40,000 elements, no first call of that size timed: the learned first call, then the model.
+    assert run("static-4", Timed(spe=1e-5, first_call=0.2)).makespan_seconds == pytest.approx(2 * (0.4 + 0.1) + 0.2)
+
+
 def test_a_blocks_seconds_stray_by_the_operators_learned_spread_and_widen_the_p90():
     """An operator whose runs strayed far from its time model (a learned spread of 0.5) is drawn with that
     spread, one without a learned spread, or with one below it, with the stated ``time_sigma`` (a spread measured

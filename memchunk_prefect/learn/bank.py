@@ -219,6 +219,12 @@ class ModelBank:
         with self._lock:
             return self.model(key).time.first_call_seconds()
 
+    def first_call_block_seconds(self, key: str, elements: int) -> float | None:
+        """What ``key``'s first call of a block takes in a worker process, one-off cost and compute together
+        (:meth:`memchunk_prefect.learn.time.TimeModel.first_call_block_seconds`); None where none was that size."""
+        with self._lock:
+            return self.model(key).time.first_call_block_seconds(elements)
+
     def time_spread(self, key: str) -> float | None:
         """How far ``key``'s timed runs stray from its time model, a log-normal's sigma
         (:meth:`memchunk_prefect.learn.time.TimeModel.time_spread`); None before enough runs."""
@@ -268,6 +274,9 @@ class BankKnowledge:
 
     def time_spread(self) -> float | None:
         return self.bank.time_spread(self.key)
+
+    def first_call_block_seconds(self, elements: int) -> float | None:
+        return self.bank.first_call_block_seconds(self.key, elements)
 
     def block_seconds(self, elements: int) -> float | None:
         """Learned wall seconds of one block of ``elements`` (halo included): its compute time as the planner

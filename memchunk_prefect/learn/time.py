@@ -238,6 +238,27 @@ class TimeModel:
                        for e, s in list(self._first_calls)[-max(1, int(window)):])
         return extra[len(extra) // 2]
 
+    def first_call_block_seconds(self, elements: int, window: int | None = None) -> float | None:
+        """Seconds a worker process's first call of a block of ``elements`` (halo included) takes, one-off cost
+        and compute together, as first calls of about that size took them: the median, over the latest ``window``
+        first calls (default ``time_window``) within ``min_size_ratio`` of the size, of each one's seconds
+        (:meth:`compute_seconds`) scaled to the size by the model's growth (:meth:`block_compute_seconds`; by the
+        size where it has none). None where no first call was that size."""
+        window = self.time_window if window is None else window
+        e = int(elements)
+        at_e = self.block_compute_seconds(e)
+        scaled = []
+        for size, seconds in list(self._first_calls)[-max(1, int(window)):]:
+            if not (size <= self.min_size_ratio * e and e <= self.min_size_ratio * size):
+                continue
+            at_size = self.block_compute_seconds(size)
+            growth = at_e / at_size if at_e and at_size else e / size
+            scaled.append(seconds * growth)
+        if not scaled:
+            return None
+        scaled.sort()
+        return scaled[len(scaled) // 2]
+
     def block_compute_seconds(self, elements: int) -> float | None:
         """Compute seconds of a block of ``elements`` (halo included), as the planner counts them: :meth:`seconds_for`
         where time is not proportional to size, else :meth:`seconds_per_element` x ``elements``; None before any

@@ -50,8 +50,10 @@ class SimulatedCluster:
     started, 0 for a fresh or restarted one) runs longer by that growth at its
     operator's learned kernel seconds per byte (``_Task.touch_seconds_per_byte``),
     as a real worker faults that memory in. A task of an operator no task of which has ended on its worker process
-    yet runs longer by its operator's learned first call (``_Task.first_call_seconds``: a library imported, a
-    kernel compiled), as a real worker's first call does (``Observation.first_call``). Where the threads
+    yet runs longer by its operator's first call (``_Task.first_call_seconds``: a library imported, a
+    kernel compiled), as a real worker's first call does (``Observation.first_call``); where first calls of about
+    its block's size were timed, it takes what they took, which may be less than the model reads a later call
+    (:meth:`~memchunk_prefect.sim.inputs.Draws.task`). Where the threads
     outnumber the CPU cores (``ClusterShape.threads_per_core``), a task that starts among more running tasks
     than cores takes as much longer (:meth:`_core_share`): the learned seconds are those of a task with a core
     to itself.

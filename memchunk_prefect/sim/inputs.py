@@ -251,12 +251,28 @@ class Draws:
         return busy + self.per_task_overhead * self.watts_per_core
 
     def task(self, sid: int, chunk: Chunk, extents: Shape, rng: np.random.Generator) -> "_Task":
-        """A simulated task of ``chunk`` reading a block of ``extents``, its memory, seconds and energy drawn."""
+        """A simulated task of ``chunk`` reading a block of ``extents``, its memory, seconds and energy drawn.
+
+        What it pays as its worker process's first task of the operator (``_Task.first_call_seconds``): where
+        first calls of about its block's size were timed
+        (:meth:`memchunk_prefect.learn.time.TimeModel.first_call_block_seconds`), what they took less the model's
+        compute seconds of the block, so the task takes what they took (less than the model reads, where they ran
+        faster; never less than its overhead); else the operator's learned first call. On a fresh cluster per run,
+        a warm plan of one or two chunks per worker and map runs nothing but first calls, which teach the rates
+        nothing: on the workload family's stores 65-80% of the warm runs' chunks were first calls, and a third to
+        a half were over 1.5x the largest block the cold run timed after its first calls (the line "the warm runs'
+        chunks" of ``python -m benchmarks.sim_validation``). What earlier warm runs' first calls took is then the
+        only timing at the size the next one runs."""
         elements = math.prod(extents)
         memory = self.memory(extents, rng)  # drawn first, as before energy was simulated: the same seeds, the same runs
         seconds = self.seconds(elements, rng)
+        first_call = self.first_call_seconds
+        whole = getattr(self.knowledge, "first_call_block_seconds", None)
+        whole_seconds = whole(elements) if callable(whole) else None
+        if whole_seconds is not None:
+            first_call = max(whole_seconds - self.compute_seconds(elements), self.per_task_overhead - seconds)
         return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds), operator_key=self.key,
-                     touch_seconds_per_byte=self.touch_seconds_per_byte, first_call_seconds=self.first_call_seconds)
+                     touch_seconds_per_byte=self.touch_seconds_per_byte, first_call_seconds=first_call)
 
     @functools.cached_property
     def touch_seconds_per_byte(self) -> float:
@@ -415,7 +431,9 @@ class _Task:
     key: int = 0  # the simulated cluster's own, unique over the whole run
     operator_key: str = ""  # whose task it is (for traces of a simulated run)
     touch_seconds_per_byte: float = 0.0  # what taking its worker above the most it has held costs it, s per byte
-    first_call_seconds: float = 0.0  # what it pays as its worker process's first task of its operator, seconds
+    #: What it pays beyond its seconds as its worker process's first task of its operator, seconds (below 0 where
+    #: first calls of its size ran faster than the model reads a later call: :meth:`Draws.task`).
+    first_call_seconds: float = 0.0
     per_worker: int = 0  # placed only on a worker running fewer tasks than this (0: any free thread)
     owner: int = -1  # the position of the step whose map submitted it (-1: a baseline's, or none)
 

@@ -28,7 +28,9 @@ What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
   growth at the operator's learned kernel seconds per byte (a first touch, paid once
   per worker process: :meth:`SimulatedCluster._dispatch`), and the simulated map
   plans knowing each worker's mark, as the runner does; a worker process's first
-  task of an operator runs longer by the operator's learned first call
+  task of an operator takes what first calls of about its block's size took, one-off cost and compute together
+  (:meth:`memchunk_prefect.learn.time.TimeModel.first_call_block_seconds`), and where none was timed, its
+  compute seconds and the operator's learned first call
   (:meth:`memchunk_prefect.learn.time.TimeModel.first_call_seconds`);
 - energy: the operator's learned joules for the block (scaled by the same time
   factor: a slower run draws power longer), else its compute seconds x
