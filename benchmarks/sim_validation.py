@@ -449,7 +449,7 @@ def warm_first_calls(stores: list[Path]) -> dict[str, Any] | None:
     (``first_calls``: they teach the time model's rates nothing,
     :meth:`memchunk_prefect.learn.time.TimeModel.first_call_seconds`), and how many read a block over
     ``MIN_SIZE_RATIO`` times the largest the store's first flow run timed of that operator after its first calls
-    (``beyond_cold``: sizes the rates were never measured at). None without a warm run."""
+    (``beyond_cold``; an earlier warm run's later calls may have timed some of them). None without a warm run."""
     from memchunk_prefect.learn.forms import MIN_SIZE_RATIO
     from memchunk_prefect.learn.store import Store
 

@@ -1395,6 +1395,11 @@ def test_a_first_call_of_about_a_blocks_size_says_what_a_fresh_workers_first_tas
     assert t.block_compute_seconds(640_000) == pytest.approx(1.28)  # the probes' rate
     assert t.first_call_block_seconds(640_000) == pytest.approx(0.44 * 640 / 600)  # the upper middle of two
     assert t.first_call_block_seconds(1_000_000) is None and t.first_call_block_seconds(300_000) is None
+    # A run of many workers at another size (25 first calls of 100,000 elements) does not push out the first calls
+    # of this size: the window is of those near the size.
+    for _ in range(25):
+        t.learn(Observation(KEY, 100_000, (1, 1, 100_000), 400_000, MIB, seconds=0.1, first_call=True))
+    assert t.first_call_block_seconds(640_000) == pytest.approx(0.44 * 640 / 600)
 
 
 def test_the_time_spread_is_1_4826_times_the_median_miss_from_the_model_from_five_timed_runs():

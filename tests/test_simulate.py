@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -691,6 +692,34 @@ def test_a_workers_first_task_takes_what_first_calls_of_its_size_took_even_below
         0.8 + 0.2 + 0.1)  # no first call of its size: the model's seconds and the learned first call
     # static-4: blocks of 40,000 elements, no first call of that size timed: the learned first call, then the model.
     assert run("static-4", Timed(spe=1e-5, first_call=0.2)).makespan_seconds == pytest.approx(2 * (0.4 + 0.1) + 0.2)
+
+
+def test_a_first_task_drawn_from_first_calls_of_its_size_strays_with_them_and_is_charged_its_own_energy():
+    """With a spread of 0.4, a first task of a block whose first calls took 0.3 s (the model reads 0.8 s) takes
+    0.3 s x the drawn factor and its overhead: its 90th percentile 0.3 x e^(0.4 x 1.28) + 0.1, never below the
+    overhead; a first task shorter than its drawn seconds is charged the energy of the time it ran."""
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.sim.cluster import SimulatedCluster
+    from memchunk_prefect.sim.inputs import Draws
+
+    @dataclass
+    class Timed(Known):
+        def first_call_block_seconds(self, elements):
+            return 0.3
+
+    draws, rng = Draws(Timed(spe=1e-5), KEY, 0.1, time_sigma=0.4), np.random.default_rng(5)
+    box = Chunk((0, 0, 0), (20, 40, 100))
+    tasks = [draws.task(i, box, box.shape, rng) for i in range(2000)]
+    first = np.array([t.seconds + t.first_call_seconds for t in tasks])
+    assert first.min() > 0.1
+    assert np.quantile(first, 0.9) == pytest.approx(0.3 * math.exp(0.4 * 1.2816) + 0.1, rel=0.05)
+    assert np.median(first) == pytest.approx(0.4, rel=0.05)
+    sim = SimulatedCluster(dataclasses.replace(CLUSTER, workers=1))
+    task = tasks[0]
+    per_second = task.joules / task.seconds
+    sim.submit(task)
+    ended = sim.next()
+    assert ended.task.seconds == pytest.approx(first[0]) and sim.busy_joules == pytest.approx(per_second * first[0])
 
 
 def test_a_blocks_seconds_stray_by_the_operators_learned_spread_and_widen_the_p90():

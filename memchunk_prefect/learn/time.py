@@ -243,19 +243,19 @@ class TimeModel:
         and compute together, as first calls of about that size took them: the median, over the latest ``window``
         first calls (default ``time_window``) within ``min_size_ratio`` of the size, of each one's seconds
         (:meth:`compute_seconds`) scaled to the size by the model's growth (:meth:`block_compute_seconds`; by the
-        size where it has none). None where no first call was that size."""
+        size where it has none; the one-off part is scaled with it, off by at most ``min_size_ratio``). None where
+        no first call was that size."""
         window = self.time_window if window is None else window
         e = int(elements)
+        near = [(size, seconds) for size, seconds in self._first_calls
+                if size <= self.min_size_ratio * e and e <= self.min_size_ratio * size][-max(1, int(window)):]
+        if not near:
+            return None
         at_e = self.block_compute_seconds(e)
         scaled = []
-        for size, seconds in list(self._first_calls)[-max(1, int(window)):]:
-            if not (size <= self.min_size_ratio * e and e <= self.min_size_ratio * size):
-                continue
+        for size, seconds in near:
             at_size = self.block_compute_seconds(size)
-            growth = at_e / at_size if at_e and at_size else e / size
-            scaled.append(seconds * growth)
-        if not scaled:
-            return None
+            scaled.append(seconds * (at_e / at_size if at_e and at_size else e / size))
         scaled.sort()
         return scaled[len(scaled) // 2]
 

@@ -207,8 +207,8 @@ class SimulatedCluster:
             if load > self.marks[w]:  # (a task that dies gets through the same share of this growth)
                 extra += (load - self.marks[w]) * task.touch_seconds_per_byte
                 self.marks[w] = load
-            if extra > 0 and task.seconds > 0:
-                task.joules *= (task.seconds + extra) / task.seconds  # busy longer, at the same power
+            if extra != 0 and task.seconds > 0:  # busy longer (or, a first call faster than the model, shorter)
+                task.joules *= (task.seconds + extra) / task.seconds  # at the same power
             task.seconds += extra
             if dies_after is not None:
                 self.dies_at[w] = math.inf  # due to die: nothing more lands on it (when: once its tasks are timed)

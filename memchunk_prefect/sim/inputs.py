@@ -196,6 +196,7 @@ class Draws:
         self.time_sigma = max(float(time_sigma), float(spread or 0.0))
         self.watts_per_core = float(watts_per_core)
         self._predictions: dict[Shape, Prediction] = {}
+        self._first_calls: dict[int, float | None] = {}  # first_call_block_seconds by block size
         self.learned_energy = False  # whether any block's energy came from a learned figure
 
     def prediction(self, extents: Shape) -> Prediction:
@@ -254,25 +255,35 @@ class Draws:
         """A simulated task of ``chunk`` reading a block of ``extents``, its memory, seconds and energy drawn.
 
         What it pays as its worker process's first task of the operator (``_Task.first_call_seconds``): where
-        first calls of about its block's size were timed
-        (:meth:`memchunk_prefect.learn.time.TimeModel.first_call_block_seconds`), what they took less the model's
-        compute seconds of the block, so the task takes what they took (less than the model reads, where they ran
-        faster; never less than its overhead); else the operator's learned first call. On a fresh cluster per run,
-        a warm plan of one or two chunks per worker and map runs nothing but first calls, which teach the rates
-        nothing: on the workload family's stores 65-80% of the warm runs' chunks were first calls, and a third to
-        a half were over 1.5x the largest block the cold run timed after its first calls (the line "the warm runs'
-        chunks" of ``python -m benchmarks.sim_validation``). What earlier warm runs' first calls took is then the
-        only timing at the size the next one runs."""
+        first calls of about its block's size were timed (:meth:`first_call_block_seconds`), what makes the task
+        take what they took, drawn with the same factor as its compute seconds (below 0 where they ran faster than
+        the model reads a later call; the task never takes less than its overhead); else the operator's learned
+        first call. On a fresh cluster per run, a warm plan of one or two chunks per worker and map runs nothing
+        but first calls, which teach the rates nothing: over four validation runs of the workload family, 65-80%
+        of the warm runs' chunks were first calls, and 30-53% read blocks over 1.5x the largest the cold run timed
+        after its first calls (the line "the warm runs' chunks" of ``python -m benchmarks.sim_validation``). What
+        earlier warm runs' first calls took is then the only timing at the size the next one runs."""
         elements = math.prod(extents)
         memory = self.memory(extents, rng)  # drawn first, as before energy was simulated: the same seeds, the same runs
         seconds = self.seconds(elements, rng)
         first_call = self.first_call_seconds
-        whole = getattr(self.knowledge, "first_call_block_seconds", None)
-        whole_seconds = whole(elements) if callable(whole) else None
-        if whole_seconds is not None:
-            first_call = max(whole_seconds - self.compute_seconds(elements), self.per_task_overhead - seconds)
+        whole = self.first_call_block_seconds(elements)
+        if whole is not None:
+            compute = self.compute_seconds(elements)
+            factor = (seconds - self.per_task_overhead) / compute if compute > 0 else 1.0  # the drawn time factor
+            first_call = (whole - compute) * factor
         return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds), operator_key=self.key,
                      touch_seconds_per_byte=self.touch_seconds_per_byte, first_call_seconds=first_call)
+
+    def first_call_block_seconds(self, elements: int) -> float | None:
+        """A worker process's first call of a block of ``elements``, one-off cost and compute together, as first calls
+        of about that size took it (:meth:`memchunk_prefect.learn.time.TimeModel.first_call_block_seconds`; None
+        where none was timed, or the knowledge keeps no such figure). Asked once per block size: the models do not
+        learn during a simulation."""
+        if elements not in self._first_calls:
+            whole = getattr(self.knowledge, "first_call_block_seconds", None)
+            self._first_calls[elements] = whole(elements) if callable(whole) else None
+        return self._first_calls[elements]
 
     @functools.cached_property
     def touch_seconds_per_byte(self) -> float:

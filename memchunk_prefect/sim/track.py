@@ -150,7 +150,7 @@ def _predict(store: Any, run_id: str, started: float, ended: float, work: Path, 
     # The cores its workers shared: a map of store v14 or later keeps the count (and the copy keeps the map); an
     # older one is counted from the run's own chunks, which the copy as of its start leaves out.
     kw: dict[str, Any] = {}
-    if all(m.threads_per_core is None for m in store.maps(run_id)):
+    if any(m.threads_per_core is None for m in store.maps(run_id)):
         cluster = recorded_flow(store, run_id).cluster
         kw = {"threads_per_core": cluster.threads_per_core} if cluster and cluster.threads_per_core else {}
     copy = store.copy_as_of(work / "as-of.sqlite", started, keep_flow_run=run_id)
