@@ -23,7 +23,8 @@ What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
 - compute seconds: the learned time (``seconds_for``, or seconds per element x
   elements) times a log-normal factor of the operator's learned spread (how far its
   runs fell from the model, :meth:`memchunk_prefect.learn.time.TimeModel.time_spread`;
-  before five timed runs, ``time_sigma``, a stated 0.1), plus the per-task overhead; a task that
+  never less than ``time_sigma``, a stated 0.1, which stands alone before five timed runs),
+  plus the per-task overhead; a task that
   takes its worker above the most that worker process has held runs longer by the
   growth at the operator's learned kernel seconds per byte (a first touch, paid once
   per worker process: :meth:`SimulatedCluster._dispatch`), and the simulated map
