@@ -281,10 +281,9 @@ class TimeModel:
         What the simulator draws a block's seconds with (:class:`memchunk_prefect.sim.inputs.Draws`), so a
         prediction's p90 covers how far the operator's runs strayed on the machines they ran on. Measured against
         the model the same runs taught, it reads low over few runs (one run sits on a median rate exactly): the
-        simulator draws no less than its stated spread. On a 2-core machine whose worker threads outnumbered its
-        cores, the workload family's operators strayed by 0.3-0.55 (``memchunk models --store
-        DIR/<workload>.sqlite``, the time column's ``~``, for the stores ``python -m benchmarks.sim_validation
-        --work DIR`` leaves)."""
+        simulator draws no less than its stated spread. On a 2-core machine, the workload family's operators
+        strayed by 0.17-0.55 (``memchunk models --store DIR/<workload>.sqlite``, the time column's ``~``, on the
+        stores ``python -m benchmarks.sim_validation --seed 2 --work DIR`` leaves)."""
         window = self.time_window if window is None else window
         misses = []
         for elements, seconds in list(self._runs)[-max(1, int(window)):]:
