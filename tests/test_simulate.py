@@ -743,3 +743,37 @@ def test_a_blocks_seconds_stray_by_the_operators_learned_spread_and_widen_the_p9
     wide, narrow = (simulate(["static-2"], [STEP], SHAPE, CLUSTER, lambda key, k=k: k, runs=40, time_sigma=0.02)[0]
                     for k in (Strays(spe=1e-5), Strays(spe=1e-5, spread=0.02)))
     assert wide.makespan_p90 / wide.makespan_p50 > 1.2 > 1.05 > narrow.makespan_p90 / narrow.makespan_p50
+
+
+def test_a_simulated_cold_run_records_its_chunks_as_the_runner_records_real_ones():
+    """The planner of a simulated cold run learns from the run's own chunks, as the runner does from real ones: each
+    chunk's observation times its block function (not the per-task overhead), marks its worker's first call of the
+    operator, and gives what it grew its worker and the kernel seconds that cost. The learner then reads the
+    truth's rate, first call and growth cost back, none of them counted into another."""
+    from memchunk_prefect.learn.bank import ModelBank
+    from memchunk_prefect.sim.inputs import LearningKnowledge
+
+    truth = Known(spe=1e-6, first_call=0.3, touch=1e-9)
+    learner = LearningKnowledge(ModelBank(None), KEY, DEFAULT_SETTINGS)
+    seen = []
+    original = learner.learn
+
+    def learn(obs):
+        seen.append(obs)
+        original(obs)
+
+    learner.learn = learn  # type: ignore[method-assign]
+    r = run_strategy("memchunk", [STEP], (80, 80, 100), CLUSTER, lambda key: learner, np.random.default_rng(0),
+                     time_sigma=0.0, truth_for=lambda key: truth)
+    assert r.completed and len(seen) >= 4
+    firsts = [o for o in seen if o.first_call]
+    assert {o.worker for o in firsts} == {"sim-0", "sim-1"} and len(firsts) == 2, "one first call per worker"
+    for o in seen:
+        touch = o.grew_bytes * 1e-9
+        assert o.sys_seconds == pytest.approx(touch)
+        assert o.seconds == pytest.approx(o.elements * 1e-6 + (0.3 if o.first_call else 0.0) + touch)
+    assert any(o.grew_bytes > 0 for o in seen), "probes of rising size grow their workers"
+    # Growth below the first-touch line stays in a run's seconds, as on a real worker: the rate reads a little high,
+    # never the 0.1 s overhead a task of 40,000-160,000 elements (0.04-0.16 s) would add, nor a first call.
+    assert 1e-6 <= learner.seconds_per_element() < 1.1e-6
+    assert learner.first_call_seconds() == pytest.approx(0.3, rel=0.1)

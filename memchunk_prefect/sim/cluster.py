@@ -203,9 +203,12 @@ class SimulatedCluster:
             dies_after = None
             if load > headroom:  # its memory, rising evenly to its peak half way, crosses the kill line this far in
                 dies_after = 0.5 * min(1.0, max(0.0, headroom - (load - task.memory)) / max(task.memory, 1))
-            extra = 0.0 if task.operator_key in self.called[w] else task.first_call_seconds
+            task.first_call = task.operator_key not in self.called[w]
+            extra = task.first_call_seconds if task.first_call else 0.0
             if load > self.marks[w]:  # (a task that dies gets through the same share of this growth)
-                extra += (load - self.marks[w]) * task.touch_seconds_per_byte
+                task.grew_bytes = load - self.marks[w]
+                task.touch_seconds = task.grew_bytes * task.touch_seconds_per_byte
+                extra += task.touch_seconds
                 self.marks[w] = load
             if extra != 0 and task.seconds > 0:  # busy longer (or, a first call faster than the model, shorter)
                 task.joules *= (task.seconds + extra) / task.seconds  # at the same power
@@ -225,6 +228,7 @@ class SimulatedCluster:
             if task.key not in self._live:  # ended already (its worker left at this instant)
                 continue
             task.seconds *= share
+            task.share = share
             if dies_after is not None:
                 # The worker dies when the newest task reaches the kill line; everything on it dies with it.
                 w = task.worker

@@ -273,7 +273,8 @@ class Draws:
             factor = (seconds - self.per_task_overhead) / compute if compute > 0 else 1.0  # the drawn time factor
             first_call = (whole - compute) * factor
         return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds), operator_key=self.key,
-                     touch_seconds_per_byte=self.touch_seconds_per_byte, first_call_seconds=first_call)
+                     touch_seconds_per_byte=self.touch_seconds_per_byte, first_call_seconds=first_call,
+                     overhead_seconds=self.per_task_overhead)
 
     def first_call_block_seconds(self, elements: int) -> float | None:
         """A worker process's first call of a block of ``elements``, one-off cost and compute together, as first calls
@@ -447,6 +448,15 @@ class _Task:
     first_call_seconds: float = 0.0
     per_worker: int = 0  # placed only on a worker running fewer tasks than this (0: any free thread)
     owner: int = -1  # the position of the step whose map submitted it (-1: a baseline's, or none)
+    #: Of its seconds, what the task costs beyond its block function (the cluster's per-task overhead), seconds
+    #: before the core share: a real run's observation times the block function alone.
+    overhead_seconds: float = 0.0
+    #: Set as it starts on a worker: whether it is its worker process's first task of its operator; how far it took
+    #: its worker above the most it had held, bytes, and the kernel seconds that cost; the core share it ran at.
+    first_call: bool = False
+    grew_bytes: int = 0
+    touch_seconds: float = 0.0
+    share: float = 1.0
 
 
 @dataclass(frozen=True)

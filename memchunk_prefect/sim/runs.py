@@ -110,11 +110,18 @@ class SimResult:
 
 
 def _observation(step: Step, task: _Task, killed: bool, budget: int, at: float) -> Observation:
+    """What the runner records of a simulated chunk, as it records a real one (:mod:`memchunk_prefect.run.monitor`):
+    the block function's seconds (the task's, less its per-task overhead), whether it was its worker process's
+    first call of the operator, how far it grew its worker and the kernel seconds that cost (``sys_seconds``).
+    A simulated cold run's planner then learns from its chunks what the real runner's learns from its own: first
+    calls and first touches apart from the rates (:class:`memchunk_prefect.learn.time.TimeModel`)."""
     elements = math.prod(task.extents)
+    seconds = 0.0 if killed else max(0.0, task.seconds - task.overhead_seconds * task.share)
     return Observation(operator_key=step.key, elements=elements, extents=task.extents, bytes_in=elements * ITEMSIZE,
-                       peak_bytes=int(task.memory), seconds=0.0 if killed else task.seconds,
+                       peak_bytes=int(task.memory), seconds=seconds,
                        outcome="killed" if killed else "ok", censored=killed, worker=f"sim-{task.worker}",
-                       chunk=task.chunk.key(), budget_bytes=budget, created_at=at)
+                       chunk=task.chunk.key(), budget_bytes=budget, created_at=at, first_call=task.first_call,
+                       grew_bytes=int(task.grew_bytes), sys_seconds=float(task.touch_seconds))
 
 
 def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
