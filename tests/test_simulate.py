@@ -774,6 +774,6 @@ def test_a_simulated_cold_run_records_its_chunks_as_the_runner_records_real_ones
         assert o.seconds == pytest.approx(o.elements * 1e-6 + (0.3 if o.first_call else 0.0) + touch)
     assert any(o.grew_bytes > 0 for o in seen), "probes of rising size grow their workers"
     # Growth below the first-touch line stays in a run's seconds, as on a real worker: the rate reads a little high,
-    # never the 0.1 s overhead a task of 40,000-160,000 elements (0.04-0.16 s) would add, nor a first call.
+    # never the 0.1 s overhead a chunk of 16,000-208,000 elements (0.016-0.21 s) would add, nor a first call.
     assert 1e-6 <= learner.seconds_per_element() < 1.1e-6
     assert learner.first_call_seconds() == pytest.approx(0.3, rel=0.1)
