@@ -542,7 +542,9 @@ def test_a_time_curve_that_falls_at_the_smallest_block_is_noise_and_the_line_is_
     # No curve; the rates fall with size (first-call costs on the small blocks), so a block is planned on the line
     # between the smallest and the largest blocks timed, and smaller chunks never read cheaper per element.
     assert m.time.rates_fall()
-    assert m.seconds_for(1_843_200) == pytest.approx(0.1843 / 1_603_200 * 1_843_200)
+    # Beyond the largest block: its seconds, and the measured cost per element for the rest.
+    assert m.seconds_for(1_843_200) == pytest.approx(0.1843 + m.time.robust_slope() * (1_843_200 - 1_603_200))
+    assert 0.1843 < m.seconds_for(1_843_200) < 0.1843 / 1_603_200 * 1_843_200
     assert m.seconds_for(240_000) / 240_000 > m.seconds_for(801_600) / 801_600
 
 
@@ -566,8 +568,10 @@ def test_rates_that_fall_with_size_plan_a_block_on_the_line_between_the_smallest
     m = timed(rows)
     assert m.time_form() == "linear" and m.time.rates_fall()
     assert m.seconds_per_element() * 636_000 > 1.4  # the median over every size: the probes'
-    assert 0.2 < m.seconds_for(636_000) < 0.4  # beyond the largest size: the 406,350-element runs' rate
-    assert m.seconds_for(636_000) == pytest.approx(0.168 / 406_350 * 636_000)
+    # Beyond the largest size: the 406,350-element runs' seconds (the upper middle of two), and the measured cost
+    # per element for the rest; not their rate, which counts the fixed cost again in proportion.
+    assert m.seconds_for(636_000) == pytest.approx(0.168 + m.time.robust_slope() * (636_000 - 406_350))
+    assert 0.168 < m.seconds_for(636_000) < 0.168 / 406_350 * 636_000
     small = 0.085 / 34_500  # the upper middle rate of the four runs of 34,500 and 39,000 elements
     assert m.seconds_for(220_425) == pytest.approx((small * 34_500 + 0.168) / 2)  # half way: half of each end
     # Below the smallest block timed the line goes on: its fixed cost stays, where the small blocks' rate alone
@@ -664,6 +668,21 @@ def test_rates_that_rise_with_size_never_read_a_larger_block_cheaper_per_element
     assert flat.time.rising_floor(2_000_000) is None
 
 
+def test_a_block_beyond_the_largest_timed_pays_the_fixed_cost_once_at_the_slope_one_wild_run_cannot_move():
+    """Seconds of ``0.05 + 1e-7 x elements`` (a fixed cost per call, then a cost per element) at three sizes, one
+    run of the middle size 5x slow. The median of the pairs' slopes is the true slope; a block twice the largest
+    reads the true 0.13 s, where the large blocks' rate (0.09 s over 400,000 elements) read 0.18 s."""
+    m = OperatorModel(KEY)
+    for i, e in enumerate((100_000, 200_000, 400_000) * 2 + (200_000,)):
+        secs = 0.5 if i == 6 else 0.05 + 1e-7 * e
+        m.learn(Observation(KEY, e, (1, 1, e), 4 * e, int(5 * MIB + 16 * e), seconds=secs))
+    assert m.time_form() == "linear" and m.time.rates_fall()
+    assert m.time.robust_slope() == pytest.approx(1e-7)
+    assert m.seconds_for(400_000) == pytest.approx(0.09)
+    assert m.seconds_for(800_000) == pytest.approx(0.13)
+    assert m.seconds_for(4_000_000) == pytest.approx(0.45)
+
+
 def test_where_the_smallest_blocks_took_longer_than_the_largest_the_largest_decide_the_line():
     """fam_table in a cold run of the workload family (seed 1; its store's rows: elements, extents, wall and kernel
     seconds, bytes grown, peak, first call). One probe of 44,000 elements took 0.27 s beside another worker's first
@@ -678,7 +697,8 @@ def test_where_the_smallest_blocks_took_longer_than_the_largest_the_largest_deci
     m = timed(rows)
     assert m.time.rates_fall() and m.time_form() == "linear"
     assert m.seconds_for(590_400) == pytest.approx(0.1109)
-    assert m.seconds_for(1_312_000) == pytest.approx(0.1109 / 590_400 * 1_312_000)
+    assert m.seconds_for(1_312_000) == pytest.approx(0.1109 + m.time.robust_slope() * (1_312_000 - 590_400))
+    assert m.seconds_for(1_312_000) < 0.1109 / 590_400 * 1_312_000
     assert m.seconds_for(42_000) == pytest.approx(0.1109)  # the smallest end at the largest's seconds
     sizes = range(20_000, 2_000_000, 20_000)
     seconds = [m.seconds_for(e) for e in sizes]
@@ -712,8 +732,11 @@ def test_a_time_curve_whose_rise_lies_beyond_every_run_measured_is_not_named():
     assert fits["quadratic"]["press"] < 0.9 * fits["linear"]["press"] and m.time.curve_supported()
     assert fits["quadratic"]["seconds"][0] > 2.0
     assert m.time_form() == "linear" and m.time_curve_weight() == (0.0, None) and m.time.rates_fall()
-    # Beyond the largest block, the largest blocks' rate (upper middle of two): half the curve's reading.
-    assert m.seconds_for(5_120_000) == pytest.approx(0.282 / 1_211_800 * 5_120_000)
+    # Beyond the largest block, the largest blocks' seconds (upper middle of two) and the measured cost per element
+    # for the rest: 0.36 s at the warm runs' 2,656,000 elements, whose first calls took 0.21-0.33 s, one-off cost
+    # included. Scaled at the large blocks' rate, 0.62 s; the curve, more still.
+    assert m.seconds_for(5_120_000) == pytest.approx(0.282 + m.time.robust_slope() * (5_120_000 - 1_211_800))
+    assert m.seconds_for(2_656_000) == pytest.approx(0.36, abs=0.01)
     # A fixed cost and a curvature whose rise the runs measured (the cheapest rate at 0.3 Mi-elements, runs to 2)
     # still name the curve.
     curved = OperatorModel(KEY)
