@@ -128,6 +128,7 @@ class TimeModel:
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
         self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
+        self._slopes: dict[int, float | None] = {}  # robust_slope by window, until the forms learn a run
         self._floor_memo: tuple[int, int, float, float] | None = None  # rising_floor's sizes and rates, until a run
         self._rates: deque[float] = deque(maxlen=RATE_HISTORY)  # compute seconds per element of ok runs
         self._first_touch_rates: deque[float] = deque(maxlen=RATE_HISTORY)  # first touches of unknown kernel time
@@ -162,6 +163,7 @@ class TimeModel:
             self._runs.append((int(obs.elements), seconds))
             self._memo = None
             self._falling.clear()
+            self._slopes.clear()
             self._floor_memo = None
 
     # ------------------------------------------------------------------ first touch
@@ -440,16 +442,17 @@ class TimeModel:
         of its latest ``window`` runs (default ``time_window``) within ``min_size_ratio`` of its size. A block
         between the ends takes the seconds on the line through them: a fixed cost per block and a cost per
         element. A block beyond the largest takes the largest blocks' seconds and, for each element more, the
-        cost per element the runs measure between sizes (:meth:`robust_slope`), at most the large blocks' rate:
-        the fixed cost is paid once, not again in proportion. Scaled at the large blocks' rate instead, the
-        workload family's ``fam_table`` (a lookup table built per call) read a split-on-failure flow's
-        whole-survey chunk, 4.2x its largest probe, at 1.19 s, where first calls of half that size ran in
-        0.21-0.33 s (``test_a_time_curve_whose_rise_lies_beyond_every_run_measured_is_not_named``), and the
-        simulator predicted such flows up to 85% long. Below the smallest block timed the
-        line goes on (never below the small blocks' rate times the block, where noise in the ends' medians gives
-        the line a negative fixed cost): the fixed cost that made the small blocks slower per element does not
-        shrink with the block. Scaled down at the small blocks' rate instead, a static-32 plan's 60,000-element
-        blocks of the workload family's ``fam_first_use`` read 0.011 s, an eighth of the 0.087 s its
+        cost per element measured into the largest blocks (:meth:`robust_slope`; the line's where no two runs
+        lie far enough apart), at most the large blocks' rate: the fixed cost is paid once, not again in
+        proportion. Scaled at the large blocks' rate instead, the workload family's ``fam_table`` (a lookup
+        table built per call) read a split-on-failure flow's whole-survey chunk, 4.2x its largest probe, at
+        1.19 s, where first calls of half that size ran in 0.21-0.33 s
+        (``test_a_time_curve_whose_rise_lies_beyond_every_run_measured_is_not_named``), and the simulator
+        predicted such flows up to 85% long. Below the smallest block timed the line goes on (never below the
+        small blocks' rate times the block, where noise in the ends' medians gives the line a negative fixed
+        cost): the fixed cost that made the small blocks slower per element does not shrink with the block.
+        Scaled down at the small blocks' rate instead, a static-32 plan's 60,000-element blocks of the workload
+        family's ``fam_first_use`` read 0.011 s, an eighth of the 0.087 s its
         1,000,000-element blocks took, though each block pays the same fixed cost, and the simulator predicted the
         plan 29% short. Where the smallest end took longer than the largest (a larger block is never faster, so
         one end is noise), the smallest end takes the largest's seconds: the longer runs carry less of a task's
@@ -475,25 +478,34 @@ class TimeModel:
         at_lo = min(small[len(small) // 2] * lo, at_hi)
         e = int(elements)
         if e >= hi:
-            return at_hi + min(self.robust_slope(window), at_hi / hi) * (e - hi)
+            slope = self.robust_slope(window)
+            if slope is None:  # no pair that far apart among the latest runs: the line through the ends
+                slope = (at_hi - at_lo) / (hi - lo)
+            return at_hi + min(slope, at_hi / hi) * (e - hi)
         line = at_lo + (at_hi - at_lo) * (e - lo) / (hi - lo)
         return line if e >= lo else max(line, at_lo * e / lo)
 
-    def robust_slope(self, window: int | None = None) -> float:
-        """Compute seconds per element one block costs more than another: the median, over every pair of the
-        latest ``window`` timed runs (default ``time_window``) whose sizes lie ``min_size_ratio`` apart or more,
-        of the pair's difference in seconds over its difference in elements (the Theil-Sen slope), at least 0;
-        0 before such a pair.
+    def robust_slope(self, window: int | None = None) -> float | None:
+        """Compute seconds per element one block costs more than another, measured into the largest blocks: the
+        median, over every pair of a run of the largest blocks (within ``min_size_ratio`` of the largest size) and
+        a run ``min_size_ratio`` times smaller or more (the latest ``window`` runs of each, default
+        ``time_window``), of the pair's difference in seconds over its difference in elements (a Theil-Sen slope),
+        at least 0. None before such a pair.
 
-        The slope of ``seconds = fixed + slope x elements`` that one slow run cannot move: runs of one size
-        stray by 2-5x on a busy machine (a worker's kernel time to fault in memory lands on some and not on
-        others), and a median of pairs puts up with nearly three in ten of them wild. What a block beyond the
-        largest one timed costs for its extra elements (:meth:`falling_seconds`)."""
+        The slope of ``seconds = fixed + slope x elements`` that a slow run or two cannot move far: runs of one
+        size stray by 2-5x on a busy machine (a worker's kernel time to fault in memory lands on some and not on
+        others), and each run is one of many pairs. Measured into the largest blocks, since it prices the
+        elements of a block beyond them (:meth:`falling_seconds`)."""
         window = max(1, int(self.time_window if window is None else window))
-        runs = list(self._runs)[-window:]
-        slopes = sorted((sj - si) / (ej - ei) for i, (ei, si) in enumerate(runs) for ej, sj in runs[i + 1:]
-                        if max(ei, ej) >= self.min_size_ratio * min(ei, ej))
-        return max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
+        if window not in self._slopes:  # asked once per candidate plan: once per run learned
+            runs = list(self._runs)
+            hi = max((e for e, _ in runs), default=0)
+            large = [(e, s) for e, s in runs if e * self.min_size_ratio >= hi][-window:]
+            below = [(e, s) for e, s in runs if e * self.min_size_ratio <= hi][-window:]
+            slopes = sorted((sl - so) / (el - eo) for el, sl in large for eo, so in below
+                            if el >= self.min_size_ratio * eo and el > eo)
+            self._slopes[window] = max(0.0, slopes[len(slopes) // 2]) if slopes else None
+        return self._slopes[window]
 
     def rising_floor(self, elements: int) -> float | None:
         """The fewest compute seconds a block of ``elements`` (halo included) may read where the measured rates
