@@ -24,8 +24,11 @@ Rows:
 - ``chain-real``: ``envelope`` -> ``gaussian_smooth`` -> ``gst3d_dip`` over one survey
   on 2 workers x 1 thread.
 - ``chain-straggler``: the three maps of ``chain-hold`` (same multiples and halos),
-  each chunk ``--hold`` seconds of CPU work (``busy_seconds``) instead of a sleep, on
-  2 workers x 1 thread, one of them a straggler: stopped half of every 0.2 s
+  each doing CPU work instead of a sleep: ``--hold`` seconds per half of the survey,
+  in proportion to a chunk's elements (``busy_seconds_per_element``), as an
+  operator's time grows with its block. (Work fixed per chunk would make one chunk a
+  map as quick as two, and the runner rightly plans one: nothing left to pipeline.)
+  On 2 workers x 1 thread, one of them a straggler: stopped half of every 0.2 s
   (``memchunk_prefect.testing.Throttle``, SIGSTOP / SIGCONT, duty 0.5), so its chunks
   take about twice as long, as on a node starved by a neighbour. A blocking chain
   waits at every map's end for the straggler's last chunk; a pipelined one gives the
@@ -62,8 +65,9 @@ def _cluster(threads: int):
                             dashboard_address="127.0.0.1:0")
 
 
-def _steps(row: str, hold: float) -> list[tuple[Any, dict, Any]]:
-    """(task, parameters, halo or None) of each map of a row; chained rows read the map before."""
+def _steps(row: str, hold: float, elements: int) -> list[tuple[Any, dict, Any]]:
+    """(task, parameters, halo or None) of each map of a row over a survey of ``elements`` samples; chained rows
+    read the map before."""
     from memchunk_prefect import operators
     from memchunk_prefect.testing import memory_hog
 
@@ -77,9 +81,10 @@ def _steps(row: str, hold: float) -> list[tuple[Any, dict, Any]]:
                 (memory_hog, {"multiple": 40, "seconds": hold}, (2, 0, 0)),
                 (memory_hog, {"multiple": 16, "seconds": hold}, (2, 0, 0))]
     if row == "chain-straggler":
-        return [(memory_hog, {"multiple": 4, "busy_seconds": hold}, None),
-                (memory_hog, {"multiple": 40, "busy_seconds": hold}, (2, 0, 0)),
-                (memory_hog, {"multiple": 16, "busy_seconds": hold}, (2, 0, 0))]
+        per_element = 2 * hold / elements  # CPU seconds per sample: a half-survey chunk computes ``hold`` seconds
+        return [(memory_hog, {"multiple": 4, "busy_seconds_per_element": per_element}, None),
+                (memory_hog, {"multiple": 40, "busy_seconds_per_element": per_element}, (2, 0, 0)),
+                (memory_hog, {"multiple": 16, "busy_seconds_per_element": per_element}, (2, 0, 0))]
     return [(operators.envelope, {}, None), (operators.gaussian_smooth, {}, None), (operators.gst3d_dip, {}, None)]
 
 
@@ -105,7 +110,7 @@ def run_row(row: str, survey: str, work: Path, *, threads: int, hold: float, bud
     from memchunk_prefect.io.zarr_store import open_result
 
     chained = row.startswith("chain")
-    steps = _steps(row, hold)
+    steps = _steps(row, hold, int(np.prod(ROWS[row][0])))
     cluster = _cluster(threads)
     stack = contextlib.ExitStack()
     try:

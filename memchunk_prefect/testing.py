@@ -33,16 +33,17 @@ KILL_HOLD_S = 0.5
 
 @operator(halo=0, memory_params=("multiple",), whole_traces=True)
 def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds: float = 0.0, device: str = "cpu",
-               seconds_per_element: float = 0.0):
+               seconds_per_element: float = 0.0, busy_seconds_per_element: float = 0.0):
     """Return a copy of ``block`` after holding ``multiple`` x its bytes of touched memory for ``seconds`` plus
     ``seconds_per_element`` x its elements (a wall time that grows with the block, as an operator's does).
 
     Memory: about (multiple + 2) x the block's bytes (the scratch buffer, the block, the copy); the scratch
     buffer is held on ``device`` (see :mod:`memchunk_prefect.operators.device`), the rest in host memory.
     ``seconds`` (wall time the buffer is held) gives fault tests a window to kill a
-    worker mid-task; ``busy_seconds`` is CPU time spent computing (a loop on the
-    thread's CPU clock), so a worker the OS slows (stopped, throttled, sharing its
-    cores) takes proportionally longer in wall time, as a real operator would.
+    worker mid-task; ``busy_seconds`` plus ``busy_seconds_per_element`` x its elements is
+    CPU time spent computing (a loop on the thread's CPU clock), so a worker the OS slows
+    (stopped, throttled, sharing its cores) takes proportionally longer in wall time, as a
+    real operator would.
     None of these is a memory parameter, so none changes the model's key.
     """
     xp = backend(device).xp
@@ -50,7 +51,8 @@ def memory_hog(block, multiple: float = 10.0, seconds: float = 0.0, busy_seconds
     if seconds > 0 or seconds_per_element > 0:
         time.sleep(seconds + seconds_per_element * block.size)
     t0 = time.thread_time()
-    while time.thread_time() - t0 < busy_seconds:
+    busy = busy_seconds + busy_seconds_per_element * block.size
+    while time.thread_time() - t0 < busy:
         pass
     out = np.array(block, dtype=np.float32, copy=True)
     out += np.float32(float(scratch[0]) - 1.0)  # use the buffer so it cannot be optimised away

@@ -594,7 +594,7 @@ def test_map_overhead_profiles_the_maps_submissions_and_the_runners_steps(tmp_pa
 
 
 def test_overlap_benchmark_times_both_ways_and_compares_their_outputs(tmp_path, api_url):
-    """Smoke test of ``python -m benchmarks.overlap`` on its straggler chain (two chained maps, a worker
+    """Smoke test of ``python -m benchmarks.overlap`` on its straggler chain (three chained maps, a worker
     throttled by SIGSTOP / SIGCONT): both ways timed, outputs compared, each chunk's seconds reported."""
     out = tmp_path / "ov.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.overlap", "--rows",
@@ -609,6 +609,7 @@ def test_overlap_benchmark_times_both_ways_and_compares_their_outputs(tmp_path, 
         assert [r["chunks"] for r in row["runs"]["blocking"]] == [r["chunks"] for r in row["runs"]["overlapped"]]
         for run in row["runs"]["blocking"] + row["runs"]["overlapped"]:
             assert [len(m) for m in run["chunk_seconds"]] == run["chunks"]
+            assert min(run["chunks"]) > 1, f"a map ran as one chunk, nothing to pipeline: {run['chunks']}"
 
 
 def test_rounds_repeat_every_strategy_in_turn_and_report_each_ones_median_run():
