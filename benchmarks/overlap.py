@@ -19,15 +19,17 @@ Rows:
 - ``independent-real``: ``envelope`` and ``semblance`` over one survey on 2 workers
   x 1 thread (each map fills every slot).
 - ``chain-hold``: three ``memory_hog`` maps chained, with different memory multiples
-  (so different chunkings), a 2-iline halo on the second and third, on 2 workers x
-  2 threads, ``--hold`` seconds a chunk.
+  (three operator keys), a 2-iline halo on the second and third, on 2 workers x 2
+  threads, each holding its memory ``--hold`` seconds per half of the survey, in
+  proportion to a chunk's elements (``seconds_per_element``, a sleep), as an
+  operator's time grows with its block. Time fixed per chunk would make one chunk a
+  map as quick as two, and the runner, once it has learned that, rightly plans one:
+  nothing left to pipeline, and the two ways chunked differently.
 - ``chain-real``: ``envelope`` -> ``gaussian_smooth`` -> ``gst3d_dip`` over one survey
   on 2 workers x 1 thread.
 - ``chain-straggler``: the three maps of ``chain-hold`` (same multiples and halos),
   each doing CPU work instead of a sleep: ``--hold`` seconds per half of the survey,
-  in proportion to a chunk's elements (``busy_seconds_per_element``), as an
-  operator's time grows with its block. (Work fixed per chunk would make one chunk a
-  map as quick as two, and the runner rightly plans one: nothing left to pipeline.)
+  in proportion to a chunk's elements (``busy_seconds_per_element``).
   On 2 workers x 1 thread, one of them a straggler: stopped half of every 0.2 s
   (``memchunk_prefect.testing.Throttle``, SIGSTOP / SIGCONT, duty 0.5), so its chunks
   take about twice as long, as on a node starved by a neighbour. A blocking chain
@@ -76,15 +78,12 @@ def _steps(row: str, hold: float, elements: int) -> list[tuple[Any, dict, Any]]:
                 (memory_hog, {"multiple": 6, "seconds": hold}, None)]
     if row == "independent-real":
         return [(operators.envelope, {}, None), (operators.semblance, {}, None)]
-    if row == "chain-hold":
-        return [(memory_hog, {"multiple": 4, "seconds": hold}, None),
-                (memory_hog, {"multiple": 40, "seconds": hold}, (2, 0, 0)),
-                (memory_hog, {"multiple": 16, "seconds": hold}, (2, 0, 0))]
-    if row == "chain-straggler":
-        per_element = 2 * hold / elements  # CPU seconds per sample: a half-survey chunk computes ``hold`` seconds
-        return [(memory_hog, {"multiple": 4, "busy_seconds_per_element": per_element}, None),
-                (memory_hog, {"multiple": 40, "busy_seconds_per_element": per_element}, (2, 0, 0)),
-                (memory_hog, {"multiple": 16, "busy_seconds_per_element": per_element}, (2, 0, 0))]
+    if row in ("chain-hold", "chain-straggler"):
+        per_element = 2 * hold / elements  # seconds per sample: a chunk of half the survey takes ``hold`` seconds
+        spent = "seconds_per_element" if row == "chain-hold" else "busy_seconds_per_element"
+        return [(memory_hog, {"multiple": 4, spent: per_element}, None),
+                (memory_hog, {"multiple": 40, spent: per_element}, (2, 0, 0)),
+                (memory_hog, {"multiple": 16, spent: per_element}, (2, 0, 0))]
     return [(operators.envelope, {}, None), (operators.gaussian_smooth, {}, None), (operators.gst3d_dip, {}, None)]
 
 
@@ -170,7 +169,9 @@ ROWS = {  # row: (survey shape, threads per worker, memory budget)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.overlap", description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=2, help="timed runs of each way per row (default 2)")
-    p.add_argument("--hold", type=float, default=2.0, help="seconds a memory_hog chunk holds its memory (default 2)")
+    p.add_argument("--hold", type=float, default=2.0,
+                   help="seconds a memory_hog chunk holds its memory (independent-half), or a map's chunks per half "
+                        "of the survey (chain-hold, chain-straggler) (default 2)")
     p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = p.parse_args(argv)
