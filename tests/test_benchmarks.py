@@ -326,6 +326,26 @@ def test_task_memory_measures_each_chunks_whole_task_beside_its_operator_alone(t
     assert bad.returncode == 2 and "not inside the survey's 32 ilines x 24 xlines" in bad.stderr
 
 
+def test_peak_time_study_finds_a_gram_peaking_late_and_an_autocorrelation_early(tmp_path):
+    """The simulator takes every operator's memory to peak half way through its run; the study measures when each
+    reaches it. A BLAS Gram matrix fills its output over its run, autocorrelation holds one product at a time."""
+    out = tmp_path / "peak.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.peak_time", "--operators", "fam_gram",
+                           "fam_autocorr", "--repeats", "1", "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["operator"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"fam_gram", "fam_autocorr"}
+    for r in rows.values():
+        assert r["seconds"] > 0 and r["peak_mib"] > 0 and r["samples"] > 10, r
+        assert 0 <= r["at_50"] <= r["at_90"] <= 1, r
+    assert rows["fam_gram"]["at_90"] > rows["fam_autocorr"]["at_90"], rows
+    assert "the simulator assumes 0.50" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.studies.peak_time", "--repeats", "0"], cwd=REPO,
+                         env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--repeats must be at least 1, got 0" in bad.stderr
+
+
 def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
     out = tmp_path / "touch.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.first_touch", "--calls", "2", "--processes", "1",

@@ -15,6 +15,7 @@ question again.
 | ``model_accuracy`` | How well does the online memory model predict the real operators? |
 | ``nights`` | Does the learned policy beat the fixed heuristic over many nights? |
 | ``operator_memory`` | What is each built-in operator's peak memory as a multiple of its input? |
+| ``peak_time`` | When in its run does each workload-family operator reach its memory peak? |
 | ``replay`` | What does a long history cost a flow run's start? |
 | ``segy_scan`` | What does reading a SEG-Y file's geometry cost, scanned and kept, at 2 million traces? |
 | ``setup_costs`` | What does a benchmark pay before its flows run (a server, a cluster)? |
