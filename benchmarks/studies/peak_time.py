@@ -25,7 +25,7 @@ import time
 
 from benchmarks.studies.children import run_child
 
-#: (operator, block): blocks of the sizes the family's validation runs, in float32.
+#: (operator, block): float32 blocks whose peaks above resting are 40-280 MiB here (the study prints each).
 CALLS = (("fam_autocorr", (40, 40, 400)), ("fam_table", (120, 80, 400)), ("fam_linear", (120, 80, 400)),
          ("fam_first_use", (120, 80, 400)), ("fam_gram", (100, 60, 400)))
 INTERVAL_SECONDS = 0.001
