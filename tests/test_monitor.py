@@ -447,6 +447,47 @@ def test_the_sampling_thread_ends_with_the_run():
     assert run.measurement.method == "psutil"
 
 
+
+def test_a_run_that_allocates_first_peaks_early_and_one_that_allocates_last_peaks_late():
+    n = 64 * MiB
+
+    def run(early):
+        time.sleep(0.0 if early else 0.6)
+        a = np.ones(n // 8)  # faulting 64 MiB in takes 0.02-0.2 s here
+        time.sleep(0.6 if early else 0.1)
+        return float(a[-1])
+
+    monitor = Monitor(gpu=False, energy=False)
+    _, first = monitor.measure(run, True)
+    _, last = monitor.measure(run, False)
+    assert 0 <= first.rise_50 <= first.rise_90 < 0.5, first
+    assert 0.6 < last.rise_50 <= last.rise_90 < 0.95, last
+    assert (first.observation_fields()["rise_90"], last.observation_fields()["rise_50"]) == (first.rise_90,
+                                                                                              last.rise_50)
+    assert not any(t.name == "memchunk-rise" for t in threading.enumerate())
+
+
+def test_no_rise_for_a_short_run_a_substitute_probe_runs_beside_another_or_when_turned_off():
+    _, short = Monitor(gpu=False, energy=False).measure(np.ones, MiB)
+    _, faked = Monitor(gpu=False, energy=False, probe=FakeProbe()).measure(time.sleep, 0.3)
+    _, off = Monitor(gpu=False, energy=False, rise=False).measure(time.sleep, 0.3)
+    monitor = Monitor(gpu=False, energy=False)
+    with monitor.track() as outer:
+        with monitor.track() as inner:
+            time.sleep(0.3)
+    assert [m.rise_90 for m in (short, faked, off, outer.measurement, inner.measurement)] == [None] * 5
+
+
+def test_rise_shares_time_the_first_samples_at_half_and_most_of_the_peak_and_refuse_what_they_cannot_tell():
+    from memchunk_prefect.run.rise import MIN_SAMPLES, rise_shares
+
+    climb = [(0.01 * i, 100 + i) for i in range(100)]  # memory rising 1 byte per 10 ms for 1 s
+    assert rise_shares(climb, 100, 1.0) == pytest.approx((0.5, 0.89), abs=0.011)
+    assert rise_shares(climb[:MIN_SAMPLES - 1], 100, 1.0) is None  # too few samples
+    assert rise_shares([(0.01 * i, 100) for i in range(50)], 100, 0.5) is None  # nothing above the baseline
+    assert rise_shares(climb, 100, 1.0, exact_peak=200) is None  # the peak fell between two samples
+    assert rise_shares(climb, 100, 1.0, exact_peak=100) is not None
+
 # ----------------------------------------------------------------------------- GPU: NVML absent, NVML faked
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from memchunk_prefect.cli import app as cli
 from memchunk_prefect.core.errors import SimulationInputError
-from memchunk_prefect.core.records import Prediction
+from memchunk_prefect.core.records import Observation, Prediction
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS
 from memchunk_prefect.learn.bandit import ArmLearner
 from memchunk_prefect.learn.store import Store
@@ -489,6 +489,36 @@ def test_a_task_needing_far_more_than_its_worker_has_dies_as_soon_as_its_memory_
         end = sim.next()
         ends.append((end.at, end.killed))
     assert ends == [(2.0, True), (10.0, True), (pytest.approx(20 * 50 / 52), True), (40.0, False)]
+
+
+def test_a_task_dies_when_its_memory_reaches_the_kill_line_on_the_rise_its_operator_was_measured_to_have(tmp_path):
+    """An operator that reached half its peak 0.6 of the way through its runs and 90% of it 0.9 of the way (a
+    Gram matrix filled by BLAS) dies late; one that reached them 0.05 and 0.1 of the way (a block read first)
+    dies early; the learned rise reaches the simulated task from the store's models."""
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.learn.bank import BankKnowledge, ModelBank
+    from memchunk_prefect.sim.cluster import SimulatedCluster
+    from memchunk_prefect.sim.inputs import Draws, _Task
+
+    c = Chunk((0, 0, 0), (1, 1, 1))
+    shape = ClusterShape(workers=1, memory_limit_bytes=100 * MiB, resting_bytes=40 * MiB, kill_fraction=0.9)
+    ends = []
+    for rise in (None, (0.6, 0.9), (0.05, 0.1)):
+        sim = SimulatedCluster(shape)  # 50 MiB of headroom: a 100 MiB task dies when it holds half its peak
+        sim.submit(_Task(0, c, (1, 1, 1), 100 * MiB, 40.0, rise=rise))
+        end = sim.next()
+        ends.append((end.at, end.killed))
+    assert ends == [(10.0, True), (pytest.approx(24.0), True), (pytest.approx(2.0), True)]
+
+    with Store(tmp_path / "obs.sqlite") as store:
+        store.add_many(Observation("late|float32|cpu", n, (1, 1, n), 4 * n, 20 * MiB + 40 * n, seconds=1.0,
+                                   rise_50=0.5 + 0.05 * i, rise_90=0.9)
+                       for i, n in enumerate((2**16, 2**17, 2**18, 2**19)))
+    bank = ModelBank(Store(tmp_path / "obs.sqlite"))
+    draws = Draws(BankKnowledge(bank, "late|float32|cpu", DEFAULT_SETTINGS), "late|float32|cpu", 0.0)
+    assert draws.rise == (pytest.approx(0.575), 0.9)
+    assert draws.task(0, c, (1, 1, 2**18), np.random.default_rng(0)).rise == draws.rise
+    assert Draws(BankKnowledge(bank, "other|float32|cpu", DEFAULT_SETTINGS), "other", 0.0).rise is None
 
 
 def _where(seconds: float) -> str:

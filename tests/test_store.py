@@ -304,6 +304,15 @@ def test_the_v13_column_keeps_when_the_runner_submitted_a_run_and_old_rows_do_no
     assert (old.submitted_at, new.submitted_at, new.started_at) == (None, 98.5, 99.0)
 
 
+def test_the_v15_columns_keep_when_a_runs_memory_rose_and_old_rows_do_not_know_it(tmp_path):
+    path = v2_store(tmp_path)
+    with Store(path) as s:
+        assert s.schema_version() == SCHEMA_VERSION
+        (old,) = s.observations()
+        s.add(make_obs(rise_50=0.25, rise_90=0.8))
+        (new,) = s.observations()[-1:]
+    assert (old.rise_50, old.rise_90, new.rise_50, new.rise_90) == (None, None, 0.25, 0.8)
+
 def test_the_v2_store_reaches_v5_with_empty_maps_and_machines_and_old_rows_lack_trace_fields(tmp_path):
     from memchunk_prefect.core.records import MapRun
 

@@ -152,6 +152,12 @@ class Observation:
     #: v13, a run no runner submitted). ``started_at`` less this is the wait for a slot and, on a free one, what
     #: a submission costs before the block function starts.
     submitted_at: float | None = None
+    #: The shares of the run's wall time (0-1) after which its memory above ``baseline_bytes`` first reached 50%
+    #: and 90% of its peak; None where unknown (records older than schema v15, a run that overlapped another in
+    #: its process, one too short to sample). How soon an operator's memory peaks decides how far a task that
+    #: does not fit gets before its worker is killed (:mod:`memchunk_prefect.run.rise`).
+    rise_50: float | None = None
+    rise_90: float | None = None
 
     def __post_init__(self) -> None:
         if self.outcome not in OUTCOMES:

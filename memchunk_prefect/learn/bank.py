@@ -225,6 +225,12 @@ class ModelBank:
         with self._lock:
             return self.model(key).time.first_call_block_seconds(elements)
 
+    def memory_rise(self, key: str) -> tuple[float, float] | None:
+        """When in its run a block of ``key`` reaches half and 90% of its memory peak, shares of its wall time
+        (:meth:`memchunk_prefect.learn.memory.MemoryModel.rise`); None before it is learned."""
+        with self._lock:
+            return self.model(key).rise()
+
     def time_spread(self, key: str) -> float | None:
         """How far ``key``'s timed runs stray from its time model, a log-normal's sigma
         (:meth:`memchunk_prefect.learn.time.TimeModel.time_spread`); None before enough runs."""
@@ -274,6 +280,9 @@ class BankKnowledge:
 
     def time_spread(self) -> float | None:
         return self.bank.time_spread(self.key)
+
+    def memory_rise(self) -> tuple[float, float] | None:
+        return self.bank.memory_rise(self.key)
 
     def first_call_block_seconds(self, elements: int) -> float | None:
         return self.bank.first_call_block_seconds(self.key, elements)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
@@ -38,6 +39,8 @@ quadratic operator and 20% for a linear one."""
 QUADRATIC_GROWTH = 2.0
 """The least exponent a bound beyond the largest block grows by while the curvature cannot be fitted: the
 steepest form the model fits (:meth:`MemoryModel._growth_mib`)."""
+MIN_RISES = 3
+"""Fewest runs that timed their memory's rise before :meth:`MemoryModel.rise` reads one."""
 
 
 def spread_sizes(sizes: Iterable[int], ratio: float) -> int:
@@ -202,6 +205,7 @@ class MemoryModel:
         self._censored: list[_Censored] = []
         self._quarantine: deque[_Quarantined] = deque()
         self._first_use: deque[float] = deque(maxlen=metric_window)  # the latest first uses' retained memory, MiB
+        self._rises: deque[tuple[float, float]] = deque(maxlen=metric_window)  # the latest runs' (rise_50, rise_90)
         self._unseen: deque[float] = deque(maxlen=metric_window)  # MiB runs started above the resting level
         self._seen = 0
         self._n_censored = 0
@@ -248,6 +252,8 @@ class MemoryModel:
             return "ignored"  # the GPU's memory ran out: it says nothing of the host's (bank.gpu_view learns it)
         if not obs.usable or obs.elements <= 0 or obs.peak_bytes <= 0:
             return "ignored"
+        if obs.outcome == "ok" and obs.rise_50 is not None and obs.rise_90 is not None:
+            self._rises.append((float(obs.rise_50), float(obs.rise_90)))
         self._cache.clear()
         u = obs.elements / MIB
         y = obs.peak_bytes / MIB
@@ -359,6 +365,15 @@ class MemoryModel:
         Like :meth:`unseen_bytes`, the worker's and never in a bound: a map takes it off its kill headroom, so a
         fresh worker's first chunk fits. Kept over first uses, not runs (a long map's runs would push them out)."""
         return max(self._first_use, default=0.0) * MIB
+
+    def rise(self) -> tuple[float, float] | None:
+        """When in its run a block's memory reaches half and 90% of its peak, as shares of the run's wall time: the
+        medians over the latest ``metric_window`` runs that timed it (``Observation.rise_50``/``rise_90``); None
+        before :data:`MIN_RISES` did. What a block that does not fit gets through before its worker is killed
+        follows it (:class:`memchunk_prefect.sim.cluster.SimulatedCluster`)."""
+        if len(self._rises) < MIN_RISES:
+            return None
+        return (statistics.median(r[0] for r in self._rises), statistics.median(r[1] for r in self._rises))
 
     # ------------------------------------------------------------------ choosing the form
 
@@ -666,6 +681,7 @@ class MemoryModel:
             "margin_runs": len(self._ratios),
             "unseen_bytes": self.unseen_bytes(),
             "first_use_bytes": self.first_use_bytes(),
+            "rise": self.rise(),
         }
         if fits and out["ready"]:
             fit = fits[form]

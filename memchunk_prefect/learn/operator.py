@@ -108,6 +108,9 @@ class OperatorModel:
     def first_use_bytes(self) -> float:
         return self.memory.first_use_bytes()
 
+    def rise(self) -> tuple[float, float] | None:
+        return self.memory.rise()
+
     # Time (TimeModel).
 
     def seconds_per_element(self, window: int | None = None) -> float | None:

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 from memchunk_prefect.core.errors import StoreError, StoreSchemaTooNewError
 from memchunk_prefect.core.records import MapRun, Observation, Reward
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 """The schema this code writes. v1: extents as one text column "IxXxT", fewer fields. v2: one column per field.
 v3: what the worker held when a run started. v4: the learned policy's rewards (a ``rewards`` table). v5: what a
 trace needs (energy's source, start, task run, host; ``maps`` and ``machines`` tables). v6: what other runs on the
@@ -64,7 +64,8 @@ v8: a GPU map's device budget and GPU out-of-memory. v9: a run's kernel CPU time
 run left held in its worker (``retained_bytes``). v11: what a simulation of a map on another cluster needs (its
 parameters, whether it keeps traces whole, the cluster's shape: ``maps`` columns). v12: whether a run was its
 worker process's first call of its operator (``first_call``). v13: when the runner submitted a run's task
-(``submitted_at``). v14: the worker threads per CPU core a map's budget counted (``maps.threads_per_core``)."""
+(``submitted_at``). v14: the worker threads per CPU core a map's budget counted (``maps.threads_per_core``).
+v15: when in its run a run's memory reached half and 90% of its peak (``rise_50``, ``rise_90``)."""
 
 APPLICATION = "memchunk-prefect"
 BUSY_TIMEOUT_MS = 30_000
@@ -170,6 +171,8 @@ _COLUMNS: list[tuple[str, str]] = [
     ("retained_bytes", "INTEGER"),
     ("first_call", "INTEGER"),
     ("submitted_at", "REAL"),
+    ("rise_50", "REAL"),
+    ("rise_90", "REAL"),
 ]
 COLUMN_NAMES = [c for c, _ in _COLUMNS]
 
@@ -191,6 +194,8 @@ _ADDED_V10 = ("retained_bytes",)
 _ADDED_V12 = ("first_call",)
 #: Columns added in schema version 13 (when the runner submitted a run's task).
 _ADDED_V13 = ("submitted_at",)
+#: Columns added in schema version 15 (when in its run a run's memory reached half and 90% of its peak).
+_ADDED_V15 = ("rise_50", "rise_90")
 
 
 def _table_sql(table: str, columns: list[tuple[str, str]], index: str, index_column: str) -> str:
@@ -271,7 +276,7 @@ _CREATE = (_create_table(_COLUMNS) + _CREATE_REWARDS + _table_sql("maps", _MAP_C
 # The v2 layout (what migrate_1_to_2 writes; migrate_2_to_3 adds the v3 columns to it).
 _CREATE_V2 = _create_table([c for c in _COLUMNS if c[0] not in _ADDED_V3 + _ADDED_V5 + _ADDED_V6 + _ADDED_V7
                                                                  + _ADDED_V8 + _ADDED_V9 + _ADDED_V10 + _ADDED_V12
-                                                                 + _ADDED_V13])
+                                                                 + _ADDED_V13 + _ADDED_V15])
 
 # The v1 layout, kept to document what migrate_1_to_2 reads (and for the migration test).
 CREATE_V1 = (
@@ -378,6 +383,11 @@ def _migrate_13_to_14(con: sqlite3.Connection) -> None:
     _add_map_columns(con, _ADDED_MAPS_V14)
 
 
+def _migrate_14_to_15(con: sqlite3.Connection) -> None:
+    """v15 adds when in its run a run's memory reached half and 90% of its peak (NULL for older rows: unknown)."""
+    _add_columns(con, _ADDED_V15)
+
+
 def _add_map_columns(con: sqlite3.Connection, names: tuple[str, ...]) -> None:
     for name, kind in _MAP_COLUMNS:
         if name in names:
@@ -396,7 +406,7 @@ MIGRATIONS: dict[int, Callable[[sqlite3.Connection], None]] = {1: _migrate_1_to_
                                                               7: _migrate_7_to_8, 8: _migrate_8_to_9,
                                                               9: _migrate_9_to_10, 10: _migrate_10_to_11,
                                                               11: _migrate_11_to_12, 12: _migrate_12_to_13,
-                                                              13: _migrate_13_to_14}
+                                                              13: _migrate_13_to_14, 14: _migrate_14_to_15}
 """``MIGRATIONS[v]`` turns a version-``v`` store into version ``v + 1`` (run inside one transaction)."""
 
 
@@ -581,7 +591,8 @@ class Store:
                 float(obs.created_at), obs.baseline_bytes, obs.resting_bytes, obs.energy_source, obs.started_at,
                 obs.task_run_id or "", obs.host or "", obs.map_id or "", obs.others_bytes, obs.grew_bytes,
                 obs.gpu_budget_bytes, int(bool(obs.gpu_out_of_memory)), obs.sys_seconds, obs.retained_bytes,
-                None if obs.first_call is None else int(bool(obs.first_call)), obs.submitted_at)
+                None if obs.first_call is None else int(bool(obs.first_call)), obs.submitted_at,
+                obs.rise_50, obs.rise_90)
 
     @staticmethod
     def _observation(row: Iterable[Any]) -> Observation:

@@ -79,6 +79,7 @@ from memchunk_prefect.run.probes import (
     make_probe,
 )
 from memchunk_prefect.run.process_memory import _ACTIVE, SharedMeasurementWarning, _warn_shared_once
+from memchunk_prefect.run.rise import DEFAULT_RISE_INTERVAL_SECONDS, RiseWatch
 
 try:
     import resource
@@ -174,6 +175,11 @@ class Measurement:
     #: process (a library's first use: a CUDA context, a JIT compiler's code, a cache), which the next run on
     #: it starts above. None when another tracked run overlapped this one (its memory would be counted too).
     retained_bytes: int | None = None
+    #: The shares of the run's wall time (0-1) after which its memory above ``baseline_bytes`` first reached 50%
+    #: and 90% of its peak (:mod:`memchunk_prefect.run.rise`); None when another tracked run overlapped this one,
+    #: the run was too short to sample, or the monitor reads memory through a substitute probe.
+    rise_50: float | None = None
+    rise_90: float | None = None
     #: ``repr`` of the exception the run raised, or None.
     error: str | None = None
     #: "ok", "memory_error" (MemoryError or a subclass: the run needed *more* than it reached) or "error".
@@ -211,6 +217,8 @@ class Measurement:
             "grew_bytes": self.grew_bytes,
             "retained_bytes": self.retained_bytes,
             "sys_seconds": self.sys_seconds,
+            "rise_50": self.rise_50,
+            "rise_90": self.rise_90,
         }
 
 
@@ -237,7 +245,8 @@ class Tracker:
     """Handle of one tracked run; ``measurement`` is set when the ``track()`` block exits."""
 
     __slots__ = ("_monitor", "_probe", "measurement", "_overlap", "_baseline", "_others", "_high_water", "_t0",
-                 "_cpu0", "_pcpu0", "_sys0", "_heap0", "_gpu", "_nvml_mj0", "_rapl0", "_tracemalloc", "__weakref__")
+                 "_cpu0", "_pcpu0", "_sys0", "_heap0", "_gpu", "_nvml_mj0", "_rapl0", "_tracemalloc", "_rise",
+                 "__weakref__")
 
     # Set when the run starts (Monitor._start): the probe, its resting bytes, and the clocks (seconds).
     _probe: "MemoryProbe"
@@ -259,6 +268,7 @@ class Tracker:
         self._rapl0: list[int] | None = None
         self._heap0: int | None = None
         self._tracemalloc = False
+        self._rise: RiseWatch | None = None  # samples its memory's rise while it runs alone (Monitor.rise)
 
     def __repr__(self) -> str:
         return f"Tracker(measurement={self.measurement!r})"
@@ -275,7 +285,10 @@ class Monitor:
     - ``gpu``: sample GPU memory through NVML when present;
     - ``gpu_interval_seconds``: seconds between GPU samples;
     - ``energy``: read NVML / RAPL energy counters before and after;
-    - ``probe``: a :class:`MemoryProbe` to use instead of ``method`` (tests pass fakes).
+    - ``probe``: a :class:`MemoryProbe` to use instead of ``method`` (tests pass fakes);
+    - ``rise``: time when a run's memory rises to its peak (``Measurement.rise_50``/``rise_90``) with a thread
+      reading the resident set every ``rise_interval_seconds`` while the run has its process to itself; not with
+      a substitute ``probe`` (its figures are not the process's).
     """
 
     def __init__(
@@ -288,10 +301,13 @@ class Monitor:
         gpu_interval_seconds: float = DEFAULT_GPU_INTERVAL_SECONDS,
         energy: bool = DEFAULT_ENERGY,
         probe: MemoryProbe | None = None,
+        rise: bool = True,
+        rise_interval_seconds: float = DEFAULT_RISE_INTERVAL_SECONDS,
     ) -> None:
         if method not in METHODS:
             raise MeasurementError(f"method must be one of {METHODS}, got {method!r}")
-        for name, value in (("interval_seconds", interval_seconds), ("gpu_interval_seconds", gpu_interval_seconds)):
+        for name, value in (("interval_seconds", interval_seconds), ("gpu_interval_seconds", gpu_interval_seconds),
+                            ("rise_interval_seconds", rise_interval_seconds)):
             if not 0 < float(value) <= 1:
                 raise ValueError(f"`{name}` must be in (0, 1] seconds, got {value!r}")
         if probe is not None and not isinstance(probe, MemoryProbe):
@@ -306,6 +322,8 @@ class Monitor:
         self.gpu_interval_seconds = float(gpu_interval_seconds)
         self.energy = bool(energy)
         self._probe = probe
+        self.rise = bool(rise)
+        self.rise_interval_seconds = float(rise_interval_seconds)
 
     @property
     def probe(self) -> MemoryProbe:
@@ -396,6 +414,10 @@ class Monitor:
                 _ACTIVE.tracemalloc_users += 1
                 run._heap0 = _tracemalloc.get_traced_memory()[0]
             _ACTIVE.runs.add(run)
+            if self.rise and self._probe is None and run._overlap == 1:
+                run._rise = RiseWatch(self.rise_interval_seconds)
+        if run._rise is not None:
+            run._rise.start()
         run._pcpu0 = time.process_time()
         run._sys0 = thread_sys_seconds()
         run._cpu0 = time.thread_time()
@@ -431,6 +453,11 @@ class Monitor:
                         _ACTIVE.tracemalloc_started_here = False
         finally:
             probe.stop()
+        rise = None
+        if run._rise is not None:
+            rise = run._rise.stop(run._baseline, seconds, max(0, process_peak - run._baseline))
+            if end is None:  # another run overlapped it: the samples hold their memory too
+                rise = None
         gpu_peak = gpu_name = None
         if run._gpu is not None:
             gpu_peak, gpu_name = run._gpu.finish()
@@ -468,6 +495,8 @@ class Monitor:
             # Read only when the run was alone in its process from start to end, whatever the worker's thread
             # count: a library's first use on a worker with several threads is then still told apart.
             retained_bytes=None if end is None else max(0, end - int(run._baseline)),
+            rise_50=None if rise is None else rise[0],
+            rise_90=None if rise is None else rise[1],
             error=None if exc is None else _safe_repr(exc),
             outcome=outcome,
         )

@@ -24,6 +24,29 @@ from memchunk_prefect.sim.inputs import ClusterShape, _Task
 _END, _COME, _LEAVE = 0, 1, 2
 _DONE, _KILLED, _LOST = 0, 1, 2
 
+#: When a task whose memory rise is unknown reaches half and 90% of its peak, shares of its run: evenly to its
+#: peak half way through.
+EVEN_RISE = (0.25, 0.45)
+
+
+def kill_share(reach: float, rise: tuple[float, float] | None) -> float:
+    """The share of a task's run after which its memory reaches ``reach`` (0-1) of its peak: through the times it
+    reaches half and 90% of it (``rise``, shares of its run; :meth:`memchunk_prefect.learn.memory.MemoryModel.rise`)
+    on straight lines, on past 90% at the same pace (never beyond its end). Unknown (None), it rises evenly to its
+    peak half way through (:data:`EVEN_RISE`).
+
+    >>> kill_share(0.5, None), kill_share(1.0, None), kill_share(0.25, (0.1, 0.8)), kill_share(1.0, (0.1, 0.8))
+    (0.25, 0.5, 0.05, 0.975)
+    """
+    half, most = rise if rise is not None else EVEN_RISE
+    reach = min(1.0, max(0.0, reach))
+    if reach <= 0.5:
+        return half * reach / 0.5
+    if reach <= 0.9:
+        return half + (most - half) * (reach - 0.5) / 0.4
+    return min(1.0, most + (most - half) * (reach - 0.9) / 0.4)
+
+
 #: The pseudo-task :meth:`SimulatedCluster.next` returns when a worker comes (back) and tasks wait for it.
 _WAKE = _Task(-1, Chunk((0, 0, 0), (1, 1, 1)), (1, 1, 1), 0, 0.0, key=-1)
 
@@ -39,11 +62,12 @@ class _Ended:
 class SimulatedCluster:
     """Worker slots running tasks first come, first served; a worker whose tasks cross its kill line dies.
 
-    A task's memory is taken to rise evenly to its peak half way through its run: a worker is killed when the
-    tasks running on it together need more than its headroom, at the moment the newest of them crosses the kill
-    line on that rise (a task needing just over what is left dies half way through; one needing 10x what is left
-    a tenth of that, early, as a whole survey tried by split-on-failure is; every task on it then ends killed; no
-    task is placed on a worker due to die), and is back after ``restart_seconds``.
+    A task's memory rises to its peak as its operator's learned runs did (:func:`kill_share`: through the shares of
+    its run at which it reached half and 90% of its peak, evenly to its peak half way where none were timed): a
+    worker is killed when the tasks running on it together need more than its headroom, at the moment the newest
+    of them crosses the kill line on that rise (a task needing just over what is left dies about when it peaks;
+    one needing 10x what is left early in its rise, as a whole survey tried by split-on-failure does; every task
+    on it then ends killed; no task is placed on a worker due to die), and is back after ``restart_seconds``.
     Each placed task gets its own key, so the events of one map never end another
     map's task that reuses a submission id. A task that takes its worker above the
     most it has held (``marks``: the most its tasks together held since the worker
@@ -201,8 +225,8 @@ class SimulatedCluster:
             self.peak_bytes[w] = max(self.peak_bytes[w], load)
             headroom = self.shape.headroom_bytes
             dies_after = None
-            if load > headroom:  # its memory, rising evenly to its peak half way, crosses the kill line this far in
-                dies_after = 0.5 * min(1.0, max(0.0, headroom - (load - task.memory)) / max(task.memory, 1))
+            if load > headroom:  # its memory, rising to its peak as its operator's does, crosses the kill line then
+                dies_after = kill_share(max(0.0, headroom - (load - task.memory)) / max(task.memory, 1), task.rise)
             task.first_call = task.operator_key not in self.called[w]
             extra = task.first_call_seconds if task.first_call else 0.0
             if load > self.marks[w]:  # (a task that dies gets through the same share of this growth)

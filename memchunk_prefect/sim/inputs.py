@@ -274,7 +274,7 @@ class Draws:
             first_call = (whole - compute) * factor
         return _Task(sid, chunk, extents, memory, seconds, joules=self.joules(elements, seconds), operator_key=self.key,
                      touch_seconds_per_byte=self.touch_seconds_per_byte, first_call_seconds=first_call,
-                     overhead_seconds=self.per_task_overhead)
+                     overhead_seconds=self.per_task_overhead, rise=self.rise)
 
     def first_call_block_seconds(self, elements: int) -> float | None:
         """A worker process's first call of a block of ``elements``, one-off cost and compute together, as first calls
@@ -291,6 +291,14 @@ class Draws:
         """Kernel seconds per byte a task pays where it takes its worker above the most it has held (the learned
         figure, :meth:`memchunk_prefect.learn.time.TimeModel.touch_seconds_per_byte`; 0 where none is)."""
         return float(self.knowledge.touch_seconds_per_byte() or 0.0)
+
+    @functools.cached_property
+    def rise(self) -> tuple[float, float] | None:
+        """When in its run a task's memory reaches half and 90% of its peak, shares of its seconds (the learned
+        figure, :meth:`memchunk_prefect.learn.memory.MemoryModel.rise`; None where none is, or the knowledge keeps
+        no such figure)."""
+        learned = getattr(self.knowledge, "memory_rise", None)
+        return learned() if callable(learned) else None
 
     @functools.cached_property
     def first_call_seconds(self) -> float:
@@ -447,6 +455,9 @@ class _Task:
     #: first calls of its size ran faster than the model reads a later call: :meth:`Draws.task`).
     first_call_seconds: float = 0.0
     per_worker: int = 0  # placed only on a worker running fewer tasks than this (0: any free thread)
+    #: When in its run its memory reaches half and 90% of its peak, shares of its seconds (None: unknown, taken to
+    #: rise evenly to its peak half way: :func:`memchunk_prefect.sim.cluster.kill_share`).
+    rise: tuple[float, float] | None = None
     owner: int = -1  # the position of the step whose map submitted it (-1: a baseline's, or none)
     #: Of its seconds, what the task costs beyond its block function (the cluster's per-task overhead), seconds
     #: before the core share: a real run's observation times the block function alone.
