@@ -36,7 +36,7 @@ def store_path(tmp_path, monkeypatch):
             left = 150 * 2**20 if i == 0 else 0
             s.add(Observation(ENV, e, (il, 64, 400), 4 * e, peak + left, seconds=1e-6 * e, energy_joules=2e-7 * e,
                               energy_source="estimate", grew_bytes=peak + left if i == 0 else 0,
-                              retained_bytes=left))
+                              retained_bytes=left, rise_50=0.3 + 0.02 * i, rise_90=0.8))
         s.add(Observation(GST, 1000, (10, 10, 10), 4000, 10**6))
         s.add_reward(Reward(ENV, "bold", ("bold", "mid"), 0.72, 0.72, 10**6, 3.0, 2, n_chunks=4))
         s.add_reward(Reward(ENV, "safe", ("safe",), -0.5, 0.5, 10**6, 4.0, 2, out_of_memory=1, n_chunks=6))
@@ -71,6 +71,7 @@ def test_models_table_and_json(capsys, store_path):
     assert "energy/element" in out and "0.20 uJ est" in out, "joules per element, labelled as an estimate"
     assert "linear 11 +1 first" in out, "the time model: its form, the runs it learned from, the first touch set aside"
     assert "+150.0 MiB once" in out, "what a first use left held in its worker, apart from the fixed overhead"
+    assert "peak at" in out and "0.41/0.80" in out, "when its runs reached half and 90% of their peak: medians"
     code, out, _ = run(capsys, "models", "--json")
     data = json.loads(out)
     by_key = {m["key"]: m for m in data["models"]}
@@ -79,6 +80,7 @@ def test_models_table_and_json(capsys, store_path):
     assert (env["time_runs"], env["first_touch_runs"]) == (11, 1) and env["seconds_per_element"] == pytest.approx(1e-6)
     assert 0 < env["fixed_overhead_bytes"] < 100 * 2**20 and env["bytes_per_element"] > 0
     assert env["first_use_bytes"] == 150 * 2**20
+    assert env["rise"] == [pytest.approx(0.41), 0.8] and by_key[GST]["rise"] is None
     assert env["recent_mape"] is not None and env["coverage"] is not None
     assert by_key[GST]["ready"] is False
     assert env["joules_per_element"] == pytest.approx(2e-7) and env["energy_source"] == "estimate"

@@ -488,6 +488,18 @@ def test_rise_shares_time_the_first_samples_at_half_and_most_of_the_peak_and_ref
     assert rise_shares(climb, 100, 1.0, exact_peak=200) is None  # the peak fell between two samples
     assert rise_shares(climb, 100, 1.0, exact_peak=100) is not None
 
+
+def test_a_long_run_keeps_a_bounded_number_of_samples_spread_over_all_of_it(monkeypatch):
+    from memchunk_prefect.run import rise
+
+    monkeypatch.setattr(rise, "MAX_SAMPLES", 40)
+    watch = rise.RiseWatch(interval_seconds=0.001)
+    watch.start()
+    time.sleep(0.4)  # 400 intervals of 1 ms, at most 40 samples kept
+    watch.stop(0, 0.4)
+    times = [t for t, _ in watch.samples]
+    assert rise.MIN_SAMPLES <= len(times) < 40 and times[-1] > 0.2, times
+
 # ----------------------------------------------------------------------------- GPU: NVML absent, NVML faked
 
 

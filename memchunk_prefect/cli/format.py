@@ -34,11 +34,11 @@ def table(header: list[str], body: list[list[str]], indent: str = "") -> str:
 
 
 def models_table(rows: list[dict[str, Any]]) -> str:
-    header = ["operator key", "obs", "censored", "form", "bytes/element", "fixed overhead", "recent error",
+    header = ["operator key", "obs", "censored", "form", "bytes/element", "fixed overhead", "peak at", "recent error",
               "coverage", "ready", "time", "energy/element", "policy"]
     body = [[r["key"], str(r["n_observations"]), str(r["n_censored"]), r["form"],
              "-" if r["bytes_per_element"] is None else f"{r['bytes_per_element']:.1f}",
-             fixed_cell(r),
+             fixed_cell(r), rise_cell(r),
              pct(r["recent_mape"]), pct(r["coverage"]), "yes" if r["ready"] else "no", time_cell(r),
              energy_cell(r), policy_cell(r.get("policy", []))] for r in rows]
     return table(header, body)
@@ -49,6 +49,13 @@ def fixed_cell(r: dict[str, Any]) -> str:
     process (``2.0 MiB +150.0 MiB once``)."""
     cell = format_bytes(r["fixed_overhead_bytes"]) if r["fixed_overhead_bytes"] is not None else "-"
     return cell + (f" +{format_bytes(r['first_use_bytes'])} once" if r.get("first_use_bytes") else "")
+
+
+def rise_cell(r: dict[str, Any]) -> str:
+    """When in their runs its blocks reached half and 90% of their memory peak, as shares of the run (``0.36/0.80``;
+    ``-`` before enough runs timed it): what a block that does not fit gets through before its worker dies."""
+    rise = r.get("rise")
+    return "-" if rise is None else f"{rise[0]:.2f}/{rise[1]:.2f}"
 
 
 def time_cell(r: dict[str, Any]) -> str:

@@ -7,10 +7,12 @@ holding one product at a time 0.03-0.3 (``python -m benchmarks.studies.peak_time
 every task half way through its rise mistimes both (:mod:`memchunk_prefect.sim.cluster`).
 
 :class:`RiseWatch` reads the process's resident set from ``/proc/self/statm`` (psutil where there is none) on a
-thread every ``interval_seconds`` (default 10 ms, a read costs ~10 us) while one run is tracked, and
+thread every ``interval_seconds`` (default 5 ms; a read costs ~20 us of one core) while one run is tracked, and
 :func:`rise_shares` turns the samples into two fractions of the run's wall time: when memory above the resting
 level first reached half of its sampled peak, and 90% of it. A run shorter than :data:`MIN_SAMPLES` intervals,
-or whose sampled peak missed most of the exact one (a spike shorter than an interval), has none.
+or whose sampled peak missed most of the exact one (a spike shorter than an interval), has none. A long run keeps
+at most :data:`MAX_SAMPLES` samples: at that many, every other one is dropped and the interval doubles, so an hour's
+run holds kilobytes, timed to a thousandth of its length.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Callable, Sequence
 
 __all__ = ["DEFAULT_RISE_INTERVAL_SECONDS", "MIN_SAMPLES", "RISE_LEVELS", "RiseWatch", "rise_shares"]
 
-#: Seconds between two reads of the resident set while a run is watched.
-DEFAULT_RISE_INTERVAL_SECONDS = 0.01
+#: Seconds between two reads of the resident set while a run is watched (at first: see :data:`MAX_SAMPLES`).
+DEFAULT_RISE_INTERVAL_SECONDS = 0.005
 #: Fewest samples a run needs for its rise to be read (shorter runs: None).
-MIN_SAMPLES = 20
+MIN_SAMPLES = 10
+#: Most samples a run keeps: reaching it, every other one is dropped and the interval doubles.
+MAX_SAMPLES = 2000
 #: The shares of its peak at which a run's rise is timed.
 RISE_LEVELS = (0.5, 0.9)
 #: A run whose sampled peak is below this share of its exact one has no rise (the peak fell between samples).
@@ -88,14 +92,18 @@ class RiseWatch:
         self._thread.start()
 
     def _loop(self, read: Callable[[], int]) -> None:
-        samples, clock, t0, wait = self.samples, time.perf_counter, self._t0, self._stop.wait
+        samples, clock, t0, wait, interval = self.samples, time.perf_counter, self._t0, self._stop.wait, \
+            self.interval_seconds
         while True:
             try:
                 rss = read()
             except Exception:  # the process is going away
                 return
             samples.append((clock() - t0, rss))
-            if wait(self.interval_seconds):
+            if len(samples) >= MAX_SAMPLES:
+                samples[:] = samples[::2]
+                interval *= 2
+            if wait(interval):
                 return
 
     def stop(self, baseline: int, seconds: float, exact_peak: int | None = None) -> tuple[float, float] | None:
