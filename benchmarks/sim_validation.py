@@ -52,6 +52,8 @@ booking factor learned from the other runs would have (leave one out: the factor
 ``--replay RESULT.json --work DIR`` predicts a finished run's real runs again with this checkout's simulator,
 from the copies of the stores that run kept in ``DIR`` (its ``--work``), with its measured restart: the real
 runs stand, only the predictions are new (seconds, not the run's minutes, for a change to the simulator).
+``--without-rise`` predicts them as if no run had timed when its memory peaked, every task's memory rising
+evenly to its peak half way through: what following each operator's learned rise changes.
 """
 
 from __future__ import annotations
@@ -638,6 +640,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--replay", default=None, metavar="RESULT_JSON",
                    help="predict this finished run's real runs again from the stores in --work (no real runs)")
+    p.add_argument("--without-rise", action="store_true",
+                   help="with --replay: predict as if no run had timed its memory's rise (each task's memory rising "
+                        "evenly to its peak half way through), from copies of the stores")
     args = p.parse_args(argv)
     if args.replay:
         return main_replay(args, p)
@@ -691,6 +696,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _without_rise(work: Path) -> Path:
+    """Copies of the stores in ``work`` with no run's memory rise (``rise_50``, ``rise_90``), in a new directory."""
+    out = Path(tempfile.mkdtemp(prefix="memchunk-without-rise-"))
+    for store in work.glob("*.sqlite"):
+        shutil.copy2(store, out / store.name)
+        con = sqlite3.connect(out / store.name)
+        with con:
+            con.execute("UPDATE observations SET rise_50 = NULL, rise_90 = NULL")
+        con.close()
+    return out
+
+
 def main_replay(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     """``--replay``: the rows of a finished run predicted again (see the module docstring)."""
     if not args.work:
@@ -699,12 +716,16 @@ def main_replay(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
     from benchmarks.__main__ import machine_info
 
     started, machine = time.time(), machine_info()
-    rows = replay(doc, Path(args.work), doc.get("runs", args.runs))
-    summary = summarize(rows, doc.get("restart"), doc.get("thousand_workers"), doc.get("plain_tasks"))
-    summary["warm_first_calls"] = warm_first_calls([Path(args.work) / f"{w['name']}.sqlite"
-                                                    for w in doc["workloads"]])
-    summary["track_record"] = track_records([Path(args.work) / f"{w['name']}.sqlite" for w in doc["workloads"]],
-                                            doc.get("runs", args.runs))
+    work = _without_rise(Path(args.work)) if args.without_rise else Path(args.work)
+    try:
+        rows = replay(doc, work, doc.get("runs", args.runs))
+        summary = summarize(rows, doc.get("restart"), doc.get("thousand_workers"), doc.get("plain_tasks"))
+        stores = [work / f"{w['name']}.sqlite" for w in doc["workloads"]]
+        summary["warm_first_calls"] = warm_first_calls(stores)
+        summary["track_record"] = track_records(stores, doc.get("runs", args.runs))
+    finally:
+        if args.without_rise:
+            shutil.rmtree(work, ignore_errors=True)
     print(table(rows, summary))
     if args.json:
         # A replay of a replay keeps the real runs' own provenance: the commit and time they ran at.

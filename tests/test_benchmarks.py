@@ -340,10 +340,18 @@ def test_peak_time_study_finds_a_gram_peaking_late_and_an_autocorrelation_early(
         assert r["seconds"] > 0 and r["peak_mib"] > 0 and r["samples"] > 10, r
         assert 0 <= r["at_50"] <= r["at_90"] <= 1, r
     assert rows["fam_gram"]["at_90"] > rows["fam_autocorr"]["at_90"], rows
-    assert "the simulator assumes 0.50" in proc.stdout
+    assert "where no rise is learned, the simulator takes 0.45" in proc.stdout
     bad = subprocess.run([sys.executable, "-m", "benchmarks.studies.peak_time", "--repeats", "0"], cwd=REPO,
                          env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--repeats must be at least 1, got 0" in bad.stderr
+
+
+def test_measure_overhead_study_times_the_monitor_and_what_timing_the_rise_costs(tmp_path):
+    from benchmarks.studies import measure_overhead
+
+    figures = measure_overhead.main(["--runs", "20", "--rise-seconds", "0.5", "--json", str(tmp_path / "o.json")])
+    assert figures["psutil_ms"] > 0 and 0 <= figures["rise_cpu_share"] < 0.2, figures
+    assert json.loads((tmp_path / "o.json").read_text()) == figures
 
 
 def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
@@ -908,6 +916,8 @@ def test_quick_family_runs_every_strategy_in_its_own_process_and_scores_the_runn
 
 
 def test_quick_sim_validation_sets_every_real_run_beside_the_simulators_prediction_of_it(tmp_path, api_url):
+    from memchunk_prefect.learn.store import Store
+
     out = tmp_path / "validation.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.sim_validation", "--quick", "--json", str(out), "--work",
                            str(tmp_path / "work")], cwd=REPO, env=benchmark_env(tmp_path, api_url),
@@ -939,18 +949,23 @@ def test_quick_sim_validation_sets_every_real_run_beside_the_simulators_predicti
                           text=True, timeout=120)
     assert page.returncode == 0, page.stderr
     assert "## The simulator against real runs" in page.stdout
-    # Replayed (new predictions from the stores' copies), and a replay replayed: the real runs and their
-    # provenance (the commit and time they ran at) stand.
+    # The runner timed its tasks' memory rise, and the workload's store kept it.
+    rises = [o.rise_90 for o in Store(tmp_path / "work" / f"{doc['workloads'][0]['name']}.sqlite").observations()]
+    assert any(r is not None for r in rises), rises
+    # Replayed (new predictions from the stores' copies), and a replay replayed, as if no rise had been timed: the
+    # real runs and their provenance (the commit and time they ran at) stand, and the stores keep their rises.
     once, twice = tmp_path / "once.json", tmp_path / "twice.json"
-    for source, dest in ((out, once), (once, twice)):
+    for source, dest, extra in ((out, once, []), (once, twice, ["--without-rise"])):
         again = subprocess.run([sys.executable, "-m", "benchmarks.sim_validation", "--replay", str(source), "--work",
-                                str(tmp_path / "work"), "--json", str(dest)], cwd=REPO, capture_output=True,
+                                str(tmp_path / "work"), "--json", str(dest), *extra], cwd=REPO, capture_output=True,
                                text=True, timeout=300)
         assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     first, second = json.loads(once.read_text()), json.loads(twice.read_text())
     assert first["replayed_from"] == second["replayed_from"] == {
         "path": str(out), "commit": doc["machine"]["commit"], "started": doc["started"]}
     assert [r["real"] for r in second["rows"]] == [r["real"] for r in doc["rows"]]
+    assert [o.rise_90 for o in Store(tmp_path / "work" / f"{doc['workloads'][0]['name']}.sqlite").observations()] \
+        == rises
 
 
 def test_segy_scan_study_times_the_scan_the_first_kept_read_and_a_later_one_in_fresh_processes(tmp_path):

@@ -489,16 +489,18 @@ def test_rise_shares_time_the_first_samples_at_half_and_most_of_the_peak_and_ref
     assert rise_shares(climb, 100, 1.0, exact_peak=100) is not None
 
 
-def test_a_long_run_keeps_a_bounded_number_of_samples_spread_over_all_of_it(monkeypatch):
+def test_reads_thin_out_as_a_run_goes_on_so_a_long_run_costs_few_of_them(monkeypatch):
     from memchunk_prefect.run import rise
 
-    monkeypatch.setattr(rise, "MAX_SAMPLES", 40)
+    monkeypatch.setattr(rise, "SAMPLES_PER_RUN", 10)
     watch = rise.RiseWatch(interval_seconds=0.001)
     watch.start()
-    time.sleep(0.4)  # 400 intervals of 1 ms, at most 40 samples kept
+    time.sleep(0.4)  # 400 intervals of 1 ms; after the first 10 ms, a read every tenth of the time so far
     watch.stop(0, 0.4)
     times = [t for t, _ in watch.samples]
-    assert rise.MIN_SAMPLES <= len(times) < 40 and times[-1] > 0.2, times
+    assert rise.MIN_SAMPLES <= len(times) < 80 and times[-1] > 0.2, times
+    assert times[-1] - times[-2] >= 0.02, times
+
 
 # ----------------------------------------------------------------------------- GPU: NVML absent, NVML faked
 

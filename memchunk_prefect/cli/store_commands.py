@@ -29,8 +29,8 @@ from memchunk_prefect.core.units import parse_bytes
 # --------------------------------------------------------------------------- models
 
 
-@register("models", "per operator key: observations, bytes per element, fixed overhead, recent error, coverage, "
-                    "energy per element")
+@register("models", "per operator key: observations, bytes per element, fixed overhead, when its memory peaks, "
+                    "recent error, coverage, energy per element")
 @arguments(lambda p: p.add_argument("--json", action="store_true", help="print JSON instead of a table"))
 def _models(args: argparse.Namespace) -> int:
     from memchunk_prefect.learn.bank import ModelBank
@@ -48,7 +48,9 @@ def _models(args: argparse.Namespace) -> int:
         emit("recent error: mean absolute % error of the mean prediction on each next observation; "
               "coverage: share of next observations within the upper bound; fixed overhead: per chunk, "
               "+ once: the most a library's first use in a chunk left held in its worker (a CUDA context), paid "
-              "once per worker process; policy: the learned policy's arms "
+              "once per worker process; peak at: when in its runs a block's memory first reached half/90% of its "
+              "peak, as shares of the run (what a block that does not fit gets through before its worker dies); "
+              "policy: the learned policy's arms "
               "(risk levels of the bound: bold, mid, safe) with their mean reward (slot efficiency less 1 per "
               "out-of-memory chunk) x plans taught, !n out-of-memory events; time: the form of compute seconds "
               "against block size, runs learned (+ set aside for a first touch of memory), the kernel "

@@ -7,12 +7,14 @@ holding one product at a time 0.03-0.3 (``python -m benchmarks.studies.peak_time
 every task half way through its rise mistimes both (:mod:`memchunk_prefect.sim.cluster`).
 
 :class:`RiseWatch` reads the process's resident set from ``/proc/self/statm`` (psutil where there is none) on a
-thread every ``interval_seconds`` (default 5 ms; a read costs ~20 us of one core) while one run is tracked, and
-:func:`rise_shares` turns the samples into two fractions of the run's wall time: when memory above the resting
-level first reached half of its sampled peak, and 90% of it. A run shorter than :data:`MIN_SAMPLES` intervals,
-or whose sampled peak missed most of the exact one (a spike shorter than an interval), has none. A long run keeps
-at most :data:`MAX_SAMPLES` samples: at that many, every other one is dropped and the interval doubles, so an hour's
-run holds kilobytes, timed to a thousandth of its length.
+thread while one run is tracked: every ``interval_seconds`` (default 5 ms) at first, then every
+1/:data:`SAMPLES_PER_RUN` of the time the run has taken so far, so a run of any length is timed to about 2% of its
+length in a few hundred reads (an hour's in under 1,000). :func:`rise_shares` turns the samples into two fractions
+of the run's wall time: when memory above the resting level first reached half of its sampled peak, and 90% of
+it. A run shorter than :data:`MIN_SAMPLES` intervals, or whose sampled peak missed most of the exact one (a spike
+shorter than an interval), has none. What it costs is the thread's waking: about 80 us of CPU a read on the
+build machines, 1-2% of one core over a run of a second and less over longer ones
+(``python -m benchmarks.studies.measure_overhead`` reports it).
 """
 
 from __future__ import annotations
@@ -24,12 +26,13 @@ from typing import Callable, Sequence
 
 __all__ = ["DEFAULT_RISE_INTERVAL_SECONDS", "MIN_SAMPLES", "RISE_LEVELS", "RiseWatch", "rise_shares"]
 
-#: Seconds between two reads of the resident set while a run is watched (at first: see :data:`MAX_SAMPLES`).
+#: Seconds between two reads of the resident set while a run is watched, at least.
 DEFAULT_RISE_INTERVAL_SECONDS = 0.005
 #: Fewest samples a run needs for its rise to be read (shorter runs: None).
 MIN_SAMPLES = 10
-#: Most samples a run keeps: reaching it, every other one is dropped and the interval doubles.
-MAX_SAMPLES = 2000
+#: Reads per run so far: once the run has taken ``SAMPLES_PER_RUN x interval``, reads come every 1/SAMPLES_PER_RUN
+#: of its time so far.
+SAMPLES_PER_RUN = 50
 #: The shares of its peak at which a run's rise is timed.
 RISE_LEVELS = (0.5, 0.9)
 #: A run whose sampled peak is below this share of its exact one has no rise (the peak fell between samples).
@@ -62,18 +65,17 @@ def rise_shares(samples: Sequence[tuple[float, int]], baseline: int, seconds: fl
     return shares[0], shares[1]
 
 
-def _rss_reader() -> Callable[[], int]:
-    """A function returning this process's resident bytes: from ``/proc/self/statm`` where it exists, else psutil."""
-    if os.path.exists(_STATM):
-        def read() -> int:
-            with open(_STATM, "rb") as f:
-                return int(f.read().split()[1]) * _PAGE
+def _rss_reader() -> tuple[Callable[[], int], Callable[[], None]]:
+    """A function returning this process's resident bytes, and one closing what it holds: ``/proc/self/statm`` read
+    again from an open descriptor where it exists (3 us a read), else psutil."""
+    try:
+        fd = os.open(_STATM, os.O_RDONLY)
+    except OSError:
+        import psutil
 
-        return read
-    import psutil
-
-    info = psutil.Process().memory_info
-    return lambda: int(info().rss)
+        info = psutil.Process().memory_info
+        return (lambda: int(info().rss)), (lambda: None)
+    return (lambda: int(os.pread(fd, 128, 0).split()[1]) * _PAGE), (lambda: os.close(fd))
 
 
 class RiseWatch:
@@ -91,20 +93,20 @@ class RiseWatch:
         self._thread = threading.Thread(target=self._loop, args=(_rss_reader(),), name="memchunk-rise", daemon=True)
         self._thread.start()
 
-    def _loop(self, read: Callable[[], int]) -> None:
-        samples, clock, t0, wait, interval = self.samples, time.perf_counter, self._t0, self._stop.wait, \
+    def _loop(self, reader: tuple[Callable[[], int], Callable[[], None]]) -> None:
+        read, close = reader
+        samples, clock, t0, wait, least = self.samples, time.perf_counter, self._t0, self._stop.wait, \
             self.interval_seconds
-        while True:
-            try:
-                rss = read()
-            except Exception:  # the process is going away
-                return
-            samples.append((clock() - t0, rss))
-            if len(samples) >= MAX_SAMPLES:
-                samples[:] = samples[::2]
-                interval *= 2
-            if wait(interval):
-                return
+        try:
+            while True:
+                at = clock() - t0
+                samples.append((at, read()))
+                if wait(max(least, at / SAMPLES_PER_RUN)):
+                    return
+        except Exception:  # the process is going away
+            return
+        finally:
+            close()
 
     def stop(self, baseline: int, seconds: float, exact_peak: int | None = None) -> tuple[float, float] | None:
         """Stop sampling; the run's rise (:func:`rise_shares`)."""
