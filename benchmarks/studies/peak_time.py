@@ -11,7 +11,7 @@ resting first reached 50% and 90% of that peak.
 Why it matters: the simulator (``memchunk_prefect.sim.cluster``) kills a worker when a task's memory crosses the
 kill line on its rise, and the moment of a kill, so what a failed attempt costs, follows the operator: a Gram
 matrix filled by BLAS reaches its peak near the end of its run, an autocorrelation that holds one 64-trace product
-at a time reaches it at the start. The runner times every run's rise the same way (``Observation.rise_50``,
+at a time reaches it at the start. The runner times every run's rise too (``Observation.rise_50``,
 ``rise_90``: :mod:`memchunk_prefect.run.rise`) and the simulator follows each operator's learned one; this study
 times the operator's call alone, without the chunk's read and write around it.
 """

@@ -3,13 +3,13 @@
 The kernel's high-water mark (:class:`~memchunk_prefect.run.probes.VmHWMProbe`) gives a run's exact peak but
 not when it came. How soon a task reaches its peak decides what a task that will not fit costs before its worker
 dies: a Gram matrix filled by BLAS reaches 90% of its peak 0.8-0.9 of the way through its run, an autocorrelation
-holding one product at a time 0.03-0.3 (``python -m benchmarks.studies.peak_time``), and a simulation that kills
-every task half way through its rise mistimes both (:mod:`memchunk_prefect.sim.cluster`).
+holding one product at a time 0.03-0.3 (``python -m benchmarks.studies.peak_time``), and a simulation that takes
+every task to peak half way through its run mistimes both (:mod:`memchunk_prefect.sim.cluster`).
 
 :class:`RiseWatch` reads the process's resident set from ``/proc/self/statm`` (psutil where there is none) on a
 thread while one run is tracked: every ``interval_seconds`` (default 5 ms) at first, then every
 1/:data:`SAMPLES_PER_RUN` of the time the run has taken so far, so a run of any length is timed to about 2% of its
-length in a few hundred reads (an hour's in under 1,000). :func:`rise_shares` turns the samples into two fractions
+length in a few hundred reads (an hour's in about 500). :func:`rise_shares` turns the samples into two fractions
 of the run's wall time: when memory above the resting level first reached half of its sampled peak, and 90% of
 it. A run shorter than :data:`MIN_SAMPLES` intervals, or whose sampled peak missed most of the exact one (a spike
 shorter than an interval), has none. What it costs is the thread's waking: about 80 us of CPU a read on the
