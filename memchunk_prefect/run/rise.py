@@ -7,13 +7,13 @@ holding one product at a time 0.03-0.3 (``python -m benchmarks.studies.peak_time
 every task to peak half way through its run mistimes both (:mod:`memchunk_prefect.sim.cluster`).
 
 :class:`RiseWatch` reads the process's resident set from ``/proc/self/statm`` (psutil where there is none) on a
-thread while one run is tracked: every ``interval_seconds`` (default 5 ms) at first, then every
-1/:data:`SAMPLES_PER_RUN` of the time the run has taken so far, so a run of any length is timed to about 2% of its
-length in a few hundred reads (an hour's in about 500). :func:`rise_shares` turns the samples into two fractions
+thread while one run is tracked: every ``interval_seconds`` (default 10 ms) at first, then every
+1/:data:`SAMPLES_PER_RUN` of the time the run has taken so far, so a run of any length is timed to about 4% of its
+length in at most a few hundred reads (an hour's in under 300). :func:`rise_shares` turns the samples into two fractions
 of the run's wall time: when memory above the resting level first reached half of its sampled peak, and 90% of
 it. A run shorter than :data:`MIN_SAMPLES` intervals, or whose sampled peak missed most of the exact one (a spike
 shorter than an interval), has none. What it costs is the thread's waking: about 80 us of CPU a read on the
-build machines, 1-2% of one core over a run of a second and less over longer ones
+build machines, under 1% of one core over a run of a second or more
 (``python -m benchmarks.studies.measure_overhead`` reports it).
 """
 
@@ -27,12 +27,12 @@ from typing import Callable, Sequence
 __all__ = ["DEFAULT_RISE_INTERVAL_SECONDS", "MIN_SAMPLES", "RISE_LEVELS", "RiseWatch", "rise_shares"]
 
 #: Seconds between two reads of the resident set while a run is watched, at least.
-DEFAULT_RISE_INTERVAL_SECONDS = 0.005
+DEFAULT_RISE_INTERVAL_SECONDS = 0.01
 #: Fewest samples a run needs for its rise to be read (shorter runs: None).
-MIN_SAMPLES = 10
+MIN_SAMPLES = 8
 #: Reads per run so far: once the run has taken ``SAMPLES_PER_RUN x interval``, reads come every 1/SAMPLES_PER_RUN
 #: of its time so far.
-SAMPLES_PER_RUN = 50
+SAMPLES_PER_RUN = 25
 #: The shares of its peak at which a run's rise is timed.
 RISE_LEVELS = (0.5, 0.9)
 #: A run whose sampled peak is below this share of its exact one has no rise (the peak fell between samples).
