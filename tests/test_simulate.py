@@ -565,6 +565,25 @@ def test_tasks_beyond_the_cores_share_them_and_take_as_much_longer(threads_per_c
     assert [round(sim.next().at, 6) for _ in range(tasks)] == [ends] * tasks
 
 
+@pytest.mark.parametrize("seconds, overhead, ends", [(1.0, 0.0, 2.0), (1.0, 0.8, 0.8 * 2 + 0.2),
+                                                     (1.5, 0.5, 0.5 * 2 + 1.0 * (4 * (1.0 / 1.5)) * 2 / 4)])
+def test_the_cores_are_shared_by_the_work_running_not_by_the_tasks_overhead(seconds, overhead, ends):
+    """4 tasks on 2 workers x 2 threads over 2 cores. All work, each takes twice its 1 s. With 0.8 s of each
+    second Prefect's and Dask's hand-over, the overhead takes twice as long (4 tasks in flight on 2 cores) but the
+    0.2 s of work (0.8 of a task's worth on 4 half-cores) fits the cores; with 0.5 s of 1.5 s overhead, the work
+    (2/3 of each task, 8/3 tasks' worth) runs 4/3 as long."""
+    from memchunk_prefect.core.chunks import Chunk
+    from memchunk_prefect.sim.cluster import SimulatedCluster
+    from memchunk_prefect.sim.inputs import _Task
+
+    sim = SimulatedCluster(ClusterShape(workers=2, threads_per_worker=2, memory_limit_bytes=1000 * MiB,
+                                        threads_per_core=2.0))
+    for sid in range(4):
+        sim.submit(_Task(sid, Chunk((sid, 0, 0), (sid + 1, 1, 1)), (1, 1, 1), 10 * MiB, seconds,
+                         overhead_seconds=overhead))
+    assert [round(sim.next().at, 6) for _ in range(4)] == [round(ends, 6)] * 4
+
+
 def test_an_operator_never_run_is_simulated_cold_from_a_stated_prior_and_flagged(tmp_path, capsys):
     from memchunk_prefect.sim.inputs import PriorKnowledge, store_models
 

@@ -59,6 +59,13 @@ class _Ended:
     lost: bool = False  # its worker left at walltime (not killed: nothing to learn about memory)
 
 
+def _work_share(task: _Task) -> float:
+    """The share of a task's seconds that is work, not its per-task overhead (1 where it has none)."""
+    if task.seconds <= 0:
+        return 1.0
+    return max(0.0, task.seconds - task.overhead_seconds) / task.seconds
+
+
 class SimulatedCluster:
     """Worker slots running tasks first come, first served; a worker whose tasks cross its kill line dies.
 
@@ -78,9 +85,10 @@ class SimulatedCluster:
     kernel compiled), as a real worker's first call does (``Observation.first_call``); where first calls of about
     its block's size were timed, it takes what they took, which may be less than the model reads a later call
     (:meth:`~memchunk_prefect.sim.inputs.Draws.task`). Where the threads
-    outnumber the CPU cores (``ClusterShape.threads_per_core``), a task that starts among more running tasks
-    than cores takes as much longer (:meth:`_core_share`): the learned seconds are those of a task with a core
-    to itself.
+    outnumber the CPU cores (``ClusterShape.threads_per_core``), a task that starts while more work runs than
+    there are cores works as much longer (:meth:`_core_share`), and its per-task overhead takes as much longer as
+    the tasks running outnumber the cores (:meth:`_crowd_share`): the learned seconds are those of a task with a
+    core to itself.
     A task goes to the free worker running the fewest
     tasks, the lowest number among equals, as Dask's scheduler hands a queued task to the least
     occupied idle worker (``decide_worker_rootish_queuing_enabled`` in distributed's scheduler), so
@@ -246,13 +254,14 @@ class SimulatedCluster:
         once every task starting now is placed, so a wave of them shares the cores as one (:meth:`_core_share`)."""
         if not self._starting:
             return
-        share = self._core_share()
+        share, crowd = self._core_share(), self._crowd_share()
         starting, self._starting = self._starting, []
         for task, dies_after in starting:
             if task.key not in self._live:  # ended already (its worker left at this instant)
                 continue
-            task.seconds *= share
-            task.share = share
+            overhead = min(task.overhead_seconds, task.seconds)
+            task.seconds = overhead * crowd + (task.seconds - overhead) * share
+            task.share, task.overhead_share = share, crowd
             if dies_after is not None:
                 # The worker dies when the newest task reaches the kill line; everything on it dies with it.
                 w = task.worker
@@ -265,10 +274,27 @@ class SimulatedCluster:
                 self._push(self.now + task.seconds, _END, task.key, _DONE)
 
     def _core_share(self) -> float:
-        """How much longer a task just started runs because the tasks running now outnumber the CPU cores the
-        cluster's threads share (``ClusterShape.threads_per_core``; 1 where each thread has a core): 4 tasks on
-        2 cores each take twice their time. Read as the task starts, for the tasks running then (a wave of
-        equal tasks starts together; a task that starts as others end is charged the share it starts with)."""
+        """How much longer a task just started works because the work running now outnumbers the CPU cores the
+        cluster's threads share (``ClusterShape.threads_per_core``; 1 where each thread has a core): 4 tasks
+        working on 2 cores each take twice their work's time. Each running task counts by the share of its seconds
+        that is work (:func:`_work_share`: not its per-task overhead), so tasks of a plain flow that are mostly
+        Prefect's and Dask's hand-over leave the cores to the work of the others. Read as the task starts, for the
+        tasks running then (a wave of equal tasks starts together; a task that starts as others end is charged
+        the share it starts with).
+
+        Counted as whole tasks instead, the workload family's flows of 8 and 32 slabs a step on two workers of
+        two threads over 2 cores read each slab's work twice as long as it ran, and were predicted 27-38% long
+        in two validation runs out of three (``python -m benchmarks.sim_noise`` lists such errors)."""
+        per_core = float(self.shape.threads_per_core)
+        if per_core <= 1.0:
+            return 1.0
+        return max(1.0, sum(_work_share(t) for t in self._live.values()) * per_core / self.shape.slots)
+
+    def _crowd_share(self) -> float:
+        """How much longer a task just started takes over its per-task overhead because the tasks running now
+        outnumber the cores, counted as whole tasks: the flow's process and the server serve the tasks in flight
+        in turn, on the same cores (a plain flow's step of tasks that return at once takes as long on two
+        workers of two threads over 2 cores as on two of one thread). 1 where each thread has a core."""
         per_core = float(self.shape.threads_per_core)
         if per_core <= 1.0:
             return 1.0

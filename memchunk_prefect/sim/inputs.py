@@ -78,7 +78,8 @@ class ClusterShape:
     ``threads_per_core``: worker threads per CPU core where the workers' threads outnumber their cores (4 threads
     on 2 cores: 2.0; 1.0: a core each), which the runner's plans count
     (:func:`memchunk_prefect.core.estimates.estimate_seconds`) and the simulated cluster charges: a task that
-    starts among more running tasks than cores takes as much longer than the learned seconds
+    starts while more work runs than there are cores works as much longer than the learned seconds, and its
+    per-task overhead as much longer as the tasks running outnumber the cores
     (:class:`memchunk_prefect.sim.cluster.SimulatedCluster`).
     """
 
@@ -463,11 +464,13 @@ class _Task:
     #: before the core share: a real run's observation times the block function alone.
     overhead_seconds: float = 0.0
     #: Set as it starts on a worker: whether it is its worker process's first task of its operator; how far it took
-    #: its worker above the most it had held, bytes, and the kernel seconds that cost; the core share it ran at.
+    #: its worker above the most it had held, bytes, and the kernel seconds that cost; the core share its work ran
+    #: at, and the one its overhead ran at (:class:`memchunk_prefect.sim.cluster.SimulatedCluster`).
     first_call: bool = False
     grew_bytes: int = 0
     touch_seconds: float = 0.0
     share: float = 1.0
+    overhead_share: float = 1.0
 
 
 @dataclass(frozen=True)

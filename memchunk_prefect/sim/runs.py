@@ -116,7 +116,7 @@ def _observation(step: Step, task: _Task, killed: bool, budget: int, at: float) 
     A simulated cold run's planner then learns from its chunks what the real runner's learns from its own: first
     calls and first touches apart from the rates (:class:`memchunk_prefect.learn.time.TimeModel`)."""
     elements = math.prod(task.extents)
-    seconds = 0.0 if killed else max(0.0, task.seconds - task.overhead_seconds * task.share)
+    seconds = 0.0 if killed else max(0.0, task.seconds - task.overhead_seconds * task.overhead_share)
     return Observation(operator_key=step.key, elements=elements, extents=task.extents, bytes_in=elements * ITEMSIZE,
                        peak_bytes=int(task.memory), seconds=seconds,
                        outcome="killed" if killed else "ok", censored=killed, worker=f"sim-{task.worker}",
