@@ -4,7 +4,8 @@
 
 Each JSON is one run of a suite benchmark, as its ``--json`` writes it: ``python -m benchmarks`` (side by side),
 ``python -m benchmarks.heterogeneous``, ``python -m benchmarks.family``, ``python -m benchmarks.sim_validation``,
-``python -m benchmarks.studies.segy_scan`` or ``python -m benchmarks.studies.real_size``. The page opens with
+``python -m benchmarks.sim_noise``, ``python -m benchmarks.studies.segy_scan`` or
+``python -m benchmarks.studies.real_size``. The page opens with
 every target of every run and its verdict; then one section per run: the command that reruns it, the machine,
 the date and the commit it measured, and its
 tables. How each figure is measured is in each benchmark's module docstring (linked), not repeated here.
@@ -329,6 +330,21 @@ def real_size(doc: dict[str, Any]) -> Section:
     return Section("A survey of real size, end to end", "real size", cmd, real_size_targets(doc), lines)
 
 
+def sim_noise(doc: dict[str, Any]) -> Section:
+    from benchmarks.sim_noise import lines as noise_lines
+
+    runs = ", ".join(f"`{Path(s['path']).name}` (real runs at `{s.get('real_runs_commit')}`, predicted at "
+                     f"`{s.get('commit')}`)" for s in doc["sources"])
+    what = ("Two validation runs of one family, each with its own cold runs, stores and real runs, tell an error "
+            "the simulator makes on a flow every time (a bias) from one that changes from run to run (the models "
+            "learned from a few noisy runs, and the real run's own spread); measured as "
+            "[benchmarks/sim_noise.py](benchmarks/sim_noise.py) says. The runs: " + runs + ".")
+    files = " ".join(s["path"] for s in doc["sources"])
+    return Section("How much of the simulator's error repeats", "simulator noise",
+                   f"python -m benchmarks.sim_noise {files} --json sim-noise.json", {},
+                   [what, "", *(f"- {line}" for line in noise_lines(doc))])
+
+
 def kind_of(doc: dict[str, Any]) -> Callable[[dict[str, Any]], Section]:
     """The section writer for one run JSON; ValueError naming what was expected when it is none of them."""
     if doc.get("benchmark") == "family":
@@ -337,6 +353,8 @@ def kind_of(doc: dict[str, Any]) -> Callable[[dict[str, Any]], Section]:
         return sim_validation
     if doc.get("benchmark") == "real_size":
         return real_size
+    if doc.get("benchmark") == "sim_noise":
+        return sim_noise
     if "surveys" in doc and "targets" in doc:
         return heterogeneous
     if "strategies" in doc and "targets" in doc:
@@ -344,7 +362,7 @@ def kind_of(doc: dict[str, Any]) -> Callable[[dict[str, Any]], Section]:
     if "traces" in doc and "rows" in doc:
         return segy_scan
     raise ValueError("not the JSON of a suite benchmark: expected the --json of python -m benchmarks, "
-                     "benchmarks.heterogeneous, benchmarks.family, benchmarks.sim_validation, "
+                     "benchmarks.heterogeneous, benchmarks.family, benchmarks.sim_validation, benchmarks.sim_noise, "
                      "benchmarks.studies.segy_scan or benchmarks.studies.real_size; "
                      f"its top-level keys are {sorted(doc)[:12]}")
 

@@ -1136,3 +1136,50 @@ def test_sim_validation_p90_coverage_counts_the_completed_runs_that_ended_by_the
     assert c["p90_above_p50_median"] == pytest.approx(0.25)  # 0.1, 0.25 and 0.6: the median, not the mean
     assert c["signed_median_error"] == pytest.approx(-0.1)  # -0.1, -0.2 and +0.25: the p50 short, below 0
     assert p90_coverage(rows[3:]) is None
+
+
+def _validation_doc(errors: dict[tuple[str, str], list[float]]) -> dict:
+    """A validation run's JSON with a row per (workload, kind) and real run: real 10 s, predicted 10 x (1 + e)."""
+    rows = []
+    for (workload, kind), errs in errors.items():
+        for e in errs:
+            rows.append({"workload": workload, "kind": kind, "strategy": "memchunk" if kind.startswith("memchunk")
+                         else kind, "error": e, "predicted": {"makespan_p50": 10.0 * (1 + e)},
+                         "real": {"completed": True, "makespan_seconds": 10.0}})
+    rows.append({"workload": "w9", "kind": "static-2", "strategy": "static-2", "error": None, "predicted": None,
+                 "real": {"completed": False}})  # a failed run: no error to compare
+    return {"benchmark": "sim_validation", "rows": rows}
+
+
+def test_sim_noise_tells_an_error_that_repeats_in_two_validation_runs_from_one_that_changes():
+    from benchmarks.sim_noise import noise
+
+    biased = {("w0", "static-8"): [0.3, 0.3], ("w1", "memchunk warm"): [-0.2], ("w1", "split"): [0.0, 0.0]}
+    same = noise([_validation_doc(biased), _validation_doc(biased)], draws=50)
+    # The same errors in both runs: no noise, so a simulator without bias would be exact; the biases are listed.
+    assert same["noise_sigma"] == 0.0 and same["floor"]["worst_abs_error"] == 0.0
+    assert [(r["workload"], r["run"], round(r["error"], 6)) for r in same["repeated"]] == [
+        ("w0", "static-8", 0.3), ("w1", "memchunk warm", -0.2)]
+    assert (same["flows"], same["pairs"], same["rows"]) == (3, 4 + 1 + 4, 5)
+    # Errors that flip between the runs are noise, not bias: nothing repeats, and the floor is far from 0.
+    flipped = {k: [-e for e in v] for k, v in biased.items()}
+    apart = noise([_validation_doc(biased), _validation_doc(flipped)], draws=200)
+    assert apart["repeated"] == [] and apart["noise_sigma"] > 0.2
+    assert 0.05 < apart["floor"]["median_abs_error"] < apart["floor"]["worst_abs_error"]
+    with pytest.raises(ValueError, match="two validation runs"):
+        noise([_validation_doc(biased)])
+
+
+def test_sim_noise_command_writes_its_figures(tmp_path):
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "noise.json"
+    a.write_text(json.dumps(_validation_doc({("w0", "static-2"): [0.1, 0.2]})))
+    b.write_text(json.dumps(_validation_doc({("w0", "static-2"): [0.0]})))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sim_noise", str(a), str(b), "--json", str(out)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "a simulator with no bias" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "sim_noise" and doc["pairs"] == 2 and len(doc["sources"]) == 2
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.sim_noise", str(a)], capture_output=True, text=True,
+                         cwd=REPO)
+    assert bad.returncode == 2 and "two validation runs" in bad.stderr
