@@ -19,7 +19,7 @@ the first apart from the other two:
 - ``repeated``: the flows whose error had the same sign in both runs, beyond ``repeat_share`` in each: a bias
   to fix, not noise (the mean of the two runs' median log errors, as a share);
 - ``predictions_apart`` and ``real_apart``: how far the two runs' predictions of one flow, and their real runs,
-  fall apart (the machine's speed on the two days moves both).
+  fall apart (the larger over the smaller; the machine's speed on the two days moves both).
 
 Replay the runs at one commit first (``python -m benchmarks.sim_validation --replay R.json --work DIR --json
 R2.json``), so their predictions differ only by the stores they read.
@@ -63,6 +63,11 @@ def flows(doc: dict[str, Any]) -> dict[tuple[str, str, int], dict[str, Any]]:
     return out
 
 
+def _apart(a: float, b: float) -> float:
+    """How far two positive figures lie apart, the same either way round: the larger over the smaller, less 1."""
+    return max(a, b) / min(a, b) - 1.0
+
+
 def noise(docs: list[dict[str, Any]], *, draws: int = 1000, seed: int = 0,
           repeat_share: float = REPEAT_SHARE) -> dict[str, Any]:
     """The figures of the module docstring over every pair of ``docs`` (validation runs of one family)."""
@@ -77,8 +82,8 @@ def noise(docs: list[dict[str, Any]], *, draws: int = 1000, seed: int = 0,
         for key in sorted(set(a) & set(b)):
             fa, fb = a[key], b[key]
             diffs += [x - y for x in fa["log_errors"] for y in fb["log_errors"]]
-            preds.append(abs(fa["predicted"] / fb["predicted"] - 1.0))
-            reals += [abs(x / y - 1.0) for x in fa["real"] for y in fb["real"]]
+            preds.append(_apart(fa["predicted"], fb["predicted"]))
+            reals += [_apart(x, y) for x in fa["real"] for y in fb["real"]]
             ma, mb = statistics.median(fa["log_errors"]), statistics.median(fb["log_errors"])
             if min(abs(ma), abs(mb)) > math.log1p(repeat_share) and ma * mb > 0:
                 repeated.setdefault(key, []).append(math.expm1((ma + mb) / 2))
