@@ -335,7 +335,7 @@ def sim_noise(doc: dict[str, Any]) -> Section:
 
     runs = ", ".join(f"`{Path(s['path']).name}` (real runs at `{s.get('real_runs_commit')}`, predicted at "
                      f"`{s.get('commit')}`)" for s in doc["sources"])
-    what = ("Two validation runs of one family, each with its own cold runs, stores and real runs, tell an error "
+    what = ("Validation runs of one family, each with its own cold runs, stores and real runs, tell an error "
             "the simulator makes on a flow every time (a bias) from one that changes from run to run (the models "
             "learned from a few noisy runs, and the real run's own spread); measured as "
             "[benchmarks/sim_noise.py](benchmarks/sim_noise.py) says. The runs: " + runs + ".")

@@ -115,9 +115,10 @@ def lines(result: dict[str, Any]) -> list[str]:
             f"a simulator with no bias, with that noise, over {result['rows']} rows: median absolute error "
             f"{100 * f['median_abs_error']:.0f}%, worst {100 * f['worst_abs_error']:.0f}% (medians of "
             f"{f['draws']} draws)",
-            f"one flow's predictions from the two runs' stores: {100 * p['median']:.0f}% apart at the median, "
-            f"{100 * p['worst']:.0f}% at worst; its real runs: {100 * r['median']:.0f}% and {100 * r['worst']:.0f}%",
-            f"errors beyond {100 * result['repeat_share']:.0f}% the same way in both runs (a bias, not noise): "
+            f"one flow's predictions from two runs' stores: {100 * p['median']:.0f}% apart at the median, "
+            f"{100 * p['worst']:.0f}% at worst; its real runs in those two: {100 * r['median']:.0f}% and "
+            f"{100 * r['worst']:.0f}% (the machine's speed on each day moves both)",
+            f"errors beyond {100 * result['repeat_share']:.0f}% the same way in two runs (a bias, not noise): "
             + listed]
 
 
