@@ -60,10 +60,10 @@ class _Ended:
 
 
 def _work_share(task: _Task) -> float:
-    """The share of a task's seconds that is work, not its per-task overhead (1 where it has none)."""
+    """The share of a task's seconds that is work, not its per-task overhead as it ran (1 where it has none)."""
     if task.seconds <= 0:
         return 1.0
-    return max(0.0, task.seconds - task.overhead_seconds) / task.seconds
+    return max(0.0, task.seconds - task.overhead_seconds * task.overhead_share) / task.seconds
 
 
 class SimulatedCluster:
@@ -283,7 +283,7 @@ class SimulatedCluster:
         the share it starts with).
 
         Counted as whole tasks instead, the workload family's flows of 8 and 32 slabs a step on two workers of
-        two threads over 2 cores read each slab's work twice as long as it ran, and were predicted 27-38% long
+        two threads over 2 cores read each slab's work twice as long as it ran, and were predicted 25-38% long
         in two validation runs out of three (``python -m benchmarks.sim_noise`` lists such errors)."""
         per_core = float(self.shape.threads_per_core)
         if per_core <= 1.0:
