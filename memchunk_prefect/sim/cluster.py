@@ -86,8 +86,8 @@ class SimulatedCluster:
     its block's size were timed, it takes what they took, which may be less than the model reads a later call
     (:meth:`~memchunk_prefect.sim.inputs.Draws.task`). Where the threads
     outnumber the CPU cores (``ClusterShape.threads_per_core``), a task that starts while more work runs than
-    there are cores works as much longer (:meth:`_core_share`), and its per-task overhead takes as much longer as
-    the tasks running outnumber the cores (:meth:`_crowd_share`): the learned seconds are those of a task with a
+    there are cores works as much longer, and its per-task overhead takes as much longer as the tasks running
+    outnumber the cores (:meth:`_core_shares`): the learned seconds are those of a task with a
     core to itself.
     A task goes to the free worker running the fewest
     tasks, the lowest number among equals, as Dask's scheduler hands a queued task to the least
@@ -251,10 +251,10 @@ class SimulatedCluster:
 
     def _settle(self) -> None:
         """Time the tasks started at this instant, and their worker's death where one took it over its kill line:
-        once every task starting now is placed, so a wave of them shares the cores as one (:meth:`_core_share`)."""
+        once every task starting now is placed, so a wave of them shares the cores as one (:meth:`_core_shares`)."""
         if not self._starting:
             return
-        share, crowd = self._core_share(), self._crowd_share()
+        share, crowd = self._core_shares()
         starting, self._starting = self._starting, []
         for task, dies_after in starting:
             if task.key not in self._live:  # ended already (its worker left at this instant)
@@ -273,32 +273,30 @@ class SimulatedCluster:
             else:
                 self._push(self.now + task.seconds, _END, task.key, _DONE)
 
-    def _core_share(self) -> float:
-        """How much longer a task just started works because the work running now outnumbers the CPU cores the
-        cluster's threads share (``ClusterShape.threads_per_core``; 1 where each thread has a core): 4 tasks
-        working on 2 cores each take twice their work's time. Each running task counts by the share of its seconds
-        that is work (:func:`_work_share`: not its per-task overhead), so tasks of a plain flow that are mostly
-        Prefect's and Dask's hand-over leave the cores to the work of the others. Read as the task starts, for the
-        tasks running then (a wave of equal tasks starts together; a task that starts as others end is charged
-        the share it starts with).
+    def _core_shares(self) -> tuple[float, float]:
+        """How much longer a task just started takes because the tasks running now outnumber the CPU cores the
+        cluster's threads share (``ClusterShape.threads_per_core``; both 1 where each thread has a core): the
+        factor on its work, and the factor on its per-task overhead. Read as the task starts, for the tasks running
+        then (a wave of equal tasks starts together; a task that starts as others end is charged what it starts
+        with).
 
-        Counted as whole tasks instead, the workload family's flows of 8 and 32 slabs a step on two workers of
-        two threads over 2 cores read each slab's work twice as long as it ran, and were predicted 25-38% long
-        in two validation runs out of three (``python -m benchmarks.sim_noise`` lists such errors)."""
+        Its work takes as much longer as the work running outnumbers the cores: 4 tasks working on 2 cores each
+        take twice their work's time. Each running task counts by the share of its seconds that is work
+        (:func:`_work_share`), so tasks of a plain flow that are mostly Prefect's and Dask's hand-over leave the
+        cores to the work of the others. Its overhead takes as much longer as the tasks running outnumber the
+        cores, counted whole: the flow's process and the server serve the tasks in flight in turn, on the same
+        cores (a plain flow's step of tasks that return at once takes as long on two workers of two threads over 2
+        cores as on two of one thread).
+
+        Counted as whole tasks, the work of the workload family's flows of 8 and 32 slabs a step on two workers of
+        two threads over 2 cores reads twice as long as it runs: ``python -m benchmarks.sim_noise`` finds such
+        flows predicted 25-38% long in two validation runs of three (CHANGELOG.md)."""
         per_core = float(self.shape.threads_per_core)
         if per_core <= 1.0:
-            return 1.0
-        return max(1.0, sum(_work_share(t) for t in self._live.values()) * per_core / self.shape.slots)
-
-    def _crowd_share(self) -> float:
-        """How much longer a task just started takes over its per-task overhead because the tasks running now
-        outnumber the cores, counted as whole tasks: the flow's process and the server serve the tasks in flight
-        in turn, on the same cores (a plain flow's step of tasks that return at once takes as long on two
-        workers of two threads over 2 cores as on two of one thread). 1 where each thread has a core."""
-        per_core = float(self.shape.threads_per_core)
-        if per_core <= 1.0:
-            return 1.0
-        return max(1.0, len(self._live) * per_core / self.shape.slots)
+            return 1.0, 1.0
+        work = sum(_work_share(t) for t in self._live.values())
+        return (max(1.0, work * per_core / self.shape.slots),
+                max(1.0, len(self._live) * per_core / self.shape.slots))
 
     def _push(self, at: float, kind: int, ident: int, how: int = _DONE) -> None:
         self._seq += 1
