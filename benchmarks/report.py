@@ -205,7 +205,8 @@ def sim_validation(doc: dict[str, Any]) -> Section:
             + ", each strategy run for real beside the simulator's prediction of the same flow run, cluster and "
             "store; measured as [benchmarks/sim_validation.py](benchmarks/sim_validation.py) says.")
     cmd = ("python -m benchmarks.sim_validation --quick --json sim-validation.json" if doc.get("quick")
-           else "python -m benchmarks.sim_validation" + (f" --scale {scale}" if scale != 1 else "")
+           else "python -m benchmarks.sim_validation" + (f" --seed {doc['seed']}" if doc.get("seed") else "")
+           + (f" --scale {scale}" if scale != 1 else "")
            + (f" --repeats {doc['repeats']}" if (doc.get("repeats") or 1) > 1 else "")
            + " --json sim-validation.json")
     lines = [what]
@@ -216,6 +217,9 @@ def sim_validation(doc: dict[str, Any]) -> Section:
                       "`python -m benchmarks.sim_validation --replay sim-validation.json --work DIR`)."]
     title, short = ("The simulator against real runs", "simulator") if scale == 1 else (
         f"The simulator against real runs, surveys at {scale}x", f"simulator, {scale}x")
+    seed = doc.get("seed", 0)
+    if seed:  # another family of the same archetypes: one that no change to the simulator was judged on
+        title, short = f"{title}, the seed-{seed} family", f"{short}, seed {seed}"
     return Section(title, short, cmd, targets, [*lines, "", *validation_table(doc["rows"], s).splitlines()])
 
 
