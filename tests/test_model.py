@@ -644,6 +644,55 @@ def test_a_workers_first_call_is_learned_apart_and_does_not_read_small_blocks_as
     assert first.time.first_call_seconds() is None
 
 
+def test_a_first_call_bounds_what_a_later_call_of_a_block_no_larger_takes():
+    """The workload family's ``fam_autocorr`` (seed 1), a cold start's rows: its two large probes were both
+    workers' first calls, so its rates were learned from three small blocks alone, which pay each task's fixed
+    costs over few elements (elements, extents, wall and kernel seconds, bytes grown, peak, first call). The
+    model read a block of 0.6 M at 1.05 s, where the first calls of that very size, one-off cost included, took
+    0.2-0.26 s of compute; a split-on-failure flow's whole-survey chunk was predicted twice as long as it ran."""
+    rows = [(600000, (75, 40, 200), 0.279, 0.081, 17125376, 17125376, True),
+            (600000, (75, 40, 200), 0.399, 0.143, 17420288, 17420288, True),
+            (40000, (5, 40, 200), 0.080, 0.010, 0, 10657792, False),
+            (20000, (5, 20, 200), 0.088, 0.004, 0, 10518528, False),
+            (20000, (5, 20, 200), 0.046, 0.007, 0, 10240000, False)]
+    m = OperatorModel(KEY)
+    for e, ext, secs, sys_secs, grew, peak, first in rows:
+        m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
+                            first_call=first))
+    t = m.time
+    assert t.rates_fall() and t.falling_seconds(600_000) > 1.0, "the small blocks alone read it 4x slower"
+    bound = max(0.279 - 0.081, 0.399 - 0.143)  # the upper middle of the two first calls' compute seconds
+    assert t.first_call_ceiling(600_000) == pytest.approx(bound)
+    assert m.seconds_for(600_000) == pytest.approx(bound)
+    # The rates fall with size: a larger block costs no more per element than the first call did.
+    assert m.seconds_for(1_280_000) == pytest.approx(bound * 1_280_000 / 600_000)
+    # A small block is below the bound: the line between the small blocks timed stands.
+    assert m.seconds_for(30_000) == pytest.approx(t.falling_seconds(30_000))
+    assert t.first_call_seconds() == 0.0, "a first call took no longer than the later call it bounds"
+
+    # Rates measured to rise with size (here, time quadratic in the block): a first call bounds only the blocks
+    # no larger than its own; beyond it, the curve stands.
+    rising = OperatorModel(KEY)
+    for e in (100_000, 100_000, 400_000, 400_000, 200_000, 200_000):
+        rising.learn(Observation(KEY, e, (1, 1, e), 4 * e, 8 * e, seconds=0.5 * (e / 400_000) ** 2,
+                                 sys_seconds=0.0, grew_bytes=0))
+    rising.learn(Observation(KEY, 300_000, (1, 1, 300_000), 4 * 300_000, 8 * 300_000, seconds=0.2, sys_seconds=0.0,
+                             grew_bytes=0, first_call=True))
+    assert rising.rates_rise()
+    assert rising.seconds_for(300_000) == pytest.approx(0.2), "the curve read 0.28 s; the first call took 0.2 s"
+    assert rising.time.first_call_ceiling(400_000) is None
+    assert rising.seconds_for(400_000) == pytest.approx(0.5, rel=0.05)
+    # A linear operator (one size timed, so no rate ratio): the first call bounds its size and below, not above.
+    flat = OperatorModel(KEY)
+    flat.learn(Observation(KEY, 100_000, (1, 1, 100_000), 400_000, 800_000, seconds=0.1, sys_seconds=0.0,
+                           grew_bytes=0))
+    flat.learn(Observation(KEY, 50_000, (1, 1, 50_000), 200_000, 400_000, seconds=0.02, sys_seconds=0.0,
+                           grew_bytes=0, first_call=True))
+    assert flat.time.rate_ratio() is None and flat.time.first_call_ceiling(60_000) is None
+    assert flat.seconds_for(40_000) == pytest.approx(0.02), "the rate read 0.04 s"
+    assert flat.seconds_for(50_000) == pytest.approx(0.02) and flat.seconds_for(100_000) is None
+
+
 def test_rates_that_rise_with_size_never_read_a_larger_block_cheaper_per_element():
     """fam_gram (compute quadratic in the traces of a block) on the workload family: many runs bunched at
     0.48-0.66 M elements, one at 1.33 M that ran 1.66x dearer per element. The line fitted beside the curve took
@@ -1429,7 +1478,8 @@ def test_a_first_call_of_about_a_blocks_size_says_what_a_fresh_workers_first_tas
         t.learn(Observation(KEY, 600_000, (1, 1, 600_000), 2_400_000, MIB, seconds=s, first_call=True))
     for n in (20_000, 40_000, 20_000, 40_000):
         t.learn(Observation(KEY, n, (1, 1, n), 4 * n, MIB, seconds=2e-6 * n))
-    assert t.block_compute_seconds(640_000) == pytest.approx(1.28)  # the probes' rate
+    assert 2e-6 * 640_000 == pytest.approx(1.28)  # the probes' rate, which the first calls bound the block below
+    assert t.block_compute_seconds(640_000) == pytest.approx(0.44 * 640 / 600)  # (TimeModel.first_call_ceiling)
     assert t.first_call_block_seconds(640_000) == pytest.approx(0.44 * 640 / 600)  # the upper middle of two
     assert t.first_call_block_seconds(1_000_000) is None and t.first_call_block_seconds(300_000) is None
     # A run of many workers at another size (25 first calls of 100,000 elements) does not push out the first calls

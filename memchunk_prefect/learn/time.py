@@ -128,6 +128,7 @@ class TimeModel:
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
         self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
+        self._ceilings: dict[int, float | None] = {}  # first_call_ceiling by block size, until a run is learned
         self._slopes: dict[int, float | None] = {}  # robust_slope by window, until the forms learn a run
         self._floor_memo: tuple[int, int, float, float] | None = None  # rising_floor's sizes and rates, until a run
         self._rates: deque[float] = deque(maxlen=RATE_HISTORY)  # compute seconds per element of ok runs
@@ -153,6 +154,8 @@ class TimeModel:
         if obs.first_call:
             self._first_calls.append((int(obs.elements), seconds))
             self._first_call_rates.append(seconds / obs.elements)
+            self._falling.clear()
+            self._ceilings.clear()
             return
         self._rates.append(seconds / obs.elements)
         if seconds > 0:
@@ -163,6 +166,7 @@ class TimeModel:
             self._runs.append((int(obs.elements), seconds))
             self._memo = None
             self._falling.clear()
+            self._ceilings.clear()
             self._slopes.clear()
             self._floor_memo = None
 
@@ -550,22 +554,62 @@ class TimeModel:
         fitted line held at no constant it was weighed against; never below
         :meth:`rising_floor` where the measured rates rise. Where no curve
         counts and the rates fall with size (:meth:`rates_fall`), the line between
-        the smallest and the largest blocks timed (:meth:`falling_seconds`). None
-        otherwise: time is proportional to size and the planner uses
-        :meth:`seconds_per_element`.
+        the smallest and the largest blocks timed (:meth:`falling_seconds`). Never
+        above what the first calls timed bound a later call at (:meth:`first_call_ceiling`),
+        where the median rate x ``elements`` would exceed it too. None otherwise:
+        time is proportional to size and the planner uses :meth:`seconds_per_element`.
         """
+        elements = int(elements)
         weight, curve = self.time_curve_weight()
         if curve is None or weight <= 0.0:
-            elements = int(elements)
             if elements not in self._falling:  # asked once per candidate plan
                 self._falling[elements] = self.falling_seconds(elements) if self.rates_fall() else None
-            return self._falling[elements]
-        u = int(elements) / MIB
-        seconds = max(0.0, self._mean(curve, u))
-        if weight < 1.0:
-            seconds = weight * seconds + (1.0 - weight) * max(0.0, self._mean(LINEAR, u))
-        floor = self.rising_floor(elements)
-        return seconds if floor is None else max(seconds, floor)
+            seconds = self._falling[elements]
+        else:
+            u = elements / MIB
+            seconds = max(0.0, self._mean(curve, u))
+            if weight < 1.0:
+                seconds = weight * seconds + (1.0 - weight) * max(0.0, self._mean(LINEAR, u))
+            floor = self.rising_floor(elements)
+            seconds = seconds if floor is None else max(seconds, floor)
+        ceiling = self.first_call_ceiling(elements)
+        if ceiling is None:
+            return seconds
+        if seconds is None:
+            rate = self.seconds_per_element()
+            if rate is None or rate * elements <= ceiling:
+                return None
+            return ceiling
+        return min(seconds, ceiling)
+
+    def first_call_ceiling(self, elements: int, window: int | None = None) -> float | None:
+        """The most compute seconds a later call of a block of ``elements`` (halo included) can take, from the
+        first calls timed: the median (the upper middle value for an even count) of the latest ``window`` first
+        calls' bounds (default ``time_window``); None where none bounds it.
+
+        A worker's first call of a block pays its one-off cost and the block's compute, so a later call of a
+        block no larger takes no longer than the first call took: its seconds (:meth:`compute_seconds`) bound
+        every block up to its size. Where the later calls' rates were measured not to rise with size
+        (:meth:`rate_ratio` known, :meth:`rates_rise` false), a larger block costs no more per element, and
+        the first call bounds it at its seconds x ``elements`` / its size.
+
+        Without it, a cold start whose large probes were all first calls learned its rates from small blocks
+        alone, which pay each task's fixed costs over few elements. The workload family's ``fam_autocorr`` (seed
+        1) then read a block of 1.28 M elements at 2.2 s and one of 0.6 M at 1.05 s, where the first calls of
+        0.6 M, one-off cost included, took 0.28 and 0.40 s; a split-on-failure flow's whole-survey chunk ran in
+        1.7 s, both operators together, and was predicted at 3.5 s
+        (``test_a_first_call_bounds_what_a_later_call_of_a_block_no_larger_takes``).
+        """
+        e = int(elements)
+        if not self._first_calls or e <= 0:
+            return None
+        if e not in self._ceilings:  # asked once per candidate plan
+            window = max(1, int(self.time_window if window is None else window))
+            scales = self.rate_ratio() is not None and not self.rates_rise()
+            bounds = sorted(seconds * max(1.0, e / size) for size, seconds in list(self._first_calls)[-window:]
+                            if size > 0 and (e <= size or scales))
+            self._ceilings[e] = bounds[len(bounds) // 2] if bounds else None
+        return self._ceilings[e]
 
     def _mean(self, form: str, u: float) -> float:
         """The fitted compute seconds of time form ``form`` for a block of ``u`` Mi-elements."""
