@@ -94,8 +94,12 @@ def test_the_budget_is_the_kill_line_less_resting_and_a_users_figure_only_caps_i
         budget(no_limit)
 
 
-def _hold(target_bytes: int, seconds: float) -> int:
-    """Run on a worker: grow the process to ``target_bytes`` for ``seconds``; return its memory while holding."""
+def _hold(target_bytes: int, seconds: float) -> tuple[int, float]:
+    """Run on a worker: grow the process to ``target_bytes`` for ``seconds``.
+
+    Returns its memory while holding (bytes) and the time it let go (``time.time()``, the machine's clock, which
+    the scheduler's status changes are stamped with too).
+    """
     import time as _time
 
     import numpy as np
@@ -105,7 +109,7 @@ def _hold(target_bytes: int, seconds: float) -> int:
     rss = psutil.Process().memory_info().rss
     _time.sleep(seconds)
     del block
-    return rss
+    return rss, _time.time()
 
 
 @pytest.mark.cluster
@@ -124,7 +128,7 @@ def test_a_worker_above_its_pause_line_is_read_as_one_pause_with_its_duration():
     client = Client(lc)
     try:
         before = time.time()
-        rss = client.submit(_hold, int(0.875 * 2**30), 2.0, pure=False).result()
+        rss, released = client.submit(_hold, int(0.875 * 2**30), 2.0, pure=False).result()
         time.sleep(0.5)  # the worker's memory monitor resumes it within its 100 ms interval
         after = time.time()
         pauses = pauses_from(cluster.read_status_changes(client) or [], after)
@@ -133,7 +137,11 @@ def test_a_worker_above_its_pause_line_is_read_as_one_pause_with_its_duration():
         lc.close()
     assert 0.8 * 2**30 < rss < 0.95 * 2**30, f"the task held {rss / 2**20:.0f} MiB: not between the lines"
     n, seconds = paused_within(pauses, before, after)
-    assert n == 1 and 0.3 < seconds < 2.5, pauses
+    assert n == 1 and seconds > 0.3, pauses
+    # The pause is the hold: it began while the memory was held and ended once it was let go. Its length is not
+    # bounded by the 2 s asked for: on a loaded machine, growing the worker by 0.875 GiB takes time of its own.
+    (pause,) = pauses
+    assert before <= pause.start < released <= pause.end <= after, (before, pause, released, after)
     assert paused_within(pauses, after, after + 10) == (0, 0.0), "the pause ended"
 
 
