@@ -644,7 +644,7 @@ def test_a_workers_first_call_is_learned_apart_and_does_not_read_small_blocks_as
     assert first.time.first_call_seconds() is None
 
 
-def test_a_first_call_bounds_what_a_later_call_of_a_block_no_larger_takes():
+def test_a_first_call_bounds_what_a_later_call_of_a_larger_block_than_any_timed_takes():
     """The workload family's ``fam_autocorr`` (seed 1), a cold start's rows: its two large probes were both
     workers' first calls, so its rates were learned from three small blocks alone, which pay each task's fixed
     costs over few elements (elements, extents, wall and kernel seconds, bytes grown, peak, first call). The
@@ -660,37 +660,43 @@ def test_a_first_call_bounds_what_a_later_call_of_a_block_no_larger_takes():
         m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
                             first_call=first))
     t = m.time
-    assert t.rates_fall() and t.falling_seconds(600_000) > 1.0, "the small blocks alone read it 4x slower"
+    fitted = t.falling_seconds
+    assert t.rates_fall() and fitted(600_000) > 1.0, "the small blocks alone read it 4x slower"
     bound = max(0.279 - 0.081, 0.399 - 0.143)  # the upper middle of the two first calls' compute seconds
     assert t.first_call_ceiling(600_000) == pytest.approx(bound)
-    assert m.seconds_for(600_000) == pytest.approx(bound)
-    # The rates fall with size: a larger block costs no more per element than the first call did.
-    assert m.seconds_for(1_280_000) == pytest.approx(bound * 1_280_000 / 600_000)
-    # A small block is below the bound: the line between the small blocks timed stands.
-    assert m.seconds_for(30_000) == pytest.approx(t.falling_seconds(30_000))
+    assert m.seconds_for(600_000) == pytest.approx(bound) and m.seconds_for(300_000) == pytest.approx(bound)
+    # Beyond the first calls' size, the bound grows as the later calls' model does.
+    assert m.seconds_for(1_280_000) == pytest.approx(bound * fitted(1_280_000) / fitted(600_000))
+    # Among the sizes later calls timed, they stand: the line between the small blocks.
+    assert t.first_call_ceiling(30_000) is None and m.seconds_for(30_000) == pytest.approx(fitted(30_000))
     assert t.first_call_seconds() == 0.0, "a first call took no longer than the later call it bounds"
 
-    # Rates measured to rise with size (here, time quadratic in the block): a first call bounds only the blocks
-    # no larger than its own; beyond it, the curve stands.
+    # Rates that rise with size (time quadratic in the block, later calls of 0.1-0.4 M): a first call of 0.6 M
+    # bounds the blocks beyond 0.4 M, carried past its size by the curve's growth; one among the later calls'
+    # sizes bounds nothing (run beside another task, a first call may have been the faster).
     rising = OperatorModel(KEY)
     for e in (100_000, 100_000, 400_000, 400_000, 200_000, 200_000):
         rising.learn(Observation(KEY, e, (1, 1, e), 4 * e, 8 * e, seconds=0.5 * (e / 400_000) ** 2,
                                  sys_seconds=0.0, grew_bytes=0))
-    rising.learn(Observation(KEY, 300_000, (1, 1, 300_000), 4 * 300_000, 8 * 300_000, seconds=0.2, sys_seconds=0.0,
-                             grew_bytes=0, first_call=True))
-    assert rising.rates_rise()
-    assert rising.seconds_for(300_000) == pytest.approx(0.2), "the curve read 0.28 s; the first call took 0.2 s"
-    assert rising.time.first_call_ceiling(400_000) is None
-    assert rising.seconds_for(400_000) == pytest.approx(0.5, rel=0.05)
-    # A linear operator (one size timed, so no rate ratio): the first call bounds its size and below, not above.
+    curve = rising.seconds_for
+    before = {e: curve(e) for e in (300_000, 500_000, 600_000, 1_200_000)}
+    for e, seconds in ((300_000, 0.05), (600_000, 1.0)):
+        rising.learn(Observation(KEY, e, (1, 1, e), 4 * e, 8 * e, seconds=seconds, sys_seconds=0.0, grew_bytes=0,
+                                 first_call=True))
+    assert rising.rates_rise() and before[600_000] == pytest.approx(0.5 * 1.5**2, rel=0.05)
+    assert curve(300_000) == before[300_000] and curve(500_000) == before[500_000]  # below the bound of 1.0 s
+    assert curve(600_000) == pytest.approx(1.0)
+    assert curve(1_200_000) == pytest.approx(1.0 * before[1_200_000] / before[600_000])
+    # A larger block never reads faster: a first call faster than the largest later call bounds at that call.
     flat = OperatorModel(KEY)
     flat.learn(Observation(KEY, 100_000, (1, 1, 100_000), 400_000, 800_000, seconds=0.1, sys_seconds=0.0,
                            grew_bytes=0))
-    flat.learn(Observation(KEY, 50_000, (1, 1, 50_000), 200_000, 400_000, seconds=0.02, sys_seconds=0.0,
+    flat.learn(Observation(KEY, 200_000, (1, 1, 200_000), 800_000, 1_600_000, seconds=0.05, sys_seconds=0.0,
                            grew_bytes=0, first_call=True))
-    assert flat.time.rate_ratio() is None and flat.time.first_call_ceiling(60_000) is None
-    assert flat.seconds_for(40_000) == pytest.approx(0.02), "the rate read 0.04 s"
-    assert flat.seconds_for(50_000) == pytest.approx(0.02) and flat.seconds_for(100_000) is None
+    assert flat.seconds_for(100_000) is None, "a later call's size: the rate stands"
+    assert flat.seconds_for(150_000) == pytest.approx(0.1) and flat.seconds_for(200_000) == pytest.approx(0.1)
+    assert flat.seconds_for(400_000) == pytest.approx(0.1), "0.05 s x 2, the rate's growth"
+    assert flat.seconds_for(1_000_000) == pytest.approx(0.25)
 
 
 def test_rates_that_rise_with_size_never_read_a_larger_block_cheaper_per_element():

@@ -554,24 +554,14 @@ class TimeModel:
         fitted line held at no constant it was weighed against; never below
         :meth:`rising_floor` where the measured rates rise. Where no curve
         counts and the rates fall with size (:meth:`rates_fall`), the line between
-        the smallest and the largest blocks timed (:meth:`falling_seconds`). Never
-        above what the first calls timed bound a later call at (:meth:`first_call_ceiling`),
-        where the median rate x ``elements`` would exceed it too. None otherwise:
-        time is proportional to size and the planner uses :meth:`seconds_per_element`.
+        the smallest and the largest blocks timed (:meth:`falling_seconds`). Beyond
+        the largest block a later call timed, never above what first calls of larger
+        blocks bound it at (:meth:`first_call_ceiling`), where the median rate x
+        ``elements`` would exceed that too. None otherwise: time is proportional to
+        size and the planner uses :meth:`seconds_per_element`.
         """
         elements = int(elements)
-        weight, curve = self.time_curve_weight()
-        if curve is None or weight <= 0.0:
-            if elements not in self._falling:  # asked once per candidate plan
-                self._falling[elements] = self.falling_seconds(elements) if self.rates_fall() else None
-            seconds = self._falling[elements]
-        else:
-            u = elements / MIB
-            seconds = max(0.0, self._mean(curve, u))
-            if weight < 1.0:
-                seconds = weight * seconds + (1.0 - weight) * max(0.0, self._mean(LINEAR, u))
-            floor = self.rising_floor(elements)
-            seconds = seconds if floor is None else max(seconds, floor)
+        seconds = self._fitted_seconds(elements)
         ceiling = self.first_call_ceiling(elements)
         if ceiling is None:
             return seconds
@@ -582,34 +572,69 @@ class TimeModel:
             return ceiling
         return min(seconds, ceiling)
 
+    def _fitted_seconds(self, elements: int) -> float | None:
+        """:meth:`seconds_for` from the later calls alone, before :meth:`first_call_ceiling`."""
+        weight, curve = self.time_curve_weight()
+        if curve is None or weight <= 0.0:
+            if elements not in self._falling:  # asked once per candidate plan
+                self._falling[elements] = self.falling_seconds(elements) if self.rates_fall() else None
+            return self._falling[elements]
+        u = elements / MIB
+        seconds = max(0.0, self._mean(curve, u))
+        if weight < 1.0:
+            seconds = weight * seconds + (1.0 - weight) * max(0.0, self._mean(LINEAR, u))
+        floor = self.rising_floor(elements)
+        return seconds if floor is None else max(seconds, floor)
+
+    def _fitted_block_seconds(self, elements: int) -> float | None:
+        """A block's compute seconds from the later calls alone (:meth:`_fitted_seconds`, else the median rate)."""
+        seconds = self._fitted_seconds(elements)
+        if seconds is not None:
+            return seconds
+        rate = self.seconds_per_element()
+        return None if rate is None else rate * elements
+
     def first_call_ceiling(self, elements: int, window: int | None = None) -> float | None:
-        """The most compute seconds a later call of a block of ``elements`` (halo included) can take, from the
-        first calls timed: the median (the upper middle value for an even count) of the latest ``window`` first
-        calls' bounds (default ``time_window``); None where none bounds it.
+        """The most compute seconds a later call of a block of ``elements`` (halo included) takes, where it is
+        larger than any block a later call timed and first calls timed larger blocks than those; None elsewhere.
 
         A worker's first call of a block pays its one-off cost and the block's compute, so a later call of a
-        block no larger takes no longer than the first call took: its seconds (:meth:`compute_seconds`) bound
-        every block up to its size. Where the later calls' rates were measured not to rise with size
-        (:meth:`rate_ratio` known, :meth:`rates_rise` false), a larger block costs no more per element, and
-        the first call bounds it at its seconds x ``elements`` / its size.
+        block no larger takes no longer. Each of the latest ``window`` first calls (default ``time_window``)
+        larger than every later call bounds a block up to its own size at its seconds (:meth:`compute_seconds`),
+        and a larger block at its seconds scaled by the later calls' model's growth from its size; the bound is
+        the median (the upper middle value) of theirs, never below the model at the largest later call (a larger
+        block never reads faster). Among the sizes later calls timed, they are the evidence, and a first call
+        run beside another task's (threads sharing cores) may have been the faster.
 
-        Without it, a cold start whose large probes were all first calls learned its rates from small blocks
-        alone, which pay each task's fixed costs over few elements. The workload family's ``fam_autocorr`` (seed
-        1) then read a block of 1.28 M elements at 2.2 s and one of 0.6 M at 1.05 s, where the first calls of
-        0.6 M, one-off cost included, took 0.28 and 0.40 s; a split-on-failure flow's whole-survey chunk ran in
-        1.7 s, both operators together, and was predicted at 3.5 s
-        (``test_a_first_call_bounds_what_a_later_call_of_a_block_no_larger_takes``).
+        A cold start whose large probes were all first calls learns its rates from its small blocks alone, which
+        pay each task's fixed costs over few elements. The workload family's ``fam_autocorr`` (seed 1) then read
+        a block of 1.28 M elements at 2.2 s and one of 0.6 M at 1.05 s, where the first calls of 0.6 M, one-off
+        cost included, took 0.2-0.26 s of compute; a split-on-failure flow's whole-survey chunk ran in 1.7 s,
+        both operators together, and was predicted at 3.5 s
+        (``test_a_first_call_bounds_what_a_later_call_of_a_larger_block_than_any_timed_takes``).
         """
         e = int(elements)
-        if not self._first_calls or e <= 0:
+        if not self._first_calls or not self._runs or e <= 0:
             return None
         if e not in self._ceilings:  # asked once per candidate plan
-            window = max(1, int(self.time_window if window is None else window))
-            scales = self.rate_ratio() is not None and not self.rates_rise()
-            bounds = sorted(seconds * max(1.0, e / size) for size, seconds in list(self._first_calls)[-window:]
-                            if size > 0 and (e <= size or scales))
-            self._ceilings[e] = bounds[len(bounds) // 2] if bounds else None
+            self._ceilings[e] = self._ceiling(e, max(1, int(self.time_window if window is None else window)))
         return self._ceilings[e]
+
+    def _ceiling(self, e: int, window: int) -> float | None:
+        hi = max(size for size, _ in self._runs)
+        beyond = [(size, seconds) for size, seconds in list(self._first_calls)[-window:] if size > hi]
+        if e <= hi or not beyond:
+            return None
+        at_e, at_hi = self._fitted_block_seconds(e), self._fitted_block_seconds(hi)
+        bounds = []
+        for size, seconds in beyond:
+            at_size = self._fitted_block_seconds(size)
+            if e <= size:
+                bounds.append(seconds)
+            else:  # by the model's growth from the first call's size (by the size, where it reads none)
+                bounds.append(seconds * (at_e / at_size if at_e and at_size else e / size))
+        bounds.sort()
+        return max(bounds[len(bounds) // 2], at_hi or 0.0)
 
     def _mean(self, form: str, u: float) -> float:
         """The fitted compute seconds of time form ``form`` for a block of ``u`` Mi-elements."""
