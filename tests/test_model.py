@@ -655,10 +655,7 @@ def test_a_first_call_bounds_what_a_later_call_of_a_larger_block_than_any_timed_
             (40000, (5, 40, 200), 0.080, 0.010, 0, 10657792, False),
             (20000, (5, 20, 200), 0.088, 0.004, 0, 10518528, False),
             (20000, (5, 20, 200), 0.046, 0.007, 0, 10240000, False)]
-    m = OperatorModel(KEY)
-    for e, ext, secs, sys_secs, grew, peak, first in rows:
-        m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, sys_seconds=sys_secs, grew_bytes=grew,
-                            first_call=first))
+    m = timed(rows)
     t = m.time
     fitted = t.falling_seconds
     assert t.rates_fall() and fitted(600_000) > 1.0, "the small blocks alone read it 4x slower"
