@@ -154,7 +154,6 @@ class TimeModel:
         if obs.first_call:
             self._first_calls.append((int(obs.elements), seconds))
             self._first_call_rates.append(seconds / obs.elements)
-            self._falling.clear()
             self._ceilings.clear()
             return
         self._rates.append(seconds / obs.elements)
