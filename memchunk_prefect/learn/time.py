@@ -593,12 +593,12 @@ class TimeModel:
         rate = self.seconds_per_element()
         return None if rate is None else rate * elements
 
-    def first_call_ceiling(self, elements: int, window: int | None = None) -> float | None:
+    def first_call_ceiling(self, elements: int) -> float | None:
         """The most compute seconds a later call of a block of ``elements`` (halo included) takes, where it is
         larger than any block a later call timed and first calls timed larger blocks than those; None elsewhere.
 
         A worker's first call of a block pays its one-off cost and the block's compute, so a later call of a
-        block no larger takes no longer. Each of the latest ``window`` first calls (default ``time_window``)
+        block no larger takes no longer. Each of the latest ``time_window`` first calls
         larger than every later call bounds a block up to its own size at its seconds (:meth:`compute_seconds`),
         and a larger block at its seconds scaled by the later calls' model's growth from its size; the bound is
         the median (the upper middle value) of theirs, never below the model at the largest later call (a larger
@@ -616,7 +616,7 @@ class TimeModel:
         if not self._first_calls or not self._runs or e <= 0:
             return None
         if e not in self._ceilings:  # asked once per candidate plan
-            self._ceilings[e] = self._ceiling(e, max(1, int(self.time_window if window is None else window)))
+            self._ceilings[e] = self._ceiling(e, max(1, int(self.time_window)))
         return self._ceilings[e]
 
     def _ceiling(self, e: int, window: int) -> float | None:
