@@ -374,6 +374,36 @@ def test_first_touch_benchmark_times_each_call_in_each_fresh_process(tmp_path):
     assert bad.returncode == 2 and "--calls must be at least 2" in bad.stderr
 
 
+def test_idle_memory_study_times_each_touch_by_the_gap_before_it_in_a_fresh_process(tmp_path):
+    out = tmp_path / "idle.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.idle_memory", "--mib", "16", "--gaps", "0", "0.3",
+                           "--rounds", "2", "--json", str(out)], cwd=REPO, env=benchmark_env(tmp_path),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["mib"] == 16 and doc["first"]["wall_seconds"] > 0
+    assert [(t["round"], t["gap_seconds"]) for t in doc["touches"]] == [(0, 0.0), (0, 0.3), (1, 0.0), (1, 0.3)]
+    assert all(t["wall_seconds"] > 0 and t["system_seconds"] >= 0 for t in doc["touches"])
+    assert [(r["gap_seconds"], r["touches"]) for r in doc["summary"]] == [(0.0, 2), (0.3, 2)]
+    assert "memory left free 0.3 s costs" in proc.stdout
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.studies.idle_memory", "--gaps", "-1"], cwd=REPO,
+                         env=benchmark_env(tmp_path), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "every gap 0 or more" in bad.stderr and "--gaps -1.0" in bad.stderr
+
+
+def test_idle_memory_summary_is_the_median_per_gib_at_each_gap():
+    from benchmarks.studies.idle_memory import summarise
+
+    doc = {"mib": 512, "touches": [{"gap_seconds": 2.0, "wall_seconds": 5.0, "system_seconds": 4.8},
+                                   {"gap_seconds": 0.0, "wall_seconds": 0.07, "system_seconds": 0.05},
+                                   {"gap_seconds": 2.0, "wall_seconds": 6.0, "system_seconds": 5.5},
+                                   {"gap_seconds": 2.0, "wall_seconds": 1.0, "system_seconds": 0.9}]}
+    rows = summarise(doc)
+    assert [(r["gap_seconds"], r["touches"]) for r in rows] == [(0.0, 1), (2.0, 3)]
+    assert rows[0]["wall_seconds_per_gib"] == pytest.approx(0.14)
+    assert rows[1]["wall_seconds_per_gib"] == pytest.approx(10.0) and rows[1]["system_seconds_per_gib"] == pytest.approx(9.6)
+
+
 def test_task_start_benchmark_times_both_modes_and_the_kept_mode_reuses_settings_and_clients(tmp_path, api_url):
     out = tmp_path / "start.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.task_start", "--tasks", "4", "--rounds", "1", "--json",

@@ -10,6 +10,7 @@ question again.
 | ``consecutive`` | What do plans, arms, walls and the store do over consecutive runs on one store? |
 | ``first_touch`` | What does a worker pay the first time an operator's working memory grows? |
 | ``gpu_memory`` | How well is a task's GPU memory measured (CuPy's pool, NVML)? |
+| ``idle_memory`` | What does touching memory again cost after the machine has left it free for a while? |
 | ``map_overhead`` | Where does a chunked map's own time go in the flow process? |
 | ``measure_overhead`` | How many milliseconds does the monitor add to a task run? |
 | ``model_accuracy`` | How well does the online memory model predict the real operators? |
