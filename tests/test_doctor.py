@@ -195,3 +195,42 @@ def test_checking_a_store_leaves_nothing_beside_it(tmp_path):
     before = sorted(p.name for p in tmp_path.iterdir())
     assert doctor.check_store(path).status == OK
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+# --------------------------------------------------------------------------- memory reuse
+
+
+def _touches(*seconds_per_gib: float):
+    """A fake ``touch``: each call takes the next of ``seconds_per_gib`` for the bytes asked."""
+    left = list(seconds_per_gib)
+
+    def touch(nbytes: int) -> float:
+        return left.pop(0) * nbytes / 2**30
+    return touch
+
+
+def test_memory_freed_seconds_ago_that_costs_far_more_to_touch_again_is_a_warning_with_both_figures():
+    slept = []
+    check = doctor.check_memory_reuse(2**30, 2.5, touch=_touches(9.0, 0.15, 10.2), sleep=slept.append)
+    assert slept == [2.5]
+    assert check.status == WARN and check.name == "memory reuse"
+    assert "10.20 s per GiB after 2.5 s free, 0.15 s per GiB right after its release" in check.detail
+    assert "gives freed memory back to its host" in check.detail and "--track-record" in check.fix
+
+
+def test_memory_that_stays_cheap_to_reuse_or_costs_little_either_way_is_fine():
+    same = doctor.check_memory_reuse(2**28, 2.5, touch=_touches(0.3, 0.2, 0.25), sleep=lambda s: None)
+    assert same.status == OK and "stays cheap" in same.detail and not same.fix
+    # Ten times dearer after the gap, but under a second per GiB: not worth a warning.
+    cheap = doctor.check_memory_reuse(2**28, 2.5, touch=_touches(0.5, 0.05, 0.5), sleep=lambda s: None)
+    assert cheap.status == OK
+
+
+def test_doctor_times_memory_reuse_only_when_asked(capsys, tmp_path):
+    argv = ["--store", str(tmp_path / "s.sqlite"), "--output-dir", str(tmp_path / "out")]
+    _, plain = _doctor_json(capsys, *argv)
+    assert "memory reuse" not in plain
+    code, asked = _doctor_json(capsys, "--memory-reuse", *argv)
+    assert code == cli.EXIT_OK
+    reuse = asked["memory reuse"]
+    assert reuse.status in (OK, WARN) and "after 2.5 s free" in reuse.detail, reuse

@@ -57,6 +57,9 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", help="a Dask scheduler to check (default: what the runner would start locally)")
     p.add_argument("--output-dir", help="where chunked outputs go (default: $MEMCHUNK_OUTPUT_DIR, else "
                                         "./memchunk-outputs)")
+    p.add_argument("--memory-reuse", action="store_true",
+                   help="also time touching memory freed 2.5 s before against memory just freed: a VM that gives "
+                        "freed memory back to its host makes task times depend on what ran before (a few seconds)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
@@ -65,7 +68,8 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
 def _doctor(args: argparse.Namespace) -> int:
     from memchunk_prefect.run.doctor import FAIL, run_checks
 
-    checks = run_checks(address=args.address, store=args.store, output_dir=args.output_dir)
+    checks = run_checks(address=args.address, store=args.store, output_dir=args.output_dir,
+                        memory_reuse=args.memory_reuse)
     failed = [c for c in checks if c.status == FAIL]
     if args.json:
         emit(json.dumps({"ok": not failed, "checks": [c.to_dict() for c in checks]}, indent=1))

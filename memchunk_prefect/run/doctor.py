@@ -431,12 +431,72 @@ def check_energy() -> Check:
                  "" if not zones else "make energy_uj readable (chmod o+r /sys/class/powercap/intel-rapl:*/energy_uj)")
 
 
+# --------------------------------------------------------------------------- memory reuse
+
+#: Memory touched by the reuse check, bytes: large enough that the kernel's cost per byte shows, small enough that
+#: a machine that pays the host 10 s per GiB spends about a second on it.
+REUSE_BYTES = 128 * 2**20
+#: Seconds the reuse check leaves its memory free: longer than the 2 s after which Linux reports free pages to a
+#: VM's host (``page_reporting_delay`` in mm/page_reporting.c).
+REUSE_GAP_SECONDS = 2.5
+#: A touch after the gap that costs this many times more than one right after a release, and at least
+#: :data:`REUSE_SECONDS_PER_GIB` per GiB, makes the check warn.
+REUSE_RATIO = 5.0
+REUSE_SECONDS_PER_GIB = 1.0
+
+
+def touch_seconds(nbytes: int) -> float:
+    """Wall seconds to allocate, write and free ``nbytes`` (fresh pages: the kernel faults and zeroes them)."""
+    import time
+
+    import numpy as np
+
+    t0 = time.perf_counter()
+    block = np.ones(int(nbytes), dtype=np.uint8)
+    seconds = time.perf_counter() - t0
+    del block
+    return seconds
+
+
+def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP_SECONDS,
+                       touch: Any = touch_seconds, sleep: Any = None) -> Check:
+    """Whether memory freed a few seconds ago costs much more to touch again than memory freed an instant ago.
+
+    A virtual machine whose kernel reports freed pages to its host (free page reporting on a virtio-balloon
+    device) gives them up about 2 s after they are freed; touching that memory again pays the host. Where that
+    happens a task's time depends on what ran on the machine seconds before it: the time model sees it as spread,
+    and simulations of flows that build large blocks miss by more (``python -m benchmarks.studies.idle_memory``
+    measures it by gap). Touches ``nbytes`` three times in this process: twice in a row (the second is the
+    machine's cost for memory just released) and once after ``gap_seconds``. ``touch`` (seconds for a number of
+    bytes) and ``sleep`` are the seams a test replaces. About ``gap_seconds`` plus a second; only on request
+    (``memchunk doctor --memory-reuse``), as it measures this machine, not the cluster's."""
+    import time
+
+    sleep = time.sleep if sleep is None else sleep
+    gib = nbytes / 2**30
+    touch(nbytes)
+    recent = touch(nbytes) / gib
+    sleep(gap_seconds)
+    idle = touch(nbytes) / gib
+    detail = (f"{format_bytes(nbytes)} touched again took {idle:.2f} s per GiB after {gap_seconds:g} s free, "
+              f"{recent:.2f} s per GiB right after its release")
+    if idle >= REUSE_SECONDS_PER_GIB and idle >= REUSE_RATIO * recent:
+        return Check("memory reuse", WARN,
+                     f"{detail}: this machine gives freed memory back to its host, so a task's time depends on "
+                     "what ran seconds before it, which no model sees",
+                     "book deadlines with the margin `memchunk simulate --track-record` measures on your store, or "
+                     "run on machines that keep freed memory (a VM without free page reporting on its balloon "
+                     "device)")
+    return Check("memory reuse", OK, f"{detail}: freed memory stays cheap to reuse")
+
+
 # --------------------------------------------------------------------------- together
 
 
 def run_checks(*, address: str | None = None, store: str | os.PathLike | None = None,
-               output_dir: str | os.PathLike | None = None) -> list[Check]:
-    """Every check, in the order ``memchunk doctor`` prints them."""
+               output_dir: str | os.PathLike | None = None, memory_reuse: bool = False) -> list[Check]:
+    """Every check, in the order ``memchunk doctor`` prints them; the memory reuse check
+    (:func:`check_memory_reuse`, a few seconds) only with ``memory_reuse``."""
     checks = check_versions()
     settings = _prefect_settings()
     checks += [check_prefect_home(settings), check_prefect_api(settings), check_store(store),
@@ -444,6 +504,8 @@ def run_checks(*, address: str | None = None, store: str | os.PathLike | None = 
     checks += check_cluster(address)
     checks += check_gpu()
     checks.append(check_energy())
+    if memory_reuse:
+        checks.append(check_memory_reuse())
     return checks
 
 
