@@ -2,7 +2,8 @@
 
     python -m benchmarks.studies.idle_memory [--mib 512] [--gaps 0 1 2 4 8] [--rounds 2] [--json PATH]
 
-In a fresh worker-like process (:mod:`benchmarks.studies.children`), ``--mib`` of memory is touched and freed;
+In a fresh worker-like process (:mod:`benchmarks.studies.children`), ``--mib`` of memory is touched and freed
+(:func:`memchunk_prefect.run.doctor.touch`);
 then, for each gap in ``--gaps`` (seconds), the process sleeps that long and touches and frees the same amount
 again, timing the touch: wall seconds and the kernel's CPU seconds (``getrusage``). ``--rounds`` runs the gaps
 that many times in that process. The first touch of all is reported apart.
@@ -23,37 +24,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import time
 
 from benchmarks.studies.children import run_child
+from memchunk_prefect.run.doctor import touch
 
 GIB = 2**30
 
 
-def _touch(nbytes: int) -> tuple[float, float]:
-    """Wall and kernel CPU seconds to allocate, write and free ``nbytes``."""
-    import numpy as np
-
-    k0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
-    t0 = time.perf_counter()
-    a = np.ones(nbytes, dtype=np.uint8)
-    wall = time.perf_counter() - t0
-    kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime - k0
-    del a
-    return wall, kernel
-
-
 def child(mib: int, gaps: list[float], rounds: int) -> dict:
     nbytes = int(mib) * 2**20
-    wall, kernel = _touch(nbytes)
+    wall, kernel = touch(nbytes)
     first = {"wall_seconds": round(wall, 4), "system_seconds": round(kernel, 4)}
     touches = []
     for r in range(rounds):
         for gap in gaps:
             time.sleep(gap)
-            wall, kernel = _touch(nbytes)
+            wall, kernel = touch(nbytes)
             touches.append({"round": r, "gap_seconds": gap, "wall_seconds": round(wall, 4),
                             "system_seconds": round(kernel, 4)})
     return {"mib": int(mib), "first": first, "touches": touches}

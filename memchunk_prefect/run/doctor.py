@@ -445,17 +445,26 @@ REUSE_RATIO = 5.0
 REUSE_SECONDS_PER_GIB = 1.0
 
 
-def touch_seconds(nbytes: int) -> float:
-    """Wall seconds to allocate, write and free ``nbytes`` (fresh pages: the kernel faults and zeroes them)."""
+def touch(nbytes: int) -> tuple[float, float]:
+    """Wall seconds and the process's kernel CPU seconds to allocate, write and free ``nbytes`` (fresh pages: the
+    kernel faults and zeroes them)."""
+    import resource
     import time
 
     import numpy as np
 
+    k0 = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     t0 = time.perf_counter()
     block = np.ones(int(nbytes), dtype=np.uint8)
     seconds = time.perf_counter() - t0
+    kernel = resource.getrusage(resource.RUSAGE_SELF).ru_stime - k0
     del block
-    return seconds
+    return seconds, kernel
+
+
+def touch_seconds(nbytes: int) -> float:
+    """Wall seconds to allocate, write and free ``nbytes`` (:func:`touch`)."""
+    return touch(nbytes)[0]
 
 
 def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP_SECONDS,
