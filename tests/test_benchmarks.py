@@ -447,6 +447,7 @@ def test_chunk_body_benchmark_runs_both_sides_on_the_same_chunk_and_both_write_i
     assert bad.returncode == 2 and "--operator 'nope' is not one of" in bad.stderr
 
 
+@pytest.mark.long
 def test_consecutive_nights_report_the_store_what_the_process_holds_and_whether_plans_settled(tmp_path, api_url):
     out = tmp_path / "nights.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.studies.consecutive", "--runs", "2", "--keep", "4", "--quick",
@@ -922,6 +923,7 @@ def test_gpu_memory_benchmark_measures_known_allocations_exactly_on_the_fake_dev
     assert sorted(r["call"] for r in rows if r.get("operator") == "gst3d_dip") == ["first", "second"]
 
 
+@pytest.mark.long
 def test_quick_family_runs_every_strategy_in_its_own_process_and_scores_the_runner_against_the_best_static(
         tmp_path, api_url):
     out = tmp_path / "family.json"
