@@ -201,11 +201,12 @@ def test_checking_a_store_leaves_nothing_beside_it(tmp_path):
 
 
 def _touches(*seconds_per_gib: float):
-    """A fake ``touch``: each call takes the next of ``seconds_per_gib`` for the bytes asked."""
+    """A fake ``touch``: each call takes the next of ``seconds_per_gib`` for the bytes asked (wall and kernel)."""
     left = list(seconds_per_gib)
 
-    def touch(nbytes: int) -> float:
-        return left.pop(0) * nbytes / 2**30
+    def touch(nbytes: int) -> tuple[float, float]:
+        seconds = left.pop(0) * nbytes / 2**30
+        return seconds, seconds
     return touch
 
 

@@ -3,7 +3,7 @@
     python -m benchmarks.studies.idle_memory [--mib 512] [--gaps 0 1 2 4 8] [--rounds 2] [--json PATH]
 
 In a fresh worker-like process (:mod:`benchmarks.studies.children`), ``--mib`` of memory is touched and freed
-(:func:`memchunk_prefect.run.doctor.touch`);
+(:func:`memchunk_prefect.run.doctor.touch_memory`);
 then, for each gap in ``--gaps`` (seconds), the process sleeps that long and touches and frees the same amount
 again, timing the touch: wall seconds and the kernel's CPU seconds (``getrusage``). ``--rounds`` runs the gaps
 that many times in that process. The first touch of all is reported apart.
@@ -28,20 +28,20 @@ import statistics
 import time
 
 from benchmarks.studies.children import run_child
-from memchunk_prefect.run.doctor import touch
+from memchunk_prefect.run.doctor import touch_memory
 
 GIB = 2**30
 
 
 def child(mib: int, gaps: list[float], rounds: int) -> dict:
     nbytes = int(mib) * 2**20
-    wall, kernel = touch(nbytes)
+    wall, kernel = touch_memory(nbytes)
     first = {"wall_seconds": round(wall, 4), "system_seconds": round(kernel, 4)}
     touches = []
     for r in range(rounds):
         for gap in gaps:
             time.sleep(gap)
-            wall, kernel = touch(nbytes)
+            wall, kernel = touch_memory(nbytes)
             touches.append({"round": r, "gap_seconds": gap, "wall_seconds": round(wall, 4),
                             "system_seconds": round(kernel, 4)})
     return {"mib": int(mib), "first": first, "touches": touches}

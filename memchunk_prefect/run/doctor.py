@@ -21,7 +21,7 @@ import sys
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from memchunk_prefect.core.errors import EnvironmentProblemError, MemchunkError, format_bytes
 from memchunk_prefect.core.sharing import SLOT_RESOURCE
@@ -445,7 +445,7 @@ REUSE_RATIO = 5.0
 REUSE_SECONDS_PER_GIB = 1.0
 
 
-def touch(nbytes: int) -> tuple[float, float]:
+def touch_memory(nbytes: int) -> tuple[float, float]:
     """Wall seconds and the process's kernel CPU seconds to allocate, write and free ``nbytes`` (fresh pages: the
     kernel faults and zeroes them)."""
     import resource
@@ -462,13 +462,9 @@ def touch(nbytes: int) -> tuple[float, float]:
     return seconds, kernel
 
 
-def touch_seconds(nbytes: int) -> float:
-    """Wall seconds to allocate, write and free ``nbytes`` (:func:`touch`)."""
-    return touch(nbytes)[0]
-
-
 def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP_SECONDS,
-                       touch: Any = touch_seconds, sleep: Any = None) -> Check:
+                       touch: Callable[[int], tuple[float, float]] = touch_memory,
+                       sleep: Callable[[float], None] | None = None) -> Check:
     """Whether memory freed a few seconds ago costs much more to touch again than memory freed an instant ago.
 
     A virtual machine whose kernel reports freed pages to its host (free page reporting on a virtio-balloon
@@ -476,17 +472,18 @@ def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP
     happens a task's time depends on what ran on the machine seconds before it: the time model sees it as spread,
     and simulations of flows that build large blocks miss by more (``python -m benchmarks.studies.idle_memory``
     measures it by gap). Touches ``nbytes`` three times in this process: twice in a row (the second is the
-    machine's cost for memory just released) and once after ``gap_seconds``. ``touch`` (seconds for a number of
-    bytes) and ``sleep`` are the seams a test replaces. About ``gap_seconds`` plus a second; only on request
+    machine's cost for memory just released) and once after ``gap_seconds``, comparing wall seconds. ``touch``
+    (:func:`touch_memory`'s wall and kernel seconds for a number of bytes) and ``sleep`` are the seams a test
+    replaces. About ``gap_seconds`` plus a second; only on request
     (``memchunk doctor --memory-reuse``), as it measures this machine, not the cluster's."""
     import time
 
     sleep = time.sleep if sleep is None else sleep
     gib = nbytes / 2**30
     touch(nbytes)
-    recent = touch(nbytes) / gib
+    recent = touch(nbytes)[0] / gib
     sleep(gap_seconds)
-    idle = touch(nbytes) / gib
+    idle = touch(nbytes)[0] / gib
     detail = (f"{format_bytes(nbytes)} touched again took {idle:.2f} s per GiB after {gap_seconds:g} s free, "
               f"{recent:.2f} s per GiB right after its release")
     if idle >= REUSE_SECONDS_PER_GIB and idle >= REUSE_RATIO * recent:
