@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sqlite3
 import statistics
@@ -561,6 +562,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             f"{s['completed_predicted_completed']} of {s['completed_in_reality']} "
             f"({t['completed_predicted_completed']}, target: each in >= 90%); kills: {s['kills_real']} happened, "
             f"{s['kills_predicted']:.2f} predicted (sum of means)",
+            *_missed_failure_lines(rows),
             f"restart of a killed worker: the simulator's default {s['restart_default_seconds']:g} s, measured here "
             f"{_s(s['restart_measured_seconds']).strip()} to a task like the runner's (used in the predictions)",
             f"a plain Prefect task (static, split): the simulator's default {s['plain_task_default_seconds']:g} s of a "
@@ -580,6 +582,28 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
 def _percent(x: float | None) -> str:
     """A share as a whole percent, unsigned ("-" for None)."""
     return "-" if x is None else f"{100 * x:.0f}%"
+
+
+#: A line of a cluster's log that tells why a worker died or a task failed.
+_DEATH = re.compile(r"exceeded \d+% memory budget|killed by signal|\| ERROR ")
+
+
+def _missed_failure_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per real run that failed where fewer than 90% of its simulated runs did: why its cluster failed
+    it, from the first of the warnings and errors its log kept that tells of a death (:data:`_DEATH`; else the
+    first it kept) (``cluster_log``: :func:`benchmarks.family.__main__.cluster_log`;
+    a worker killed far below its memory limit is no memory kill a model could predict)."""
+    out = []
+    for r in rows:
+        if r["predicted"] is None or r["real"].get("completed") or r["outcome_predicted"]:
+            continue
+        log = r["real"].get("cluster_log") or []
+        death = [ln for ln in log if _DEATH.search(ln)]
+        why = (death or log)[0].split("| ", 2)[-1] if log else "no warning kept"
+        out.append(f"  a failure not predicted: {r['workload']} {r['kind']} failed ({r['real'].get('failed', '')}), "
+                   f"{_percent(r['predicted']['failed_fraction'])} of its simulated runs did; its cluster said: "
+                   f"{why[:200]}")
+    return out
 
 
 def _spread_line(spread: dict[str, Any] | None) -> list[str]:

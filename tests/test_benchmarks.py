@@ -1172,6 +1172,68 @@ def test_sim_validation_p90_coverage_counts_the_completed_runs_that_ended_by_the
     assert p90_coverage(rows[3:]) is None
 
 
+#: Lines of a real child's log around a static flow's kill (distributed's own words, trimmed), and one a
+#: healthy run writes too.
+_KILL_LOG = """\
+16:04:27.100 | INFO    | distributed.scheduler - Receive client connection: Client-3b6f
+16:04:29.259 | WARNING | distributed.worker.memory - Worker is at 81% memory usage. Pausing worker.  Process memory: 0.95 GiB -- Worker memory limit: 1.17 GiB
+16:04:31.160 | WARNING | distributed.nanny.memory - Worker tcp://127.0.0.1:34701 (pid=2780) exceeded 95% memory budget. Restarting...
+16:04:31.212 | INFO    | distributed.scheduler - Remove worker addr: tcp://127.0.0.1:34701 name: 0
+16:04:31.213 | ERROR   | distributed.scheduler - Task slab-44cd marked as failed because 1 workers died while trying to run it
+16:04:31.215 | INFO    | distributed.nanny - Worker process 2780 was killed by signal 15
+16:04:31.219 | WARNING | distributed.nanny - Restarting worker (status=Status.running)
+"""
+
+
+def test_a_failed_child_keeps_its_clusters_warnings_and_errors_in_order_and_the_last_ones_when_there_are_many():
+    from benchmarks.family.__main__ import cluster_log
+
+    kept = cluster_log(_KILL_LOG)
+    assert [ln[:12] for ln in kept] == ["16:04:29.259", "16:04:31.160", "16:04:31.213", "16:04:31.215",
+                                         "16:04:31.219"], kept  # the INFO lines but the process killed left out
+    assert cluster_log(_KILL_LOG, lines=2) == kept[-2:]
+    assert cluster_log(_KILL_LOG, lines=0) == []
+    assert all(len(ln) <= 300 for ln in cluster_log("00:00:00.000 | WARNING | x - " + "y" * 1000))
+
+
+def test_a_child_that_did_not_complete_returns_its_cluster_log_and_one_that_completed_does_not(monkeypatch):
+    from benchmarks.family import __main__ as fam
+
+    def fake_run(result: dict):
+        def run(*args, **kwargs):
+            return subprocess.CompletedProcess(args, 0, stdout="FAMILY-RESULT " + json.dumps(result) + "\n",
+                                               stderr=_KILL_LOG)
+        return run
+
+    monkeypatch.setattr(fam.subprocess, "run", fake_run({"completed": False, "failed": "slab: KilledWorker"}))
+    failed = fam.run_child({}, {}, 10.0)
+    assert failed["cluster_log"] == fam.cluster_log(_KILL_LOG) and failed["failed"] == "slab: KilledWorker"
+    monkeypatch.setattr(fam.subprocess, "run", fake_run({"completed": True, "wall_seconds": 1.0}))
+    assert "cluster_log" not in fam.run_child({}, {}, 10.0)
+
+
+def test_sim_validation_names_each_failure_it_did_not_predict_with_the_death_its_cluster_logged():
+    from benchmarks.family.__main__ import cluster_log
+    from benchmarks.sim_validation import _missed_failure_lines
+
+    def row(kind: str, completed: bool, failed_fraction: float, log: list[str] | None) -> dict:
+        real: dict = {"completed": completed, "failed": "" if completed else "fam_linear: KilledWorker"}
+        if log is not None:
+            real["cluster_log"] = log
+        return {"workload": "w3", "kind": kind, "real": real, "predicted": {"failed_fraction": failed_fraction},
+                "outcome_predicted": (failed_fraction >= 0.9) != completed}
+
+    rows = [row("static-32", False, 0.0, cluster_log(_KILL_LOG)),  # not predicted: named, with its death
+            row("static-2", False, 1.0, cluster_log(_KILL_LOG)),  # predicted: not named
+            row("static-8", True, 0.0, None),  # completed as predicted
+            row("split", False, 0.5, None)]  # not predicted, from a run that kept no log
+    lines = _missed_failure_lines(rows)
+    assert len(lines) == 2, lines
+    assert "w3 static-32 failed (fam_linear: KilledWorker), 0% of its simulated runs did" in lines[0]
+    assert lines[0].endswith("Worker tcp://127.0.0.1:34701 (pid=2780) exceeded 95% memory budget. Restarting...")
+    assert "w3 split" in lines[1] and "50% of its simulated runs" in lines[1] and lines[1].endswith("no warning kept")
+
+
 def _validation_doc(errors: dict[tuple[str, str], list[float]]) -> dict:
     """A validation run's JSON with a row per (workload, kind) and real run: real 10 s, predicted 10 x (1 + e)."""
     rows = []

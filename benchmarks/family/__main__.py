@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -40,6 +41,11 @@ from benchmarks.family.workloads import Workload, family, quick
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = {"warm_median": 0.95, "warm_worst": 1.15, "cold_median": 1.20}
+#: Lines of a child's log that say why its cluster failed a run: Dask's and Prefect's warnings and errors (a nanny
+#: restarting a worker over its memory budget, a worker process killed by a signal, the scheduler failing a task).
+WARNING_LINE = re.compile(r"\| (WARNING|ERROR|CRITICAL) +\||killed by signal")
+#: How many of them a failed run keeps (the last ones: the death comes at the end).
+CLUSTER_LOG_LINES = 20
 
 
 def make_source(w: Workload, work: Path) -> str:
@@ -68,8 +74,17 @@ def make_source(w: Workload, work: Path) -> str:
     return str(zpath)
 
 
+def cluster_log(stderr: str, lines: int = CLUSTER_LOG_LINES) -> list[str]:
+    """The last ``lines`` warnings and errors of a child's log (:data:`WARNING_LINE`), each cut to 300 characters:
+    what a failed run keeps so that a worker's death can be read afterwards (a kill at a quarter of the memory
+    limit is no memory kill), without the thousands of lines a run logs."""
+    keep = [ln.rstrip()[:300] for ln in stderr.splitlines() if WARNING_LINE.search(ln)]
+    return keep[-lines:] if lines > 0 else []
+
+
 def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Run one strategy in a fresh process; its result, or a failed one saying why."""
+    """Run one strategy in a fresh process; its result, or a failed one saying why. A run that did not complete
+    keeps its cluster's last warnings and errors (``cluster_log``: :func:`cluster_log`)."""
     t = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.family.child", json.dumps(spec)], cwd=REPO, env=env,
@@ -79,8 +94,12 @@ def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAMILY-RESULT ")), None)
     if line is None:
         return {"completed": False, "wall_seconds": time.perf_counter() - t,
-                "failed": f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-    return json.loads(line[len("FAMILY-RESULT "):])
+                "failed": f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or ["no output"])[-1][:300],
+                "cluster_log": cluster_log(proc.stderr)}
+    result: dict[str, Any] = json.loads(line[len("FAMILY-RESULT "):])
+    if not result.get("completed"):
+        result["cluster_log"] = cluster_log(proc.stderr)
+    return result
 
 
 def run_workload(w: Workload, work: Path, env: dict[str, str], statics: list[int], pairs: int, external: bool,
