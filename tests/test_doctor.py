@@ -117,15 +117,27 @@ def test_a_cluster_without_memory_limits_with_two_threads_and_retries_is_named_o
 
 
 @pytest.mark.cluster
-def test_a_cluster_as_the_runner_wants_it_passes_with_its_lines_and_resting_memory(capsys):
-    cluster = start_local_cluster(n_workers=1, memory_limit="1GiB")
+def test_a_cluster_as_the_runner_wants_it_passes_with_its_lines_resting_memory_and_its_hosts_memory_reuse(
+        capsys, monkeypatch):
+    # With --address, memory reuse is timed as a task on one worker of each host, not in doctor's process (the
+    # local check, made to fail here, shows it): two worker processes of one host measure once, since they
+    # would take each other's freed memory.
+    def not_here(*args, **kwargs):
+        raise AssertionError("timed in doctor's own process")
+
+    monkeypatch.setattr(doctor, "check_memory_reuse", not_here)
+    cluster = start_local_cluster(n_workers=2, memory_limit="1GiB")
     try:
-        code, checks = _doctor_json(capsys, "--address", cluster.scheduler_address)
+        code, checks = _doctor_json(capsys, "--memory-reuse", "--address", cluster.scheduler_address)
     finally:
         cluster.close()
     for name in ("cluster", "memory limits", "threads", "kill line", "allowed-failures", "resting memory"):
         assert checks[name].status == OK, checks[name]
     assert "1.0 GiB" in checks["memory limits"].detail and "0.95" in checks["kill line"].detail
+    reuse = checks["memory reuse"]
+    assert reuse.status in (OK, WARN), reuse
+    assert reuse.detail.startswith(f"{int(reuse.status == WARN)} of 1 host(s) give freed memory back; the dearest: "
+                                   "on host 127.0.0.1: 128.0 MiB touched again took "), reuse.detail
     assert code == cli.EXIT_OK, [c for c in checks.values() if c.status == FAIL]
 
 
@@ -235,3 +247,30 @@ def test_doctor_times_memory_reuse_only_when_asked(capsys, tmp_path):
     assert code == cli.EXIT_OK
     reuse = asked["memory reuse"]
     assert reuse.status in (OK, WARN) and "after 2.5 s free" in reuse.detail, reuse
+
+
+def test_the_reuse_check_on_a_cluster_is_its_dearest_hosts_and_counts_the_hosts_that_warn():
+    # The scheduler's worker info and a client's submit, as distributed shapes them, with each host's figures.
+    figures = {"tcp://10.0.0.1:1": (0.2, 0.3), "tcp://10.0.0.1:2": (9.9, 99.0), "tcp://10.0.0.2:1": (0.2, 7.5),
+               "tcp://10.0.0.3:1": (0.1, 5.0)}
+    asked = []
+
+    class Done:
+        def __init__(self, value):
+            self.value = value
+
+        def result(self, timeout=None):
+            return self.value
+
+    class Client:
+        def submit(self, fn, nbytes, gap, *, workers, **kwargs):
+            assert fn is doctor.measure_memory_reuse and (nbytes, gap) == (doctor.REUSE_BYTES, 2.5)
+            asked.extend(workers)
+            return Done(figures[workers[0]])
+
+    workers = {a: {"host": a.split("//")[1].split(":")[0]} for a in figures}
+    check = doctor.check_memory_reuse_on_workers(Client(), workers)
+    assert asked == ["tcp://10.0.0.1:1", "tcp://10.0.0.2:1", "tcp://10.0.0.3:1"]  # one worker per host
+    assert check.status == WARN and check.detail.startswith("2 of 3 host(s) give freed memory back; the dearest: "
+                                                            "on host 10.0.0.2: 128.0 MiB touched again took 7.50 s")
+    assert "--track-record" in check.fix

@@ -285,9 +285,11 @@ def check_output_dir(path: str | os.PathLike | None = None) -> Check:
 # --------------------------------------------------------------------------- cluster
 
 
-def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS) -> list[Check]:
+def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS,
+                  memory_reuse: bool = False) -> list[Check]:
     """What the runner reads from a Dask cluster: memory limits, threads, kill and pause lines, allowed-failures,
-    resting memory. Without ``address``: what the runner would start locally."""
+    resting memory, and with ``memory_reuse`` what reusing freed memory costs its hosts
+    (:func:`check_memory_reuse_on_workers`). Without ``address``: what the runner would start locally."""
     if address is None:
         from distributed.system import MEMORY_LIMIT
 
@@ -309,7 +311,7 @@ def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS) -
                       "start the scheduler (dask scheduler) or correct --address / the runner's address=")]
     checks: list[Check] = []
     try:
-        checks = _cluster_checks(client, address)
+        checks = _cluster_checks(client, address, memory_reuse)
     except Exception as exc:  # noqa: BLE001 - a scheduler or worker that refuses: the finding, not a traceback
         checks.append(Check("cluster", FAIL, f"{address} answered, then failed while being checked "
                             f"({type(exc).__name__}: {exc})", "check the scheduler's and workers' logs"))
@@ -318,7 +320,7 @@ def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS) -
     return checks
 
 
-def _cluster_checks(client: Any, address: str) -> list[Check]:
+def _cluster_checks(client: Any, address: str, memory_reuse: bool = False) -> list[Check]:
     from memchunk_prefect.core.budget import allowed_failures_warning
     from memchunk_prefect.run import cluster as _cluster
 
@@ -375,6 +377,8 @@ def _cluster_checks(client: Any, address: str) -> list[Check]:
                             + (f" ({share:.0%} of its limit)" if share is not None else ""),
                             "give workers more memory: more than half the limit is taken before any task runs"
                             if status == WARN else ""))
+    if memory_reuse:
+        checks.append(check_memory_reuse_on_workers(client, workers))
     return checks
 
 
@@ -462,20 +466,14 @@ def touch_memory(nbytes: int) -> tuple[float, float]:
     return seconds, kernel
 
 
-def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP_SECONDS,
-                       touch: Callable[[int], tuple[float, float]] = touch_memory,
-                       sleep: Callable[[float], None] | None = None) -> Check:
-    """Whether memory freed a few seconds ago costs much more to touch again than memory freed an instant ago.
-
-    A virtual machine whose kernel reports freed pages to its host (free page reporting on a virtio-balloon
-    device) gives them up about 2 s after they are freed; touching that memory again pays the host. Where that
-    happens a task's time depends on what ran on the machine seconds before it: the time model sees it as spread,
-    and simulations of flows that build large blocks miss by more (``python -m benchmarks.studies.idle_memory``
-    measures it by gap). Touches ``nbytes`` three times in this process: twice in a row (the second is the
-    machine's cost for memory just released) and once after ``gap_seconds``, comparing wall seconds. ``touch``
-    (:func:`touch_memory`'s wall and kernel seconds for a number of bytes) and ``sleep`` are the seams a test
-    replaces. About ``gap_seconds`` plus a second; only on request
-    (``memchunk doctor --memory-reuse``), as it measures this machine, not the cluster's."""
+def measure_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP_SECONDS,
+                         touch: Callable[[int], tuple[float, float]] = touch_memory,
+                         sleep: Callable[[float], None] | None = None) -> tuple[float, float]:
+    """Wall seconds per GiB to touch ``nbytes`` right after the same amount was released, and after it was left
+    free ``gap_seconds``: touches it three times in this process, twice in a row (the second is the machine's
+    cost for memory just released) and once after the gap. ``touch`` (:func:`touch_memory`'s wall and kernel
+    seconds for a number of bytes) and ``sleep`` are the seams a test replaces. Runs where it is called: in
+    ``memchunk doctor``'s process, or as a task on a cluster's worker (:func:`check_memory_reuse_on_workers`)."""
     import time
 
     sleep = time.sleep if sleep is None else sleep
@@ -483,12 +481,19 @@ def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP
     touch(nbytes)
     recent = touch(nbytes)[0] / gib
     sleep(gap_seconds)
-    idle = touch(nbytes)[0] / gib
-    detail = (f"{format_bytes(nbytes)} touched again took {idle:.2f} s per GiB after {gap_seconds:g} s free, "
+    return recent, touch(nbytes)[0] / gib
+
+
+def judge_memory_reuse(recent: float, idle: float, nbytes: int = REUSE_BYTES,
+                       gap_seconds: float = REUSE_GAP_SECONDS, where: str = "") -> Check:
+    """The memory reuse check from :func:`measure_memory_reuse`'s figures (seconds per GiB right after a release,
+    and after ``gap_seconds`` free): a warning where the touch after the gap costs :data:`REUSE_RATIO` times the
+    other and at least :data:`REUSE_SECONDS_PER_GIB`. ``where`` names the machine measured ("" for this one)."""
+    detail = (f"{where}{format_bytes(nbytes)} touched again took {idle:.2f} s per GiB after {gap_seconds:g} s free, "
               f"{recent:.2f} s per GiB right after its release")
     if idle >= REUSE_SECONDS_PER_GIB and idle >= REUSE_RATIO * recent:
         return Check("memory reuse", WARN,
-                     f"{detail}: this machine gives freed memory back to its host, so a task's time depends on "
+                     f"{detail}: the machine gives freed memory back to its host, so a task's time depends on "
                      "what ran seconds before it, which no model sees",
                      "book deadlines with the margin `memchunk simulate --track-record` measures on your store, or "
                      "run on machines that keep freed memory (a VM without free page reporting on its balloon "
@@ -496,21 +501,67 @@ def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP
     return Check("memory reuse", OK, f"{detail}: freed memory stays cheap to reuse")
 
 
+def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP_SECONDS,
+                       touch: Callable[[int], tuple[float, float]] = touch_memory,
+                       sleep: Callable[[float], None] | None = None) -> Check:
+    """Whether memory freed a few seconds ago costs much more to touch again, on this machine, than memory freed an
+    instant ago (:func:`measure_memory_reuse`, :func:`judge_memory_reuse`).
+
+    A virtual machine whose kernel reports freed pages to its host (free page reporting on a virtio-balloon
+    device) gives them up about 2 s after they are freed; touching that memory again pays the host. Where that
+    happens a task's time depends on what ran on the machine seconds before it: the time model sees it as spread,
+    and simulations of flows that build large blocks miss by more (``python -m benchmarks.studies.idle_memory``
+    measures it by gap). About ``gap_seconds`` plus a second; only on request (``memchunk doctor
+    --memory-reuse``; with ``--address``, on the cluster's workers instead: :func:`check_memory_reuse_on_workers`)."""
+    return judge_memory_reuse(*measure_memory_reuse(nbytes, gap_seconds, touch, sleep), nbytes, gap_seconds)
+
+
+def check_memory_reuse_on_workers(client: Any, workers: dict[str, dict[str, Any]], nbytes: int = REUSE_BYTES,
+                                  gap_seconds: float = REUSE_GAP_SECONDS,
+                                  timeout: float = REUSE_GAP_SECONDS + 60.0) -> Check:
+    """:func:`check_memory_reuse` where the tasks run: one worker of each host of ``workers`` (the scheduler's
+    ``workers`` info, by address) measures as a task, the hosts at once (two workers of one host would take each
+    other's freed memory), and the check is the dearest host's (the highest cost after the gap), saying how many
+    hosts give freed memory back. A host whose task did not return within ``timeout`` seconds is named instead."""
+    one_per_host: dict[str, str] = {}
+    for address, info in sorted(workers.items()):
+        one_per_host.setdefault(str(info.get("host") or address), address)
+    futures = {host: client.submit(measure_memory_reuse, nbytes, gap_seconds, workers=[address],
+                                   allow_other_workers=False, pure=False, key=f"memchunk-doctor-reuse-{host}")
+               for host, address in one_per_host.items()}
+    judged: dict[str, Check] = {}
+    figures: dict[str, tuple[float, float]] = {}
+    for host, future in futures.items():
+        try:
+            recent, idle = future.result(timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - a worker that cannot measure: the finding, not a traceback
+            return Check("memory reuse", WARN, f"the worker of host {host} did not measure memory reuse "
+                         f"({type(exc).__name__}: {exc})", "check that worker's log; it may be busy or gone")
+        figures[host] = (recent, idle)
+        judged[host] = judge_memory_reuse(recent, idle, nbytes, gap_seconds, where=f"on host {host}: ")
+    dearest = max(figures, key=lambda h: figures[h][1])
+    warned = sum(c.status == WARN for c in judged.values())
+    check = judged[dearest]
+    counted = f"{warned} of {len(judged)} host(s) give freed memory back; the dearest: "
+    return Check(check.name, check.status, counted + check.detail, check.fix)
+
+
 # --------------------------------------------------------------------------- together
 
 
 def run_checks(*, address: str | None = None, store: str | os.PathLike | None = None,
                output_dir: str | os.PathLike | None = None, memory_reuse: bool = False) -> list[Check]:
-    """Every check, in the order ``memchunk doctor`` prints them; the memory reuse check
-    (:func:`check_memory_reuse`, a few seconds) only with ``memory_reuse``."""
+    """Every check, in the order ``memchunk doctor`` prints them; the memory reuse check (a few seconds) only with
+    ``memory_reuse``: on the cluster's workers with ``address`` (:func:`check_memory_reuse_on_workers`), else on
+    this machine (:func:`check_memory_reuse`), which is where the runner's own local cluster runs."""
     checks = check_versions()
     settings = _prefect_settings()
     checks += [check_prefect_home(settings), check_prefect_api(settings), check_store(store),
                check_output_dir(output_dir)]
-    checks += check_cluster(address)
+    checks += check_cluster(address, memory_reuse=memory_reuse)
     checks += check_gpu()
     checks.append(check_energy())
-    if memory_reuse:
+    if memory_reuse and address is None:
         checks.append(check_memory_reuse())
     return checks
 
