@@ -597,12 +597,12 @@ def _missed_failure_lines(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if r["predicted"] is None or r["real"].get("completed") or r["outcome_predicted"]:
             continue
-        log = r["real"].get("cluster_log") or []
-        death = [ln for ln in log if _DEATH.search(ln)]
-        why = (death or log)[0].split("| ", 2)[-1] if log else "no warning kept"
+        log = r["real"].get("cluster_log")
+        death = [ln for ln in log or [] if _DEATH.search(ln)]
+        why = ("its log was not kept" if log is None else "its cluster logged no warning or error" if not log
+               else "its cluster said: " + (death or log)[0].split("| ", 2)[-1])
         out.append(f"  a failure not predicted: {r['workload']} {r['kind']} failed ({r['real'].get('failed', '')}), "
-                   f"{_percent(r['predicted']['failed_fraction'])} of its simulated runs did; its cluster said: "
-                   f"{why[:200]}")
+                   f"{_percent(r['predicted']['failed_fraction'])} of its simulated runs did; {why[:220]}")
     return out
 
 

@@ -1226,12 +1226,14 @@ def test_sim_validation_names_each_failure_it_did_not_predict_with_the_death_its
     rows = [row("static-32", False, 0.0, cluster_log(_KILL_LOG)),  # not predicted: named, with its death
             row("static-2", False, 1.0, cluster_log(_KILL_LOG)),  # predicted: not named
             row("static-8", True, 0.0, None),  # completed as predicted
-            row("split", False, 0.5, None)]  # not predicted, from a run that kept no log
+            row("split", False, 0.5, None),  # not predicted, from a run that kept no log
+            row("static-16", False, 0.0, [])]  # not predicted, its cluster quiet
     lines = _missed_failure_lines(rows)
-    assert len(lines) == 2, lines
+    assert len(lines) == 3, lines
     assert "w3 static-32 failed (fam_linear: KilledWorker), 0% of its simulated runs did" in lines[0]
     assert lines[0].endswith("Worker tcp://127.0.0.1:34701 (pid=2780) exceeded 95% memory budget. Restarting...")
-    assert "w3 split" in lines[1] and "50% of its simulated runs" in lines[1] and lines[1].endswith("no warning kept")
+    assert "w3 split" in lines[1] and "50% of its simulated runs" in lines[1] and lines[1].endswith("its log was not kept")
+    assert lines[2].endswith("its cluster logged no warning or error")
 
 
 def _validation_doc(errors: dict[tuple[str, str], list[float]]) -> dict:
