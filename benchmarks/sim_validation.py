@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sqlite3
 import statistics
@@ -584,21 +583,19 @@ def _percent(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-#: A line of a cluster's log that tells why a worker died or a task failed.
-_DEATH = re.compile(r"exceeded \d+% memory budget|killed by signal|\| ERROR ")
-
-
 def _missed_failure_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per real run that failed where fewer than 90% of its simulated runs did: why its cluster failed
-    it, from the first of the warnings and errors its log kept that tells of a death (:data:`_DEATH`; else the
-    first it kept) (``cluster_log``: :func:`benchmarks.family.__main__.cluster_log`;
-    a worker killed far below its memory limit is no memory kill a model could predict)."""
+    """One line per simulated real run that failed where fewer than 90% of its simulated runs did, saying why its
+    cluster failed it: the first line of its kept log (``cluster_log``, :func:`benchmarks.family.__main__.cluster_log`)
+    that tells of a death, else the first it kept. A worker that died far below its memory limit is no kill a
+    memory model could predict."""
+    from benchmarks.family.__main__ import DEATH_LINE
+
     out = []
     for r in rows:
         if r["predicted"] is None or r["real"].get("completed") or r["outcome_predicted"]:
             continue
         log = r["real"].get("cluster_log")
-        death = [ln for ln in log or [] if _DEATH.search(ln)]
+        death = [ln for ln in log or [] if DEATH_LINE.search(ln)]
         why = ("its log was not kept" if log is None else "its cluster logged no warning or error" if not log
                else "its cluster said: " + (death or log)[0].split("| ", 2)[-1])
         out.append(f"  a failure not predicted: {r['workload']} {r['kind']} failed ({r['real'].get('failed', '')}), "

@@ -1191,9 +1191,21 @@ def test_a_failed_child_keeps_its_clusters_warnings_and_errors_in_order_and_the_
     kept = cluster_log(_KILL_LOG)
     assert [ln[:12] for ln in kept] == ["16:04:29.259", "16:04:31.160", "16:04:31.213", "16:04:31.215",
                                          "16:04:31.219"], kept  # the INFO lines but the process killed left out
-    assert cluster_log(_KILL_LOG, lines=2) == kept[-2:]
-    assert cluster_log(_KILL_LOG, lines=0) == []
-    assert all(len(ln) <= 300 for ln in cluster_log("00:00:00.000 | WARNING | x - " + "y" * 1000))
+    assert cluster_log(_KILL_LOG, lines=2, deaths=0) == kept[-2:]
+    assert cluster_log(_KILL_LOG, lines=0, deaths=0) == []
+    # The deaths are kept wherever they are: the nanny's restart, the failed task, the process killed.
+    assert cluster_log(_KILL_LOG, lines=1, deaths=2) == [kept[1], kept[2], kept[4]]
+    long_line = "00:00:00.000 | WARNING | x - " + "y" * 1000
+    assert cluster_log(long_line) == [long_line[:300]]
+    # Dask's own log format counts too; a run that logs many errors after its death keeps the death.
+    assert cluster_log("2026-01-01 00:00:00,000 - distributed.nanny - WARNING - Restarting worker\n") == [
+        "2026-01-01 00:00:00,000 - distributed.nanny - WARNING - Restarting worker"]
+    noisy = _KILL_LOG + "".join(f"16:05:{i:02d}.000 | WARNING | prefect - retrying\n" for i in range(30))
+    kept = cluster_log(noisy, lines=3)
+    assert [ln[:12] for ln in kept] == ["16:04:31.160", "16:04:31.213", "16:04:31.215", "16:05:27.000",
+                                         "16:05:28.000", "16:05:29.000"], kept
+    # A run that timed out hands over its log as bytes.
+    assert cluster_log(_KILL_LOG.encode()) == cluster_log(_KILL_LOG) and cluster_log(None) == []
 
 
 def test_a_child_that_did_not_complete_returns_its_cluster_log_and_one_that_completed_does_not(monkeypatch):
@@ -1210,6 +1222,13 @@ def test_a_child_that_did_not_complete_returns_its_cluster_log_and_one_that_comp
     assert failed["cluster_log"] == fam.cluster_log(_KILL_LOG) and failed["failed"] == "slab: KilledWorker"
     monkeypatch.setattr(fam.subprocess, "run", fake_run({"completed": True, "wall_seconds": 1.0}))
     assert "cluster_log" not in fam.run_child({}, {}, 10.0)
+
+    def timed_out(*args, **kwargs):  # as subprocess.run raises it: what the child wrote so far, in bytes
+        raise subprocess.TimeoutExpired(args, 10.0, output=b"", stderr=_KILL_LOG.encode())
+
+    monkeypatch.setattr(fam.subprocess, "run", timed_out)
+    late = fam.run_child({}, {}, 10.0)
+    assert late["failed"] == "timed out after 10 s" and late["cluster_log"] == fam.cluster_log(_KILL_LOG)
 
 
 def test_sim_validation_names_each_failure_it_did_not_predict_with_the_death_its_cluster_logged():

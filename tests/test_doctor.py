@@ -136,8 +136,8 @@ def test_a_cluster_as_the_runner_wants_it_passes_with_its_lines_resting_memory_a
     assert "1.0 GiB" in checks["memory limits"].detail and "0.95" in checks["kill line"].detail
     reuse = checks["memory reuse"]
     assert reuse.status in (OK, WARN), reuse
-    assert reuse.detail.startswith(f"{int(reuse.status == WARN)} of 1 host(s) give freed memory back; the dearest: "
-                                   "on host 127.0.0.1: 128.0 MiB touched again took "), reuse.detail
+    assert reuse.detail.startswith(f"{int(reuse.status == WARN)} of 1 machine(s) give freed memory back; the "
+                                   "dearest: on host 127.0.0.1: 128.0 MiB touched again took "), reuse.detail
     assert code == cli.EXIT_OK, [c for c in checks.values() if c.status == FAIL]
 
 
@@ -249,28 +249,72 @@ def test_doctor_times_memory_reuse_only_when_asked(capsys, tmp_path):
     assert reuse.status in (OK, WARN) and "after 2.5 s free" in reuse.detail, reuse
 
 
-def test_the_reuse_check_on_a_cluster_is_its_dearest_hosts_and_counts_the_hosts_that_warn():
-    # The scheduler's worker info and a client's submit, as distributed shapes them, with each host's figures.
-    figures = {"tcp://10.0.0.1:1": (0.2, 0.3), "tcp://10.0.0.1:2": (9.9, 99.0), "tcp://10.0.0.2:1": (0.2, 7.5),
-               "tcp://10.0.0.3:1": (0.1, 5.0)}
-    asked = []
+class _Done:
+    """A finished task's future, as distributed's Future answers ``result``: its value, or its error raised."""
 
-    class Done:
-        def __init__(self, value):
-            self.value = value
+    def __init__(self, value):
+        self.value = value
 
-        def result(self, timeout=None):
-            return self.value
+    def result(self, timeout=None):
+        if isinstance(self.value, Exception):
+            raise self.value
+        return self.value
 
-    class Client:
-        def submit(self, fn, nbytes, gap, *, workers, **kwargs):
-            assert fn is doctor.measure_memory_reuse and (nbytes, gap) == (doctor.REUSE_BYTES, 2.5)
-            asked.extend(workers)
-            return Done(figures[workers[0]])
 
-    workers = {a: {"host": a.split("//")[1].split(":")[0]} for a in figures}
-    check = doctor.check_memory_reuse_on_workers(Client(), workers)
-    assert asked == ["tcp://10.0.0.1:1", "tcp://10.0.0.2:1", "tcp://10.0.0.3:1"]  # one worker per host
-    assert check.status == WARN and check.detail.startswith("2 of 3 host(s) give freed memory back; the dearest: "
-                                                            "on host 10.0.0.2: 128.0 MiB touched again took 7.50 s")
+class _ReuseClient:
+    """A client of a cluster of several machines (which cannot exist here): each worker's machine identity, and each
+    worker's memory reuse figures (s per GiB right after a release, after the gap) or the error its task raised."""
+
+    def __init__(self, machines: dict[str, str], figures: dict[str, object]):
+        self.machines, self.figures, self.asked = machines, figures, []
+
+    def run(self, fn, *, workers):
+        assert fn is doctor.machine_identity
+        return {w: self.machines[w] for w in workers}
+
+    def submit(self, fn, nbytes, gap, *, workers, pure, **kwargs):
+        assert fn is doctor.measure_memory_reuse and (nbytes, gap) == (doctor.REUSE_BYTES, 2.5) and pure is False
+        self.asked.extend(workers)
+        return _Done(self.figures[workers[0]])
+
+
+def _workers(addresses) -> dict[str, dict]:
+    return {a: {"host": a.split("//")[1].split(":")[0]} for a in addresses}
+
+
+def test_the_reuse_check_on_a_cluster_is_its_dearest_warning_machine_and_counts_the_machines_that_warn():
+    # Two workers of 10.0.0.1, and 10.0.0.9 under the same kernel (one machine, another address), measure once.
+    machines = {"tcp://10.0.0.1:1": "m1", "tcp://10.0.0.1:2": "m1", "tcp://10.0.0.9:1": "m1",
+                "tcp://10.0.0.2:1": "m2", "tcp://10.0.0.3:1": "m3", "tcp://10.0.0.4:1": "m4"}
+    # 10.0.0.4 is the dearest after the gap but 3x its cost right after a release: fine. 10.0.0.3 warns.
+    figures = {"tcp://10.0.0.1:1": (0.2, 0.3), "tcp://10.0.0.2:1": (0.2, 0.25), "tcp://10.0.0.3:1": (0.2, 2.0),
+               "tcp://10.0.0.4:1": (3.0, 10.0)}
+    client = _ReuseClient(machines, figures)
+    check = doctor.check_memory_reuse_on_workers(client, _workers(machines))
+    assert client.asked == ["tcp://10.0.0.1:1", "tcp://10.0.0.2:1", "tcp://10.0.0.3:1", "tcp://10.0.0.4:1"]
+    assert check.status == WARN and check.detail.startswith("1 of 4 machine(s) give freed memory back; the dearest: "
+                                                            "on host 10.0.0.3: 128.0 MiB touched again took 2.00 s")
     assert "--track-record" in check.fix
+    # None warns: the dearest after the gap is named, and the check is fine.
+    calm = doctor.check_memory_reuse_on_workers(_ReuseClient(machines, {**figures, "tcp://10.0.0.3:1": (0.2, 0.3)}),
+                                                _workers(machines))
+    assert calm.status == OK and calm.detail.startswith("0 of 4 machine(s) give freed memory back; the dearest: "
+                                                        "on host 10.0.0.4: ")
+
+
+def test_a_worker_that_cannot_time_memory_reuse_is_named_beside_the_machines_that_did():
+    machines = {"tcp://10.0.0.1:1": "m1", "tcp://10.0.0.2:1": "m2"}
+    lost = {"tcp://10.0.0.1:1": (0.2, 0.3), "tcp://10.0.0.2:1": ModuleNotFoundError("No module named 'memchunk_prefect'")}
+    check = doctor.check_memory_reuse_on_workers(_ReuseClient(machines, lost), _workers(machines))
+    assert check.status == WARN and check.detail.startswith("0 of 1 machine(s) give freed memory back; ")
+    assert check.detail.endswith("; not measured on 1 worker(s): tcp://10.0.0.2:1 (ModuleNotFoundError: No module "
+                                 "named 'memchunk_prefect')") and "memchunk-prefect installed" in check.fix
+    none = doctor.check_memory_reuse_on_workers(_ReuseClient({"tcp://10.0.0.2:1": "m2"}, lost),
+                                                _workers(["tcp://10.0.0.2:1"]))
+    assert none.status == WARN and none.detail.startswith("no worker measured memory reuse; not measured on 1")
+
+
+def test_memory_reuse_asked_of_a_cluster_that_cannot_be_reached_says_it_was_not_measured():
+    checks = _by_name(doctor.check_cluster("tcp://127.0.0.1:9", timeout=2.0, memory_reuse=True))
+    assert checks["cluster"].status == FAIL
+    assert checks["memory reuse"].status == WARN and "not measured" in checks["memory reuse"].detail

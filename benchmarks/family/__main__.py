@@ -41,11 +41,17 @@ from benchmarks.family.workloads import Workload, family, quick
 
 REPO = Path(__file__).resolve().parents[2]
 TARGETS = {"warm_median": 0.95, "warm_worst": 1.15, "cold_median": 1.20}
-#: Lines of a child's log that say why its cluster failed a run: Dask's and Prefect's warnings and errors (a nanny
-#: restarting a worker over its memory budget, a worker process killed by a signal, the scheduler failing a task).
-WARNING_LINE = re.compile(r"\| (WARNING|ERROR|CRITICAL) +\||killed by signal")
-#: How many of them a failed run keeps (the last ones: the death comes at the end).
+#: Lines of a child's log that say why its cluster failed a run: warnings and errors, in Prefect's log format
+#: (``12:00:00.000 | WARNING | distributed.nanny - ...``, which the child's Dask loggers use) or Dask's own
+#: (``... - distributed.nanny - WARNING - ...``), and a worker process killed by a signal (logged at INFO).
+WARNING_LINE = re.compile(r"\| (WARNING|ERROR|CRITICAL) +\|| - (WARNING|ERROR|CRITICAL) - |killed by signal")
+#: Of those, the lines that tell why a worker died or a task failed: a nanny's restart over the memory budget, a
+#: process killed by a signal, an error.
+DEATH_LINE = re.compile(r"exceeded \d+% memory budget|killed by signal|\| ERROR +\|| - ERROR - ")
+#: How many lines a failed run keeps: the last ones (the death comes at the end), and the first
+#: :data:`CLUSTER_LOG_DEATHS` deaths wherever they are.
 CLUSTER_LOG_LINES = 20
+CLUSTER_LOG_DEATHS = 5
 
 
 def make_source(w: Workload, work: Path) -> str:
@@ -74,12 +80,18 @@ def make_source(w: Workload, work: Path) -> str:
     return str(zpath)
 
 
-def cluster_log(stderr: str, lines: int = CLUSTER_LOG_LINES) -> list[str]:
-    """The last ``lines`` warnings and errors of a child's log (:data:`WARNING_LINE`), each cut to 300 characters:
-    what a failed run keeps so that a worker's death can be read afterwards (a kill at a quarter of the memory
-    limit is no memory kill), without the thousands of lines a run logs."""
-    keep = [ln.rstrip()[:300] for ln in stderr.splitlines() if WARNING_LINE.search(ln)]
-    return keep[-lines:] if lines > 0 else []
+def cluster_log(stderr: str | bytes | None, lines: int = CLUSTER_LOG_LINES,
+                deaths: int = CLUSTER_LOG_DEATHS) -> list[str]:
+    """The warnings and errors of a child's log (:data:`WARNING_LINE`) a failed run keeps, in the log's order, each
+    cut to 300 characters: the first ``deaths`` that tell of a death (:data:`DEATH_LINE`), so that a run that logs
+    many errors after it keeps its cause, and the last ``lines``. What a worker's death can be read from afterwards,
+    without the thousands of lines a run logs."""
+    if isinstance(stderr, bytes):
+        stderr = stderr.decode(errors="replace")
+    found = [ln.rstrip()[:300] for ln in (stderr or "").splitlines() if WARNING_LINE.search(ln)]
+    first_deaths = [i for i, ln in enumerate(found) if DEATH_LINE.search(ln)][:max(0, deaths)]
+    last = range(max(0, len(found) - lines), len(found)) if lines > 0 else range(0)
+    return [found[i] for i in sorted(set(first_deaths) | set(last))]
 
 
 def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict[str, Any]:
@@ -89,8 +101,9 @@ def run_child(spec: dict[str, Any], env: dict[str, str], timeout: float) -> dict
     try:
         proc = subprocess.run([sys.executable, "-m", "benchmarks.family.child", json.dumps(spec)], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"completed": False, "failed": f"timed out after {timeout:g} s", "wall_seconds": timeout}
+    except subprocess.TimeoutExpired as exc:
+        return {"completed": False, "failed": f"timed out after {timeout:g} s", "wall_seconds": timeout,
+                "cluster_log": cluster_log(exc.stderr)}
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("FAMILY-RESULT ")), None)
     if line is None:
         return {"completed": False, "wall_seconds": time.perf_counter() - t,

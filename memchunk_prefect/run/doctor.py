@@ -288,8 +288,9 @@ def check_output_dir(path: str | os.PathLike | None = None) -> Check:
 def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS,
                   memory_reuse: bool = False) -> list[Check]:
     """What the runner reads from a Dask cluster: memory limits, threads, kill and pause lines, allowed-failures,
-    resting memory, and with ``memory_reuse`` what reusing freed memory costs its hosts
-    (:func:`check_memory_reuse_on_workers`). Without ``address``: what the runner would start locally."""
+    resting memory, and with ``memory_reuse`` what reusing freed memory costs its machines
+    (:func:`check_memory_reuse_on_workers`; a warning where the checks stop before it). Without ``address``: what
+    the runner would start locally (``memory_reuse`` is then :func:`run_checks`' to measure here)."""
     if address is None:
         from distributed.system import MEMORY_LIMIT
 
@@ -307,8 +308,9 @@ def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS,
     try:
         client = Client(address, timeout=timeout, set_as_default=False)
     except Exception as exc:  # noqa: BLE001 - unreachable is the finding
-        return [Check("cluster", FAIL, f"cannot connect to {address} ({type(exc).__name__}: {exc})",
-                      "start the scheduler (dask scheduler) or correct --address / the runner's address=")]
+        unreachable = [Check("cluster", FAIL, f"cannot connect to {address} ({type(exc).__name__}: {exc})",
+                             "start the scheduler (dask scheduler) or correct --address / the runner's address=")]
+        return unreachable + (_unmeasured_reuse(unreachable, address) if memory_reuse else [])
     checks: list[Check] = []
     try:
         checks = _cluster_checks(client, address, memory_reuse)
@@ -317,7 +319,7 @@ def check_cluster(address: str | None, timeout: float = REACH_TIMEOUT_SECONDS,
                             f"({type(exc).__name__}: {exc})", "check the scheduler's and workers' logs"))
     finally:
         client.close()
-    return checks
+    return checks + (_unmeasured_reuse(checks, address) if memory_reuse else [])
 
 
 def _cluster_checks(client: Any, address: str, memory_reuse: bool = False) -> list[Check]:
@@ -380,6 +382,14 @@ def _cluster_checks(client: Any, address: str, memory_reuse: bool = False) -> li
     if memory_reuse:
         checks.append(check_memory_reuse_on_workers(client, workers))
     return checks
+
+
+def _unmeasured_reuse(checks: list[Check], address: str) -> list[Check]:
+    """The memory reuse check's line where the cluster's checks stopped before it (no scheduler, no workers)."""
+    if any(c.name == "memory reuse" for c in checks):
+        return []
+    return [Check("memory reuse", WARN, f"not measured: the checks of {address} stopped before it",
+                  "fix what the cluster check says, then run doctor --memory-reuse again")]
 
 
 # --------------------------------------------------------------------------- GPU and energy counters
@@ -516,34 +526,54 @@ def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP
     return judge_memory_reuse(*measure_memory_reuse(nbytes, gap_seconds, touch, sleep), nbytes, gap_seconds)
 
 
+def machine_identity() -> str:
+    """What tells one machine's memory from another's: the kernel's boot id (containers and workers under one kernel
+    share its free pages, whatever address each binds to), else the host name."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip() or platform.node()
+    except OSError:
+        return platform.node()
+
+
 def check_memory_reuse_on_workers(client: Any, workers: dict[str, dict[str, Any]], nbytes: int = REUSE_BYTES,
                                   gap_seconds: float = REUSE_GAP_SECONDS,
                                   timeout: float = REUSE_GAP_SECONDS + 60.0) -> Check:
-    """:func:`check_memory_reuse` where the tasks run: one worker of each host of ``workers`` (the scheduler's
-    ``workers`` info, by address) measures as a task, the hosts at once (two workers of one host would take each
-    other's freed memory), and the check is the dearest host's (the highest cost after the gap), saying how many
-    hosts give freed memory back. A host whose task did not return within ``timeout`` seconds is named instead."""
-    one_per_host: dict[str, str] = {}
-    for address, info in sorted(workers.items()):
-        one_per_host.setdefault(str(info.get("host") or address), address)
-    futures = {host: client.submit(measure_memory_reuse, nbytes, gap_seconds, workers=[address],
-                                   allow_other_workers=False, pure=False, key=f"memchunk-doctor-reuse-{host}")
-               for host, address in one_per_host.items()}
+    """:func:`check_memory_reuse` where the tasks run: one worker of each machine among ``workers`` (the scheduler's
+    ``workers`` info, by address; machines told apart by :func:`machine_identity`) measures as a task, the
+    machines at once (two workers of one machine would take each other's freed memory). The check is the dearest
+    machine's among those that warn, else among all (the highest cost after the gap), saying how many give freed
+    memory back; a worker that did not measure within ``timeout`` seconds, or failed to (memchunk-prefect missing
+    there, the worker gone), is named beside it."""
+    identities = client.run(machine_identity, workers=sorted(workers))
+    one_per_machine: dict[str, str] = {}
+    for address in sorted(identities):
+        one_per_machine.setdefault(identities[address], address)
+    futures = {address: client.submit(measure_memory_reuse, nbytes, gap_seconds, workers=[address],
+                                      allow_other_workers=False, pure=False)
+               for address in one_per_machine.values()}
     judged: dict[str, Check] = {}
     figures: dict[str, tuple[float, float]] = {}
-    for host, future in futures.items():
+    failed: list[str] = []
+    for address, future in futures.items():
+        host = str(workers.get(address, {}).get("host") or address)
         try:
-            recent, idle = future.result(timeout=timeout)
+            figures[host] = future.result(timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - a worker that cannot measure: the finding, not a traceback
-            return Check("memory reuse", WARN, f"the worker of host {host} did not measure memory reuse "
-                         f"({type(exc).__name__}: {exc})", "check that worker's log; it may be busy or gone")
-        figures[host] = (recent, idle)
-        judged[host] = judge_memory_reuse(recent, idle, nbytes, gap_seconds, where=f"on host {host}: ")
-    dearest = max(figures, key=lambda h: figures[h][1])
+            failed.append(f"{address} ({type(exc).__name__}: {exc})")
+            continue
+        judged[host] = judge_memory_reuse(*figures[host], nbytes, gap_seconds, where=f"on host {host}: ")
+    unmeasured = (f"; not measured on {len(failed)} worker(s): {', '.join(failed)}" if failed else "")
+    if not judged:
+        return Check("memory reuse", WARN, f"no worker measured memory reuse{unmeasured}",
+                     "check those workers' logs: each needs memchunk-prefect installed and a free thread")
+    dearest = max(judged, key=lambda h: (judged[h].status == WARN, figures[h][1]))
     warned = sum(c.status == WARN for c in judged.values())
     check = judged[dearest]
-    counted = f"{warned} of {len(judged)} host(s) give freed memory back; the dearest: "
-    return Check(check.name, check.status, counted + check.detail, check.fix)
+    status = WARN if failed else check.status
+    return Check(check.name, status, f"{warned} of {len(judged)} machine(s) give freed memory back; the dearest: "
+                 f"{check.detail}{unmeasured}", check.fix or ("check the workers named: each needs memchunk-prefect "
+                                                              "installed and a free thread" if failed else ""))
 
 
 # --------------------------------------------------------------------------- together
@@ -552,7 +582,7 @@ def check_memory_reuse_on_workers(client: Any, workers: dict[str, dict[str, Any]
 def run_checks(*, address: str | None = None, store: str | os.PathLike | None = None,
                output_dir: str | os.PathLike | None = None, memory_reuse: bool = False) -> list[Check]:
     """Every check, in the order ``memchunk doctor`` prints them; the memory reuse check (a few seconds) only with
-    ``memory_reuse``: on the cluster's workers with ``address`` (:func:`check_memory_reuse_on_workers`), else on
+    ``memory_reuse``: on the cluster's machines with ``address`` (:func:`check_memory_reuse_on_workers`), else on
     this machine (:func:`check_memory_reuse`), which is where the runner's own local cluster runs."""
     checks = check_versions()
     settings = _prefect_settings()
