@@ -467,6 +467,9 @@ def test_a_run_that_allocates_first_peaks_early_and_one_that_allocates_last_peak
     assert not any(t.name == "memchunk-rise" for t in threading.enumerate())
 
 
+# The nested runs share their process on purpose: the warning that says so (once per process, so only where no
+# earlier test in the process said it) is not this test's subject.
+@pytest.mark.filterwarnings("ignore::memchunk_prefect.run.process_memory.SharedMeasurementWarning")
 def test_no_rise_for_a_short_run_a_substitute_probe_runs_beside_another_or_when_turned_off():
     _, short = Monitor(gpu=False, energy=False).measure(np.ones, MiB)
     _, faked = Monitor(gpu=False, energy=False, probe=FakeProbe()).measure(time.sleep, 0.3)
