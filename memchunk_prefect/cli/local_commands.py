@@ -58,8 +58,9 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", help="where chunked outputs go (default: $MEMCHUNK_OUTPUT_DIR, else "
                                         "./memchunk-outputs)")
     p.add_argument("--memory-reuse", action="store_true",
-                   help="also time touching memory freed 2.5 s before against memory just freed: a VM that gives "
-                        "freed memory back to its host makes task times depend on what ran before (a few seconds; "
+                   help="also time touching memory freed 2.5 s before (3 times) against memory just freed: a VM "
+                        "that gives freed memory back to its host makes task times depend on what ran before (about "
+                        "10 s; "
                         "with --address, on one worker of each of the cluster's machines)")
     p.add_argument("--json", action="store_true", help="print JSON")
 

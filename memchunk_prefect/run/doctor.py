@@ -457,6 +457,10 @@ REUSE_GAP_SECONDS = 2.5
 #: :data:`REUSE_SECONDS_PER_GIB` per GiB, makes the check warn.
 REUSE_RATIO = 5.0
 REUSE_SECONDS_PER_GIB = 1.0
+#: Gaps the reuse check times, the dearest counting: the kernel reports free pages to the host only once a zone
+#: holds enough of them, so one gap of 2.5 s in a fresh process read 0.16 s per GiB in 1 of 4 tries on a machine
+#: where the others read 4.9-7.2 (and 1 of 4 with a gap of 4 s).
+REUSE_ROUNDS = 3
 
 
 def touch_memory(nbytes: int) -> tuple[float, float]:
@@ -478,28 +482,36 @@ def touch_memory(nbytes: int) -> tuple[float, float]:
 
 def measure_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP_SECONDS,
                          touch: Callable[[int], tuple[float, float]] = touch_memory,
-                         sleep: Callable[[float], None] | None = None) -> tuple[float, float]:
-    """Wall seconds per GiB to touch ``nbytes`` right after the same amount was released, and after it was left
-    free ``gap_seconds``: touches it three times in this process, twice in a row (the second is the machine's
-    cost for memory just released) and once after the gap. ``touch`` (:func:`touch_memory`'s wall and kernel
-    seconds for a number of bytes) and ``sleep`` are the seams a test replaces. Runs where it is called: in
-    ``memchunk doctor``'s process, or as a task on a cluster's worker (:func:`check_memory_reuse_on_workers`)."""
+                         sleep: Callable[[float], None] | None = None,
+                         rounds: int = REUSE_ROUNDS) -> tuple[float, float]:
+    """Wall seconds per GiB to touch ``nbytes`` right after the same amount was released (the median of
+    ``rounds``), and after it was left free ``gap_seconds`` (the dearest of ``rounds``): touches it once, then each
+    round twice, once right after the previous touch released it and once after the gap. ``touch``
+    (:func:`touch_memory`'s wall and kernel seconds for a number of bytes) and ``sleep`` are the seams a test
+    replaces. Runs where it is called: in ``memchunk doctor``'s process, or as a task on a cluster's worker
+    (:func:`check_memory_reuse_on_workers`)."""
+    import statistics
     import time
 
     sleep = time.sleep if sleep is None else sleep
     gib = nbytes / 2**30
     touch(nbytes)
-    recent = touch(nbytes)[0] / gib
-    sleep(gap_seconds)
-    return recent, touch(nbytes)[0] / gib
+    recent, idle = [], []
+    for _ in range(max(1, int(rounds))):
+        recent.append(touch(nbytes)[0] / gib)
+        sleep(gap_seconds)
+        idle.append(touch(nbytes)[0] / gib)
+    return statistics.median(recent), max(idle)
 
 
 def judge_memory_reuse(recent: float, idle: float, nbytes: int = REUSE_BYTES,
                        gap_seconds: float = REUSE_GAP_SECONDS, where: str = "") -> Check:
     """The memory reuse check from :func:`measure_memory_reuse`'s figures (seconds per GiB right after a release,
-    and after ``gap_seconds`` free): a warning where the touch after the gap costs :data:`REUSE_RATIO` times the
-    other and at least :data:`REUSE_SECONDS_PER_GIB`. ``where`` names the machine measured ("" for this one)."""
-    detail = (f"{where}{format_bytes(nbytes)} touched again took {idle:.2f} s per GiB after {gap_seconds:g} s free, "
+    and the dearest after ``gap_seconds`` free): a warning where the touch after the gap costs :data:`REUSE_RATIO`
+    times the other and at least :data:`REUSE_SECONDS_PER_GIB`. ``where`` names the machine measured ("" for this
+    one)."""
+    detail = (f"{where}{format_bytes(nbytes)} touched again took up to {idle:.2f} s per GiB after {gap_seconds:g} s "
+              f"free, "
               f"{recent:.2f} s per GiB right after its release")
     if idle >= REUSE_SECONDS_PER_GIB and idle >= REUSE_RATIO * recent:
         return Check("memory reuse", WARN,
@@ -513,7 +525,7 @@ def judge_memory_reuse(recent: float, idle: float, nbytes: int = REUSE_BYTES,
 
 def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP_SECONDS,
                        touch: Callable[[int], tuple[float, float]] = touch_memory,
-                       sleep: Callable[[float], None] | None = None) -> Check:
+                       sleep: Callable[[float], None] | None = None, rounds: int = REUSE_ROUNDS) -> Check:
     """Whether memory freed a few seconds ago costs much more to touch again, on this machine, than memory freed an
     instant ago (:func:`measure_memory_reuse`, :func:`judge_memory_reuse`).
 
@@ -521,9 +533,9 @@ def check_memory_reuse(nbytes: int = REUSE_BYTES, gap_seconds: float = REUSE_GAP
     device) gives them up about 2 s after they are freed; touching that memory again pays the host. Where that
     happens a task's time depends on what ran on the machine seconds before it: the time model sees it as spread,
     and simulations of flows that build large blocks miss by more (``python -m benchmarks.studies.idle_memory``
-    measures it by gap). About ``gap_seconds`` plus a second; only on request (``memchunk doctor
+    measures it by gap). About ``rounds`` x ``gap_seconds`` plus a few seconds; only on request (``memchunk doctor
     --memory-reuse``; with ``--address``, on the cluster's workers instead: :func:`check_memory_reuse_on_workers`)."""
-    return judge_memory_reuse(*measure_memory_reuse(nbytes, gap_seconds, touch, sleep), nbytes, gap_seconds)
+    return judge_memory_reuse(*measure_memory_reuse(nbytes, gap_seconds, touch, sleep, rounds), nbytes, gap_seconds)
 
 
 def machine_identity() -> str:
@@ -538,7 +550,7 @@ def machine_identity() -> str:
 
 def check_memory_reuse_on_workers(client: Any, workers: dict[str, dict[str, Any]], nbytes: int = REUSE_BYTES,
                                   gap_seconds: float = REUSE_GAP_SECONDS,
-                                  timeout: float = REUSE_GAP_SECONDS + 60.0) -> Check:
+                                  timeout: float = REUSE_ROUNDS * REUSE_GAP_SECONDS + 60.0) -> Check:
     """:func:`check_memory_reuse` where the tasks run: one worker of each machine among ``workers`` (the scheduler's
     ``workers`` info, by address; machines told apart by :func:`machine_identity`) measures as a task, the
     machines at once (two workers of one machine would take each other's freed memory). The check is the dearest
@@ -581,7 +593,7 @@ def check_memory_reuse_on_workers(client: Any, workers: dict[str, dict[str, Any]
 
 def run_checks(*, address: str | None = None, store: str | os.PathLike | None = None,
                output_dir: str | os.PathLike | None = None, memory_reuse: bool = False) -> list[Check]:
-    """Every check, in the order ``memchunk doctor`` prints them; the memory reuse check (a few seconds) only with
+    """Every check, in the order ``memchunk doctor`` prints them; the memory reuse check (about 10 s) only with
     ``memory_reuse``: on the cluster's machines with ``address`` (:func:`check_memory_reuse_on_workers`), else on
     this machine (:func:`check_memory_reuse`), which is where the runner's own local cluster runs."""
     checks = check_versions()
