@@ -457,9 +457,9 @@ REUSE_GAP_SECONDS = 2.5
 #: :data:`REUSE_SECONDS_PER_GIB` per GiB, makes the check warn.
 REUSE_RATIO = 5.0
 REUSE_SECONDS_PER_GIB = 1.0
-#: Gaps the reuse check times, the dearest counting: the kernel reports free pages to the host only once a zone
-#: holds enough of them, so one gap of 2.5 s in a fresh process read 0.16 s per GiB in 1 of 4 tries on a machine
-#: where the others read 4.9-7.2 (and 1 of 4 with a gap of 4 s).
+#: Gaps the reuse check times, the dearest counting: not every release has been handed to the host by the next
+#: touch (the kernel reports free pages in passes, not page by page), so one gap of 2.5 s in a fresh process read
+#: 0.16 s per GiB in 1 of 4 tries on a machine where the others read 4.9-7.2 (and 1 of 4 with a gap of 4 s).
 REUSE_ROUNDS = 3
 
 
