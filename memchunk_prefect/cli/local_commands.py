@@ -60,8 +60,7 @@ def _doctor_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-reuse", action="store_true",
                    help="also time touching memory freed 2.5 s before (3 times) against memory just freed: a VM "
                         "that gives freed memory back to its host makes task times depend on what ran before (about "
-                        "10 s; "
-                        "with --address, on one worker of each of the cluster's machines)")
+                        "10 s; with --address, on one worker of each of the cluster's machines)")
     p.add_argument("--json", action="store_true", help="print JSON")
 
 

@@ -511,8 +511,7 @@ def judge_memory_reuse(recent: float, idle: float, nbytes: int = REUSE_BYTES,
     times the other and at least :data:`REUSE_SECONDS_PER_GIB`. ``where`` names the machine measured ("" for this
     one)."""
     detail = (f"{where}{format_bytes(nbytes)} touched again took up to {idle:.2f} s per GiB after {gap_seconds:g} s "
-              f"free, "
-              f"{recent:.2f} s per GiB right after its release")
+              f"free, {recent:.2f} s per GiB right after its release")
     if idle >= REUSE_SECONDS_PER_GIB and idle >= REUSE_RATIO * recent:
         return Check("memory reuse", WARN,
                      f"{detail}: the machine gives freed memory back to its host, so a task's time depends on "
@@ -564,22 +563,22 @@ def check_memory_reuse_on_workers(client: Any, workers: dict[str, dict[str, Any]
     futures = {address: client.submit(measure_memory_reuse, nbytes, gap_seconds, workers=[address],
                                       allow_other_workers=False, pure=False)
                for address in one_per_machine.values()}
-    judged: dict[str, Check] = {}
+    judged: dict[str, Check] = {}  # by the measuring worker's address: two machines may share a host name
     figures: dict[str, tuple[float, float]] = {}
     failed: list[str] = []
     for address, future in futures.items():
         host = str(workers.get(address, {}).get("host") or address)
         try:
-            figures[host] = future.result(timeout=timeout)
+            figures[address] = future.result(timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - a worker that cannot measure: the finding, not a traceback
             failed.append(f"{address} ({type(exc).__name__}: {exc})")
             continue
-        judged[host] = judge_memory_reuse(*figures[host], nbytes, gap_seconds, where=f"on host {host}: ")
+        judged[address] = judge_memory_reuse(*figures[address], nbytes, gap_seconds, where=f"on host {host}: ")
     unmeasured = (f"; not measured on {len(failed)} worker(s): {', '.join(failed)}" if failed else "")
     if not judged:
         return Check("memory reuse", WARN, f"no worker measured memory reuse{unmeasured}",
                      "check those workers' logs: each needs memchunk-prefect installed and a free thread")
-    dearest = max(judged, key=lambda h: (judged[h].status == WARN, figures[h][1]))
+    dearest = max(judged, key=lambda a: (judged[a].status == WARN, figures[a][1]))
     warned = sum(c.status == WARN for c in judged.values())
     check = judged[dearest]
     status = WARN if failed else check.status
