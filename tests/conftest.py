@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -28,6 +29,21 @@ def _outputs_in_a_temporary_directory(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_logging_tracebacks_once_the_session_is_over():
+    """After the last test, a log record that cannot be written is dropped, not printed as a traceback.
+
+    At interpreter exit (``atexit`` handlers), Prefect drains its background services ("Still processing items")
+    and stops the temporary server a flow without a configured API started ("Stopping temporary server"). It logs
+    both to the console it set up while pytest captured the output, and pytest has closed that stream by then:
+    each pytest-xdist worker that ran such a flow printed "--- Logging error ---" and a traceback under the suite's
+    summary. No test runs after this, so nothing a test could check is hidden (``logging.raiseExceptions`` is the
+    standard library's switch for it).
+    """
+    yield
+    logging.raiseExceptions = False
 
 
 SEGY_SOURCE = ("segyio's test data (https://github.com/equinor/segyio, test-data/: f3.sgy, small.sgy, ...); "
