@@ -43,6 +43,10 @@ far the runs of one flow fall apart (the error a simulator that predicted one of
 and each prediction against its flow's median run: a single run's error carries that spread, which no simulator
 can predict.
 
+The errors are also split by how far each run's blocks lay beyond the largest the store its prediction read had
+timed after first calls (:func:`error_by_extent`): a plan of blocks much larger than any the store timed rests on
+the models' extrapolation.
+
 Each workload's store at the end (its memchunk cold and warm flow runs) is also read as a user's store is by
 ``memchunk simulate --track-record``: each warm flow run predicted from the store as it stood when the run
 started, the cold one from the store at its end (:func:`memchunk_prefect.sim.track_record`), pooled over the
@@ -478,6 +482,67 @@ def warm_first_calls(stores: list[Path]) -> dict[str, Any] | None:
     return {"chunks": chunks, "first_calls": first, "beyond_cold": beyond, "ratio": MIN_SIZE_RATIO} if chunks else None
 
 
+def error_by_extent(rows: list[dict[str, Any]], workloads: list[Workload], work: Path) -> dict[str, Any] | None:
+    """The predictions' errors split by how far their blocks lay beyond what the store had timed.
+
+    For each row with an error but the cold runs' (their own probes were the timing), its extent is the largest,
+    over its steps, of the step's block (the survey's elements over the chunks the real run cut that step in;
+    halos left out) over the largest block of that step's operator key a later call had timed in the store the
+    prediction read (the copy after the cold run; for the k-th warm run, the copy before it). Rows are split at
+    ``MIN_SIZE_RATIO``, where the time model compares sizes, and each part gets its count, median, 90th
+    percentile and worst absolute error, and ``largest_errors``, how many of the 20 largest errors lay beyond.
+    An operator the store never timed after a first call counts as beyond. None without such a row."""
+    from benchmarks.family.archetypes import ARCHETYPES
+    from memchunk_prefect.learn.forms import MIN_SIZE_RATIO
+    from memchunk_prefect.learn.store import Store
+    from memchunk_prefect.operators.spec import operator_key
+
+    by_name = {w.name: w for w in workloads}
+    largest: dict[Path, dict[str, int]] = {}
+    warm: dict[str, int] = {}
+    extents: list[tuple[float, float]] = []
+    for r in rows:
+        w = by_name.get(r["workload"])
+        if w is None or r.get("error") is None or r["kind"] == "memchunk cold":
+            if w is not None and r["kind"] == "memchunk warm":
+                warm[w.name] = warm.get(w.name, -1) + 1
+            continue
+        if r["kind"] == "memchunk warm":
+            k = warm[w.name] = warm.get(w.name, -1) + 1
+            path = _before_warm(work, w, k)
+        else:
+            path = _after_cold(work, w)
+        if not path.exists():
+            continue
+        if path not in largest:
+            with Store(path) as store:
+                largest[path] = {key: max((o.elements for o in store.observations(key)
+                                           if o.outcome == "ok" and not o.first_call), default=0)
+                                 for key in store.keys()}
+        elements = w.survey_shape[0] * w.survey_shape[1] * w.survey_shape[2]
+        ratios = []
+        for step, chunks in zip(w.steps, r["real"].get("chunks") or []):
+            key = operator_key(ARCHETYPES[step["op"]], {k: v for k, v in step.items() if k != "op"})
+            timed = largest[path].get(key, 0)
+            ratios.append(elements / max(1, chunks) / timed if timed else float("inf"))
+        if ratios:
+            extents.append((max(ratios), abs(float(r["error"]))))
+    if not extents:
+        return None
+
+    def part(errors: list[float]) -> dict[str, Any]:
+        errors = sorted(errors)
+        return {"rows": len(errors), "median": statistics.median(errors) if errors else None,
+                "p90": errors[int(0.9 * (len(errors) - 1))] if errors else None,
+                "worst": errors[-1] if errors else None}
+
+    largest_errors = sorted(extents, key=lambda x: -x[1])[:20]
+    return {"ratio": MIN_SIZE_RATIO, "within": part([e for x, e in extents if x <= MIN_SIZE_RATIO]),
+            "beyond": part([e for x, e in extents if x > MIN_SIZE_RATIO]),
+            "largest_errors": len(largest_errors),
+            "largest_errors_beyond": sum(x > MIN_SIZE_RATIO for x, _ in largest_errors)}
+
+
 def summarize(rows: list[dict[str, Any]], restart: dict[str, Any] | None,
               scale: dict[str, Any] | None, plain: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """The error distribution over every row, per strategy kind, and each target's verdict."""
@@ -572,6 +637,7 @@ def table(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
             *_p90_line(s.get("p90")),
             *_track_line(s.get("track_record")),
             *_first_call_line(s.get("warm_first_calls")),
+            *_extent_line(s.get("error_by_extent")),
             f"1,000 workers: {_s(s['thousand_workers_seconds']).strip()} in process, "
             f"{_s(s['thousand_workers_end_to_end_seconds']).strip()} end to end ({t['thousand_workers']}, "
             "target < 30 s)"]
@@ -631,6 +697,20 @@ def _track_line(track: dict[str, Any] | None) -> list[str]:
             f"({track['cold']} runs); a deadline at the p90 held for {track['under_p90']}, one at the p90 times the "
             f"other runs' booking factor for {track['under_factor_left_out']}; the factor of all of them: "
             f"{track['factor']:.2f}x"]
+
+
+def _extent_line(extent: dict[str, Any] | None) -> list[str]:
+    if not extent:
+        return []
+
+    def part(p: dict[str, Any]) -> str:
+        if not p["rows"]:
+            return "no row"
+        return f"median {p['median']:.0%}, p90 {p['p90']:.0%}, worst {p['worst']:.0%} ({p['rows']} rows)"
+
+    return [f"error by the blocks' size against the largest the store had timed after first calls (all runs but the "
+            f"cold ones): within {extent['ratio']:g}x {part(extent['within'])}; beyond it {part(extent['beyond'])}; "
+            f"{extent['largest_errors_beyond']} of the {extent['largest_errors']} largest errors lay beyond"]
 
 
 def _first_call_line(calls: dict[str, Any] | None) -> list[str]:
@@ -704,6 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(rows, restart, scale, plain)
     summary["track_record"] = track_records([work / f"{w.name}.sqlite" for w in workloads], runs)
     summary["warm_first_calls"] = warm_first_calls([work / f"{w.name}.sqlite" for w in workloads])
+    summary["error_by_extent"] = error_by_extent(rows, workloads, work)
     machine["loadavg_end"] = list(os.getloadavg())
     print()
     print(table(rows, summary))
@@ -743,6 +824,7 @@ def main_replay(args: argparse.Namespace, p: argparse.ArgumentParser) -> int:
         summary = summarize(rows, doc.get("restart"), doc.get("thousand_workers"), doc.get("plain_tasks"))
         stores = [work / f"{w['name']}.sqlite" for w in doc["workloads"]]
         summary["warm_first_calls"] = warm_first_calls(stores)
+        summary["error_by_extent"] = error_by_extent(rows, [Workload.from_dict(d) for d in doc["workloads"]], work)
         summary["track_record"] = track_records(stores, doc.get("runs", args.runs))
     finally:
         if args.without_rise:

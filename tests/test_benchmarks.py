@@ -1172,6 +1172,61 @@ def test_sim_validation_p90_coverage_counts_the_completed_runs_that_ended_by_the
     assert p90_coverage(rows[3:]) is None
 
 
+def test_sim_validation_splits_its_errors_by_how_far_each_runs_blocks_lay_beyond_what_the_store_had_timed(tmp_path):
+    from benchmarks.family.archetypes import ARCHETYPES
+    from benchmarks.family.workloads import Workload
+    from benchmarks.sim_validation import _after_cold, _before_warm, _extent_line, error_by_extent
+    from memchunk_prefect.core.records import Observation
+    from memchunk_prefect.learn.store import Store
+    from memchunk_prefect.operators.spec import operator_key
+
+    w = Workload(name="w0-fam_gram-fam_table", steps=[{"op": "fam_gram", "h": 0}, {"op": "fam_table", "table_mib": 64}],
+                 shape=(10, 10, 100), scale=1, source="segy", memory_limit_mib=600, threads=1, seed=1)
+    gram = operator_key(ARCHETYPES["fam_gram"], {"h": 0})
+    table_key = operator_key(ARCHETYPES["fam_table"], {"table_mib": 64})
+    assert table_key != operator_key(ARCHETYPES["fam_table"], {})  # the step's own key, its table size in it
+
+    def store(path: Path, timed: dict[str, int], first_call: dict[str, int] | None = None) -> None:
+        with Store(path) as s:
+            for key, e in timed.items():
+                s.add(Observation(key, e, (1, 1, e), 4 * e, 8 * e, seconds=0.1))
+            for key, e in (first_call or {}).items():  # a first call's size is not what a later call timed
+                s.add(Observation(key, e, (1, 1, e), 4 * e, 8 * e, seconds=0.5, first_call=True))
+
+    # The survey is 10,000 elements. After the cold run: gram timed at 2,500 and table at 5,000 by later calls.
+    store(_after_cold(tmp_path, w), {gram: 2500, table_key: 5000}, first_call={gram: 10_000})
+    # Before the second warm run, a warm run had timed gram at 5,000 too.
+    store(_before_warm(tmp_path, w, 0), {gram: 2500, table_key: 5000})
+    store(_before_warm(tmp_path, w, 1), {gram: 5000, table_key: 5000})
+
+    def row(kind: str, chunks: list[int], error: float | None) -> dict:
+        return {"workload": w.name, "kind": kind, "error": error, "real": {"chunks": chunks}}
+
+    rows = [row("memchunk cold", [8, 8], 0.9),  # its own probes timed it: left out
+            row("static-2", [2, 2], -0.6),  # 5,000 / 2,500 = 2x for gram: beyond
+            row("static-8", [8, 8], 0.1),  # 1,250: within for both
+            row("split", [1, 1], None),  # failed: no error
+            row("memchunk warm", [4, 2], 0.05),  # gram 2,500 / 2,500, table 5,000 / 5,000: within
+            row("memchunk warm", [2, 2], -0.3),  # gram 5,000 against the 5,000 the first warm run timed: within
+            row("static-4", [4, 1], 0.2),  # gram within, but table 10,000 / 5,000: beyond
+            {**row("static-2", [2, 2], 0.9), "workload": "w9-not-in-this-run"}]
+    e = error_by_extent(rows, [w], tmp_path)
+    assert e is not None and e["ratio"] == pytest.approx(1.5)
+    assert e["within"] == {"rows": 3, "median": pytest.approx(0.1), "p90": pytest.approx(0.1), "worst": pytest.approx(0.3)}
+    assert e["beyond"] == {"rows": 2, "median": pytest.approx(0.4), "p90": pytest.approx(0.2), "worst": pytest.approx(0.6)}
+    assert (e["largest_errors"], e["largest_errors_beyond"]) == (5, 2)
+    (line,) = _extent_line(e)
+    assert ("within 1.5x median 10%, p90 10%, worst 30% (3 rows); beyond it median 40%, p90 20%, worst 60% (2 rows); "
+            "2 of the 5 largest errors lay beyond") in line
+    # A step's operator never timed after a first call counts as beyond.
+    (tmp_path / "never").mkdir()
+    store(_after_cold(tmp_path / "never", w), {table_key: 5000}, first_call={gram: 10_000})
+    never = error_by_extent([row("static-8", [8, 8], 0.1)], [w], tmp_path / "never")
+    assert never is not None and never["beyond"]["rows"] == 1 and never["within"]["rows"] == 0
+    assert "within 1.5x no row" in _extent_line(never)[0]
+    assert error_by_extent(rows[:1], [w], tmp_path) is None and _extent_line(None) == []
+
+
 #: Lines of a real child's log around a static flow's kill (distributed's own words, trimmed), and one a
 #: healthy run writes too.
 _KILL_LOG = """\
