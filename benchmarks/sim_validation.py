@@ -490,8 +490,9 @@ def error_by_extent(rows: list[dict[str, Any]], workloads: list[Workload], work:
     halos left out) over the largest block of that step's operator key a later call had timed in the store the
     prediction read (the copy after the cold run; for the k-th warm run, the copy before it). Rows are split at
     ``MIN_SIZE_RATIO``, where the time model compares sizes, and each part gets its count, median, 90th
-    percentile and worst absolute error, and ``largest_errors``, how many of the 20 largest errors lay beyond.
-    An operator the store never timed after a first call counts as beyond. None without such a row."""
+    percentile and worst absolute error; of the 20 largest errors (``largest_errors``, fewer where there are
+    fewer rows), ``largest_errors_beyond`` lay beyond. An operator the store never timed after a first call
+    counts as beyond. None without such a row."""
     from benchmarks.family.archetypes import ARCHETYPES
     from memchunk_prefect.learn.forms import MIN_SIZE_RATIO
     from memchunk_prefect.learn.store import Store
