@@ -504,15 +504,13 @@ def error_by_extent(rows: list[dict[str, Any]], workloads: list[Workload], work:
     extents: list[tuple[float, float]] = []
     for r in rows:
         w = by_name.get(r["workload"])
-        if w is None or r.get("error") is None or r["kind"] == "memchunk cold":
-            if w is not None and r["kind"] == "memchunk warm":
-                warm[w.name] = warm.get(w.name, -1) + 1
+        if w is None:
             continue
-        if r["kind"] == "memchunk warm":
+        if r["kind"] == "memchunk warm":  # the k-th warm run, failed or not, read the k-th copy
             k = warm[w.name] = warm.get(w.name, -1) + 1
-            path = _before_warm(work, w, k)
-        else:
-            path = _after_cold(work, w)
+        if r.get("error") is None or r["kind"] == "memchunk cold":
+            continue
+        path = _before_warm(work, w, k) if r["kind"] == "memchunk warm" else _after_cold(work, w)
         if not path.exists():
             continue
         if path not in largest:
