@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from memchunk_prefect.core.records import Observation, Prediction
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS
 from memchunk_prefect.learn.bandit import ArmLearner
 from memchunk_prefect.learn.store import Store
-from memchunk_prefect.sim.inputs import ClusterShape, Step
+from memchunk_prefect.sim.inputs import RUN_SPREAD, ClusterShape, Step
 from memchunk_prefect.sim.runs import run_strategy
 from memchunk_prefect.sim.simulate import simulate
 from memchunk_prefect.testing import seed_store
@@ -775,7 +776,8 @@ def test_a_blocks_seconds_stray_by_the_operators_learned_spread_and_widen_the_p9
     """An operator whose runs strayed far from its time model (a learned spread of 0.5) is drawn with that
     spread, one without a learned spread, or with one below it, with the stated ``time_sigma`` (a spread measured
     in sample over few runs reads low); a plan of one block per slot then ends with its slowest block, and its p90
-    lies further above its p50."""
+    lies further above its p50 than the shared run factor alone puts it (:func:`run_factor`, at the stated
+    ``RUN_SPREAD`` where nothing is learned)."""
     from memchunk_prefect.sim.inputs import Draws
 
     @dataclass
@@ -791,7 +793,42 @@ def test_a_blocks_seconds_stray_by_the_operators_learned_spread_and_widen_the_p9
     assert Draws(Known(), KEY, 0.1, time_sigma=0.1).time_sigma == 0.1
     wide, narrow = (simulate(["static-2"], [STEP], SHAPE, CLUSTER, lambda key, k=k: k, runs=40, time_sigma=0.02)[0]
                     for k in (Strays(spe=1e-5), Strays(spe=1e-5, spread=0.02)))
-    assert wide.makespan_p90 / wide.makespan_p50 > 1.2 > 1.05 > narrow.makespan_p90 / narrow.makespan_p50
+    shared = math.exp(RUN_SPREAD * statistics.NormalDist().inv_cdf(0.9))  # the run factor's p90 over its p50
+    assert wide.makespan_p90 / wide.makespan_p50 > 1.1 * shared
+    assert narrow.makespan_p90 / narrow.makespan_p50 < 1.03 * shared
+
+
+def test_a_simulated_runs_blocks_share_one_time_factor_and_the_runs_spread_over_its_quantiles():
+    """Every block of one simulated run is slowed alike by the run's factor (:func:`run_factor`, at the learned run
+    spread, never below the stated ``RUN_SPREAD``): over 40 runs at evenly spread quantiles, the p50 is the
+    median run's makespan and the p90 that of the run at the factor's 90th percentile; a learned spread of 0.3
+    puts the p90 further above the p50 than one of 0.02, which counts as ``RUN_SPREAD``. A quantile outside (0, 1)
+    is a typed error."""
+    from memchunk_prefect.sim.inputs import run_factor, run_spread
+
+    @dataclass
+    class Runs(Known):
+        runs: float | None = 0.3
+
+        def run_spread(self):
+            return self.runs
+
+    wide, narrow = Runs(spe=1e-5), Runs(spe=1e-5, runs=0.02)
+    assert run_spread([wide]) == 0.3 and run_spread([narrow]) == run_spread([Known()]) == RUN_SPREAD
+    assert run_factor([wide], None) == 1.0
+    assert run_factor([wide], 0.9) == pytest.approx(math.exp(0.3 * statistics.NormalDist().inv_cdf(0.9)))
+    for q in (0.0, 1.0):
+        with pytest.raises(SimulationInputError, match="quantile"):
+            run_factor([wide], q)
+    (s,) = simulate(["static-2"], [STEP], SHAPE, CLUSTER, lambda key: wide, runs=40, time_sigma=0.01)
+    median = run_strategy("static-2", [STEP], SHAPE, CLUSTER, lambda key: wide, np.random.default_rng(0),
+                          time_sigma=0.01).makespan_seconds
+    slow = run_strategy("static-2", [STEP], SHAPE, CLUSTER, lambda key: wide, np.random.default_rng(0),
+                        time_sigma=0.01, run_quantile=0.9).makespan_seconds
+    assert s.makespan_p50 == pytest.approx(median, rel=0.02)
+    assert s.makespan_p90 == pytest.approx(slow, rel=0.03)
+    (n,) = simulate(["static-2"], [STEP], SHAPE, CLUSTER, lambda key: narrow, runs=40, time_sigma=0.01)
+    assert s.makespan_p90 / s.makespan_p50 > 1.2 > n.makespan_p90 / n.makespan_p50 > 1.05
 
 
 def test_a_simulated_cold_run_records_its_chunks_as_the_runner_records_real_ones():

@@ -7,6 +7,9 @@ bandit. Models are rebuilt by replaying the store's rows, never unpickled, so wh
 
 from __future__ import annotations
 
+import itertools
+import math
+import statistics
 import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
@@ -53,6 +56,10 @@ def gpu_view(obs: Observation) -> Observation | None:
     return replace(obs, peak_bytes=peak, outcome=outcome, censored=censored, gpu_out_of_memory=False,
                    budget_bytes=obs.gpu_budget_bytes, baseline_bytes=None, resting_bytes=None, others_bytes=None,
                    grew_bytes=None, retained_bytes=None, energy_joules=None, energy_source=None, shared=False)
+
+MIN_RUN_PAIRS = 3
+"""Pairs of flow runs of one operator (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`), over every model a
+bank has loaded, before :meth:`ModelBank.run_spread` is learned."""
 
 
 class ModelBank:
@@ -237,6 +244,25 @@ class ModelBank:
         with self._lock:
             return self.model(key).time.time_spread()
 
+    def run_spread(self) -> float | None:
+        """How far whole flow runs strayed from the time models, as the standard deviation of a log-normal factor
+        that every block of a run shares: from each pair of flow runs of one operator, the difference of their
+        offsets (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`), pooled over every model this bank has
+        loaded, as 1.4826 x their median absolute value / sqrt(2) (a normal's standard deviation from its median
+        absolute deviation; the difference of two runs' factors varies twice as much as one). None before
+        :data:`MIN_RUN_PAIRS` pairs.
+
+        Pairs, not each run against its operator's centre: with two or three runs, the centre sits on one of
+        them. Pooled: what makes a run slow as a whole (the machine's state, the block sizes it ran) is shared by
+        the operators on it. What a simulated run's blocks share (:mod:`memchunk_prefect.sim.simulate`), so a
+        prediction's p90 covers how far whole runs stray."""
+        with self._lock:
+            gaps = [abs(a - b) for m in self._models.values()
+                    for a, b in itertools.combinations(m.time.run_offsets().values(), 2)]
+        if len(gaps) < MIN_RUN_PAIRS:
+            return None
+        return 1.4826 * statistics.median(gaps) / math.sqrt(2)
+
     def predictor(self, key: str, itemsize: int = ITEMSIZE):
         """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""
         return lambda extents: self.predict(key, extents, itemsize)
@@ -280,6 +306,9 @@ class BankKnowledge:
 
     def time_spread(self) -> float | None:
         return self.bank.time_spread(self.key)
+
+    def run_spread(self) -> float | None:
+        return self.bank.run_spread()
 
     def memory_rise(self) -> tuple[float, float] | None:
         return self.bank.memory_rise(self.key)

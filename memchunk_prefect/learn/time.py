@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -27,6 +28,9 @@ from memchunk_prefect.learn.forms import (
 
 #: Timed runs (first calls set aside) before :meth:`TimeModel.time_spread` says how far runs stray from the model.
 MIN_SPREAD_RUNS = 5
+
+#: Timed blocks of one flow run before :meth:`TimeModel.run_offsets` gives that flow run an offset.
+MIN_RUN_BLOCKS = 2
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class TimeModel:
                        for name in _POWERS}
         self._sizes: set[int] = set()  # block sizes the forms learned, elements
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
+        self._flow_runs: deque[str] = deque(maxlen=RATE_HISTORY)  # the flow run of each of _runs, in step with it
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
         self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
         self._ceilings: dict[int, float | None] = {}  # first_call_ceiling by block size, until a run is learned
@@ -163,6 +168,7 @@ class TimeModel:
                 form.learn(u, seconds, math.hypot(seconds, self.time_floor_seconds))
             self._sizes.add(obs.elements)
             self._runs.append((int(obs.elements), seconds))
+            self._flow_runs.append(obs.flow_run_id)
             self._memo = None
             self._falling.clear()
             self._ceilings.clear()
@@ -297,10 +303,23 @@ class TimeModel:
                 misses.append(abs(math.log(seconds / model)))
         if len(misses) < MIN_SPREAD_RUNS:
             return None
-        misses.sort()
-        middle = len(misses) // 2
-        median = misses[middle] if len(misses) % 2 else 0.5 * (misses[middle - 1] + misses[middle])
-        return 1.4826 * median
+        return 1.4826 * statistics.median(misses)
+
+    def run_offsets(self) -> dict[str, float]:
+        """How far each flow run's timed blocks fell from the model together: per flow run with at least
+        :data:`MIN_RUN_BLOCKS` of the latest timed runs (first calls set aside), the median of
+        ``ln(seconds / model)`` over them (:meth:`block_compute_seconds`; runs or model seconds of 0 left out).
+
+        Blocks of one run share its machine's state (what else ran, how fast the host hands memory back) and its
+        block sizes, where the model may sit high or low: they stray together, which :meth:`time_spread`, one
+        block at a time, does not see. What
+        :meth:`memchunk_prefect.learn.bank.ModelBank.run_spread` compares between flow runs."""
+        by_run: dict[str, list[float]] = {}
+        for (elements, seconds), flow_run in zip(self._runs, self._flow_runs):
+            model = self.block_compute_seconds(elements)
+            if model and model > 0 and seconds > 0:
+                by_run.setdefault(flow_run, []).append(math.log(seconds / model))
+        return {run: statistics.median(misses) for run, misses in by_run.items() if len(misses) >= MIN_RUN_BLOCKS}
 
     # ------------------------------------------------------------------ rates and forms
 

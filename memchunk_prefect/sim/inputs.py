@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -38,6 +39,14 @@ Z95 = 1.6448536269514722
 #: The 95% quantile of needed / predicted memory where the model has not learned its own (a stated figure: the
 #: largest recent error this project's models are held to).
 DEFAULT_MARGIN = 1.25
+
+
+#: The standard deviation of the log-normal factor a whole run's compute seconds share, where the store has too
+#: few flow runs to learn its own (:meth:`memchunk_prefect.learn.bank.ModelBank.run_spread`), and the least one
+#: learned: two real runs of one flow on one fresh cluster of a 2-core machine were 3-15% apart at the median, over
+#: five validation runs of the workload family (``real_spread`` in ``python -m benchmarks.sim_validation``'s
+#: JSON), a factor's sigma of 0.04-0.15 (the median gap of two runs is 0.95 sigma).
+RUN_SPREAD = 0.1
 
 
 #: Seconds a killed worker is away before its nanny's new process runs a task as before: measured by
@@ -185,10 +194,15 @@ class Draws:
     A block's compute seconds stray from the model by a log-normal factor of the operator's learned spread
     (:meth:`memchunk_prefect.learn.time.TimeModel.time_spread`, how far its runs fell from the model on the
     machines they ran on), never less than the stated ``time_sigma``: measured in sample, a spread over few runs
-    reads low. A cluster whose threads each have a core may vary less than the one the runs were learned on."""
+    reads low. A cluster whose threads each have a core may vary less than the one the runs were learned on.
+    ``run_factor`` multiplies every block's compute seconds: what the blocks of one simulated run share
+    (:func:`run_factor`)."""
 
     def __init__(self, knowledge: Knowledge, key: str, per_task_overhead: float, time_sigma: float = 0.1,
-                 watts_per_core: float = DEFAULT_SETTINGS.watts_per_core):
+                 watts_per_core: float = DEFAULT_SETTINGS.watts_per_core, run_factor: float = 1.0):
+        if not run_factor > 0:
+            raise SimulationInputError(f"a run's time factor must be above 0, got {run_factor!r}")
+        self.run_factor = float(run_factor)
         self.knowledge = knowledge
         self.key = key
         self.per_task_overhead = float(per_task_overhead)
@@ -237,7 +251,7 @@ class Draws:
         return float(compute)
 
     def seconds(self, elements: int, rng: np.random.Generator) -> float:
-        return self.compute_seconds(elements) * math.exp(self.time_sigma * rng.standard_normal()) + \
+        return self.compute_seconds(elements) * math.exp(self.time_sigma * rng.standard_normal()) * self.run_factor + \
             self.per_task_overhead
 
     def joules(self, elements: int, seconds: float) -> float:
@@ -306,6 +320,37 @@ class Draws:
         """Seconds a worker process's first task of this operator pays beyond its block's (the learned figure,
         :meth:`memchunk_prefect.learn.time.TimeModel.first_call_seconds`; 0 where none is)."""
         return float(self.knowledge.first_call_seconds() or 0.0)
+
+
+def run_spread(knowledge: Sequence[Knowledge]) -> float:
+    """The sigma of the log-normal factor a simulated run's blocks share: the largest learned among ``knowledge``
+    (:meth:`memchunk_prefect.learn.bank.ModelBank.run_spread`), never less than the stated :data:`RUN_SPREAD`
+    (measured in sample over few flow runs, a spread reads low)."""
+    learned = [f() for f in (getattr(k, "run_spread", None) for k in knowledge) if callable(f)]
+    return max([RUN_SPREAD] + [float(x) for x in learned if x is not None])
+
+
+def run_factor(knowledge: Sequence[Knowledge], quantile: float | None) -> float:
+    """What every block's compute seconds in one simulated run is multiplied by: the ``quantile`` of a log-normal
+    factor of median 1 and sigma :func:`run_spread` (1 where ``quantile`` is None: the median run).
+
+    Blocks of one run stray from the models together (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`):
+    drawn one at a time, their factors average out over a map's many chunks, and the simulated runs' p90 sat 2-5%
+    above their p50 where real repeats of one flow were 3-15% apart at the median. A quantile, not a draw: the
+    runs of a simulation take evenly spread quantiles (:func:`spread_quantiles`), so their median is the median run's
+    and their p90 that of the factor's 90th percentile, over as few as 20 runs."""
+    if quantile is None:
+        return 1.0
+    if not 0.0 < quantile < 1.0:
+        raise SimulationInputError(f"a run's quantile must be in (0, 1), got {quantile!r}")
+    return math.exp(run_spread(knowledge) * statistics.NormalDist().inv_cdf(quantile))
+
+
+def spread_quantiles(runs: int) -> list[float]:
+    """The quantiles ``runs`` simulated runs take of the run factor (:func:`run_factor`), run ``i`` the
+    ``(i + 1/2) / runs``-th: evenly over (0, 1), so the runs' median is the median run's and their p90 the factor's
+    90th percentile, without the sampling noise of as many draws."""
+    return [(i + 0.5) / int(runs) for i in range(int(runs))]
 
 
 class PriorKnowledge:

@@ -39,7 +39,15 @@ from memchunk_prefect.core.messages import (
 from memchunk_prefect.core.records import Observation
 from memchunk_prefect.core.settings import DEFAULT_SETTINGS, ITEMSIZE, PolicySettings
 from memchunk_prefect.sim.cluster import SimulatedCluster
-from memchunk_prefect.sim.inputs import ClusterShape, Draws, KnowledgeFor, LearningKnowledge, Step, _Task
+from memchunk_prefect.sim.inputs import (
+    ClusterShape,
+    Draws,
+    KnowledgeFor,
+    LearningKnowledge,
+    Step,
+    _Task,
+    run_factor,
+)
 
 
 @dataclass
@@ -127,7 +135,7 @@ def _observation(step: Step, task: _Task, killed: bool, budget: int, at: float) 
 def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
                  rng: np.random.Generator, *, settings: PolicySettings = DEFAULT_SETTINGS,
                  time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None,
-                 stop_after: float | None = None) -> SimResult:
+                 stop_after: float | None = None, run_quantile: float | None = None) -> SimResult:
     """The runner's own state machine for every step, the maps running side by side on one cluster as the
     runner's do (:class:`_SimulatedFlow`).
 
@@ -135,10 +143,14 @@ def run_memchunk(steps: Sequence[Step], shape: Shape, cluster: ClusterShape, kno
     what the runner plans with (what if the model is 30% low?); default the same.
     ``stop_after``: give up (a failed run) once the simulated clock passes it: a
     run that cannot meet a deadline need not be simulated to its end.
+    ``run_quantile``: which run of the factor every block's compute seconds share
+    (:func:`~memchunk_prefect.sim.inputs.run_factor`; None: the median run).
     """
+    truth = truth_for or knowledge_for
+    factor = run_factor([truth(step.key) for step in steps], run_quantile)
     sim = SimulatedCluster(cluster, rng.spawn(1)[0])  # queue waits from their own stream: the same chunks' draws
-    flow = _SimulatedFlow(steps, shape, cluster, knowledge_for, truth_for or knowledge_for, sim, rng, settings,
-                          time_sigma, stop_after)
+    flow = _SimulatedFlow(steps, shape, cluster, knowledge_for, truth, sim, rng, settings, (time_sigma, factor),
+                          stop_after)
     flow.run()
     for run in flow.runs:
         if not run.closed:
@@ -163,10 +175,10 @@ class _SimulatedFlow:
 
     def __init__(self, steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
                  truth_for: KnowledgeFor, sim: SimulatedCluster, rng: np.random.Generator, settings: PolicySettings,
-                 time_sigma: float, stop_after: float | None):
+                 time: tuple[float, float], stop_after: float | None):
         self.steps, self.shape, self.cluster, self.sim, self.rng = steps, shape, cluster, sim, rng
-        self.knowledge_for, self.truth_for, self.settings, self.time_sigma = knowledge_for, truth_for, settings, \
-            time_sigma
+        self.knowledge_for, self.truth_for, self.settings = knowledge_for, truth_for, settings
+        self.time = time  # (time_sigma, run factor): how each block's seconds stray, and what all of them share
         self.stop_after = stop_after
         self.runs: list[_MachineRun] = []
         self.failure = ""
@@ -218,7 +230,7 @@ class _SimulatedFlow:
             gated = up is not None and not up.machine.finished
             run = _MachineRun(step, self.shape, self.cluster, self.knowledge_for(step.key),
                               self.truth_for(step.key), sim, self.rng, up.machine.chunking() if up else None,
-                              self.settings, self.time_sigma, position=i, upstream=j if gated else None)
+                              self.settings, self.time, position=i, upstream=j if gated else None)
             self.runs.append(run)
             if gated:
                 self.told[i] = 0
@@ -283,10 +295,13 @@ class _MachineRun:
 
     def __init__(self, step: Step, shape: Shape, cluster: ClusterShape, knowledge: Knowledge, truth: Knowledge,
                  sim: SimulatedCluster, rng: np.random.Generator, incoming: tuple[Chunk, ...] | None,
-                 settings: PolicySettings, time_sigma: float, *, position: int = 0, upstream: int | None = None):
+                 settings: PolicySettings, time: tuple[float, float], *, position: int = 0,
+                 upstream: int | None = None):
         self.step, self.cluster, self.sim, self.rng = step, cluster, sim, rng
         self.position, self.upstream = position, upstream
-        self.draws = Draws(truth, step.key, cluster.runner_task_overhead_seconds, time_sigma, settings.watts_per_core)
+        time_sigma, factor = time
+        self.draws = Draws(truth, step.key, cluster.runner_task_overhead_seconds, time_sigma, settings.watts_per_core,
+                           factor)
         # An operator with no history (LearningKnowledge) learns as the runner would, from this run's own chunks.
         self.knowledge = knowledge
         spec = MapSpec(operator=step.operator, operator_key=step.key, shape=tuple(shape),  # type: ignore[arg-type]
@@ -399,17 +414,19 @@ def _auto_boxes(shape: Shape) -> list[Chunk]:
 def run_fixed(name: str, steps: Sequence[Step], shape: Shape, cluster: ClusterShape, knowledge_for: KnowledgeFor,
               rng: np.random.Generator, boxes: Callable[[Step], list[Chunk]], *, split_on_failure: bool = False,
               time_sigma: float = 0.1, truth_for: KnowledgeFor | None = None,
-              settings: PolicySettings = DEFAULT_SETTINGS) -> SimResult:
+              settings: PolicySettings = DEFAULT_SETTINGS, run_quantile: float | None = None) -> SimResult:
     """A fixed chunking per step, every chunk submitted at once; a killed chunk fails the run, or is split in two
-    and resubmitted (``split_on_failure``)."""
+    and resubmitted (``split_on_failure``). ``run_quantile``: as :func:`run_memchunk`'s."""
+    truth = truth_for or knowledge_for
+    factor = run_factor([truth(step.key) for step in steps], run_quantile)
     sim = SimulatedCluster(cluster, rng.spawn(1)[0])
     maps: list[MapResult] = []
     failure = ""
     ids = iter(range(10**12))
     all_draws: list[Draws] = []
     for step in steps:
-        draws = Draws((truth_for or knowledge_for)(step.key), step.key, cluster.per_task_overhead_seconds,
-                      time_sigma, settings.watts_per_core)
+        draws = Draws(truth(step.key), step.key, cluster.per_task_overhead_seconds, time_sigma,
+                      settings.watts_per_core, factor)
         all_draws.append(draws)
         record = MapResult(step.operator, 0, 0, 0, 0.0)
         started = sim.now

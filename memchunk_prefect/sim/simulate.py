@@ -24,6 +24,10 @@ What is drawn, per chunk (``rng``: numpy's Generator, seeded per run):
   elements) times a log-normal factor of the operator's learned spread (how far its
   runs fell from the model, :meth:`memchunk_prefect.learn.time.TimeModel.time_spread`;
   never less than ``time_sigma``, a stated 0.1, which stands alone before five timed runs),
+  times the factor every block of the run shares (:func:`~memchunk_prefect.sim.inputs.run_factor`: how far
+  whole flow runs strayed from the models, :meth:`memchunk_prefect.learn.bank.ModelBank.run_spread`, never
+  less than a stated 0.1; run ``i`` of ``n`` takes its ``(i + 1/2) / n``-th quantile, so the runs' p90 covers
+  runs that are slow as a whole, as real repeats of one flow are),
   plus the per-task overhead; a task that
   takes its worker above the most that worker process has held runs longer by the
   growth at the operator's learned kernel seconds per byte (a first touch, paid once
@@ -65,7 +69,7 @@ import numpy as np
 from memchunk_prefect.core.chunks import Shape
 from memchunk_prefect.core.errors import SimulationInputError
 from memchunk_prefect.sim.allocation import AllocationCheck, QueueWait, held_fraction
-from memchunk_prefect.sim.inputs import ClusterShape, KnowledgeFor, Step
+from memchunk_prefect.sim.inputs import ClusterShape, KnowledgeFor, Step, spread_quantiles
 from memchunk_prefect.sim.runs import SimResult, run_strategy
 
 # =========================================================================== Monte Carlo
@@ -176,8 +180,8 @@ def simulate(strategies: Sequence[str], steps: Sequence[Step], shape: Shape, clu
                                    f"{window}, target_utilisation={target_utilisation}")
     out = []
     for strategy in strategies:
-        results = [run_strategy(strategy, steps, shape, cluster, knowledge_for, np.random.default_rng(seed + i), **kw)
-                   for i in range(int(runs))]
+        results = [run_strategy(strategy, steps, shape, cluster, knowledge_for, np.random.default_rng(seed + i),
+                                run_quantile=q, **kw) for i, q in enumerate(spread_quantiles(runs))]
         summary = summarize(strategy, results, deadline)
         if window is not None and target_utilisation is not None:
             summary.allocation = allocation_check(results, cluster, window=window, target=target_utilisation)
