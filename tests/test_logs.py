@@ -66,20 +66,34 @@ def test_a_typed_error_is_logged_in_one_line_and_other_errors_keep_their_traceba
     assert f.filter(other) and other.exc_info is not None
 
 
-def test_the_temporary_server_gets_the_runners_defaults_unless_the_user_chose(monkeypatch):
-    from prefect.settings import get_current_settings
+TEMPORARY_SERVER = r"""
+import json, os
+from memchunk_prefect.run import prefect_api
+changed = prefect_api.temporary_server_defaults()
+print(json.dumps({"changed": changed, "analytics": os.environ.get("PREFECT_SERVER_ANALYTICS_ENABLED"),
+                  "timeout": prefect_api.startup_timeout_seconds(),
+                  "runners_timeout": prefect_api.FIRST_START_TIMEOUT_SECONDS}))
+"""
 
-    from memchunk_prefect.run import prefect_api
 
-    monkeypatch.delenv("PREFECT_API_URL", raising=False)
-    monkeypatch.delenv("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", raising=False)
-    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "true")  # the user's own choice
-    if get_current_settings().api.url:
-        pytest.skip("a Prefect API is configured in this environment's profile")
-    changed = prefect_api.temporary_server_defaults()
-    assert changed == ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"]
-    assert os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] == "true"
-    assert prefect_api.startup_timeout_seconds() == prefect_api.FIRST_START_TIMEOUT_SECONDS
+@pytest.mark.parametrize("chose_analytics", [True, False])
+def test_the_temporary_server_gets_the_runners_defaults_unless_the_user_chose(tmp_path, chose_analytics):
+    """A user's first flow, with no Prefect API configured (a fresh process, no ``PREFECT_*`` variables but the
+    user's own, a new ``PREFECT_HOME``): the runner sets the temporary server's defaults the user left alone, the
+    startup timeout and, unless the user chose it, analytics off. In a subprocess: this process's Prefect
+    settings name the suite's own server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    if chose_analytics:
+        env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "true"  # the user's own choice
+    out = subprocess.run([sys.executable, "-c", TEMPORARY_SERVER], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    timeout = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+    assert got["changed"] == ([timeout] if chose_analytics else [timeout, "PREFECT_SERVER_ANALYTICS_ENABLED"])
+    assert got["analytics"] == ("true" if chose_analytics else "false")
+    assert got["timeout"] == got["runners_timeout"]
 
 
 def test_a_workers_close_cutting_its_own_heartbeat_short_is_not_logged_as_an_error():
