@@ -948,7 +948,6 @@ def test_quick_family_runs_every_strategy_in_its_own_process_and_scores_the_runn
     assert "## A family of workloads the runner never saw" in page.stdout and "| family | memchunk warm: 0 kills, 0 failed runs |" in page.stdout
 
 
-@pytest.mark.long
 def test_quick_sim_validation_sets_every_real_run_beside_the_simulators_prediction_of_it(tmp_path, api_url):
     from memchunk_prefect.learn.store import Store
 
