@@ -343,6 +343,43 @@ def test_the_track_record_books_the_p90_times_what_held_for_nine_in_ten_past_run
     assert TrackRecord(late).deadline_factor == pytest.approx(1.8 / 1.05) and TrackRecord(late).held_by_p90 == 1
 
 
+def test_simulate_and_recommend_say_how_far_whole_runs_strayed_and_whether_the_store_taught_it(tmp_path, capsys):
+    """Four flow runs of one key, every block of a run off by that run's own factor: the store teaches the spread
+    every block of a simulated run shares (six pairs of runs), and `simulate` and `recommend` say so, in words
+    and in their JSON; with one flow run it is the stated least, saying why."""
+    from memchunk_prefect.learn.bank import MIN_RUN_PAIRS
+    from memchunk_prefect.sim.inputs import RUN_SPREAD
+
+    cluster = dict(workers=2, threads_per_worker=1, memory_limit_bytes=GiB, kill_fraction=0.95,
+                   resting_bytes=200 * MiB, whole_traces=False, params="{}")
+    stores = {}
+    for name, factors in (("four", (1.0, 1.6, 0.7, 1.25)), ("one", (1.0,))):
+        path = stores[name] = tmp_path / f"{name}.sqlite"
+        with Store(path) as s:
+            for i, factor in enumerate(factors):
+                run, start = f"fr{i}", 1000.0 + 100 * i
+                s.add_many([dataclasses.replace(_observation(BOX, n, run), seconds=1e-6 * n * factor,
+                                                created_at=start + 1) for n in (20_000, 50_000, 100_000, 200_000)])
+                s.add_map(_map(run, BOX, started_at=start, ended_at=start + 2.0, **cluster))
+    argv = ["simulate", "--store", str(stores["four"]), "--flow-run", "latest", "--runs", "4", "--strategies",
+            "static-2"]
+    assert cli.main([*argv, "--json"]) == cli.EXIT_OK
+    spread = json.loads(capsys.readouterr().out)["run_spread"]
+    assert spread["learned_from_pairs"] == 6 and spread["sigma"] == spread["learned"] > RUN_SPREAD
+    assert cli.main(argv) == cli.EXIT_OK
+    assert (f"sigma {spread['sigma']:.2f} (how far 6 pairs of flow runs of one operator in the store strayed from "
+            "the models)") in capsys.readouterr().out
+    assert cli.main(["simulate", "--store", str(stores["one"]), "--flow-run", "latest", "--runs", "2"]) == cli.EXIT_OK
+    assert (f"sigma {RUN_SPREAD:.2f} (the stated least: the store has 0 pair(s) of flow runs of one operator with "
+            f"timed blocks, fewer than {MIN_RUN_PAIRS}") in capsys.readouterr().out
+    recommend = ["recommend", "--store", str(stores["four"]), "--flow-run", "latest", "--deadline", "1h", "--memory",
+                 "1GiB", "--runs", "2", "--max-workers", "2"]
+    assert cli.main([*recommend, "--json"]) == cli.EXIT_OK
+    assert json.loads(capsys.readouterr().out)["run_spread"] == spread
+    assert cli.main(recommend) == cli.EXIT_OK
+    assert f"sigma {spread['sigma']:.2f} (how far 6 pairs" in capsys.readouterr().out
+
+
 def test_a_maps_record_keeps_the_threads_per_core_only_where_its_budget_read_the_workers_cores():
     """Counted from the cores the workers may run on, the figure is kept; where those were not read, the budget's
     1.0 is an assumption, and the record says nothing (a simulation then counts the machines' cores)."""

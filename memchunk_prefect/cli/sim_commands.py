@@ -237,12 +237,14 @@ def _simulate(args: argparse.Namespace) -> int:
                           "params": recorded.params if recorded is not None else None, "notes": recorded_notes,
                           "deadline": deadline, "from_prior": sorted(models.from_prior), "prior_note": note,
                           "trace": traced, "strategies": [s.to_dict() for s in summaries],
+                          "run_spread": _run_spread(models, steps),
                           "track_record": record.to_dict() if record is not None else None}, indent=1))
         return EXIT_OK
     for line in recorded_notes:
         emit(line)
     _emit_summaries(args, steps, shape, cluster, summaries)
     emit(_map_work_note(work))
+    emit(_run_spread_note(_run_spread(models, steps)))
     allocation = _allocation_note(cluster, summaries)
     if allocation:
         emit(allocation)
@@ -373,6 +375,32 @@ def _map_work_note(work: Any) -> str:
             "memchunk strategy's makespan")
 
 
+def _run_spread(models: Any, steps: Any) -> dict[str, Any]:
+    """The simulated runs' shared time factor (:func:`memchunk_prefect.sim.inputs.run_factor`): its sigma, what the
+    store's flow runs taught (None: too few pairs) and from how many pairs of them."""
+    from memchunk_prefect.sim.inputs import run_spread
+
+    return {"sigma": run_spread([models.truth(s.key) for s in steps]), "learned": models.bank.run_spread(),
+            "learned_from_pairs": len(models.bank.run_gaps())}
+
+
+def _run_spread_note(spread: dict[str, Any]) -> str:
+    """A line saying :func:`_run_spread`'s sigma, and whether the store's flow runs taught it or it is the stated
+    least."""
+    from memchunk_prefect.learn.bank import MIN_RUN_PAIRS
+
+    sigma, learned, pairs = spread["sigma"], spread["learned"], spread["learned_from_pairs"]
+    if learned is None:
+        source = (f"the stated least: the store has {pairs} pair(s) of flow runs of one operator with timed "
+                  f"blocks, fewer than {MIN_RUN_PAIRS}, to learn its own from")
+    elif learned < sigma:
+        source = f"the stated least: {pairs} pairs of flow runs in the store strayed by {learned:.2f}, less"
+    else:
+        source = f"how far {pairs} pairs of flow runs of one operator in the store strayed from the models"
+    return (f"every block of a simulated run shares one time factor, as a real run's blocks share its machine's "
+            f"state: sigma {sigma:.2f} ({source}), the runs taking its quantiles evenly")
+
+
 def _joules(j: float | None) -> str:
     """Joules for a table cell: ``812 J``, ``3.4 kJ``, ``1.2 MJ``."""
     if j is None:
@@ -453,6 +481,7 @@ def _recommend(args: argparse.Namespace) -> int:
                           "flow_run": recorded.flow_run_id if recorded is not None else None,
                           "notes": _recorded_note(recorded, shape),
                           "from_prior": sorted(models.from_prior), "prior_note": note,
+                          "run_spread": _run_spread(models, steps),
                           "tried": [c.to_dict() for c in rec.tried]}, indent=1))
         return EXIT_OK if rec.best else EXIT_FAILURE
     for line in [*_recorded_note(recorded, shape), *([note] if note else [])]:
@@ -464,6 +493,7 @@ def _recommend(args: argparse.Namespace) -> int:
         else:
             emit(f"booked with it: the simulated runs held to {planned:.0f} s of the {deadline:.0f} s deadline"
                  if planned < deadline else "booked for the deadline as given: every past run ended by its p90")
+    emit(_run_spread_note(_run_spread(models, steps)))
     return _emit_recommendation(args, rec, steps, shape, planned)
 
 

@@ -256,12 +256,18 @@ class ModelBank:
         them. Pooled: what makes a run slow as a whole (the machine's state, the block sizes it ran) is shared by
         the operators on it. What a simulated run's blocks share (:mod:`memchunk_prefect.sim.simulate`), so a
         prediction's p90 covers how far whole runs stray."""
-        with self._lock:
-            gaps = [abs(a - b) for m in self._models.values()
-                    for a, b in itertools.combinations(m.time.run_offsets().values(), 2)]
+        gaps = self.run_gaps()
         if len(gaps) < MIN_RUN_PAIRS:
             return None
         return 1.4826 * statistics.median(gaps) / math.sqrt(2)
+
+    def run_gaps(self) -> list[float]:
+        """For each pair of flow runs of one operator, over every model this bank has loaded, how far apart their
+        offsets lay (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`, log terms): what
+        :meth:`run_spread` is learned from."""
+        with self._lock:
+            return [abs(a - b) for m in self._models.values()
+                    for a, b in itertools.combinations(m.time.run_offsets().values(), 2)]
 
     def predictor(self, key: str, itemsize: int = ITEMSIZE):
         """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""
