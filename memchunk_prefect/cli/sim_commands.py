@@ -381,22 +381,25 @@ def _run_spread(models: Any, steps: Any) -> dict[str, Any]:
     from memchunk_prefect.sim.inputs import run_spread
 
     return {"sigma": run_spread([models.truth(s.key) for s in steps]), "learned": models.bank.run_spread(),
-            "learned_from_pairs": len(models.bank.run_gaps())}
+            "learned_from_pairs": len(models.bank.run_pairs())}
 
 
 def _run_spread_note(spread: dict[str, Any]) -> str:
     """A line saying :func:`_run_spread`'s sigma, and whether the store's flow runs taught it or it is the stated
     least."""
     from memchunk_prefect.learn.bank import MIN_RUN_PAIRS
+    from memchunk_prefect.sim.inputs import RUN_SPREAD
 
     sigma, learned, pairs = spread["sigma"], spread["learned"], spread["learned_from_pairs"]
-    if learned is None:
+    if learned is not None and sigma == learned:
+        source = f"how far {pairs} pairs of flow runs of one operator in the store strayed from the models"
+    elif learned is None:
         source = (f"the stated least: the store has {pairs} pair(s) of flow runs of one operator with timed "
                   f"blocks, fewer than {MIN_RUN_PAIRS}, to learn its own from")
-    elif learned < sigma:
+    elif learned < RUN_SPREAD:
         source = f"the stated least: {pairs} pairs of flow runs in the store strayed by {learned:.2f}, less"
     else:
-        source = f"how far {pairs} pairs of flow runs of one operator in the store strayed from the models"
+        source = "the stated least: the steps' operators were simulated from a prior"
     return (f"every block of a simulated run shares one time factor, as a real run's blocks share its machine's "
             f"state: sigma {sigma:.2f} ({source}), the runs taking its quantiles evenly")
 

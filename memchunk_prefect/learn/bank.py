@@ -62,6 +62,12 @@ MIN_RUN_PAIRS = 3
 bank has loaded, before :meth:`ModelBank.run_spread` is learned."""
 
 
+def _median_variance(k: int) -> float:
+    """The variance of the median of ``k`` draws of a standard normal, near enough: the mean's ``1 / k`` up to two
+    draws (the median of two is their mean), ``pi / 2k`` beyond (its large-``k`` form, a little high for few)."""
+    return 1.0 / k if k <= 2 else math.pi / (2 * k)
+
+
 class ModelBank:
     """One :class:`OperatorModel` per key, rebuilt by replaying the store's rows (never unpickled).
 
@@ -246,28 +252,43 @@ class ModelBank:
 
     def run_spread(self) -> float | None:
         """How far whole flow runs strayed from the time models, as the standard deviation of a log-normal factor
-        that every block of a run shares: from each pair of flow runs of one operator, the difference of their
-        offsets (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`), pooled over every model this bank has
-        loaded, as 1.4826 x their median absolute value / sqrt(2) (a normal's standard deviation from its median
-        absolute deviation; the difference of two runs' factors varies twice as much as one). None before
-        :data:`MIN_RUN_PAIRS` pairs.
+        that every block of a run shares; None before :data:`MIN_RUN_PAIRS` pairs of flow runs (:meth:`run_pairs`).
+
+        From each pair of flow runs of one operator, the gap between their offsets
+        (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`): with a run factor of sigma ``s`` and blocks
+        that stray from their run by ``b`` (:meth:`~memchunk_prefect.learn.time.TimeModel.within_run_spread`), a
+        gap between runs of ``i`` and ``j`` blocks varies by ``2 s^2 + (c_i + c_j) b^2``, ``c_k`` the variance of the
+        median of ``k`` (``1 / k`` up to 2, ``pi / 2k`` beyond). So ``s^2`` is half of what the gaps vary by
+        (1.4826 x their median absolute value, squared) less the blocks' mean share, at least 0: a run of two
+        blocks carries half their scatter into its offset, which is no drift of the run.
 
         Pairs, not each run against its operator's centre: with two or three runs, the centre sits on one of
-        them. Pooled: what makes a run slow as a whole (the machine's state, the block sizes it ran) is shared by
-        the operators on it. What a simulated run's blocks share (:mod:`memchunk_prefect.sim.simulate`), so a
-        prediction's p90 covers how far whole runs stray."""
-        gaps = self.run_gaps()
-        if len(gaps) < MIN_RUN_PAIRS:
+        them. Pooled over every operator in the store (loaded where it is not yet): what makes a run slow as a
+        whole (the machine's state, the block sizes it ran) is shared by the operators on it. What a simulated
+        run's blocks share (:func:`memchunk_prefect.sim.inputs.run_factor`), so a prediction's p90 covers how far
+        whole runs stray."""
+        pairs = self.run_pairs()
+        if len(pairs) < MIN_RUN_PAIRS:
             return None
-        return 1.4826 * statistics.median(gaps) / math.sqrt(2)
+        spread = 1.4826 * statistics.median(gap for gap, _ in pairs)
+        blocks = statistics.fmean(noise for _, noise in pairs)
+        return math.sqrt(max(0.0, spread**2 - blocks) / 2)
 
-    def run_gaps(self) -> list[float]:
-        """For each pair of flow runs of one operator, over every model this bank has loaded, how far apart their
-        offsets lay (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`, log terms): what
-        :meth:`run_spread` is learned from."""
+    def run_pairs(self) -> list[tuple[float, float]]:
+        """For each pair of flow runs of one operator, over every operator in the store: how far apart their
+        offsets lay (log terms), and the variance their blocks' own scatter puts in that gap (what
+        :meth:`run_spread` takes off)."""
         with self._lock:
-            return [abs(a - b) for m in self._models.values()
-                    for a, b in itertools.combinations(m.time.run_offsets().values(), 2)]
+            models = [self.model(key) for key in self.keys()]
+            pairs = []
+            for m in models:
+                misses = list(m.time.run_misses().values())
+                if len(misses) < 2:
+                    continue
+                scatter = m.time.within_run_spread() or 0.0
+                runs = [(statistics.median(x), _median_variance(len(x)) * scatter**2) for x in misses]
+                pairs += [(abs(a - b), va + vb) for (a, va), (b, vb) in itertools.combinations(runs, 2)]
+            return pairs
 
     def predictor(self, key: str, itemsize: int = ITEMSIZE):
         """A callable ``extents -> Prediction`` for ``policy.plan`` (serialized with ``learn``)."""

@@ -131,6 +131,7 @@ class TimeModel:
         self._sizes: set[int] = set()  # block sizes the forms learned, elements
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
         self._flow_runs: deque[str] = deque(maxlen=RATE_HISTORY)  # the flow run of each of _runs, in step with it
+        self._run_misses: dict[str, list[float]] | None = None  # run_misses, until the forms learn a run
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
         self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
         self._ceilings: dict[int, float | None] = {}  # first_call_ceiling by block size, until a run is learned
@@ -170,6 +171,7 @@ class TimeModel:
             self._runs.append((int(obs.elements), seconds))
             self._flow_runs.append(obs.flow_run_id)
             self._memo = None
+            self._run_misses = None
             self._falling.clear()
             self._ceilings.clear()
             self._slopes.clear()
@@ -305,21 +307,39 @@ class TimeModel:
             return None
         return 1.4826 * statistics.median(misses)
 
-    def run_offsets(self) -> dict[str, float]:
-        """How far each flow run's timed blocks fell from the model together: per flow run with at least
-        :data:`MIN_RUN_BLOCKS` of the latest timed runs (first calls set aside), the median of
-        ``ln(seconds / model)`` over them (:meth:`block_compute_seconds`; runs or model seconds of 0 left out).
+    def run_misses(self) -> dict[str, list[float]]:
+        """Each flow run's timed blocks (first calls set aside), as ``ln(seconds / model)``
+        (:meth:`block_compute_seconds`; runs or model seconds of 0 left out): for flow runs with at least
+        :data:`MIN_RUN_BLOCKS` of the latest timed runs, and an id (a row written outside a flow run has none).
 
         Blocks of one run share its machine's state (what else ran, how fast the host hands memory back) and its
         block sizes, where the model may sit high or low: they stray together, which :meth:`time_spread`, one
         block at a time, does not see. What
         :meth:`memchunk_prefect.learn.bank.ModelBank.run_spread` compares between flow runs."""
-        by_run: dict[str, list[float]] = {}
-        for (elements, seconds), flow_run in zip(self._runs, self._flow_runs):
-            model = self.block_compute_seconds(elements)
-            if model and model > 0 and seconds > 0:
-                by_run.setdefault(flow_run, []).append(math.log(seconds / model))
-        return {run: statistics.median(misses) for run, misses in by_run.items() if len(misses) >= MIN_RUN_BLOCKS}
+        if self._run_misses is None:
+            by_run: dict[str, list[float]] = {}
+            for (elements, seconds), flow_run in zip(self._runs, self._flow_runs):
+                model = self.block_compute_seconds(elements) if flow_run else None
+                if model and model > 0 and seconds > 0:
+                    by_run.setdefault(flow_run, []).append(math.log(seconds / model))
+            self._run_misses = {run: misses for run, misses in by_run.items() if len(misses) >= MIN_RUN_BLOCKS}
+        return self._run_misses
+
+    def run_offsets(self) -> dict[str, float]:
+        """How far each flow run's timed blocks fell from the model together: the median of its
+        :meth:`run_misses`, per flow run (log terms)."""
+        return {run: statistics.median(misses) for run, misses in self.run_misses().items()}
+
+    def within_run_spread(self) -> float | None:
+        """How far blocks strayed from their own run's offset (:meth:`run_offsets`), as a normal's standard
+        deviation: 1.4826 x the median of ``|miss - its run's median|``, each scaled by ``sqrt(k / (k - 1))`` for
+        a run of ``k`` blocks (a deviation from the median of few is short by about that); None before a run of
+        :data:`MIN_RUN_BLOCKS`. What each run's offset carries of its blocks' own scatter."""
+        deviations = []
+        for misses in self.run_misses().values():
+            centre, k = statistics.median(misses), len(misses)
+            deviations += [abs(x - centre) * math.sqrt(k / (k - 1)) for x in misses]
+        return 1.4826 * statistics.median(deviations) if deviations else None
 
     # ------------------------------------------------------------------ rates and forms
 

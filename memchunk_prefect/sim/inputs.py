@@ -273,15 +273,16 @@ class Draws:
         first calls of about its block's size were timed (:meth:`first_call_block_seconds`), what makes the task
         take what they took, drawn with the same factor as its compute seconds (below 0 where they ran faster than
         the model reads a later call; the task never takes less than its overhead); else the operator's learned
-        first call. On a fresh cluster per run, a warm plan of one or two chunks per worker and map runs nothing
-        but first calls, which teach the rates nothing: over four validation runs of the workload family, 65-80%
-        of the warm runs' chunks were first calls, and 30-53% read blocks over 1.5x the largest the cold run timed
-        after its first calls (the line "the warm runs' chunks" of ``python -m benchmarks.sim_validation``). What
-        earlier warm runs' first calls took is then the only timing at the size the next one runs."""
+        first call times the run's factor (``run_factor``). On a fresh cluster per run, a warm plan of one or two
+        chunks per worker and map runs nothing but first calls, which teach the rates nothing: over four validation
+        runs of the workload family, 65-80% of the warm runs' chunks were first calls, and 30-53% read blocks over
+        1.5x the largest the cold run timed after its first calls (the line "the warm runs' chunks" of
+        ``python -m benchmarks.sim_validation``). What earlier warm runs' first calls took is then the only timing
+        at the size the next one runs."""
         elements = math.prod(extents)
         memory = self.memory(extents, rng)  # drawn first, as before energy was simulated: the same seeds, the same runs
         seconds = self.seconds(elements, rng)
-        first_call = self.first_call_seconds
+        first_call = self.first_call_seconds * self.run_factor
         whole = self.first_call_block_seconds(elements)
         if whole is not None:
             compute = self.compute_seconds(elements)
@@ -335,10 +336,11 @@ def run_factor(knowledge: Sequence[Knowledge], quantile: float | None) -> float:
     factor of median 1 and sigma :func:`run_spread` (1 where ``quantile`` is None: the median run).
 
     Blocks of one run stray from the models together (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`):
-    drawn one at a time, their factors average out over a map's many chunks, and the simulated runs' p90 sat 2-5%
-    above their p50 where real repeats of one flow were 3-15% apart at the median. A quantile, not a draw: the
-    runs of a simulation take evenly spread quantiles (:func:`spread_quantiles`), so their median is the median run's
-    and their p90 that of the factor's 90th percentile, over as few as 20 runs."""
+    factors drawn one block at a time average out over a map's many chunks, so they leave the runs' p90 a few
+    percent above their p50, where two real runs of one flow lie 3-15% apart at the median. A quantile, not a
+    draw: the runs of a simulation take evenly spread quantiles (:func:`spread_quantiles`), so their median is
+    the median run's and their p90 near the factor's 90th percentile (about its 88th over 20 runs, as
+    ``np.percentile`` interpolates), with none of the sampling noise of as few draws."""
     if quantile is None:
         return 1.0
     if not 0.0 < quantile < 1.0:
@@ -348,8 +350,8 @@ def run_factor(knowledge: Sequence[Knowledge], quantile: float | None) -> float:
 
 def spread_quantiles(runs: int) -> list[float]:
     """The quantiles ``runs`` simulated runs take of the run factor (:func:`run_factor`), run ``i`` the
-    ``(i + 1/2) / runs``-th: evenly over (0, 1), so the runs' median is the median run's and their p90 the factor's
-    90th percentile, without the sampling noise of as many draws."""
+    ``(i + 1/2) / runs``-th: evenly over (0, 1), so the runs' median is the median run's and their p90 near the
+    factor's 90th percentile, without the sampling noise of as many draws (:func:`run_factor`)."""
     return [(i + 0.5) / int(runs) for i in range(int(runs))]
 
 

@@ -143,11 +143,14 @@ class _Search:
                                **self.cluster_kw)
         allowed_misses = self.allowed_misses
         results: list[SimResult] = []
-        # The slowest of the runs' shared factors first: a shape that misses the deadline is screened out soonest.
-        for i, q in enumerate(reversed(spread_quantiles(n))):
+        quantiles = spread_quantiles(n)  # run i: seed + i at quantile i, as simulate() pairs them
+        # From the middle of the runs' shared factors outwards, the slower of each two first: the runs of a shape
+        # that stops early (too many missed the deadline) are as fast and as slow as a whole set's.
+        for i in sorted(range(n), key=lambda i: (abs(2 * i + 1 - n), -i)):
             results.append(run_strategy("memchunk", self.steps, self.shape, cluster, self.knowledge_for,
-                                        np.random.default_rng(self.seed + i), run_quantile=q, truth_for=self.truth_for,
-                                        settings=self.settings, stop_after=self.deadline_seconds))
+                                        np.random.default_rng(self.seed + i), run_quantile=quantiles[i],
+                                        truth_for=self.truth_for, settings=self.settings,
+                                        stop_after=self.deadline_seconds))
             if sum(not r.completed or r.makespan_seconds > self.deadline_seconds for r in results) > allowed_misses:
                 break
         c = Candidate(workers, memory, self.threads_per_worker,
