@@ -57,9 +57,10 @@ def gpu_view(obs: Observation) -> Observation | None:
                    budget_bytes=obs.gpu_budget_bytes, baseline_bytes=None, resting_bytes=None, others_bytes=None,
                    grew_bytes=None, retained_bytes=None, energy_joules=None, energy_source=None, shared=False)
 
+
 MIN_RUN_PAIRS = 3
-"""Pairs of flow runs of one operator (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`), over every model a
-bank has loaded, before :meth:`ModelBank.run_spread` is learned."""
+"""Pairs of flow runs of one operator (:meth:`memchunk_prefect.learn.time.TimeModel.run_offsets`), counted over
+every operator in the store, before :meth:`ModelBank.run_spread` is learned."""
 
 
 def _median_variance(k: int) -> float:
