@@ -116,6 +116,17 @@ def test_zero_argument_runner_dashboard_is_on_loopback():
     assert kw.get("host") in (None, "127.0.0.1", "localhost")
 
 
+def test_a_runner_given_its_own_cluster_kwargs_keeps_the_dashboard_on_loopback_unless_told_otherwise():
+    """Dask's default dashboard address is port 8787 on every interface: a user who sizes their workers must not
+    expose the cluster by doing so, nor clash with a second flow's cluster on the port."""
+    from memchunk_prefect.run.runner import MemoryAwareRunner
+
+    sized = MemoryAwareRunner(cluster_kwargs={"n_workers": 2, "memory_limit": "1GiB"}).cluster_kwargs
+    assert sized["dashboard_address"] == "127.0.0.1:0"
+    chosen = MemoryAwareRunner(cluster_kwargs={"n_workers": 2, "dashboard_address": ":8799"}).cluster_kwargs
+    assert chosen["dashboard_address"] == ":8799"
+
+
 @pytest.mark.cluster
 def test_a_cluster_from_the_zero_argument_runner_listens_on_loopback_only():
     import psutil

@@ -54,6 +54,8 @@ logger = logging.getLogger("memchunk_prefect.run.cluster")
 runner_logger = logging.getLogger("memchunk_prefect.run.runner")
 
 TERMINATE_KEY = "distributed.worker.memory.terminate"
+#: Where a local cluster's dashboard listens unless the caller says otherwise: loopback only, a free port.
+LOOPBACK_DASHBOARD = "127.0.0.1:0"
 
 
 def default_cluster_kwargs() -> dict[str, Any]:
@@ -64,7 +66,7 @@ def default_cluster_kwargs() -> dict[str, Any]:
     The dashboard listens on loopback only, on a free port.
     """
     n = max(1, os.cpu_count() or 1)
-    return {"n_workers": n, "threads_per_worker": 1, "processes": True, "dashboard_address": "127.0.0.1:0"}
+    return {"n_workers": n, "threads_per_worker": 1, "processes": True, "dashboard_address": LOOPBACK_DASHBOARD}
 
 
 def with_slot_resource(cluster_kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,12 +75,19 @@ def with_slot_resource(cluster_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     caller gave no ``resources`` of its own, nor a thread count to size it by): a map that runs one task per
     worker then asks for all of a worker's units, and Dask runs no other chunk beside it.
 
+    The dashboard listens on loopback, on a free port, unless the caller named an address: Dask's own default,
+    port 8787 on every interface, shows the cluster to the network, and a second flow's cluster on the same
+    machine finds the port taken.
+
     >>> with_slot_resource({"n_workers": 2, "threads_per_worker": 2})["resources"]
     {'memchunk-slots': 2}
     >>> "resources" in with_slot_resource({"threads_per_worker": 1})
     False
+    >>> with_slot_resource({"n_workers": 2})["dashboard_address"], with_slot_resource({"dashboard_address": None})
+    ('127.0.0.1:0', {'dashboard_address': None})
     """
     out = dict(cluster_kwargs)
+    out.setdefault("dashboard_address", LOOPBACK_DASHBOARD)
     threads = out.get("threads_per_worker")
     if isinstance(threads, int) and threads > 1 and "resources" not in out:
         out["resources"] = {SLOT_RESOURCE: threads}
