@@ -69,8 +69,8 @@ def default_cluster_kwargs() -> dict[str, Any]:
     return {"n_workers": n, "threads_per_worker": 1, "processes": True, "dashboard_address": LOOPBACK_DASHBOARD}
 
 
-def with_slot_resource(cluster_kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """``cluster_kwargs`` of a local cluster the runner starts, its workers offering one unit of
+def local_cluster_kwargs(cluster_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``cluster_kwargs`` of a local cluster the runner starts from the caller's: its workers offering one unit of
     :data:`~memchunk_prefect.core.sharing.SLOT_RESOURCE` per thread where they have several threads (and the
     caller gave no ``resources`` of its own, nor a thread count to size it by): a map that runs one task per
     worker then asks for all of a worker's units, and Dask runs no other chunk beside it.
@@ -79,11 +79,11 @@ def with_slot_resource(cluster_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     port 8787 on every interface, shows the cluster to the network, and a second flow's cluster on the same
     machine finds the port taken.
 
-    >>> with_slot_resource({"n_workers": 2, "threads_per_worker": 2})["resources"]
+    >>> local_cluster_kwargs({"n_workers": 2, "threads_per_worker": 2})["resources"]
     {'memchunk-slots': 2}
-    >>> "resources" in with_slot_resource({"threads_per_worker": 1})
+    >>> "resources" in local_cluster_kwargs({"threads_per_worker": 1})
     False
-    >>> with_slot_resource({"n_workers": 2})["dashboard_address"], with_slot_resource({"dashboard_address": None})
+    >>> local_cluster_kwargs({"n_workers": 2})["dashboard_address"], local_cluster_kwargs({"dashboard_address": None})
     ('127.0.0.1:0', {'dashboard_address': None})
     """
     out = dict(cluster_kwargs)

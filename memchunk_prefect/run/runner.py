@@ -178,7 +178,7 @@ class MemoryAwareRunner(DaskTaskRunner):
             cluster_class, cluster_kwargs = (local_gpu_cluster(gpus) if gpus
                                              else (None, _cluster.default_cluster_kwargs()))
         if address is None and cluster_class is None and cluster_kwargs:
-            cluster_kwargs = _cluster.with_slot_resource(cluster_kwargs)  # see memchunk_prefect.core.sharing
+            cluster_kwargs = _cluster.local_cluster_kwargs(cluster_kwargs)  # slots (core.sharing), a loopback dashboard
         method_for(address, cluster_class, cluster_kwargs)  # a bad $MEMCHUNK_WORKER_START is refused here, at once
         temporary_server_defaults()
         doctor.fail_fast_without_a_database()
