@@ -893,6 +893,57 @@ def test_a_time_curve_whose_rise_lies_beyond_every_run_measured_is_not_named():
     assert curved.time_form() == "quadratic" and curved.time_curve_weight() == (1.0, "quadratic")
 
 
+def test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too():
+    """The workload family's ``fam_autocorr`` (work linear in the traces of a block cut along inlines; seed 2, w0): a
+    cold run's rows (elements, extents, wall, CPU and kernel seconds, bytes grown, peak, first call). Tasks of
+    0.1-0.35 s, of which the thread worked half: the wall rates of the largest blocks ran 0.79x the smallest's and a
+    quadratic won on leave-one-out error, reading the whole survey (1.3 M elements with its halo) at 1.6 s where
+    it took 0.8; a split-on-failure flow of two such blocks was predicted 118% long. The CPU seconds per element
+    did not rise (0.87x): no curve. ``fam_gram`` (a traces x traces matrix: work quadratic in the traces; seed 0,
+    w3), whose CPU rates rose 16x over its probes, keeps its curve."""
+    autocorr = [(330000, (33, 50, 200), 0.16, 0.098, 0.027, 15302656, 15302656, True),
+                (330000, (33, 50, 200), 0.258, 0.132, 0.076, 14852096, 14852096, True),
+                (336000, (30, 56, 200), 0.173, 0.094, 0.056, 4341760, 13307904, False),
+                (270000, (27, 50, 200), 0.152, 0.098, 0.06, 3284992, 12283904, False),
+                (336000, (30, 56, 200), 0.206, 0.098, 0.055, 700416, 12857344, False),
+                (135000, (27, 25, 200), 0.124, 0.051, 0.03, 0, 11071488, False),
+                (135000, (27, 25, 200), 0.086, 0.039, 0.015, 0, 11194368, False),
+                (470400, (42, 56, 200), 0.353, 0.171, 0.098, 2400256, 13914112, False),
+                (310800, (42, 37, 200), 0.277, 0.087, 0.031, 1716224, 13836288, False),
+                (260400, (42, 31, 200), 0.114, 0.07, 0.045, 0, 12259328, False)]
+    gram = [(592000, (37, 80, 200), 0.179, 0.066, 0.035, 54243328, 75964416, True),
+            (592000, (37, 80, 200), 0.136, 0.055, 0.015, 61546496, 75857920, True),
+            (664000, (83, 40, 200), 0.491, 0.307, 0.259, 82325504, 91045888, False),
+            (1328000, (83, 80, 200), 1.446, 1.101, 0.879, 289050624, 361267200, False),
+            (664000, (83, 40, 200), 0.247, 0.063, 0.014, 0, 90791936, False),
+            (592000, (37, 80, 200), 0.121, 0.049, 0.011, 0, 72294400, False),
+            (592000, (37, 80, 200), 0.12, 0.051, 0.017, 0, 72331264, False),
+            (448000, (14, 160, 200), 0.15, 0.04, 0.006, 0, 41963520, False),
+            (448000, (14, 160, 200), 0.188, 0.03, 0.01, 0, 41951232, False),
+            (448000, (14, 160, 200), 0.196, 0.035, 0.004, 0, 41910272, False),
+            (448000, (14, 160, 200), 0.335, 0.037, 0.011, 0, 41893888, False),
+            (448000, (14, 160, 200), 0.254, 0.029, 0.005, 0, 41938944, False),
+            (208000, (13, 80, 200), 0.161, 0.013, 0.006, 0, 9433088, False),
+            (208000, (13, 80, 200), 0.09, 0.009, 0.003, 0, 9347072, False)]
+
+    def taught(rows: list, cpu: bool = True) -> OperatorModel:
+        m = OperatorModel(KEY)
+        for e, ext, secs, cpu_secs, sys_secs, grew, peak, first in rows:
+            m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, cpu_seconds=cpu_secs if cpu else None,
+                                sys_seconds=sys_secs, grew_bytes=grew, first_call=first))
+        return m
+
+    whole = 64 * 104 * 200  # the seed's 60 x 100 x 200 survey with the halo
+    wall_only, both = taught(autocorr, cpu=False), taught(autocorr)
+    assert wall_only.time_form() == "quadratic" and wall_only.seconds_for(whole) > 1.5
+    assert both.time.cpu_rate_ratio() == pytest.approx(0.87, abs=0.02) and both.time.cpu_rates_flat()
+    assert both.time_form() == "linear" and both.time_curve_weight() == (0.0, None)
+    assert both.seconds_per_element() * whole < 1.0
+    curved = taught(gram)
+    assert curved.time.cpu_rate_ratio() > 10 and not curved.time.cpu_rates_flat()
+    assert curved.time_form() == taught(gram, cpu=False).time_form()
+
+
 def test_a_time_curve_the_measured_rates_do_not_show_is_not_taken():
     """gst3d_dip's cold map in one round of the full benchmark (its store's rows: elements, extents, wall and
     kernel seconds, bytes the run grew its worker, peak): the probes' time was mostly per task and the two large

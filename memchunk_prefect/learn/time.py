@@ -131,6 +131,7 @@ class TimeModel:
         self._sizes: set[int] = set()  # block sizes the forms learned, elements
         self._runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, compute seconds) learned
         self._flow_runs: deque[str] = deque(maxlen=RATE_HISTORY)  # the flow run of each of _runs, in step with it
+        self._cpu_runs: deque[tuple[int, float]] = deque(maxlen=RATE_HISTORY)  # (elements, CPU s) of _runs that have it
         self._run_misses: dict[str, list[float]] | None = None  # run_misses, until the forms learn a run
         self._memo: _TimeChoice | None = None  # the choice, until the forms learn a run
         self._falling: dict[int, float | None] = {}  # seconds_for by block size, until the forms learn a run
@@ -170,6 +171,8 @@ class TimeModel:
             self._sizes.add(obs.elements)
             self._runs.append((int(obs.elements), seconds))
             self._flow_runs.append(obs.flow_run_id)
+            if obs.cpu_seconds is not None and obs.cpu_seconds > 0:
+                self._cpu_runs.append((int(obs.elements), float(obs.cpu_seconds)))
             self._memo = None
             self._run_misses = None
             self._falling.clear()
@@ -366,7 +369,9 @@ class TimeModel:
         the line's, the runs support it (:meth:`curve_supported`) and its own rise
         in cost per element lies among the sizes measured (:meth:`_rises_within`). A named
         curve makes the planner cut smaller for speed, so it must be where the
-        planner cuts; the tests named ``test_*time_curve*`` and ``test_rates_that_rise_*`` pin each rule.
+        planner cuts; the tests named ``test_*time_curve*`` and ``test_rates_that_rise_*`` pin each rule. Where
+        the runs' CPU seconds per element do not rise (:meth:`cpu_rates_flat`), no curve is named or counted:
+        wall seconds that rise with size while the work does not are what the tasks waited for.
 
         Every form's constant is held at 0 or above (:meth:`_Form._without`): a
         negative one reads a block that takes no time, and a line with one fits
@@ -408,7 +413,7 @@ class TimeModel:
               if fits[name].n >= len(_POWERS[name]) + 2 and math.isfinite(fits[name].press) and fits[name].coef[-1] > 0
               and self._forms[name].mean(1.01 * u0, fits[name]) > self._forms[name].mean(u0, fits[name])]
         best = min(ok, key=lambda name: fits[name].press) if ok else None
-        if best is None:
+        if best is None or self.cpu_rates_flat():
             return line
         if self.rates_rise():
             if fits[best].press <= self.time_rising_gain * fits[LINEAR].press:
@@ -469,6 +474,29 @@ class TimeModel:
         """True when :meth:`rate_ratio` is above ``1 + time_curve_margin``."""
         ratio = self.rate_ratio()
         return ratio is not None and ratio > 1.0 + self.time_curve_margin
+
+    def cpu_rate_ratio(self) -> float | None:
+        """:meth:`rate_ratio` of the same runs' CPU seconds (``Observation.cpu_seconds``, the calling thread's user
+        and kernel time; runs without it left out): how the work done grows with the block, without what the
+        task waited for."""
+        return _rate_ratio(self._cpu_runs, self.min_size_ratio)
+
+    def cpu_rates_flat(self) -> bool:
+        """True when the runs' CPU seconds per element (:meth:`cpu_rate_ratio`) rise with size by no more than
+        ``time_curve_margin``: their work grows no faster than their blocks, and no time curve is named or counted
+        (:meth:`time_curve_weight`), whatever the wall seconds say.
+
+        A task's wall seconds hold what it waited for beside its work: another thread holding the interpreter,
+        the cores shared with other workers. On the workload family's small blocks that was most of them (CPU a
+        tenth to a fifth of the wall for the table and linear operators on a 2-core machine), and its noise drew
+        curves through three validation runs' probes of operators whose work is linear: ``fam_autocorr`` (wall
+        rates rising, CPU rates 0.87x) read a whole-survey block at twice what it took, and a split-on-failure
+        flow was predicted 118% long; ``fam_table``, 148% long. The operator whose work is quadratic,
+        ``fam_gram``, had CPU rates rising 1.3-16x over the same probes
+        (``test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too``). False where fewer than two sizes
+        ``min_size_ratio`` apart have CPU seconds (records older than the monitor's CPU time, a GPU's kernels)."""
+        ratio = self.cpu_rate_ratio()
+        return ratio is not None and ratio <= 1.0 + self.time_curve_margin
 
     def rates_fall(self) -> bool:
         """True when :meth:`rate_ratio` is below ``1 / (1 + time_curve_margin)``: the largest blocks cost less per
