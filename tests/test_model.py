@@ -926,11 +926,12 @@ def test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too():
             (208000, (13, 80, 200), 0.161, 0.013, 0.006, 0, 9433088, False),
             (208000, (13, 80, 200), 0.09, 0.009, 0.003, 0, 9347072, False)]
 
-    def taught(rows: list, cpu: bool = True) -> OperatorModel:
+    def taught(rows: list, cpu: bool = True, gpu: bool = False) -> OperatorModel:
         m = OperatorModel(KEY)
         for e, ext, secs, cpu_secs, sys_secs, grew, peak, first in rows:
             m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, cpu_seconds=cpu_secs if cpu else None,
-                                sys_seconds=sys_secs, grew_bytes=grew, first_call=first))
+                                sys_seconds=sys_secs, grew_bytes=grew, first_call=first,
+                                gpu_peak_bytes=peak if gpu else None))
         return m
 
     whole = 64 * 104 * 200  # the seed's 60 x 100 x 200 survey with the halo
@@ -939,6 +940,8 @@ def test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too():
     assert both.time.cpu_rate_ratio() == pytest.approx(0.87, abs=0.02) and both.time.cpu_rates_flat()
     assert both.time_form() == "linear" and both.time_curve_weight() == (0.0, None)
     assert both.seconds_per_element() * whole < 1.0
+    # On a GPU the work is the device's, not the calling thread's CPU time: its CPU seconds say nothing of a curve.
+    assert taught(autocorr, gpu=True).time.cpu_rate_ratio() is None
     curved = taught(gram)
     assert curved.time.cpu_rate_ratio() > 10 and not curved.time.cpu_rates_flat()
     assert curved.time_form() == taught(gram, cpu=False).time_form()

@@ -171,8 +171,8 @@ class TimeModel:
             self._sizes.add(obs.elements)
             self._runs.append((int(obs.elements), seconds))
             self._flow_runs.append(obs.flow_run_id)
-            if obs.cpu_seconds is not None and obs.cpu_seconds > 0:
-                self._cpu_runs.append((int(obs.elements), float(obs.cpu_seconds)))
+            if obs.cpu_seconds is not None and obs.cpu_seconds > 0 and obs.gpu_peak_bytes is None:  # a GPU's work
+                self._cpu_runs.append((int(obs.elements), float(obs.cpu_seconds)))  # is not its thread's CPU time
             self._memo = None
             self._run_misses = None
             self._falling.clear()
@@ -494,7 +494,8 @@ class TimeModel:
         flow was predicted 118% long; ``fam_table``, 148% long. The operator whose work is quadratic,
         ``fam_gram``, had CPU rates rising 1.3-16x over the same probes
         (``test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too``). False where fewer than two sizes
-        ``min_size_ratio`` apart have CPU seconds (records older than the monitor's CPU time, a GPU's kernels)."""
+        ``min_size_ratio`` apart have CPU seconds (records older than the monitor's CPU time; runs on a GPU, whose work
+        is not the calling thread's CPU time, count none)."""
         ratio = self.cpu_rate_ratio()
         return ratio is not None and ratio <= 1.0 + self.time_curve_margin
 
