@@ -900,7 +900,8 @@ def test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too():
     quadratic won on leave-one-out error, reading the whole survey (1.3 M elements with its halo) at 1.6 s where
     it took 0.8; a split-on-failure flow of two such blocks was predicted 118% long. The CPU seconds per element
     did not rise (0.87x): no curve. ``fam_gram`` (a traces x traces matrix: work quadratic in the traces; seed 0,
-    w3), whose CPU rates rose 16x over its probes, keeps its curve."""
+    w3), whose CPU rates rose over its probes (its largest a first touch, the kernel time of its growth set aside),
+    keeps its curve."""
     autocorr = [(330000, (33, 50, 200), 0.16, 0.098, 0.027, 15302656, 15302656, True),
                 (330000, (33, 50, 200), 0.258, 0.132, 0.076, 14852096, 14852096, True),
                 (336000, (30, 56, 200), 0.173, 0.094, 0.056, 4341760, 13307904, False),
@@ -930,8 +931,8 @@ def test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too():
         m = OperatorModel(KEY)
         for e, ext, secs, cpu_secs, sys_secs, grew, peak, first in rows:
             m.learn(Observation(KEY, e, ext, 4 * e, peak, seconds=secs, cpu_seconds=cpu_secs if cpu else None,
-                                sys_seconds=sys_secs, grew_bytes=grew, first_call=first,
-                                gpu_peak_bytes=peak if gpu else None))
+                                sys_seconds=sys_secs, grew_bytes=grew, first_call=first, gpu_peak_bytes=peak,
+                                gpu_budget_bytes=2**30 if gpu else None))
         return m
 
     whole = 64 * 104 * 200  # the seed's 60 x 100 x 200 survey with the halo
@@ -939,11 +940,13 @@ def test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too():
     assert wall_only.time_form() == "quadratic" and wall_only.seconds_for(whole) > 1.5
     assert both.time.cpu_rate_ratio() == pytest.approx(0.87, abs=0.02) and both.time.cpu_rates_flat()
     assert both.time_form() == "linear" and both.time_curve_weight() == (0.0, None)
-    assert both.seconds_per_element() * whole < 1.0
-    # On a GPU the work is the device's, not the calling thread's CPU time: its CPU seconds say nothing of a curve.
+    assert both.seconds_for(whole) < 1.0
+    # A run of a map on a GPU: the work is the device's, its thread's CPU seconds say nothing of a curve. (Every run
+    # above carries an NVML reading of the device, as a CPU run does on a machine with a GPU: that is no GPU run.)
     assert taught(autocorr, gpu=True).time.cpu_rate_ratio() is None
     curved = taught(gram)
-    assert curved.time.cpu_rate_ratio() > 10 and not curved.time.cpu_rates_flat()
+    assert curved.time.cpu_rate_ratio() > 2 and not curved.time.cpu_rates_flat()
+    assert curved.time_curve_weight()[1] is not None
     assert curved.time_form() == taught(gram, cpu=False).time_form()
 
 

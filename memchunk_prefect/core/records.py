@@ -29,7 +29,8 @@ OUTCOMES = ("ok", "memory_error", "killed", "error")
 
 FIRST_USE_BYTES = 16 * 2**20
 """A finished run that left more than this many bytes held in its worker, and more than :data:`FIRST_USE_SHARE`
-of its peak, was a first use (:func:`first_use_bytes`); less is what any run leaves (allocator pages, caches)."""
+of its peak (a worker's first call of its operator: whatever share), was a first use (:func:`first_use_bytes`);
+less is what any run leaves (allocator pages, caches)."""
 FIRST_USE_SHARE = 0.25
 
 

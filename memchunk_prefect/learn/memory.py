@@ -121,7 +121,8 @@ class MemoryModel:
     with size; an ``ok`` run at least as large that needed less drops it, or, learned before it, keeps it out.
 
     *First uses.* What a run left held in its worker (a CUDA context, a library)
-    beyond ``first_touch_bytes`` and ``first_touch_share`` of its peak is paid once
+    beyond ``first_touch_bytes`` and ``first_touch_share`` of its peak (a worker's
+    first call of the operator: beyond ``first_touch_bytes`` alone) is paid once
     per worker: the block is learned without it (:meth:`first_use_bytes`).
 
     *Outliers.* Once ready, an ``ok`` run above ``outlier_ratio`` x the bound or
@@ -351,7 +352,8 @@ class MemoryModel:
 
     def first_use(self, obs: Observation) -> int:
         """What ``obs`` left held in its worker, bytes, where that makes it a first use (more than both
-        ``first_touch_bytes`` and ``first_touch_share`` of its peak); else 0. Less is what any run leaves
+        ``first_touch_bytes`` and ``first_touch_share`` of its peak; for a worker's first call of the operator, more
+        than ``first_touch_bytes``: :func:`~memchunk_prefect.core.records.first_use_bytes`); else 0. Less is what any run leaves
         (allocator pages, Python's caches) and stays in the peak it was measured with."""
         return first_use_bytes(obs, self.first_touch_bytes, self.first_touch_share)
 

@@ -171,8 +171,9 @@ class TimeModel:
             self._sizes.add(obs.elements)
             self._runs.append((int(obs.elements), seconds))
             self._flow_runs.append(obs.flow_run_id)
-            if obs.cpu_seconds is not None and obs.cpu_seconds > 0 and obs.gpu_peak_bytes is None:  # a GPU's work
-                self._cpu_runs.append((int(obs.elements), float(obs.cpu_seconds)))  # is not its thread's CPU time
+            cpu = self._work_seconds(obs)
+            if cpu is not None:
+                self._cpu_runs.append((int(obs.elements), cpu))
             self._memo = None
             self._run_misses = None
             self._falling.clear()
@@ -475,6 +476,18 @@ class TimeModel:
         ratio = self.rate_ratio()
         return ratio is not None and ratio > 1.0 + self.time_curve_margin
 
+    def _work_seconds(self, obs: Observation) -> float | None:
+        """The CPU seconds of ``obs`` that :meth:`cpu_rate_ratio` counts: its thread's CPU time
+        (``Observation.cpu_seconds``), less the kernel time a first touch's growth cost, as its compute seconds
+        leave it out (:meth:`compute_seconds`); None where unknown or 0, and for a run of a map on a GPU
+        (``gpu_budget_bytes`` set), whose work is the device's, not its thread's."""
+        if obs.cpu_seconds is None or obs.gpu_budget_bytes is not None:
+            return None
+        cpu = float(obs.cpu_seconds)
+        if self.first_touch(obs) and obs.sys_seconds is not None:
+            cpu -= float(obs.sys_seconds)
+        return cpu if cpu > 0 else None
+
     def cpu_rate_ratio(self) -> float | None:
         """:meth:`rate_ratio` of the same runs' CPU seconds (``Observation.cpu_seconds``, the calling thread's user
         and kernel time; runs without it left out): how the work done grows with the block, without what the
@@ -489,14 +502,15 @@ class TimeModel:
         A task's wall seconds hold what it waited for beside its work: another thread holding the interpreter,
         the cores shared with other workers. On the workload family's small blocks that was most of them (CPU a
         tenth to a fifth of the wall for the table and linear operators on a 2-core machine), and its noise drew
-        curves through three validation runs' probes of operators whose work is linear: ``fam_autocorr`` (wall
-        rates rising, CPU rates 0.87x) read a whole-survey block at twice what it took, and a split-on-failure
+        curves through three validation runs' probes of operators whose work is linear: ``fam_autocorr`` (CPU
+        rates 0.87x) read a whole-survey block at twice what it took, and a split-on-failure
         flow was predicted 118% long; ``fam_table``, 148% long. The operator whose work is quadratic,
         ``fam_gram``, had CPU rates rising 1.3-16x in 12 of the 14 stores of five validation runs that timed it
         at two sizes that far apart
         (``test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too``). False where fewer than two sizes
-        ``min_size_ratio`` apart have CPU seconds (records older than the monitor's CPU time; runs on a GPU, whose work
-        is not the calling thread's CPU time, count none)."""
+        ``min_size_ratio`` apart have CPU seconds (records older than the monitor's CPU time; runs on a GPU count none). The
+        calling thread's CPU time leaves out threads the operator hands work to: where an operator's work runs
+        in a pool of its own, its CPU rates read flat and a curve its work has is not named."""
         ratio = self.cpu_rate_ratio()
         return ratio is not None and ratio <= 1.0 + self.time_curve_margin
 
