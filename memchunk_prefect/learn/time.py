@@ -505,8 +505,7 @@ class TimeModel:
         curves through three validation runs' probes of operators whose work is linear: ``fam_autocorr`` (CPU
         rates 0.87x) read a whole-survey block at twice what it took, and a split-on-failure
         flow was predicted 118% long; ``fam_table``, 148% long. The operator whose work is quadratic,
-        ``fam_gram``, had CPU rates rising 1.3-16x in 12 of the 14 stores of five validation runs that timed it
-        at two sizes that far apart
+        ``fam_gram``, had CPU rates that rose with size in most stores that timed it at two sizes that far apart
         (``test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too``). False where fewer than two sizes
         ``min_size_ratio`` apart have CPU seconds (records older than the monitor's CPU time; runs on a GPU count none). The
         calling thread's CPU time leaves out threads the operator hands work to: where an operator's work runs
