@@ -353,8 +353,8 @@ class MemoryModel:
     def first_use(self, obs: Observation) -> int:
         """What ``obs`` left held in its worker, bytes, where that makes it a first use (more than both
         ``first_touch_bytes`` and ``first_touch_share`` of its peak; for a worker's first call of the operator, more
-        than ``first_touch_bytes``: :func:`~memchunk_prefect.core.records.first_use_bytes`); else 0. Less is what any run leaves
-        (allocator pages, Python's caches) and stays in the peak it was measured with."""
+        than ``first_touch_bytes``: :func:`~memchunk_prefect.core.records.first_use_bytes`); else 0. Less is what
+        any run leaves (allocator pages, Python's caches) and stays in the peak it was measured with."""
         return first_use_bytes(obs, self.first_touch_bytes, self.first_touch_share)
 
     def working_bytes(self, obs: Observation) -> int:

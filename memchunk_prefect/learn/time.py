@@ -507,9 +507,9 @@ class TimeModel:
         flow was predicted 118% long; ``fam_table``, 148% long. The operator whose work is quadratic,
         ``fam_gram``, had CPU rates that rose with size in most stores that timed it at two sizes that far apart
         (``test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too``). False where fewer than two sizes
-        ``min_size_ratio`` apart have CPU seconds (records older than the monitor's CPU time; runs on a GPU count none). The
-        calling thread's CPU time leaves out threads the operator hands work to: where an operator's work runs
-        in a pool of its own, its CPU rates read flat and a curve its work has is not named."""
+        ``min_size_ratio`` apart have CPU seconds (records older than the monitor's CPU time; runs on a GPU count
+        none). The calling thread's CPU time leaves out threads the operator hands work to: where an operator's
+        work runs in a pool of its own, its CPU rates read flat and a curve its work has is not named."""
         ratio = self.cpu_rate_ratio()
         return ratio is not None and ratio <= 1.0 + self.time_curve_margin
 
