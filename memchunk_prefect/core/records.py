@@ -41,9 +41,7 @@ def first_use_bytes(obs: "Observation", min_bytes: float = FIRST_USE_BYTES, shar
     A run left more than ``min_bytes`` and more than ``share`` of its peak held; a worker's first call of its
     operator (``Observation.first_call``), more than ``min_bytes`` whatever its peak: what the process loads
     once (a library imported) is a first call's by definition, and a small share of a large peak is still no
-    part of the block's. Learned as the block's, the 21-23 MiB the workload family's ``fam_table`` left held at
-    its first calls (its libraries imported, 15% of their peak) read its peak as quadratic in the block, and a
-    whole-survey chunk 4.5x the largest block measured at 913 MiB, where it needed about 136 MiB.
+    part of the block's (the models explanation, "First uses, first calls and first touches", has the case).
 
     >>> o = Observation("k|float32|cpu", 10_000, (1, 25, 400), 40_000, 160 * 2**20, retained_bytes=150 * 2**20)
     >>> first_use_bytes(o) == 150 * 2**20, first_use_bytes(Observation("k|float32|cpu", 1, (1, 1, 1), 4, 9))

@@ -500,13 +500,10 @@ class TimeModel:
         (:meth:`time_curve_weight`), whatever the wall seconds say.
 
         A task's wall seconds hold what it waited for beside its work: another thread holding the interpreter,
-        the cores shared with other workers. On the workload family's small blocks that was most of them (CPU a
-        tenth to a fifth of the wall for the table and linear operators on a 2-core machine), and its noise drew
-        curves through three validation runs' probes of operators whose work is linear: ``fam_autocorr`` (CPU
-        rates 0.87x) read a whole-survey block at twice what it took, and a split-on-failure
-        flow was predicted 118% long; ``fam_table``, 148% long. The operator whose work is quadratic,
-        ``fam_gram``, had CPU rates that rose with size in most stores that timed it at two sizes that far apart
-        (``test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too``). False where fewer than two sizes
+        the cores shared with other workers. Where that is most of them (small blocks on few cores), its noise
+        draws curves through the probes of operators whose work is linear, and a block beyond them reads far
+        dearer than it runs (the models explanation's "Time" has the measurements;
+        ``test_a_time_curve_needs_the_runs_cpu_seconds_to_rise_with_size_too``). False where fewer than two sizes
         ``min_size_ratio`` apart have CPU seconds (records older than the monitor's CPU time; runs on a GPU count
         none). The calling thread's CPU time leaves out threads the operator hands work to: where an operator's
         work runs in a pool of its own, its CPU rates read flat and a curve its work has is not named."""
